@@ -20,7 +20,9 @@ MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
 
 # What stock parametrize puts in a per-instance class besides one property per tensor.
-_STOCK_CLASS_KEYS = {"__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__"}
+_STOCK_CLASS_KEYS = {
+    "__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__", "__slotnames__",
+}
 
 
 def prepare(
