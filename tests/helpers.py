@@ -50,11 +50,34 @@ class Net(nn.Module):
         return x
 
 
-def build(kind: str, width: int = 32, depth: int = 3, seed: int = 0) -> nn.Module:
-    """A ``Net`` whose Linear layers carry the parametrization ``kind``."""
+class Block(nn.Module):
+    """A user-defined layer (dynamo skips torch.nn's own forwards as top-level frames)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x)) + x
+
+
+class BlockNet(nn.Module):
+    def __init__(self, width=32, depth=3):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build(kind: str, width: int = 32, depth: int = 3, seed: int = 0, blocks: bool = False) -> nn.Module:
+    """A ``Net`` (or ``BlockNet``) whose Linear layers carry the parametrization ``kind``."""
     torch.manual_seed(seed)
-    net = Net(width, depth)
-    for layer in net.layers:
+    net = BlockNet(width, depth) if blocks else Net(width, depth)
+    linears = [block.proj for block in net.layers] if blocks else list(net.layers)
+    for layer in linears:
         if kind == "weight_norm":
             weight_norm(layer)
         elif kind == "spectral_norm":
