@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 from paramfold.classes import prepared_class
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
-from paramfold.inline import chain_signature
+from paramfold.inline import REFS_PREFIX, chain_refs, chain_signature
 from paramfold.restore import restore, restore_module
 from paramfold.scope import STATE_ATTR, ModuleState
 from paramfold.sites import Site, find
@@ -92,6 +92,9 @@ def prepare(
         for module, (state, cls) in states.items():
             module.__dict__[STATE_ATTR] = state
             applied.append(module)
+            for name, site_mode in state.modes.items():
+                if site_mode == "inline":
+                    module.__dict__[REFS_PREFIX + name] = chain_refs(module, name)
             module.__class__ = cls
     except BaseException:
         for module in applied:
