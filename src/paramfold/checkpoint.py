@@ -337,7 +337,9 @@ def _safetensors_entries(p: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
     except Exception as e:  # safetensors raises its own SafetensorError, plus OSError / ValueError
         raise CheckpointError(f"{p}: not a valid safetensors file ({_first_line(e)})") from None
     base = 8 + n
-    entries = {k: _Entry(info, p, base + header[k]["data_offsets"][0]) for k, info in infos.items()}
+    # In the order the data lies in the file (safe_open lists keys sorted by name).
+    order = sorted(infos, key=lambda k: (header[k]["data_offsets"][0], k))
+    entries = {k: _Entry(infos[k], p, base + header[k]["data_offsets"][0]) for k in order}
     return entries, metadata
 
 
@@ -398,11 +400,18 @@ def _torch_load(p: Path, **kwargs: Any) -> Any:
     except pickle.UnpicklingError as e:
         msg = str(e)
         m = re.search(r"GLOBAL ([\w.]+)", msg)
-        what = f"'{m.group(1)}'" if m else "objects that are not tensors or plain containers"
+        if m:
+            why = f"it references '{m.group(1)}', which could run arbitrary code"
+        else:
+            detail = re.search(r"(Unsupported operand[^\n]*|WeightsUnpickler error:[^\n]+)", msg)
+            why = (
+                "it is not a plain weights-only pickle"
+                + (f" ({detail.group(1).strip()})" if detail else "")
+                + ": either corrupt or it needs code execution"
+            )
         raise CheckpointError(
-            f"{p}: refused to unpickle: it references {what}, which could run arbitrary code; "
-            "paramfold only reads tensors (torch.load weights_only=True). If you trust the file, "
-            "re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
+            f"{p}: refused to unpickle: {why}; paramfold only reads tensors (torch.load weights_only=True). "
+            "If you trust the file, re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
         ) from None
     except Exception as e:
         if "central directory" in str(e) or isinstance(e, (EOFError, zipfile.BadZipFile)):
