@@ -449,8 +449,11 @@ def fold_checkpoint(
 
 
 def _stream(ckpt: Checkpoint, plan: list[tuple[str, CheckpointSite | None]]) -> Iterator[tuple[str, torch.Tensor]]:
+    # Plain tensors are read into one reused buffer; the writer is done with each before the next.
+    largest = max((ckpt.info(k).nbytes for k, site in plan if site is None), default=0)
+    scratch = torch.empty(largest, dtype=torch.uint8)
     for key, site in plan:
-        yield key, (ckpt.read(key) if site is None else _fold_site(ckpt, site))
+        yield key, (ckpt.read(key, out=scratch) if site is None else _fold_site(ckpt, site))
 
 
 @torch.no_grad()

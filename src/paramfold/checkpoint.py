@@ -165,22 +165,34 @@ class Checkpoint:
     def info(self, key: str) -> TensorInfo:
         return self._entries[key].info
 
-    def read(self, key: str) -> torch.Tensor:
-        """The tensor stored under ``key``, read now into fresh CPU memory that nothing else shares."""
+    def read(self, key: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor stored under ``key``, read now into CPU memory that nothing else shares.
+
+        With ``out`` (a 1-D ``uint8`` CPU tensor), the bytes are read into ``out`` and the result is a
+        view of it, valid until ``out`` is reused: a streamed pass then allocates nothing per tensor
+        (repeatedly allocating and freeing large tensors grows the heap with glibc's malloc).
+        """
         e = self._entries[key]
-        if e.tensor is not None:
-            return e.tensor.clone()
         shape, dtype = e.info.shape, e.info.dtype
+        if e.tensor is not None:
+            if out is None or out.numel() < e.info.nbytes:
+                return e.tensor.clone(memory_format=torch.contiguous_format)
+            view = out[: e.info.nbytes].view(dtype).view(shape)
+            return view.copy_(e.tensor)
         stride = e.stride if e.stride is not None else _contiguous_stride(shape)
         numel = e.info.numel
         span = 0 if numel == 0 else 1 + sum((s - 1) * st for s, st in zip(shape, stride))
-        flat = torch.empty(span, dtype=dtype)
-        if span:
-            nbytes = span * flat.element_size()
-            start = e.offset + e.storage_offset * flat.element_size()
-            self._read_into(e.file, start, memoryview(flat.view(torch.uint8).numpy()), nbytes, key)
-        out = flat.as_strided(shape, stride)
-        return out if out.is_contiguous() else out.contiguous()
+        nbytes = span * _element_size(dtype)
+        if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes and nbytes:
+            raw = out[:nbytes]
+        else:
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            start = e.offset + e.storage_offset * _element_size(dtype)
+            self._read_into(e.file, start, memoryview(raw.numpy()), nbytes, key)  # type: ignore[arg-type]
+        flat = raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
+        result = flat.as_strided(shape, stride)
+        return result if result.is_contiguous() else result.contiguous()
 
     def _read_into(self, file: Path, start: int, buf: memoryview, nbytes: int, key: str) -> None:
         f = self._files.get(file)
@@ -378,6 +390,11 @@ def _pt_entries(p: Path) -> tuple[dict[str, _Entry], str | None]:
         obj = _torch_load(p)  # legacy format: no mmap, no offsets; weights_only still applies
         sd, root = _find_state_dict(obj, p)
         return {k: _Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
+    try:  # the zip's central directory sits at its end: a truncated file has none
+        with zipfile.ZipFile(p) as z:
+            z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint (the zip archive is incomplete)") from None
     obj = _torch_load(p, map_location="meta")
     sd, root = _find_state_dict(obj, p)
     entries: dict[str, _Entry] = {}
@@ -653,8 +670,11 @@ def _write_pt(
     nbytes = 0
     with torch.serialization._open_zipfile_writer(f) as zf:
         for i, (key, t) in enumerate(_checked(specs, tensors)):
-            t = t.clone() if t.untyped_storage().nbytes() != t.nbytes or t.storage_offset() else t
-            zf.write_record(f"data/{i}", t.untyped_storage(), t.nbytes)
+            storage = t.untyped_storage()
+            if storage.nbytes() != t.nbytes or t.storage_offset():
+                start = t.storage_offset() * t.element_size()
+                storage = storage[start : start + t.nbytes]  # a view of the same memory, no copy
+            zf.write_record(f"data/{i}", storage, t.nbytes)
             refs[key] = _TensorRef(str(i), specs[key])
             nbytes += t.nbytes
         buf = io.BytesIO()
