@@ -130,3 +130,31 @@ def test_output_in_missing_folder_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist") as info:
         write_state_dict(tmp_path / "nope" / "x.pt", {"a": torch.ones(1)})
     assert info.value.exit_code == 2
+
+
+def test_legacy_non_zip_pt_and_sharded_bin_index(tmp_path):
+    sd = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(2, 3)}
+    torch.save(sd, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with open_checkpoint(tmp_path / "legacy.pt") as ckpt:
+        assert ckpt.keys() == list(sd) and all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    torch.save({"a.weight": sd["a.weight"]}, folder / "pytorch_model-00001-of-00002.bin")
+    torch.save({"b.weight": sd["b.weight"]}, folder / "pytorch_model-00002-of-00002.bin")
+    weight_map = {"a.weight": "pytorch_model-00001-of-00002.bin", "b.weight": "pytorch_model-00002-of-00002.bin"}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with open_checkpoint(folder) as ckpt:
+        assert ckpt.format == "sharded-pt"
+        assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+
+def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quantize_(model, Int8WeightOnlyConfig())
+    torch.save(model.state_dict(), tmp_path / "q.pt")
+    with pytest.raises(CheckpointError, match="'0.weight' is a Int8Tensor .*unwrap_tensor_subclass"):
+        open_checkpoint(tmp_path / "q.pt")

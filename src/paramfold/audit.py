@@ -178,7 +178,9 @@ class AuditReport:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        text = json.dumps(self.to_dict(), indent=indent)
+        # Shapes on one line: [256, 80, 7] rather than one number per line.
+        return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
 
 
 @dataclass
@@ -190,6 +192,13 @@ class FoldResult:
     nbytes: int
     sites: int
     via: str  # "keys" (folded from the checkpoint alone) or "model" (materialised by the model)
+
+    def summary(self) -> str:
+        how = "materialised by the model" if self.via == "model" else "folded from the checkpoint"
+        return (
+            f"wrote {self.out}: {self.tensors} tensors, {_human(self.nbytes)}; "
+            f"{self.sites} parametrized site{'' if self.sites == 1 else 's'} {how}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -436,8 +445,8 @@ def fold_checkpoint(
             listed = ", ".join(f"{s.key} ({s.kind})" for s in refused[:3])
             more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
             raise CheckpointError(
-                f"cannot fold {listed}{more} from the checkpoint alone ({refused[0].kind}: {refused[0].note}); "
-                "pass --model MODULE:FACTORY (model_factory=) that builds the parametrized model"
+                f"cannot fold {listed}{more} from the checkpoint alone: {refused[0].note}; "
+                "pass --model MODULE:FACTORY that builds the parametrized model"
             )
         specs: dict[str, TensorInfo] = {}
         for key, site in plan:
@@ -628,7 +637,7 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
     table.add_column("tensor")
     table.add_column("kind")
     table.add_column("originals", overflow="fold")
-    table.add_column("bytes", justify="right")
+    table.add_column("stored", justify="right")
     table.add_column("folded", justify="right")
     styles = {"custom": "red", "orthogonal": "yellow", "torchao_subclass": "yellow"}
     for s in report.sites:
@@ -649,11 +658,15 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
     folded = sum(s.folded_bytes or 0 for s in report.sites)
     unknown = sum(s.folded_bytes is None for s in report.sites)
     refused = len(report.refused)
+    n = len(report.sites)
+    if unknown == n and n:
+        folded_text = "?"
+    else:
+        folded_text = _human(folded) + (f" + {unknown} unknown" if unknown else "")
     console.print(
-        f"{len(report.sites)} parametrized sites ({kinds}); originals {_human(stored)} -> folded "
-        f"{_human(folded)}{f' (+{unknown} unknown)' if unknown else ''}; {report.plain_tensors} plain tensors "
-        f"({_human(report.plain_bytes)}); "
-        + ("foldable from keys alone" if not refused else f"{refused} site(s) need --model to fold"),
+        f"{n} parametrized site{'' if n == 1 else 's'} ({kinds}); stored {_human(stored)} -> folded "
+        f"{folded_text}; {report.plain_tensors} plain tensors ({_human(report.plain_bytes)}); "
+        + ("foldable from keys alone" if not refused else f"{refused} need --model to fold"),
         highlight=False,
     )
 

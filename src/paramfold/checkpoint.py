@@ -24,6 +24,7 @@ Example::
     >>> from paramfold.checkpoint import open_checkpoint, write_state_dict
     >>> d = tempfile.mkdtemp()
     >>> write_state_dict(os.path.join(d, "m.safetensors"), {"w": torch.ones(2, 3)})
+    24
     >>> with open_checkpoint(os.path.join(d, "m.safetensors")) as ckpt:
     ...     print(ckpt.format, ckpt.keys(), ckpt.info("w").shape, ckpt.read("w").sum().item())
     safetensors ['w'] (2, 3) 6.0
@@ -383,12 +384,23 @@ def _st_dtype(name: str, p: Path) -> torch.dtype:
         raise CheckpointError(f"{p}: safetensors dtype {name} has no torch equivalent here") from None
 
 
+def _plain_only(sd: dict[str, torch.Tensor], p: Path) -> dict[str, torch.Tensor]:
+    for k, t in sd.items():
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise CheckpointError(
+                f"{p}: '{k}' is a {type(t).__name__} (a tensor subclass); paramfold reads plain tensors: "
+                "save the model after torchao.utils.unwrap_tensor_subclass(model), or its plain state dict"
+            )
+    return sd
+
+
 def _pt_entries(p: Path) -> tuple[dict[str, _Entry], str | None]:
     with open(p, "rb") as f:
         is_zip = f.read(4) == b"PK\x03\x04"
     if not is_zip:
         obj = _torch_load(p)  # legacy format: no mmap, no offsets; weights_only still applies
         sd, root = _find_state_dict(obj, p)
+        _plain_only(sd, p)
         return {k: _Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
     try:  # the zip's central directory sits at its end: a truncated file has none
         with zipfile.ZipFile(p) as z:
@@ -397,6 +409,7 @@ def _pt_entries(p: Path) -> tuple[dict[str, _Entry], str | None]:
         raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint (the zip archive is incomplete)") from None
     obj = _torch_load(p, map_location="meta")
     sd, root = _find_state_dict(obj, p)
+    _plain_only(sd, p)
     entries: dict[str, _Entry] = {}
     for k, t in sd.items():
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None) if t.device.type == "meta" else None

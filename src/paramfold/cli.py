@@ -56,12 +56,7 @@ def audit(
             print_report(report)
         if fold_out is not None:
             res = fold_checkpoint(path, fold_out, model_factory=model)
-            how = "materialised by the model" if res.via == "model" else "folded from the checkpoint"
-            typer.echo(
-                f"wrote {res.out}: {res.tensors} tensors, {res.nbytes / 2**20:.1f} MiB; "
-                f"{res.sites} parametrized sites {how}",
-                err=json_out,
-            )
+            typer.echo(res.summary(), err=json_out)
     except CheckpointError as e:
         print(f"paramfold audit: error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
