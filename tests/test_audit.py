@@ -20,12 +20,14 @@ from safetensors.torch import load_file, save_file
 from torch.nn.utils import parametrize
 from typer.testing import CliRunner
 
-import audit_models
 from paramfold.audit import audit_checkpoint, fold_checkpoint, load_factory
 from paramfold.checkpoint import CheckpointError
 from paramfold.cli import app
 
 TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:  # audit_models must be importable as a dotted --model MODULE too
+    sys.path.insert(0, str(TESTS))
+import audit_models  # noqa: E402
 SRC = TESTS.parent / "src"
 IN_FORMATS = ("pt", "nested", "safetensors", "sharded")
 FOLDABLE = ("weight_norm", "legacy_weight_norm", "spectral_norm", "fake_sparsity")
