@@ -5,6 +5,7 @@ so that dynamo sees (nearly) the model it would see without parametrizations; un
 with :func:`restore`.
 """
 
+from paramfold.audit import audit_checkpoint, fold_checkpoint
 from paramfold.errors import FoldError
 from paramfold.prepare import MODES, prepare, prepared
 from paramfold.restore import restore
@@ -16,6 +17,8 @@ __version__ = "0.1.0"
 __all__ = [
     "KINDS",
     "MODES",
+    "audit_checkpoint",
+    "fold_checkpoint",
     "FoldError",
     "Site",
     "find",

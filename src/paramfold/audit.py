@@ -540,30 +540,13 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
 
 
 def _plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict the unparametrized model would have; every parametrized tensor materialised once.
+    """The state dict the unparametrized model would have: paramfold's freeze materialisation.
 
-    The one place that materialises through the model (swap for ``paramfold.plain_state_dict``).
     Call it in eval mode: a stateful parametrization (spectral_norm) would otherwise step its state.
     """
-    from torch.nn.utils import parametrize
+    from paramfold.state_dict import plain_state_dict
 
-    modules = dict(model.named_modules(remove_duplicate=False))
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for key, value in model.state_dict().items():
-            parsed = _parse_key(key)
-            if parsed is None:
-                out[key] = value
-                continue
-            module_path, tensor, _ = parsed
-            plain_key = f"{module_path}.{tensor}" if module_path else tensor
-            module = modules.get(module_path)
-            if module is None or not parametrize.is_parametrized(module, tensor):
-                out[key] = value  # a tensor of a module literally named "parametrizations"
-            elif plain_key not in out:
-                value = getattr(module, tensor)
-                out[plain_key] = value.detach() if value.requires_grad else value
-    return out
+    return plain_state_dict(model)
 
 
 def load_factory(spec: str) -> Callable[[], torch.nn.Module]:

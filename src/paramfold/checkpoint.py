@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from paramfold.errors import FoldError
+
 __all__ = [
     "CheckpointError",
     "TensorInfo",
@@ -65,7 +67,7 @@ SAFETENSORS_SUFFIX = ".safetensors"
 NESTED_STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict")
 
 
-class CheckpointError(Exception):
+class CheckpointError(FoldError):
     """A checkpoint cannot be read or written as asked. The message is one line saying what to do.
 
     ``exit_code`` is what the CLI exits with: 2 for a wrong invocation (missing path, unsupported

@@ -62,13 +62,9 @@ def audit(
         raise typer.Exit(e.exit_code) from None
 
 
-# Keeps `paramfold audit ...` a subcommand while it is the only command on this branch (typer would
-# otherwise promote a lone command to the root). Drop it once `bench` is registered.
-if len(app.registered_commands) < 2 and app.registered_callback is None:
-
-    @app.callback()
-    def _root() -> None:
-        """Make torch.compile fast on parametrized models."""
+@app.callback()
+def _root() -> None:
+    """Make torch.compile fast on parametrized models."""
 
 
 def main() -> None:
