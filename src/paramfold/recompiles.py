@@ -7,16 +7,18 @@ id, whether it was a first compile, a recompile or a hit of the recompile limit,
 concrete fix for that category::
 
     >>> import torch, paramfold
-    >>> layer = torch.nn.Linear(8, 8)
-    >>> layer.compile(backend="eager")
+    >>> def step(x):
+    ...     return torch.relu(x) * 2
+    >>> compiled = torch.compile(step, backend="eager")
     >>> with paramfold.recompiles() as report:
-    ...     _ = layer(torch.randn(2, 8))
+    ...     _ = compiled(torch.randn(2, 8))
+    ...     _ = compiled(torch.randn(2, 8, dtype=torch.float64))
     ...     with torch.no_grad():
-    ...         _ = layer(torch.randn(2, 8))
-    >>> report.graphs_per_function()  # doctest: +ELLIPSIS
-    {'forward (...linear.py:...)': 2}
-    >>> [r.cause for r in report.recompiles]
-    ['grad_mode']
+    ...         _ = compiled(torch.randn(2, 8))
+    >>> [(r.function, r.kind, r.cause) for r in report.records]
+    [('step', 'first compile', None), ('step', 'recompile', 'dtype/device'), ('step', 'recompile', 'grad_mode')]
+    >>> list(report.graphs_per_function().values())
+    [3]
     >>> report.print()  # doctest: +SKIP
 
 The data comes from torch's own structured trace (the events ``TORCH_TRACE``/tlparse read):
@@ -91,6 +93,11 @@ FIXES: dict[str, str] = {
     "requires_grad": (
         "run frozen and trainable copies through paramfold.prepare(..., "
         "detach_params_under_no_grad=True) or keep requires_grad consistent"
+    ),
+    "requires_grad:input": (
+        "input {tensor} requires grad in one call and not in another (e.g. a first layer fed raw "
+        "data, later layers fed activations); make it consistent (.requires_grad_() or .detach()) "
+        "or accept one graph each"
     ),
     "training": (
         "put models that share this code in the same train/eval mode ({source}.training differs), "
@@ -301,9 +308,9 @@ class RecompileReport:
             ("id", {"no_wrap": True}),
             ("function", {"overflow": "fold"}),
             ("event", {}),
-            ("failed guard (cached graph: check)", {"overflow": "fold", "ratio": 3}),
+            ("failed guard (cached graph: check)", {"overflow": "fold"}),
             ("category", {"no_wrap": True}),
-            ("fix", {"overflow": "fold", "ratio": 3}),
+            ("fix", {"overflow": "fold"}),
         ):
             table.add_column(col, **kw)
         for r in self.records:
@@ -367,7 +374,11 @@ class RecompileReport:
         """Print the tables (to stdout, or to the given ``rich.console.Console``)."""
         from rich.console import Console
 
-        (console or Console()).print(self)
+        if console is None:
+            console = Console()
+            if not console.is_terminal and "COLUMNS" not in os.environ:
+                console = Console(width=160)  # a file or pipe: don't squeeze the table to 80
+        console.print(self)
 
     def __repr__(self) -> str:
         return (
@@ -581,7 +592,8 @@ def _classify(reason: str) -> GuardFailure:
 
 def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]:
     if m := _REQUIRES_GRAD.match(expr):
-        return "requires_grad", None, m.groupdict()
+        f = m.groupdict()
+        return "requires_grad", None if _is_param(f["tensor"]) else "input", f
     if expr.startswith(_GLOBAL_STATE):
         states = expr[len(_GLOBAL_STATE):].split()
         others = [s for s in states if s != "grad_mode"]
@@ -592,7 +604,7 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         return "other", "global", {"state": ", ".join(others)}
     if m := _TENSOR_MISMATCH.match(expr):
         f = m.groupdict()
-        if "._parameters[" in f["tensor"] or "._buffers[" in f["tensor"]:
+        if _is_param(f["tensor"]):
             return "shape", "parameter", f
         if f["what"] == "size" and int(f["actual"]) in (0, 1):
             return "shape", "size01", f
@@ -623,6 +635,10 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
     if expr.startswith("BACKEND_MATCH"):
         return "other", "backend", {}
     return "other", None, {}
+
+
+def _is_param(source: str) -> bool:
+    return "._parameters[" in source or "._buffers[" in source
 
 
 class _Blank(dict):
