@@ -239,19 +239,29 @@ def test_recompile_limit_hit_is_loud():
     assert [r.kind for r in report.records] == ["first compile", "limit hit"]
 
 
-def test_graph_breaks_counted_and_json_round_trip():
-    def f(x):
-        x = x + 1
-        torch._dynamo.graph_break()
-        return x * 2
+def _two_breaks(x):
+    x = x + 1
+    torch._dynamo.graph_break()  # an explicit graph break
+    y = x * 2
+    if y.sum() > 0:  # a data-dependent branch (not in counters["graph_break"])
+        return y
+    return y - 1
 
-    cf = _compile(f)
+
+def test_graph_breaks_counted_and_json_round_trip():
+    import inspect
+
+    first = inspect.getsourcelines(_two_breaks)[1]
+    cf = _compile(_two_breaks)
     with recompiles() as report:
         cf(torch.ones(3))
-    assert report.graph_breaks == 1
-    assert report.graphs_total == 2 == sum(report.graphs_per_function().values())
+    assert report.graph_breaks == 2
+    where = [b.split(": ", 1)[0] for r in report.records for b in r.graph_breaks]
+    assert [w.rsplit(":", 1)[1] for w in where] == [str(first + 2), str(first + 4)]
+    assert all(w.startswith("at ") and "test_recompiles.py" in w for w in where)
+    assert report.graphs_total == sum(report.graphs_per_function().values()) >= 2
     data = json.loads(report.to_json())
-    assert data["graphs"] == 2 and data["graph_breaks"] == 1 and data["recompiles"] == 0
+    assert data["graphs"] == report.graphs_total and data["graph_breaks"] == 2 and data["recompiles"] == 0
     assert {r["compile_id"] for r in data["records"]} == {r.compile_id for r in report.records}
     assert set(data["causes"]) <= set(CATEGORIES)
 

@@ -24,8 +24,9 @@ concrete fix for that category::
 The data comes from torch's own structured trace (the events ``TORCH_TRACE``/tlparse read):
 ``compilation_metrics`` (function, compile id, whether it recompiled, failure), the
 ``recompile_reasons`` artifact (every failed guard, one per cached graph), ``dynamo_output_graph`` and
-``create_symbol`` (graphs made, dims made dynamic), plus ``torch._dynamo.utils.counters`` for the
-total graph and graph-break counts. Only the guard text itself is parsed, to pick a category and name
+``create_symbol`` (graphs made, dims made dynamic), ``dynamo_graph_break_reason`` (graph breaks,
+including the data-dependent ones ``counters["graph_break"]`` misses), plus
+``torch._dynamo.utils.counters["stats"]["unique_graphs"]`` for the total graph count. Only the guard text itself is parsed, to pick a category and name
 the tensor and dim in the fix. Torch reports the *first* failing guard of each cached graph, so a
 graph can differ in more ways than the one shown.
 
@@ -191,6 +192,7 @@ class CompileRecord:
     failed_guards: list[GuardFailure]
     graphs: int  # FX graphs dynamo produced in this compile
     dynamic: list[str]  # sizes that became symbolic (dynamic) in this compile, e.g. "x.size()[1]"
+    graph_breaks: list[str] = dataclasses.field(default_factory=list)  # "at file:line: reason"
     limit_type: str | None = None
     limit: int | None = None
     fix: str | None = None  # for "limit hit"
@@ -229,7 +231,7 @@ class RecompileReport:
     def __init__(self) -> None:
         self.records: list[CompileRecord] = []
         self.graphs_total = 0  # counters["stats"]["unique_graphs"] delta over the block
-        self.graph_breaks = 0  # counters["graph_break"] delta over the block
+        self.graph_breaks = 0  # graph breaks dynamo logged in the block (dynamo_graph_break_reason)
         self.collection_errors: list[str] = []
 
     @property
@@ -319,6 +321,8 @@ class RecompileReport:
                 event += " (no graph)"
             if r.dynamic:
                 event += "\ndynamic: " + ", ".join(r.dynamic)
+            for b in r.graph_breaks:
+                event += f"\ngraph break {b}"
             style = "bold red" if r.kind == "limit hit" else ("yellow" if r.kind == "recompile" else "")
             rows = [(f"{g.cached_compile_id}: {g.guard}", g.category, g.fix) for g in r.failed_guards]
             if r.kind == "limit hit":
@@ -415,7 +419,6 @@ def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[Recompile
     limit_logger = logging.getLogger("torch._dynamo.convert_frame")
 
     graphs_before = counters["stats"]["unique_graphs"]
-    breaks_before = sum(counters["graph_break"].values())
     old_level = trace_log.level
     trace_log.addHandler(trace_handler)
     if not trace_log.isEnabledFor(logging.DEBUG):
@@ -429,8 +432,8 @@ def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[Recompile
         if not trace_log.handlers:
             trace_log.setLevel(old_level)
         report.graphs_total = counters["stats"]["unique_graphs"] - graphs_before
-        report.graph_breaks = sum(counters["graph_break"].values()) - breaks_before
         collector.flush()
+        report.graph_breaks = sum(len(r.graph_breaks) for r in report.records)
     if report.limit_hit:
         msg = "; ".join(
             f"{r.location} hit torch._dynamo.config.{r.limit_type} ({r.limit}) and now runs "
@@ -452,6 +455,7 @@ class _Pending:
     reasons: list[str] = dataclasses.field(default_factory=list)
     graphs: int = 0
     dynamic: list[str] = dataclasses.field(default_factory=list)
+    breaks: list[str] = dataclasses.field(default_factory=list)
     limit: tuple[str, int, str] | None = None  # (limit_type, value, "'name' (file:line)")
 
 
@@ -465,8 +469,13 @@ class _Collector:
         name = next(iter(metadata))
         key = (metadata.get("compiled_autograd_id"), metadata.get("frame_id"), metadata.get("frame_compile_id"))
         if name == "artifact":
-            if metadata["artifact"].get("name") == "recompile_reasons" and payload is not None:
+            artifact = metadata["artifact"].get("name")
+            if artifact == "recompile_reasons" and payload is not None:
                 self._pending(key).reasons = _decode_reasons(payload)
+            elif artifact == "dynamo_graph_break_reason" and payload is not None:
+                summary = _graph_break_summary(payload)
+                if summary not in self._pending(key).breaks:
+                    self._pending(key).breaks.append(summary)
         elif name == "dynamo_output_graph":
             self._pending(key).graphs += 1
         elif name == "create_symbol":
@@ -513,6 +522,7 @@ class _Collector:
             failed_guards=[_classify(r) for r in reasons],
             graphs=p.graphs,
             dynamic=p.dynamic,
+            graph_breaks=p.breaks,
             fail_type=fail_type,
             fail_reason=fail_reason,
         )
@@ -529,7 +539,7 @@ class _Collector:
         """Pending compiles whose metrics never arrived (e.g. an exception escaped mid-compile)."""
         for key in list(self.pending):
             p = self.pending[key]
-            if p.reasons or p.graphs or p.limit:
+            if p.reasons or p.graphs or p.limit or p.breaks:
                 self._finish(key, {"compile_id": None, "recompile_reason": p.reasons[0] if p.reasons else None})
         self.pending.clear()
 
@@ -661,6 +671,23 @@ def _decode_reasons(payload: str) -> list[str]:
         if isinstance(value, list):
             return [str(v) for v in value]
     return [payload]
+
+
+def _graph_break_summary(payload: str) -> str:
+    """``at FILE:LINE: REASON`` from dynamo's graph-break message (first lines of the payload)."""
+    lines = [ln.strip() for ln in payload.splitlines() if ln.strip()]
+    where = next((ln for ln in lines if ln.startswith("Graph break in user code at ")), None)
+    reason = next((ln for ln in lines if ln.startswith("Graph Break Reason: ")), None)
+    detail = next((ln for ln in lines if ln.startswith("Explanation: ")), None)
+    if where is None or reason is None:
+        return lines[0] if lines else "graph break"
+    text = f"at {_short_path_loc(where[len('Graph break in user code at '):])}: {reason[len('Graph Break Reason: '):]}"
+    return f"{text} ({detail[len('Explanation: '):]})" if detail else text
+
+
+def _short_path_loc(loc: str) -> str:
+    path, sep, line = loc.rpartition(":")
+    return f"{_short_path(path)}:{line}" if sep else loc
 
 
 def _strip_local_scope(s: str) -> str:
