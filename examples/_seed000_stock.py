@@ -111,7 +111,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--backend", default="eager")
+    parser.add_argument("--recompile-limit", type=int, default=None,
+                        help="set torch._dynamo.config.recompile_limit (default: torch's, 8)")
     args = parser.parse_args()
+    if args.recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = args.recompile_limit
     models = build(args.layers)
     compile_layers(models, args.backend)
     outs = run(models)

@@ -230,7 +230,7 @@ def test_recompile_limit_hit_is_loud():
     torch._logging.set_logs(dynamo=logging.ERROR)
     try:
         with torch._dynamo.config.patch(recompile_limit=1):
-            with pytest.raises(RecompileLimitError, match=r"f \(.*recompile_limit \(1\)"):
+            with pytest.raises(RecompileLimitError, match=r"compiling f \(.*recompile_limit=1 "):
                 with recompiles(strict=True) as report:
                     cf(torch.ones(3))
                     cf(torch.ones(3, dtype=torch.float64))

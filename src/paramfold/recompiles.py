@@ -75,68 +75,61 @@ CATEGORIES = (
 # {limit_type} {limit}.
 FIXES: dict[str, str] = {
     "shape": (
-        "torch._dynamo.mark_dynamic({tensor}, {dim}) on the tensor passed as '{tensor}' before the "
-        "first call, or compile with dynamic=True (torch makes the dim dynamic by itself, but only "
-        "after it has changed once)"
+        "torch._dynamo.mark_dynamic({tensor}, {dim}) before the first call (or compile with "
+        "dynamic=True); torch makes the dim dynamic by itself only after it changed once"
     ),
     "shape:size01": (
-        "sizes 0 and 1 are always specialised, so this graph is expected; to share one graph with the "
-        "other sizes call torch._dynamo.decorators.mark_unbacked({tensor}, {dim}) before the call"
+        "expected: sizes 0 and 1 are specialised; torch._dynamo.decorators.mark_unbacked({tensor}, "
+        "{dim}) before the call lets one graph serve them too"
     ),
     "shape:symbolic": (
-        "a shape relation the graph assumed no longer holds ({guard}); mark the dims involved "
-        "dynamic with torch._dynamo.mark_dynamic, or keep the relation stable"
+        "a shape relation the graph assumed no longer holds ({guard}); mark the dims involved with "
+        "torch._dynamo.mark_dynamic, or keep the relation stable"
     ),
     "shape:parameter": (
-        "parameter/buffer {tensor} changed shape; set torch._dynamo.config."
-        "force_parameter_static_shapes = False to let one graph serve both"
+        "parameter/buffer {tensor} changed shape; torch._dynamo.config."
+        "force_parameter_static_shapes = False lets one graph serve both"
     ),
     "requires_grad": (
         "run frozen and trainable copies through paramfold.prepare(..., "
         "detach_params_under_no_grad=True) or keep requires_grad consistent"
     ),
     "requires_grad:input": (
-        "input {tensor} requires grad in one call and not in another (e.g. a first layer fed raw "
-        "data, later layers fed activations); make it consistent (.requires_grad_() or .detach()) "
-        "or accept one graph each"
+        "input {tensor} requires grad in one call and not in another; make it consistent "
+        "(.requires_grad_() or .detach()) or accept one graph each"
     ),
     "training": (
-        "put models that share this code in the same train/eval mode ({source}.training differs), "
-        "e.g. call .eval() on all of them for generation and .train() for the training step"
+        "put models that share this code in the same train/eval mode ({source}.training differs)"
     ),
     "grad_mode": (
-        "unavoidable: torch compiles one graph per grad mode (no_grad/inference_mode vs grad), so "
-        "expect exactly one extra graph per compiled function; nothing to fix"
+        "unavoidable: one graph per grad mode (no_grad/inference_mode vs grad); nothing to fix"
     ),
     "dtype/device": (
-        "tensor {tensor} arrived as {actual} (graph was made for {expected}); cast/move it to one "
-        "dtype and device before the call, or accept one graph per dtype/device"
+        "{tensor} arrived as {actual}, the graph was made for {expected}: cast it before the call, "
+        "or accept one graph per dtype"
     ),
     "dtype/device:dispatch": (
-        "tensor {tensor} has a different device or kind (dispatch keys differ, e.g. cpu vs cuda, or an "
-        "inference-mode tensor); pass tensors of one device and kind, or accept one graph per kind"
+        "{tensor} has another device or kind (e.g. cpu vs cuda, or an inference-mode tensor): pass "
+        "one device and kind, or accept one graph each"
     ),
     "dtype/device:global": (
-        "global state {state} changed between calls (autocast or default dtype); run the function "
-        "under one setting, or accept one graph per setting"
+        "global {state} changed between calls (autocast / default dtype): call under one setting, "
+        "or accept one graph per setting"
     ),
     "id/object identity": (
-        "{source} is a different object than when the graph was made (a rebound global, a new "
-        "function/closure, a module of another class); reuse the same object, or pass the varying "
-        "value as a tensor argument"
+        "{source} is a different object than when the graph was made (rebound global, new "
+        "function or closure, module of another class): reuse one object, or pass the varying "
+        "value as a tensor"
     ),
     "limit hit": (
-        "torch stopped compiling {function} after {limit} graphs (torch._dynamo.config.{limit_type}) "
-        "and runs it EAGER from now on: remove the causes above, or raise "
-        "torch._dynamo.config.{limit_type}"
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on: remove the causes above, or raise torch._dynamo.config.{limit_type}"
     ),
     "other": (
-        "a Python value the compiled code depends on changed ({guard}); keep it constant between "
-        "calls, or pass it as a tensor"
+        "a Python value the compiled code depends on changed ({guard}): keep it constant, or pass "
+        "it as a tensor"
     ),
-    "other:global": (
-        "global torch state {state} changed between calls; keep it fixed while the compiled code runs"
-    ),
+    "other:global": "global torch state {state} changed between calls: keep it fixed",
     "other:backend": "compile every caller of this code with the same backend object",
 }
 
@@ -324,7 +317,11 @@ class RecompileReport:
             for b in r.graph_breaks:
                 event += f"\ngraph break {b}"
             style = "bold red" if r.kind == "limit hit" else ("yellow" if r.kind == "recompile" else "")
-            rows = [(f"{g.cached_compile_id}: {g.guard}", g.category, g.fix) for g in r.failed_guards]
+            # One row per distinct failed check; the cached graphs it failed on are listed first.
+            grouped: dict[tuple[str, str, str], list[str]] = {}
+            for g in r.failed_guards:
+                grouped.setdefault((g.guard, g.category, g.fix), []).append(g.cached_compile_id)
+            rows = [(f"{', '.join(ids)}: {guard}", cat, fix) for (guard, cat, fix), ids in grouped.items()]
             if r.kind == "limit hit":
                 rows.append(("", "limit hit", r.fix or ""))
             if not rows:
@@ -363,13 +360,7 @@ class RecompileReport:
             )
         )
         for r in self.limit_hits:
-            parts.append(
-                Text(
-                    f"RECOMPILE LIMIT HIT: {r.location} hit torch._dynamo.config.{r.limit_type} "
-                    f"({r.limit}); it now runs without compiling. Fix: {r.fix}",
-                    style="bold red",
-                )
-            )
+            parts.append(Text(f"RECOMPILE LIMIT HIT: {r.fix}", style="bold red"))
         for err in self.collection_errors:
             parts.append(Text(f"paramfold could not read a torch trace event: {err}", style="red"))
         return Group(*parts)
@@ -435,11 +426,7 @@ def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[Recompile
         collector.flush()
         report.graph_breaks = sum(len(r.graph_breaks) for r in report.records)
     if report.limit_hit:
-        msg = "; ".join(
-            f"{r.location} hit torch._dynamo.config.{r.limit_type} ({r.limit}) and now runs "
-            f"without compiling. Fix: {r.fix}"
-            for r in report.limit_hits
-        )
+        msg = "recompile limit hit: " + "; ".join(r.fix or r.location for r in report.limit_hits)
         if strict:
             raise RecompileLimitError(msg)
         if warn:
@@ -674,15 +661,20 @@ def _decode_reasons(payload: str) -> list[str]:
 
 
 def _graph_break_summary(payload: str) -> str:
-    """``at FILE:LINE: REASON`` from dynamo's graph-break message (first lines of the payload)."""
+    """``at FILE:LINE: REASON`` from dynamo's graph-break message (its first lines)."""
     lines = [ln.strip() for ln in payload.splitlines() if ln.strip()]
-    where = next((ln for ln in lines if ln.startswith("Graph break in user code at ")), None)
-    reason = next((ln for ln in lines if ln.startswith("Graph Break Reason: ")), None)
-    detail = next((ln for ln in lines if ln.startswith("Explanation: ")), None)
-    if where is None or reason is None:
+    where_prefix, reason_prefix = "Graph break in user code at ", "Graph Break Reason: "
+    where = next((ln for ln in lines if ln.startswith(where_prefix)), None)
+    i = next((k for k, ln in enumerate(lines) if ln.startswith(reason_prefix)), None)
+    if where is None or i is None:
         return lines[0] if lines else "graph break"
-    text = f"at {_short_path_loc(where[len('Graph break in user code at '):])}: {reason[len('Graph Break Reason: '):]}"
-    return f"{text} ({detail[len('Explanation: '):]})" if detail else text
+    reason = lines[i][len(reason_prefix):]
+    if reason.endswith(":") and i + 1 < len(lines):  # "...when attempting to trace CALL ...:" + the cause
+        i += 1
+        reason = lines[i]
+    if i + 1 < len(lines) and lines[i + 1].startswith("Explanation: "):
+        reason += f" ({lines[i + 1][len('Explanation: '):]})"
+    return f"at {_short_path_loc(where[len(where_prefix):])}: {reason}"
 
 
 def _short_path_loc(loc: str) -> str:
