@@ -298,53 +298,29 @@ class RecompileReport:
         from rich.text import Text
 
         parts: list[Any] = []
-        table = Table(title="torch.compile: compiles and recompiles", expand=False)
-        for col, kw in (
-            ("id", {"no_wrap": True}),
-            ("function", {"overflow": "fold"}),
-            ("event", {}),
-            ("failed guard (cached graph: check)", {"overflow": "fold"}),
-            ("category", {"no_wrap": True}),
-            ("fix", {"overflow": "fold"}),
-        ):
-            table.add_column(col, **kw)
-        for r in self.records:
-            event = r.kind
-            if r.graphs == 0 and r.kind == "first compile":
-                event += " (no graph)"
-            if r.dynamic:
-                event += "\ndynamic: " + ", ".join(r.dynamic)
-            for b in r.graph_breaks:
-                event += f"\ngraph break {b}"
-            style = "bold red" if r.kind == "limit hit" else ("yellow" if r.kind == "recompile" else "")
-            # One row per distinct failed check; the cached graphs it failed on are listed first.
-            grouped: dict[tuple[str, str, str], list[str]] = {}
-            for g in r.failed_guards:
-                grouped.setdefault((g.guard, g.category, g.fix), []).append(g.cached_compile_id)
-            rows = [(f"{', '.join(ids)}: {guard}", cat, fix) for (guard, cat, fix), ids in grouped.items()]
-            if r.kind == "limit hit":
-                rows.append(("", "limit hit", r.fix or ""))
-            if not rows:
-                rows = [("-", "", "")]
-            seen: set[tuple[str, str]] = set()
-            for i, (guard, cat, fix) in enumerate(rows):
-                first = i == 0
-                table.add_row(
-                    r.compile_id if first else "",
-                    r.location if first else "",
-                    Text(event, style=style) if first else "",
-                    guard,
-                    Text(cat, style="bold red" if cat == "limit hit" else ""),
-                    "same as above" if (cat, fix) in seen else fix,
-                    end_section=i == len(rows) - 1,
-                )
-                seen.add((cat, fix))
-        parts.append(table)
+        recs_per = self.recompiles_per_function()
+        for loc, graphs in self.graphs_per_function().items():
+            table = Table(
+                title=f"{loc}: {graphs} graphs, {recs_per.get(loc, 0)} recompiles",
+                title_justify="left",
+                expand=False,
+            )
+            for col, kw in (
+                ("id", {"no_wrap": True}),
+                ("event", {}),
+                ("failed guard (cached graph: check)", {"overflow": "fold", "ratio": 1}),
+                ("category", {"no_wrap": True}),
+                ("fix", {"overflow": "fold", "ratio": 1}),
+            ):
+                table.add_column(col, **kw)
+            for r in self.records:
+                if r.location == loc:
+                    self._add_rows(table, r)
+            parts.append(table)
 
-        summary = Table(title="per function", show_edge=True)
+        summary = Table(title="per function", title_justify="left")
         for col in ("function", "graphs", "recompiles", "causes of recompiles"):
             summary.add_column(col)
-        recs_per = self.recompiles_per_function()
         for loc, graphs in self.graphs_per_function().items():
             causes = Counter(r.cause for r in self.records if r.location == loc and r.cause)
             summary.add_row(
@@ -364,6 +340,39 @@ class RecompileReport:
         for err in self.collection_errors:
             parts.append(Text(f"paramfold could not read a torch trace event: {err}", style="red"))
         return Group(*parts)
+
+    @staticmethod
+    def _add_rows(table: Any, r: CompileRecord) -> None:
+        from rich.text import Text
+
+        event = r.kind
+        if r.graphs == 0 and r.kind == "first compile":
+            event += " (no graph)"
+        if r.dynamic:
+            event += "\ndynamic: " + ", ".join(r.dynamic)
+        for b in r.graph_breaks:
+            event += f"\ngraph break {b}"
+        style = "bold red" if r.kind == "limit hit" else ("yellow" if r.kind == "recompile" else "")
+        # One row per distinct failed check, prefixed by the cached graphs it failed on.
+        grouped: dict[tuple[str, str, str], list[str]] = {}
+        for g in r.failed_guards:
+            grouped.setdefault((g.guard, g.category, g.fix), []).append(g.cached_compile_id)
+        rows = [(f"{', '.join(ids)}: {guard}", cat, fix) for (guard, cat, fix), ids in grouped.items()]
+        if r.kind == "limit hit":
+            rows.append(("", "limit hit", r.fix or ""))
+        if not rows:
+            rows = [("-", "", "")]
+        seen: set[tuple[str, str]] = set()
+        for i, (guard, cat, fix) in enumerate(rows):
+            table.add_row(
+                r.compile_id if i == 0 else "",
+                Text(event, style=style) if i == 0 else "",
+                guard,
+                Text(cat, style="bold red" if cat == "limit hit" else ""),
+                "same as above" if (cat, fix) in seen else fix,
+                end_section=i == len(rows) - 1,
+            )
+            seen.add((cat, fix))
 
     def print(self, console: Any = None) -> None:
         """Print the tables (to stdout, or to the given ``rich.console.Console``)."""
