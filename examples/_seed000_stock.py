@@ -1,8 +1,9 @@
 """Scratch reproduction of seed 000 (torchtune RLHF, four same-architecture models), stock compile.
 
-Policy, value, frozen reference and frozen reward models share one small transformer architecture;
-each layer is compiled on its own (``layer.compile(backend="eager")``, the torchtune style). Generation
-runs under ``no_grad`` with sequence lengths 64, 1 (x4), 68, 68, 66, then one training step.
+Policy, value, frozen reference and frozen reward models share one small transformer
+architecture; each layer is compiled on its own (``layer.compile(backend="eager")``, the torchtune
+style). Generation runs under ``no_grad`` with sequence lengths 64, 1 (x4), 68, 68, 66, then one
+training step.
 
     python examples/_seed000_stock.py            # run it
     paramfold recompiles -- python examples/_seed000_stock.py   # and see why it recompiled

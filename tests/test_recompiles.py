@@ -1,4 +1,4 @@
-"""paramfold.recompiles: every category is caused for real on torch's own output (backend="eager")."""
+"""paramfold.recompiles: each category caused for real, on torch's own output (backend="eager")."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _compile(fn):
 
 
 def _torch_reasons(fn) -> list[str]:
-    """The guard-failure strings torch itself stored for ``fn`` (torch._dynamo.utils.guard_failures)."""
+    """The guard-failure strings torch itself stored for ``fn`` (dynamo.utils.guard_failures)."""
     code = getattr(fn, "__code__", None) or fn.forward.__code__
     return list(torch._dynamo.utils.guard_failures[code])
 
@@ -64,7 +64,8 @@ def test_shape_size_change_and_automatic_dynamic():
 
     cf = _compile(f)
     with recompiles() as report:
-        for n in (8, 1, 9, 10):  # 8 -> 1 (size 1 is specialised), 1 -> 9 (dim becomes dynamic), 10: reuse
+        # 8 -> 1 (size 1 is specialised), 1 -> 9 (the dim becomes dynamic), 10 reuses that graph
+        for n in (8, 1, 9, 10):
             cf(torch.randn(2, n))
     kinds = [r.kind for r in report.records]
     assert kinds == ["first compile", "recompile", "recompile"]
@@ -79,7 +80,8 @@ def test_shape_size_change_and_automatic_dynamic():
     assert all(g.category == "shape" and g.dim == 1 for g in to_nine.failed_guards)
     assert "torch._dynamo.mark_dynamic(x, 1)" in to_nine.failed_guards[0].fix
     assert to_nine.dynamic == ["x.size()[1]"]  # torch's automatic dynamic kicked in
-    assert sorted(g.reason for r in report.records for g in r.failed_guards) == sorted(_torch_reasons(f))
+    ours = sorted(g.reason for r in report.records for g in r.failed_guards)
+    assert ours == sorted(_torch_reasons(f))
 
     # Once dynamic, a size-1 input fails the symbolic guard "2 <= x.size()[1]" (0/1 specialisation).
     torch._dynamo.reset()
@@ -141,7 +143,8 @@ def test_grad_mode_is_reported_as_unavoidable():
             cf(x)
         cf(x)
     rec = report.records[1]
-    assert rec.cause == "grad_mode" and "GLOBAL_STATE changed: grad_mode" in rec.failed_guards[0].guard
+    assert rec.cause == "grad_mode"
+    assert "GLOBAL_STATE changed: grad_mode" in rec.failed_guards[0].guard
     assert rec.failed_guards[0].fix.startswith("unavoidable")
     assert [g.reason for g in rec.failed_guards] == _torch_reasons(f)
 
@@ -187,7 +190,8 @@ def test_object_identity_id_match_and_type_match():
     assert "___check_obj_id(G['_ACT']" in recs[0].failed_guards[0].guard
     assert recs[0].failed_guards[0].tensor == "G['_ACT']"
     assert "___check_type_id(m," in recs[1].failed_guards[0].guard
-    assert recs[1].failed_guards[0].tensor == "m" and "m is a different object" in recs[1].failed_guards[0].fix
+    assert recs[1].failed_guards[0].tensor == "m"
+    assert "m is a different object" in recs[1].failed_guards[0].fix
 
 
 def test_other_python_constant():
@@ -261,7 +265,8 @@ def test_graph_breaks_counted_and_json_round_trip():
     assert all(w.startswith("at ") and "test_recompiles.py" in w for w in where)
     assert report.graphs_total == sum(report.graphs_per_function().values()) >= 2
     data = json.loads(report.to_json())
-    assert data["graphs"] == report.graphs_total and data["graph_breaks"] == 2 and data["recompiles"] == 0
+    assert data["graphs"] == report.graphs_total
+    assert data["graph_breaks"] == 2 and data["recompiles"] == 0
     assert {r["compile_id"] for r in data["records"]} == {r.compile_id for r in report.records}
     assert set(data["causes"]) <= set(CATEGORIES)
 
@@ -286,7 +291,10 @@ def test_only_the_block_is_recorded_and_logging_is_restored():
 def test_seed000_layerwise_rlhf_counts():
     """Seed 000 in miniature: four same-architecture models, each layer compiled on its own."""
     torch.manual_seed(0)
-    models = [nn.Sequential(nn.Embedding(128, 64), Block(64, dropout=False), Block(64, dropout=False)) for _ in range(4)]
+    models = [
+        nn.Sequential(nn.Embedding(128, 64), Block(64, dropout=False), Block(64, dropout=False))
+        for _ in range(4)
+    ]
     policy, value, reference, reward = models
     for frozen in (reference, reward):
         frozen.eval().requires_grad_(False)

@@ -28,7 +28,9 @@ def recompiles_command(
         show_default=False,
     ),
     as_json: bool = typer.Option(
-        False, "--json", help="Print the report as JSON on stdout (the script's own prints go to stderr)."
+        False,
+        "--json",
+        help="Print the report as JSON on stdout (the script's own prints go to stderr).",
     ),
     strict: bool = typer.Option(
         False, "--strict", help="Exit with code 3 if any function hit the recompile limit."
@@ -47,11 +49,16 @@ def recompiles_command(
 
     tokens = list(command)
     if tokens and (
-        tokens[0] == sys.executable or re.fullmatch(r"python[\d.]*(\.exe)?", os.path.basename(tokens[0]))
+        tokens[0] == sys.executable
+        or re.fullmatch(r"python[\d.]*(\.exe)?", os.path.basename(tokens[0]))
     ):
         tokens = tokens[1:]
     if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
-        typer.echo("paramfold recompiles: nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]...", err=True)
+        typer.echo(
+            "paramfold recompiles: nothing to run; usage: "
+            "paramfold recompiles -- python SCRIPT [ARGS]...",
+            err=True,
+        )
         raise typer.Exit(2)
     if tokens[0] == "-m":
         import importlib.util

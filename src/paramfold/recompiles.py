@@ -1,10 +1,10 @@
 """Why did it recompile? Record every ``torch.compile`` compile and recompile, with cause and fix.
 
-``torch.compile`` guards each graph it makes; when a guard fails on a later call, dynamo compiles the
-function again. :func:`recompiles` records, for every compile in its block, the function, the compile
-id, whether it was a first compile, a recompile or a hit of the recompile limit, the guards that failed
-(verbatim, one per cached graph, as torch reports them), a category for each failed guard and a
-concrete fix for that category::
+``torch.compile`` guards each graph it makes; when a guard fails on a later call, dynamo compiles
+the function again. :func:`recompiles` records, for every compile in its block, the function, the
+compile id, whether it was a first compile, a recompile or a hit of the recompile limit, the guards
+that failed (verbatim, one per cached graph, as torch reports them), a category for each failed
+guard and a concrete fix for that category::
 
     >>> import torch, paramfold
     >>> def step(x):
@@ -15,20 +15,21 @@ concrete fix for that category::
     ...     _ = compiled(torch.randn(2, 8, dtype=torch.float64))
     ...     with torch.no_grad():
     ...         _ = compiled(torch.randn(2, 8))
-    >>> [(r.function, r.kind, r.cause) for r in report.records]
-    [('step', 'first compile', None), ('step', 'recompile', 'dtype/device'), ('step', 'recompile', 'grad_mode')]
+    >>> [(r.kind, r.cause) for r in report.records]
+    [('first compile', None), ('recompile', 'dtype/device'), ('recompile', 'grad_mode')]
     >>> list(report.graphs_per_function().values())
     [3]
     >>> report.print()  # doctest: +SKIP
 
 The data comes from torch's own structured trace (the events ``TORCH_TRACE``/tlparse read):
 ``compilation_metrics`` (function, compile id, whether it recompiled, failure), the
-``recompile_reasons`` artifact (every failed guard, one per cached graph), ``dynamo_output_graph`` and
-``create_symbol`` (graphs made, dims made dynamic), ``dynamo_graph_break_reason`` (graph breaks,
+``recompile_reasons`` artifact (every failed guard, one per cached graph), ``dynamo_output_graph``
+and ``create_symbol`` (graphs made, dims made dynamic), ``dynamo_graph_break_reason`` (graph breaks,
 including the data-dependent ones ``counters["graph_break"]`` misses), plus
-``torch._dynamo.utils.counters["stats"]["unique_graphs"]`` for the total graph count. Only the guard text itself is parsed, to pick a category and name
-the tensor and dim in the fix. Torch reports the *first* failing guard of each cached graph, so a
-graph can differ in more ways than the one shown.
+``torch._dynamo.utils.counters["stats"]["unique_graphs"]`` for the total graph count. Only the guard
+text itself is parsed, to pick a category and name the tensor and dim in the fix. Torch reports
+the *first* failing guard of each cached graph, so a graph can differ in more ways than the one
+shown.
 
 All fix texts live in :data:`FIXES`.
 """
@@ -137,9 +138,15 @@ _TENSOR_MISMATCH = re.compile(
     r"^tensor '(?P<tensor>.+)' (?P<what>size|stride) mismatch at index (?P<dim>\d+)\. "
     r"expected (?P<expected>\d+), actual (?P<actual>\d+)"
 )
-_RANK_MISMATCH = re.compile(r"^tensor '(?P<tensor>.+)' rank mismatch\. expected (?P<expected>\d+), actual (?P<actual>\d+)")
-_REQUIRES_GRAD = re.compile(r"^tensor '(?P<tensor>.+)' requires_grad mismatch\. expected requires_grad=(?P<expected>[01])")
-_DTYPE = re.compile(r"^tensor '(?P<tensor>.+)' dtype mismatch\. expected (?P<expected>\S+), actual (?P<actual>\S+)")
+_RANK_MISMATCH = re.compile(
+    r"^tensor '(?P<tensor>.+)' rank mismatch\. expected (?P<expected>\d+), actual (?P<actual>\d+)"
+)
+_REQUIRES_GRAD = re.compile(
+    r"^tensor '(?P<tensor>.+)' requires_grad mismatch\. expected requires_grad=(?P<expected>[01])"
+)
+_DTYPE = re.compile(
+    r"^tensor '(?P<tensor>.+)' dtype mismatch\. expected (?P<expected>\S+), actual (?P<actual>\S+)"
+)
 _DISPATCH = re.compile(r"^tensor '(?P<tensor>.+)' dispatch key set mismatch\.")
 _DEVICE = re.compile(r"device (index )?mismatch", re.IGNORECASE)
 _SYM_SIZE = re.compile(r"(?P<tensor>[\w.\[\]'\"]+?)\.size\(\)\[(?P<dim>\d+)\]")
@@ -147,17 +154,18 @@ _SYM_STRIDE = re.compile(r"\.(size|stride)\(\)\[\d+\]|\.storage_offset\(\)")
 _TRAINING = re.compile(r"(?P<source>[\w.\[\]'\"]+)\.training\b")
 _OBJ_ID = re.compile(r"___check_(obj|type)_id\((?P<source>[^,]+),")
 _GLOBAL_STATE = "GLOBAL_STATE changed:"
+_IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line invalidated")
 _COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
 _FUNC_INFO = re.compile(r"^'(?P<name>.*)' \((?P<file>.*):(?P<line>\d+)\)$")
 _LIMIT_WARNING_PREFIX = "torch._dynamo hit config."
 
 
 class RecompileLimitWarning(UserWarning):
-    """Issued when a function hit ``torch._dynamo.config.recompile_limit`` inside :func:`recompiles`."""
+    """A function hit ``torch._dynamo.config.recompile_limit`` inside :func:`recompiles`."""
 
 
 class RecompileLimitError(RuntimeError):
-    """Raised by ``recompiles(strict=True)`` when a function hit the recompile limit in its block."""
+    """Raised by ``recompiles(strict=True)`` when a function hit the recompile limit."""
 
 
 @dataclasses.dataclass
@@ -199,7 +207,7 @@ class CompileRecord:
 
     @property
     def cause(self) -> str | None:
-        """The category of the guard torch names first (the last graph that ran), or ``limit hit``."""
+        """Category of the guard torch names first (its ``recompile_reason``), or ``limit hit``."""
         if self.kind == "limit hit":
             return "limit hit"
         if self.kind != "recompile":
@@ -208,7 +216,7 @@ class CompileRecord:
 
     @property
     def categories(self) -> list[str]:
-        """Every category among the failed guards (plus ``limit hit``), in :data:`CATEGORIES` order."""
+        """The categories of the failed guards (and ``limit hit``), in :data:`CATEGORIES` order."""
         found = {g.category for g in self.failed_guards}
         if self.kind == "limit hit":
             found.add("limit hit")
@@ -357,7 +365,9 @@ class RecompileReport:
         grouped: dict[tuple[str, str, str], list[str]] = {}
         for g in r.failed_guards:
             grouped.setdefault((g.guard, g.category, g.fix), []).append(g.cached_compile_id)
-        rows = [(f"{', '.join(ids)}: {guard}", cat, fix) for (guard, cat, fix), ids in grouped.items()]
+        rows = [
+            (f"{', '.join(ids)}: {guard}", cat, fix) for (guard, cat, fix), ids in grouped.items()
+        ]
         if r.kind == "limit hit":
             rows.append(("", "limit hit", r.fix or ""))
         if not rows:
@@ -396,9 +406,9 @@ def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[Recompile
     """Record every compile and recompile in the block; yields a :class:`RecompileReport`.
 
     The report fills in as the block runs and is complete when it exits. If a function hits the
-    recompile limit (after which torch runs it uncompiled), a :class:`RecompileLimitWarning` is issued
-    at exit (``warn=False`` to silence it), or with ``strict=True`` a :class:`RecompileLimitError` is
-    raised.
+    recompile limit (after which torch runs it uncompiled), a :class:`RecompileLimitWarning` is
+    issued at exit (``warn=False`` to silence it), or with ``strict=True`` a
+    :class:`RecompileLimitError` is raised.
 
     Example::
 
@@ -463,7 +473,11 @@ class _Collector:
 
     def on_trace(self, metadata: dict[str, Any], payload: str | None) -> None:
         name = next(iter(metadata))
-        key = (metadata.get("compiled_autograd_id"), metadata.get("frame_id"), metadata.get("frame_compile_id"))
+        key = (
+            metadata.get("compiled_autograd_id"),
+            metadata.get("frame_id"),
+            metadata.get("frame_compile_id"),
+        )
         if name == "artifact":
             artifact = metadata["artifact"].get("name")
             if artifact == "recompile_reasons" and payload is not None:
@@ -508,7 +522,10 @@ class _Collector:
             "recompile limit exceeded" in (fail_reason or "").lower()
         )
         reasons = p.reasons or ([m["recompile_reason"]] if m.get("recompile_reason") else [])
-        kind = "limit hit" if limit_hit else ("recompile" if m.get("recompile_reason") is not None else "first compile")
+        if limit_hit:
+            kind = "limit hit"
+        else:
+            kind = "recompile" if m.get("recompile_reason") is not None else "first compile"
         record = CompileRecord(
             compile_id=m.get("compile_id") or _format_key(key),
             function=name or "?",
@@ -528,7 +545,9 @@ class _Collector:
             limit_type = p.limit[0] if p.limit else "recompile_limit"
             record.limit_type = limit_type
             record.limit = p.limit[1] if p.limit else getattr(config, limit_type, None)
-            record.fix = _fix("limit hit", function=record.location, limit=record.limit, limit_type=limit_type)
+            record.fix = _fix(
+                "limit hit", function=record.location, limit=record.limit, limit_type=limit_type
+            )
         self.report.records.append(record)
 
     def flush(self) -> None:
@@ -536,7 +555,8 @@ class _Collector:
         for key in list(self.pending):
             p = self.pending[key]
             if p.reasons or p.graphs or p.limit or p.breaks:
-                self._finish(key, {"compile_id": None, "recompile_reason": p.reasons[0] if p.reasons else None})
+                first_reason = p.reasons[0] if p.reasons else None
+                self._finish(key, {"compile_id": None, "recompile_reason": first_reason})
         self.pending.clear()
 
 
@@ -636,8 +656,9 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         return "training", None, m.groupdict()
     if m := _OBJ_ID.search(expr):
         return "id/object identity", None, {"source": m["source"].strip()}
-    if "GuardAccessor: Not a" in expr or "got deallocated" in expr or "Cache line invalidated" in expr:
-        return "id/object identity", None, {"source": expr.rsplit(" on ", 1)[-1] if " on " in expr else expr}
+    if any(t in expr for t in _IDENTITY_MARKERS):
+        source = expr.rsplit(" on ", 1)[-1] if " on " in expr else expr
+        return "id/object identity", None, {"source": source}
     if expr.startswith("BACKEND_MATCH"):
         return "other", "backend", {}
     return "other", None, {}
@@ -678,7 +699,7 @@ def _graph_break_summary(payload: str) -> str:
     if where is None or i is None:
         return lines[0] if lines else "graph break"
     reason = lines[i][len(reason_prefix):]
-    if reason.endswith(":") and i + 1 < len(lines):  # "...when attempting to trace CALL ...:" + the cause
+    if reason.endswith(":") and i + 1 < len(lines):  # "...attempting to trace CALL...:" + cause
         i += 1
         reason = lines[i]
     if i + 1 < len(lines) and lines[i + 1].startswith("Explanation: "):
