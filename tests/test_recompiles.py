@@ -356,6 +356,13 @@ def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
     assert data["recompiles"] == 1 and data["causes"] == {"dtype/device": 1}
     assert "argv ['0']" in err
 
+    # A script that crashes: its traceback, exit code 1, and the report of what ran before.
+    crash = tmp_path / "crash.py"
+    crash.write_text(script.read_text().replace("sys.exit(int(sys.argv[1]))", "raise ValueError"))
+    torch._dynamo.reset()
+    code, out, err = _cli(["recompiles", "--", "python", str(crash)])
+    assert code == 1 and "ValueError" in err and "dtype/device" in out
+
     code, out, err = _cli(["recompiles", "--", "python", str(tmp_path / "missing.py")])
     assert code == 2
     assert err.strip().splitlines() == [

@@ -60,15 +60,18 @@ def recompiles_command(
             err=True,
         )
         raise typer.Exit(2)
+    old_argv, old_path = sys.argv[:], sys.path[:]
     if tokens[0] == "-m":
         import importlib.util
 
         module = tokens[1]
+        sys.path.insert(0, os.getcwd())  # as ``python -m`` does
         try:
             spec = importlib.util.find_spec(module)
         except (ImportError, ValueError):
             spec = None
         if spec is None:
+            sys.path[:] = old_path
             typer.echo(f"paramfold recompiles: no module named {module!r}", err=True)
             raise typer.Exit(2)
         argv0, rest = spec.origin or module, tokens[2:]
@@ -80,7 +83,6 @@ def recompiles_command(
 
     from paramfold.recompiles import recompiles
 
-    old_argv, old_path = sys.argv[:], sys.path[:]
     sys.argv = [argv0, *rest]
     if module is None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
