@@ -105,7 +105,7 @@ def test_requires_grad_frozen_vs_trainable_under_no_grad():
     assert [r.cause for r in report.records] == [None, "requires_grad"]
     g = report.records[1].failed_guards[0]
     assert "requires_grad mismatch" in g.guard and "._parameters[" in g.tensor
-    assert g.fix == FIXES["requires_grad"] and "detach_params_under_no_grad=True" in g.fix
+    assert g.fix == FIXES["requires_grad"] and "paramfold.prepare(" in g.fix
     assert [g.reason for g in report.records[1].failed_guards] == _torch_reasons(Block)
 
     # An input that requires grad in one call and not in the next: same category, input fix.
