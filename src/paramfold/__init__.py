@@ -8,6 +8,14 @@ with :func:`restore`.
 from paramfold.audit import audit_checkpoint, fold_checkpoint
 from paramfold.errors import FoldError
 from paramfold.prepare import MODES, prepare, prepared
+from paramfold.recompiles import (
+    CompileRecord,
+    GuardFailure,
+    RecompileLimitError,
+    RecompileLimitWarning,
+    RecompileReport,
+    recompiles,
+)
 from paramfold.restore import restore
 from paramfold.sites import KINDS, Site, find
 from paramfold.state_dict import plain_state_dict
@@ -19,11 +27,17 @@ __all__ = [
     "MODES",
     "audit_checkpoint",
     "fold_checkpoint",
+    "CompileRecord",
     "FoldError",
+    "GuardFailure",
+    "RecompileLimitError",
+    "RecompileLimitWarning",
+    "RecompileReport",
     "Site",
     "find",
     "plain_state_dict",
     "prepare",
     "prepared",
+    "recompiles",
     "restore",
 ]
