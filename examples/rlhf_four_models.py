@@ -19,7 +19,7 @@ The script runs the scenario twice, stock and with the paramfold recipe, prints
   makes ``scaled_dot_product_attention(is_causal=True)`` graph-break on torch 2.13), and the
   grad-mode graph of the training step (grad mode on/off always needs two).
 
-    python examples/rlhf_four_models.py [--layers 4] [--backend eager]
+    python examples/rlhf_four_models.py [--layers 4] [--backend eager] [--recompile-limit N]
 """
 
 from __future__ import annotations
@@ -152,7 +152,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--backend", default="eager")
+    parser.add_argument("--recompile-limit", type=int, default=None,
+                        help="set torch._dynamo.config.recompile_limit (torch's default: 8)")
     args = parser.parse_args()
+    if args.recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = args.recompile_limit
 
     stock = scenario(recipe=False, n_layers=args.layers, backend=args.backend)
     print("== stock torch.compile ==")
