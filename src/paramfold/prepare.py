@@ -80,7 +80,8 @@ def prepare(
 
     paths = _module_paths(model)
     sites = [s for s in find(model) if not _inside_parametrization(s.module_path)]
-    selected = [s for s in sites if _selected(filter_fn, s.module, s.module_path)]
+    chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
+    selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
         refuse_unfreezable(selected, "with mode='freeze'")
     for site in selected:
