@@ -112,7 +112,7 @@ def prepared(model: nn.Module, mode: str = "auto", **kwargs) -> Iterator[nn.Modu
 
         >>> import torch, paramfold
         >>> from torch.nn.utils.parametrizations import orthogonal
-        >>> model = orthogonal(torch.nn.Linear(4, 4))
+        >>> model = orthogonal(torch.nn.Linear(4, 4)).requires_grad_(False)
         >>> with paramfold.prepared(model, "freeze") as m:
         ...     y = m(torch.randn(1, 4))
         >>> type(model).__name__
