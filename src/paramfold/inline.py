@@ -56,18 +56,18 @@ class SiteDescriptor:
 REFS_PREFIX = "_paramfold_refs_"
 
 
-def chain_refs(module: nn.Module, name: str) -> tuple[dict, dict]:
-    """The two dicts a generated getter reads: the chain's ``_modules`` and the originals' dict.
+def chain_refs(module: nn.Module, name: str) -> tuple:
+    """What a generated getter reads: the chain's modules, then the dict holding the originals.
 
-    They are stored in the module's instance ``__dict__`` (under ``REFS_PREFIX + name``) so
-    compiled code reaches them without dynamo wrapping the ``parametrizations`` ModuleDict and
-    the ``ParametrizationList`` as modules on every read. Both dicts live as long as the
-    ``ParametrizationList``; entries replaced inside them (``load_state_dict(assign=True)``)
-    are seen.
+    Stored in the module's instance ``__dict__`` (under ``REFS_PREFIX + name``) so compiled code
+    reaches them without dynamo wrapping the ``parametrizations`` ModuleDict and the
+    ``ParametrizationList`` on every read. The originals are still looked up in their dict on
+    every read, so a ``load_state_dict(assign=True)`` replacement is seen; replacing a chain
+    member is detected at the next call (see :mod:`paramfold.scope`).
     """
     plist = module._modules["parametrizations"]._modules[name]
     where = chain_signature(module, name)[1]
-    return plist._modules, getattr(plist, where)
+    return (*plist._modules.values(), getattr(plist, where))
 
 
 def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]:
@@ -93,7 +93,7 @@ def inline_property(name: str, signature: tuple[int | None, str, int]) -> proper
 
     Dynamo traces a handful of bytecodes per read instead of stock's ``ParametrizationList``
     machinery; the parametrizations' forwards are the same, so the ops (and results) are the
-    same. The getter reads the dicts that :func:`chain_refs` stored on the module.
+    same. The getter reads what :func:`chain_refs` stored on the module.
     """
     ntensors, where, forwards = signature
     if ntensors is None:
@@ -102,17 +102,18 @@ def inline_property(name: str, signature: tuple[int | None, str, int]) -> proper
         args = ", ".join(f'o["original{i}"]' for i in range(ntensors))
     expr = args
     for i, forward in enumerate(forwards):
-        expr = f'm["{i}"]({expr})' if forward is None else f'F{i}(m["{i}"], {expr})'
+        expr = f"m{i}({expr})" if forward is None else f"F{i}(m{i}, {expr})"
+    unpack = "".join(f"m{i}, " for i in range(len(forwards))) + "o"
     source = (
         "def get(self):\n"
-        "    if parametrize._cache_enabled:\n"
+        "    if not _compiling() and parametrize._cache_enabled:\n"
         f"        return _cached(self, {name!r})\n"
-        f"    m, o = self.__dict__[{REFS_PREFIX + name!r}]\n"
+        f"    {unpack} = self.{REFS_PREFIX + name}\n"
         f"    return {expr}\n"
         "def set(self, value):\n"
         f"    self._modules['parametrizations']._modules[{name!r}].right_inverse(value)\n"
     )
-    namespace = {"parametrize": parametrize, "_cached": _cached}
+    namespace = {"parametrize": parametrize, "_cached": _cached, "_compiling": torch.compiler.is_compiling}
     namespace.update({f"F{i}": f for i, f in enumerate(forwards) if f is not None})
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
     return property(namespace["get"], namespace["set"])

@@ -108,13 +108,18 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
     plists = holder._modules["parametrizations"]._modules
     if plists.keys() != hs.modes.keys() or any(
         len(plists[name]._modules) != length
-        or (hs.modes[name] == "inline" and holder.__dict__[REFS_PREFIX + name][0] is not plists[name]._modules)
+        or (hs.modes[name] == "inline" and not _same_refs(holder.__dict__[REFS_PREFIX + name], plists[name]))
         for name, length in hs.chain_lengths.items()
     ):
         raise FoldError(
             f"parametrizations of a {type(holder).__name__} changed after paramfold.prepare "
             "(registered or removed): call paramfold.restore(model), change them, then prepare again."
         )
+
+
+def _same_refs(refs: tuple, plist: nn.Module) -> bool:
+    *chain, _ = refs
+    return len(chain) == len(plist._modules) and all(a is b for a, b in zip(chain, plist._modules.values()))
 
 
 def _value(holder: nn.Module, name: str, mode: str, hs: ModuleState) -> torch.Tensor:
@@ -159,9 +164,6 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _close_scope(previous, installed)
 
 
-# Dynamo runs this frame eagerly when it is the first frame of torch.compile(model), and still
-# compiles the frames it calls (nn.Module.__call__ and the model's forward).
-torch._dynamo.eval_frame.skip_code(root_call.__code__)
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -188,3 +190,11 @@ def _set_compiled_call_impl(self: nn.Module, value: Callable | None) -> None:
 #: Installed on every entry class: ``layer.compile()`` stores the compiled callable through the
 #: setter (same ``__dict__`` slot as stock), and ``nn.Module.__call__`` reads it through the getter.
 compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
+
+# When one of these runs as a frame of its own under an active torch.compile (the root's
+# __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
+# eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
+# forward). Inlined into traced code they are traced as usual.
+for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl):
+    torch._dynamo.eval_frame.skip_code(_fn.__code__)
+del _fn
