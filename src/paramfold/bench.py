@@ -528,7 +528,9 @@ def _read_proxies() -> Proxies:
     return Proxies(
         graphs=int(counters["stats"]["unique_graphs"]),
         graph_breaks=int(sum(counters["graph_break"].values())),
-        recompiles=sum(1 for m in get_compilation_metrics() if m.recompile_reason),
+        recompiles=sum(
+            1 for m in get_compilation_metrics() if getattr(m, "recompile_reason", None)
+        ),
         captured_calls=int(counters["stats"]["calls_captured"]),
         frames=int(counters["frames"]["ok"]),
     )
@@ -547,20 +549,30 @@ def _fresh_compile_state(cold_caches: bool) -> Iterator[None]:
         return
     # A fresh cache directory per measurement (deleted afterwards) and no FX-graph/AOT caches, so
     # that a variant whose graphs equal the baseline's is not served from the baseline's cache.
-    from torch._inductor.utils import fresh_cache
+    from torch._inductor import utils as inductor_utils
 
+    fresh_cache = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    compiler_config = getattr(torch.compiler, "config", None)
+    if compiler_config is not None and hasattr(compiler_config, "force_disable_caches"):
+        no_caches = compiler_config.patch(force_disable_caches=True)
+    else:  # torch < 2.6
+        no_caches = torch._inductor.config.patch(force_disable_caches=True)
     with contextlib.ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
-        stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
+        stack.enter_context(no_caches)
         stack.enter_context(fresh_cache())
         yield
 
 
 @contextlib.contextmanager
 def _metrics_limit(size: int) -> Iterator[None]:
+    # Recompiles are counted from the compile metrics, which torch keeps only for the last 64.
     from torch._dynamo import utils
 
+    if not hasattr(utils, "set_compilation_metrics_limit"):
+        yield
+        return
     old = utils._compilation_metrics.maxlen or utils.DEFAULT_COMPILATION_METRICS_LIMIT
     utils.set_compilation_metrics_limit(size)
     try:
