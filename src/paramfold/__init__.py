@@ -1,3 +1,26 @@
-"""paramfold: make ``torch.compile`` fast on models that use ``torch.nn.utils.parametrize``."""
+"""paramfold: make ``torch.compile`` fast on models that use ``torch.nn.utils.parametrize``.
+
+Find every parametrization (:func:`find`), then hoist, inline or freeze it (:func:`prepare`)
+so that dynamo sees (nearly) the model it would see without parametrizations; undo it exactly
+with :func:`restore`.
+"""
+
+from paramfold.errors import FoldError
+from paramfold.prepare import MODES, prepare, prepared
+from paramfold.restore import restore
+from paramfold.sites import KINDS, Site, find
+from paramfold.state_dict import plain_state_dict
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "KINDS",
+    "MODES",
+    "FoldError",
+    "Site",
+    "find",
+    "plain_state_dict",
+    "prepare",
+    "prepared",
+    "restore",
+]

@@ -1,0 +1,89 @@
+"""The classes prepared modules are switched to.
+
+Stock ``parametrize`` gives every parametrized module its own class (``ParametrizedLinear``,
+one per instance) holding a property per tensor. paramfold swaps each prepared module to a class
+*shared* by all modules with the same original class and parametrized names. Sharing matters for
+``torch.compile``: dynamo guards on a module's type, so per-instance classes make every layer of a
+per-layer-compiled model look different, while shared classes let same-architecture layers (and
+same-architecture models) reuse one graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+import functools
+
+from torch import nn
+
+from paramfold.inline import SiteDescriptor, inline_property
+from paramfold.scope import compiled_call_impl, root_call
+
+
+@functools.cache
+def prepared_class(
+    base: type,
+    names: frozenset[str],
+    is_root: bool,
+    inline_signatures: tuple[tuple[str, tuple], ...] | None = None,
+) -> type:
+    """The shared class for modules of ``base`` whose ``names`` are parametrized.
+
+    ``inline_signatures`` (name, chain signature) pairs make the class read those tensors
+    through generated inline properties; otherwise each name gets a :class:`SiteDescriptor`
+    that hoisted or frozen values in the instance ``__dict__`` shadow.
+    """
+    namespace: dict[str, object] = {
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "_paramfold_names": names,
+        "_compiled_call_impl": compiled_call_impl,
+    }
+    inline = dict(inline_signatures or ())
+    for name in names:
+        namespace[name] = inline_property(name, inline[name]) if name in inline else SiteDescriptor(name)
+    if names - inline.keys():
+        namespace["__setattr__"] = _make_setattr(base)
+    if names:
+        # As stock's per-instance classes: pickling refused, deepcopy supported.
+        namespace["__getstate__"] = _refuse_pickle
+        if not hasattr(base, "__deepcopy__"):
+            namespace["__deepcopy__"] = _default_deepcopy
+    if is_root:
+        namespace["__call__"] = root_call
+    prefix = "Parametrized" if names else ""
+    return type(f"{prefix}{base.__name__}", (base,), namespace)
+
+
+def _refuse_pickle(self: nn.Module) -> None:
+    raise RuntimeError(
+        "Serialization of parametrized modules is only supported through state_dict(). See:\n"
+        "https://pytorch.org/tutorials/beginner/saving_loading_models.html"
+        "#saving-loading-a-general-checkpoint-for-inference-and-or-resuming-training"
+    )
+
+
+def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
+    found = memo.get(id(self))
+    if found is not None:
+        return found
+    replica = self.__new__(self.__class__)
+    memo[id(self)] = replica
+    replica.__dict__ = copy.deepcopy(self.__dict__, memo)
+    for slot in copyreg._slotnames(self.__class__):  # type: ignore[attr-defined]
+        if hasattr(self, slot):
+            setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
+    return replica
+
+
+def _make_setattr(base: type):
+    base_setattr = base.__setattr__
+
+    def __setattr__(self: nn.Module, name: str, value: object) -> None:
+        # Stock's property setter: assigning to a parametrized tensor goes through right_inverse.
+        if name in type(self)._paramfold_names:
+            self.parametrizations[name].right_inverse(value)
+        else:
+            base_setattr(self, name, value)
+
+    return __setattr__

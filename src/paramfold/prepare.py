@@ -1,0 +1,219 @@
+"""``prepare``: switch a parametrized model to hoisted, inlined or frozen parametrizations, in place."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from torch import nn
+from torch.nn.utils import parametrize
+
+from paramfold.classes import prepared_class
+from paramfold.errors import FoldError
+from paramfold.freeze import refuse_unfreezable
+from paramfold.inline import chain_signature
+from paramfold.restore import restore, restore_module
+from paramfold.scope import STATE_ATTR, ModuleState
+from paramfold.sites import Site, find
+
+MODES = ("auto", "hoist", "inline", "freeze")
+FilterFn = Callable[[nn.Module, str], bool]
+
+# What stock parametrize puts in a per-instance class besides one property per tensor.
+_STOCK_CLASS_KEYS = {"__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__"}
+
+
+def prepare(
+    model: nn.Module,
+    mode: str = "auto",
+    *,
+    filter_fn: FilterFn | None = None,
+    detach_params_under_no_grad: bool = False,
+) -> nn.Module:
+    """Make ``torch.compile`` see ``model`` (nearly) as if it had no parametrizations. In place.
+
+    Modes:
+
+    * ``"hoist"``: every call of the model computes each parametrized tensor once, eagerly,
+      before compiled code runs (autograd reaches the originals; spectral_norm's power iteration
+      advances once per call); compiled code reads plain tensors.
+    * ``"inline"``: tensors are computed inside compiled code through a lean path, so inductor
+      can fuse the parametrization math into its consumers.
+    * ``"freeze"``: tensors are materialised once (inference) and re-materialised by themselves
+      when an original or a parametrization buffer changes (``load_state_dict``, optimizer
+      steps, in-place edits). Refused for sites whose originals require grad or whose stateful
+      chain (spectral_norm) is training.
+    * ``"auto"``: on every call, freeze what can be frozen and hoist the rest.
+
+    Args:
+        model: the model you will call (and may compile, whole or per layer).
+        mode: one of ``"auto"``, ``"hoist"``, ``"inline"``, ``"freeze"``.
+        filter_fn: ``filter_fn(module, fqn) -> bool`` selects the parametrized modules to
+            prepare, as in torchao's ``quantize_``; the others keep stock behaviour.
+        detach_params_under_no_grad: also present *plain* parameters to compiled code as
+            ``requires_grad=False`` tensors while grad mode is off, so frozen and trainable
+            copies of one architecture share graphs under ``no_grad`` (see
+            ``paramfold.recompiles``). Off by default.
+
+    ``state_dict()`` keys and values are unchanged, :func:`paramfold.restore` undoes
+    everything, and if anything fails the model is left exactly as it was.
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> model = torch.nn.Sequential(weight_norm(torch.nn.Linear(8, 8)), torch.nn.Tanh())
+        >>> x = torch.randn(2, 8)
+        >>> expected = model(x)
+        >>> _ = paramfold.prepare(model, "hoist")
+        >>> torch.equal(torch.compile(model, backend="eager")(x), expected)
+        True
+        >>> _ = paramfold.restore(model)
+    """
+    if mode not in MODES:
+        raise FoldError(f"unknown mode {mode!r}: use one of {', '.join(map(repr, MODES))}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise FoldError(f"filter_fn must be callable as filter_fn(module, fqn), got {type(filter_fn).__name__}")
+    _refuse_prepared(model)
+
+    paths = _module_paths(model)
+    sites = [s for s in find(model) if not _inside_parametrization(s.module_path)]
+    selected = [s for s in sites if _selected(filter_fn, s.module, s.module_path)]
+    if mode == "freeze":
+        refuse_unfreezable(selected, "with mode='freeze'")
+    for site in selected:
+        _refuse_unsupported(site)
+
+    states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad)
+    applied: list[nn.Module] = []
+    try:
+        for module, (state, cls) in states.items():
+            module.__dict__[STATE_ATTR] = state
+            applied.append(module)
+            module.__class__ = cls
+    except BaseException:
+        for module in applied:
+            restore_module(module)
+        raise
+    return model
+
+
+@contextlib.contextmanager
+def prepared(model: nn.Module, mode: str = "auto", **kwargs) -> Iterator[nn.Module]:
+    """Context manager: :func:`prepare` on entry, :func:`restore` on exit (also on error).
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> from torch.nn.utils.parametrizations import orthogonal
+        >>> model = orthogonal(torch.nn.Linear(4, 4))
+        >>> with paramfold.prepared(model, "freeze") as m:
+        ...     y = m(torch.randn(1, 4))
+        >>> type(model).__name__
+        'ParametrizedLinear'
+    """
+    prepare(model, mode, **kwargs)
+    try:
+        yield model
+    finally:
+        restore(model)
+
+
+def _refuse_prepared(model: nn.Module) -> None:
+    for path, module in model.named_modules():
+        if STATE_ATTR in module.__dict__:
+            where = f"its submodule {path!r} is" if path else "it is"
+            raise FoldError(
+                f"cannot prepare this model: {where} already prepared by paramfold. "
+                "Call paramfold.restore() on the model that was prepared first."
+            )
+
+
+def _module_paths(model: nn.Module) -> dict[str, nn.Module]:
+    return {path: module for path, module in model.named_modules() if not _inside_parametrization(path)}
+
+
+def _inside_parametrization(path: str) -> bool:
+    return "parametrizations" in path.split(".")
+
+
+def _selected(filter_fn: FilterFn | None, module: nn.Module, fqn: str) -> bool:
+    if filter_fn is None:
+        return True
+    try:
+        return bool(filter_fn(module, fqn))
+    except Exception as exc:
+        raise FoldError(
+            f"filter_fn raised {type(exc).__name__}: {exc} (on module {fqn!r}); the model was not "
+            "changed. filter_fn is called as filter_fn(module, fqn) and must return a bool."
+        ) from exc
+
+
+def _refuse_unsupported(site: Site) -> None:
+    cls = type(site.module)
+    extra = set(vars(cls)) - _STOCK_CLASS_KEYS - set(site.module.parametrizations)
+    if extra or not isinstance(site.module.parametrizations[site.tensor_name], parametrize.ParametrizationList):
+        raise FoldError(
+            f"{site.fqn}: its class {cls.__name__} is not the one torch.nn.utils.parametrize made "
+            f"(extra attributes: {sorted(extra)}); paramfold cannot swap it safely. "
+            "Exclude this module with filter_fn."
+        )
+
+
+def _ancestors(path: str) -> list[str]:
+    if not path:
+        return [""]
+    parts = path.split(".")
+    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _plan(
+    model: nn.Module,
+    paths: dict[str, nn.Module],
+    selected: list[Site],
+    mode: str,
+    filter_fn: FilterFn | None,
+    detach_params: bool,
+) -> dict[nn.Module, tuple[ModuleState, type]]:
+    """Every module's new state and class, computed before anything is changed."""
+    states: dict[nn.Module, ModuleState] = {}
+    holder_paths: dict[nn.Module, str] = {}
+
+    def state(module: nn.Module) -> ModuleState:
+        if module not in states:
+            states[module] = ModuleState(original_class=type(module))
+        return states[module]
+
+    for site in selected:
+        hs = state(site.module)
+        hs.modes[site.tensor_name] = mode
+        hs.stateful[site.tensor_name] = site.stateful
+        hs.chain_lengths[site.tensor_name] = len(site.chain)
+        holder_paths[site.module] = site.module_path
+    if detach_params:
+        for path, module in paths.items():
+            has_params = any(p is not None for p in module._parameters.values())
+            if has_params and _selected(filter_fn, module, path):
+                state(module).detach_params = True
+                holder_paths.setdefault(module, path)
+
+    for holder, path in holder_paths.items():
+        for ancestor_path in _ancestors(path):
+            state(paths[ancestor_path]).holders.append(holder)
+    path_of = {module: path for path, module in paths.items()}
+    for module in list(states):
+        for ancestor_path in _ancestors(path_of[module]):
+            states[paths[ancestor_path]].entries.append(module)
+
+    planned = {}
+    for module, st in states.items():
+        own = frozenset(st.modes)
+        if own:
+            base = parametrize.type_before_parametrizations(module)
+        else:
+            # An entry that is parametrized but not selected keeps its stock per-instance class
+            # as base, so its stock properties keep working.
+            base = type(module)
+        inline = tuple(sorted((n, chain_signature(module, n)) for n, m in st.modes.items() if m == "inline"))
+        planned[module] = (st, prepared_class(base, own, module is model, inline or None))
+    return planned

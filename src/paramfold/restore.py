@@ -1,0 +1,52 @@
+"""``restore``: the exact undo of :func:`paramfold.prepare`."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paramfold.errors import FoldError
+from paramfold.scope import STATE_ATTR, state_of
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Undo :func:`paramfold.prepare` on ``model``, in place, and return it.
+
+    Every module gets back its exact class object (stock's per-instance ``Parametrized*``
+    classes included); parametrization modules and ``Parameter`` objects were never replaced,
+    so optimizers built at any point keep working. Restoring a model that is not prepared
+    does nothing.
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> layer = weight_norm(torch.nn.Linear(4, 4))
+        >>> cls = type(layer)
+        >>> type(paramfold.restore(paramfold.prepare(layer))) is cls
+        True
+    """
+    state = state_of(model)
+    if state is None:
+        for path, module in model.named_modules():
+            if state_of(module) is not None:
+                raise FoldError(
+                    f"this model is not the one passed to paramfold.prepare, but its submodule "
+                    f"{path!r} was prepared (or is part of a prepared model): restore that one."
+                )
+        return model
+    for module in state.entries:
+        restore_module(module)
+    return model
+
+
+def restore_module(module: nn.Module) -> None:
+    """Put one module back as it was: its class, and no paramfold values in ``__dict__``."""
+    state = module.__dict__.pop(STATE_ATTR, None)
+    if state is None:
+        return
+    for name in state.modes:
+        module.__dict__.pop(name, None)
+    if state.detach_params:
+        for name in module._parameters:
+            module.__dict__.pop(name, None)
+    module.__class__ = state.original_class

@@ -1,0 +1,193 @@
+"""Finding parametrization sites: every tensor registered with ``torch.nn.utils.parametrize``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+__all__ = ["KINDS", "Site", "find"]
+
+#: The kinds :func:`find` recognises; anything else is ``"custom"``. A chain of several
+#: parametrizations on one tensor gets the kinds of its members joined by ``"+"``.
+KINDS = (
+    "weight_norm",
+    "spectral_norm",
+    "orthogonal",
+    "fake_sparsity",
+    "torchao_subclass",
+    "cast",
+    "custom",
+)
+
+# Recognised by class name so that torch.ao, torchao and torch.nn.utils variants all match
+# without importing torchao.
+_KIND_BY_CLASS = {
+    "_WeightNorm": "weight_norm",
+    "_SpectralNorm": "spectral_norm",
+    "_Orthogonal": "orthogonal",
+    "FakeSparsity": "fake_sparsity",
+    "UnwrapTensorSubclass": "torchao_subclass",
+}
+_STATEFUL_KINDS = {"spectral_norm"}
+_STATELESS_KINDS = set(_KIND_BY_CLASS.values()) - _STATEFUL_KINDS
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Site:
+    """One parametrized tensor: ``module.<tensor_name>`` computed by ``chain`` from ``originals``.
+
+    Attributes:
+        module_path: fully qualified name of the module ("" for the root).
+        tensor_name: the attribute the parametrization replaces, e.g. ``"weight"``.
+        module: the parametrized module itself.
+        chain: the parametrization modules, in the order they are applied.
+        originals: ``{"original": t}``, or ``{"original0": t0, ...}`` when the first
+            parametrization's ``right_inverse`` returns several tensors.
+        kind: one of :data:`KINDS`, or several joined by ``"+"`` for a chain.
+        requires_grad: whether any original requires grad.
+        stateful: whether the chain mutates its buffers in forward when training
+            (spectral_norm's power iteration, or a custom parametrization found to do so).
+        is_buffer: whether the originals are buffers rather than parameters.
+        tied_with: ``(module_path, tensor_name)`` of the other sites sharing an original tensor.
+    """
+
+    module_path: str
+    tensor_name: str
+    module: nn.Module = dataclasses.field(repr=False)
+    chain: tuple[nn.Module, ...] = dataclasses.field(repr=False)
+    originals: dict[str, torch.Tensor] = dataclasses.field(repr=False)
+    kind: str
+    requires_grad: bool
+    stateful: bool
+    is_buffer: bool
+    tied_with: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def fqn(self) -> str:
+        """``module_path.tensor_name``, the key this tensor has in an unparametrized state dict."""
+        return f"{self.module_path}.{self.tensor_name}" if self.module_path else self.tensor_name
+
+    @property
+    def training(self) -> bool:
+        """Whether any parametrization in the chain is in training mode."""
+        return any(m.training for m in self.chain)
+
+
+def find(model: nn.Module) -> list[Site]:
+    """Return every parametrization registration in ``model``, in ``named_modules`` order.
+
+    Nothing is modified: parametrizations whose kind is not known by class are probed on
+    copies of their buffers, so no running statistics move.
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> model = torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 4)), torch.nn.ReLU())
+        >>> [(s.module_path, s.tensor_name, s.kind) for s in paramfold.find(model)]
+        [('0', 'weight', 'weight_norm')]
+    """
+    sites = [_make_site(path, module, name) for path, module, name in _iter_registrations(model)]
+    by_original: dict[int, list[Site]] = defaultdict(list)
+    for site in sites:
+        for tensor in site.originals.values():
+            by_original[id(tensor)].append(site)
+    tied = []
+    for site in sites:
+        others = {
+            (o.module_path, o.tensor_name)
+            for t in site.originals.values()
+            for o in by_original[id(t)]
+            if o is not site
+        }
+        tied.append(dataclasses.replace(site, tied_with=tuple(sorted(others))))
+    return tied
+
+
+def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
+    for path, module in model.named_modules():
+        if parametrize.is_parametrized(module):
+            for name in module.parametrizations:
+                yield path, module, name
+
+
+def _originals(plist: nn.Module) -> dict[str, torch.Tensor]:
+    names = ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
+    return {n: getattr(plist, n) for n in names}
+
+
+def _make_site(path: str, module: nn.Module, name: str) -> Site:
+    plist = module.parametrizations[name]
+    chain = tuple(plist)
+    originals = _originals(plist)
+    kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
+    stateful = any(k in _STATEFUL_KINDS for k in kinds)
+    if any(k is None for k in kinds):
+        probed_kinds, probed_stateful = _probe_unknown(chain, originals, kinds)
+        kinds, stateful = probed_kinds, stateful or probed_stateful
+    return Site(
+        module_path=path,
+        tensor_name=name,
+        module=module,
+        chain=chain,
+        originals=originals,
+        kind="+".join(kinds),
+        requires_grad=any(t.requires_grad for t in originals.values()),
+        stateful=stateful,
+        is_buffer=not any(isinstance(t, nn.Parameter) for t in originals.values()),
+    )
+
+
+def _probe_unknown(
+    chain: tuple[nn.Module, ...],
+    originals: dict[str, torch.Tensor],
+    kinds: list[str | None],
+) -> tuple[list[str], bool]:
+    """Run the chain on cloned state to tell casts from custom maps and find buffer mutation.
+
+    Each module is called through ``torch.func.functional_call`` with clones of its own
+    parameters and buffers in training mode, so the real module state never changes.
+    """
+    resolved: list[str] = []
+    stateful = False
+    with torch.no_grad():
+        value: object = tuple(originals.values())
+        for module, kind in zip(chain, kinds):
+            state = {
+                **{k: v.clone() for k, v in module.named_parameters()},
+                **{k: v.clone() for k, v in module.named_buffers()},
+            }
+            versions = {k: v._version for k, v in state.items()}
+            args = value if isinstance(value, tuple) else (value,)
+            was_training = module.training
+            try:
+                module.train()
+                out = torch.func.functional_call(module, state, args)
+            except Exception:  # a probe must never break find(); unknown stays "custom"
+                out = None
+            finally:
+                module.train(was_training)
+            if any(state[k]._version != versions[k] for k in state) and kind not in _STATELESS_KINDS:
+                stateful = True
+            if kind is None:
+                kind = "cast" if not state and _is_cast(args, out) else "custom"
+            resolved.append(kind)
+            value = out
+    return resolved, stateful
+
+
+def _is_cast(args: tuple, out: object) -> bool:
+    if len(args) != 1 or not isinstance(out, torch.Tensor) or type(out) is not torch.Tensor:
+        return False
+    (x,) = args
+    return (
+        isinstance(x, torch.Tensor)
+        and out.dtype != x.dtype
+        and out.shape == x.shape
+        and torch.equal(out, x.to(out.dtype))
+    )
