@@ -113,6 +113,10 @@ def test_run_bench_eval_structure_proxies_and_outputs():
     doc = json.loads(json.dumps(result.to_dict()))
     assert [v["name"] for v in doc["variants"]] == list(bench.VARIANT_NAMES)
     assert doc["config"]["layers"] == 4 and doc["config"]["width"] == 128
+    again = bench.BenchResult.from_dict(doc)
+    assert again.to_dict() == doc
+    with pytest.raises(ValueError, match="paramfold bench --json"):
+        bench.BenchResult.from_dict({"schema": "something else"})
 
 
 def test_train_skips_freeze_and_keeps_outputs_equal():
@@ -135,8 +139,10 @@ def test_train_skips_freeze_and_keeps_outputs_equal():
 
 
 def test_layers_entry_compiles_every_layer():
-    config = BenchConfig(entry="layers", variants=(), **SMALL)
+    threads = torch.get_num_threads()
+    config = BenchConfig(entry="layers", variants=(), threads=1, **SMALL)
     result = run_bench(config)
+    assert result.environment["torch_threads"] == 1 and torch.get_num_threads() == threads
     base, stock = result.variant("baseline"), result.variant("stock")
     # All layers share Layer.forward and, with parameters as graph inputs, one graph.
     assert base.proxies.frames >= 1 and base.proxies.graphs == 1

@@ -11,8 +11,8 @@ This module is a library; ``paramfold bench`` (in :mod:`paramfold.cli`) only ren
 
 For every repeat the variants are measured one after the other (their order rotates from repeat to
 repeat), each from a fresh ``torch._dynamo.reset()``, a model rebuilt from the same seed and cold
-inductor caches.  A measurement times the first call (compile + run) and the steady per-call time,
-and records deterministic proxies (graphs, graph breaks, recompiles, captured calls) and the largest
+inductor caches.  A measurement times the first call (compile + run), in wall time and in CPU
+time (steadier when other processes share the cores), and the steady per-call time, and records deterministic proxies (graphs, graph breaks, recompiles, captured calls) and the largest
 absolute difference between the variant's output and the stock model's.
 
 Example::
@@ -212,6 +212,7 @@ class BenchConfig:
     variants: tuple[str, ...] | None = None
     warmup_round: bool = True
     cold_caches: bool = True
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -222,7 +223,7 @@ class BenchConfig:
             )
         if self.entry not in ENTRIES:
             raise ValueError(f"unknown entry {self.entry!r}; choose one of {', '.join(ENTRIES)}")
-        for name, low in (("layers", 1), ("width", 2)):
+        for name, low in (("layers", 1), ("width", 2), ("threads", 1)):
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
@@ -373,6 +374,7 @@ class Sample:
     repeat: int
     prepare_s: float
     first_call_s: float
+    first_call_cpu_s: float
     steady_call_s: float
     steady_calls_s: list[float]
     proxies: Proxies
@@ -399,6 +401,10 @@ class VariantResult:
     @property
     def first_call_median(self) -> float | None:
         return statistics.median(self._first()) if self.samples else None
+
+    @property
+    def first_call_cpu_min(self) -> float | None:
+        return min(s.first_call_cpu_s for s in self.samples) if self.samples else None
 
     @property
     def steady_call_median(self) -> float | None:
@@ -438,8 +444,12 @@ class BenchResult:
         raise KeyError(f"no variant {name!r} in this result")
 
     def ratio(self, name: str, stat: str = "min") -> float | None:
-        """First-call time of ``name`` over the baseline's (``stat`` is ``min`` or ``median``)."""
-        attr = {"min": "first_call_min", "median": "first_call_median"}[stat]
+        """First-call time of ``name`` over the baseline's.
+
+        ``stat`` is ``min`` or ``median`` (wall time), or ``cpu`` (min of CPU time).
+        """
+        attr = {"min": "first_call_min", "median": "first_call_median",
+                "cpu": "first_call_cpu_min"}[stat]
         num, den = getattr(self.variant(name), attr), getattr(self.variant("baseline"), attr)
         return num / den if num is not None and den else None
 
@@ -454,9 +464,11 @@ class BenchResult:
                     "status": v.status,
                     "note": v.note,
                     "first_call_s": {"min": v.first_call_min, "median": v.first_call_median},
+                    "first_call_cpu_s_min": v.first_call_cpu_min,
                     "ratio_to_baseline": {
                         "min": self.ratio(v.name, "min"),
                         "median": self.ratio(v.name, "median"),
+                        "cpu": self.ratio(v.name, "cpu"),
                     },
                     "steady_call_s_median": v.steady_call_median,
                     "prepare_s_median": v.prepare_median,
@@ -472,6 +484,26 @@ class BenchResult:
             "environment": self.environment,
             "variants": variants,
         }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> BenchResult:
+        """Rebuild a result from :meth:`to_dict` output (e.g. a saved ``--json`` document)."""
+        if doc.get("schema") != f"paramfold.bench/{SCHEMA_VERSION}":
+            raise ValueError(
+                f"not a paramfold bench document (schema {doc.get('schema')!r}); "
+                "write one with `paramfold bench --json`"
+            )
+        config = dict(doc["config"])
+        if config.get("variants") is not None:
+            config["variants"] = tuple(config["variants"])
+        variants = []
+        for v in doc["variants"]:
+            samples = [
+                Sample(**{**s, "proxies": Proxies(**s["proxies"])}) for s in v["samples"]
+            ]
+            variants.append(VariantResult(v["name"], v["description"], v["status"], v["note"],
+                                          samples))
+        return cls(BenchConfig(**config), dict(doc["environment"]), variants)
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,6 +543,31 @@ def _compile(model: nn.Module, config: BenchConfig) -> Callable[[torch.Tensor], 
     for layer in seq:
         layer.compile(backend=config.backend)
     return model
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process, its waited-for children (g++) and its live children.
+
+    Less sensitive than wall time to other processes sharing the cores.  Live children (inductor's
+    compile workers) are only seen when psutil is installed.
+    """
+    try:
+        import resource
+    except ImportError:  # Windows
+        total = time.process_time()
+    else:
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total = own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+    try:
+        import psutil
+    except ImportError:
+        return total
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, train: bool) -> torch.Tensor:
@@ -566,6 +623,19 @@ def _fresh_compile_state(cold_caches: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _num_threads(threads: int | None) -> Iterator[None]:
+    if threads is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@contextlib.contextmanager
 def _metrics_limit(size: int) -> Iterator[None]:
     # Recompiles are counted from the compile metrics, which torch keeps only for the last 64.
     from torch._dynamo import utils
@@ -591,9 +661,10 @@ def _measure(variant: Variant, config: BenchConfig, x: torch.Tensor, repeat: int
         prepare_s = time.perf_counter() - t0
         fn = _compile(model, config)
         gc.collect()
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
         out = _step(fn, x, config.train)
         first_s = time.perf_counter() - t0
+        first_cpu_s = _cpu_seconds() - c0
         for _ in range(config.warmup_calls):
             model.zero_grad(set_to_none=True)
             _step(fn, x, config.train)
@@ -608,6 +679,7 @@ def _measure(variant: Variant, config: BenchConfig, x: torch.Tensor, repeat: int
         repeat=repeat,
         prepare_s=prepare_s,
         first_call_s=first_s,
+        first_call_cpu_s=first_cpu_s,
         steady_call_s=statistics.median(steady),
         steady_calls_s=steady,
         proxies=proxies,
@@ -679,7 +751,7 @@ def run_bench(
         if on_progress is not None:
             on_progress(done, total, label)
 
-    with _metrics_limit(100_000):
+    with _metrics_limit(100_000), _num_threads(config.threads):
         if config.warmup_round:
             # Pays the process's one-time costs (imports, first compile) outside the samples.
             progress("warm-up (baseline, discarded)")
@@ -706,9 +778,10 @@ def run_bench(
             for name, out in outputs.items():
                 if stock_out is not None and results[name].samples:
                     results[name].samples[-1].max_abs_diff = _max_abs_diff(out, stock_out)
+        environment = _environment()
     torch._dynamo.reset()
     progress("done")
-    return BenchResult(config, _environment(), [results[n] for n in names])
+    return BenchResult(config, environment, [results[n] for n in names])
 
 
 # --------------------------------------------------------------------------------------------
@@ -756,7 +829,8 @@ def to_rich_table(result: BenchResult) -> Any:
     table = Table(title="paramfold bench: first compiled call (compile + run)",
                   caption=describe_config(result))
     table.add_column("variant", style="bold", no_wrap=True)
-    for name in ("first ms\nmin / med", "x baseline\nmin / med", "steady\nms/call",
+    for name in ("first ms\nmin / med", "x baseline\nmin / med", "first cpu\nms (min)",
+                 "x baseline\ncpu", "steady\nms/call",
                  "prepare\nms", "graphs", "breaks", "recomp", "ops", "max|diff|\nvs stock"):
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("note")
@@ -773,6 +847,8 @@ def to_rich_table(result: BenchResult) -> Any:
             v.name,
             f"{_ms(v.first_call_min)} / {_ms(v.first_call_median)}",
             f"{_ratio(result.ratio(v.name, 'min'))} / {_ratio(result.ratio(v.name, 'median'))}",
+            _ms(v.first_call_cpu_min),
+            _ratio(result.ratio(v.name, "cpu")),
             _ms(v.steady_call_median, 3),
             _ms(v.prepare_median, 1),
             *proxies,

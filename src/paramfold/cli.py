@@ -36,6 +36,9 @@ def bench(
         False, "--train/--eval", help="One training step (forward+backward) or a no_grad forward."
     ),
     repeats: int = typer.Option(3, help="Measurements per variant (min and median reported)."),
+    threads: int | None = typer.Option(
+        None, help="torch.set_num_threads for the run [default: torch's]."
+    ),
     variant: list[str] | None = typer.Option(
         None, "--variant", help="Measure only these (repeatable); baseline and stock always run."
     ),
@@ -62,7 +65,7 @@ def bench(
     try:
         config = BenchConfig(
             model=model, layers=layers, width=width, backend=backend, entry=entry, train=train,
-            repeats=repeats, variants=tuple(variant) if variant else None,
+            repeats=repeats, threads=threads, variants=tuple(variant) if variant else None,
         )
     except ValueError as exc:
         fail(str(exc), code=2)
