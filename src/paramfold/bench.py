@@ -195,7 +195,10 @@ class BenchConfig:
     """What to measure.  ``layers``/``width`` of ``None`` mean the model's defaults.
 
     ``variants`` of ``None`` means every variant; ``baseline`` and ``stock`` are always measured
-    (ratios are taken to the baseline, outputs are compared to stock).
+    (ratios are taken to the baseline, outputs are compared to stock).  ``threads`` is set with
+    ``torch.set_num_threads`` for the run (``None``: leave torch's setting); one thread by default
+    because compiling is single-threaded, the zoo's matmuls are tiny, and OpenMP threads waiting
+    for each other on shared cores turn steady calls of ~1 ms into hundreds of ms.
     """
 
     model: str = "seed"
@@ -212,7 +215,7 @@ class BenchConfig:
     variants: tuple[str, ...] | None = None
     warmup_round: bool = True
     cold_caches: bool = True
-    threads: int | None = None
+    threads: int | None = 1
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:

@@ -16,9 +16,10 @@ app = typer.Typer(
 # --- bench -------------------------------------------------------------------------------------
 
 
+# A callback keeps `paramfold bench` a subcommand even while it is the app's only command.
 @app.callback()
 def _group() -> None:
-    """Make paramfold.  (A callback keeps `paramfold bench` a subcommand while it is the only one.)"""
+    pass
 
 
 @app.command("bench")
@@ -36,8 +37,8 @@ def bench(
         False, "--train/--eval", help="One training step (forward+backward) or a no_grad forward."
     ),
     repeats: int = typer.Option(3, help="Measurements per variant (min and median reported)."),
-    threads: int | None = typer.Option(
-        None, help="torch.set_num_threads for the run [default: torch's]."
+    threads: int = typer.Option(
+        1, help="torch.set_num_threads for the run; 0 leaves torch's setting."
     ),
     variant: list[str] | None = typer.Option(
         None, "--variant", help="Measure only these (repeatable); baseline and stock always run."
@@ -65,7 +66,7 @@ def bench(
     try:
         config = BenchConfig(
             model=model, layers=layers, width=width, backend=backend, entry=entry, train=train,
-            repeats=repeats, threads=threads, variants=tuple(variant) if variant else None,
+            repeats=repeats, threads=threads or None, variants=tuple(variant) if variant else None,
         )
     except ValueError as exc:
         fail(str(exc), code=2)
@@ -81,7 +82,10 @@ def bench(
         def on_progress(done: int, total: int, label: str) -> None:
             progress.update(task, completed=done, total=total, description=label)
 
-        result = run_bench(config, on_progress=on_progress)
+        try:
+            result = run_bench(config, on_progress=on_progress)
+        except KeyboardInterrupt:
+            fail("interrupted", code=130)
 
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
