@@ -149,7 +149,21 @@ def test_layers_entry_compiles_every_layer():
     assert base.proxies.captured_calls == 1
     # Each parametrized Linear has its own class, so stock recompiles per layer.
     assert stock.proxies.recompiles == config.n_layers - 1
+    assert base.proxies.recompile_limit_hits == stock.proxies.recompile_limit_hits == 0
     assert base.max_abs_diff == stock.max_abs_diff == 0.0
+
+
+def test_recompile_limit_is_reported():
+    limit = torch._dynamo.config.recompile_limit
+    config = BenchConfig(entry="layers", variants=(), **{**SMALL, "layers": limit + 2})
+    result = run_bench(config)
+    stock = result.variant("stock")
+    assert stock.proxies.recompile_limit_hits == 1
+    assert stock.proxies.graphs == limit
+    assert result.variant("baseline").proxies.recompile_limit_hits == 0
+    table = bench.to_rich_table(result)
+    notes = list(table.columns[-1].cells)
+    assert "recompile_limit" in notes[1] and "recompile_limit" not in notes[0]
 
 
 def test_method_entry_and_custom_variants():
@@ -210,7 +224,7 @@ def test_cli_json_has_every_variant():
             assert len(v["samples"]) == 1
             assert math.isfinite(v["first_call_s"]["min"])
             assert set(v["proxies"]) == {"graphs", "graph_breaks", "recompiles", "captured_calls",
-                                         "frames"}
+                                         "frames", "recompile_limit_hits"}
 
 
 def test_cli_table_and_plot(tmp_path):

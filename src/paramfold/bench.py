@@ -368,6 +368,7 @@ class Proxies:
     recompiles: int
     captured_calls: int
     frames: int
+    recompile_limit_hits: int = 0
 
 
 @dataclass
@@ -593,6 +594,9 @@ def _read_proxies() -> Proxies:
         ),
         captured_calls=int(counters["stats"]["calls_captured"]),
         frames=int(counters["frames"]["ok"]),
+        recompile_limit_hits=int(
+            sum(n for msg, n in counters["unimplemented"].items() if "recompile limit" in msg)
+        ),
     )
 
 
@@ -843,6 +847,10 @@ def to_rich_table(result: BenchResult) -> Any:
             str(p.graphs), str(p.graph_breaks), str(p.recompiles), str(p.captured_calls)
         ]
         note = v.note.splitlines()[0][:100] if v.note else ""
+        if p is not None and p.recompile_limit_hits:
+            note = (note + "; " if note else "") + (
+                "hit dynamo's recompile_limit: code past it runs uncompiled"
+            )
         if v.samples and not v.proxies_stable:
             note = (note + "; " if note else "") + "proxies differ between repeats (see --json)"
         style = {"error": "red", "skipped": "dim"}.get(v.status)
