@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 from paramfold.classes import prepared_class
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
-from paramfold.inline import chain_signature
+from paramfold.inline import REFS_PREFIX, chain_refs, chain_signature
 from paramfold.restore import restore, restore_module
 from paramfold.scope import STATE_ATTR, ModuleState
 from paramfold.sites import Site, find
@@ -20,7 +20,9 @@ MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
 
 # What stock parametrize puts in a per-instance class besides one property per tensor.
-_STOCK_CLASS_KEYS = {"__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__"}
+_STOCK_CLASS_KEYS = {
+    "__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__", "__slotnames__",
+}
 
 
 def prepare(
@@ -78,7 +80,8 @@ def prepare(
 
     paths = _module_paths(model)
     sites = [s for s in find(model) if not _inside_parametrization(s.module_path)]
-    selected = [s for s in sites if _selected(filter_fn, s.module, s.module_path)]
+    chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
+    selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
         refuse_unfreezable(selected, "with mode='freeze'")
     for site in selected:
@@ -90,6 +93,9 @@ def prepare(
         for module, (state, cls) in states.items():
             module.__dict__[STATE_ATTR] = state
             applied.append(module)
+            for name, site_mode in state.modes.items():
+                if site_mode == "inline":
+                    module.__dict__[REFS_PREFIX + name] = chain_refs(module, name)
             module.__class__ = cls
     except BaseException:
         for module in applied:
@@ -106,7 +112,7 @@ def prepared(model: nn.Module, mode: str = "auto", **kwargs) -> Iterator[nn.Modu
 
         >>> import torch, paramfold
         >>> from torch.nn.utils.parametrizations import orthogonal
-        >>> model = orthogonal(torch.nn.Linear(4, 4))
+        >>> model = orthogonal(torch.nn.Linear(4, 4)).requires_grad_(False)
         >>> with paramfold.prepared(model, "freeze") as m:
         ...     y = m(torch.randn(1, 4))
         >>> type(model).__name__

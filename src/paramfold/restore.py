@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from paramfold.errors import FoldError
+from paramfold.inline import REFS_PREFIX
 from paramfold.scope import STATE_ATTR, state_of
 
 
@@ -46,6 +47,7 @@ def restore_module(module: nn.Module) -> None:
         return
     for name in state.modes:
         module.__dict__.pop(name, None)
+        module.__dict__.pop(REFS_PREFIX + name, None)
     if state.detach_params:
         for name in module._parameters:
             module.__dict__.pop(name, None)

@@ -35,6 +35,7 @@ from torch import nn
 from paramfold.errors import FoldError
 from paramfold.freeze import FrozenValue, can_freeze, frozen_value
 from paramfold.hoist import hoisted_value
+from paramfold.inline import REFS_PREFIX
 
 STATE_ATTR = "_paramfold"
 _MODULE_CALL = nn.Module.__call__
@@ -106,7 +107,9 @@ def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
 def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
     plists = holder._modules["parametrizations"]._modules
     if plists.keys() != hs.modes.keys() or any(
-        len(plists[name]._modules) != length for name, length in hs.chain_lengths.items()
+        len(plists[name]._modules) != length
+        or (hs.modes[name] == "inline" and holder.__dict__[REFS_PREFIX + name][0] is not plists[name]._modules)
+        for name, length in hs.chain_lengths.items()
     ):
         raise FoldError(
             f"parametrizations of a {type(holder).__name__} changed after paramfold.prepare "

@@ -38,6 +38,9 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             if prefix is None:
                 plain[key] = value
                 continue
-            for site in by_prefix.pop(prefix):
-                plain[site.fqn] = compute(site.module, site.tensor_name).detach()
+            for site in by_prefix[prefix]:
+                if site.fqn not in plain:
+                    value = compute(site.module, site.tensor_name)
+                    # Under no_grad only an identity chain hands back the original itself.
+                    plain[site.fqn] = value.detach() if value.requires_grad else value
     return plain

@@ -1,0 +1,142 @@
+"""Small real parametrized models shared by the core tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+
+
+class Cast(nn.Module):
+    """The unsafe dtype cast of seed 003."""
+
+    def forward(self, x):
+        return x.to(torch.bfloat16)
+
+    def right_inverse(self, x):
+        return x.to(torch.float32)
+
+
+class Split(nn.Module):
+    """A custom parametrization whose right_inverse returns a tuple (original0, original1)."""
+
+    def forward(self, a, b):
+        return a + 2 * b
+
+    def right_inverse(self, x):
+        return x / 2, x / 4
+
+
+class Scale(nn.Module):
+    """A chainable custom parametrization with a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(1.5))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self, width=32, depth=3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) + x
+        return x
+
+
+class Block(nn.Module):
+    """A user-defined layer (dynamo skips torch.nn's own forwards as top-level frames)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x)) + x
+
+
+class BlockNet(nn.Module):
+    def __init__(self, width=32, depth=3):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def build(kind: str, width: int = 32, depth: int = 3, seed: int = 0, blocks: bool = False) -> nn.Module:
+    """A ``Net`` (or ``BlockNet``) whose Linear layers carry the parametrization ``kind``."""
+    torch.manual_seed(seed)
+    net = BlockNet(width, depth) if blocks else Net(width, depth)
+    linears = [block.proj for block in net.layers] if blocks else list(net.layers)
+    for layer in linears:
+        if kind == "weight_norm":
+            weight_norm(layer)
+        elif kind == "spectral_norm":
+            spectral_norm(layer)
+        elif kind.startswith("orthogonal"):
+            orthogonal(layer, orthogonal_map=kind.partition(":")[2] or None)
+        elif kind == "split":
+            parametrize.register_parametrization(layer, "weight", Split())
+        elif kind == "chain":
+            weight_norm(layer)
+            parametrize.register_parametrization(layer, "weight", Scale())
+            parametrize.register_parametrization(layer, "bias", Scale())
+        elif kind == "buffer":
+            layer.register_buffer("shift", torch.randn(width))
+            parametrize.register_parametrization(layer, "shift", Scale())
+        elif kind != "plain":
+            raise ValueError(kind)
+    return net
+
+
+class SeedModel(nn.Module):
+    """Seed 003: a Sequential of Linear layers, every weight and bias cast to bfloat16."""
+
+    def __init__(self, n=4, width=64):
+        super().__init__()
+        self.seq = nn.Sequential(*[nn.Linear(width, width) for _ in range(n)])
+
+    def forward(self, x):
+        return self.seq(x)
+
+
+def seed_model(n=4, width=64, parametrized=True, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = SeedModel(n, width)
+    if not parametrized:
+        return model.to(torch.bfloat16)
+    for module in list(model.modules()):
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                parametrize.register_parametrization(module, name, Cast(), unsafe=True)
+    return model
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def structure(model: nn.Module) -> list[tuple]:
+    """Everything restore must give back: classes, parameter/buffer/module identities, dict keys."""
+    out = []
+    for path, module in model.named_modules():
+        out.append(
+            (
+                path,
+                type(module),
+                tuple((n, id(p)) for n, p in module._parameters.items()),
+                tuple((n, id(b)) for n, b in module._buffers.items()),
+                tuple((n, id(m)) for n, m in module._modules.items()),
+                tuple(sorted(module.__dict__)),
+            )
+        )
+    return out

@@ -1,0 +1,215 @@
+"""Deterministic proxies under torch.compile: graphs, graph breaks, recompiles, captured ops.
+
+Compiled results are compared with stock eager: bitwise with backend="eager" (the captured graph
+runs the same ops one by one), within float32 round-off (atol=rtol=1e-6) with "aot_eager",
+whose decompositions may reorder arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import build, grads, seed_model
+from torch._dynamo.testing import CompileCounter
+
+import paramfold
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class GraphCapture(CompileCounter):
+    """A CompileCounter that also keeps each captured FX graph's ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[list[tuple[str, str]]] = []
+
+    def __call__(self, gm, example_inputs):
+        self.ops.append(
+            [(n.op, str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        )
+        return super().__call__(gm, example_inputs)
+
+
+def _compile(model, entry, backend):
+    if entry == "model":
+        return torch.compile(model, backend=backend, fullgraph=True)
+    if entry == "method":
+        model.compile(backend=backend, fullgraph=True)
+        return model
+    for layer in model.layers:
+        layer.compile(backend=backend, fullgraph=True)
+    return model
+
+
+def _run(model, x, train):
+    if train:
+        out = model(x)
+        out.sum().backward()
+        return out
+    with torch.no_grad():
+        return model(x)
+
+
+def _x():
+    return torch.randn(4, 32, generator=torch.Generator().manual_seed(123))
+
+
+def _graphs(kind, mode, entry, train, calls=2):
+    model = build(kind, blocks=True)
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    if mode is not None:
+        paramfold.prepare(model, mode)
+    counter = GraphCapture()
+    compiled = _compile(model, entry, counter)
+    x = _x()
+    for _ in range(calls):
+        out = _run(compiled, x, train)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return counter, breaks, out
+
+
+@pytest.mark.parametrize("entry", ["model", "method", "layers"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto", "freeze"])
+def test_same_graph_count_and_no_breaks_as_unparametrized(entry, mode):
+    train = mode != "freeze"
+    plain, plain_breaks, _ = _graphs("plain", None, entry, train)
+    ours, our_breaks, out = _graphs("weight_norm", mode, entry, train)
+    assert (ours.frame_count, our_breaks) == (plain.frame_count, plain_breaks) == (plain.frame_count, 0)
+    stock = build("weight_norm", blocks=True)
+    if mode == "freeze":
+        stock.eval().requires_grad_(False)
+    assert torch.equal(out, _run(stock, _x(), train))
+
+
+def test_stock_per_layer_compile_recompiles_per_layer_but_prepared_does_not():
+    stock, _, _ = _graphs("weight_norm", None, "layers", train=False, calls=1)
+    ours, _, _ = _graphs("weight_norm", "hoist", "layers", train=False, calls=1)
+    plain, _, _ = _graphs("plain", None, "layers", train=False, calls=1)
+    assert stock.frame_count == 3  # one per-instance Parametrized class per layer
+    assert ours.frame_count == plain.frame_count == 1
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal:householder", "chain"])
+def test_freeze_captures_exactly_the_baseline_ops(kind):
+    plain, _, _ = _graphs("plain", None, "model", train=False, calls=1)
+    frozen, _, _ = _graphs(kind, "freeze", "model", train=False, calls=1)
+    hoisted, _, _ = _graphs(kind, "hoist", "model", train=False, calls=1)
+    stock, _, _ = _graphs(kind, None, "model", train=False, calls=1)
+    assert frozen.ops == plain.ops == hoisted.ops
+    assert len(stock.ops[0]) > len(plain.ops[0])  # stock traces the parametrization math
+
+
+@pytest.mark.parametrize("entry", ["model", "method", "layers"])
+@pytest.mark.parametrize("mode", ["hoist", "inline"])
+def test_compiled_spectral_norm_training_matches_stock(entry, mode):
+    stock = build("spectral_norm", blocks=True)
+    ours = copy.deepcopy(stock)
+    paramfold.prepare(ours, mode)
+    compiled = _compile(ours, entry, "aot_eager")
+    opt_s = torch.optim.SGD(stock.parameters(), lr=0.05)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05)
+    x = torch.randn(6, 32)
+    for _ in range(3):
+        out_s, out_o = _run(stock, x, True), _run(compiled, x, True)
+        torch.testing.assert_close(out_o, out_s, atol=1e-6, rtol=1e-6)
+        for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
+            torch.testing.assert_close(go, gs, atol=1e-6, rtol=1e-6, msg=name)
+        for (name, bs), (_, bo) in zip(stock.named_buffers(), ours.named_buffers()):
+            torch.testing.assert_close(bo, bs, atol=1e-6, rtol=1e-6, msg=name)
+        opt_s.step(), opt_o.step()
+        opt_s.zero_grad(), opt_o.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "inline"])
+def test_seed_model_compiled_eager_backend_is_bitwise(mode):
+    stock = seed_model()
+    ours = copy.deepcopy(stock)
+    if mode == "freeze":
+        ours.requires_grad_(False)
+    paramfold.prepare(ours, mode)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(ours, backend="eager", fullgraph=True)(x), stock(x))
+
+
+def test_prepared_root_inside_a_bigger_compiled_model_is_still_correct():
+    # The prepared model is only a submodule of what gets compiled: no scope opens, values are
+    # computed in-graph by the descriptor, so results stay right (at stock-like compile cost).
+    inner = build("spectral_norm")
+    stock_inner = copy.deepcopy(inner)
+    paramfold.prepare(inner, "hoist")
+    outer = torch.nn.Sequential(inner, torch.nn.ReLU())
+    stock = torch.nn.Sequential(stock_inner, torch.nn.ReLU())
+    compiled = torch.compile(outer, backend="aot_eager")
+    x = torch.randn(3, 32)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), stock(x), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        inner.layers[0].parametrizations.weight[0]._u, stock_inner.layers[0].parametrizations.weight[0]._u,
+        atol=1e-6, rtol=1e-6,
+    )
+
+
+def test_hoisted_values_never_leak_outside_a_call():
+    model = paramfold.prepare(build("weight_norm"), "hoist")
+    model(torch.randn(2, 32))
+    assert all("weight" not in layer.__dict__ for layer in model.layers)
+    assert model.layers[0].weight.grad_fn is not None  # read outside a call: computed fresh, like stock
+
+
+def test_detach_params_under_no_grad_lets_frozen_and_trainable_copies_share_graphs():
+    def run(detach):
+        torch._dynamo.reset()
+        trainable = build("plain", blocks=True)
+        frozen = build("plain", blocks=True).requires_grad_(False)
+        counter = CompileCounter()
+        for model in (trainable, frozen):
+            paramfold.prepare(model, detach_params_under_no_grad=detach)
+            for layer in model.layers:
+                layer.compile(backend=counter)
+        x = torch.randn(4, 32)
+        with torch.no_grad():
+            outs = [trainable(x), frozen(x)]
+        return counter.frame_count, outs
+
+    stock_frames, _ = run(False)
+    frames, (a, b) = run(True)
+    assert stock_frames == 2  # requires_grad mismatch on the layer's parameters
+    assert frames == 1
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["auto", "hoist"])
+def test_frozen_and_trainable_parametrized_copies_share_graphs_under_no_grad(mode):
+    # Every tensor of these layers is parametrized: hoisted (or frozen) values computed under
+    # no_grad have requires_grad=False whichever model they come from.
+    def frames(prepare):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        trainable, frozen = build("chain", blocks=True), build("chain", blocks=True).requires_grad_(False)
+        for model in (trainable, frozen):
+            if prepare:
+                paramfold.prepare(model, mode)
+            for layer in model.layers:
+                layer.compile(backend=counter)
+        with torch.no_grad():
+            out = [trainable(_x()), frozen(_x())]
+        return counter.frame_count, out
+
+    stock_frames, _ = frames(False)
+    ours, (a, b) = frames(True)
+    assert stock_frames > 1
+    assert ours == 1
+    assert torch.equal(a, b)

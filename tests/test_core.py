@@ -1,0 +1,254 @@
+"""prepare / restore against stock PyTorch on real parametrizations (eager, bitwise)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import build, grads, seed_model, structure
+from torch.nn.utils import parametrize
+
+import paramfold
+
+KINDS = ["weight_norm", "spectral_norm", "orthogonal:matrix_exp", "orthogonal:cayley",
+         "orthogonal:householder", "split", "chain", "buffer"]
+MODES = ["hoist", "inline", "auto"]
+
+
+def _step(model, x, opt=None):
+    out = model(x)
+    out.float().square().mean().backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_training_steps_bitwise_equal_to_stock(kind, mode):
+    stock = build(kind)
+    ours = copy.deepcopy(stock)
+    paramfold.prepare(ours, mode)
+    opt_s = torch.optim.SGD(stock.parameters(), lr=0.1)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.1)
+    x = torch.randn(5, 32)
+    for _ in range(3):
+        out_s = stock(x)
+        out_o = ours(x)
+        assert torch.equal(out_s, out_o)
+        out_s.square().mean().backward()
+        out_o.square().mean().backward()
+        for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
+            assert torch.equal(gs, go), name
+        opt_s.step(), opt_o.step()
+        opt_s.zero_grad(), opt_o.zero_grad()
+        for (name, bs), (_, bo) in zip(stock.named_buffers(), ours.named_buffers()):
+            assert torch.equal(bs, bo), name  # spectral_norm's _u / _v evolve identically
+    assert stock.state_dict().keys() == ours.state_dict().keys()
+    for key, value in stock.state_dict().items():
+        assert torch.equal(value, ours.state_dict()[key]), key
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_freeze_matches_stock_in_inference(kind):
+    stock = build(kind).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert torch.equal(stock(x), ours(x))
+        assert torch.equal(stock(x), ours(x))  # second call served from the frozen cache
+
+
+def test_freeze_refuses_trainable_and_training_stateful_and_changes_nothing():
+    model = build("weight_norm")
+    before = structure(model)
+    with pytest.raises(paramfold.FoldError, match=r"layers\.0\.weight.*requires grad.*mode='auto'"):
+        paramfold.prepare(model, "freeze")
+    assert structure(model) == before
+
+    sn = build("spectral_norm").requires_grad_(False)  # train mode: power iteration mutates _u/_v
+    with pytest.raises(paramfold.FoldError, match="stateful chain in training mode"):
+        paramfold.prepare(sn, "freeze")
+    paramfold.prepare(sn.eval(), "freeze")  # eval form is stateless: allowed
+    sn.train()
+    with pytest.raises(paramfold.FoldError, match="mode='freeze' but now"):
+        sn(torch.randn(2, 32))
+
+
+def test_freeze_rematerialises_after_load_state_dict_and_inplace_edits():
+    stock = build("weight_norm").eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    x = torch.randn(3, 32)
+    ours(x)  # materialise once
+    other = build("weight_norm", seed=1).state_dict()
+    stock.load_state_dict(other)
+    ours.load_state_dict(other)
+    assert torch.equal(stock(x), ours(x))
+    with torch.no_grad():
+        stock.layers[1].parametrizations.weight.original1.mul_(3)
+        ours.layers[1].parametrizations.weight.original1.mul_(3)
+    assert torch.equal(stock(x), ours(x))
+    # Reading the attribute outside a call is never stale either.
+    assert torch.equal(stock.layers[1].weight, ours.layers[1].weight)
+
+
+def test_auto_switches_between_freeze_and_hoist_as_requires_grad_changes():
+    stock = build("weight_norm").requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto")
+    x = torch.randn(3, 32)
+    assert torch.equal(stock(x), ours(x))
+    stock.requires_grad_(True)
+    ours.requires_grad_(True)
+    out_s, out_o = stock(x), ours(x)
+    assert out_o.requires_grad
+    out_s.sum().backward()
+    out_o.sum().backward()
+    for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
+        assert torch.equal(gs, go), name
+
+
+def test_restore_is_exact_and_optimizer_survives():
+    model = build("chain")
+    before = structure(model)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    paramfold.prepare(model, "hoist")
+    assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+    _step(model, torch.randn(2, 32), opt)
+    paramfold.restore(model)
+    assert structure(model) == before
+    _step(model, torch.randn(2, 32), opt)  # optimizer built before prepare still drives the model
+    assert all(p.grad is not None for p in params)
+    assert paramfold.restore(model) is model  # restoring an unprepared model is a no-op
+
+
+def test_prepared_context_manager_restores_on_error():
+    model = build("weight_norm")
+    before = structure(model)
+    with pytest.raises(ZeroDivisionError):
+        with paramfold.prepared(model, "hoist"):
+            assert type(model.layers[0]) is not {p: c for p, c, *_ in before}["layers.0"]
+            1 / 0
+    assert structure(model) == before
+
+
+def test_prepare_is_atomic_on_bad_filter_fn_and_unsupported_class():
+    model = build("weight_norm")
+    before = structure(model)
+    calls = []
+
+    def bad_filter(module, fqn):
+        calls.append(fqn)
+        if len(calls) == 2:
+            raise KeyError("boom")
+        return True
+
+    with pytest.raises(paramfold.FoldError, match="filter_fn raised KeyError"):
+        paramfold.prepare(model, "hoist", filter_fn=bad_filter)
+    assert structure(model) == before
+
+    type(model.layers[2]).extra = 1  # someone patched the per-instance parametrized class
+    with pytest.raises(paramfold.FoldError, match=r"layers\.2\.weight.*Exclude this module with filter_fn"):
+        paramfold.prepare(model, "hoist")
+    assert structure(model) == before
+    paramfold.prepare(model, "hoist", filter_fn=lambda m, fqn: fqn != "layers.2")
+    classes = {path: cls for path, cls, *_ in before}
+    assert type(model.layers[2]) is classes["layers.2"]  # excluded module untouched
+    paramfold.restore(model)
+    assert structure(model) == before
+
+
+def test_prepare_refuses_twice_and_unknown_mode():
+    model = build("weight_norm")
+    with pytest.raises(paramfold.FoldError, match="unknown mode 'fold'"):
+        paramfold.prepare(model, "fold")
+    paramfold.prepare(model)
+    with pytest.raises(paramfold.FoldError, match="already prepared"):
+        paramfold.prepare(model)
+    with pytest.raises(paramfold.FoldError, match="restore that one"):
+        paramfold.restore(torch.nn.Sequential(model))
+
+
+def test_checkpoints_cross_load_between_prepared_and_stock():
+    stock = build("spectral_norm")
+    stock(torch.randn(2, 32))  # move _u/_v away from their initial values
+    ours = paramfold.prepare(build("spectral_norm", seed=3), "hoist")
+    ours.load_state_dict(stock.state_dict())
+    fresh = build("spectral_norm", seed=4)
+    fresh.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 32)
+    stock.eval(), ours.eval(), fresh.eval()
+    assert torch.equal(stock(x), ours(x))
+    assert torch.equal(stock(x), fresh(x))
+
+
+def test_seed_cast_model_matches_and_setattr_goes_through_right_inverse():
+    stock = seed_model()
+    ours = paramfold.prepare(copy.deepcopy(stock), "hoist")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(stock(x), ours(x))
+    new = torch.randn(64, 64)
+    stock.seq[0].weight = new
+    ours.seq[0].weight = new
+    assert ours.seq[0].weight.dtype == torch.bfloat16
+    assert torch.equal(stock(x), ours(x))
+    assert "weight" not in ours.seq[0].__dict__
+
+
+def test_parametrize_cached_is_honoured():
+    model = paramfold.prepare(build("weight_norm"), "inline")
+    with parametrize.cached():
+        assert model.layers[0].weight is model.layers[0].weight
+    assert model.layers[0].weight is not model.layers[0].weight
+
+
+def test_find_reports_kinds_originals_tying_and_state():
+    model = build("chain")
+    model.layers[2].parametrizations.weight.original0 = model.layers[1].parametrizations.weight.original0
+    model.layers[0].requires_grad_(False)
+    sites = {s.fqn: s for s in paramfold.find(model)}
+    assert sites["layers.0.weight"].kind == "weight_norm+custom"
+    assert set(sites["layers.0.weight"].originals) == {"original0", "original1"}
+    assert sites["layers.0.bias"].kind == "custom"
+    assert not sites["layers.0.weight"].requires_grad and sites["layers.1.weight"].requires_grad
+    assert sites["layers.1.weight"].tied_with == (("layers.2", "weight"),)
+    assert sites["layers.0.weight"].tied_with == ()
+    assert not any(s.stateful for s in sites.values())
+
+    assert {s.kind for s in paramfold.find(build("spectral_norm"))} == {"spectral_norm"}
+    assert all(s.stateful for s in paramfold.find(build("spectral_norm")))
+    assert {s.kind for s in paramfold.find(seed_model())} == {"cast"}
+    assert {s.kind for s in paramfold.find(build("orthogonal:cayley"))} == {"orthogonal"}
+    buffer_sites = paramfold.find(build("buffer"))
+    assert [s.is_buffer for s in buffer_sites] == [True] * 3
+
+
+def test_find_probe_does_not_mutate_custom_state():
+    class Running(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            if self.training:
+                self.count.add_(1)
+            return x * 2
+
+    layer = torch.nn.Linear(4, 4)
+    parametrize.register_parametrization(layer, "weight", Running())
+    count = layer.parametrizations.weight[0].count
+    before = (count.item(), count._version)
+    (site,) = paramfold.find(layer)
+    assert site.stateful and site.kind == "custom"
+    assert (count.item(), count._version) == before
+
+
+def test_plain_state_dict_loads_strict_into_unparametrized_model():
+    model = build("chain").eval()
+    plain = build("plain")
+    plain.load_state_dict(paramfold.plain_state_dict(model), strict=True)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        assert torch.equal(model(x), plain(x))
