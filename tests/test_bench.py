@@ -36,7 +36,7 @@ def test_baseline_is_the_stock_model_without_parametrizations(model, train):
     config = BenchConfig(model=model, layers=3, train=train)
     stock = bench.build_model(config)
     assert _n_parametrized(stock) == (6 if model == "seed" else 3)
-    plain = bench.unparametrized_copy(bench.build_model(config))
+    plain = bench.unparametrize(bench.build_model(config))
     assert _n_parametrized(plain) == 0
     assert type(plain.seq[0].linear) is torch.nn.Linear
     assert set(plain.state_dict()) == {
@@ -177,7 +177,7 @@ def test_method_entry_and_custom_variants():
         return model
 
     variants = [
-        Variant("baseline", bench.unparametrized_copy),
+        Variant("baseline", bench.unparametrize),
         Variant("stock", lambda m: m),
         Variant("broken", broken),
         Variant("same", stock_again),

@@ -61,7 +61,7 @@ __all__ = [
     "make_input",
     "run_bench",
     "to_rich_table",
-    "unparametrized_copy",
+    "unparametrize",
 ]
 
 SCHEMA_VERSION = 1
@@ -275,7 +275,7 @@ class Variant:
     unavailable: str | None = None
 
 
-def unparametrized_copy(model: nn.Module) -> nn.Module:
+def unparametrize(model: nn.Module) -> nn.Module:
     """Turn ``model`` (in place) into the plain model holding the values its parametrizations compute.
 
     Unlike ``parametrize.remove_parametrizations(..., leave_parametrized=True)`` this also works
@@ -287,7 +287,7 @@ def unparametrized_copy(model: nn.Module) -> nn.Module:
         >>> m = nn.Linear(3, 3)
         >>> _ = torch.nn.utils.parametrizations.weight_norm(m)
         >>> w = m.weight.detach().clone()
-        >>> plain = unparametrized_copy(m)
+        >>> plain = unparametrize(m)
         >>> parametrize.is_parametrized(plain), torch.equal(plain.weight, w)
         (False, True)
     """
@@ -340,7 +340,7 @@ def default_variants() -> list[Variant]:
 
     missing = None if hasattr(paramfold, "prepare") else "paramfold.prepare not available yet"
     variants = [
-        Variant("baseline", unparametrized_copy, "same architecture, no parametrization"),
+        Variant("baseline", unparametrize, "same architecture, no parametrization"),
         Variant("stock", lambda model: model, "torch.nn.utils.parametrize as is"),
     ]
     for mode, text in _MODE_DESCRIPTIONS.items():
