@@ -13,7 +13,7 @@ from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import REFS_PREFIX, chain_refs, chain_signature
 from paramfold.restore import restore, restore_module
-from paramfold.scope import STATE_ATTR, ModuleState
+from paramfold.runtime import STATE_ATTR, ModuleState, site_state
 from paramfold.sites import Site, find
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -93,8 +93,8 @@ def prepare(
         for module, (state, cls) in states.items():
             module.__dict__[STATE_ATTR] = state
             applied.append(module)
-            for name, site_mode in state.modes.items():
-                if site_mode == "inline":
+            for name, site in state.sites.items():
+                if site.mode == "inline":
                     module.__dict__[REFS_PREFIX + name] = chain_refs(module, name)
             module.__class__ = cls
     except BaseException:
@@ -192,9 +192,7 @@ def _plan(
 
     for site in selected:
         hs = state(site.module)
-        hs.modes[site.tensor_name] = mode
-        hs.stateful[site.tensor_name] = site.stateful
-        hs.chain_lengths[site.tensor_name] = len(site.chain)
+        hs.sites[site.tensor_name] = site_state(site.module, site.tensor_name, mode, site.stateful)
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():
@@ -213,13 +211,15 @@ def _plan(
 
     planned = {}
     for module, st in states.items():
-        own = frozenset(st.modes)
+        own = frozenset(st.sites)
         if own:
             base = parametrize.type_before_parametrizations(module)
         else:
             # An entry that is parametrized but not selected keeps its stock per-instance class
             # as base, so its stock properties keep working.
             base = type(module)
-        inline = tuple(sorted((n, chain_signature(module, n)) for n, m in st.modes.items() if m == "inline"))
+        inline = tuple(
+            sorted((n, chain_signature(module, n)) for n, site in st.sites.items() if site.mode == "inline")
+        )
         planned[module] = (st, prepared_class(base, own, module is model, inline or None))
     return planned

@@ -6,7 +6,7 @@ from torch import nn
 
 from paramfold.errors import FoldError
 from paramfold.inline import REFS_PREFIX
-from paramfold.scope import STATE_ATTR, state_of
+from paramfold.runtime import STATE_ATTR, state_of
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -45,7 +45,7 @@ def restore_module(module: nn.Module) -> None:
     state = module.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return
-    for name in state.modes:
+    for name in state.sites:
         module.__dict__.pop(name, None)
         module.__dict__.pop(REFS_PREFIX + name, None)
     if state.detach_params:
