@@ -111,12 +111,14 @@ def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None
 
 
 def _hoisted(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
-    if site.in_graph:
+    needs_grad = torch.is_grad_enabled() and any(d[key].requires_grad for d, key in site.originals)
+    if site.subclass and needs_grad:
         return None
     value = hoisted_value(holder, name)
-    if value.requires_grad and type(value) not in (torch.Tensor, nn.Parameter):
-        site.in_graph = True
-        return None
+    if site.subclass is None:
+        site.subclass = type(value) not in (torch.Tensor, nn.Parameter)
+        if site.subclass and needs_grad:
+            return None
     return value
 
 
