@@ -252,4 +252,4 @@ def test_cli_bad_input_is_one_line(args, words):
     assert res.exit_code == 2
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("paramfold bench: error: ") and words in lines[0]

@@ -366,7 +366,7 @@ def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
     code, out, err = _cli(["recompiles", "--", "python", str(tmp_path / "missing.py")])
     assert code == 2
     assert err.strip().splitlines() == [
-        f"paramfold recompiles: script not found: {tmp_path / 'missing.py'}"
+        f"paramfold recompiles: error: script not found: {tmp_path / 'missing.py'}"
     ]
 
 

@@ -56,7 +56,7 @@ def bench(
     err = Console(stderr=True)
 
     def fail(message: str, code: int = 1) -> None:
-        err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"paramfold bench: error: {message}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(code)
 
     try:
@@ -199,7 +199,7 @@ def recompiles_command(
         tokens = tokens[1:]
     if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
         typer.echo(
-            "paramfold recompiles: nothing to run; usage: "
+            "paramfold recompiles: error: nothing to run; usage: "
             "paramfold recompiles -- python SCRIPT [ARGS]...",
             err=True,
         )
@@ -216,13 +216,13 @@ def recompiles_command(
             spec = None
         if spec is None:
             sys.path[:] = old_path
-            typer.echo(f"paramfold recompiles: no module named {module!r}", err=True)
+            typer.echo(f"paramfold recompiles: error: no module named {module!r}", err=True)
             raise typer.Exit(2)
         argv0, rest = spec.origin or module, tokens[2:]
     else:
         module, argv0, rest = None, tokens[0], tokens[1:]
         if not os.path.isfile(argv0):
-            typer.echo(f"paramfold recompiles: script not found: {argv0}", err=True)
+            typer.echo(f"paramfold recompiles: error: script not found: {argv0}", err=True)
             raise typer.Exit(2)
 
     from paramfold.recompiles import recompiles
