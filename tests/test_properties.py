@@ -224,3 +224,29 @@ def test_find_recognises_a_cast_of_a_tensor_holding_nan():
         layer.weight[0, 0] = float("nan")
     parametrize.register_parametrization(layer, "weight", pt.Cast(), unsafe=True)
     assert [s.kind for s in paramfold.find(layer)] == ["cast"]
+
+
+class _Int8Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = pt.apply_chain(nn.Linear(3, 3, bias=False), "weight", [pt.Step("int8_weight_only")])
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="hoist hands compiled code a torchao Int8Tensor built eagerly; under aot_eager autograd "
+    "does not reach its inner originals (a trainable scale gets no grad; eager and stock compiled do)",
+)
+def test_hoisted_tensor_subclass_with_trainable_inner_tensor_under_aot_eager():
+    torch.manual_seed(0)
+    model = _Int8Net()
+    model.lin.parametrizations.weight.original1.requires_grad_(True)  # the float32 scale
+    torch._dynamo.reset()
+    try:
+        pt.assert_equivalent(model, torch.randn(2, 3), "hoist", compile={"backend": "aot_eager"})
+    finally:
+        torch._dynamo.reset()
