@@ -2,20 +2,21 @@
 
 Models, chains, tying, train/eval, requires_grad and dtypes come from ``paramfold.testing``'s
 strategies; every check is ``paramfold.testing.assert_equivalent`` (bitwise in eager) or a
-structure snapshot. Examples per run: 4 x 50 (modes) + 40 (freeze on inference models)
-+ 50 (atomic failures) + 30 (find) + 12 (compiled) = 332.
+structure snapshot. Examples per run: 4 x 60 (modes) + 40 (freeze on inference models)
++ 50 (atomic failures) + 30 (find) + 15 (compiled) = 375.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import zlib
 from collections.abc import Iterator
 from unittest import mock
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils import parametrize
@@ -29,11 +30,13 @@ prepare_module = importlib.import_module("paramfold.prepare")
 MODES = ["hoist", "inline", "freeze", "auto"]
 
 
-def _freeze_refused(model: nn.Module) -> bool:
-    """Stated independently of paramfold: some original requires grad, or a spectral_norm
-    (the one stateful parametrization in the registry) is in training mode."""
-    for module in model.modules():
-        if not parametrize.is_parametrized(module):
+def _freeze_refused(model: nn.Module, filter_fn=None) -> bool:
+    """Stated independently of paramfold: some selected original requires grad, or a selected
+    spectral_norm (the one stateful parametrization in the registry) is in training mode."""
+    for path, module in model.named_modules():
+        if not parametrize.is_parametrized(module) or "parametrizations" in path.split("."):
+            continue
+        if filter_fn is not None and not filter_fn(module, path):
             continue
         for plist in module.parametrizations.values():
             originals = [t for n, t in plist.named_parameters(recurse=False) if n.startswith("original")]
@@ -45,20 +48,44 @@ def _freeze_refused(model: nn.Module) -> bool:
     return False
 
 
+def _events(flags: dict) -> None:
+    """Coverage, shown by ``pytest --hypothesis-show-statistics``."""
+    spec = flags["spec"]
+    event(f"dtype={spec.dtype}")
+    event(f"training={spec.training}, requires_grad={spec.requires_grad}, grad_enabled={flags['grad_enabled']}")
+    event(f"tied={flags['tied']}, repeated={flags['repeated']}, residual={spec.residual}")
+    for name in sorted({step.name for layer in spec.layers for _, chain in layer.chains for step in chain}):
+        event(f"uses {name}")
+    if any(len(chain) > 1 for layer in spec.layers for _, chain in layer.chains):
+        event("has a chain of 2+")
+    if any(layer.kind == "buffer" and layer.chains for layer in spec.layers):
+        event("parametrized buffer")
+
+
+def _subset(salt: int | None):
+    """None, or a filter_fn keeping a pseudo-random half of the modules (stable per fqn)."""
+    if salt is None:
+        return None
+    return lambda module, fqn: zlib.crc32(f"{salt}:{fqn}".encode()) % 2 == 0
+
+
 @pytest.mark.parametrize("mode", MODES)
-@settings(max_examples=50)
-@given(case=pt.cases())
-def test_prepare_matches_stock_then_restores_exactly(mode, case):
+@settings(max_examples=60)
+@given(case=pt.cases(), salt=st.none() | st.integers(0, 1000))
+def test_prepare_matches_stock_then_restores_exactly(mode, case, salt):
+    # salt: prepare everything, or only some modules (the others keep stock behaviour).
     factory, inputs, flags = case
     model = factory()
+    _events(flags)
+    filter_fn = _subset(salt)
     before = pt.structure(model)
     with pt.grad_mode(flags):
-        if mode == "freeze" and _freeze_refused(model):
+        if mode == "freeze" and _freeze_refused(model, filter_fn):
             with pytest.raises(paramfold.FoldError, match="cannot freeze"):
-                paramfold.prepare(model, mode)
+                paramfold.prepare(model, mode, filter_fn=filter_fn)
             pt.assert_same_structure(before, pt.structure(model))
         else:
-            pt.assert_equivalent(model, inputs, mode, steps=2)
+            pt.assert_equivalent(model, inputs, mode, steps=2, filter_fn=filter_fn)
     pt.assert_same_structure(before, pt.structure(model))  # assert_equivalent works on copies
 
 
@@ -186,7 +213,7 @@ def test_find_reports_every_chain_tie_and_flag(case):
     assert len(tied) == (2 if spec.tie is not None else 0)
 
 
-@settings(max_examples=12)
+@settings(max_examples=15)
 @given(
     case=pt.cases(max_layers=2, max_width=8, names=["weight_norm", "spectral_norm", "half_sum", "scale"]),
     mode=st.sampled_from(MODES),
@@ -250,3 +277,52 @@ def test_hoisted_tensor_subclass_with_trainable_inner_tensor_under_aot_eager():
         pt.assert_equivalent(model, torch.randn(2, 3), "hoist", compile={"backend": "aot_eager"})
     finally:
         torch._dynamo.reset()
+
+
+# The checker itself: each of these breaks paramfold on purpose and assert_equivalent must say so.
+
+def _mod(name: str):
+    return importlib.import_module(name)  # paramfold.restore etc. are shadowed by functions
+
+
+def _spectral_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2))
+
+
+def test_checker_catches_a_hoist_that_drops_autograd():
+    scope, hoist = _mod("paramfold.scope"), _mod("paramfold.hoist")
+    with mock.patch.object(scope, "hoisted_value", lambda m, n: hoist.hoisted_value(m, n).detach()):
+        with pytest.raises(AssertionError, match=r"grad of '0\.parametrizations\.weight\.original'"):
+            pt.assert_equivalent(_spectral_model(), torch.randn(3, 4), "hoist")
+
+
+def test_checker_catches_power_iteration_running_twice():
+    scope, hoist = _mod("paramfold.scope"), _mod("paramfold.hoist")
+
+    def twice(module, name):
+        hoist.hoisted_value(module, name)
+        return hoist.hoisted_value(module, name)
+
+    with mock.patch.object(scope, "hoisted_value", twice):
+        with pytest.raises(AssertionError, match=r"(output|buffer '0\.parametrizations\.weight\.0\._u').*differs"):
+            pt.assert_equivalent(_spectral_model(), torch.randn(3, 4), "hoist")
+
+
+def test_checker_catches_stale_frozen_values():
+    freeze = _mod("paramfold.freeze")
+    model = _spectral_model().eval().requires_grad_(False)
+    with mock.patch.object(freeze, "fingerprint", lambda module, name: ()):
+        with pytest.raises(AssertionError, match="before step 2 differs|at step 2 differs"):
+            pt.assert_equivalent(model, torch.randn(3, 4), "freeze", steps=2)
+
+
+def test_checker_catches_an_incomplete_restore():
+    restore = _mod("paramfold.restore")
+
+    def forgets_the_class(module):
+        module.__dict__.pop("_paramfold", None)
+
+    with mock.patch.object(restore, "restore_module", forgets_the_class):
+        with pytest.raises(AssertionError, match=r"after paramfold.restore: module '<root>': class changed"):
+            pt.assert_equivalent(_spectral_model(), torch.randn(3, 4), "hoist")

@@ -33,16 +33,25 @@ and with Hypothesis::
         pt.assert_equivalent(factory(), inputs, "hoist", steps=2)
 
 Tolerances. In eager mode every comparison is bitwise (``torch.testing.assert_close`` with
-``rtol=atol=0`` and ``equal_nan=True``), with one documented exception: when one parametrized
-module is *called more than once per forward* (the same instance at two places), stock PyTorch
-computes its tensor once per call and autograd sums the originals' gradients after the chain's
-backward (``J^T g1 + J^T g2``), while hoist, freeze and auto compute it once per forward and sum
-before it (``J^T (g1 + g2)``). Mathematically equal, they differ by rounding, so the
-gradients of those originals are compared with ``rtol`` = ``torch.testing.assert_close``'s
-default for the lowest-precision floating dtype in the model or its outputs (bfloat16: 1.6e-2,
-float32: 1.3e-6) and ``atol = rtol * max|stock gradient|`` (rounding errors scale with the
-largest terms, not with each element, which may cancel to near zero). Everything else stays
-bitwise.
+``rtol=atol=0`` and ``equal_nan=True``), with one documented exception: gradients of originals
+that autograd sums from several contributions in an order ``prepare`` may change. That is
+
+* a parametrized module *called more than once per forward* (the same instance at two
+  places): stock computes its tensor once per call and autograd sums after the chain's
+  backward (``J^T g1 + J^T g2``); hoist, freeze and auto compute it once per forward and sum
+  before it (``J^T (g1 + g2)``);
+* an original *shared by several sites* (tied): hoisted sites are computed when the forward
+  starts, in module order, so their backward nodes run in a different order than stock's
+  when the forward reads them in another order or only some of them are prepared
+  (``filter_fn``), and sums of three or more terms (spectral_norm reads its weight twice)
+  round differently.
+
+Mathematically equal, they differ by rounding, so in modes other than ``"inline"`` those
+gradients are compared with ``rtol`` = ``torch.testing.assert_close``'s default for the
+lowest-precision floating dtype of the model and its outputs (bfloat16: 1.6e-2, float32:
+1.3e-6) and ``atol = rtol * (largest gradient element in the model)``, the size of the terms
+being summed (a sum that cancels can be far smaller than its terms). Everything else, outputs
+and buffers included, stays bitwise.
 Under ``compile=...`` the default tolerance is :data:`COMPILE_TOLERANCES` for the backend.
 """
 
@@ -257,9 +266,13 @@ def _spectral_norm_options(spec: TensorSpec) -> st.SearchStrategy[dict[str, Any]
 
 
 def _orthogonal_options(spec: TensorSpec) -> st.SearchStrategy[dict[str, Any]]:
-    return st.one_of(
-        st.fixed_dictionaries({"orthogonal_map": st.sampled_from(["matrix_exp", "cayley", "householder"])}),
-        st.just({"orthogonal_map": "householder", "use_trivialization": False}),
+    return st.sampled_from(
+        [
+            {"orthogonal_map": "matrix_exp"},
+            {"orthogonal_map": "cayley"},
+            {"orthogonal_map": "householder"},
+            {"orthogonal_map": "householder", "use_trivialization": False},
+        ]
     )
 
 
@@ -390,6 +403,8 @@ def chains(
     steps: list[Step] = []
     for i in range(length):
         allowed = ("first", "any") if i == 0 else ("any",)
+        if i == 0 and any(r.position == "first" for r in recipes) and draw(st.booleans()):
+            allowed = ("first",)  # half the chains start with one: they are fewer, and rarer
         pool = [r for r in recipes if r.position in allowed]
         last = [r for r in recipes if r.position == "last"]
         if i == length - 1 and last and draw(st.booleans()):
@@ -677,7 +692,7 @@ def models(
             if i < j and layers[i].kind == layers[j].kind and layers[i].tensors(storage) == layers[j].tensors(storage)
             for name, _ in layers[i].chains
         ]
-        if pairs and draw(st.booleans()):
+        if pairs and draw(st.sampled_from([True, True, True, False])):
             i, j, name = draw(st.sampled_from(pairs))
             shared = dict(layers[j].chains) | {name: dict(layers[i].chains)[name]}
             layers[j] = dataclasses.replace(layers[j], chains=tuple(shared.items()))
@@ -917,8 +932,8 @@ def assert_equivalent(
         if rtol is None and atol is None:
             factor = COMPILE_TOLERANCES.get(backend if isinstance(backend, str) else "", 16.0)
     _compare_dicts(" after prepare", "state_dict", candidate.state_dict(), stock.state_dict(), _BITWISE)
-    # Originals of modules called more than once per forward: see the module docstring.
-    loose = _originals_of_repeated(candidate) if mode != "inline" else set()
+    # Originals whose gradient sums several contributions in an order prepare may change.
+    loose = _reordered_originals(candidate) if mode != "inline" else set()
 
     tol = _BITWISE
     for step in range(steps):
@@ -939,8 +954,7 @@ def assert_equivalent(
                 raise AssertionError(f"stock output requires grad but prepared output does not{at}")
             expected_loss.backward()
             actual_loss.backward()
-        loose_tol = _repeated_tolerance(eps, tol)
-        _compare_grads(candidate, stock, at, loose, tol, loose_tol)
+        _compare_grads(candidate, stock, at, loose, tol, eps)
         _compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
         _compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
 
@@ -951,12 +965,6 @@ def assert_equivalent(
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
         _compare_outputs(candidate(*args), stock(*args), " after restore", _BITWISE)
-
-
-def _repeated_tolerance(eps: float, tol: _Tolerance) -> _Tolerance:
-    """See the module docstring: torch.testing's default rtol for the dtype, also of the max."""
-    rtol = {torch.finfo(torch.bfloat16).eps: 1.6e-2, torch.finfo(torch.float16).eps: 1e-3}.get(eps, 1.3e-6)
-    return _Tolerance(max(tol.rtol, rtol), max(tol.atol, 1e-5), max(tol.of_max, rtol))
 
 
 def _loss(outputs: Any) -> torch.Tensor | None:
@@ -1060,11 +1068,17 @@ def _parametrized(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _compare_grads(
-    candidate: nn.Module, stock: nn.Module, at: str, loose: set[int], tol: _Tolerance, loose_tol: _Tolerance
+    candidate: nn.Module, stock: nn.Module, at: str, loose: set[int], tol: _Tolerance, eps: float
 ) -> None:
     got, want = dict(candidate.named_parameters()), dict(stock.named_parameters())
     if list(got) != list(want):
         raise AssertionError(f"parameter names differ{at}: {sorted(set(got) ^ set(want))}")
+    loose_tol = tol
+    if loose:
+        # See the module docstring; the largest gradient stands for the size of the summed terms.
+        rtol = {torch.finfo(torch.bfloat16).eps: 1.6e-2, torch.finfo(torch.float16).eps: 1e-3}.get(eps, 1.3e-6)
+        largest = max((_largest(p.grad) for p in want.values() if p.grad is not None), default=0.0)
+        loose_tol = _Tolerance(max(tol.rtol, rtol), max(tol.atol, 1e-5, rtol * largest), tol.of_max)
     for name, param in got.items():
         chosen = loose_tol if id(param) in loose else tol
         _compare(f"grad of {name!r}{at}", param.grad, want[name].grad, chosen)
@@ -1089,17 +1103,24 @@ def _update(stock: nn.Module, candidate: nn.Module, lr: float) -> None:
                     tensor.mul_(0.99)
 
 
-def _originals_of_repeated(model: nn.Module) -> set[int]:
-    seen: dict[int, int] = {}
+def _reordered_originals(model: nn.Module) -> set[int]:
+    """Originals of modules called more than once per forward, and originals shared by sites."""
+    calls: dict[int, int] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         if "parametrizations" not in path.split("."):
-            seen[id(module)] = seen.get(id(module), 0) + 1
-    ids: set[int] = set()
-    for module in model.modules():
-        if seen.get(id(module), 0) > 1 and parametrize.is_parametrized(module):
-            for plist in module.parametrizations.values():
-                ids.update(id(getattr(plist, n)) for n in _original_names(plist))
-    return ids
+            calls[id(module)] = calls.get(id(module), 0) + 1
+    users: dict[int, int] = {}
+    repeated: set[int] = set()
+    for path, module in model.named_modules():
+        if "parametrizations" in path.split(".") or not parametrize.is_parametrized(module):
+            continue
+        for plist in module.parametrizations.values():
+            for name in _original_names(plist):
+                key = id(getattr(plist, name))
+                users[key] = users.get(key, 0) + 1
+                if calls.get(id(module), 0) > 1:
+                    repeated.add(key)
+    return repeated | {key for key, count in users.items() if count > 1}
 
 
 def _lowest_precision(model: nn.Module, outputs: Any) -> torch.dtype:
