@@ -189,3 +189,27 @@ def test_detach_params_under_no_grad_lets_frozen_and_trainable_copies_share_grap
     assert stock_frames == 2  # requires_grad mismatch on the layer's parameters
     assert frames == 1
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["auto", "hoist"])
+def test_frozen_and_trainable_parametrized_copies_share_graphs_under_no_grad(mode):
+    # Every tensor of these layers is parametrized: hoisted (or frozen) values computed under
+    # no_grad have requires_grad=False whichever model they come from.
+    def frames(prepare):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        trainable, frozen = build("chain", blocks=True), build("chain", blocks=True).requires_grad_(False)
+        for model in (trainable, frozen):
+            if prepare:
+                paramfold.prepare(model, mode)
+            for layer in model.layers:
+                layer.compile(backend=counter)
+        with torch.no_grad():
+            out = [trainable(_x()), frozen(_x())]
+        return counter.frame_count, out
+
+    stock_frames, _ = frames(False)
+    ours, (a, b) = frames(True)
+    assert stock_frames > 1
+    assert ours == 1
+    assert torch.equal(a, b)

@@ -53,17 +53,38 @@ class SiteDescriptor:
         return compute(module, self.name)
 
 
+REFS_PREFIX = "_paramfold_refs_"
+
+
+def chain_refs(module: nn.Module, name: str) -> tuple:
+    """What a generated getter reads: the chain's modules, then the dict holding the originals.
+
+    Stored in the module's instance ``__dict__`` (under ``REFS_PREFIX + name``) so compiled code
+    reaches them without dynamo wrapping the ``parametrizations`` ModuleDict and the
+    ``ParametrizationList`` on every read. The originals are still looked up in their dict on
+    every read, so a ``load_state_dict(assign=True)`` replacement is seen; replacing a chain
+    member is detected at the next call (see :mod:`paramfold.scope`).
+    """
+    plist = module._modules["parametrizations"]._modules[name]
+    where = chain_signature(module, name)[1]
+    return (*plist._modules.values(), getattr(plist, where))
+
+
 def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]:
     """What the generated getter of ``module.<name>`` is specialised on.
 
-    ``(number of originals or None for a single ``original``, the dict holding them, chain
-    length)``. Modules with equal signatures share one getter, and so one class.
+    ``(number of originals or None for a single ``original``, the dict holding them, one entry
+    per chain member)``. An entry is the member's ``forward`` function, called directly (dynamo
+    then has no module call to set up), or ``None`` when the member has hooks and must be
+    called as a module, as stock does. Modules with equal signatures share one getter, and so
+    one class.
     """
     plist = module._modules["parametrizations"]._modules[name]
     ntensors = None if plist.is_tensor else plist.ntensors
     first = "original" if plist.is_tensor else "original0"
     where = "_parameters" if first in plist._parameters else "_buffers"
-    return ntensors, where, len(plist._modules)
+    forwards = tuple(None if _has_hooks(m) else type(m).forward for m in plist._modules.values())
+    return ntensors, where, forwards
 
 
 @functools.cache
@@ -71,30 +92,45 @@ def inline_property(name: str, signature: tuple[int | None, str, int]) -> proper
     """A property computing ``module.<name>`` with the chain unrolled into straight-line code.
 
     Dynamo traces a handful of bytecodes per read instead of stock's ``ParametrizationList``
-    machinery; the module calls are the same, so the ops (and results) are the same.
+    machinery; the parametrizations' forwards are the same, so the ops (and results) are the
+    same. The getter reads what :func:`chain_refs` stored on the module.
     """
-    ntensors, where, length = signature
+    ntensors, where, forwards = signature
     if ntensors is None:
         args = f'o["original"]'
     else:
         args = ", ".join(f'o["original{i}"]' for i in range(ntensors))
-    expr = f'm["0"]({args})'
-    for i in range(1, length):
-        expr = f'm["{i}"]({expr})'
+    expr = args
+    for i, forward in enumerate(forwards):
+        expr = f"m{i}({expr})" if forward is None else f"F{i}(m{i}, {expr})"
+    unpack = "".join(f"m{i}, " for i in range(len(forwards))) + "o"
     source = (
         "def get(self):\n"
-        "    if parametrize._cache_enabled:\n"
+        "    if not _compiling() and parametrize._cache_enabled:\n"
         f"        return _cached(self, {name!r})\n"
-        f"    p = self._modules['parametrizations']._modules[{name!r}]\n"
-        "    m = p._modules\n"
-        f"    o = p.{where}\n"
+        f"    {unpack} = self.{REFS_PREFIX + name}\n"
         f"    return {expr}\n"
         "def set(self, value):\n"
         f"    self._modules['parametrizations']._modules[{name!r}].right_inverse(value)\n"
     )
-    namespace = {"parametrize": parametrize, "_cached": _cached}
+    namespace = {"parametrize": parametrize, "_cached": _cached, "_compiling": torch.compiler.is_compiling}
+    namespace.update({f"F{i}": f for i, f in enumerate(forwards) if f is not None})
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
     return property(namespace["get"], namespace["set"])
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    from torch.nn.modules import module as module_globals
+
+    own = (
+        module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+        module._backward_pre_hooks, module._forward_hooks_with_kwargs, module._forward_pre_hooks_with_kwargs,
+    )
+    global_hooks = (
+        module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
+        module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks,
+    )
+    return any(map(bool, own + global_hooks))
 
 
 def _cached(module: nn.Module, name: str) -> torch.Tensor:

@@ -11,9 +11,9 @@ from torch.nn.utils import parametrize
 from paramfold.classes import prepared_class
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
-from paramfold.inline import chain_signature
+from paramfold.inline import REFS_PREFIX, chain_refs, chain_signature
 from paramfold.restore import restore, restore_module
-from paramfold.scope import STATE_ATTR, ModuleState
+from paramfold.runtime import STATE_ATTR, ModuleState, site_state
 from paramfold.sites import Site, find
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -80,7 +80,8 @@ def prepare(
 
     paths = _module_paths(model)
     sites = [s for s in find(model) if not _inside_parametrization(s.module_path)]
-    selected = [s for s in sites if _selected(filter_fn, s.module, s.module_path)]
+    chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
+    selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
         refuse_unfreezable(selected, "with mode='freeze'")
     for site in selected:
@@ -92,6 +93,9 @@ def prepare(
         for module, (state, cls) in states.items():
             module.__dict__[STATE_ATTR] = state
             applied.append(module)
+            for name, site in state.sites.items():
+                if site.mode == "inline":
+                    module.__dict__[REFS_PREFIX + name] = chain_refs(module, name)
             module.__class__ = cls
     except BaseException:
         for module in applied:
@@ -108,7 +112,7 @@ def prepared(model: nn.Module, mode: str = "auto", **kwargs) -> Iterator[nn.Modu
 
         >>> import torch, paramfold
         >>> from torch.nn.utils.parametrizations import orthogonal
-        >>> model = orthogonal(torch.nn.Linear(4, 4))
+        >>> model = orthogonal(torch.nn.Linear(4, 4)).requires_grad_(False)
         >>> with paramfold.prepared(model, "freeze") as m:
         ...     y = m(torch.randn(1, 4))
         >>> type(model).__name__
@@ -188,9 +192,7 @@ def _plan(
 
     for site in selected:
         hs = state(site.module)
-        hs.modes[site.tensor_name] = mode
-        hs.stateful[site.tensor_name] = site.stateful
-        hs.chain_lengths[site.tensor_name] = len(site.chain)
+        hs.sites[site.tensor_name] = site_state(site.module, site.tensor_name, mode, site.stateful)
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():
@@ -209,13 +211,15 @@ def _plan(
 
     planned = {}
     for module, st in states.items():
-        own = frozenset(st.modes)
+        own = frozenset(st.sites)
         if own:
             base = parametrize.type_before_parametrizations(module)
         else:
             # An entry that is parametrized but not selected keeps its stock per-instance class
             # as base, so its stock properties keep working.
             base = type(module)
-        inline = tuple(sorted((n, chain_signature(module, n)) for n, m in st.modes.items() if m == "inline"))
+        inline = tuple(
+            sorted((n, chain_signature(module, n)) for n, site in st.sites.items() if site.mode == "inline")
+        )
         planned[module] = (st, prepared_class(base, own, module is model, inline or None))
     return planned

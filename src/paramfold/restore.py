@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from paramfold.errors import FoldError
-from paramfold.scope import STATE_ATTR, state_of
+from paramfold.inline import REFS_PREFIX
+from paramfold.runtime import STATE_ATTR, state_of
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -44,8 +45,9 @@ def restore_module(module: nn.Module) -> None:
     state = module.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return
-    for name in state.modes:
+    for name in state.sites:
         module.__dict__.pop(name, None)
+        module.__dict__.pop(REFS_PREFIX + name, None)
     if state.detach_params:
         for name in module._parameters:
             module.__dict__.pop(name, None)

@@ -22,7 +22,6 @@ How each entry point reaches a scope:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import threading
@@ -33,33 +32,12 @@ import torch
 from torch import nn
 
 from paramfold.errors import FoldError
-from paramfold.freeze import FrozenValue, can_freeze, frozen_value
+from paramfold.freeze import can_freeze, frozen_value
 from paramfold.hoist import hoisted_value
+from paramfold.runtime import STATE_ATTR, SiteState
 
-STATE_ATTR = "_paramfold"
 _MODULE_CALL = nn.Module.__call__
 _tokens = itertools.count(1)
-
-
-@dataclasses.dataclass(eq=False)
-class ModuleState:
-    """What paramfold keeps on a prepared module (in its instance ``__dict__``)."""
-
-    original_class: type
-    #: tensor name -> "hoist" | "inline" | "freeze" | "auto", for this module's own sites.
-    modes: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: Stateful-chain flags for this module's own sites (used to decide auto/freeze).
-    stateful: dict[str, bool] = dataclasses.field(default_factory=dict)
-    #: Chain length of each own site at prepare time (generated inline getters rely on it).
-    chain_lengths: dict[str, int] = dataclasses.field(default_factory=dict)
-    frozen: dict[str, FrozenValue] = dataclasses.field(default_factory=dict)
-    #: Whether plain parameters of this module are detached under no_grad.
-    detach_params: bool = False
-    #: For entries: the modules with sites or detached parameters at or below this one.
-    holders: list[nn.Module] = dataclasses.field(default_factory=list)
-    #: For entries: every entry at or below this one (stamped when a scope opens here).
-    entries: list[nn.Module] = dataclasses.field(default_factory=list)
-    stamp: int = 0
 
 
 class _Scope(threading.local):
@@ -67,10 +45,6 @@ class _Scope(threading.local):
 
 
 _scope = _Scope()
-
-
-def state_of(module: nn.Module) -> ModuleState | None:
-    return module.__dict__.get(STATE_ATTR)
 
 
 def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
@@ -84,12 +58,12 @@ def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
         for holder in state.holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
-            if hs.modes:
-                _check_unchanged(holder, hs)
-            for name, mode in hs.modes.items():
-                if mode == "inline":
+            if hs.sites:
+                _check_unchanged(holder, hs.sites)
+            for name, site in hs.sites.items():
+                if site.mode == "inline":
                     continue
-                values[name] = _value(holder, name, mode, hs)
+                values[name] = _value(holder, name, site)
                 installed.append((values, name))
             if hs.detach_params and not grad:
                 for name, param in holder._parameters.items():
@@ -103,30 +77,34 @@ def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
     return previous, installed
 
 
-def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
+def _check_unchanged(holder: nn.Module, sites: dict[str, SiteState]) -> None:
     plists = holder._modules["parametrizations"]._modules
-    if plists.keys() != hs.modes.keys() or any(
-        len(plists[name]._modules) != length for name, length in hs.chain_lengths.items()
+    if plists.keys() != sites.keys() or any(
+        plists[name] is not site.plist
+        or len(site.plist._modules) != len(site.chain)
+        or any(a is not b for a, b in zip(site.chain, site.plist._modules.values()))
+        for name, site in sites.items()
     ):
         raise FoldError(
             f"parametrizations of a {type(holder).__name__} changed after paramfold.prepare "
-            "(registered or removed): call paramfold.restore(model), change them, then prepare again."
+            "(registered, removed or replaced): call paramfold.restore(model), change them, then "
+            "prepare again."
         )
 
 
-def _value(holder: nn.Module, name: str, mode: str, hs: ModuleState) -> torch.Tensor:
-    if mode == "hoist":
+def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor:
+    if site.mode == "hoist":
         return hoisted_value(holder, name)
-    frozen_ok = can_freeze(holder, name, hs.stateful[name])
-    if mode == "freeze" and not frozen_ok:
+    frozen_ok = can_freeze(site)
+    if site.mode == "freeze" and not frozen_ok:
         raise FoldError(
             f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now an original "
             "requires grad or its stateful chain is in training mode; frozen values would not "
             "train. Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
         )
     if frozen_ok:
-        return frozen_value(holder, name, hs.frozen)
-    hs.frozen.pop(name, None)
+        return frozen_value(holder, name, site)
+    site.frozen = None
     return hoisted_value(holder, name)
 
 
@@ -156,9 +134,6 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _close_scope(previous, installed)
 
 
-# Dynamo runs this frame eagerly when it is the first frame of torch.compile(model), and still
-# compiles the frames it calls (nn.Module.__call__ and the model's forward).
-torch._dynamo.eval_frame.skip_code(root_call.__code__)
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -185,3 +160,11 @@ def _set_compiled_call_impl(self: nn.Module, value: Callable | None) -> None:
 #: Installed on every entry class: ``layer.compile()`` stores the compiled callable through the
 #: setter (same ``__dict__`` slot as stock), and ``nn.Module.__call__`` reads it through the getter.
 compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
+
+# When one of these runs as a frame of its own under an active torch.compile (the root's
+# __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
+# eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
+# forward). Inlined into traced code they are traced as usual.
+for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl):
+    torch._dynamo.eval_frame.skip_code(_fn.__code__)
+del _fn

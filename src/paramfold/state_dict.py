@@ -40,5 +40,7 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 continue
             for site in by_prefix[prefix]:
                 if site.fqn not in plain:
-                    plain[site.fqn] = compute(site.module, site.tensor_name).detach()
+                    value = compute(site.module, site.tensor_name)
+                    # Under no_grad only an identity chain hands back the original itself.
+                    plain[site.fqn] = value.detach() if value.requires_grad else value
     return plain

@@ -1,0 +1,57 @@
+"""What paramfold keeps on a prepared module, in its instance ``__dict__`` under ``STATE_ATTR``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+STATE_ATTR = "_paramfold"
+
+
+@dataclasses.dataclass(eq=False)
+class FrozenValue:
+    fingerprint: tuple[tuple[int, int, int], ...]
+    value: torch.Tensor
+
+
+@dataclasses.dataclass(eq=False)
+class SiteState:
+    """One prepared tensor: how it is served, and where its inputs live (looked up once)."""
+
+    mode: str
+    stateful: bool
+    plist: nn.Module
+    chain: tuple[nn.Module, ...]
+    #: (dict, key) of each original, so reads see assign=True replacements.
+    originals: tuple[tuple[dict, str], ...]
+    #: Every ``_parameters``/``_buffers`` dict of the ParametrizationList and its members.
+    tensor_dicts: tuple[dict, ...]
+    frozen: FrozenValue | None = None
+
+
+def site_state(module: nn.Module, name: str, mode: str, stateful: bool) -> SiteState:
+    plist = module._modules["parametrizations"]._modules[name]
+    names = ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
+    originals = tuple((plist._parameters if n in plist._parameters else plist._buffers, n) for n in names)
+    dicts = tuple(d for m in plist.modules() for d in (m._parameters, m._buffers) if d)
+    return SiteState(mode, stateful, plist, tuple(plist._modules.values()), originals, dicts)
+
+
+@dataclasses.dataclass(eq=False)
+class ModuleState:
+    original_class: type
+    #: This module's own prepared tensors, by name.
+    sites: dict[str, SiteState] = dataclasses.field(default_factory=dict)
+    #: Whether plain parameters of this module are detached under no_grad.
+    detach_params: bool = False
+    #: For entries: the modules with sites or detached parameters at or below this one.
+    holders: list[nn.Module] = dataclasses.field(default_factory=list)
+    #: For entries: every entry at or below this one (stamped when a scope opens here).
+    entries: list[nn.Module] = dataclasses.field(default_factory=list)
+    stamp: int = 0
+
+
+def state_of(module: nn.Module) -> ModuleState | None:
+    return module.__dict__.get(STATE_ATTR)

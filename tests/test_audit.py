@@ -1,0 +1,432 @@
+"""paramfold audit: real checkpoints from real parametrized models, in every supported format.
+
+Each case builds a stock parametrized model, saves its state dict, audits it (JSON checked against the
+model itself), folds it and loads the folded file with strict=True into the unparametrized model,
+whose outputs must be bitwise equal to the stock parametrized model's (eval mode, CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn.utils import parametrize
+from typer.testing import CliRunner
+
+from paramfold.audit import audit_checkpoint, fold_checkpoint, load_factory
+from paramfold.checkpoint import CheckpointError
+from paramfold.cli import app
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:  # audit_models must be importable as a dotted --model MODULE too
+    sys.path.insert(0, str(TESTS))
+import audit_models  # noqa: E402
+SRC = TESTS.parent / "src"
+IN_FORMATS = ("pt", "nested", "safetensors", "sharded")
+FOLDABLE = ("weight_norm", "legacy_weight_norm", "spectral_norm", "fake_sparsity")
+NEEDS_MODEL = ("orthogonal", "torchao_subclass", "custom")
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def _stock(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The parametrized model with non-trivial state, in eval mode, and an input for it."""
+    factory, _, shape = audit_models.CASES[kind]
+    torch.manual_seed(0)
+    model = getattr(audit_models, factory)()
+    x = torch.randn(shape)
+    if kind == "spectral_norm":  # advance the power iteration, then step the weights past it
+        model.train()
+        for _ in range(2):
+            model(x)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype.is_floating_point:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("scale"):
+                b.fill_(0.75)
+    return model.eval(), x
+
+
+def _plain(kind: str) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return audit_models.CASES[kind][1]().eval()
+
+
+def _save(sd: dict[str, torch.Tensor], fmt: str, folder: Path) -> Path:
+    sd = {k: v.detach().contiguous() for k, v in sd.items()}
+    if fmt == "pt":
+        torch.save(sd, folder / "model.pt")
+        return folder / "model.pt"
+    if fmt == "nested":
+        ckpt = {"epoch": 3, "model": sd, "optimizer": {"param_groups": [{"lr": 0.1}]}}
+        torch.save(ckpt, folder / "train.pth")
+        return folder / "train.pth"
+    if fmt == "safetensors":
+        save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder / "model.safetensors"
+    shard = folder / "sharded"
+    shard.mkdir()
+    keys = list(sd)
+    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, ks in halves.items():
+        save_file({k: sd[k] for k in ks}, shard / name)
+    weight_map = {k: name for name, ks in halves.items() for k in ks}
+    (shard / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return shard
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path) if path.suffix == ".safetensors" else torch.load(path, weights_only=True)
+
+
+def _expected_sites(model: torch.nn.Module) -> dict[tuple[str, str], dict]:
+    """What the audit must report, read off the live model."""
+    exp = {}
+    for path, mod in model.named_modules():
+        if parametrize.is_parametrized(mod):
+            for tensor, plist in mod.parametrizations.items():
+                sd = plist.state_dict()
+                info = {k: {"shape": list(v.shape), "dtype": str(v.dtype)[6:]} for k, v in sd.items()}
+                exp[(path, tensor)] = {
+                    "originals": {k: v for k, v in info.items() if k.startswith("original")},
+                    "state": {k: v for k, v in info.items() if not k.startswith("original")},
+                    "dim": getattr(plist[0], "dim", None),
+                    "value": getattr(mod, tensor),
+                }
+        if hasattr(mod, "weight_g") and hasattr(mod, "weight_v"):  # legacy weight_norm hook
+            g, v = mod.weight_g, mod.weight_v
+            exp[(path, "weight")] = {
+                "originals": {n: {"shape": list(t.shape), "dtype": str(t.dtype)[6:]} for n, t in (("weight_g", g), ("weight_v", v))},
+                "state": {},
+                "dim": next(h.dim for h in mod._forward_pre_hooks.values() if hasattr(h, "dim")),
+                "value": mod.weight,
+            }
+    return exp
+
+
+def _check_report(doc: dict, model: torch.nn.Module, kind: str) -> None:
+    exp = _expected_sites(model)
+    assert exp, "the stock model has no parametrization"
+    got = {(s["module"], s["tensor"]): s for s in doc["sites"]}
+    assert set(got) == set(exp)
+    want_kind = "weight_norm" if kind == "legacy_weight_norm" else kind
+    for key, e in exp.items():
+        s = got[key]
+        assert s["kind"] == want_kind
+        assert s["originals"] == e["originals"] and s["state"] == e["state"]
+        assert s["foldable"] == (kind in FOLDABLE)
+        assert s["bytes"]["originals"] == sum(
+            torch.Size(o["shape"]).numel() * torch.empty((), dtype=getattr(torch, o["dtype"])).element_size()
+            for o in e["originals"].values()
+        )
+        if want_kind in ("weight_norm", "spectral_norm"):
+            dim = s["params"]["dim"]
+            assert dim == e["dim"] or (dim is None and e["dim"] in s["params"]["dim_candidates"])
+    plain = [k for k in model.state_dict() if ".parametrizations." not in f".{k}" and not k.endswith(("_g", "_v"))]
+    assert doc["plain_tensors"] == len(plain)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, also for tensor subclasses (compared through their flattened pieces)."""
+    if type(a) is not type(b):
+        return False
+    if hasattr(a, "__tensor_flatten__"):
+        (names_a, meta_a), (names_b, meta_b) = a.__tensor_flatten__(), b.__tensor_flatten__()
+        return names_a == names_b and meta_a == meta_b and all(_same_tensor(getattr(a, n), getattr(b, n)) for n in names_a)
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _check_folded(out: Path, stock: torch.nn.Module, x: torch.Tensor, kind: str) -> None:
+    folded = _load(out)
+    plain = _plain(kind)
+    plain.load_state_dict(folded, strict=True)
+    with torch.no_grad():
+        want = stock(x)  # first: the legacy weight_norm hook refreshes module.weight in forward
+        contiguous = True
+        for (path, tensor), e in _expected_sites(stock).items():
+            key = f"{path}.{tensor}" if path else tensor
+            assert _same_tensor(folded[key], e["value"]), key
+            contiguous &= e["value"].is_contiguous()
+        if contiguous:
+            assert torch.equal(plain(x), want)
+        else:
+            # orthogonal returns a transposed (non-contiguous) weight for wide matrices; a state dict
+            # stores values, not strides, and F.linear rounds differently on the other layout. The
+            # values are bitwise equal (above); outputs agree to float32 rounding.
+            torch.testing.assert_close(plain(x), want, rtol=1e-6, atol=1e-6)
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(app, ["audit", *args])
+
+
+# -- every kind, every input format ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", IN_FORMATS)
+@pytest.mark.parametrize("kind", FOLDABLE)
+def test_audit_and_fold_from_keys_is_bitwise_equal(tmp_path, kind, fmt):
+    stock, x = _stock(kind)
+    src = _save(stock.state_dict(), fmt, tmp_path)
+
+    res = _cli(str(src), "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["path"] == str(src if fmt != "sharded" else src / "model.safetensors.index.json")
+    assert doc["format"] == {"nested": "pt", "sharded": "sharded-safetensors"}.get(fmt, fmt)
+    _check_report(doc, stock, kind)
+    assert doc == audit_checkpoint(src).to_dict()
+
+    if kind == "fake_sparsity":  # the masks really zero something
+        assert any(not bool(v.all()) for k, v in stock.state_dict().items() if k.endswith("mask"))
+    for suffix in (".safetensors", ".pt"):
+        out = tmp_path / f"folded{suffix}"
+        result = fold_checkpoint(src, out)
+        assert (result.via, result.sites) == ("keys", len(doc["sites"]))
+        _check_folded(out, stock, x, kind)
+
+
+@pytest.mark.parametrize("fmt", ("pt", "safetensors"))
+@pytest.mark.parametrize("kind", NEEDS_MODEL)
+def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kind, fmt):
+    stock, x = _stock(kind)
+    src = _save(stock.state_dict(), fmt, tmp_path)
+    report = audit_checkpoint(src)
+    _check_report(report.to_dict(), stock, kind)
+
+    out = tmp_path / "folded.pt"
+    res = _cli(str(src), "--fold-out", str(out))
+    assert res.exit_code == 1
+    assert res.stderr.count("\n") == 1 and "--model MODULE:FACTORY" in res.stderr and kind in res.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name])
+
+    factory = audit_models.CASES[kind][0]
+    spec = f"audit_models:{factory}" if fmt == "pt" else f"{TESTS / 'audit_models.py'}:{factory}"
+    res = _cli(str(src), "--fold-out", str(out), "--model", spec)
+    assert res.exit_code == 0, res.stderr
+    assert "materialised by the model" in res.stdout
+    _check_folded(out, stock, x, kind)
+
+    st_out = tmp_path / "folded.safetensors"
+    if kind == "torchao_subclass":
+        # Int8Tensor is a tensor subclass: only .pt can hold it.
+        with pytest.raises(CheckpointError, match="tensor subclass.*write the folded checkpoint to a .pt"):
+            fold_checkpoint(src, st_out, model_factory=spec)
+        assert not st_out.exists()
+    else:
+        fold_checkpoint(src, st_out, model_factory=getattr(audit_models, factory))
+        _check_folded(st_out, stock, x, kind)
+
+
+def test_table_output_names_every_site_and_summarises(tmp_path):
+    stock, _ = _stock("spectral_norm")
+    src = _save(stock.state_dict(), "nested", tmp_path)
+    res = _cli(str(src))
+    assert res.exit_code == 0
+    for path in ("0", "1", "3"):
+        assert f"│ {path} " in res.stdout
+    assert "(under 'model')" in res.stdout and "[pt]" in res.stdout
+    assert "3 parametrized sites (spectral_norm 3)" in " ".join(res.stdout.split())
+    assert "foldable from keys alone" in " ".join(res.stdout.split())
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def _evil_pickle(path: Path, payload) -> None:
+    class Evil:
+        def __reduce__(self):
+            return payload
+
+    torch.save({"weight": torch.zeros(2), "evil": Evil()}, path)
+
+
+def test_pickle_that_runs_code_is_refused_not_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    # The payloads really run code when unpickled the unsafe way.
+    probe = tmp_path / "probe.pt"
+    _evil_pickle(probe, (open, (str(tmp_path / "probe-ran"), "w")))
+    torch.load(probe, weights_only=False)
+    assert (tmp_path / "probe-ran").exists()
+
+    system_pt, open_pt = tmp_path / "system.pt", tmp_path / "open.pt"
+    _evil_pickle(system_pt, (os.system, (f"touch {marker}",)))
+    _evil_pickle(open_pt, (open, (str(marker), "w")))
+
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "paramfold.cli", "audit", str(system_pt), "--fold-out", str(tmp_path / "o.pt")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "refused to unpickle" in proc.stderr and "system" in proc.stderr
+
+    res = _cli(str(open_pt))
+    assert res.exit_code == 1 and "refused to unpickle" in res.stderr and "open" in res.stderr
+    assert not marker.exists() and not (tmp_path / "o.pt").exists()
+
+
+def _truncate(path: Path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _bad_args(case: str, d: Path, src: dict[str, Path]) -> list[str]:
+    fold = ["--fold-out", str(d / "o.pt")]
+    if case == "missing":
+        return [str(d / "missing.pt")]
+    if case == "unsupported":
+        (d / "w.onnx").write_bytes(b"\0")
+        return [str(d / "w.onnx")]
+    if case == "truncated_pt":
+        _truncate(src["pt"], 0.6)
+        return [str(src["pt"])]
+    if case == "truncated_st":
+        _truncate(src["st"], 0.9)
+        return [str(src["st"])]
+    if case == "out_folder_missing":
+        return [str(src["pt"]), "--fold-out", str(d / "no" / "o.pt")]
+    if case == "out_format":
+        return [str(src["pt"]), "--fold-out", str(d / "o.gguf")]
+    if case == "model_without_out":
+        return [str(src["pt"]), "--model", "audit_models:custom_net"]
+    if case == "model_spec":
+        return [str(src["pt"]), *fold, "--model", "nocolon"]
+    if case == "model_import":
+        return [str(src["pt"]), *fold, "--model", "no_such_mod_xyz:f"]
+    if case == "model_mismatch":
+        return [str(src["pt"]), *fold, "--model", "audit_models:custom_net"]
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, code, message",
+    [
+        ("missing", 2, "no such file"),
+        ("unsupported", 2, "unsupported checkpoint format"),
+        ("truncated_pt", 1, "truncated or corrupt"),
+        ("truncated_st", 1, "not a valid safetensors file"),
+        ("out_folder_missing", 2, "does not exist"),
+        ("out_format", 2, "unsupported output format"),
+        ("model_without_out", 2, "only applies together with --fold-out"),
+        ("model_spec", 2, "expected MODULE:FACTORY"),
+        ("model_import", 2, "cannot import"),
+        ("model_mismatch", 1, "does not fit the model"),
+    ],
+)
+def test_bad_input_gets_one_line_and_no_output(tmp_path, case, code, message):
+    stock, _ = _stock("weight_norm")
+    src = {"pt": _save(stock.state_dict(), "pt", tmp_path), "st": _save(stock.state_dict(), "safetensors", tmp_path)}
+    args = _bad_args(case, tmp_path, src)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    res = _cli(*args)
+    assert res.exit_code == code, res.output
+    assert res.stderr.startswith("paramfold audit: error:") and res.stderr.count("\n") == 1
+    assert message in res.stderr and "Traceback" not in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
+    stock, _ = _stock("weight_norm")
+    src = _save(stock.state_dict(), "safetensors", tmp_path)
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"previous")
+    import paramfold.audit as audit_mod
+
+    real = audit_mod._fold_site
+    calls = []
+
+    def flaky(ckpt, site):
+        calls.append(site.key)
+        if len(calls) == 2:
+            raise RuntimeError("disk on fire")
+        return real(ckpt, site)
+
+    monkeypatch.setattr(audit_mod, "_fold_site", flaky)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        fold_checkpoint(src, out)
+    assert out.read_bytes() == b"previous"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "out.safetensors"]
+
+
+def test_load_factory_reports_a_factory_error_in_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("def build():\n    raise ValueError('no GPU here')\n")
+    stock, _ = _stock("weight_norm")
+    src = _save(stock.state_dict(), "pt", tmp_path)
+    with pytest.raises(CheckpointError, match="the factory raised ValueError: no GPU here"):
+        fold_checkpoint(src, tmp_path / "o.pt", model_factory=f"{tmp_path / 'broken.py'}:build")
+    assert load_factory("torch.nn:Identity")().__class__ is torch.nn.Identity
+
+
+# -- large files ---------------------------------------------------------------------------------------
+
+_PEAK = textwrap.dedent(
+    """
+    import sys
+    from paramfold.audit import audit_checkpoint, fold_checkpoint
+    action, paths = sys.argv[1], sys.argv[2:]
+    for p in paths:
+        if action == "audit":
+            r = audit_checkpoint(p)
+            assert len(r.sites) == 1 and r.plain_tensors > 0, r
+        else:
+            fold_checkpoint(p, p + ".folded" + (".pt" if p.endswith(".pt") else ".safetensors"))
+    # VmHWM: peak RSS of this process image. (ru_maxrss would also count the parent's RSS at fork.)
+    status = open("/proc/self/status").read()
+    print(int(next(l.split()[1] for l in status.splitlines() if l.startswith("VmHWM:"))) * 1024)
+    """
+)
+
+
+def _peak_rss(action: str, *paths: Path) -> int:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK, action, *map(str, paths)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak RSS is read from /proc (Linux)")
+def test_large_checkpoints_are_audited_and_folded_without_loading_them(tmp_path):
+    # ~300 MB: 18 tensors of 16 MiB plus one weight_norm site on a 16 MiB v.
+    n, rows = 18, 1024
+    sd = {f"blocks.{i}.weight": torch.full((rows, 4096), float(i)) for i in range(n)}
+    sd["head.parametrizations.weight.original0"] = torch.ones(rows, 1)
+    sd["head.parametrizations.weight.original1"] = torch.full((rows, 4096), 2.0)
+    big_st, big_pt = tmp_path / "big.safetensors", tmp_path / "big.pt"
+    save_file(sd, big_st)
+    torch.save(sd, big_pt)
+    del sd
+    tiny = tmp_path / "tiny.safetensors"
+    save_file({"a.weight": torch.ones(2, 2), "h.parametrizations.weight.original0": torch.ones(2, 1),
+               "h.parametrizations.weight.original1": torch.ones(2, 2)}, tiny)
+    size = big_st.stat().st_size
+    assert size > 290 * 2**20 and big_pt.stat().st_size > 290 * 2**20
+
+    baseline = max(_peak_rss("audit", tiny), _peak_rss("fold", tiny))
+    audit_peak = _peak_rss("audit", big_st, big_pt)
+    fold_st, fold_pt = _peak_rss("fold", big_st), _peak_rss("fold", big_pt)
+    print(f"file {size / 2**20:.0f} MiB; peak RSS over baseline {baseline / 2**20:.0f} MiB: audit "
+          f"{(audit_peak - baseline) / 2**20:.0f} MiB, fold safetensors {(fold_st - baseline) / 2**20:.0f} MiB, "
+          f"fold pt {(fold_pt - baseline) / 2**20:.0f} MiB")
+    assert audit_peak - baseline < 0.05 * size
+    assert fold_st - baseline < 0.4 * size and fold_pt - baseline < 0.4 * size
+
+    folded = load_file(str(big_st) + ".folded.safetensors")
+    assert torch.equal(folded["head.weight"], torch._weight_norm(torch.full((rows, 4096), 2.0), torch.ones(rows, 1), 0))
+    assert torch.equal(folded["blocks.7.weight"], torch.full((rows, 4096), 7.0))
+    del folded
+    folded_pt = torch.load(str(big_pt) + ".folded.pt", weights_only=True, mmap=True)
+    assert list(folded_pt) == [f"blocks.{i}.weight" for i in range(n)] + ["head.weight"]

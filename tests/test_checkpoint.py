@@ -1,0 +1,160 @@
+"""paramfold.checkpoint: lazy safe reading and atomic streaming writing, checked against torch/safetensors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from paramfold.checkpoint import CheckpointError, TensorInfo, open_checkpoint, write_checkpoint, write_state_dict
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(4, 2, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(7, generator=g).to(torch.float16),
+        "i64": torch.arange(6).view(2, 3),
+        "i8": torch.randint(-128, 127, (5, 4), dtype=torch.int8, generator=g),
+        "bool": torch.rand(3, 3, generator=g) > 0.5,
+        "f8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "transposed": torch.randn(4, 6, generator=g).t(),
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_write_then_read_back_with_torch_safetensors_and_paramfold(tmp_path, suffix):
+    sd = _tensors()
+    out = tmp_path / f"all{suffix}"
+    nbytes = write_state_dict(out, sd)
+    assert nbytes == sum(t.numel() * t.element_size() for t in sd.values())
+    if suffix == ".pt":
+        for kwargs in ({}, {"mmap": True}):
+            loaded = torch.load(out, weights_only=True, **kwargs)
+            assert list(loaded) == list(sd) and all(_same(loaded[k], sd[k]) for k in sd)
+    else:
+        loaded = load_file(out)
+        assert set(loaded) == set(sd) and all(_same(loaded[k], sd[k]) for k in sd)
+    with open_checkpoint(out) as ckpt:
+        assert ckpt.keys() == list(sd)
+        for k, t in sd.items():
+            assert ckpt.info(k) == TensorInfo.of(t)
+            assert _same(ckpt.read(k), t)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_reads_views_and_shared_storages_saved_by_torch(tmp_path):
+    base = torch.randn(10, 10)
+    sd = {"rows": base[2:5], "col": base[:, 3], "t": base.t(), "full": base, "elem": base[4, 4]}
+    torch.save(sd, tmp_path / "views.pt")
+    with open_checkpoint(tmp_path / "views.pt") as ckpt:
+        for k, t in sd.items():
+            got = ckpt.read(k)
+            assert torch.equal(got, t) and got.is_contiguous()
+            assert got.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_nested_training_checkpoint_and_sharded_folder(tmp_path):
+    sd = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3), "b.weight": torch.randn(2, 3)}
+    torch.save({"epoch": 7, "model": sd, "optimizer": {"param_groups": [{"lr": 0.1}]}}, tmp_path / "train.pth")
+    with open_checkpoint(tmp_path / "train.pth") as ckpt:
+        assert (ckpt.format, ckpt.root) == ("pt", "model")
+        assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"a.weight": sd["a.weight"]}, folder / "model-00001-of-00002.safetensors")
+    save_file({"a.bias": sd["a.bias"], "b.weight": sd["b.weight"]}, folder / "model-00002-of-00002.safetensors")
+    weight_map = {"a.weight": "model-00001-of-00002.safetensors"} | {
+        k: "model-00002-of-00002.safetensors" for k in ("a.bias", "b.weight")
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for path in (folder, folder / "model.safetensors.index.json"):
+        with open_checkpoint(path) as ckpt:
+            assert ckpt.format == "sharded-safetensors" and ckpt.keys() == list(weight_map)
+            assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="shard 'model-00002-of-00002.safetensors' named by the index is missing"):
+        open_checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    "make, match, code",
+    [
+        (lambda p: None, "no such file", 2),
+        (lambda p: p.with_suffix(".onnx").write_bytes(b"x"), "unsupported checkpoint format", 2),
+        (lambda p: p.with_suffix(".pt").write_bytes(b"PK\x03\x04" + b"\0" * 64), "truncated or corrupt", 1),
+        (lambda p: p.with_suffix(".pt").write_bytes(b"not a zip, not a pickle"), "not a plain weights-only pickle", 1),
+        (lambda p: p.with_suffix(".safetensors").write_bytes(b"\xff" * 16), "not a valid safetensors file", 1),
+    ],
+)
+def test_bad_inputs_raise_one_line_errors(tmp_path, make, match, code):
+    p = tmp_path / "bad"
+    make(p)
+    target = next(iter(tmp_path.iterdir()), p)
+    with pytest.raises(CheckpointError, match=match) as info:
+        open_checkpoint(target)
+    assert info.value.exit_code == code and "\n" not in str(info.value)
+
+
+def test_failed_write_leaves_nothing_and_keeps_the_old_file(tmp_path):
+    out = tmp_path / "out.safetensors"
+    write_state_dict(out, {"old": torch.ones(2)})
+    before = out.read_bytes()
+
+    def produce():
+        yield "a", torch.zeros(3)
+        raise RuntimeError("boom")
+
+    specs = {"a": TensorInfo((3,), torch.float32), "b": TensorInfo((3,), torch.float32)}
+    for target in (out, tmp_path / "new.pt"):
+        with pytest.raises(RuntimeError, match="boom"):
+            write_checkpoint(target, specs, produce())
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]
+
+
+def test_output_in_missing_folder_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist") as info:
+        write_state_dict(tmp_path / "nope" / "x.pt", {"a": torch.ones(1)})
+    assert info.value.exit_code == 2
+
+
+def test_legacy_non_zip_pt_and_sharded_bin_index(tmp_path):
+    sd = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(2, 3)}
+    torch.save(sd, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with open_checkpoint(tmp_path / "legacy.pt") as ckpt:
+        assert ckpt.keys() == list(sd) and all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    torch.save({"a.weight": sd["a.weight"]}, folder / "pytorch_model-00001-of-00002.bin")
+    torch.save({"b.weight": sd["b.weight"]}, folder / "pytorch_model-00002-of-00002.bin")
+    weight_map = {"a.weight": "pytorch_model-00001-of-00002.bin", "b.weight": "pytorch_model-00002-of-00002.bin"}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with open_checkpoint(folder) as ckpt:
+        assert ckpt.format == "sharded-pt"
+        assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+
+def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    quantize_(model, Int8WeightOnlyConfig())
+    torch.save(model.state_dict(), tmp_path / "q.pt")
+    with pytest.raises(CheckpointError, match="'0.weight' is a Int8Tensor .*unwrap_tensor_subclass"):
+        open_checkpoint(tmp_path / "q.pt")

@@ -1,0 +1,65 @@
+"""The examples run as they are, and the RLHF recipe's graph counts hold (deterministic, not timed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rlhf():
+    example = _load("rlhf_four_models")
+    stock = example.scenario(recipe=False, n_layers=2)
+    recipe = example.scenario(recipe=True, n_layers=2)
+    torch._dynamo.reset()
+    return stock, recipe
+
+
+def test_rlhf_stock_recompiles_with_the_seed_causes(rlhf):
+    stock, _ = rlhf
+    (fn,) = [f for f in stock.report.graphs_per_function() if f.startswith("forward")]
+    assert stock.report.graphs_per_function()[fn] == 5
+    assert stock.report.recompiles_per_function()[fn] == 4
+    assert [r.cause for r in stock.report.recompiles] == ["shape", "shape", "requires_grad", "grad_mode"]
+
+
+def test_rlhf_recipe_leaves_only_the_unavoidable_graphs(rlhf):
+    _, recipe = rlhf
+    assert recipe.layer_graphs == 3
+    assert [r.cause for r in recipe.report.recompiles] == ["shape", "grad_mode"]
+    assert not recipe.report.limit_hit
+
+
+def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
+    stock, recipe = rlhf
+    assert stock.outputs.keys() == recipe.outputs.keys()
+    for key in stock.outputs:
+        assert torch.equal(stock.outputs[key], recipe.outputs[key]), key
+    for key in stock.grads:
+        assert torch.equal(stock.grads[key], recipe.grads[key]), key
+
+
+@pytest.mark.parametrize("script, args", [("rlhf_four_models.py", ["--layers", "1"])])
+def test_example_scripts_run_as_they_are(script, args):
+    env = {**os.environ, "COLUMNS": "120"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Layer.forward graphs: stock 5, recipe 3" in done.stdout

@@ -1,0 +1,382 @@
+"""paramfold.recompiles: each category caused for real, on torch's own output (backend="eager")."""
+
+from __future__ import annotations
+
+import doctest
+import json
+import logging
+import sys
+import textwrap
+
+import pytest
+import torch
+import typer
+from rich.console import Console
+from torch import nn
+from typer.testing import CliRunner
+
+from paramfold.cli import app
+from paramfold.recompiles import (
+    CATEGORIES,
+    FIXES,
+    RecompileLimitError,
+    RecompileLimitWarning,
+    recompiles,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compile(fn):
+    return torch.compile(fn, backend="eager")
+
+
+def _torch_reasons(fn) -> list[str]:
+    """The guard-failure strings torch itself stored for ``fn`` (dynamo.utils.guard_failures)."""
+    code = getattr(fn, "__code__", None) or fn.forward.__code__
+    return list(torch._dynamo.utils.guard_failures[code])
+
+
+def _text(report) -> str:
+    console = Console(width=200, record=True, file=open("/dev/null", "w"))
+    console.print(report)
+    return console.export_text()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16, dropout: bool = True) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.drop = nn.Dropout(0.0) if dropout else nn.Identity()  # Dropout reads self.training
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.relu(self.proj(x)))
+
+
+def test_shape_size_change_and_automatic_dynamic():
+    def f(x):
+        return x.sin() + 1
+
+    cf = _compile(f)
+    with recompiles() as report:
+        # 8 -> 1 (size 1 is specialised), 1 -> 9 (the dim becomes dynamic), 10 reuses that graph
+        for n in (8, 1, 9, 10):
+            cf(torch.randn(2, n))
+    kinds = [r.kind for r in report.records]
+    assert kinds == ["first compile", "recompile", "recompile"]
+    assert report.graphs_per_function() == {report.records[0].location: 3}
+    assert report.graphs_total == 3
+
+    to_one, to_nine = report.records[1], report.records[2]
+    assert to_one.cause == "shape" and to_nine.cause == "shape"
+    g = to_one.failed_guards[0]
+    assert "size mismatch at index 1" in g.guard and (g.tensor, g.dim) == ("x", 1)
+    assert "mark_unbacked(x, 1)" in g.fix  # size 1: specialised unless marked unbacked
+    assert all(g.category == "shape" and g.dim == 1 for g in to_nine.failed_guards)
+    assert "torch._dynamo.mark_dynamic(x, 1)" in to_nine.failed_guards[0].fix
+    assert to_nine.dynamic == ["x.size()[1]"]  # torch's automatic dynamic kicked in
+    ours = sorted(g.reason for r in report.records for g in r.failed_guards)
+    assert ours == sorted(_torch_reasons(f))
+
+    # Once dynamic, a size-1 input fails the symbolic guard "2 <= x.size()[1]" (0/1 specialisation).
+    torch._dynamo.reset()
+    with recompiles() as report:
+        for n in (8, 9, 1):
+            cf(torch.randn(2, n))
+    symbolic = [g for g in report.records[-1].failed_guards if ".size()[1]" in g.guard]
+    assert symbolic and all(g.category == "shape" and g.dim == 1 for g in symbolic)
+    assert "mark_unbacked(x, 1)" in symbolic[0].fix
+
+
+def test_requires_grad_frozen_vs_trainable_under_no_grad():
+    torch.manual_seed(0)
+    trainable, frozen = Block(), Block()
+    frozen.requires_grad_(False)
+    trainable.compile(backend="eager")
+    frozen.compile(backend="eager")
+    with recompiles() as report, torch.no_grad():
+        trainable(torch.randn(4, 16))
+        frozen(torch.randn(4, 16))
+    assert [r.cause for r in report.records] == [None, "requires_grad"]
+    g = report.records[1].failed_guards[0]
+    assert "requires_grad mismatch" in g.guard and "._parameters[" in g.tensor
+    assert g.fix == FIXES["requires_grad"] and "paramfold.prepare(" in g.fix
+    assert [g.reason for g in report.records[1].failed_guards] == _torch_reasons(Block)
+
+    # An input that requires grad in one call and not in the next: same category, input fix.
+    cf = _compile(lambda x: x * 2)
+    with recompiles() as report:
+        cf(torch.ones(3))
+        cf(torch.ones(3, requires_grad=True))
+    g = report.records[1].failed_guards[0]
+    assert (g.category, g.tensor) == ("requires_grad", "x") and "input x requires grad" in g.fix
+
+
+def test_training_vs_eval():
+    block = Block()
+    block.compile(backend="eager")
+    x = torch.randn(4, 16)
+    with recompiles() as report:
+        block(x)
+        block.eval()
+        block(x)
+    rec = report.records[1]
+    assert rec.cause == "training"
+    g = rec.failed_guards[0]
+    assert ".training" in g.guard and g.tensor == "self._modules['drop']"
+    assert "same train/eval mode" in g.fix and "self._modules['drop'].training" in g.fix
+
+
+def test_grad_mode_is_reported_as_unavoidable():
+    def f(x):
+        return x * 2
+
+    cf = _compile(f)
+    x = torch.randn(3, requires_grad=True)
+    with recompiles() as report:
+        with torch.no_grad():
+            cf(x)
+        cf(x)
+    rec = report.records[1]
+    assert rec.cause == "grad_mode"
+    assert "GLOBAL_STATE changed: grad_mode" in rec.failed_guards[0].guard
+    assert rec.failed_guards[0].fix.startswith("unavoidable")
+    assert [g.reason for g in rec.failed_guards] == _torch_reasons(f)
+
+
+def test_dtype():
+    def f(x):
+        return x + 1
+
+    cf = _compile(f)
+    with recompiles() as report:
+        cf(torch.ones(3))
+        cf(torch.ones(3, dtype=torch.float64))
+    g = report.records[1].failed_guards[0]
+    assert report.records[1].cause == "dtype/device" and "dtype mismatch" in g.guard
+    assert g.tensor == "x" and "Double" in g.fix and "Float" in g.fix
+
+
+_ACT = torch.sin
+
+
+def _uses_global(x):
+    return _ACT(x)
+
+
+def _calls_module(m, x):
+    return m(x)
+
+
+def test_object_identity_id_match_and_type_match():
+    global _ACT
+    cf, cm = _compile(_uses_global), _compile(_calls_module)
+    try:
+        with recompiles() as report:
+            cf(torch.randn(3))
+            _ACT = torch.cos  # ID_MATCH on the global fails
+            cf(torch.randn(3))
+            cm(nn.ReLU(), torch.randn(3))
+            cm(nn.GELU(), torch.randn(3))  # TYPE_MATCH on the module argument fails
+    finally:
+        _ACT = torch.sin
+    recs = report.recompiles
+    assert [r.cause for r in recs] == ["id/object identity", "id/object identity"]
+    assert "___check_obj_id(G['_ACT']" in recs[0].failed_guards[0].guard
+    assert recs[0].failed_guards[0].tensor == "G['_ACT']"
+    assert "___check_type_id(m," in recs[1].failed_guards[0].guard
+    assert recs[1].failed_guards[0].tensor == "m"
+    assert "m is a different object" in recs[1].failed_guards[0].fix
+
+
+def test_other_python_constant():
+    def f(x, n):
+        return x * n
+
+    cf = _compile(f)
+    with recompiles() as report:
+        cf(torch.ones(3), 2)
+        cf(torch.ones(3), 3)
+    g = report.records[1].failed_guards[0]
+    assert report.records[1].cause == "other" and g.guard.startswith("n == 2")
+    assert "(n == 2)" in g.fix
+
+
+def test_recompile_limit_hit_is_loud():
+    def f(x):
+        return x + 1
+
+    cf = _compile(f)
+    dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        with pytest.warns(RecompileLimitWarning, match="recompile_limit"):
+            with recompiles() as report:
+                for dtype in dtypes:
+                    cf(torch.ones(3, dtype=dtype))
+                cf(torch.ones(3, dtype=torch.float16))  # runs eager from now on: no new record
+    assert [r.kind for r in report.records] == ["first compile", "recompile", "limit hit"]
+    hit = report.limit_hits[0]
+    assert (hit.function, hit.limit_type, hit.limit, hit.graphs) == ("f", "recompile_limit", 2, 0)
+    assert hit.cause == "limit hit" and hit.categories == ["dtype/device", "limit hit"]
+    assert "torch._dynamo.config.recompile_limit" in hit.fix
+    data = json.loads(report.to_json())
+    assert data["limit_hit"] is True and data["functions"][0]["limit_hit"] is True
+    assert "RECOMPILE LIMIT HIT" in _text(report)
+
+    # strict=True raises; and the hit is found from the compile metrics alone when dynamo's own
+    # warning is silenced.
+    torch._dynamo.reset()
+    torch._logging.set_logs(dynamo=logging.ERROR)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            with pytest.raises(RecompileLimitError, match=r"compiling f \(.*recompile_limit=1 "):
+                with recompiles(strict=True) as report:
+                    cf(torch.ones(3))
+                    cf(torch.ones(3, dtype=torch.float64))
+    finally:
+        torch._logging.set_logs()
+    assert [r.kind for r in report.records] == ["first compile", "limit hit"]
+
+
+def _two_breaks(x):
+    x = x + 1
+    torch._dynamo.graph_break()  # an explicit graph break
+    y = x * 2
+    if y.sum() > 0:  # a data-dependent branch (not in counters["graph_break"])
+        return y
+    return y - 1
+
+
+def test_graph_breaks_counted_and_json_round_trip():
+    import inspect
+
+    first = inspect.getsourcelines(_two_breaks)[1]
+    cf = _compile(_two_breaks)
+    with recompiles() as report:
+        cf(torch.ones(3))
+    assert report.graph_breaks == 2
+    where = [b.split(": ", 1)[0] for r in report.records for b in r.graph_breaks]
+    assert [w.rsplit(":", 1)[1] for w in where] == [str(first + 2), str(first + 4)]
+    assert all(w.startswith("at ") and "test_recompiles.py" in w for w in where)
+    assert report.graphs_total == sum(report.graphs_per_function().values()) >= 2
+    data = json.loads(report.to_json())
+    assert data["graphs"] == report.graphs_total
+    assert data["graph_breaks"] == 2 and data["recompiles"] == 0
+    assert {r["compile_id"] for r in data["records"]} == {r.compile_id for r in report.records}
+    assert set(data["causes"]) <= set(CATEGORIES)
+
+
+def test_only_the_block_is_recorded_and_logging_is_restored():
+    from torch._logging._internal import trace_log
+
+    cf = _compile(lambda x: x - 1)
+    cf(torch.ones(3))  # compiled before the block
+    handlers, level = list(trace_log.handlers), trace_log.level
+    cf_logger = logging.getLogger("torch._dynamo.convert_frame")
+    cf_handlers = list(cf_logger.handlers)
+    with recompiles() as report:
+        cf(torch.ones(3))
+        cf(torch.ones(3, dtype=torch.float64))
+    assert [r.kind for r in report.records] == ["recompile"]
+    assert report.records[0].compile_id == "0/1"
+    assert trace_log.handlers == handlers and trace_log.level == level
+    assert cf_logger.handlers == cf_handlers
+
+
+def test_seed000_layerwise_rlhf_counts():
+    """Seed 000 in miniature: four same-architecture models, each layer compiled on its own."""
+    torch.manual_seed(0)
+    models = [
+        nn.Sequential(nn.Embedding(128, 64), Block(64, dropout=False), Block(64, dropout=False))
+        for _ in range(4)
+    ]
+    policy, value, reference, reward = models
+    for frozen in (reference, reward):
+        frozen.eval().requires_grad_(False)
+    for m in models:
+        for layer in m:
+            layer.compile(backend="eager")
+    tokens = {n: torch.ones(1, n, dtype=torch.long) for n in (64, 1, 68, 66)}
+    with recompiles() as report:
+        with torch.no_grad():
+            policy(tokens[64])
+            for _ in range(4):
+                policy(tokens[1])
+            reference(tokens[68])
+            value(tokens[68])
+            reward(tokens[66])
+        (policy(tokens[64]).mean() + value(tokens[68]).mean()).backward()
+    (loc,) = report.graphs_per_function()
+    assert report.graphs_per_function()[loc] == 5 and len(report.recompiles) == 4
+    assert [r.cause for r in report.recompiles] == ["shape", "shape", "requires_grad", "grad_mode"]
+
+
+def _cli(args: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``paramfold ARGS``, run in this process."""
+    # get_group: a command group even while ``recompiles`` is the only command registered.
+    with CliRunner().isolation() as (out, err, _):
+        try:
+            typer.main.get_group(app).main(args=args, prog_name="paramfold")
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return code, out.getvalue().decode(), err.getvalue().decode()
+
+
+def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, torch
+            print("argv", sys.argv[1:])
+            f = torch.compile(lambda x: x * 2, backend="eager")
+            f(torch.ones(3))
+            f(torch.ones(3, dtype=torch.float64))
+            sys.exit(int(sys.argv[1]))
+            """
+        )
+    )
+    code, out, err = _cli(["recompiles", "--", "python", str(script), "5", "--flag"])
+    assert code == 5, out + err
+    assert "argv ['5', '--flag']" in out
+    assert "dtype mismatch" in out and "dtype/device" in out
+
+    torch._dynamo.reset()
+    code, out, err = _cli(["recompiles", "--json", "--", "python", str(script), "0"])
+    assert code == 0, out + err
+    data = json.loads(out)  # stdout is pure JSON; the script's print went to stderr
+    assert data["recompiles"] == 1 and data["causes"] == {"dtype/device": 1}
+    assert "argv ['0']" in err
+
+    # A script that crashes: its traceback, exit code 1, and the report of what ran before.
+    crash = tmp_path / "crash.py"
+    crash.write_text(script.read_text().replace("sys.exit(int(sys.argv[1]))", "raise ValueError"))
+    torch._dynamo.reset()
+    code, out, err = _cli(["recompiles", "--", "python", str(crash)])
+    assert code == 1 and "ValueError" in err and "dtype/device" in out
+
+    code, out, err = _cli(["recompiles", "--", "python", str(tmp_path / "missing.py")])
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"paramfold recompiles: script not found: {tmp_path / 'missing.py'}"
+    ]
+
+
+def test_docstring_examples_run(monkeypatch):
+    import paramfold
+
+    module = sys.modules["paramfold.recompiles"]
+    monkeypatch.setattr(paramfold, "recompiles", recompiles)  # as the package exports it
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for test in doctest.DocTestFinder().find(module):
+        # clear_globs=False: dynamo's guards hold weak hooks into the example globals.
+        runner.run(test, clear_globs=False)
+    assert runner.tries >= 8 and runner.failures == 0

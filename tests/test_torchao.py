@@ -1,0 +1,83 @@
+"""torchao 0.18: quantize_ + unwrap_tensor_subclass, and the sparsifier's FakeSparsity masks."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from helpers import grads
+from torch.nn.utils import parametrize
+
+import paramfold
+
+warnings.filterwarnings("ignore", module="torchao")
+torchao = pytest.importorskip("torchao")
+from torchao.prototype.sparsity.sparsifier.utils import FakeSparsity  # noqa: E402
+from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
+from torchao.utils import unwrap_tensor_subclass  # noqa: E402
+
+
+def _int8_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    quantize_(model, Int8WeightOnlyConfig())
+    return unwrap_tensor_subclass(model)
+
+
+def _sparse_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    for layer in (model[0], model[2]):
+        mask = (torch.rand_like(layer.weight) > 0.5).to(layer.weight.dtype)
+        parametrize.register_parametrization(layer, "weight", FakeSparsity(mask))
+    return model
+
+
+def test_find_recognises_torchao_sites():
+    int8 = paramfold.find(_int8_model())
+    assert [s.kind for s in int8] == ["torchao_subclass", "torchao_subclass"]
+    assert list(int8[0].originals) == ["original0", "original1", "original2"]
+    assert [s.kind for s in paramfold.find(_sparse_model())] == ["fake_sparsity", "fake_sparsity"]
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_int8_weight_only_matches_stock_eager_and_compiled(mode):
+    stock = _int8_model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        expected = stock(x)
+        assert torch.equal(ours(x), expected)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(ours, backend="eager", fullgraph=True)(x), expected)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_fake_sparsity_training_is_bitwise_equal_to_stock(mode):
+    stock = _sparse_model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    opt_s = torch.optim.SGD(stock.parameters(), lr=0.1)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.1)
+    x = torch.randn(8, 64)
+    for _ in range(3):
+        out_s, out_o = stock(x), ours(x)
+        assert torch.equal(out_s, out_o)
+        out_s.square().mean().backward()
+        out_o.square().mean().backward()
+        for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
+            assert torch.equal(gs, go), name
+        opt_s.step(), opt_o.step()
+        opt_s.zero_grad(), opt_o.zero_grad()
+
+
+def test_fake_sparsity_freeze_follows_mask_updates():
+    stock = _sparse_model().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    x = torch.randn(2, 64)
+    assert torch.equal(stock(x), ours(x))
+    for model in (stock, ours):  # a pruner tightening the mask in place
+        model[0].parametrizations.weight[0].mask[:8].zero_()
+    assert torch.equal(stock(x), ours(x))
