@@ -75,12 +75,16 @@ import paramfold
 __all__ = [
     "COMPILE_TOLERANCES",
     "PARAMETRIZATIONS",
+    "BufferMix",
     "Case",
     "Cast",
+    "Conv1dBlock",
+    "Conv2dBlock",
     "HalfSum",
     "LayerSpec",
     "ModelSpec",
     "Recipe",
+    "ResidualNet",
     "Scale",
     "Step",
     "Structure",
@@ -190,6 +194,7 @@ class Recipe:
 
     @property
     def available(self) -> bool:
+        """Whether the package it needs is installed."""
         return self.requires is None or importlib.util.find_spec(self.requires) is not None
 
 
@@ -344,6 +349,7 @@ class Step:
 
     @property
     def recipe(self) -> Recipe:
+        """Its :data:`PARAMETRIZATIONS` entry."""
         return PARAMETRIZATIONS[self.name]
 
 
@@ -388,9 +394,15 @@ def chains(
 
     Example::
 
-        >>> from hypothesis import given
-        >>> from paramfold.testing import TensorSpec, chains
-        >>> strategy = chains(TensorSpec((4, 4)), names=["weight_norm", "spectral_norm"])
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from paramfold.testing import TensorSpec, apply_chain, chains
+        >>> @settings(max_examples=5)
+        ... @given(chains(TensorSpec((4, 4)), names=["weight_norm", "spectral_norm", "scale"]))
+        ... def check(chain):
+        ...     layer = apply_chain(torch.nn.Linear(4, 4), "weight", chain)
+        ...     assert len(layer.parametrizations.weight) == len(chain)
+        >>> check()
     """
     recipes = [r for r in _available(names) if r.supports(tensor)]
     length = draw(st.integers(min_length, max_length))
@@ -483,6 +495,7 @@ class LayerSpec:
     chains: tuple[tuple[str, Chain], ...] = ()
 
     def build(self) -> nn.Module:
+        """The plain layer (float32, no parametrization yet)."""
         if self.kind == "linear":
             return nn.Linear(self.width_in, self.width_out, bias=self.bias)
         if self.kind == "conv1d":
@@ -557,6 +570,7 @@ class ModelSpec:
         return torch.float32 if self.dtype == "float32" else torch.bfloat16
 
     def build(self) -> nn.Module:
+        """A fresh model: layers, their chains, the tie, requires_grad, repeat, train mode."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             return self._build()
@@ -646,8 +660,15 @@ def models(
 
     Example::
 
+        >>> import torch
+        >>> from hypothesis import given, settings
         >>> from paramfold.testing import models
-        >>> strategy = models(max_layers=2, dtypes=["float32"])
+        >>> @settings(max_examples=5)
+        ... @given(models(max_layers=2, dtypes=["float32"]))
+        ... def check(spec):
+        ...     same = spec.build()(*spec.inputs()), spec.build()(*spec.inputs())
+        ...     torch.testing.assert_close(*same, rtol=0, atol=0, equal_nan=True)  # deterministic
+        >>> check()
     """
     dtype = draw(st.sampled_from(list(dtypes)))
     residual = draw(st.booleans())
@@ -740,8 +761,15 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
 
     Example::
 
-        >>> from paramfold.testing import cases
-        >>> strategy = cases(max_layers=2)
+        >>> from hypothesis import given, settings
+        >>> from paramfold.testing import assert_equivalent, cases, grad_mode
+        >>> @settings(max_examples=5, deadline=None)
+        ... @given(cases(max_layers=2))
+        ... def check(case):
+        ...     factory, inputs, flags = case
+        ...     with grad_mode(flags):
+        ...         assert_equivalent(factory(), inputs, "hoist")
+        >>> check()
     """
     spec = draw(models(**model_options))
     flags = {
@@ -757,7 +785,16 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
 
 
 def grad_mode(flags: Mapping[str, Any]) -> contextlib.AbstractContextManager:
-    """``torch.enable_grad()`` or ``torch.no_grad()`` as a case's ``flags`` ask."""
+    """``torch.enable_grad()`` or ``torch.no_grad()`` as a case's ``flags`` ask.
+
+    Example::
+
+        >>> import torch
+        >>> from paramfold.testing import grad_mode
+        >>> with grad_mode({"grad_enabled": False}):
+        ...     torch.is_grad_enabled()
+        False
+    """
     return torch.enable_grad() if flags.get("grad_enabled", True) else torch.no_grad()
 
 
