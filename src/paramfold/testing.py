@@ -756,8 +756,9 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
     """Hypothesis strategy: ``(model_factory, inputs, flags)`` for a random parametrized model.
 
     ``flags`` holds ``spec`` (the :class:`ModelSpec`), ``training``, ``requires_grad``,
-    ``dtype``, ``tied``, ``repeated`` and ``grad_enabled`` (whether to run the case with grad
-    mode on; see :func:`grad_mode`). Keyword options go to :func:`models`.
+    ``dtype``, ``tied``, ``repeated``, ``grad_enabled`` (whether to run the case with grad
+    mode on; see :func:`grad_mode`) and ``input_requires_grad`` (float inputs then require
+    grad, so even frozen models run backward). Keyword options go to :func:`models`.
 
     Example::
 
@@ -780,8 +781,12 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
         "tied": spec.tie is not None,
         "repeated": spec.repeat is not None,
         "grad_enabled": draw(st.sampled_from([True, True, True, False])),
+        "input_requires_grad": draw(st.sampled_from([False, False, False, True])),
     }
-    return Case(spec.build, spec.inputs(), flags)
+    inputs = spec.inputs()
+    if flags["input_requires_grad"]:
+        inputs = tuple(x.requires_grad_() if x.is_floating_point() else x for x in inputs)
+    return Case(spec.build, inputs, flags)
 
 
 def grad_mode(flags: Mapping[str, Any]) -> contextlib.AbstractContextManager:
@@ -925,7 +930,8 @@ def assert_equivalent(
     is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor or a sequence
     of positional arguments) under the caller's grad mode; when the stock output requires grad,
     both run backward on ``sum(o.float().sum() for o in outputs)``. Checked after each step:
-    outputs, the gradient of every parameter (originals included), every buffer (so
+    outputs, the gradient of every parameter (originals included) and of every input that
+    requires grad, every buffer (so
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
     Between steps every floating parameter and parametrized buffer is updated in place on both
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
@@ -979,8 +985,9 @@ def assert_equivalent(
         at = f" at step {step + 1}" if steps > 1 else ""
         # Compiled steps may leave state (spectral_norm's _u/_v) within the step tolerance.
         _compare_reads(candidate, stock, f" before step {step + 1}", tol)
-        expected = stock(*args)
-        actual = run(*args)
+        stock_args, candidate_args = _fresh(args), _fresh(args)
+        expected = stock(*stock_args)
+        actual = run(*candidate_args)
         eps = torch.finfo(_lowest_precision(stock, expected)).eps
         tol = _Tolerance(rtol or factor * eps, 1e-5 if factor else atol or 0.0, factor * eps)
         _compare_outputs(actual, expected, at, tol)
@@ -992,6 +999,9 @@ def assert_equivalent(
             expected_loss.backward()
             actual_loss.backward()
         _compare_grads(candidate, stock, at, loose, tol, eps)
+        for i, (a, e) in enumerate(zip(candidate_args, stock_args)):
+            if isinstance(e, torch.Tensor) and e.requires_grad:
+                _compare(f"grad of input {i}{at}", a.grad, e.grad, tol)
         _compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
         _compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
 
@@ -1002,6 +1012,13 @@ def assert_equivalent(
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
         _compare_outputs(candidate(*args), stock(*args), " after restore", _BITWISE)
+
+
+def _fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Per-copy leaves for inputs that require grad, so each copy's input gradient is its own."""
+    return tuple(
+        a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
+    )
 
 
 def _loss(outputs: Any) -> torch.Tensor | None:
