@@ -220,6 +220,10 @@ def test_find_reports_kinds_originals_tying_and_state():
     assert {s.kind for s in paramfold.find(build("spectral_norm"))} == {"spectral_norm"}
     assert all(s.stateful for s in paramfold.find(build("spectral_norm")))
     assert {s.kind for s in paramfold.find(seed_model())} == {"cast"}
+    with_nan = seed_model()
+    with torch.no_grad():
+        with_nan.seq[0].parametrizations.weight.original[0, 0] = float("nan")
+    assert {s.kind for s in paramfold.find(with_nan)} == {"cast"}
     assert {s.kind for s in paramfold.find(build("orthogonal:cayley"))} == {"orthogonal"}
     buffer_sites = paramfold.find(build("buffer"))
     assert [s.is_buffer for s in buffer_sites] == [True] * 3

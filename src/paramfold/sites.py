@@ -185,9 +185,9 @@ def _is_cast(args: tuple, out: object) -> bool:
     if len(args) != 1 or not isinstance(out, torch.Tensor) or type(out) is not torch.Tensor:
         return False
     (x,) = args
-    return (
-        isinstance(x, torch.Tensor)
-        and out.dtype != x.dtype
-        and out.shape == x.shape
-        and torch.equal(out, x.to(out.dtype))
-    )
+    if not isinstance(x, torch.Tensor) or out.dtype == x.dtype or out.shape != x.shape:
+        return False
+    expected = x.to(out.dtype)
+    if out.is_floating_point() or out.is_complex():
+        return torch.allclose(out, expected, rtol=0, atol=0, equal_nan=True)  # NaNs cast to NaNs
+    return torch.equal(out, expected)
