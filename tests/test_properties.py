@@ -242,18 +242,18 @@ def test_plain_state_dict_is_the_unparametrized_state_dict_of_stock_reads(case):
 
 
 @settings(max_examples=15)
-@given(
-    case=pt.cases(max_layers=2, max_width=8, names=["weight_norm", "spectral_norm", "half_sum", "scale"]),
-    mode=st.sampled_from(MODES),
-)
-def test_compiled_eager_backend_matches_stock(case, mode):
+@given(case=pt.cases(max_layers=2, max_width=8), mode=st.sampled_from(MODES), backend=st.sampled_from(["eager", "aot_eager"]))
+def test_compiled_matches_stock_bitwise_on_eager_kernels(case, mode, backend):
+    # COMPILE_TOLERANCES says both backends are bitwise: this keeps that claim true.
     factory, inputs, flags = case
     model = factory()
     assume(not (mode == "freeze" and _freeze_refused(model)))
     torch._dynamo.reset()
-    with pt.grad_mode(flags):
-        pt.assert_equivalent(model, inputs, mode, steps=2, compile={"backend": "eager"})
-    torch._dynamo.reset()
+    try:
+        with pt.grad_mode(flags):
+            pt.assert_equivalent(model, inputs, mode, steps=2, compile={"backend": backend})
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.xfail(
