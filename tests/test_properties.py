@@ -1,9 +1,11 @@
 """Hypothesis properties of prepare / restore against stock PyTorch, on random small models.
 
 Models, chains, tying, train/eval, requires_grad and dtypes come from ``paramfold.testing``'s
-strategies; every check is ``paramfold.testing.assert_equivalent`` (bitwise in eager) or a
-structure snapshot. Examples per run: 4 x 60 (modes) + 40 (freeze on inference models)
-+ 50 (atomic failures) + 30 (find) + 30 (plain_state_dict) + 15 (compiled) = 405.
+strategies; the checks are ``paramfold.testing.assert_equivalent`` (bitwise in eager) and
+structure snapshots. Examples per run: 4 x 60 (modes) + 40 (freeze on inference models)
++ 50 (atomic failures) + 30 (find) + 30 (plain_state_dict) + 15 (compiled, eager and
+aot_eager backends) = 405. Below them: tests that the checker catches broken preparations, and
+strict xfails for core issues found by these properties.
 """
 
 from __future__ import annotations
