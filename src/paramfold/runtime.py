@@ -29,6 +29,10 @@ class SiteState:
     #: Every ``_parameters``/``_buffers`` dict of the ParametrizationList and its members.
     tensor_dicts: tuple[dict, ...]
     frozen: FrozenValue | None = None
+    #: Set once a hoisted value turned out to be a tensor subclass that requires grad: AOTAutograd
+    #: does not carry gradients from such a graph input back to its inner tensors, so from then on
+    #: the value is computed in-graph (the descriptor's stock path) instead.
+    in_graph: bool = False
 
 
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool) -> SiteState:

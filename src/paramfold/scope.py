@@ -63,8 +63,10 @@ def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
             for name, site in hs.sites.items():
                 if site.mode == "inline":
                     continue
-                values[name] = _value(holder, name, site)
-                installed.append((values, name))
+                value = _value(holder, name, site)
+                if value is not None:
+                    values[name] = value
+                    installed.append((values, name))
             if hs.detach_params and not grad:
                 for name, param in holder._parameters.items():
                     if param is not None:
@@ -92,9 +94,9 @@ def _check_unchanged(holder: nn.Module, sites: dict[str, SiteState]) -> None:
         )
 
 
-def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor:
+def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
     if site.mode == "hoist":
-        return hoisted_value(holder, name)
+        return _hoisted(holder, name, site)
     frozen_ok = can_freeze(site)
     if site.mode == "freeze" and not frozen_ok:
         raise FoldError(
@@ -105,7 +107,17 @@ def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor:
     if frozen_ok:
         return frozen_value(holder, name, site)
     site.frozen = None
-    return hoisted_value(holder, name)
+    return _hoisted(holder, name, site)
+
+
+def _hoisted(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
+    if site.in_graph:
+        return None
+    value = hoisted_value(holder, name)
+    if value.requires_grad and type(value) not in (torch.Tensor, nn.Parameter):
+        site.in_graph = True
+        return None
+    return value
 
 
 def _close(previous: int, installed: list[tuple[dict, str]]) -> None:

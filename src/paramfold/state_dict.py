@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from paramfold.inline import compute
-from paramfold.sites import find
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -26,21 +26,32 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         >>> sorted(sd)
         ['bias', 'weight']
     """
-    sites = [s for s in find(model) if "parametrizations" not in s.module_path.split(".")]
-    by_prefix = {}
-    for site in sites:
-        prefix = f"{site.module_path}.parametrizations." if site.module_path else "parametrizations."
-        by_prefix.setdefault(prefix, []).append(site)
+    # Every path, not find()'s deduplicated ones: state_dict() lists a module shared between two
+    # places under both.
+    by_prefix: dict[str, list[tuple[str, nn.Module, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if "parametrizations" in path.split(".") or not parametrize.is_parametrized(module):
+            continue
+        prefix = f"{path}.parametrizations." if path else "parametrizations."
+        for name in module.parametrizations:
+            by_prefix.setdefault(prefix, []).append((f"{path}.{name}" if path else name, module, name))
     plain: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, value in model.state_dict().items():
-            prefix = next((p for p in by_prefix if key.startswith(p)), None)
-            if prefix is None:
+            prefix = _parametrizations_prefix(key)
+            if prefix not in by_prefix:
                 plain[key] = value
                 continue
-            for site in by_prefix[prefix]:
-                if site.fqn not in plain:
-                    value = compute(site.module, site.tensor_name)
+            for fqn, module, name in by_prefix[prefix]:
+                if fqn not in plain:
+                    value = compute(module, name)
                     # Under no_grad only an identity chain hands back the original itself.
-                    plain[site.fqn] = value.detach() if value.requires_grad else value
+                    plain[fqn] = value.detach() if value.requires_grad else value
     return plain
+
+
+def _parametrizations_prefix(key: str) -> str | None:
+    """``"a.b.parametrizations."`` for ``"a.b.parametrizations.weight.original"``, else None."""
+    marker = "parametrizations."
+    at = 0 if key.startswith(marker) else key.find("." + marker) + 1
+    return key[: at + len(marker)] if key.startswith(marker) or at > 0 else None
