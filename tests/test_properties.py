@@ -4,8 +4,8 @@ Models, chains, tying, train/eval, requires_grad and dtypes come from ``paramfol
 strategies; the checks are ``paramfold.testing.assert_equivalent`` (bitwise in eager) and
 structure snapshots. Examples per run: 4 x 60 (modes) + 40 (freeze on inference models)
 + 50 (atomic failures) + 30 (find) + 30 (plain_state_dict) + 15 (compiled, eager and
-aot_eager backends) = 405. Below them: tests that the checker catches broken preparations, and
-strict xfails for core issues found by these properties.
+aot_eager backends) = 405. Below them: regression tests for core issues these properties
+found, and tests that the checker catches broken preparations.
 """
 
 from __future__ import annotations
@@ -226,9 +226,8 @@ def _assert_bitwise(actual, expected, what):
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
 
 
-# repeats=False: see test_plain_state_dict_covers_a_module_registered_at_two_paths.
 @settings(max_examples=30)
-@given(case=pt.cases(training=False, repeats=False))
+@given(case=pt.cases(training=False))
 def test_plain_state_dict_is_the_unparametrized_state_dict_of_stock_reads(case):
     model = case.factory()
     expected = {k: v for k, v in model.state_dict().items() if "parametrizations" not in k.split(".")}
@@ -284,8 +283,9 @@ class _Int8Net(nn.Module):
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="hoist hands compiled code a torchao Int8Tensor built eagerly; under aot_eager autograd "
-    "does not reach its inner originals (a trainable scale gets no grad; eager and stock compiled do)",
+    reason="scope._hoisted sends subclass values in-graph only when value.requires_grad, but the "
+    "Int8Tensor wrapper reports requires_grad=False while its inner scale requires grad, so hoist "
+    "still hands AOTAutograd a constant and the scale gets no gradient",
 )
 def test_hoisted_tensor_subclass_with_trainable_inner_tensor_under_aot_eager():
     torch.manual_seed(0)
@@ -347,13 +347,8 @@ def test_checker_catches_an_incomplete_restore():
             pt.assert_equivalent(_spectral_model(), torch.randn(3, 4), "hoist")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="plain_state_dict walks find()'s sites, which named_modules() deduplicates, so a "
-    "parametrized module registered at two paths keeps its parametrized keys at the second one",
-)
 def test_plain_state_dict_covers_a_module_registered_at_two_paths():
+    # Found by these properties: the second path used to keep its parametrized keys.
     layer = nn.Linear(2, 2)
     parametrize.register_parametrization(layer, "weight", pt.HalfSum())
     model = nn.Sequential(layer, nn.Tanh(), layer)
