@@ -280,14 +280,9 @@ class _Int8Net(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="scope._hoisted sends subclass values in-graph only when value.requires_grad, but the "
-    "Int8Tensor wrapper reports requires_grad=False while its inner scale requires grad, so hoist "
-    "still hands AOTAutograd a constant and the scale gets no gradient",
-)
 def test_hoisted_tensor_subclass_with_trainable_inner_tensor_under_aot_eager():
+    # An Int8Tensor wrapper reports requires_grad=False even when its float32 scale needs grad;
+    # hoist must then compute it in-graph, where AOTAutograd keeps the gradient.
     torch.manual_seed(0)
     model = _Int8Net()
     model.lin.parametrizations.weight.original1.requires_grad_(True)  # the float32 scale
