@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
 import os
@@ -44,7 +45,7 @@ import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -513,6 +514,15 @@ def write_checkpoint(
     """
     out = Path(path)
     fmt = _output_format(out)
+    with _atomic_output(out) as f:
+        if fmt == "safetensors":
+            return _write_safetensors(f, specs, tensors, metadata)
+        return _write_pt(f, specs, tensors)
+
+
+@contextlib.contextmanager
+def _atomic_output(out: Path) -> Iterator[IO[bytes]]:
+    """A binary file that replaces ``out`` only if the block completes; nothing is left otherwise."""
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise CheckpointError(f"{out}: the output folder {parent} does not exist", exit_code=2)
@@ -522,17 +532,13 @@ def write_checkpoint(
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
-            if fmt == "safetensors":
-                nbytes = _write_safetensors(f, specs, tensors, metadata)
-            else:
-                nbytes = _write_pt(f, specs, tensors)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return nbytes
 
 
 def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor]) -> int:
@@ -561,20 +567,8 @@ def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torc
             "hold; write the folded checkpoint to a .pt file instead",
             exit_code=2,
         )
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise CheckpointError(f"{out}: the output folder {parent} does not exist", exit_code=2)
-    fd, tmp_name = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".partial")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(dict(state_dict), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with _atomic_output(out) as f:
+        torch.save(dict(state_dict), f)
     return sum(_flat_nbytes(t) for t in state_dict.values())
 
 

@@ -97,7 +97,7 @@ def inline_property(name: str, signature: tuple[int | None, str, int]) -> proper
     """
     ntensors, where, forwards = signature
     if ntensors is None:
-        args = f'o["original"]'
+        args = 'o["original"]'
     else:
         args = ", ".join(f'o["original{i}"]' for i in range(ntensors))
     expr = args
