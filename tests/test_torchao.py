@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-
 from torch.nn.utils import parametrize
 
 import paramfold
