@@ -39,6 +39,18 @@ class Scale(nn.Module):
         return x * self.scale
 
 
+class LoRA(nn.Module):
+    """Low-rank adaptation as a parametrization: W + B @ A, with A and B owned (and trained) here."""
+
+    def __init__(self, out_features, in_features, rank=2):
+        super().__init__()
+        self.A = nn.Parameter(torch.randn(rank, in_features) * 0.1)
+        self.B = nn.Parameter(torch.randn(out_features, rank) * 0.1)
+
+    def forward(self, weight):
+        return weight + self.B @ self.A
+
+
 class Net(nn.Module):
     def __init__(self, width=32, depth=3):
         super().__init__()
@@ -90,6 +102,9 @@ def build(kind: str, width: int = 32, depth: int = 3, seed: int = 0, blocks: boo
             weight_norm(layer)
             parametrize.register_parametrization(layer, "weight", Scale())
             parametrize.register_parametrization(layer, "bias", Scale())
+        elif kind == "lora":
+            layer.weight.requires_grad_(False)  # frozen base weight, trainable adapters
+            parametrize.register_parametrization(layer, "weight", LoRA(width, width))
         elif kind == "buffer":
             layer.register_buffer("shift", torch.randn(width))
             parametrize.register_parametrization(layer, "shift", Scale())

@@ -13,7 +13,7 @@ import paramfold
 import paramfold.testing as pt
 
 KINDS = ["weight_norm", "spectral_norm", "orthogonal:matrix_exp", "orthogonal:cayley",
-         "orthogonal:householder", "split", "chain", "buffer"]
+         "orthogonal:householder", "split", "chain", "buffer", "lora"]
 MODES = ["hoist", "inline", "auto"]
 
 
@@ -34,7 +34,7 @@ def test_training_steps_bitwise_equal_to_stock(kind, mode):
     pt.assert_equivalent(build(kind), torch.randn(5, 32), mode, steps=3)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "lora"])  # LoRA: see test_lora_adapters_*
 def test_freeze_matches_stock_in_inference(kind):
     stock = build(kind).eval().requires_grad_(False)
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
@@ -239,3 +239,20 @@ def test_plain_state_dict_loads_strict_into_unparametrized_model():
     x = torch.randn(3, 32)
     with torch.no_grad():
         assert torch.equal(model(x), plain(x))
+
+
+def test_lora_adapters_are_never_frozen():
+    # The original is frozen but the parametrization owns trainable A and B: freezing the weight
+    # would silently stop their gradients.
+    model = build("lora")
+    with pytest.raises(paramfold.FoldError, match="a parameter of the chain requires grad"):
+        paramfold.prepare(model, "freeze")
+    stock = build("lora")
+    ours = paramfold.prepare(build("lora"), "auto")
+    x = torch.randn(3, 32)
+    stock(x).sum().backward()
+    ours(x).sum().backward()
+    adapters = [(n, p.grad) for n, p in ours.named_parameters() if n.endswith((".A", ".B"))]
+    assert adapters and all(g is not None for _, g in adapters)
+    for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
+        assert (gs is None and go is None) or torch.equal(gs, go), name

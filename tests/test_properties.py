@@ -33,8 +33,9 @@ MODES = ["hoist", "inline", "freeze", "auto"]
 
 
 def _freeze_refused(model: nn.Module, filter_fn=None) -> bool:
-    """Stated independently of paramfold: some selected original requires grad, or a selected
-    spectral_norm (the one stateful parametrization in the registry) is in training mode."""
+    """Stated independently of paramfold: some selected original (or parameter a parametrization
+    owns) requires grad, or a selected spectral_norm (the one stateful parametrization in the
+    registry) is in training mode."""
     for path, module in model.named_modules():
         if not parametrize.is_parametrized(module) or "parametrizations" in path.split("."):
             continue
@@ -43,7 +44,7 @@ def _freeze_refused(model: nn.Module, filter_fn=None) -> bool:
         for plist in module.parametrizations.values():
             originals = [t for n, t in plist.named_parameters(recurse=False) if n.startswith("original")]
             originals += [t for n, t in plist.named_buffers(recurse=False) if n.startswith("original")]
-            if any(t.requires_grad for t in originals):
+            if any(t.requires_grad for t in originals) or any(p.requires_grad for p in plist.parameters()):
                 return True
             if any(type(p).__name__ == "_SpectralNorm" and p.training for p in plist):
                 return True

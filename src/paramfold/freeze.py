@@ -33,10 +33,17 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
 
 
 def can_freeze(site: SiteState) -> bool:
-    """A site may be frozen when no original needs grad and no stateful chain is training."""
-    if any(d[key].requires_grad for d, key in site.originals):
+    """A site may be frozen when nothing in its chain needs grad and no stateful chain is training."""
+    if chain_needs_grad(site):
         return False
     return not (site.stateful and any(m.training for m in site.chain))
+
+
+def chain_needs_grad(site: SiteState) -> bool:
+    """Whether any original, or any parameter a parametrization owns, requires grad."""
+    return any(p is not None and p.requires_grad for d in site.param_dicts for p in d.values()) or any(
+        d[key].requires_grad for d, key in site.originals
+    )
 
 
 def refuse_unfreezable(sites: list[Site], when: str) -> None:
@@ -47,8 +54,8 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
         return
     reasons = []
     for s, st in bad:
-        grad = any(d[key].requires_grad for d, key in st.originals)
-        reasons.append(f"{s.fqn} ({s.kind}: {'an original requires grad' if grad else 'stateful chain in training mode'})")
+        why = "a parameter of the chain requires grad" if chain_needs_grad(st) else "stateful chain in training mode"
+        reasons.append(f"{s.fqn} ({s.kind}: {why})")
     shown = ", ".join(reasons[:4]) + (f" and {len(reasons) - 4} more" if len(reasons) > 4 else "")
     raise FoldError(
         f"cannot freeze {len(bad)} site(s) {when}: {shown}. Freeze is for inference: "

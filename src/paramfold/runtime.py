@@ -28,6 +28,9 @@ class SiteState:
     originals: tuple[tuple[dict, str], ...]
     #: Every ``_parameters``/``_buffers`` dict of the ParametrizationList and its members.
     tensor_dicts: tuple[dict, ...]
+    #: The ``_parameters`` dicts among them: originals *and* parameters the parametrizations own
+    #: (LoRA's A and B), all of which must be frozen before the value may be.
+    param_dicts: tuple[dict, ...]
     frozen: FrozenValue | None = None
     #: Whether values are tensor subclasses (known after the first computation). AOTAutograd does
     #: not carry gradients from a subclass graph input back to the originals it was built from,
@@ -40,7 +43,8 @@ def site_state(module: nn.Module, name: str, mode: str, stateful: bool) -> SiteS
     names = ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
     originals = tuple((plist._parameters if n in plist._parameters else plist._buffers, n) for n in names)
     dicts = tuple(d for m in plist.modules() for d in (m._parameters, m._buffers) if d)
-    return SiteState(mode, stateful, plist, tuple(plist._modules.values()), originals, dicts)
+    params = tuple(m._parameters for m in plist.modules() if m._parameters)
+    return SiteState(mode, stateful, plist, tuple(plist._modules.values()), originals, dicts, params)
 
 
 @dataclasses.dataclass(eq=False)

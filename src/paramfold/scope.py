@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from paramfold.errors import FoldError
-from paramfold.freeze import can_freeze, frozen_value
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value
 from paramfold.hoist import hoisted_value
 from paramfold.runtime import STATE_ATTR, SiteState
 
@@ -100,8 +100,8 @@ def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None
     frozen_ok = can_freeze(site)
     if site.mode == "freeze" and not frozen_ok:
         raise FoldError(
-            f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now an original "
-            "requires grad or its stateful chain is in training mode; frozen values would not "
+            f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now a parameter "
+            "of its chain requires grad or its stateful chain is in training mode; frozen values would not "
             "train. Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
         )
     if frozen_ok:
@@ -111,7 +111,7 @@ def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None
 
 
 def _hoisted(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
-    needs_grad = torch.is_grad_enabled() and any(d[key].requires_grad for d, key in site.originals)
+    needs_grad = torch.is_grad_enabled() and chain_needs_grad(site)
     if site.subclass and needs_grad:
         return None
     value = hoisted_value(holder, name)
