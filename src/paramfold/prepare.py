@@ -43,8 +43,9 @@ def prepare(
       can fuse the parametrization math into its consumers.
     * ``"freeze"``: tensors are materialised once (inference) and re-materialised by themselves
       when an original or a parametrization buffer changes (``load_state_dict``, optimizer
-      steps, in-place edits). Refused for sites whose originals require grad or whose stateful
-      chain (spectral_norm) is training.
+      steps, in-place edits). Refused for sites where an original, or a parameter a
+      parametrization owns (LoRA's adapters), requires grad, or whose stateful chain
+      (spectral_norm) is training.
     * ``"auto"``: on every call, freeze what can be frozen and hoist the rest.
 
     Args:
