@@ -55,11 +55,17 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
         assert torch.equal(stock.grads[key], recipe.grads[key]), key
 
 
-@pytest.mark.parametrize("script, args", [("rlhf_four_models.py", ["--layers", "1"])])
-def test_example_scripts_run_as_they_are(script, args):
+@pytest.mark.parametrize(
+    "script, args, expected",
+    [
+        ("rlhf_four_models.py", ["--layers", "1"], "Layer.forward graphs: stock 5, recipe 3"),
+        ("quickstart.py", [], "outputs equal: True"),
+    ],
+)
+def test_example_scripts_run_as_they_are(script, args, expected):
     env = {**os.environ, "COLUMNS": "120"}
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, env=env, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Layer.forward graphs: stock 5, recipe 3" in done.stdout
+    assert expected in done.stdout
