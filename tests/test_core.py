@@ -256,3 +256,18 @@ def test_lora_adapters_are_never_frozen():
     assert adapters and all(g is not None for _, g in adapters)
     for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
         assert (gs is None and go is None) or torch.equal(gs, go), name
+
+
+def test_prepared_model_deepcopies_but_refuses_pickle_with_advice(tmp_path):
+    stock = build("weight_norm")
+    ours = build("weight_norm")
+    classes = [cls for _, cls, *_ in structure(ours)]
+    paramfold.prepare(ours, "auto")
+    with pytest.raises(RuntimeError, match=r"state_dict\(\).*paramfold\.restore"):
+        torch.save(ours, tmp_path / "model.pt")
+    twin = copy.deepcopy(ours)  # prepared too, like the original
+    x = torch.randn(2, 32)
+    assert torch.equal(twin(x), stock(x))
+    paramfold.restore(twin)
+    assert [cls for _, cls, *_ in structure(twin)] == classes
+    assert torch.equal(twin(x), stock(x))

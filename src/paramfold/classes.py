@@ -44,20 +44,23 @@ def prepared_class(
         namespace[name] = inline_property(name, inline[name]) if name in inline else SiteDescriptor(name)
     if names - inline.keys():
         namespace["__setattr__"] = _make_setattr(base)
-    if names:
-        # As stock's per-instance classes: pickling refused, deepcopy supported.
-        namespace["__getstate__"] = _refuse_pickle
-        if not hasattr(base, "__deepcopy__"):
-            namespace["__deepcopy__"] = _default_deepcopy
+    # Pickling refused with a message that says what to do (these classes are not importable,
+    # so pickle would otherwise fail with a confusing lookup error); deepcopy supported, as on
+    # stock's per-instance classes.
+    namespace["__reduce_ex__"] = _refuse_pickle
+    if not hasattr(base, "__deepcopy__"):
+        namespace["__deepcopy__"] = _default_deepcopy
     if is_root:
         namespace["__call__"] = root_call
     prefix = "Parametrized" if names else ""
     return type(f"{prefix}{base.__name__}", (base,), namespace)
 
 
-def _refuse_pickle(self: nn.Module) -> None:
+def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
     raise RuntimeError(
-        "Serialization of parametrized modules is only supported through state_dict(). See:\n"
+        "A model prepared by paramfold cannot be pickled: save its state_dict() (unchanged by "
+        "paramfold), or call paramfold.restore(model) first. Serialization of parametrized "
+        "modules is only supported through state_dict(). See:\n"
         "https://pytorch.org/tutorials/beginner/saving_loading_models.html"
         "#saving-loading-a-general-checkpoint-for-inference-and-or-resuming-training"
     )
