@@ -213,3 +213,15 @@ def test_frozen_and_trainable_parametrized_copies_share_graphs_under_no_grad(mod
     assert stock_frames > 1
     assert ours == 1
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("entry", ["model", "layers"])
+def test_inline_sees_originals_replaced_by_load_state_dict_assign(entry):
+    stock = build("weight_norm", blocks=True)
+    ours = paramfold.prepare(build("weight_norm", seed=5, blocks=True), "inline")
+    compiled = _compile(ours, entry, "eager")
+    with torch.no_grad():
+        compiled(_x())
+        ours.load_state_dict(stock.state_dict(), assign=True)  # new Parameter objects
+        assert torch.equal(compiled(_x()), stock(_x()))
+        assert torch.equal(ours.layers[1].proj.weight, stock.layers[1].proj.weight)

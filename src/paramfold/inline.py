@@ -7,7 +7,7 @@ inlines all of it for every read. :func:`compute` goes straight from the ``_modu
 calls (so the same ops, bitwise) with far less Python for dynamo to trace.
 
 :func:`inline_property` goes further for inline sites: a property whose getter is generated
-per chain shape, with the chain unrolled into one expression.
+per chain shape, with the chain unrolled into one expression over plain module attributes.
 
 :class:`SiteDescriptor` serves hoist and freeze sites whenever they are read outside a call
 scope (see :mod:`paramfold.scope`). It is a *non-data* descriptor on purpose: an instance
@@ -22,6 +22,8 @@ import functools
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+
+from paramfold.runtime import SiteState
 
 
 def compute(module: nn.Module, name: str) -> torch.Tensor:
@@ -53,21 +55,38 @@ class SiteDescriptor:
         return compute(module, self.name)
 
 
-REFS_PREFIX = "_paramfold_refs_"
+def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:
+    """Instance ``__dict__`` keys of a generated getter's inputs: chain members, then originals."""
+    ntensors, _, forwards = signature
+    originals = ["original"] if ntensors is None else [f"original{i}" for i in range(ntensors)]
+    return (
+        [f"_paramfold_{name}_m{i}" for i in range(len(forwards))],
+        [f"_paramfold_{name}_{o}" for o in originals],
+    )
 
 
-def chain_refs(module: nn.Module, name: str) -> tuple:
-    """What a generated getter reads: the chain's modules, then the dict holding the originals.
+def install_refs(module: nn.Module, name: str, site: SiteState) -> list[str]:
+    """Store a generated getter's inputs as plain attributes of ``module``; returns their keys.
 
-    Stored in the module's instance ``__dict__`` (under ``REFS_PREFIX + name``) so compiled code
-    reaches them without dynamo wrapping the ``parametrizations`` ModuleDict and the
-    ``ParametrizationList`` on every read. The originals are still looked up in their dict on
-    every read, so a ``load_state_dict(assign=True)`` replacement is seen; replacing a chain
-    member is detected at the next call (see :mod:`paramfold.scope`).
+    Compiled code then reaches each chain member and original with one attribute read, without
+    dynamo wrapping the ``parametrizations`` ModuleDict, the ``ParametrizationList`` or its dicts
+    on every read. Members are checked and originals re-synced (a ``load_state_dict(assign=True)``
+    replaces them) at every call scope and after every ``load_state_dict``.
     """
-    plist = module._modules["parametrizations"]._modules[name]
-    where = chain_signature(module, name)[1]
-    return (*plist._modules.values(), getattr(plist, where))
+    members, originals = ref_keys(name, chain_signature(module, name))
+    for key, member in zip(members, site.chain):
+        module.__dict__[key] = member
+    site.original_refs = tuple((key, d, k) for key, (d, k) in zip(originals, site.originals))
+    sync_refs(module, site)
+    return members + originals
+
+
+def sync_refs(module: nn.Module, site: SiteState) -> None:
+    """Point the stored originals of a site at the ParametrizationList's current ones."""
+    values = module.__dict__
+    for key, d, k in site.original_refs:
+        if values.get(key) is not d[k]:
+            values[key] = d[k]
 
 
 def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]:
@@ -88,35 +107,36 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]
 
 
 @functools.cache
-def inline_property(name: str, signature: tuple[int | None, str, int]) -> property:
+def inline_property(name: str, signature: tuple) -> property:
     """A property computing ``module.<name>`` with the chain unrolled into straight-line code.
 
-    Dynamo traces a handful of bytecodes per read instead of stock's ``ParametrizationList``
-    machinery; the parametrizations' forwards are the same, so the ops (and results) are the
-    same. The getter reads what :func:`chain_refs` stored on the module.
+    Under dynamo it reads the chain members and originals that :func:`install_refs` stored on the
+    module and calls the members' forwards directly: a few bytecodes per read instead of stock's
+    ``ParametrizationList`` machinery, with the same ops (and results). In eager it computes
+    like stock, honouring ``parametrize.cached()``.
     """
-    ntensors, where, forwards = signature
-    if ntensors is None:
-        args = 'o["original"]'
-    else:
-        args = ", ".join(f'o["original{i}"]' for i in range(ntensors))
-    expr = args
-    for i, forward in enumerate(forwards):
-        expr = f"m{i}({expr})" if forward is None else f"F{i}(m{i}, {expr})"
-    unpack = "".join(f"m{i}, " for i in range(len(forwards))) + "o"
+    members, originals = ref_keys(name, signature)
+    expr = ", ".join(f"self.{key}" for key in originals)
+    for i, (key, forward) in enumerate(zip(members, signature[2])):
+        expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
     source = (
         "def get(self):\n"
-        "    if not _compiling() and parametrize._cache_enabled:\n"
-        f"        return _cached(self, {name!r})\n"
-        f"    {unpack} = self.{REFS_PREFIX + name}\n"
+        "    if not _compiling():\n"
+        f"        return _eager(self, {name!r})\n"
         f"    return {expr}\n"
         "def set(self, value):\n"
         f"    self._modules['parametrizations']._modules[{name!r}].right_inverse(value)\n"
     )
-    namespace = {"parametrize": parametrize, "_cached": _cached, "_compiling": torch.compiler.is_compiling}
-    namespace.update({f"F{i}": f for i, f in enumerate(forwards) if f is not None})
+    namespace = {"_eager": _eager, "_compiling": torch.compiler.is_compiling}
+    namespace.update({f"F{i}": f for i, f in enumerate(signature[2]) if f is not None})
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
     return property(namespace["get"], namespace["set"])
+
+
+def _eager(module: nn.Module, name: str) -> torch.Tensor:
+    if parametrize._cache_enabled:
+        return _cached(module, name)
+    return compute(module, name)
 
 
 def _has_hooks(module: nn.Module) -> bool:

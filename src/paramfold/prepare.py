@@ -11,7 +11,7 @@ from torch.nn.utils import parametrize
 from paramfold.classes import prepared_class
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
-from paramfold.inline import REFS_PREFIX, chain_refs, chain_signature
+from paramfold.inline import chain_signature, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
 from paramfold.runtime import STATE_ATTR, ModuleState, site_state
 from paramfold.sites import Site, find
@@ -94,9 +94,11 @@ def prepare(
         for module, (state, cls) in states.items():
             module.__dict__[STATE_ATTR] = state
             applied.append(module)
-            for name, site in state.sites.items():
-                if site.mode == "inline":
-                    module.__dict__[REFS_PREFIX + name] = chain_refs(module, name)
+            inline = [name for name, site in state.sites.items() if site.mode == "inline"]
+            for name in inline:
+                state.ref_keys += install_refs(module, name, state.sites[name])
+            if inline:
+                state.load_hook = module.register_load_state_dict_post_hook(_resync_after_load)
             module.__class__ = cls
     except BaseException:
         for module in applied:
@@ -124,6 +126,13 @@ def prepared(model: nn.Module, mode: str = "auto", **kwargs) -> Iterator[nn.Modu
         yield model
     finally:
         restore(model)
+
+
+def _resync_after_load(module: nn.Module, incompatible_keys: object) -> None:
+    # load_state_dict(assign=True) replaces originals; inline getters read stored references.
+    for site in module.__dict__[STATE_ATTR].sites.values():
+        if site.mode == "inline":
+            sync_refs(module, site)
 
 
 def _refuse_prepared(model: nn.Module) -> None:

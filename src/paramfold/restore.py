@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import nn
 
 from paramfold.errors import FoldError
-from paramfold.inline import REFS_PREFIX
 from paramfold.runtime import STATE_ATTR, state_of
 
 
@@ -47,7 +46,10 @@ def restore_module(module: nn.Module) -> None:
         return
     for name in state.sites:
         module.__dict__.pop(name, None)
-        module.__dict__.pop(REFS_PREFIX + name, None)
+    for key in state.ref_keys:
+        module.__dict__.pop(key, None)
+    if state.load_hook is not None:
+        state.load_hook.remove()
     if state.detach_params:
         for name in module._parameters:
             module.__dict__.pop(name, None)

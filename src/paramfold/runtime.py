@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,8 @@ class SiteState:
     #: (LoRA's A and B), all of which must be frozen before the value may be.
     param_dicts: tuple[dict, ...]
     frozen: FrozenValue | None = None
+    #: Inline sites: (instance attribute, dict, key) of each original a generated getter reads.
+    original_refs: tuple[tuple[str, dict, str], ...] = ()
     #: Whether values are tensor subclasses (known after the first computation). AOTAutograd does
     #: not carry gradients from a subclass graph input back to the originals it was built from,
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
@@ -54,6 +57,10 @@ class ModuleState:
     sites: dict[str, SiteState] = dataclasses.field(default_factory=dict)
     #: Whether plain parameters of this module are detached under no_grad.
     detach_params: bool = False
+    #: Instance ``__dict__`` keys holding inline getters' inputs (see ``inline.install_refs``).
+    ref_keys: list[str] = dataclasses.field(default_factory=list)
+    #: The load_state_dict post-hook that re-syncs them, removed by restore.
+    load_hook: Any = None
     #: For entries: the modules with sites or detached parameters at or below this one.
     holders: list[nn.Module] = dataclasses.field(default_factory=list)
     #: For entries: every entry at or below this one (stamped when a scope opens here).

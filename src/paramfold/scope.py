@@ -34,6 +34,7 @@ from torch import nn
 from paramfold.errors import FoldError
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value
 from paramfold.hoist import hoisted_value
+from paramfold.inline import sync_refs
 from paramfold.runtime import STATE_ATTR, SiteState
 
 _MODULE_CALL = nn.Module.__call__
@@ -62,6 +63,7 @@ def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
                 _check_unchanged(holder, hs.sites)
             for name, site in hs.sites.items():
                 if site.mode == "inline":
+                    sync_refs(holder, site)
                     continue
                 value = _value(holder, name, site)
                 if value is not None:
