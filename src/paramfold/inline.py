@@ -106,6 +106,25 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]
     return ntensors, where, forwards
 
 
+class _InlineProperty(property):
+    """A property whose ``fget`` is the lean, compiled-only getter.
+
+    Dynamo resolves a ``property`` (subclasses included) by tracing its ``fget``, so compiled
+    code runs the generated getter with no eager-mode branch in it. Plain Python calls
+    ``__get__`` instead, which computes like stock and honours ``parametrize.cached()``. Were a
+    future dynamo to trace ``__get__``, it would trace that stock-like path: slower, still exact.
+    """
+
+    def __init__(self, fget, fset, name: str) -> None:
+        super().__init__(fget, fset)
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self
+        return _eager(module, self.name)
+
+
 @functools.cache
 def inline_property(name: str, signature: tuple) -> property:
     """A property computing ``module.<name>`` with the chain unrolled into straight-line code.
@@ -121,16 +140,13 @@ def inline_property(name: str, signature: tuple) -> property:
         expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
     source = (
         "def get(self):\n"
-        "    if not _compiling():\n"
-        f"        return _eager(self, {name!r})\n"
         f"    return {expr}\n"
         "def set(self, value):\n"
         f"    self._modules['parametrizations']._modules[{name!r}].right_inverse(value)\n"
     )
-    namespace = {"_eager": _eager, "_compiling": torch.compiler.is_compiling}
-    namespace.update({f"F{i}": f for i, f in enumerate(signature[2]) if f is not None})
+    namespace = {f"F{i}": f for i, f in enumerate(signature[2]) if f is not None}
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
-    return property(namespace["get"], namespace["set"])
+    return _InlineProperty(namespace["get"], namespace["set"], name)
 
 
 def _eager(module: nn.Module, name: str) -> torch.Tensor:
