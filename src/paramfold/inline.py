@@ -23,18 +23,14 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.runtime import SiteState
+from paramfold.runtime import SiteState, original_names
 
 
 def compute(module: nn.Module, name: str) -> torch.Tensor:
     """Evaluate the parametrization chain of ``module.<name>`` like stock, minus the plumbing."""
     plist = module._modules["parametrizations"]._modules[name]
     chain = iter(plist._modules.values())
-    first = next(chain)
-    if plist.is_tensor:
-        value = first(plist.original)
-    else:
-        value = first(*[getattr(plist, f"original{i}") for i in range(plist.ntensors)])
+    value = next(chain)(*[getattr(plist, n) for n in original_names(plist)])
     for parametrization in chain:
         value = parametrization(value)
     return value
@@ -49,10 +45,9 @@ class SiteDescriptor:
     def __get__(self, module: nn.Module | None, owner: type | None = None):
         if module is None:
             return self
-        if parametrize._cache_enabled and not torch.compiler.is_compiling():
-            # Honour `with parametrize.cached():` exactly like the stock property does.
-            return _cached(module, self.name)
-        return compute(module, self.name)
+        if torch.compiler.is_compiling():
+            return compute(module, self.name)
+        return _eager(module, self.name)
 
 
 def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:
@@ -100,7 +95,7 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]
     """
     plist = module._modules["parametrizations"]._modules[name]
     ntensors = None if plist.is_tensor else plist.ntensors
-    first = "original" if plist.is_tensor else "original0"
+    first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
     forwards = tuple(None if _has_hooks(m) else type(m).forward for m in plist._modules.values())
     return ntensors, where, forwards

@@ -41,9 +41,14 @@ class SiteState:
     subclass: bool | None = None
 
 
+def original_names(plist: nn.Module) -> list[str]:
+    """``["original"]``, or ``["original0", ...]`` when ``right_inverse`` returned several tensors."""
+    return ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
+
+
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool) -> SiteState:
     plist = module._modules["parametrizations"]._modules[name]
-    names = ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
+    names = original_names(plist)
     originals = tuple((plist._parameters if n in plist._parameters else plist._buffers, n) for n in names)
     dicts = tuple(d for m in plist.modules() for d in (m._parameters, m._buffers) if d)
     params = tuple(m._parameters for m in plist.modules() if m._parameters)

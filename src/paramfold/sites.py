@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold.runtime import original_names
+
 __all__ = ["KINDS", "Site", "find"]
 
 #: The kinds :func:`find` recognises; anything else is ``"custom"``. A chain of several
@@ -117,8 +119,7 @@ def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]
 
 
 def _originals(plist: nn.Module) -> dict[str, torch.Tensor]:
-    names = ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
-    return {n: getattr(plist, n) for n in names}
+    return {n: getattr(plist, n) for n in original_names(plist)}
 
 
 def _make_site(path: str, module: nn.Module, name: str) -> Site:
