@@ -191,16 +191,19 @@ def test_method_entry_and_custom_variants():
     assert status["broken"] == ("error", "RuntimeError: this preparer is broken\nsecond line")
     assert status["eval-only"][0] == status["missing"][0] == "skipped"
     assert status["missing"][1] == "not installed"
-    assert calls == ["Stack", "Stack"]
+    assert calls == ["Stack"] * 3  # warm-up and two repeats
     same = result.variant("same")
     assert same.status == "ok" and same.max_abs_diff == 0.0
     assert same.proxies == result.variant("stock").proxies
-    # 1 warm-up + 2 repeats x 4 active variants, in rotated order, then "done".
+    # A warm-up round and 2 repeats of the 4 active variants, in rotated order, then "done".
     labels = [label for _, _, label in progress]
-    assert [d for d, _, _ in progress] == list(range(10))
-    assert all(t == 9 for _, t, _ in progress)
-    assert labels[1:5] == [f"repeat 1/2: {n}" for n in ("baseline", "stock", "broken", "same")]
-    assert labels[5:9] == [f"repeat 2/2: {n}" for n in ("stock", "broken", "same", "baseline")]
+    active = ("baseline", "stock", "broken", "same")
+    assert [d for d, _, _ in progress] == list(range(13))
+    assert all(t == 12 for _, t, _ in progress)
+    assert labels[0:4] == [f"warm-up (discarded): {n}" for n in active]
+    assert labels[4:8] == [f"repeat 1/2: {n}" for n in active]
+    assert labels[8:12] == [f"repeat 2/2: {n}" for n in ("stock", "broken", "same", "baseline")]
+    assert labels[12] == "done"
     assert bench.to_rich_table(result).row_count == len(variants)
 
 

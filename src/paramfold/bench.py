@@ -11,9 +11,11 @@ This module is a library; ``paramfold bench`` (in :mod:`paramfold.cli`) only ren
 
 For every repeat the variants are measured one after the other (their order rotates from repeat to
 repeat), each from a fresh ``torch._dynamo.reset()``, a model rebuilt from the same seed and cold
-inductor caches.  A measurement times the first call (compile + run), in wall time and in CPU
-time (steadier when other processes share the cores), and the steady per-call time, and records deterministic proxies (graphs, graph breaks, recompiles, captured calls) and the largest
-absolute difference between the variant's output and the stock model's.
+inductor caches, after one discarded warm-up round of every variant.  A measurement times the
+first call (compile + run, with the cyclic GC paused as ``timeit`` does), in wall time and in CPU
+time (steadier when other processes share the cores), and the steady per-call time, and records
+deterministic proxies (graphs, graph breaks, recompiles, captured calls) and the largest absolute
+difference between the variant's output and the stock model's.
 
 Example::
 
@@ -658,6 +660,23 @@ def _metrics_limit(size: int) -> Iterator[None]:
         utils.set_compilation_metrics_limit(old)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Collect, then keep the cyclic GC off while timing, as ``timeit`` does.
+
+    A compile allocates a great many objects; whether a full collection of the whole heap happens
+    to fall inside one sample or another is what made single samples swing by 10% here.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _measure(variant: Variant, config: BenchConfig, x: torch.Tensor, repeat: int
              ) -> tuple[Sample, torch.Tensor]:
     with _fresh_compile_state(config.cold_caches):
@@ -667,11 +686,11 @@ def _measure(variant: Variant, config: BenchConfig, x: torch.Tensor, repeat: int
         model = variant.prepare(model)
         prepare_s = time.perf_counter() - t0
         fn = _compile(model, config)
-        gc.collect()
-        c0, t0 = _cpu_seconds(), time.perf_counter()
-        out = _step(fn, x, config.train)
-        first_s = time.perf_counter() - t0
-        first_cpu_s = _cpu_seconds() - c0
+        with _gc_paused():
+            c0, t0 = _cpu_seconds(), time.perf_counter()
+            out = _step(fn, x, config.train)
+            first_s = time.perf_counter() - t0
+            first_cpu_s = _cpu_seconds() - c0
         for _ in range(config.warmup_calls):
             model.zero_grad(set_to_none=True)
             _step(fn, x, config.train)
@@ -750,8 +769,7 @@ def run_bench(
             active.append(v)
 
     x = make_input(config)
-    baseline = next(v for v in active if v.name == "baseline")
-    total = config.repeats * len(active) + int(config.warmup_round)
+    total = (config.repeats + int(config.warmup_round)) * len(active)
     done = 0
 
     def progress(label: str) -> None:
@@ -760,10 +778,14 @@ def run_bench(
 
     with _metrics_limit(100_000), _num_threads(config.threads):
         if config.warmup_round:
-            # Pays the process's one-time costs (imports, first compile) outside the samples.
-            progress("warm-up (baseline, discarded)")
-            _measure(baseline, config, x, -1)
-            done += 1
+            # Pays the process's one-time costs (imports, dynamo's per-code-object caches, the
+            # first tokenizing of each source file for FX stack traces) outside the samples, for
+            # every variant: otherwise whichever variant first runs some code pays for it.
+            for v in active:
+                progress(f"warm-up (discarded): {v.name}")
+                with contextlib.suppress(Exception):  # a failing variant is recorded below
+                    _measure(v, config, x, -1)
+                done += 1
         for repeat in range(config.repeats):
             shift = repeat % len(active)
             order = active[shift:] + active[:shift]
