@@ -167,6 +167,33 @@ def test_checkpoints_cross_load_between_prepared_and_stock():
     assert torch.equal(stock(x), fresh(x))
 
 
+
+@pytest.mark.parametrize("mode", MODES)
+def test_legacy_weight_norm_checkpoint_loads_into_prepared_model(mode):
+    # Vocoder checkpoints saved with the hook-based torch.nn.utils.weight_norm have weight_g and
+    # weight_v keys; torch's parametrizations.weight_norm converts them in a load_state_dict
+    # pre-hook, which must keep working on a prepared module (its class is swapped, not its hooks).
+    def vocoder_block(legacy: bool) -> torch.nn.Module:
+        wn = torch.nn.utils.weight_norm if legacy else torch.nn.utils.parametrizations.weight_norm
+        return torch.nn.Sequential(
+            wn(torch.nn.Conv1d(4, 8, 3)), torch.nn.LeakyReLU(0.1),
+            wn(torch.nn.ConvTranspose1d(8, 4, 4, stride=2), dim=1),
+        )
+
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning):  # torch deprecates the hook-based API
+        legacy = vocoder_block(legacy=True)
+    legacy_keys = legacy.state_dict().keys()
+    assert {"0.weight_g", "0.weight_v", "2.weight_g", "2.weight_v"} <= legacy_keys
+    with pytest.warns(UserWarning, match=r"2 tensor\(s\) use torch's hook-based norms.*0\.weight "):
+        paramfold.prepare(legacy, mode)  # left alone, and the user is told
+    paramfold.restore(legacy)
+    ours = paramfold.prepare(vocoder_block(legacy=False), mode)
+    ours.load_state_dict(legacy.state_dict())
+    x = torch.randn(2, 4, 20)
+    assert torch.equal(ours(x), legacy(x))
+    assert torch.equal(torch.compile(ours, backend="eager")(x), legacy(x))
+
 def test_seed_cast_model_matches_and_setattr_goes_through_right_inverse():
     stock = seed_model()
     ours = paramfold.prepare(copy.deepcopy(stock), "hoist")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 from torch import nn
@@ -14,7 +15,7 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
 from paramfold.runtime import STATE_ATTR, ModuleState, site_state
-from paramfold.sites import Site, find
+from paramfold.sites import Site, find, hook_based_norms
 
 MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
@@ -88,6 +89,7 @@ def prepare(
     for site in selected:
         _refuse_unsupported(site)
 
+    _warn_hook_based_norms(model)
     states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad)
     applied: list[nn.Module] = []
     try:
@@ -105,6 +107,21 @@ def prepare(
             restore_module(module)
         raise
     return model
+
+
+def _warn_hook_based_norms(model: nn.Module) -> None:
+    legacy = hook_based_norms(model)
+    if legacy:
+        shown = ", ".join(legacy[:3]) + (f" and {len(legacy) - 3} more" if len(legacy) > 3 else "")
+        warnings.warn(
+            f"{len(legacy)} tensor(s) use torch's hook-based norms, which are not parametrizations "
+            f"and which paramfold leaves as they are: {shown}. Build those modules with "
+            "torch.nn.utils.parametrizations.weight_norm / spectral_norm instead. The new "
+            "weight_norm loads checkpoints saved with the old one (weight_g, weight_v); old "
+            "spectral_norm checkpoints keep their tensors under weight_orig, weight_u, weight_v.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 @contextlib.contextmanager

@@ -192,3 +192,22 @@ def _is_cast(args: tuple, out: object) -> bool:
     if out.is_floating_point() or out.is_complex():
         return torch.allclose(out, expected, rtol=0, atol=0, equal_nan=True)  # NaNs cast to NaNs
     return torch.equal(out, expected)
+
+
+def hook_based_norms(model: nn.Module) -> list[str]:
+    """``"fqn.name (api)"`` of every tensor computed by torch's *hook-based* norms.
+
+    ``torch.nn.utils.weight_norm`` and ``torch.nn.utils.spectral_norm`` (the deprecated APIs
+    many vocoders and GANs still use) recompute a tensor in a forward pre-hook rather than through
+    ``parametrize``, so :func:`find` does not report them and ``prepare`` leaves them alone.
+    """
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    found = []
+    for path, module in model.named_modules():
+        for hook in module._forward_pre_hooks.values():
+            for api, cls in (("weight_norm", WeightNorm), ("spectral_norm", SpectralNorm)):
+                if isinstance(hook, cls):
+                    found.append(f"{path + '.' if path else ''}{hook.name} (torch.nn.utils.{api})")
+    return found
