@@ -248,6 +248,9 @@ def test_cli_table_and_plot(tmp_path):
         (["--model", "resnet"], "unknown model 'resnet'"),
         (["--variant", "fast"], "unknown variant(s) 'fast'"),
         (["--plot", "/no/such/folder/x.png"], "folder does not exist"),
+        (["--device", "gpu0"], "unknown device 'gpu0'"),
+        pytest.param(["--device", "cuda"], "device 'cuda' is not available here",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
     ],
 )
 def test_cli_bad_input_is_one_line(args, words):

@@ -200,7 +200,9 @@ class BenchConfig:
     (ratios are taken to the baseline, outputs are compared to stock).  ``threads`` is set with
     ``torch.set_num_threads`` for the run (``None``: leave torch's setting); one thread by default
     because compiling is single-threaded, the zoo's matmuls are tiny, and OpenMP threads waiting
-    for each other on shared cores turn steady calls of ~1 ms into hundreds of ms.
+    for each other on shared cores turn steady calls of ~1 ms into hundreds of ms.  ``device`` is
+    where the model and input live (``"cuda"``: the run synchronises the device around each timed
+    call).
     """
 
     model: str = "seed"
@@ -218,8 +220,15 @@ class BenchConfig:
     warmup_round: bool = True
     cold_caches: bool = True
     threads: int | None = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"unknown device {self.device!r}: {exc}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} is not available here (no CUDA device)")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.backend not in BACKENDS:
@@ -523,7 +532,7 @@ def build_model(config: BenchConfig) -> nn.Module:
     In eval mode nothing requires grad (an inference benchmark; it is what lets ``freeze`` apply).
     """
     torch.manual_seed(config.seed)
-    model = config.spec.build(config.n_layers, config.n_width)
+    model = config.spec.build(config.n_layers, config.n_width).to(config.device)
     model.train(config.train)
     if not config.train:
         model.requires_grad_(False)
@@ -534,7 +543,7 @@ def make_input(config: BenchConfig) -> torch.Tensor:
     """The input of ``config``'s model: ``(batch, features)`` from a generator seeded by ``config.seed``."""
     gen = torch.Generator().manual_seed(config.seed + 1)
     x = torch.randn(config.batch, config.spec.input_features(config.n_width), generator=gen)
-    return x.to(config.spec.dtype)
+    return x.to(device=config.device, dtype=config.spec.dtype)
 
 
 def _compile(model: nn.Module, config: BenchConfig) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -580,9 +589,13 @@ def _step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, train: bo
     if train:
         out = fn(x)
         out.mean().backward()
-        return out.detach()
-    with torch.no_grad():
-        return fn(x)
+        out = out.detach()
+    else:
+        with torch.no_grad():
+            out = fn(x)
+    if out.is_cuda:  # time the work, not its launch
+        torch.cuda.synchronize(out.device)
+    return out
 
 
 def _read_proxies() -> Proxies:
@@ -719,14 +732,21 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max().item()) if a.numel() else 0.0
 
 
-def _environment() -> dict[str, Any]:
+def _environment(device: str) -> dict[str, Any]:
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "device": _device_name(device),
     }
+
+
+def _device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
 
 
 def run_bench(
@@ -807,7 +827,7 @@ def run_bench(
             for name, out in outputs.items():
                 if stock_out is not None and results[name].samples:
                     results[name].samples[-1].max_abs_diff = _max_abs_diff(out, stock_out)
-        environment = _environment()
+        environment = _environment(config.device)
     torch._dynamo.reset()
     progress("done")
     return BenchResult(config, environment, [results[n] for n in names])
@@ -840,6 +860,7 @@ def describe_config(result: BenchResult) -> str:
         f"model={c.model} layers={c.n_layers} width={c.n_width} batch={c.batch} "
         f"backend={c.backend} entry={c.entry} {mode} repeats={c.repeats} "
         f"| torch {env['torch']}, {env['torch_threads']} threads"
+        + (f", {c.device} ({env.get('device', '?')})" if c.device != "cpu" else "")
     )
 
 

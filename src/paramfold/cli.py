@@ -36,6 +36,7 @@ def bench(
     threads: int = typer.Option(
         1, help="torch.set_num_threads for the run; 0 leaves torch's setting."
     ),
+    device: str = typer.Option("cpu", help="Where the model runs: cpu, cuda, cuda:1, ..."),
     variant: list[str] | None = typer.Option(
         None, "--variant", help="Measure only these (repeatable); baseline and stock always run."
     ),
@@ -63,6 +64,7 @@ def bench(
         config = BenchConfig(
             model=model, layers=layers, width=width, backend=backend, entry=entry, train=train,
             repeats=repeats, threads=threads or None, variants=tuple(variant) if variant else None,
+            device=device,
         )
     except ValueError as exc:
         fail(str(exc), code=2)
