@@ -284,6 +284,7 @@ class _Int8Net(nn.Module):
 def test_hoisted_tensor_subclass_with_trainable_inner_tensor_under_aot_eager():
     # An Int8Tensor wrapper reports requires_grad=False even when its float32 scale needs grad;
     # hoist must then compute it in-graph, where AOTAutograd keeps the gradient.
+    pytest.importorskip("torchao")
     torch.manual_seed(0)
     model = _Int8Net()
     model.lin.parametrizations.weight.original1.requires_grad_(True)  # the float32 scale

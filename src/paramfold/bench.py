@@ -224,11 +224,9 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         try:
-            device = torch.device(self.device)
+            torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"unknown device {self.device!r}: {exc}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} is not available here (no CUDA device)")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.backend not in BACKENDS:
@@ -251,6 +249,12 @@ class BenchConfig:
                     f"unknown variant(s) {', '.join(map(repr, unknown))}; "
                     f"choose from {', '.join(VARIANT_NAMES)}"
                 )
+
+    def check_device(self) -> None:
+        """Raise ``ValueError`` if ``device`` cannot run here (a config read back from JSON may
+        come from another machine, so this is checked before running, not on construction)."""
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} is not available here (no CUDA device)")
 
     @property
     def spec(self) -> ModelSpec:
@@ -769,6 +773,7 @@ def run_bench(
         >>> r.variant("baseline").proxies.graph_breaks
         0
     """
+    config.check_device()
     if variants is None:
         variants = default_variants()
     wanted = None if config.variants is None else {"baseline", "stock", *config.variants}

@@ -66,6 +66,7 @@ def bench(
             repeats=repeats, threads=threads or None, variants=tuple(variant) if variant else None,
             device=device,
         )
+        config.check_device()
     except ValueError as exc:
         fail(str(exc), code=2)
     if plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(plot))):
