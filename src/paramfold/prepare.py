@@ -15,7 +15,7 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
 from paramfold.runtime import STATE_ATTR, ModuleState, site_state
-from paramfold.sites import Site, find, hook_based_norms
+from paramfold.sites import Site, find, hook_based_norms, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
@@ -81,7 +81,7 @@ def prepare(
     _refuse_prepared(model)
 
     paths = _module_paths(model)
-    sites = [s for s in find(model) if not _inside_parametrization(s.module_path)]
+    sites = [s for s in find(model) if not inside_parametrization(s.module_path)]
     chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
     selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
@@ -163,11 +163,7 @@ def _refuse_prepared(model: nn.Module) -> None:
 
 
 def _module_paths(model: nn.Module) -> dict[str, nn.Module]:
-    return {path: module for path, module in model.named_modules() if not _inside_parametrization(path)}
-
-
-def _inside_parametrization(path: str) -> bool:
-    return "parametrizations" in path.split(".")
+    return {path: module for path, module in model.named_modules() if not inside_parametrization(path)}
 
 
 def _selected(filter_fn: FilterFn | None, module: nn.Module, fqn: str) -> bool:

@@ -111,6 +111,12 @@ def find(model: nn.Module) -> list[Site]:
     return tied
 
 
+def inside_parametrization(path: str) -> bool:
+    """Whether the module at ``path`` lives inside a ``ParametrizationList`` (a parametrization
+    module, or a parametrization of one)."""
+    return "parametrizations" in path.split(".")
+
+
 def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
     for path, module in model.named_modules():
         if parametrize.is_parametrized(module):

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold.inline import compute
+from paramfold.sites import inside_parametrization
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -30,7 +31,7 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     # places under both.
     by_prefix: dict[str, list[tuple[str, nn.Module, str]]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        if "parametrizations" in path.split(".") or not parametrize.is_parametrized(module):
+        if inside_parametrization(path) or not parametrize.is_parametrized(module):
             continue
         prefix = f"{path}.parametrizations." if path else "parametrizations."
         for name in module.parametrizations:

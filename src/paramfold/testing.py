@@ -74,6 +74,8 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import paramfold
+from paramfold.runtime import original_names
+from paramfold.sites import inside_parametrization
 
 __all__ = [
     "COMPILE_TOLERANCES",
@@ -592,7 +594,7 @@ class ModelSpec:
             i, j, name = self.tie
             src = self.layers[i].target(layers[i]).parametrizations[name]
             dst = self.layers[j].target(layers[j]).parametrizations[name]
-            for original in _original_names(src):
+            for original in original_names(src):
                 setattr(dst, original, getattr(src, original))
         pick = random.Random(self.seed)
         for layer in layers:
@@ -616,10 +618,6 @@ class ModelSpec:
         if first.kind == "embedding":
             return (torch.randint(0, first.width_in, (2, 3), generator=generator),)
         return (torch.randn(2, 3, first.width_in, generator=generator).to(self.compute_dtype),)
-
-
-def _original_names(plist: nn.Module) -> list[str]:
-    return ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
 
 
 @st.composite
@@ -1129,7 +1127,7 @@ def _parametrized(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (path, m)
         for path, m in model.named_modules()
-        if parametrize.is_parametrized(m) and "parametrizations" not in path.split(".")
+        if parametrize.is_parametrized(m) and not inside_parametrization(path)
     ]
 
 
@@ -1186,15 +1184,15 @@ def _reordered_originals(model: nn.Module) -> set[int]:
     """Originals of modules called more than once per forward, and originals shared by sites."""
     calls: dict[int, int] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        if "parametrizations" not in path.split("."):
+        if not inside_parametrization(path):
             calls[id(module)] = calls.get(id(module), 0) + 1
     users: dict[int, int] = {}
     repeated: set[int] = set()
     for path, module in model.named_modules():
-        if "parametrizations" in path.split(".") or not parametrize.is_parametrized(module):
+        if inside_parametrization(path) or not parametrize.is_parametrized(module):
             continue
         for plist in module.parametrizations.values():
-            for name in _original_names(plist):
+            for name in original_names(plist):
                 key = id(getattr(plist, name))
                 users[key] = users.get(key, 0) + 1
                 if calls.get(id(module), 0) > 1:
