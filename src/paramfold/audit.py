@@ -65,6 +65,7 @@ from paramfold.checkpoint import (
     write_checkpoint,
     write_state_dict,
 )
+from paramfold.errors import first_few
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -442,10 +443,9 @@ def fold_checkpoint(
         report, plan = _audit(ckpt)
         refused = report.refused
         if refused:
-            listed = ", ".join(f"{s.key} ({s.kind})" for s in refused[:3])
-            more = f" and {len(refused) - 3} more" if len(refused) > 3 else ""
+            listed = first_few([f"{s.key} ({s.kind})" for s in refused], 3)
             raise CheckpointError(
-                f"cannot fold {listed}{more} from the checkpoint alone: {refused[0].note}; "
+                f"cannot fold {listed} from the checkpoint alone: {refused[0].note}; "
                 "pass --model MODULE:FACTORY that builds the parametrized model"
             )
         specs: dict[str, TensorInfo] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paramfold.errors import FoldError
+from paramfold.errors import FoldError, first_few
 from paramfold.inline import compute
 from paramfold.runtime import FrozenValue, SiteState, site_state
 from paramfold.sites import Site
@@ -56,9 +56,8 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
     for s, st in bad:
         why = "a parameter of the chain requires grad" if chain_needs_grad(st) else "stateful chain in training mode"
         reasons.append(f"{s.fqn} ({s.kind}: {why})")
-    shown = ", ".join(reasons[:4]) + (f" and {len(reasons) - 4} more" if len(reasons) > 4 else "")
     raise FoldError(
-        f"cannot freeze {len(bad)} site(s) {when}: {shown}. Freeze is for inference: "
+        f"cannot freeze {len(bad)} site(s) {when}: {first_few(reasons, 4)}. Freeze is for inference: "
         "call model.eval() and model.requires_grad_(False) first, or use mode='auto' "
         "(freezes what it can, hoists the rest) or mode='hoist'."
     )

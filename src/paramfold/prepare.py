@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold.classes import prepared_class
-from paramfold.errors import FoldError
+from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
@@ -112,11 +112,10 @@ def prepare(
 def _warn_hook_based_norms(model: nn.Module) -> None:
     legacy = hook_based_norms(model)
     if legacy:
-        shown = ", ".join(legacy[:3]) + (f" and {len(legacy) - 3} more" if len(legacy) > 3 else "")
         warnings.warn(
             f"{len(legacy)} tensor(s) use torch's hook-based norms, which are not parametrizations "
-            f"and which paramfold leaves as they are: {shown}. Build those modules with "
-            "torch.nn.utils.parametrizations.weight_norm / spectral_norm instead. The new "
+            f"and which paramfold leaves as they are: {first_few(legacy, 3)}. Build those modules "
+            "with torch.nn.utils.parametrizations.weight_norm / spectral_norm instead. The new "
             "weight_norm loads checkpoints saved with the old one (weight_g, weight_v); old "
             "spectral_norm checkpoints keep their tensors under weight_orig, weight_u, weight_v.",
             UserWarning,
