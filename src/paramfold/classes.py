@@ -1,4 +1,4 @@
-"""The classes prepared modules are switched to.
+"""The classes prepared modules are switched to, and the descriptor that stands in for stock's properties.
 
 Stock ``parametrize`` gives every parametrized module its own class (``ParametrizedLinear``,
 one per instance) holding a property per tensor. paramfold swaps each prepared module to a class
@@ -6,43 +6,96 @@ one per instance) holding a property per tensor. paramfold swaps each prepared m
 ``torch.compile``: dynamo guards on a module's type, so per-instance classes make every layer of a
 per-layer-compiled model look different, while shared classes let same-architecture layers (and
 same-architecture models) reuse one graph.
+
+Shared classes must never change for one module's sake. torch's ``register_parametrization`` and
+``remove_parametrizations`` edit ``module.__class__`` (they expect a class of the module's own);
+the :class:`_Sealed` metaclass catches those edits: a property injected for one module becomes a
+:class:`_ForeignSite` that serves only modules parametrized for that name, and the class leaves the
+cache so later prepares get a clean one; deletions are ignored (each descriptor steps aside for a
+module whose parametrization is gone). The changed module is refused at its next call, and
+:func:`paramfold.restore` rebuilds stock's class for its parametrizations as they are then.
+
+While prepared, ``type(m)`` is the shared class (a subclass of the user's class, with the same
+name), so ``isinstance`` checks hold; ``torch.nn.utils.parametrize.type_before_parametrizations``
+keeps reporting the user's class (see :func:`install_type_before_parametrizations`).
 """
 
 from __future__ import annotations
 
 import copy
 import copyreg
-import functools
+import sys
+import threading
 
+import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
-from paramfold.inline import SiteDescriptor, inline_property
+from paramfold.compute import compute, eager_value, parametrized_here
+from paramfold.errors import FoldError
+from paramfold.runtime import STATE_ATTR
+from paramfold.freeze import chain_needs_grad
+from paramfold.frames import run_eagerly_as_frame
 from paramfold.scope import compiled_call_impl, root_call
 
 
-@functools.cache
+class _Sealed(type):
+    """Metaclass of the shared classes: keeps torch's per-module class edits off them."""
+
+    def __setattr__(cls, name: str, value: object) -> None:
+        if cls.__dict__.get("_paramfold_sealed") and isinstance(value, property) and name not in cls.__dict__:
+            # register_parametrization on a prepared module (torch's _inject_property).
+            _evict(cls)
+            value = _ForeignSite(name)
+        type.__setattr__(cls, name, value)
+
+    def __delattr__(cls, name: str) -> None:
+        if cls.__dict__.get("_paramfold_sealed"):
+            return  # remove_parametrizations on a prepared module: other modules still need it
+        type.__delattr__(cls, name)
+
+
+_classes: dict[tuple, type] = {}
+_classes_lock = threading.Lock()
+
+
 def prepared_class(
     base: type,
     names: frozenset[str],
     is_root: bool,
-    inline_signatures: tuple[tuple[str, tuple], ...] | None = None,
+    inline_properties: tuple[tuple[str, property], ...] = (),
 ) -> type:
     """The shared class for modules of ``base`` whose ``names`` are parametrized.
 
-    ``inline_signatures`` (name, chain signature) pairs make the class read those tensors
-    through generated inline properties; otherwise each name gets a :class:`SiteDescriptor`
-    that hoisted or frozen values in the instance ``__dict__`` shadow.
+    ``inline_properties`` (name, property) pairs read those tensors through generated inline
+    getters; every other name gets a :class:`SiteDescriptor` that hoisted or frozen values in the
+    instance ``__dict__`` shadow.
     """
+    key = (base, names, is_root, inline_properties)
+    with _classes_lock:
+        cls = _classes.get(key)
+        if cls is None:
+            cls = _classes[key] = _make_class(base, names, is_root, dict(inline_properties))
+    return cls
+
+
+def _evict(cls: type) -> None:
+    with _classes_lock:
+        for key, value in list(_classes.items()):
+            if value is cls:
+                del _classes[key]
+
+
+def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[str, property]) -> type:
     namespace: dict[str, object] = {
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
         "_paramfold_names": names,
         "_compiled_call_impl": compiled_call_impl,
     }
-    inline = dict(inline_signatures or ())
     for name in names:
-        namespace[name] = inline_property(name, inline[name]) if name in inline else SiteDescriptor(name)
-    if names - inline.keys():
+        namespace[name] = inline.get(name) or SiteDescriptor(name)
+    if names:
         namespace["__setattr__"] = _make_setattr(base)
     # Pickling refused with a message that says what to do (these classes are not importable,
     # so pickle would otherwise fail with a confusing lookup error); deepcopy supported, as on
@@ -53,11 +106,78 @@ def prepared_class(
     if is_root:
         namespace["__call__"] = root_call
     prefix = "Parametrized" if names else ""
-    return type(f"{prefix}{base.__name__}", (base,), namespace)
+    meta = _Sealed if type(base) is type else type(f"_Sealed{type(base).__name__}", (_Sealed, type(base)), {})
+    cls = meta(f"{prefix}{base.__name__}", (base,), namespace)
+    type.__setattr__(cls, "_paramfold_sealed", True)
+    return cls
+
+
+class SiteDescriptor:
+    """Class attribute standing in for stock's per-instance property of one tensor name.
+
+    A *non-data* descriptor on purpose: an instance ``__dict__`` entry of the same name takes
+    precedence, which is how hoisted and frozen values reach compiled code as plain tensors.
+    Outside a call scope it computes the value like stock, so it is never stale.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None):
+        if module is None:
+            return self
+        if torch.compiler.is_compiling():
+            return compute(module, self.name)
+        return read_outside_scope(module, self.name)
+
+
+class _ForeignSite:
+    """Put on a shared class in place of the property torch injected for one module's new site."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None):
+        if module is None:
+            return self
+        if not parametrized_here(module, self.name):
+            raise AttributeError(self.name)  # nn.Module.__getattr__ finds the plain tensor
+        return eager_value(module, self.name)
+
+
+def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
+    """The value of a hoist or freeze site read eagerly with no scope open: stock's value.
+
+    During the recomputation of a non-reentrant ``torch.utils.checkpoint`` the forward it
+    replays read this tensor as a value computed *before* the checkpointed region (the call
+    scope's); the replay must save the same tensors, so the value is computed without autograd.
+    """
+    if not parametrized_here(module, name):
+        raise AttributeError(name)
+    if _in_checkpoint_recomputation():
+        site = module.__dict__[STATE_ATTR].sites.get(name)
+        in_graph = site is None or site.mode == "inline" or (site.subclass and chain_needs_grad(site))
+        if not in_graph:
+            if site.training_stateful:
+                raise FoldError(
+                    f"{type(module).__name__}.{name}: a stateful parametrization (spectral_norm) in "
+                    "training mode is read again while torch.utils.checkpoint(use_reentrant=False) "
+                    "recomputes its forward; stock would run the power iteration inside the "
+                    "checkpointed region, which a value computed once per call cannot reproduce. "
+                    "Prepare this module with mode='inline' (filter_fn), or call model.eval()."
+                )
+            with torch.no_grad():
+                return compute(module, name)
+    return eager_value(module, name)
+
+
+def _in_checkpoint_recomputation() -> bool:
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
-    raise RuntimeError(
+    raise FoldError(
         "A model prepared by paramfold cannot be pickled: save its state_dict() (unchanged by "
         "paramfold), or call paramfold.restore(model) first. Serialization of parametrized "
         "modules is only supported through state_dict(). See:\n"
@@ -70,10 +190,10 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     found = memo.get(id(self))
     if found is not None:
         return found
-    replica = self.__new__(self.__class__)
+    replica = self.__new__(type(self))
     memo[id(self)] = replica
-    replica.__dict__ = copy.deepcopy(self.__dict__, memo)
-    for slot in copyreg._slotnames(self.__class__):  # type: ignore[attr-defined]
+    object.__setattr__(replica, "__dict__", copy.deepcopy(self.__dict__, memo))
+    for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
         if hasattr(self, slot):
             setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
     return replica
@@ -84,9 +204,53 @@ def _make_setattr(base: type):
 
     def __setattr__(self: nn.Module, name: str, value: object) -> None:
         # Stock's property setter: assigning to a parametrized tensor goes through right_inverse.
-        if name in type(self)._paramfold_names:
-            self.parametrizations[name].right_inverse(value)
+        plists = self.__dict__.get("_modules", {}).get("parametrizations")
+        if plists is not None and name in plists._modules:
+            plists._modules[name].right_inverse(value)
         else:
             base_setattr(self, name, value)
 
     return __setattr__
+
+
+# Run eagerly when dynamo meets them as frames of their own (a frame it falls back on calls
+# them); inlined into traced code they are traced as usual. torch's own parametrize code is
+# skipped the same way, as a file of torch.
+for _fn in (SiteDescriptor.__get__, _ForeignSite.__get__, read_outside_scope, compute, eager_value):
+    run_eagerly_as_frame(_fn)
+del _fn
+
+
+# --- type_before_parametrizations -----------------------------------------------------------
+
+_stock_type_before = parametrize.type_before_parametrizations
+
+
+def _type_before_parametrizations(module: nn.Module) -> type:
+    state = module.__dict__.get(STATE_ATTR)
+    if state is None:
+        return _stock_type_before(module)
+    cls = state.original_class
+    return cls.__bases__[0] if state.stock_names else cls
+
+
+_type_before_parametrizations.__doc__ = _stock_type_before.__doc__
+_type_before_parametrizations.__wrapped__ = _stock_type_before  # type: ignore[attr-defined]
+
+
+def install_type_before_parametrizations() -> None:
+    """Make ``parametrize.type_before_parametrizations`` see through paramfold's classes.
+
+    It answers ``type(module)`` for an unparametrized module and the first base of the class
+    otherwise; for a prepared module both would name paramfold's shared class. The replacement
+    answers, for prepared modules only, what stock answers for the module as it was before
+    ``prepare``, and defers to stock for every other module. Modules that imported the function
+    by name (``torch.ao``) get it too. Installed by the first ``prepare``; it stays (it changes
+    nothing for unprepared modules).
+    """
+    if parametrize.type_before_parametrizations is _type_before_parametrizations:
+        return
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace is not None and namespace.get("type_before_parametrizations") is _stock_type_before:
+            namespace["type_before_parametrizations"] = _type_before_parametrizations

@@ -1,9 +1,20 @@
 """The freeze strategy: materialise a parametrized tensor once and reuse it until its inputs change.
 
-A frozen value is keyed on a fingerprint of every tensor the chain reads (originals and the
-parametrization modules' own parameters and buffers): object identity, storage address and
-version counter. ``load_state_dict`` (``copy_``), optimizer steps, in-place edits, ``assign=True``
-loads and ``.to()`` all change the fingerprint, so the next call re-materialises by itself.
+A frozen value is keyed on every tensor the chain reads (originals, nested originals and the
+parametrization modules' own parameters and buffers), in two ways:
+
+* identity, storage address and version counter of each. Optimizer
+  steps, ``load_state_dict`` (``copy_``), in-place ops, ``torch.nn.init.*`` on the tensor,
+  ``lerp_``/``torch._foreach_lerp_``, ``assign=True`` loads, ``.data = ...`` and ``.to()`` /
+  ``.half()`` change it;
+* with ``freeze_check="content"`` (the default), a byte copy of each, compared at every call:
+  writes that bump no version counter — through ``.data`` (``p.data.mul_()``, init code,
+  EMA loops), ``.detach().numpy()``, DLPack — change the bytes. This costs one comparison of the
+  inputs per call (about what a cheap parametrization costs to recompute) and one copy of them in
+  memory. ``freeze_check="version"`` trusts identity, address and version alone.
+
+Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
+inside ``torch.inference_mode()`` also serves later calls that record gradients.
 """
 
 from __future__ import annotations
@@ -11,32 +22,67 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paramfold.compute import compute
 from paramfold.errors import FoldError, first_few
-from paramfold.inline import compute
 from paramfold.runtime import FrozenValue, SiteState, site_state
 from paramfold.sites import Site
 
 
-def fingerprint(site: SiteState) -> tuple[tuple[int, int, int], ...]:
-    return tuple((id(t), _address(t), t._version) for d in site.tensor_dicts for t in d.values() if t is not None)
-
-
 def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
     """Return the materialised ``module.<name>``, recomputing it if its inputs changed."""
-    current = fingerprint(site)
-    if site.frozen is None or site.frozen.fingerprint != current:
-        with torch.no_grad():
+    frozen = site.frozen
+    if frozen is None or not _unchanged(site, frozen):
+        with torch.inference_mode(False), torch.no_grad():
             value = compute(module, name)
-        # Stateful chains may bump their own buffers while computing; key on the state after.
-        site.frozen = FrozenValue(fingerprint(site), value)
-    return site.frozen.value
+            # Stateful chains may bump their own buffers while computing; key on the state after.
+            site.frozen = frozen = FrozenValue(value, _watch(site), tuple(map(len, site.tensor_dicts)))
+    return frozen.value
+
+
+def _watch(site: SiteState) -> tuple[tuple, ...]:
+    """``(dict, key, tensor, address, version, bytes, copy of the bytes)`` of every input."""
+    content = site.freeze_check == "content"
+    watched = []
+    for d in site.tensor_dicts:
+        for key, t in d.items():
+            if t is None:
+                continue
+            view = _bytes(t) if content else None
+            watched.append((d, key, t, _address(t), t._version, view, None if view is None else view.clone()))
+    return tuple(watched)
+
+
+def _unchanged(site: SiteState, frozen: FrozenValue) -> bool:
+    if tuple(map(len, site.tensor_dicts)) != frozen.sizes:
+        return False
+    for d, key, t, address, version, view, copy in frozen.watch:
+        if d[key] is not t or t._version != version or _address(t) != address:
+            return False
+        if copy is not None and not torch.equal(view, copy):
+            return False
+    return True
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed as integers of its element size (bitwise comparable: NaN and -0.0 included),
+    or None where there are no bytes to read (tensor subclasses, sparse and meta tensors)."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_meta:
+        return None
+    t = t.detach()
+    as_int = _SAME_SIZE_INT.get(t.element_size())
+    if as_int is not None:
+        return t.view(as_int)
+    return t.contiguous().view(torch.uint8) if t.is_contiguous() else None
 
 
 def can_freeze(site: SiteState) -> bool:
     """A site may be frozen when nothing in its chain needs grad and no stateful chain is training."""
     if chain_needs_grad(site):
         return False
-    return not (site.stateful and any(m.training for m in site.chain))
+    return not site.training_stateful
 
 
 def chain_needs_grad(site: SiteState) -> bool:

@@ -1,53 +1,21 @@
-"""The inline strategy: compute a parametrized tensor where it is read, through the leanest path.
+"""The inline strategy: compute a parametrized tensor where it is read, through generated getters.
 
-Stock ``parametrize`` reads a tensor through a per-instance property, the
-``ParametrizationList`` module call, ``ModuleList.__getitem__`` and a ``hasattr`` loop; dynamo
-inlines all of it for every read. :func:`compute` goes straight from the ``_modules`` and
-``_parameters`` dicts to the parametrization modules, which is the same sequence of module
-calls (so the same ops, bitwise) with far less Python for dynamo to trace.
-
-:func:`inline_property` goes further for inline sites: a property whose getter is generated
-per chain shape, with the chain unrolled into one expression over plain module attributes.
-
-:class:`SiteDescriptor` serves hoist and freeze sites whenever they are read outside a call
-scope (see :mod:`paramfold.scope`). It is a *non-data* descriptor on purpose: an instance
-``__dict__`` entry of the same name takes precedence, which is how hoisted and frozen values
-reach compiled code as plain tensors.
+:func:`inline_property` makes, per chain shape, a property whose getter has the chain unrolled
+into one expression over plain module attributes (:func:`install_refs`), so dynamo traces a few
+bytecodes per read instead of stock's ``ParametrizationList`` machinery, with the same ops (and
+results) as :func:`paramfold.compute.compute`. Sites whose originals are themselves parametrized
+(nested) are served by the shared classes' descriptor instead, which computes in-graph too.
 """
 
 from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
-from paramfold.runtime import SiteState, original_names
-
-
-def compute(module: nn.Module, name: str) -> torch.Tensor:
-    """Evaluate the parametrization chain of ``module.<name>`` like stock, minus the plumbing."""
-    plist = module._modules["parametrizations"]._modules[name]
-    chain = iter(plist._modules.values())
-    value = next(chain)(*[getattr(plist, n) for n in original_names(plist)])
-    for parametrization in chain:
-        value = parametrization(value)
-    return value
-
-
-class SiteDescriptor:
-    """Class attribute standing in for stock's per-instance property of one tensor name."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, module: nn.Module | None, owner: type | None = None):
-        if module is None:
-            return self
-        if torch.compiler.is_compiling():
-            return compute(module, self.name)
-        return _eager(module, self.name)
+from paramfold.compute import eager_value, members, original_names, parametrized_here
+from paramfold.frames import run_eagerly_as_frame
+from paramfold.runtime import SiteState
 
 
 def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:
@@ -68,12 +36,12 @@ def install_refs(module: nn.Module, name: str, site: SiteState) -> list[str]:
     on every read. Members are checked and originals re-synced (a ``load_state_dict(assign=True)``
     replaces them) at every call scope and after every ``load_state_dict``.
     """
-    members, originals = ref_keys(name, chain_signature(module, name))
-    for key, member in zip(members, site.chain):
+    member_keys, original_keys = ref_keys(name, chain_signature(module, name))
+    for key, member in zip(member_keys, site.chain):
         module.__dict__[key] = member
-    site.original_refs = tuple((key, d, k) for key, (d, k) in zip(originals, site.originals))
+    site.original_refs = tuple((key, d, k) for key, (d, k) in zip(original_keys, site.originals))
     sync_refs(module, site)
-    return members + originals
+    return member_keys + original_keys
 
 
 def sync_refs(module: nn.Module, site: SiteState) -> None:
@@ -97,7 +65,7 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]
     ntensors = None if plist.is_tensor else plist.ntensors
     first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
-    forwards = tuple(None if _has_hooks(m) else type(m).forward for m in plist._modules.values())
+    forwards = tuple(None if _has_hooks(m) else type(m).forward for m in members(plist))
     return ntensors, where, forwards
 
 
@@ -117,7 +85,9 @@ class _InlineProperty(property):
     def __get__(self, module, owner=None):
         if module is None:
             return self
-        return _eager(module, self.name)
+        if not parametrized_here(module, self.name):
+            raise AttributeError(self.name)  # removed while prepared: the plain tensor is back
+        return eager_value(module, self.name)
 
 
 @functools.cache
@@ -129,9 +99,9 @@ def inline_property(name: str, signature: tuple) -> property:
     ``ParametrizationList`` machinery, with the same ops (and results). In eager it computes
     like stock, honouring ``parametrize.cached()``.
     """
-    members, originals = ref_keys(name, signature)
-    expr = ", ".join(f"self.{key}" for key in originals)
-    for i, (key, forward) in enumerate(zip(members, signature[2])):
+    member_keys, original_keys = ref_keys(name, signature)
+    expr = ", ".join(f"self.{key}" for key in original_keys)
+    for i, (key, forward) in enumerate(zip(member_keys, signature[2])):
         expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
     source = (
         "def get(self):\n"
@@ -141,13 +111,7 @@ def inline_property(name: str, signature: tuple) -> property:
     )
     namespace = {f"F{i}": f for i, f in enumerate(signature[2]) if f is not None}
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
-    return _InlineProperty(namespace["get"], namespace["set"], name)
-
-
-def _eager(module: nn.Module, name: str) -> torch.Tensor:
-    if parametrize._cache_enabled:
-        return _cached(module, name)
-    return compute(module, name)
+    return _InlineProperty(run_eagerly_as_frame(namespace["get"]), namespace["set"], name)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -164,9 +128,4 @@ def _has_hooks(module: nn.Module) -> bool:
     return any(map(bool, own + global_hooks))
 
 
-def _cached(module: nn.Module, name: str) -> torch.Tensor:
-    key = (id(module), name)
-    value = parametrize._cache.get(key)
-    if value is None:
-        value = parametrize._cache[key] = compute(module, name)
-    return value
+run_eagerly_as_frame(_InlineProperty.__get__)

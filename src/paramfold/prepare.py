@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.classes import prepared_class
+from paramfold.classes import install_type_before_parametrizations, prepared_class
 from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
-from paramfold.inline import chain_signature, install_refs, sync_refs
+from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
-from paramfold.runtime import STATE_ATTR, ModuleState, site_state
+from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, site_state
 from paramfold.sites import Site, find, hook_based_norms, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -32,6 +32,7 @@ def prepare(
     *,
     filter_fn: FilterFn | None = None,
     detach_params_under_no_grad: bool = False,
+    freeze_check: str = "content",
 ) -> nn.Module:
     """Make ``torch.compile`` see ``model`` (nearly) as if it had no parametrizations. In place.
 
@@ -58,6 +59,11 @@ def prepare(
             ``requires_grad=False`` tensors while grad mode is off, so frozen and trainable
             copies of one architecture share graphs under ``no_grad`` (see
             ``paramfold.recompiles``). Off by default.
+        freeze_check: how freeze and auto tell that a frozen value's inputs changed:
+            ``"content"`` (default) also compares their bytes at every call, which sees writes
+            through ``.data``, numpy or DLPack that bump no version counter; ``"version"``
+            trusts identity, storage and version counters alone (no per-call comparison, no
+            copy of the inputs in memory) — use it only if nothing writes the weights that way.
 
     ``state_dict()`` keys and values are unchanged, :func:`paramfold.restore` undoes
     everything, and if anything fails the model is left exactly as it was.
@@ -78,6 +84,8 @@ def prepare(
         raise FoldError(f"unknown mode {mode!r}: use one of {', '.join(map(repr, MODES))}")
     if filter_fn is not None and not callable(filter_fn):
         raise FoldError(f"filter_fn must be callable as filter_fn(module, fqn), got {type(filter_fn).__name__}")
+    if freeze_check not in FREEZE_CHECKS:
+        raise FoldError(f"unknown freeze_check {freeze_check!r}: use one of {', '.join(map(repr, FREEZE_CHECKS))}")
     _refuse_prepared(model)
 
     paths = _module_paths(model)
@@ -90,13 +98,14 @@ def prepare(
         _refuse_unsupported(site)
 
     _warn_hook_based_norms(model)
-    states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad)
+    states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check)
+    install_type_before_parametrizations()
     applied: list[nn.Module] = []
     try:
         for module, (state, cls) in states.items():
             module.__dict__[STATE_ATTR] = state
             applied.append(module)
-            inline = [name for name, site in state.sites.items() if site.mode == "inline"]
+            inline = [name for name, site in state.sites.items() if site.mode == "inline" and not site.nested]
             for name in inline:
                 state.ref_keys += install_refs(module, name, state.sites[name])
             if inline:
@@ -202,6 +211,7 @@ def _plan(
     mode: str,
     filter_fn: FilterFn | None,
     detach_params: bool,
+    freeze_check: str,
 ) -> dict[nn.Module, tuple[ModuleState, type]]:
     """Every module's new state and class, computed before anything is changed."""
     states: dict[nn.Module, ModuleState] = {}
@@ -214,7 +224,7 @@ def _plan(
 
     for site in selected:
         hs = state(site.module)
-        hs.sites[site.tensor_name] = site_state(site.module, site.tensor_name, mode, site.stateful)
+        hs.sites[site.tensor_name] = site_state(site.module, site.tensor_name, mode, site.stateful, freeze_check)
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():
@@ -234,6 +244,8 @@ def _plan(
     planned = {}
     for module, st in states.items():
         own = frozenset(st.sites)
+        if parametrize.is_parametrized(module):
+            st.stock_names = frozenset(module._modules["parametrizations"]._modules)
         if own:
             base = parametrize.type_before_parametrizations(module)
         else:
@@ -241,7 +253,13 @@ def _plan(
             # as base, so its stock properties keep working.
             base = type(module)
         inline = tuple(
-            sorted((n, chain_signature(module, n)) for n, site in st.sites.items() if site.mode == "inline")
+            sorted(
+                (n, inline_property(n, chain_signature(module, n)))
+                for n, site in st.sites.items()
+                if site.mode == "inline" and not site.nested
+            )
         )
-        planned[module] = (st, prepared_class(base, own, module is model, inline or None))
+        st.covers = frozenset(id(m) for m in st.entries)
+        st.prepared_class = prepared_class(base, own, module is model, inline)
+        planned[module] = (st, st.prepared_class)
     return planned

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from paramfold.errors import FoldError
 from paramfold.runtime import STATE_ATTR, state_of
@@ -40,7 +41,11 @@ def restore(model: nn.Module) -> nn.Module:
 
 
 def restore_module(module: nn.Module) -> None:
-    """Put one module back as it was: its class, and no paramfold values in ``__dict__``."""
+    """Put one module back as it was: its class, and no paramfold values in ``__dict__``.
+
+    Parametrizations registered or removed while prepared are kept, and the module gets the class
+    stock would have given it for them (see :func:`_stock_class_for_now`).
+    """
     state = module.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return
@@ -54,3 +59,28 @@ def restore_module(module: nn.Module) -> None:
         for name in module._parameters:
             module.__dict__.pop(name, None)
     module.__class__ = state.original_class
+    _stock_class_for_now(module, state.stock_names)
+
+
+def _stock_class_for_now(module: nn.Module, stock_names: frozenset[str]) -> None:
+    """Bring stock's class of ``module`` in line with the parametrizations it has now.
+
+    ``module`` has its class from before ``prepare`` (stock's per-instance class when it was
+    parametrized), whose properties cover ``stock_names``. A parametrization registered or removed
+    while prepared went to paramfold's class, not this one, so the difference is applied here with
+    torch's own helpers, as ``register_parametrization`` / ``remove_parametrizations`` would have.
+    """
+    now = frozenset(module._modules["parametrizations"]._modules) if parametrize.is_parametrized(module) else frozenset()
+    if now == stock_names:
+        return
+    if not now:
+        if "parametrizations" in module._modules:
+            delattr(module, "parametrizations")
+        module.__class__ = module.__class__.__bases__[0]
+        return
+    if not stock_names:
+        parametrize._inject_new_class(module)
+    for name in stock_names - now:
+        delattr(type(module), name)
+    for name in sorted(now - stock_names):
+        parametrize._inject_property(module, name)

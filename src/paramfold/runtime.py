@@ -8,13 +8,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramfold.compute import is_nested, leaf_originals, members
+
 STATE_ATTR = "_paramfold"
+
+#: How freeze tells that a frozen value's inputs changed (``prepare(..., freeze_check=...)``).
+FREEZE_CHECKS = ("content", "version")
 
 
 @dataclasses.dataclass(eq=False)
 class FrozenValue:
-    fingerprint: tuple[tuple[int, int, int], ...]
     value: torch.Tensor
+    #: Per input: ``(dict, key, tensor, storage address, version, byte view, byte copy)``; the
+    #: byte view and copy are None without ``freeze_check="content"`` and for inputs whose bytes
+    #: cannot be read as one view (tensor subclasses, meta and non-contiguous tensors).
+    watch: tuple[tuple, ...]
+    #: ``len()`` of each tensor dict, so an added parameter or buffer counts as a change.
+    sizes: tuple[int, ...]
 
 
 @dataclasses.dataclass(eq=False)
@@ -24,14 +34,20 @@ class SiteState:
     mode: str
     stateful: bool
     plist: nn.Module
+    #: The parametrizations, in order (``compute.members``).
     chain: tuple[nn.Module, ...]
-    #: (dict, key) of each original, so reads see assign=True replacements.
+    #: ``plist._modules`` values at prepare time: a cheap test that nothing was appended or removed.
+    modules: tuple[nn.Module, ...]
+    #: (dict, key) of each leaf original, so reads see assign=True replacements.
     originals: tuple[tuple[dict, str], ...]
     #: Every ``_parameters``/``_buffers`` dict of the ParametrizationList and its members.
     tensor_dicts: tuple[dict, ...]
     #: The ``_parameters`` dicts among them: originals *and* parameters the parametrizations own
     #: (LoRA's A and B), all of which must be frozen before the value may be.
     param_dicts: tuple[dict, ...]
+    #: Whether an original is itself parametrized (computed through the inner chain).
+    nested: bool = False
+    freeze_check: str = "content"
     frozen: FrozenValue | None = None
     #: Inline sites: (instance attribute, dict, key) of each original a generated getter reads.
     original_refs: tuple[tuple[str, dict, str], ...] = ()
@@ -40,24 +56,30 @@ class SiteState:
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
     subclass: bool | None = None
 
+    @property
+    def training_stateful(self) -> bool:
+        return self.stateful and any(m.training for m in self.chain)
 
-def original_names(plist: nn.Module) -> list[str]:
-    """``["original"]``, or ``["original0", ...]`` when ``right_inverse`` returned several tensors."""
-    return ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
 
-
-def site_state(module: nn.Module, name: str, mode: str, stateful: bool) -> SiteState:
+def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:
     plist = module._modules["parametrizations"]._modules[name]
-    names = original_names(plist)
-    originals = tuple((plist._parameters if n in plist._parameters else plist._buffers, n) for n in names)
+    originals = tuple((d, k) for _, d, k in leaf_originals(plist))
     dicts = tuple(d for m in plist.modules() for d in (m._parameters, m._buffers) if d)
     params = tuple(m._parameters for m in plist.modules() if m._parameters)
-    return SiteState(mode, stateful, plist, tuple(plist._modules.values()), originals, dicts, params)
+    return SiteState(
+        mode, stateful, plist, members(plist), tuple(plist._modules.values()), originals, dicts, params,
+        nested=is_nested(plist), freeze_check=freeze_check,
+    )
 
 
 @dataclasses.dataclass(eq=False)
 class ModuleState:
     original_class: type
+    #: The tensor names stock's class had properties for at prepare time (``original_class`` is
+    #: then stock's per-instance ``Parametrized*`` class); empty for unparametrized modules.
+    stock_names: frozenset[str] = frozenset()
+    #: The shared class this module was switched to.
+    prepared_class: type | None = None
     #: This module's own prepared tensors, by name.
     sites: dict[str, SiteState] = dataclasses.field(default_factory=dict)
     #: Whether plain parameters of this module are detached under no_grad.
@@ -68,9 +90,15 @@ class ModuleState:
     load_hook: Any = None
     #: For entries: the modules with sites or detached parameters at or below this one.
     holders: list[nn.Module] = dataclasses.field(default_factory=list)
-    #: For entries: every entry at or below this one (stamped when a scope opens here).
+    #: For entries: every entry at or below this one.
     entries: list[nn.Module] = dataclasses.field(default_factory=list)
-    stamp: int = 0
+    #: For entries: ``id()`` of every entry a scope opened here covers.
+    covers: frozenset[int] = frozenset()
+    #: For holders: how many open call scopes (of any thread) use the values installed now, the
+    #: names installed, and whether another thread's no_grad call may share them.
+    users: int = 0
+    installed: tuple[str, ...] = ()
+    shareable: bool = False
 
 
 def state_of(module: nn.Module) -> ModuleState | None:

@@ -3,7 +3,7 @@
 A prepared model has *entry* modules: the root passed to :func:`paramfold.prepare` and every
 module above a prepared site. Calling an entry eagerly opens a scope: each hoist or freeze site
 below it gets its value written into its module's instance ``__dict__`` (where it shadows the
-class-level :class:`~paramfold.inline.SiteDescriptor`), then the call runs, then the values are
+class-level :class:`~paramfold.classes.SiteDescriptor`), then the call runs, then the values are
 removed again. Compiled code inside the scope therefore reads plain tensors, exactly like an
 unparametrized model; outside a scope every read falls back to the descriptor, which computes
 the value like stock PyTorch, so a value is never stale whatever way a module is called.
@@ -18,12 +18,18 @@ How each entry point reaches a scope:
   ``_compiled_call_impl`` eagerly; entries answer with a wrapper that opens the scope first.
 * Anything dynamo inlines from a bigger compiled region sees no scope and computes values through
   the descriptor in-graph: correct, at stock-like compile cost.
+
+Threads: which entries a scope covers is thread-local; the values themselves live in the modules'
+``__dict__``, which every thread sees. So a scope *claims* each holder under one lock: the first
+claim installs values, later claims by other threads share them only when both calls run under
+``no_grad`` with no stateful chain training (the values are then the same either way), and any
+other overlap — a training call beside another call — is refused with a :class:`FoldError`
+instead of letting one thread's values (and autograd graph) leak into the other's call.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,74 +37,120 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramfold.compute import compute
 from paramfold.errors import FoldError
+from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value
-from paramfold.hoist import hoisted_value
 from paramfold.inline import sync_refs
-from paramfold.runtime import STATE_ATTR, SiteState
+from paramfold.runtime import STATE_ATTR, ModuleState, SiteState
 
 _MODULE_CALL = nn.Module.__call__
-_tokens = itertools.count(1)
+_LOCK = threading.RLock()
 
 
-class _Scope(threading.local):
-    token: int = 0
+class _Local(threading.local):
+    covered: frozenset[int] = frozenset()
 
 
-_scope = _Scope()
+_local = _Local()
 
 
-def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
+def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module]]:
     state = entry.__dict__[STATE_ATTR]
-    previous, token = _scope.token, next(_tokens)
-    for module in state.entries:
-        module.__dict__[STATE_ATTR].stamp = token
-    installed: list[tuple[dict, str]] = []
+    grad = torch.is_grad_enabled()
+    claimed: list[nn.Module] = []
+    with _LOCK:
+        try:
+            for holder in state.holders:
+                hs = holder.__dict__[STATE_ATTR]
+                if hs.sites:
+                    _check_unchanged(holder, hs)
+                if hs.users:
+                    if not (hs.shareable and _shareable(hs, grad)):
+                        raise _concurrent(entry)
+                    hs.users += 1
+                else:
+                    _install(holder, hs, grad)
+                claimed.append(holder)
+        except BaseException:
+            _release(claimed)
+            raise
+    previous = _local.covered
+    _local.covered = state.covers
+    return previous, claimed
+
+
+def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
+    values = holder.__dict__
+    installed = []
     try:
-        grad = torch.is_grad_enabled()
-        for holder in state.holders:
-            hs = holder.__dict__[STATE_ATTR]
-            values = holder.__dict__
-            if hs.sites:
-                _check_unchanged(holder, hs.sites)
-            for name, site in hs.sites.items():
-                if site.mode == "inline":
-                    sync_refs(holder, site)
-                    continue
-                value = _value(holder, name, site)
-                if value is not None:
-                    values[name] = value
-                    installed.append((values, name))
-            if hs.detach_params and not grad:
-                for name, param in holder._parameters.items():
-                    if param is not None:
-                        values[name] = param.detach()
-                        installed.append((values, name))
+        for name, site in hs.sites.items():
+            if site.mode == "inline":
+                sync_refs(holder, site)
+                continue
+            value = _value(holder, name, site, grad)
+            if value is not None:
+                values[name] = value
+                installed.append(name)
+        if hs.detach_params and not grad:
+            for name, param in holder._parameters.items():
+                if param is not None:
+                    values[name] = param.detach()
+                    installed.append(name)
     except BaseException:
-        _close(previous, installed)
+        for name in installed:
+            values.pop(name, None)
         raise
-    _scope.token = token
-    return previous, installed
+    hs.installed = tuple(installed)
+    hs.users = 1
+    hs.shareable = _shareable(hs, grad)
 
 
-def _check_unchanged(holder: nn.Module, sites: dict[str, SiteState]) -> None:
-    plists = holder._modules["parametrizations"]._modules
-    if plists.keys() != sites.keys() or any(
-        plists[name] is not site.plist
-        or len(site.plist._modules) != len(site.chain)
-        or any(a is not b for a, b in zip(site.chain, site.plist._modules.values()))
-        for name, site in sites.items()
-    ):
+def _shareable(hs: ModuleState, grad: bool) -> bool:
+    return not grad and not any(site.training_stateful for site in hs.sites.values())
+
+
+def _release(claimed: list[nn.Module]) -> None:
+    with _LOCK:
+        for holder in claimed:
+            hs = holder.__dict__[STATE_ATTR]
+            hs.users -= 1
+            if not hs.users:
+                values = holder.__dict__
+                for name in hs.installed:
+                    values.pop(name, None)
+                hs.installed = ()
+
+
+def _concurrent(entry: nn.Module) -> FoldError:
+    return FoldError(
+        f"this prepared {type(entry).__name__} is already being called from another thread; "
+        "concurrent calls share one model's values, which is "
+        "only exact when every overlapping call runs under torch.no_grad() with no stateful chain "
+        "training. Give each thread its own copy (copy.deepcopy(model)), or serialise the calls."
+    )
+
+
+def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
+    plists = holder._modules.get("parametrizations")
+    changed = type(holder) is not hs.prepared_class or plists is None or plists._modules.keys() != hs.sites.keys()
+    if not changed:
+        for name, site in hs.sites.items():
+            plist = plists._modules[name]
+            if plist is not site.plist or tuple(plist._modules.values()) != site.modules:
+                changed = True
+                break
+    if changed:
         raise FoldError(
-            f"parametrizations of a {type(holder).__name__} changed after paramfold.prepare "
+            f"parametrizations of a {hs.original_class.__name__} changed after paramfold.prepare "
             "(registered, removed or replaced): call paramfold.restore(model), change them, then "
             "prepare again."
         )
 
 
-def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
+def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
     if site.mode == "hoist":
-        return _hoisted(holder, name, site)
+        return _hoisted(holder, name, site, grad)
     frozen_ok = can_freeze(site)
     if site.mode == "freeze" and not frozen_ok:
         raise FoldError(
@@ -109,14 +161,14 @@ def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None
     if frozen_ok:
         return frozen_value(holder, name, site)
     site.frozen = None
-    return _hoisted(holder, name, site)
+    return _hoisted(holder, name, site, grad)
 
 
-def _hoisted(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
-    needs_grad = torch.is_grad_enabled() and chain_needs_grad(site)
+def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
+    needs_grad = grad and chain_needs_grad(site)
     if site.subclass and needs_grad:
         return None
-    value = hoisted_value(holder, name)
+    value = compute(holder, name)
     if site.subclass is None:
         site.subclass = type(value) not in (torch.Tensor, nn.Parameter)
         if site.subclass and needs_grad:
@@ -124,10 +176,9 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | No
     return value
 
 
-def _close(previous: int, installed: list[tuple[dict, str]]) -> None:
-    for values, name in installed:
-        values.pop(name, None)
-    _scope.token = previous
+def _close(previous: frozenset[int], claimed: list[nn.Module]) -> None:
+    _local.covered = previous
+    _release(claimed)
 
 
 # Both run eagerly even when dynamo is active around them: the scope's work must never be traced.
@@ -136,30 +187,28 @@ _close_scope = torch.compiler.disable(_close)
 
 
 def _in_scope(module: nn.Module) -> bool:
-    return _scope.token != 0 and module.__dict__[STATE_ATTR].stamp == _scope.token
+    return id(module) in _local.covered
 
 
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the ordinary ``nn.Module.__call__``."""
     if torch.compiler.is_compiling() or _in_scope(self):
         return _MODULE_CALL(self, *args, **kwargs)
-    previous, installed = _open_scope(self)
+    previous, claimed = _open_scope(self)
     try:
         return _MODULE_CALL(self, *args, **kwargs)
     finally:
-        _close_scope(previous, installed)
-
-
+        _close_scope(previous, claimed)
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling() or _in_scope(module):
         return compiled(*args, **kwargs)
-    previous, installed = _open_scope(module)
+    previous, claimed = _open_scope(module)
     try:
         return compiled(*args, **kwargs)
     finally:
-        _close_scope(previous, installed)
+        _close_scope(previous, claimed)
 
 
 def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
@@ -180,7 +229,7 @@ compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
 # When one of these runs as a frame of its own under an active torch.compile (the root's
 # __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
 # eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
-# forward). Inlined into traced code they are traced as usual.
+# forward).
 for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl):
-    torch._dynamo.eval_frame.skip_code(_fn.__code__)
+    run_eagerly_as_frame(_fn)
 del _fn

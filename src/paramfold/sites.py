@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.runtime import original_names
+from paramfold.compute import is_nested, leaf_originals, members, original_names
 
 __all__ = ["KINDS", "Site", "find"]
 
@@ -49,13 +49,17 @@ class Site:
         module: the parametrized module itself.
         chain: the parametrization modules, in the order they are applied.
         originals: ``{"original": t}``, or ``{"original0": t0, ...}`` when the first
-            parametrization's ``right_inverse`` returns several tensors.
+            parametrization's ``right_inverse`` returns several tensors. An original that is
+            itself parametrized is replaced by the tensors it is computed from, under their
+            path (``"parametrizations.original.original"``).
         kind: one of :data:`KINDS`, or several joined by ``"+"`` for a chain.
         requires_grad: whether any original requires grad.
         stateful: whether the chain mutates its buffers in forward when training
             (spectral_norm's power iteration, or a custom parametrization found to do so).
         is_buffer: whether the originals are buffers rather than parameters.
         tied_with: ``(module_path, tensor_name)`` of the other sites sharing an original tensor.
+        nested: the sites of parametrizations registered on this site's own originals
+            (``module.parametrizations.<name>.original``), which stock computes first.
     """
 
     module_path: str
@@ -68,6 +72,7 @@ class Site:
     stateful: bool
     is_buffer: bool
     tied_with: tuple[tuple[str, str], ...] = ()
+    nested: tuple[Site, ...] = ()
 
     @property
     def fqn(self) -> str:
@@ -94,7 +99,8 @@ def find(model: nn.Module) -> list[Site]:
         >>> [(s.module_path, s.tensor_name, s.kind) for s in paramfold.find(model)]
         [('0', 'weight', 'weight_norm')]
     """
-    sites = [_make_site(path, module, name) for path, module, name in _iter_registrations(model)]
+    every = {(path, name): _make_site(path, module, name) for path, module, name in _iter_registrations(model)}
+    sites = _attach_nested(every)
     by_original: dict[int, list[Site]] = defaultdict(list)
     for site in sites:
         for tensor in site.originals.values():
@@ -111,6 +117,24 @@ def find(model: nn.Module) -> list[Site]:
     return tied
 
 
+def _attach_nested(every: dict[tuple[str, str], Site]) -> list[Site]:
+    """Fold the sites registered on a site's own originals into that site's ``nested``."""
+    inner: dict[tuple[str, str], list[Site]] = defaultdict(list)
+    for (path, _), site in every.items():
+        owner_path, sep, tail = path.rpartition(".parametrizations.")
+        if not sep and path.startswith("parametrizations."):
+            owner_path, tail = "", path[len("parametrizations."):]
+        if "." not in tail and tail and (owner_path, tail) in every:
+            inner[(owner_path, tail)].append(site)
+    nested_ids = {id(s) for group in inner.values() for s in group}
+
+    def attach(key: tuple[str, str], site: Site) -> Site:
+        children = tuple(attach((s.module_path, s.tensor_name), s) for s in inner.get(key, ()))
+        return dataclasses.replace(site, nested=children) if children else site
+
+    return [attach(key, site) for key, site in every.items() if id(site) not in nested_ids]
+
+
 def inside_parametrization(path: str) -> bool:
     """Whether the module at ``path`` lives inside a ``ParametrizationList`` (a parametrization
     module, or a parametrization of one)."""
@@ -124,18 +148,15 @@ def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]
                 yield path, module, name
 
 
-def _originals(plist: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: getattr(plist, n) for n in original_names(plist)}
-
-
 def _make_site(path: str, module: nn.Module, name: str) -> Site:
     plist = module.parametrizations[name]
-    chain = tuple(plist)
-    originals = _originals(plist)
+    chain = members(plist)
+    originals = {p: d[k] for p, d, k in leaf_originals(plist)}
     kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
     if any(k is None for k in kinds):
-        probed_kinds, probed_stateful = _probe_unknown(chain, originals, kinds)
+        inputs = _computed_originals(plist) if is_nested(plist) else originals
+        probed_kinds, probed_stateful = _probe_unknown(chain, inputs, kinds)
         kinds, stateful = probed_kinds, stateful or probed_stateful
     return Site(
         module_path=path,
@@ -148,6 +169,20 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         stateful=stateful,
         is_buffer=not any(isinstance(t, nn.Parameter) for t in originals.values()),
     )
+
+
+def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
+    """The originals of ``plist`` as its chain sees them, a nested one computed on cloned state."""
+    values = {}
+    with torch.no_grad():
+        for n in original_names(plist):
+            if not parametrize.is_parametrized(plist, n):
+                values[n] = getattr(plist, n)
+                continue
+            inner = plist.parametrizations[n]
+            state = {k: v.clone() for k, v in (*inner.named_parameters(), *inner.named_buffers())}
+            values[n] = torch.func.functional_call(inner, state, ())
+    return values
 
 
 def _probe_unknown(

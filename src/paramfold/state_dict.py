@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.inline import compute
+from paramfold.compute import compute
 from paramfold.sites import inside_parametrization
 
 

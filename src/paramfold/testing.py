@@ -74,7 +74,7 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import paramfold
-from paramfold.runtime import original_names
+from paramfold.compute import original_names
 from paramfold.sites import inside_parametrization
 
 __all__ = [

@@ -1,0 +1,94 @@
+"""How a parametrized tensor's value is computed: the one stock-equivalent computation every mode uses.
+
+Stock ``parametrize`` reads ``module.weight`` through a per-instance property, the
+``ParametrizationList`` module call, ``ModuleList.__getitem__`` and a ``hasattr`` loop.
+:func:`compute` goes straight from the ``_modules`` and ``_parameters`` dicts to the
+parametrization modules: the same module calls in the same order (so the same ops, bitwise),
+with far less Python for dynamo to trace. hoist calls it before compiled code runs, freeze
+under ``no_grad`` when its inputs change, and the descriptors of :mod:`paramfold.classes` and
+:mod:`paramfold.inline` wherever a value is read outside a call scope.
+
+An original may itself be parametrized (a parametrization registered on
+``m.parametrizations.weight.original``, which stock supports): reading it through the
+``ParametrizationList``'s own property computes the inner chain first, as stock does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+
+def original_names(plist: nn.Module) -> list[str]:
+    """``["original"]``, or ``["original0", ...]`` when ``right_inverse`` returned several tensors."""
+    return ["original"] if plist.is_tensor else [f"original{i}" for i in range(plist.ntensors)]
+
+
+def members(plist: nn.Module) -> tuple[nn.Module, ...]:
+    """The parametrizations of a ``ParametrizationList``, in the order stock applies them.
+
+    Stock indexes them ``"0"``, ``"1"``, ...; a nested parametrization adds a ``parametrizations``
+    ModuleDict to the list's ``_modules``, which is not a member.
+    """
+    found = []
+    modules = plist._modules
+    while str(len(found)) in modules:
+        found.append(modules[str(len(found))])
+    return tuple(found)
+
+
+def is_nested(plist: nn.Module) -> bool:
+    """Whether an original of ``plist`` is itself parametrized."""
+    return parametrize.is_parametrized(plist)
+
+
+def parametrized_here(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` is (still) parametrized for ``name`` (a cheaper ``is_parametrized``)."""
+    plists = module._modules.get("parametrizations")
+    return plists is not None and name in plists._modules
+
+
+def leaf_originals(plist: nn.Module) -> list[tuple[str, dict, str]]:
+    """``(path, dict, key)`` of every tensor the originals of ``plist`` are stored in.
+
+    ``path`` is relative to ``plist`` (``"original0"``, or
+    ``"parametrizations.original.original"`` for a nested original); ``dict[key]`` is the tensor,
+    looked up through its ``_parameters``/``_buffers`` dict so that reads see replacements.
+    """
+    found = []
+    for name in original_names(plist):
+        if parametrize.is_parametrized(plist, name):
+            inner = plist._modules["parametrizations"]._modules[name]
+            found += [(f"parametrizations.{name}.{p}", d, k) for p, d, k in leaf_originals(inner)]
+        else:
+            found.append((name, plist._parameters if name in plist._parameters else plist._buffers, name))
+    return found
+
+
+def compute(module: nn.Module, name: str) -> torch.Tensor:
+    """Evaluate the parametrization chain of ``module.<name>`` like stock, minus the plumbing."""
+    plist = module._modules["parametrizations"]._modules[name]
+    modules = plist._modules
+    if "parametrizations" in modules:  # nested: the list's own properties compute the originals
+        originals = [getattr(plist, n) for n in original_names(plist)]
+    else:
+        params, buffers = plist._parameters, plist._buffers
+        originals = [params[n] if n in params else buffers[n] for n in original_names(plist)]
+    value = modules["0"](*originals)
+    index = 1
+    while (key := str(index)) in modules:
+        value = modules[key](value)
+        index += 1
+    return value
+
+
+def eager_value(module: nn.Module, name: str) -> torch.Tensor:
+    """:func:`compute`, honouring ``parametrize.cached()`` exactly like stock's property."""
+    if not parametrize._cache_enabled:
+        return compute(module, name)
+    key = (id(module), name)
+    value = parametrize._cache.get(key)
+    if value is None:
+        value = parametrize._cache[key] = compute(module, name)
+    return value

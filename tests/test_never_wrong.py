@@ -1,0 +1,451 @@
+"""Regression tests for the correctness holes of issue 8: each failed on the code before the fix.
+
+Every test compares against stock PyTorch on the same inputs (bitwise in eager on CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from helpers import grads, structure
+from torch import nn
+from torch.nn.utils import parametrize as P
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+import paramfold
+
+ALL_MODES = ["hoist", "inline", "freeze", "auto"]
+
+
+class Skew(nn.Module):
+    def forward(self, w):
+        return w.tril(-1) - w.tril(-1).T
+
+
+def skew_pair() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    P.register_parametrization(m[0], "weight", Skew())
+    P.register_parametrization(m[2], "weight", Skew())
+    return m
+
+
+def nested_linear() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    P.register_parametrization(m, "weight", Skew())
+    P.register_parametrization(m.parametrizations.weight, "original", Skew())
+    return m
+
+
+def _inference(model: nn.Module) -> nn.Module:
+    return model.eval().requires_grad_(False)
+
+
+# --- 1. nested parametrizations -------------------------------------------------------------
+
+
+def test_find_reports_nested_parametrization():
+    (site,) = paramfold.find(nested_linear())
+    assert site.kind == "custom"
+    assert site.nested
+    assert len(site.chain) == 1 and isinstance(site.chain[0], Skew)
+    leaf = site.module.parametrizations.weight.parametrizations.original.original
+    assert list(site.originals.values())[0] is leaf
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_nested_parametrization_every_mode_equal_to_stock(mode):
+    stock = nested_linear()
+    if mode == "freeze":
+        _inference(stock)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    grad = mode != "freeze"
+    for _ in range(2):
+        out_s, out_o = stock(x), ours(x)
+        assert torch.equal(out_s, out_o)
+        assert torch.equal(torch.compile(ours, backend="eager")(x), out_s)
+        if grad:
+            out_s.sum().backward()
+            out_o.sum().backward()
+            for (n, gs), (_, go) in zip(sorted(grads(stock).items()), sorted(grads(ours).items()), strict=True):
+                assert torch.equal(gs, go), n
+            with torch.no_grad():
+                for p in (*stock.parameters(), *ours.parameters()):
+                    p.add_(0.1)
+    assert torch.equal(stock.weight, ours.weight)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_nested_parametrization_restores_exactly(mode):
+    model = nested_linear()
+    if mode == "freeze":
+        _inference(model)
+    shape = structure(model)
+    paramfold.prepare(model, mode)(torch.randn(2, 4))
+    paramfold.restore(model)
+    assert structure(model) == shape
+
+
+# --- 2. parametrizations changed while prepared ---------------------------------------------
+
+
+def test_register_on_prepared_module_does_not_poison_other_modules_or_models():
+    m = paramfold.prepare(skew_pair(), "hoist")
+    P.register_parametrization(m[0], "bias", nn.Identity())
+    assert torch.equal(m[2].bias, m[2]._parameters["bias"])  # other module: untouched
+    assert torch.equal(m[0].bias, m[0].parametrizations.bias.original)  # changed one: like stock
+    with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+        m(torch.randn(2, 4))
+    paramfold.restore(m)
+    stock = skew_pair()
+    P.register_parametrization(stock[0], "bias", nn.Identity())
+    x = torch.randn(2, 4)
+    assert torch.equal(m(x), stock(x))
+    assert P.is_parametrized(m[0], "bias")
+    # A new model prepared in the same process gets clean shared classes.
+    fresh = paramfold.prepare(skew_pair(), "hoist")
+    assert torch.equal(fresh(x), skew_pair()(x))
+    assert torch.equal(fresh[2].bias, fresh[2]._parameters["bias"])
+
+
+@pytest.mark.parametrize("leave", [True, False])
+def test_remove_on_prepared_module_is_refused_at_next_call_and_restores_like_stock(leave):
+    m = paramfold.prepare(skew_pair(), "hoist")
+    P.remove_parametrizations(m[0], "weight", leave_parametrized=leave)
+    stock = skew_pair()
+    P.remove_parametrizations(stock[0], "weight", leave_parametrized=leave)
+    assert torch.equal(m[0].weight, stock[0].weight)
+    assert torch.equal(m[2].weight, stock[2].weight)  # the other module still works
+    with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+        m(torch.randn(2, 4))
+    paramfold.restore(m)
+    assert type(m[0]) is nn.Linear
+    x = torch.randn(2, 4)
+    assert torch.equal(m(x), stock(x))
+    fresh = paramfold.prepare(skew_pair(), "hoist")
+    assert torch.equal(fresh(x), skew_pair()(x))
+
+
+# --- 3. freeze never stale ------------------------------------------------------------------
+
+
+def _wn_pair():
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4))))
+    return stock, copy.deepcopy(stock)
+
+
+def _wn0(m):
+    return m[0].parametrizations.weight
+
+
+WRITES = {
+    "data_mul": lambda m: _wn0(m).original0.data.mul_(0.5),
+    "data_add": lambda m: m[2].parametrizations.weight.original.data.add_(0.25),
+    "u_data_copy": lambda m: m[2].parametrizations.weight[0]._u.data.copy_(torch.ones(4) / 2),
+    "copy_no_grad": lambda m: _no_grad(lambda: _wn0(m).original0.copy_(torch.full((4, 1), 0.3))),
+    "init_uniform": lambda m: _seeded(lambda: nn.init.uniform_(_wn0(m).original1)),
+    "init_on_data": lambda m: _seeded(lambda: nn.init.normal_(_wn0(m).original1.data)),
+    "lerp": lambda m: _no_grad(lambda: _wn0(m).original1.lerp_(torch.ones(4, 4), 0.25)),
+    "foreach_lerp": lambda m: _no_grad(
+        lambda: torch._foreach_lerp_(list(_wn0(m).parameters()), [torch.ones_like(p) for p in _wn0(m).parameters()], 0.5)
+    ),
+    "numpy": lambda m: _wn0(m).original0.detach().numpy().__imul__(3.0),
+    "load_state_dict": lambda m: m.load_state_dict({k: v * 1.5 for k, v in m.state_dict().items()}),
+    "set_data": lambda m: setattr(_wn0(m).original1, "data", torch.full((4, 4), 0.7)),
+}
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def _seeded(fn):
+    torch.manual_seed(7)
+    return fn()
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_frozen_values_see_every_kind_of_write(mode, write):
+    stock, ours = _wn_pair()
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    assert torch.equal(ours(x), stock(x))  # materialised
+    before = stock(x)
+    WRITES[write](stock)
+    WRITES[write](ours)
+    assert not torch.equal(stock(x), before)  # the write matters
+    assert torch.equal(ours(x), stock(x))
+    assert torch.equal(ours[0].weight, stock[0].weight)
+    compiled = torch.compile(ours, backend="eager")
+    assert torch.equal(compiled(x), stock(x))
+
+
+def test_frozen_values_see_optimizer_steps_and_dtype_moves():
+    stock, ours = _wn_pair()
+    paramfold.prepare(ours, "auto")
+    x = torch.randn(2, 4)
+    ours(x)
+    for model in (stock, ours):
+        model.requires_grad_(True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, ours)]
+    for model, opt in zip((stock, ours), opts):
+        model(x).sum().backward()
+        opt.step()
+        model.requires_grad_(False)
+    assert torch.equal(ours(x), stock(x))
+    stock.double(), ours.double()
+    assert torch.equal(ours(x.double()), stock(x.double()))
+    stock.half(), ours.half()
+    assert torch.equal(ours(x.half()), stock(x.half()))
+
+
+# --- 4. inference_mode ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_value_computed_under_inference_mode_serves_later_grad_calls(mode):
+    stock, ours = _wn_pair()
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        assert torch.equal(ours(x), stock(x))
+    xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    stock(xs).sum().backward()
+    ours(xo).sum().backward()
+    assert torch.equal(xs.grad, xo.grad)
+
+
+# --- 5. activation checkpointing ------------------------------------------------------------
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.c = weight_norm(nn.Conv1d(4, 4, 3, padding=1))
+        self.d = weight_norm(nn.Conv1d(4, 4, 3, padding=1))
+
+    def forward(self, x):
+        y = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.c(t)), x, use_reentrant=self.reentrant
+        )
+        return self.d(y) + x  # d outside the checkpointed region
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_activation_checkpointing_equal_to_stock(mode, reentrant, compiled):
+    torch.manual_seed(0)
+    stock = Checkpointed(reentrant)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = torch.compile(ours, backend="aot_eager") if compiled else ours
+    x = torch.randn(2, 4, 8)
+    for _ in range(2):
+        xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_s, out_o = stock(xs), run(xo)
+        assert torch.equal(out_s, out_o)
+        out_s.square().sum().backward()
+        out_o.square().sum().backward()
+        assert torch.equal(xs.grad, xo.grad)
+        for (n, gs), (_, go) in zip(sorted(grads(stock).items()), sorted(grads(ours).items()), strict=True):
+            assert torch.equal(gs, go), n
+        for m in (stock, ours):
+            m.zero_grad()
+
+
+def test_stateful_training_chain_in_non_reentrant_checkpoint_is_refused_loudly():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = spectral_norm(nn.Linear(4, 4))
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=False)
+
+    ours = paramfold.prepare(Net(), "hoist")
+    out = ours(torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(paramfold.FoldError, match="checkpoint"):
+        out.sum().backward()
+
+
+# --- 6. threads -----------------------------------------------------------------------------
+
+
+def _run_threads(*targets):
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(targets))
+
+    def wrap(fn):
+        def run():
+            try:
+                barrier.wait(timeout=30)
+                fn()
+            except BaseException as exc:  # collected and checked by the test
+                errors.append(exc)
+        return run
+
+    threads = [threading.Thread(target=wrap(t)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+    return errors
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_training_thread_beside_a_no_grad_thread_never_loses_gradients_silently(mode):
+    torch.manual_seed(0)
+    model = paramfold.prepare(nn.Sequential(*[weight_norm(nn.Linear(16, 16)) for _ in range(4)]), mode)
+    x = torch.randn(4, 16)
+    lost = []
+
+    def train():
+        for _ in range(60):
+            model.zero_grad(set_to_none=True)
+            try:
+                model(x).sum().backward()
+            except paramfold.FoldError:
+                continue
+            if any(p.grad is None for p in model.parameters()):
+                lost.append(1)
+
+    def infer():
+        for _ in range(60):
+            with torch.no_grad():
+                try:
+                    model(x)
+                except paramfold.FoldError:
+                    pass
+
+    errors = _run_threads(train, infer)
+    assert not errors
+    assert not lost
+
+
+def test_two_training_threads_get_stock_results_or_a_fold_error():
+    torch.manual_seed(0)
+    stock = nn.Sequential(*[weight_norm(nn.Linear(16, 16)) for _ in range(3)])
+    model = paramfold.prepare(copy.deepcopy(stock), "hoist")
+    x = torch.randn(4, 16)
+    expected = stock(x)
+    outcomes = []
+
+    def train():
+        for _ in range(40):
+            try:
+                out = model(x)
+                out.sum().backward()
+            except paramfold.FoldError as exc:
+                assert "thread" in str(exc)
+                outcomes.append("refused")
+                continue
+            outcomes.append(torch.equal(out, expected))
+
+    errors = _run_threads(train, train)
+    assert not errors, errors
+    assert outcomes and all(o in (True, "refused") for o in outcomes)
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_multithreaded_same_grad_mode_inference_keeps_working(mode):
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(*[weight_norm(nn.Linear(16, 16)) for _ in range(4)]))
+    model = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(4, 16)
+    expected = stock(x)
+    results = []
+
+    def infer():
+        for _ in range(50):
+            with torch.no_grad():
+                results.append(torch.equal(model(x), expected))
+
+    errors = _run_threads(infer, infer, infer)
+    assert not errors, errors
+    assert len(results) == 150 and all(results)
+
+
+# --- 7. inline never adds graphs ------------------------------------------------------------
+
+
+class BreakInLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(weight_norm(nn.Linear(4, 4 + i)) for i in range(10))
+
+    def forward(self, x):
+        out = 0
+        for layer in self.layers:
+            out = out + layer(x).sum() * x.sum().item()
+        return out
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_no_more_graphs_than_stock_when_dynamo_falls_back_to_eager(mode, recwarn):
+    from torch._dynamo.testing import CompileCounter
+
+    def graphs(model):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        torch.compile(model, backend=counter)(torch.randn(2, 4))
+        return counter.frame_count
+
+    torch.manual_seed(0)
+    stock = BreakInLoop()
+    if mode == "freeze":
+        _inference(stock)
+    expected = graphs(stock)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    assert graphs(ours) <= expected
+    assert not [w for w in recwarn if "paramfold" in str(w.message) or "paramfold" in str(w.filename)]
+
+
+# --- 8. type_before_parametrizations --------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_type_before_parametrizations_reports_the_users_classes(mode):
+    model = nn.Sequential(nn.Sequential(weight_norm(nn.Linear(4, 4))), nn.Linear(4, 4))
+    if mode == "freeze":
+        _inference(model)
+    before = {p: P.type_before_parametrizations(m) for p, m in model.named_modules()}
+    assert before[""] is nn.Sequential and before["0.0"] is nn.Linear
+    shape = structure(model)
+    paramfold.prepare(model, mode, filter_fn=None)
+    assert {p: P.type_before_parametrizations(m) for p, m in model.named_modules()} == before
+    from torch.ao.nn.intrinsic.modules import fused  # imported by name there
+
+    assert fused.type_before_parametrizations(model) is nn.Sequential
+    paramfold.restore(model)
+    assert structure(model) == shape
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.inner = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+def test_type_before_parametrizations_of_an_unselected_parametrized_entry():
+    model = Outer()
+    P.register_parametrization(model, "scale", nn.Identity())
+    stock = copy.deepcopy(model)
+    paramfold.prepare(model, "hoist", filter_fn=lambda m, fqn: fqn == "inner")
+    assert P.type_before_parametrizations(model) is Outer
+    assert P.type_before_parametrizations(model.inner) is nn.Linear
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), stock(x))
