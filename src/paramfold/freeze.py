@@ -87,9 +87,15 @@ def can_freeze(site: SiteState) -> bool:
 
 def chain_needs_grad(site: SiteState) -> bool:
     """Whether any original, or any parameter a parametrization owns, requires grad."""
-    return any(p is not None and p.requires_grad for d in site.param_dicts for p in d.values()) or any(
-        d[key].requires_grad for d, key in site.originals
-    )
+    # Plain loops: this runs for every frozen site on every call.
+    for d in site.param_dicts:
+        for p in d.values():
+            if p is not None and p.requires_grad:
+                return True
+    for d, key in site.originals:
+        if d[key].requires_grad:
+            return True
+    return False
 
 
 def refuse_unfreezable(sites: list[Site], when: str) -> None:

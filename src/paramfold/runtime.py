@@ -58,7 +58,12 @@ class SiteState:
 
     @property
     def training_stateful(self) -> bool:
-        return self.stateful and any(m.training for m in self.chain)
+        if not self.stateful:
+            return False
+        for m in self.chain:
+            if m.training:
+                return True
+        return False
 
 
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:
