@@ -111,8 +111,18 @@ def test_freeze_inference_bitwise_equal_to_stock(name):
         pt.assert_equivalent(model, x, "freeze", steps=2)
 
 
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_compiled_bitwise_equal_to_stock(name):
+def test_compiled_bitwise_equal_to_stock(name, mode):
     model, x = _build(name)
     torch._dynamo.reset()
-    pt.assert_equivalent(model, x, "auto", steps=1, compile={"backend": "aot_eager"})
+    pt.assert_equivalent(model, x, mode, steps=1, compile={"backend": "aot_eager"})
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_freeze_bitwise_equal_to_stock(name):
+    model, x = _build(name)
+    model.eval().requires_grad_(False)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        pt.assert_equivalent(model, x, "freeze", steps=1, compile={"backend": "aot_eager"})
