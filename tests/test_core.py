@@ -41,7 +41,9 @@ def test_freeze_matches_stock_in_inference(kind):
     x = torch.randn(4, 32)
     with torch.no_grad():
         assert torch.equal(stock(x), ours(x))
-        assert torch.equal(stock(x), ours(x))  # second call served from the frozen cache
+        computed = _count_computes(lambda: ours(x), "paramfold.freeze")
+        assert computed.result is not None and torch.equal(stock(x), computed.result)
+        assert computed.calls == 0  # the second call is served from the frozen values
 
 
 def test_freeze_refuses_trainable_and_training_stateful_and_changes_nothing():
@@ -82,14 +84,49 @@ def test_auto_switches_between_freeze_and_hoist_as_requires_grad_changes():
     ours = paramfold.prepare(copy.deepcopy(stock), "auto")
     x = torch.randn(3, 32)
     assert torch.equal(stock(x), ours(x))
+    frozen = _count_computes(lambda: ours(x), "paramfold.freeze")
+    hoisted = _count_computes(lambda: ours(x), "paramfold.scope")
+    assert frozen.calls == 0 and hoisted.calls == 0  # frozen: served without computing
     stock.requires_grad_(True)
     ours.requires_grad_(True)
-    out_s, out_o = stock(x), ours(x)
+    out_s = stock(x)
+    hoisted = _count_computes(lambda: ours(x), "paramfold.scope")
+    assert hoisted.calls == 3  # now hoisted: computed once per site per call, with autograd
+    out_o = hoisted.result
     assert out_o.requires_grad
     out_s.sum().backward()
     out_o.sum().backward()
-    for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
-        assert torch.equal(gs, go), name
+    assert grads(stock).keys() == grads(ours).keys()
+    for name, gs in grads(stock).items():
+        assert torch.equal(gs, grads(ours)[name]), name
+    stock.requires_grad_(False)
+    ours.requires_grad_(False)
+    refrozen = _count_computes(lambda: ours(x), "paramfold.freeze")
+    assert refrozen.calls == 3 and torch.equal(refrozen.result, stock(x))  # frozen again, fresh
+
+
+class _Counted:
+    def __init__(self):
+        self.calls = 0
+        self.result = None
+
+
+def _count_computes(call, module_name):
+    """Run ``call`` counting the value computations that ``module_name`` makes."""
+    import importlib
+    from unittest import mock
+
+    module = importlib.import_module(module_name)
+    counted = _Counted()
+    real = module.compute
+
+    def counting(*args):
+        counted.calls += 1
+        return real(*args)
+
+    with mock.patch.object(module, "compute", counting):
+        counted.result = call()
+    return counted
 
 
 def test_restore_is_exact_and_optimizer_survives():
@@ -102,8 +139,9 @@ def test_restore_is_exact_and_optimizer_survives():
     _step(model, torch.randn(2, 32), opt)
     paramfold.restore(model)
     assert structure(model) == before
+    before_step = [p.detach().clone() for p in params]
     _step(model, torch.randn(2, 32), opt)  # optimizer built before prepare still drives the model
-    assert all(p.grad is not None for p in params)
+    assert all(not torch.equal(p, b) for p, b in zip(params, before_step, strict=True))
     assert paramfold.restore(model) is model  # restoring an unprepared model is a no-op
 
 
@@ -280,8 +318,10 @@ def test_lora_adapters_are_never_frozen():
     stock(x).sum().backward()
     ours(x).sum().backward()
     adapters = [(n, p.grad) for n, p in ours.named_parameters() if n.endswith((".A", ".B"))]
-    assert adapters and all(g is not None for _, g in adapters)
-    for (name, gs), (_, go) in zip(grads(stock).items(), grads(ours).items()):
+    assert adapters and all(g is not None and g.abs().sum() > 0 for _, g in adapters)
+    assert grads(stock).keys() == grads(ours).keys()
+    for name, gs in grads(stock).items():
+        go = grads(ours)[name]
         assert (gs is None and go is None) or torch.equal(gs, go), name
 
 

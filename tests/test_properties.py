@@ -208,8 +208,14 @@ def test_find_reports_every_chain_tie_and_flag(case):
                 expected.setdefault(len(expected), (tensor.name, "+".join(_KIND_OF[s.name] for s in chain)))
     sites = paramfold.find(model)
     assert [(s.tensor_name, s.kind) for s in sites] == list(expected.values())
+    params = dict(model.named_parameters(remove_duplicate=False))
     for site in sites:
-        assert site.requires_grad == any(t.requires_grad for t in site.originals.values())
+        # From the model's own parameter names, not from what find() collected.
+        prefix = f"{site.module_path}." if site.module_path else ""
+        prefix += f"parametrizations.{site.tensor_name}.original"
+        own = [p for n, p in params.items() if n.startswith(prefix)]
+        wanted = {"all": bool(own), "none": False}.get(spec.requires_grad, any(p.requires_grad for p in own))
+        assert site.requires_grad == wanted
         assert site.stateful == ("spectral_norm" in site.kind.split("+"))
         assert site.is_buffer == (site.tensor_name == "mix")
     tied = {s.fqn for s in sites if s.tied_with}
