@@ -901,7 +901,8 @@ def to_rich_table(result: BenchResult, *, wide: bool = True) -> Any:
 
     table = Table(title="paramfold bench: first compiled call (compile + run)",
                   caption=describe_config(result),
-                  box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD)
+                  box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
+                  collapse_padding=not wide, pad_edge=wide)
     table.add_column("variant", style="bold", no_wrap=True)
     names = ["first ms\nmin / med", "x baseline\nmin / med"]
     if wide:

@@ -217,12 +217,14 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
         raise OutputError(f"{out}: cannot create a file in {parent}: {e.strerror}", exit_code=1) from None
     tmp = Path(tmp_name)
     try:
-        with open(tmp, "wb") as f:  # f.name is the temporary path (torch.save can write to it)
+        with open(tmp, "wb") as f:  # f.name is the temporary path: a writer may close f, use it
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "fchmod"):
-                os.fchmod(f.fileno(), mode)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the data is on disk before the rename makes it the output
+        finally:
+            os.close(fd)
+        os.chmod(tmp, mode)
         with _signals_blocked():
             pending = _pending_signal()
             if pending is None:
