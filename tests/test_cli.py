@@ -446,3 +446,19 @@ def test_bench_cli_at_100_columns_prints_progress_lines_when_not_a_terminal():
         "warm-up (discarded): baseline", "warm-up (discarded): stock", "warm-up (discarded): hoist",
         "repeat 1/1: baseline", "repeat 1/1: stock", "repeat 1/1: hoist", "done"]
     assert all(line.startswith("paramfold bench: [") for line in progress)
+
+
+def test_lazy_package_keeps_every_public_name_and_submodule():
+    import importlib
+    import types
+
+    import paramfold
+
+    for name in paramfold.__all__:
+        assert not isinstance(getattr(paramfold, name), types.ModuleType), name
+    for name in ("prepare", "restore", "recompiles"):  # functions named like their modules
+        module = importlib.import_module(f"paramfold.{name}")
+        assert getattr(paramfold, name) is getattr(module, name)
+    assert paramfold.testing.__name__ == "paramfold.testing" and "testing" in dir(paramfold)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        paramfold.nope

@@ -12,6 +12,8 @@ and ``paramfold --help`` do not import torch. ``paramfold.testing`` (needs the
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -73,6 +75,28 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are resolved 
     from paramfold.restore import restore
     from paramfold.sites import KINDS, Site, find
     from paramfold.state_dict import plain_state_dict
+
+
+class _Package(types.ModuleType):
+    """``paramfold.prepare``, ``.recompiles`` and ``.restore`` are functions named like their modules.
+
+    Importing a submodule sets it as an attribute of the package, which would hide the function
+    of the same name (the eager imports this package used to do rebound it afterwards): keep the
+    function.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            isinstance(value, types.ModuleType)
+            and _EXPORTS.get(name) == name
+            and value.__name__ == f"{__name__}.{name}"
+            and hasattr(value, name)
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -972,8 +972,8 @@ def plain_progress(stream: Any) -> Callable[[int, int, str], None]:
         >>> out = io.StringIO()
         >>> report = plain_progress(out)
         >>> report(0, 12, "warm-up (discarded): baseline")
-        >>> out.getvalue()
-        'paramfold bench: [ 1/12, 0 s] warm-up (discarded): baseline\n'
+        >>> out.getvalue().splitlines()
+        ['paramfold bench: [ 1/12, 0 s] warm-up (discarded): baseline']
     """
     start = time.perf_counter()
 
