@@ -652,7 +652,7 @@ def _torch_load(p: Path, **kwargs: Any) -> Any:
                 + ": either corrupt or it needs code execution"
             )
         raise CheckpointError(
-            f"{p}: refused to unpickle: {why}; paramfold only reads tensors (torch.load weights_only=True). "
+            f"{p}: refused to unpickle: {why}; paramfold reads only tensors and plain containers and never runs pickled code. "
             "If you trust the file, re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
         ) from None
     except Exception as e:

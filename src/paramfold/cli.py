@@ -108,24 +108,22 @@ def _guarded(command: str) -> Callable[[F], F]:
     return decorate
 
 
-class _Command(TyperCommand):
-    """A command whose help shows no ``<bool>`` type for flags."""
+class _PlainHelpFlag:
+    """Help shows ``-h, --help`` without a ``<bool>`` type (flags here all have ``metavar=""``)."""
 
     def get_help_option(self, ctx: Any) -> Any:
-        opt = super().get_help_option(ctx)
+        opt = super().get_help_option(ctx)  # type: ignore[misc]
         if opt is not None:
             opt.metavar = ""
         return opt
 
 
-class _Group(TyperGroup):
+class _Command(_PlainHelpFlag, TyperCommand):
+    """A subcommand."""
+
+
+class _Group(_PlainHelpFlag, TyperGroup):
     """The root command: one-line usage errors, signals turned into exceptions, an exit code."""
-
-    def get_help_option(self, ctx: Any) -> Any:
-        opt = super().get_help_option(ctx)
-        if opt is not None:
-            opt.metavar = ""
-        return opt
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
