@@ -92,8 +92,8 @@ def _guarded(command: str) -> Callable[[F], F]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except (typer.Exit, typer.Abort, click.exceptions.ClickException):
-                raise
+            except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
+                raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
             except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
                 code, message = _describe(exc)
                 if _debug():

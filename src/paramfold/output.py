@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import stat
@@ -152,8 +153,6 @@ def check_output(
         raise OutputError(f"{out}: the output folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{out}: cannot write in {parent}: permission denied")
-    if out.exists() and not os.access(out, os.W_OK) and not os.access(parent, os.W_OK):
-        raise OutputError(f"{out}: exists and cannot be replaced: permission denied")
     for src in inputs:
         src = Path(src)
         if _same_file(out, src):
@@ -231,16 +230,27 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
                 os.replace(tmp, out)
         if pending is not None:  # unblocking delivered it already; this is the fallback
             raise Interrupted(pending)
+    except OSError as e:
+        with _signals_blocked():
+            tmp.unlink(missing_ok=True)
+        if e.filename in (None, str(tmp)) and e.errno in _FULL:  # name the output, not the temp file
+            raise OutputError(
+                f"{out}: cannot write: {e.strerror}: free some space or write the output elsewhere; "
+                "nothing was written",
+                exit_code=1,
+            ) from None
+        raise
     except BaseException:
         with _signals_blocked():
             tmp.unlink(missing_ok=True)
         raise
 
 
+_FULL = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n)}
+
+
 def describe_os_error(e: OSError) -> str:
     """One line for an ``OSError``: the file, what went wrong, and for a full disk what to do."""
-    import errno
-
     where = f"{e.filename}: " if e.filename else ""
     what = e.strerror or str(e) or type(e).__name__
     if e.errno == errno.ENOSPC:
