@@ -482,6 +482,8 @@ def _fold_site(ckpt: Checkpoint, site: CheckpointSite) -> torch.Tensor:
     except CheckpointError:
         raise
     except RuntimeError as e:  # e.g. a hand-edited file: fp16 g with fp32 v, fp64 _u with fp32 W
+        if "memory" in str(e).lower():
+            raise  # the allocator's "can't allocate memory": not the file's fault
         pieces = ", ".join(f"{n} {str(x.dtype)[6:]}{list(x.shape)}" for n, x in t.items())
         raise CheckpointError(
             f"cannot fold '{site.key}' ({site.kind}): torch refuses its stored tensors ({pieces}): "
