@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -240,14 +242,19 @@ def test_cli_table_and_plot(tmp_path):
     assert "baseline" in res.stdout and "x baseline" in res.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["ratios.png"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # as open(), not mkstemp's 0600
 
 
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--model", "resnet"], "unknown model 'resnet'"),
-        (["--variant", "fast"], "unknown variant(s) 'fast'"),
-        (["--plot", "/no/such/folder/x.png"], "folder does not exist"),
+        (["--model", "resnet"], "'resnet' is not one of 'seed', 'weight_norm', 'spectral_norm', 'orthogonal'"),
+        (["--variant", "fast"], "'fast' is not one of 'baseline', 'stock', 'hoist'"),
+        (["--plot", "/no/such/folder/x.png"], "folder /no/such/folder does not exist"),
+        (["--plot", "ratios.svg"], "unsupported output format '.svg': use .png"),
+        (["--repeats", "0"], "repeats must be at least 1"),
         (["--device", "gpu0"], "unknown device 'gpu0'"),
         pytest.param(["--device", "cuda"], "device 'cuda' is not available here",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),

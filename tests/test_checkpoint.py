@@ -158,3 +158,46 @@ def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):
     torch.save(model.state_dict(), tmp_path / "q.pt")
     with pytest.raises(CheckpointError, match="'0.weight' is a Int8Tensor .*unwrap_tensor_subclass"):
         open_checkpoint(tmp_path / "q.pt")
+
+
+def test_pt_is_read_without_torch_load_and_written_aligned(tmp_path, monkeypatch):
+    import zipfile
+
+    model = torch.nn.Linear(4, 3)
+    plain = torch.randn(5)
+    plain.note = "a python attribute"  # pickled through torch._tensor._rebuild_from_type_v2
+    sd = {**model.state_dict(keep_vars=True), "plain": plain, "f8": torch.ones(3).to(torch.float8_e5m2)}
+    torch.save(sd, tmp_path / "in.pt")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was called"))
+    with open_checkpoint(tmp_path / "in.pt") as ckpt:  # the same code on every torch version
+        assert ckpt.keys() == list(sd) and all(_same(ckpt.read(k), sd[k].detach()) for k in sd)
+    monkeypatch.undo()
+    out = tmp_path / "out.pt"
+    write_state_dict(out, {k: v.detach() for k, v in sd.items()})
+    with zipfile.ZipFile(out) as z:
+        z.testzip()  # every record's CRC-32
+        records = [i for i in z.infolist() if "/data/" in i.filename]
+    with open(out, "rb") as f:
+        for rec in records:
+            f.seek(rec.header_offset + 26)
+            n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+            assert (rec.header_offset + 30 + n + m) % 64 == 0  # as torch.save aligns, for mmap
+    loaded = torch.load(out, weights_only=True, mmap=True)
+    assert all(_same(loaded[k], sd[k].detach()) for k in sd)
+
+
+def test_corrupt_bytes_and_unsupported_tensor_kinds_are_refused(tmp_path):
+    torch.save({"w": torch.arange(100.0)}, tmp_path / "w.pt")
+    data = bytearray((tmp_path / "w.pt").read_bytes())
+    at = data.index(torch.arange(100.0).numpy().tobytes()) + 200
+    data[at] ^= 1
+    (tmp_path / "w.pt").write_bytes(bytes(data))
+    with open_checkpoint(tmp_path / "w.pt") as ckpt:  # metadata is intact: the audit still works
+        assert ckpt.info("w").shape == (100,)
+        with pytest.raises(CheckpointError, match="'w' fail their CRC-32 check"):
+            ckpt.read("w")
+
+    torch.save({"s": torch.eye(3).to_sparse()}, tmp_path / "sparse.pt")
+    with pytest.raises(CheckpointError, match="_rebuild_sparse_tensor") as info:
+        open_checkpoint(tmp_path / "sparse.pt")
+    assert "\n" not in str(info.value)

@@ -3,24 +3,42 @@
 Find every parametrization (:func:`find`), then hoist, inline or freeze it (:func:`prepare`)
 so that dynamo sees (nearly) the model it would see without parametrizations; undo it exactly
 with :func:`restore`.
+
+The public names are imported on first use (PEP 562 module ``__getattr__``): ``import paramfold``
+and ``paramfold --help`` do not import torch. ``paramfold.testing`` (needs the
+``paramfold[testing]`` extra) and the other submodules are reachable as attributes too.
 """
 
-from paramfold.audit import audit_checkpoint, fold_checkpoint
-from paramfold.errors import FoldError
-from paramfold.prepare import MODES, prepare, prepared
-from paramfold.recompiles import (
-    CompileRecord,
-    GuardFailure,
-    RecompileLimitError,
-    RecompileLimitWarning,
-    RecompileReport,
-    recompiles,
-)
-from paramfold.restore import restore
-from paramfold.sites import KINDS, Site, find
-from paramfold.state_dict import plain_state_dict
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "audit_checkpoint": "audit",
+    "fold_checkpoint": "audit",
+    "FoldError": "errors",
+    "MODES": "prepare",
+    "prepare": "prepare",
+    "prepared": "prepare",
+    "CompileRecord": "recompiles",
+    "GuardFailure": "recompiles",
+    "RecompileLimitError": "recompiles",
+    "RecompileLimitWarning": "recompiles",
+    "RecompileReport": "recompiles",
+    "recompiles": "recompiles",
+    "restore": "restore",
+    "KINDS": "sites",
+    "Site": "sites",
+    "find": "sites",
+    "plain_state_dict": "state_dict",
+}
+_SUBMODULES = ("audit", "bench", "checkpoint", "cli", "output", "plot", "testing")
 
 __all__ = [
     "KINDS",
@@ -41,3 +59,56 @@ __all__ = [
     "recompiles",
     "restore",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time these are resolved by __getattr__
+    from paramfold.audit import audit_checkpoint, fold_checkpoint
+    from paramfold.errors import FoldError
+    from paramfold.prepare import MODES, prepare, prepared
+    from paramfold.recompiles import (
+        CompileRecord,
+        GuardFailure,
+        RecompileLimitError,
+        RecompileLimitWarning,
+        RecompileReport,
+        recompiles,
+    )
+    from paramfold.restore import restore
+    from paramfold.sites import KINDS, Site, find
+    from paramfold.state_dict import plain_state_dict
+
+
+class _Package(types.ModuleType):
+    """``paramfold.prepare``, ``.recompiles`` and ``.restore`` are functions named like their modules.
+
+    Importing a submodule sets it as an attribute of the package, which would hide the function
+    of the same name (the eager imports this package used to do rebound it afterwards): keep the
+    function.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            isinstance(value, types.ModuleType)
+            and _EXPORTS.get(name) == name
+            and value.__name__ == f"{__name__}.{name}"
+            and hasattr(value, name)
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f"paramfold.{module}"), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"paramfold.{name}")
+    raise AttributeError(f"module 'paramfold' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

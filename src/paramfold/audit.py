@@ -66,6 +66,7 @@ from paramfold.checkpoint import (
     write_state_dict,
 )
 from paramfold.errors import first_few
+from paramfold.output import OutputError, check_output
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -207,11 +208,12 @@ class FoldResult:
 # --------------------------------------------------------------------------------------------------
 
 
-def audit_checkpoint(path: str | os.PathLike[str]) -> AuditReport:
+def audit_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> AuditReport:
     """Find every parametrized tensor in the checkpoint at ``path`` and recognise its kind.
 
-    Reads only metadata (see ``paramfold.checkpoint`` for formats and safety). Raises
-    ``CheckpointError`` with a one-line message for unreadable input.
+    Reads only metadata (see ``paramfold.checkpoint`` for formats and safety). ``path`` may also
+    be a checkpoint already opened with ``paramfold.checkpoint.open_checkpoint`` (left open).
+    Raises ``CheckpointError`` with a one-line message for unreadable input.
 
     Example::
 
@@ -225,6 +227,8 @@ def audit_checkpoint(path: str | os.PathLike[str]) -> AuditReport:
         >>> r.to_dict()["sites"][0]["originals"]
         {'original': {'shape': [4, 5], 'dtype': 'float32'}}
     """
+    if isinstance(path, Checkpoint):
+        return _audit(path)[0]
     with open_checkpoint(path) as ckpt:
         report, _ = _audit(ckpt)
     return report
@@ -421,7 +425,8 @@ def fold_checkpoint(
     callable returning the parametrized model, or a ``"MODULE:FACTORY"`` string for ``load_factory``)
     the model is built, the checkpoint is loaded into it with ``strict=True``, the model is put in
     eval mode and every parametrized tensor is materialised once. The output is written to a
-    temporary file in ``out``'s folder and renamed when complete.
+    temporary file in ``out``'s folder and renamed when complete; ``out`` must not be one of the
+    checkpoint's own files (refused with ``CheckpointError``, exit code 2).
 
     Example::
 
@@ -438,6 +443,10 @@ def fold_checkpoint(
         True
     """
     with open_checkpoint(path) as ckpt:
+        try:
+            check_output(out, inputs=ckpt.files)
+        except OutputError as e:
+            raise CheckpointError(str(e), exit_code=e.exit_code) from None
         if model_factory is not None:
             return _fold_with_model(ckpt, Path(out), model_factory)
         report, plan = _audit(ckpt)
@@ -465,9 +474,25 @@ def _stream(ckpt: Checkpoint, plan: list[tuple[str, CheckpointSite | None]]) -> 
         yield key, (ckpt.read(key, out=scratch) if site is None else _fold_site(ckpt, site))
 
 
-@torch.no_grad()
 def _fold_site(ckpt: Checkpoint, site: CheckpointSite) -> torch.Tensor:
     t = {name: ckpt.read(key) for name, key in site.keys.items()}
+    try:
+        with torch.no_grad():
+            return _fold_tensors(site, t)
+    except CheckpointError:
+        raise
+    except RuntimeError as e:  # e.g. a hand-edited file: fp16 g with fp32 v, fp64 _u with fp32 W
+        if "memory" in str(e).lower():
+            raise  # the allocator's "can't allocate memory": not the file's fault
+        pieces = ", ".join(f"{n} {str(x.dtype)[6:]}{list(x.shape)}" for n, x in t.items())
+        raise CheckpointError(
+            f"cannot fold '{site.key}' ({site.kind}): torch refuses its stored tensors ({pieces}): "
+            f"{str(e).strip().splitlines()[0][:200]}; the stock model could not compute it either: "
+            "re-save the checkpoint from a working model"
+        ) from None
+
+
+def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Tensor:
     if site.kind == "weight_norm":
         if site.params.get("api") == _LEGACY_API:
             g, v = t[f"{site.tensor}_g"], t[f"{site.tensor}_v"]
@@ -519,6 +544,8 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
         model = factory()
     except Exception as e:
         raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}: {e}") from None
+    except SystemExit as e:
+        raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
     if not isinstance(model, torch.nn.Module):
         raise CheckpointError(f"--model {name}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
     state = {k: ckpt.read(k) for k in ckpt.keys()}

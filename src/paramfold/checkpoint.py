@@ -1,22 +1,31 @@
-"""Safe, lazy reading and atomic, streaming writing of checkpoints.
+"""Safe, lazy, verified reading and atomic, streaming writing of checkpoints.
 
-Reading never runs pickled code and never loads tensor data until a tensor is asked for:
+Reading never runs pickled code, never loads tensor data until a tensor is asked for, and checks
+every byte it reads where the format allows:
 
-* ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt``: ``torch.load(weights_only=True, map_location="meta")``
-  gives every tensor's shape, dtype and layout, plus the byte offset of its storage in the zip archive
-  (read from the archive's own directory, no data touched). A tensor's bytes are then read with one
-  positioned read. Where torch cannot give offsets (torch < 2.7), ``torch.load(weights_only=True,
-  mmap=True)`` is used instead; legacy (non-zip) files are read with ``weights_only=True`` in memory.
-* ``.safetensors``: ``safetensors.safe_open`` validates the header and gives keys, shapes, dtypes and
-  metadata; data is read by positioned reads at the header's offsets (not through a memory map, so a
-  streamed pass over a large file does not pile up resident pages).
+* ``.pt`` / ``.pth`` / ``.bin`` / ``.ckpt`` (``torch.save``'s zip archive): the archive's directory
+  is read with :mod:`zipfile`, and its ``data.pkl`` with a restricted unpickler that knows only
+  plain containers, dtypes and torch's dense-tensor rebuild functions (anything else is refused,
+  never called or imported), giving every tensor's shape, dtype, stride and storage record without
+  touching tensor data. This is the same on every torch version. A tensor's bytes are read on
+  ``read(key)`` from its ``data/<key>`` record, whose CRC-32 (stored in the zip) is checked: a
+  flipped byte is an error, never a silently different weight. A tensor that needs more bytes than
+  its record holds is refused when the file is opened. Legacy (non-zip) files have no checksum:
+  they are read with ``torch.load(weights_only=True)`` in memory.
+* ``.safetensors``: ``safetensors.safe_open`` validates the header (offsets within the file,
+  contiguous, consistent with shapes and dtypes) and gives keys, shapes, dtypes and metadata; data
+  is read by positioned reads at the header's offsets (not through a memory map, so a streamed
+  pass over a large file does not pile up resident pages). The format has no checksum.
 * A Hugging Face style folder (``*.safetensors.index.json`` or ``*.bin.index.json``), or the index
   file itself: every key is read from the shard that the index names.
 * A training checkpoint (a dict with a nested ``state_dict``, ``model`` or ``model_state_dict``) is
   read from that entry.
 
-Writing (``write_checkpoint``) goes to a temporary file in the target folder that is renamed over the
-target only when complete, and streams: tensors are written one at a time, as they are produced.
+Writing (``write_checkpoint``) goes through :func:`paramfold.output.atomic_output` (a temporary
+file renamed over the target only when complete, normal permissions, nothing left on an error or
+a signal), and streams: tensors are written one at a time, as they are produced. ``.pt`` output is
+the zip layout ``torch.save`` writes (records aligned to 64 bytes, CRC-32 per record), written
+with :mod:`zipfile`.
 
 Example::
 
@@ -33,15 +42,15 @@ Example::
 from __future__ import annotations
 
 import collections
-import contextlib
 import io
 import json
 import os
 import pickle
 import re
+import struct
 import sys
-import tempfile
 import zipfile
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +59,7 @@ from typing import IO, Any
 import torch
 
 from paramfold.errors import FoldError
+from paramfold.output import OutputError, atomic_output, check_output
 
 __all__ = [
     "CheckpointError",
@@ -128,7 +138,8 @@ class _Entry:
     offset: int = 0
     stride: tuple[int, ...] | None = None  # None: contiguous
     storage_offset: int = 0  # in elements
-    tensor: torch.Tensor | None = None  # already loaded (legacy files, torch < 2.7, mmap)
+    tensor: torch.Tensor | None = None  # already loaded (legacy non-zip files)
+    record: zipfile.ZipInfo | None = None  # .pt: the zip record holding the storage (CRC checked)
 
 
 class Checkpoint:
@@ -146,6 +157,7 @@ class Checkpoint:
         *,
         root: str | None = None,
         metadata: Mapping[str, str] | None = None,
+        files: Iterable[Path] = (),
     ) -> None:
         self.path = path
         self.format = format
@@ -153,6 +165,8 @@ class Checkpoint:
         self.metadata = dict(metadata or {})
         self._entries = entries
         self._files: dict[Path, io.BufferedReader] = {}
+        # Every file this checkpoint reads (the index and its shards for a sharded checkpoint).
+        self.files: list[Path] = list(dict.fromkeys([path, *files, *(e.file for e in entries.values() if e.file)]))
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -186,22 +200,56 @@ class Checkpoint:
         stride = e.stride if e.stride is not None else _contiguous_stride(shape)
         numel = e.info.numel
         span = 0 if numel == 0 else 1 + sum((s - 1) * st for s, st in zip(shape, stride))
-        nbytes = span * _element_size(dtype)
+        elem = _element_size(dtype)
+        nbytes = span * elem
+        start = e.storage_offset * elem
+        if e.record is not None:  # read the whole storage record, so that its CRC-32 can be checked
+            start, nbytes = 0, e.record.file_size
         if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes and nbytes:
             raw = out[:nbytes]
         else:
             raw = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            start = e.offset + e.storage_offset * _element_size(dtype)
-            self._read_into(e.file, start, memoryview(raw.numpy()), nbytes, key)  # type: ignore[arg-type]
-        flat = raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
+            buf = memoryview(raw.numpy())
+            if e.record is not None:
+                self._read_record(e, buf, key)
+            else:
+                self._read_into(e.file, e.offset + start, buf, nbytes, key)  # type: ignore[arg-type]
+        if e.record is not None:
+            first = e.storage_offset * elem
+            raw = raw[first : first + span * elem]
+        flat = raw.view(dtype) if numel else torch.empty(0, dtype=dtype)
         result = flat.as_strided(shape, stride)
-        return result if result.is_contiguous() else result.contiguous()
+        if not result.is_contiguous():
+            return result.contiguous()
+        if out is None and raw.untyped_storage().nbytes() != result.nbytes:
+            return result.clone()  # a view into a larger storage record: keep only its own bytes
+        return result
 
-    def _read_into(self, file: Path, start: int, buf: memoryview, nbytes: int, key: str) -> None:
+    def _read_record(self, e: _Entry, buf: memoryview, key: str) -> None:
+        rec = e.record
+        assert rec is not None and e.file is not None
+        f = self._open(e.file)
+        f.seek(rec.header_offset)
+        header = f.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise CheckpointError(f"{e.file}: corrupt PyTorch checkpoint: the zip record of tensor '{key}' is damaged")
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        self._read_into(e.file, rec.header_offset + 30 + name_len + extra_len, buf, rec.file_size, key)
+        if zlib.crc32(buf[: rec.file_size]) != rec.CRC:
+            raise CheckpointError(
+                f"{e.file}: corrupt: the bytes of tensor '{key}' fail their CRC-32 check (record "
+                f"{rec.filename}); the file was damaged after it was saved: re-download or re-save it"
+            )
+
+    def _open(self, file: Path) -> io.BufferedReader:
         f = self._files.get(file)
         if f is None:
             f = self._files[file] = open(file, "rb", buffering=0)  # noqa: SIM115 (closed in close())
+        return f
+
+    def _read_into(self, file: Path, start: int, buf: memoryview, nbytes: int, key: str) -> None:
+        f = self._open(file)
         f.seek(start)
         got = 0
         while got < nbytes:
@@ -331,7 +379,8 @@ def _open_index(index: Path) -> Checkpoint:
         entries[key] = shards[shard][key]
     fmt = "sharded-" + ("safetensors" if kinds == {"safetensors"} else "pt" if kinds == {"pt"} else "mixed")
     metadata = {k: str(v) for k, v in (doc.get("metadata") or {}).items()}
-    return Checkpoint(index, fmt, entries, metadata=metadata)
+    files = [(index.parent / shard).resolve() for shard in dict.fromkeys(weight_map.values())]
+    return Checkpoint(index, fmt, entries, metadata=metadata, files=files)
 
 
 def _safetensors_entries(p: Path) -> tuple[dict[str, _Entry], dict[str, str]]:
@@ -401,30 +450,190 @@ def _pt_entries(p: Path) -> tuple[dict[str, _Entry], str | None]:
     with open(p, "rb") as f:
         is_zip = f.read(4) == b"PK\x03\x04"
     if not is_zip:
-        obj = _torch_load(p)  # legacy format: no mmap, no offsets; weights_only still applies
+        obj = _torch_load(p)  # legacy format: no offsets, no checksums; weights_only still applies
         sd, root = _find_state_dict(obj, p)
         _plain_only(sd, p)
         return {k: _Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
     try:  # the zip's central directory sits at its end: a truncated file has none
         with zipfile.ZipFile(p) as z:
-            z.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError):
-        raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint (the zip archive is incomplete)") from None
-    obj = _torch_load(p, map_location="meta")
-    sd, root = _find_state_dict(obj, p)
-    _plain_only(sd, p)
+            infos = z.infolist()
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{p}: not a PyTorch checkpoint (a zip archive without one data.pkl)")
+            prefix = pickles[0].filename[: -len("data.pkl")]
+            data = z.read(pickles[0])  # zipfile checks its CRC-32
+            byteorder = z.read(prefix + "byteorder") if prefix + "byteorder" in z.NameToInfo else b"little"
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
+        detail = "the zip archive is incomplete" if "CRC" not in str(e) else _first_line(e)
+        raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint ({detail})") from None
+    if byteorder.decode(errors="replace") != sys.byteorder:
+        raise CheckpointError(
+            f"{p}: saved on a {byteorder.decode(errors='replace')}-endian machine; load and re-save it there"
+        )
+    try:
+        obj = _StubUnpickler(io.BytesIO(data)).load()
+    except _Refused as r:
+        _explain_refusal(p, r.name)
+        raise AssertionError("unreachable") from None
+    except Exception as e:  # a malformed pickle: torch's own rebuild functions got the wrong arguments
+        raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: its data.pkl does not unpickle ({_first_line(e)})") from None
+    sd, root = _find_state_dict(obj, p, tensor_type=_TensorStub)
+    records = {i.filename[len(prefix) + len("data/"):]: i for i in infos if i.filename.startswith(prefix + "data/")}
     entries: dict[str, _Entry] = {}
     for k, t in sd.items():
-        offset = getattr(t.untyped_storage(), "_checkpoint_offset", None) if t.device.type == "meta" else None
-        if offset is None:
-            break
-        entries[k] = _Entry(TensorInfo.of(t), p, offset, tuple(t.stride()), t.storage_offset())
-    else:
-        return entries, root
-    # torch < 2.7 gives no storage offsets: map the file instead (data is paged in only when read).
-    obj = _torch_load(p, mmap=True)
-    sd, root = _find_state_dict(obj, p)
-    return {k: _Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
+        rec = records.get(t.storage.key)
+        if rec is None:
+            raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: the storage of '{k}' (record data/{t.storage.key}) is missing")
+        if rec.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(f"{p}: record {rec.filename} is compressed; torch.save never compresses: re-save it")
+        elem = _element_size(t.dtype)
+        storage_bytes = t.storage.numel * (elem if t.storage.typed else 1)
+        span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
+        needed = (t.offset + span) * elem if span else 0
+        if storage_bytes != rec.file_size or needed > rec.file_size or t.offset < 0 or min(t.stride, default=0) < 0:
+            raise CheckpointError(
+                f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
+                f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
+            )
+        entries[k] = _Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec)
+    return entries, root
+
+
+class _Refused(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class _StorageStub:
+    """A storage named by ``data.pkl``: its record key, element dtype (or bytes) and size."""
+
+    key: str
+    dtype: torch.dtype | None  # None: an UntypedStorage, ``numel`` counts bytes
+    numel: int
+
+    @property
+    def typed(self) -> bool:
+        return self.dtype is not None
+
+
+@dataclass(frozen=True)
+class _TensorStub:
+    """A tensor described by ``data.pkl``, its data still in the archive."""
+
+    storage: _StorageStub
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    out = tuple(values)
+    if not all(type(v) is int for v in out):
+        raise ValueError(f"{what} must be integers")
+    return out
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                metadata: Any = None) -> _TensorStub:
+    if not isinstance(storage, _StorageStub) or storage.dtype is None or type(offset) is not int:
+        raise ValueError("_rebuild_tensor_v2 got no typed storage")
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), storage.dtype)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                dtype: Any, metadata: Any = None) -> _TensorStub:
+    if not isinstance(storage, _StorageStub) or not isinstance(dtype, torch.dtype) or type(offset) is not int:
+        raise ValueError("_rebuild_tensor_v3 got no storage or dtype")
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), dtype)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> Any:
+    if not isinstance(data, _TensorStub):
+        raise ValueError("a Parameter without tensor data")
+    return data
+
+
+class _PlainTensorType:
+    """What ``torch.Tensor`` / ``nn.Parameter`` unpickle to here (a marker, never instantiated)."""
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if new_type is not _PlainTensorType or func not in (_rebuild_v2, _rebuild_v3, _rebuild_parameter):
+        raise ValueError("a tensor subclass")
+    return func(*args)
+
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {}
+for _dt, _storage_name in __import__("torch.storage", fromlist=["x"])._dtype_to_storage_type_map().items():
+    _STORAGE_DTYPES.setdefault(_storage_name, _dt)
+
+_SAFE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._tensor", "Tensor"): _PlainTensorType,
+    ("torch", "Tensor"): _PlainTensorType,
+    ("torch.nn.parameter", "Parameter"): _PlainTensorType,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch", "Size"): tuple,
+    ("torch", "device"): lambda *args: "device",  # where a tensor was: irrelevant to its bytes
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("_codecs", "encode"): lambda text, encoding="utf-8": str(text).encode(str(encoding)),
+}
+
+
+class _StubUnpickler(pickle.Unpickler):
+    """Unpickles ``data.pkl`` into containers and :class:`_TensorStub`: no other code can run.
+
+    Every global a pickle names goes through ``find_class``; only the table above is answered,
+    with functions of this module that build stubs. Anything else raises :class:`_Refused`
+    before it is imported.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _SAFE_GLOBALS.get((module, name))
+        if found is not None:
+            return found
+        if name == "UntypedStorage" and module in ("torch", "torch.storage"):
+            return ("storage-type", None)
+        if module == "torch":
+            if name in _STORAGE_DTYPES:
+                return ("storage-type", _STORAGE_DTYPES[name])
+            dtype = getattr(torch, name, None) if not name.startswith("_") else None
+            if isinstance(dtype, torch.dtype):
+                return dtype
+        raise _Refused(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise ValueError(f"unexpected persistent id {str(pid)[:60]}")
+        _, kind, key, _location, numel = pid
+        if not (isinstance(kind, tuple) and kind[:1] == ("storage-type",)) or type(numel) is not int:
+            raise ValueError("a storage of unknown type")
+        return _StorageStub(str(key), kind[1], numel)
+
+
+def _explain_refusal(p: Path, name: str) -> None:
+    """Raise the most helpful ``CheckpointError`` for a pickle that names ``name``."""
+    # torch's own weights-only loader (on the meta device: no data) says what the file holds, e.g.
+    # a registered tensor subclass; it refuses code-running globals the same way.
+    obj = _torch_load(p, map_location="meta")
+    sd, _ = _find_state_dict(obj, p)
+    _plain_only(sd, p)
+    raise CheckpointError(
+        f"{p}: refused to unpickle: it references '{name}', which paramfold does not read (only plain "
+        "tensors and containers). Re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
+    )
 
 
 def _torch_load(p: Path, **kwargs: Any) -> Any:
@@ -443,7 +652,7 @@ def _torch_load(p: Path, **kwargs: Any) -> Any:
                 + ": either corrupt or it needs code execution"
             )
         raise CheckpointError(
-            f"{p}: refused to unpickle: {why}; paramfold only reads tensors (torch.load weights_only=True). "
+            f"{p}: refused to unpickle: {why}; paramfold reads only tensors and plain containers and never runs pickled code. "
             "If you trust the file, re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
         ) from None
     except Exception as e:
@@ -452,13 +661,13 @@ def _torch_load(p: Path, **kwargs: Any) -> Any:
         raise CheckpointError(f"{p}: cannot read this PyTorch checkpoint ({_first_line(e)})") from None
 
 
-def _find_state_dict(obj: Any, p: Path) -> tuple[dict[str, torch.Tensor], str | None]:
-    if _is_state_dict(obj):
+def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tuple[dict[str, Any], str | None]:
+    if _is_state_dict(obj, tensor_type):
         return dict(obj), None
     if isinstance(obj, Mapping):
         for key in NESTED_STATE_DICT_KEYS:
             sub = obj.get(key)
-            if _is_state_dict(sub):
+            if _is_state_dict(sub, tensor_type):
                 return dict(sub), key
         where = f"top-level keys: {', '.join(map(str, list(obj)[:8]))}"
     else:
@@ -469,11 +678,11 @@ def _find_state_dict(obj: Any, p: Path) -> tuple[dict[str, torch.Tensor], str | 
     )
 
 
-def _is_state_dict(obj: Any) -> bool:
+def _is_state_dict(obj: Any, tensor_type: type = torch.Tensor) -> bool:
     return (
         isinstance(obj, Mapping)
         and len(obj) > 0
-        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+        and all(isinstance(k, str) and isinstance(v, tensor_type) for k, v in obj.items())
     )
 
 
@@ -514,31 +723,19 @@ def write_checkpoint(
     """
     out = Path(path)
     fmt = _output_format(out)
-    with _atomic_output(out) as f:
+    with _output(out) as f:
         if fmt == "safetensors":
             return _write_safetensors(f, specs, tensors, metadata)
         return _write_pt(f, specs, tensors)
 
 
-@contextlib.contextmanager
-def _atomic_output(out: Path) -> Iterator[IO[bytes]]:
-    """A binary file that replaces ``out`` only if the block completes; nothing is left otherwise."""
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise CheckpointError(f"{out}: the output folder {parent} does not exist", exit_code=2)
-    if out.is_dir():
-        raise CheckpointError(f"{out}: is a folder; give a file name ending in .safetensors or .pt", exit_code=2)
-    fd, tmp_name = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".partial")
-    tmp = Path(tmp_name)
+def _output(out: Path) -> Any:
+    """``atomic_output`` with its path errors as ``CheckpointError`` (same message, same exit code)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        check_output(out)
+    except OutputError as e:
+        raise CheckpointError(str(e), exit_code=e.exit_code) from None
+    return atomic_output(out)
 
 
 def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor]) -> int:
@@ -567,8 +764,9 @@ def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torc
             "hold; write the folded checkpoint to a .pt file instead",
             exit_code=2,
         )
-    with _atomic_output(out) as f:
-        torch.save(dict(state_dict), f)
+    with _output(out) as f:
+        f.close()  # torch.save writes the path itself (in C++: a signal cannot split its records)
+        torch.save(dict(state_dict), f.name)
     return sum(_flat_nbytes(t) for t in state_dict.values())
 
 
@@ -586,7 +784,9 @@ def _output_format(out: Path) -> str:
     if name.endswith(PT_SUFFIXES):
         return "pt"
     raise CheckpointError(
-        f"{out}: unsupported output format '{out.suffix or out.name}': use .safetensors or .pt", exit_code=2
+        f"{out}: unsupported output format '{out.suffix or out.name}': use .safetensors or .pt "
+        f"({', '.join(PT_SUFFIXES)})",
+        exit_code=2,
     )
 
 
@@ -670,25 +870,63 @@ class _RefPickler(pickle.Pickler):
         return obj.pid if isinstance(obj, _StorageRef) else None
 
 
+_PT_ALIGNMENT = 64  # torch.save aligns every record's data to 64 bytes (mmap-friendly)
+
+
+class _ZipWriter:
+    """The records of a ``torch.save`` archive, written with :mod:`zipfile` (CRC-32 per record).
+
+    On an error nothing more is written: the caller discards the file.
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self._zip = zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True)
+
+    def record(self, name: str, data: bytes | memoryview) -> None:
+        name = f"archive/{name}"
+        size = len(data) if isinstance(data, bytes) else data.nbytes
+        zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule: it then adds a 20-byte extra
+        start = self._f.tell() + 30 + len(name.encode()) + 4 + (20 if zip64 else 0)
+        pad = -start % _PT_ALIGNMENT
+        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = size
+        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad  # torch's padding field
+        w = self._zip.open(info, mode="w", force_zip64=zip64)
+        w.write(data)
+        w.close()
+
+    def finish(self) -> None:
+        self._zip.close()
+
+    def abandon(self) -> None:
+        # ZipFile.__del__ would write a central directory to a file that is being discarded.
+        self._zip._writing = False  # type: ignore[attr-defined]
+        self._zip.fp = None
+
+
 def _write_pt(
-    f: io.BufferedWriter, specs: Mapping[str, TensorInfo], tensors: Iterable[tuple[str, torch.Tensor]]
+    f: IO[bytes], specs: Mapping[str, TensorInfo], tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> int:
-    # The same zip layout torch.save writes (PyTorchFileWriter: aligned records, CRCs), except that
-    # every storage record is written as soon as its tensor exists and the pickle comes last.
+    # The zip layout torch.save writes, except that every storage record is written as soon as
+    # its tensor exists and the pickle comes last.
     refs: dict[str, _TensorRef] = {}
     nbytes = 0
-    with torch.serialization._open_zipfile_writer(f) as zf:
-        for i, (key, t) in enumerate(_checked(specs, tensors)):
-            storage = t.untyped_storage()
-            if storage.nbytes() != t.nbytes or t.storage_offset():
-                start = t.storage_offset() * t.element_size()
-                storage = storage[start : start + t.nbytes]  # a view of the same memory, no copy
-            zf.write_record(f"data/{i}", storage, t.nbytes)
+    zw = _ZipWriter(f)
+    try:
+        for key, t in _checked(specs, tensors):
+            i = len(refs)
+            zw.record(f"data/{i}", _raw_bytes(t) if t.numel() else b"")
             refs[key] = _TensorRef(str(i), specs[key])
             nbytes += t.nbytes
         buf = io.BytesIO()
         _RefPickler(buf, protocol=2).dump(refs)
-        data = buf.getvalue()
-        zf.write_record("data.pkl", data, len(data))
-        zf.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        zw.record("data.pkl", buf.getvalue())
+        zw.record("byteorder", sys.byteorder.encode())
+        zw.record("version", b"3\n")
+        zw.finish()
+    except BaseException:
+        zw.abandon()
+        raise
     return nbytes

@@ -1,129 +1,327 @@
-"""The ``paramfold`` command line: ``bench``, ``audit`` and ``recompiles``."""
+"""The ``paramfold`` command line: ``bench``, ``audit`` and ``recompiles``.
+
+Every failure ends with one line on stderr, ``paramfold <command>: error: <what, and what to do>``,
+and one of these exit codes:
+
+===== ==========================================================================================
+0     success
+1     the work failed: a file's contents (corrupt, truncated, a refused pickle, tensors that do
+      not fit together), the environment (disk full, permission denied, out of memory), a bench
+      variant that failed, or an unexpected error
+2     the command line: an unknown option or value, a missing input, an unsupported format, an
+      output path that cannot be used (missing folder, the input itself)
+3     ``recompiles --strict``: a function hit dynamo's recompile limit
+129   interrupted by SIGHUP, 130 by SIGINT (Ctrl-C), 143 by SIGTERM (``timeout``, schedulers)
+===== ==========================================================================================
+
+Outputs are written whole or not at all (:mod:`paramfold.output`): after a failure or a signal no
+partial or temporary file is left and a pre-existing output file is unchanged. ``--debug`` (before
+the command: ``paramfold --debug audit ...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
+
+This module imports neither torch nor the rest of paramfold until a command runs, so ``--help``
+and ``--version`` answer at once.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import os
+import sys
+from enum import Enum
+from typing import Any, Callable, Literal, Optional, TypeVar
 
 import typer
+from typer.core import TyperCommand, TyperGroup
+
+try:  # typer >= 0.22 vendors click
+    from typer import _click as click
+except ImportError:  # pragma: no cover - older typer
+    import click  # type: ignore[no-redef]
+
+from paramfold import __version__
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The choices of `paramfold bench`; test_cli checks them against paramfold.bench (which imports torch).
+MODEL_NAMES = ("seed", "weight_norm", "spectral_norm", "orthogonal")
+BACKEND_NAMES = ("eager", "aot_eager", "inductor")
+ENTRY_NAMES = ("model", "method", "layers")
+VARIANT_NAMES = ("baseline", "stock", "hoist", "inline", "freeze", "auto")
+VariantName = Enum("VariantName", {n: n for n in VARIANT_NAMES}, type=str)  # type: ignore[misc]
+
+
+def _debug() -> bool:
+    return os.environ.get("PARAMFOLD_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _say(command: str, message: str) -> None:
+    text = " ".join(str(message).split())  # one line, whatever the message held
+    sys.stderr.write(f"paramfold {command}: error: {text}\n")
+    sys.stderr.flush()
+
+
+def _describe(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one-line message for an exception that ends a command."""
+    from paramfold.errors import FoldError
+    from paramfold.output import Interrupted, describe_os_error
+
+    if isinstance(exc, Interrupted):
+        return exc.exit_code, f"interrupted by {exc.args[0]}; no output was written"
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, "interrupted by SIGINT; no output was written"
+    if isinstance(exc, FoldError):
+        return getattr(exc, "exit_code", 1), str(exc)
+    if isinstance(exc, MemoryError):
+        return 1, "out of memory" + (f": {exc}" if str(exc) else "")
+    if isinstance(exc, OSError):
+        return 1, describe_os_error(exc)
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else 1
+        return code or 1, f"exited early (sys.exit({exc.code!r}))"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, RuntimeError) and "alloc" in text.lower() and "memory" in text.lower():
+        return 1, f"out of memory: {text}"
+    return 1, f"{type(exc).__name__}: {text} (unexpected; PARAMFOLD_DEBUG=1 shows the traceback)"
+
+
+def _guarded(command: str) -> Callable[[F], F]:
+    """Turn every exception out of a command into one stderr line and an exit code."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
+                raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
+            except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
+                code, message = _describe(exc)
+                if _debug():
+                    import traceback
+
+                    traceback.print_exc()
+                _say(command, message)
+                raise typer.Exit(code) from None
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+class _PlainHelpFlag:
+    """Help shows ``-h, --help`` without a ``<bool>`` type (flags here all have ``metavar=""``)."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        opt = super().get_help_option(ctx)  # type: ignore[misc]
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Command(_PlainHelpFlag, TyperCommand):
+    """A subcommand."""
+
+
+class _Group(_PlainHelpFlag, TyperGroup):
+    """The root command: one-line usage errors, signals turned into exceptions, an exit code."""
+
+    def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        from paramfold.output import Interrupted, signals_raise
+
+        try:
+            with signals_raise():
+                rv = super().main(args=args, prog_name=prog_name or "paramfold", complete_var=complete_var,
+                                  standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except click.exceptions.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help() if e.ctx else "")
+            code = 2
+        except click.exceptions.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "paramfold"
+            hint = f" (see {where} --help)"
+            sys.stderr.write(f"{where}: error: {' '.join(e.format_message().split())}{hint}\n")
+            code = 2
+        except click.exceptions.ClickException as e:
+            sys.stderr.write(f"paramfold: error: {' '.join(e.format_message().split())}\n")
+            code = e.exit_code
+        except typer.Abort:
+            sys.stderr.write("paramfold: error: aborted\n")
+            code = 1
+        except SystemExit as e:  # typer exits by itself on a closed stdout (| head)
+            code = e.code if isinstance(e.code, int) else 1
+        except BrokenPipeError:
+            code = 1
+        except Interrupted as e:
+            sys.stderr.write(f"paramfold: error: interrupted by {e.args[0]}\n")
+            code = e.exit_code
+        except KeyboardInterrupt:
+            sys.stderr.write("paramfold: error: interrupted by SIGINT\n")
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
 
 app = typer.Typer(
     name="paramfold",
+    cls=_Group,
     help="Make torch.compile fast on parametrized models.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"paramfold {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, metavar="",
+        help="Print paramfold's version and exit.",
+    ),
+    debug: bool = typer.Option(
+        False, "--debug", metavar="",
+        help="On a failure, also print the traceback (or set PARAMFOLD_DEBUG=1).",
+    ),
+) -> None:
+    """Make torch.compile fast on parametrized models.
+
+    Exit codes: 0 ok, 1 the work failed (file contents, disk, memory), 2 bad command line,
+    3 recompiles --strict hit the recompile limit, 129/130/143 interrupted by SIGHUP/SIGINT/SIGTERM.
+    """
+    if debug:
+        os.environ["PARAMFOLD_DEBUG"] = "1"
 
 
 # --- bench -------------------------------------------------------------------------------------
 
 
-@app.command("bench")
+@app.command("bench", cls=_Command)
+@_guarded("bench")
 def bench(
-    model: str = typer.Option("seed", help="seed, weight_norm, spectral_norm or orthogonal."),
-    layers: int | None = typer.Option(None, help="Number of layers [default: per model]."),
-    width: int | None = typer.Option(None, help="Layer width [default: per model]."),
-    backend: str = typer.Option("eager", help="torch.compile backend: eager, aot_eager, inductor."),
-    entry: str = typer.Option(
-        "model",
+    model: Literal["seed", "weight_norm", "spectral_norm", "orthogonal"] = typer.Option(
+        "seed", metavar="NAME",
+        help="The parametrized model of the zoo to measure: seed, weight_norm, spectral_norm or orthogonal."
+    ),
+    layers: Optional[int] = typer.Option(
+        None, help="Number of layers \\[default: 32 for seed, else 16]."
+    ),
+    width: Optional[int] = typer.Option(
+        None, help="Layer width \\[default: 128 for seed and weight_norm, else 64]."
+    ),
+    backend: Literal["eager", "aot_eager", "inductor"] = typer.Option(
+        "eager", metavar="NAME", help="The torch.compile backend: eager, aot_eager or inductor."
+    ),
+    entry: Literal["model", "method", "layers"] = typer.Option(
+        "model", metavar="NAME",
         help="How to compile: model = torch.compile(model), method = model.compile(), "
         "layers = .compile() on each layer of model.seq.",
     ),
     train: bool = typer.Option(
-        False, "--train/--eval", help="One training step (forward+backward) or a no_grad forward."
+        False, "--train/--eval", metavar="",
+        help="One training step (forward+backward) or a no_grad forward.",
     ),
     repeats: int = typer.Option(3, help="Measurements per variant (min and median reported)."),
     threads: int = typer.Option(
         1, help="torch.set_num_threads for the run; 0 leaves torch's setting."
     ),
     device: str = typer.Option("cpu", help="Where the model runs: cpu, cuda, cuda:1, ..."),
-    variant: list[str] | None = typer.Option(
-        None, "--variant", help="Measure only these (repeatable); baseline and stock always run."
+    variant: Optional[list[VariantName]] = typer.Option(  # type: ignore[valid-type]
+        None, "--variant", metavar="NAME",
+        help="Measure only this variant: hoist, inline, freeze or auto (repeat the option for "
+        "several); baseline and stock always run. \\[default: all]",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print a JSON document with every sample."),
-    plot: str | None = typer.Option(
+    wide: bool = typer.Option(
+        False, "--wide", metavar="",
+        help="Show every column (CPU time, prepare time, notes) in the table; it needs ~150 columns.",
+    ),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print a JSON document with every sample."),
+    plot: Optional[str] = typer.Option(
         None, metavar="PNG", help="Also write a bar chart of the ratios to this PNG file."
     ),
 ) -> None:
-    """Time the first compiled call of baseline, stock and each paramfold mode, side by side."""
+    """Time the first compiled call of baseline, stock and each paramfold mode, side by side.
+
+    Example: paramfold bench --model spectral_norm --train --backend aot_eager
+    """
     import json
-    import os
+
+    if plot is not None:
+        from paramfold.output import check_output
+
+        check_output(plot, suffixes=(".png",))
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from paramfold.bench import BenchConfig, run_bench, to_rich_table
 
     err = Console(stderr=True)
-
-    def fail(message: str, code: int = 1) -> None:
-        err.print(f"paramfold bench: error: {message}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(code)
-
     try:
         config = BenchConfig(
             model=model, layers=layers, width=width, backend=backend, entry=entry, train=train,
-            repeats=repeats, threads=threads or None, variants=tuple(variant) if variant else None,
-            device=device,
+            repeats=repeats, threads=threads or None,
+            variants=tuple(v.value for v in variant) if variant else None, device=device,
         )
         config.check_device()
     except ValueError as exc:
-        fail(str(exc), code=2)
-    if plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(plot))):
-        fail(f"cannot write {plot}: its folder does not exist", code=2)
+        _say("bench", str(exc))
+        raise typer.Exit(2) from None
 
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
-    ) as progress:
-        task = progress.add_task("starting", total=None)
+    if err.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        def on_progress(done: int, total: int, label: str) -> None:
-            progress.update(task, completed=done, total=total, description=label)
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=err, transient=True,
+        ) as progress:
+            task = progress.add_task("starting", total=None)
 
-        try:
+            def on_progress(done: int, total: int, label: str) -> None:
+                progress.update(task, completed=done, total=total, description=label)
+
             result = run_bench(config, on_progress=on_progress)
-        except KeyboardInterrupt:
-            fail("interrupted", code=130)
+    else:
+        from paramfold.bench import plain_progress
+
+        result = run_bench(config, on_progress=plain_progress(sys.stderr))
 
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        out = Console()
-        if not out.is_terminal:
-            out = Console(width=200)  # piped into a file or README: do not wrap the table
-        out.print(to_rich_table(result))
+        from paramfold.bench import print_table
+
+        print_table(result, wide=wide)
     if plot is not None:
         from paramfold.plot import plot_ratios
 
-        try:
-            plot_ratios(result, plot)
-        except (ImportError, OSError) as exc:
-            fail(str(exc))
+        plot_ratios(result, plot)
     failed = [v for v in result.variants if v.status == "error"]
     if failed:
-        fail("variant(s) failed: " + "; ".join(f"{v.name}: {v.note.splitlines()[0]}" for v in failed))
-
-
-# --- end bench ---------------------------------------------------------------------------------
-
-
-@app.callback()
-def _root() -> None:
-    """Make torch.compile fast on parametrized models."""
+        _say("bench", "variant(s) failed: " + "; ".join(f"{v.name}: {v.note.splitlines()[0]}" for v in failed))
+        raise typer.Exit(1)
 
 
 # --- paramfold audit ------------------------------------------------------------------------------
 
 
-@app.command("audit")
+@app.command("audit", cls=_Command)
+@_guarded("audit")
 def audit(
     path: str = typer.Argument(
-        ..., help="A .pt/.pth/.bin/.ckpt or .safetensors file, a *.safetensors.index.json, or a folder holding one."
+        ..., metavar="PATH", show_default=False,
+        help="A .pt/.pth/.bin/.ckpt or .safetensors file, a *.safetensors.index.json, or a folder holding one.",
     ),
-    json_out: bool = typer.Option(False, "--json", help="Print the report as a JSON document instead of a table."),
+    json_out: bool = typer.Option(False, "--json", metavar="", help="Print the report as a JSON document instead of a table."),
     fold_out: Optional[str] = typer.Option(
-        None, "--fold-out", metavar="OUT", help="Write the unparametrized model's checkpoint here (.safetensors or .pt)."
+        None, "--fold-out", metavar="OUT",
+        help="Write the unparametrized model's checkpoint here (.safetensors or .pt). It must not be the input.",
     ),
     model: Optional[str] = typer.Option(
         None,
@@ -138,26 +336,27 @@ def audit(
 
     Example: paramfold audit vocoder.pt --fold-out vocoder_plain.safetensors
     """
-    import sys
+    from paramfold.output import OutputError, check_output
 
-    from paramfold.checkpoint import CheckpointError
+    if model is not None and fold_out is None:
+        raise OutputError("--model only applies together with --fold-out OUT")
+    if fold_out is not None:  # before anything is imported or read
+        check_output(fold_out, suffixes=(".safetensors", ".pt", ".pth", ".bin", ".ckpt"))
 
-    try:
-        if model is not None and fold_out is None:
-            raise CheckpointError("--model only applies together with --fold-out OUT", exit_code=2)
-        from paramfold.audit import audit_checkpoint, fold_checkpoint, print_report
+    from paramfold.audit import audit_checkpoint, fold_checkpoint, print_report
+    from paramfold.checkpoint import open_checkpoint
 
-        report = audit_checkpoint(path)
-        if json_out:
-            typer.echo(report.to_json())
-        else:
-            print_report(report)
+    with open_checkpoint(path) as ckpt:
         if fold_out is not None:
-            res = fold_checkpoint(path, fold_out, model_factory=model)
-            typer.echo(res.summary(), err=json_out)
-    except CheckpointError as e:
-        print(f"paramfold audit: error: {e}", file=sys.stderr)
-        raise typer.Exit(e.exit_code) from None
+            check_output(fold_out, inputs=ckpt.files)
+        report = audit_checkpoint(ckpt)
+    if json_out:
+        typer.echo(report.to_json())
+    else:
+        print_report(report)
+    if fold_out is not None:
+        res = fold_checkpoint(path, fold_out, model_factory=model)
+        typer.echo(res.summary(), err=json_out)
 
 
 # --- recompiles ---------------------------------------------------------------------------------
@@ -165,8 +364,10 @@ def audit(
 
 @app.command(
     "recompiles",
+    cls=_Command,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )
+@_guarded("recompiles")
 def recompiles_command(
     command: list[str] = typer.Argument(
         ...,
@@ -177,10 +378,11 @@ def recompiles_command(
     as_json: bool = typer.Option(
         False,
         "--json",
+        metavar="",
         help="Print the report as JSON on stdout (the script's own prints go to stderr).",
     ),
     strict: bool = typer.Option(
-        False, "--strict", help="Exit with code 3 if any function hit the recompile limit."
+        False, "--strict", metavar="", help="Exit with code 3 if any function hit the recompile limit."
     ),
 ) -> None:
     """Run a Python script and report every torch.compile recompile: cause, category and fix.
@@ -188,10 +390,8 @@ def recompiles_command(
     Example: paramfold recompiles -- python train.py --epochs 1
     """
     import contextlib
-    import os
     import re
     import runpy
-    import sys
     import traceback
 
     tokens = list(command)
@@ -201,11 +401,7 @@ def recompiles_command(
     ):
         tokens = tokens[1:]
     if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
-        typer.echo(
-            "paramfold recompiles: error: nothing to run; usage: "
-            "paramfold recompiles -- python SCRIPT [ARGS]...",
-            err=True,
-        )
+        _say("recompiles", "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]...")
         raise typer.Exit(2)
     old_argv, old_path = sys.argv[:], sys.path[:]
     if tokens[0] == "-m":
@@ -219,13 +415,13 @@ def recompiles_command(
             spec = None
         if spec is None:
             sys.path[:] = old_path
-            typer.echo(f"paramfold recompiles: error: no module named {module!r}", err=True)
+            _say("recompiles", f"no module named {module!r}")
             raise typer.Exit(2)
         argv0, rest = spec.origin or module, tokens[2:]
     else:
         module, argv0, rest = None, tokens[0], tokens[1:]
         if not os.path.isfile(argv0):
-            typer.echo(f"paramfold recompiles: error: script not found: {argv0}", err=True)
+            _say("recompiles", f"script not found: {argv0}")
             raise typer.Exit(2)
 
     from paramfold.recompiles import recompiles
@@ -248,10 +444,10 @@ def recompiles_command(
                 else:
                     print(e.code, file=sys.stderr)
                     code = 1
-            except KeyboardInterrupt:
-                code = 130
+            except KeyboardInterrupt as e:  # the report of what ran so far is still printed
+                code = getattr(e, "exit_code", 130)
             except Exception:
-                traceback.print_exc()
+                traceback.print_exc()  # the script's own traceback: it is the script's output
                 code = 1
     finally:
         sys.argv, sys.path[:] = old_argv, old_path

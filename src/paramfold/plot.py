@@ -14,10 +14,10 @@ Example::
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from paramfold.bench import BenchResult
+from paramfold.output import atomic_output
 
 __all__ = ["plot_ratios"]
 
@@ -26,8 +26,8 @@ def plot_ratios(result: BenchResult, path: str | os.PathLike[str]) -> Path:
     """Write a PNG bar chart of each measured variant's first-call time over the baseline's.
 
     Bars are the min/min ratio, whiskers reach the median/median ratio; a line marks 1.0x.  The
-    file is written to a temporary file beside ``path`` and moved into place, so a failure never
-    leaves a partial image.
+    file is written through :func:`paramfold.output.atomic_output` (a temporary file beside
+    ``path``, renamed when complete, normal permissions), so a failure never leaves a partial image.
     """
     try:
         import matplotlib
@@ -62,14 +62,8 @@ def plot_ratios(result: BenchResult, path: str | os.PathLike[str]) -> Path:
         ax.set_ylim(0, max(v for v in mins + meds if v is not None) * 1.25)
         ax.legend(fontsize=8, loc="upper left")
         fig.tight_layout()
-        fd, tmp = tempfile.mkstemp(suffix=".png", prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        try:
-            fig.savefig(tmp, format="png", dpi=120)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with atomic_output(path) as f:
+            fig.savefig(f, format="png", dpi=120)
     finally:
         plt.close(fig)
     return path

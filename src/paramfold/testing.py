@@ -69,7 +69,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import strategies as st
+except ImportError as _e:  # hypothesis is an optional dependency: the paramfold[testing] extra
+    raise ImportError(
+        "paramfold.testing needs hypothesis: pip install 'paramfold[testing]'"
+    ) from _e
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 

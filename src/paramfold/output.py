@@ -1,0 +1,258 @@
+"""Output files that appear whole or not at all, and signals that unwind instead of killing.
+
+Every file paramfold writes (folded checkpoints, bench plots) goes through :func:`atomic_output`:
+the data goes to a hidden temporary file beside the target, which is flushed, fsynced, given
+the permissions a plain ``open(path, "w")`` would give (the target's mode when it exists, else
+``0o666`` less the umask) and renamed over the target only when complete. On any error, and on
+SIGINT, SIGTERM or SIGHUP while :func:`signals_raise` is active (the CLI activates it), the
+temporary file is removed and a pre-existing target is left byte-identical.
+
+This module imports nothing heavy (no torch), so the CLI can validate an output path before it
+imports anything else.
+
+Example::
+
+    >>> import os, tempfile
+    >>> target = os.path.join(tempfile.mkdtemp(), "out.txt")
+    >>> with atomic_output(target) as f:
+    ...     _ = f.write(b"complete")
+    >>> open(target, "rb").read(), os.listdir(os.path.dirname(target))
+    (b'complete', ['out.txt'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO
+
+from paramfold.errors import FoldError
+
+__all__ = ["Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "signals_raise"]
+
+# The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
+HANDLED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+class OutputError(FoldError):
+    """An output path cannot be written as asked. ``exit_code`` 2: fix the command line."""
+
+    def __init__(self, message: str, *, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived (see :func:`signals_raise`); ``signum`` says which.
+
+    A ``KeyboardInterrupt`` so that code which handles Ctrl-C handles the others the same way,
+    and ``except Exception`` blocks let it through.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """While active (main thread only), SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`.
+
+    The default action of SIGTERM and SIGHUP kills the process on the spot, leaving temporary
+    files behind; raised as exceptions they unwind through every ``finally`` and cleanup block.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    old = {}
+    for sig in HANDLED_SIGNALS:
+        with contextlib.suppress(OSError, ValueError):
+            previous = signal.getsignal(sig)
+            if sig != signal.SIGINT and previous is signal.SIG_IGN:
+                continue  # nohup: keep ignoring SIGHUP
+            old[sig] = previous
+            signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Hold back the handled signals for a few system calls (they are delivered afterwards)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _pending_signal() -> int | None:
+    if not hasattr(signal, "sigpending"):
+        return None
+    pending = signal.sigpending() & set(HANDLED_SIGNALS)
+    return min(pending) if pending else None
+
+
+def check_output(
+    path: str | os.PathLike[str],
+    *,
+    suffixes: Iterable[str] | None = None,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+) -> Path:
+    """Refuse, before any work, an output path that cannot be written or would overwrite an input.
+
+    ``suffixes`` (lower case, e.g. ``(".safetensors", ".pt")``) are the accepted file endings;
+    ``inputs`` are the files the command reads (output over an input is refused: the input would
+    be lost if anything went wrong, and it is still being read). Raises :class:`OutputError`.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> check_output(os.path.join(d, "x.gguf"), suffixes=(".pt",))
+        Traceback (most recent call last):
+        ...
+        paramfold.output.OutputError: ...x.gguf: unsupported output format '.gguf': use .pt
+    """
+    out = Path(path)
+    if suffixes is not None:
+        suffixes = tuple(suffixes)
+        if not out.name.lower().endswith(suffixes):
+            raise OutputError(
+                f"{out}: unsupported output format '{out.suffix or out.name}': use {_alternatives(suffixes)}"
+            )
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.is_dir():
+        raise OutputError(f"{out}: is a folder; give a file name" + (
+            f" ending in {_alternatives(suffixes)}" if suffixes else ""))
+    if not parent.is_dir():
+        raise OutputError(f"{out}: the output folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{out}: cannot write in {parent}: permission denied")
+    for src in inputs:
+        src = Path(src)
+        if _same_file(out, src):
+            raise OutputError(
+                f"{out}: is the input {src}; refusing to overwrite it (the original would be "
+                "lost): write to another file name, then rename it yourself"
+            )
+    return out
+
+
+def _alternatives(items: tuple[str, ...]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _new_file_mode(target: Path) -> int:
+    """The mode ``open(target, "w")`` would leave: the existing file's, else 0o666 less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        pass
+    umask = _umask()
+    return 0o666 & ~umask
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask has no getter, and is process-wide)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
+    """A binary file that replaces ``path`` only if the block completes; nothing is left otherwise.
+
+    Checks ``path`` with :func:`check_output` first (without suffix or input checks). The
+    temporary file is ``.<name>.<random>.partial`` in the same folder (so the rename is atomic).
+    A handled signal that arrives while the file is being committed is delivered after the
+    rename if the rename already happened, else the file is discarded.
+    """
+    out = check_output(path)
+    parent = out.parent if str(out.parent) else Path(".")
+    mode = _new_file_mode(out)
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".partial")
+        os.close(fd)
+    except OSError as e:
+        raise OutputError(f"{out}: cannot create a file in {parent}: {e.strerror}", exit_code=1) from None
+    tmp = Path(tmp_name)
+    try:
+        with open(tmp, "wb") as f:  # f.name is the temporary path: a writer may close f, use it
+            yield f
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the data is on disk before the rename makes it the output
+        finally:
+            os.close(fd)
+        os.chmod(tmp, mode)
+        with _signals_blocked():
+            pending = _pending_signal()
+            if pending is None:
+                os.replace(tmp, out)
+        if pending is not None:  # unblocking delivered it already; this is the fallback
+            raise Interrupted(pending)
+    except OSError as e:
+        with _signals_blocked():
+            tmp.unlink(missing_ok=True)
+        if e.filename in (None, str(tmp)) and e.errno in _FULL:  # name the output, not the temp file
+            raise OutputError(
+                f"{out}: cannot write: {e.strerror}: free some space or write the output elsewhere; "
+                "nothing was written",
+                exit_code=1,
+            ) from None
+        raise
+    except BaseException:
+        with _signals_blocked():
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+_FULL = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n)}
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an ``OSError``: the file, what went wrong, and for a full disk what to do."""
+    where = f"{e.filename}: " if e.filename else ""
+    what = e.strerror or str(e) or type(e).__name__
+    if e.errno == errno.ENOSPC:
+        return f"{where}{what}: free some space or write the output elsewhere; nothing was written"
+    return f"{where}{what}"

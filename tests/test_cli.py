@@ -1,0 +1,468 @@
+"""The CLI under hostile files, signals and a hostile environment: one line, an exit code, no mess.
+
+Every failure class gets a real file (or a real signal sent to a real subprocess, or a writer
+that fails like a full disk) and is checked for: exactly one line on stderr starting with
+``paramfold <command>: error:``, the documented exit code, no traceback, no file written, and a
+pre-existing output byte-identical.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+from typer.testing import CliRunner
+
+from paramfold import bench, cli
+from paramfold.cli import app
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+ENV = {**os.environ, "PYTHONPATH": str(SRC)}
+
+
+def _run(*args: str, env: dict | None = None):
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def _one_line_error(res, command: str, code: int, *words: str) -> None:
+    assert res.exit_code == code, (res.exit_code, res.output)
+    err = res.stderr
+    assert err.startswith(f"paramfold {command}: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in res.output
+    for w in words:
+        assert w in err, (w, err)
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _wn_checkpoint(folder: Path, name: str = "wn.pt", width: int = 64) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(weight_norm(torch.nn.Linear(width, width)), weight_norm(torch.nn.Linear(width, 4)))
+    path = folder / name
+    if name.endswith(".safetensors"):
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    else:
+        torch.save(model.state_dict(), path)
+    return path
+
+
+# -- fast start, help text -------------------------------------------------------------------------
+
+_NO_TORCH = textwrap.dedent(
+    """
+    import io, sys, contextlib
+    from paramfold.cli import main
+    for argv in (["--help"], ["-h"], ["--version"], ["bench", "-h"], ["audit", "--help"]):
+        sys.argv = ["paramfold", *argv]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                main()
+            except SystemExit as e:
+                assert e.code in (0, None), (argv, e.code)
+        assert out.getvalue().strip(), argv
+        print(argv, "torch" in sys.modules, out.getvalue().splitlines()[0] if argv == ["--version"] else "")
+    # import paramfold works without hypothesis; paramfold.testing says what to install
+    sys.modules["hypothesis"] = None
+    import paramfold
+    assert callable(paramfold.fold_checkpoint)
+    try:
+        paramfold.testing
+    except ImportError as e:
+        print("testing:", e)
+    """
+)
+
+
+def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert all(" False" in line for line in lines[:5]), lines  # torch not in sys.modules
+    assert "paramfold 0.1.0" in lines[2]
+    assert lines[5] == "testing: paramfold.testing needs hypothesis: pip install 'paramfold[testing]'"
+
+
+def test_help_text_lists_choices_and_real_defaults():
+    text = " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "<bool>" not in text and "Number of layers [default: 32 for seed, else 16]" in text
+    assert "Layer width [default: 128 for seed and weight_norm, else 64]" in text
+    assert "seed, weight_norm, spectral_norm or orthogonal" in text and "eager, aot_eager or inductor" in text
+    assert "hoist, inline, freeze or auto" in text and "--wide" in text and "-h" in text
+    # the defaults the help states are the zoo's, the choices are paramfold.bench's
+    assert {n: (m.default_layers, m.default_width) for n, m in bench.MODELS.items()} == {
+        "seed": (32, 128), "weight_norm": (16, 128), "spectral_norm": (16, 64), "orthogonal": (16, 64)}
+    assert cli.MODEL_NAMES == tuple(bench.MODELS) and cli.BACKEND_NAMES == bench.BACKENDS
+    assert cli.ENTRY_NAMES == bench.ENTRIES and cli.VARIANT_NAMES == bench.VARIANT_NAMES
+    root = " ".join(_run("--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "<bool>" not in root and "--version" in root and "--debug" in root
+
+
+@pytest.mark.parametrize(
+    "args, command, words",
+    [
+        (["bench", "--model", "resnet"], "bench", ["'resnet' is not one of", "orthogonal"]),
+        (["bench", "--variant", "fast"], "bench", ["'fast' is not one of", "freeze"]),
+        (["bench", "--layers", "many"], "bench", ["Invalid value for '--layers'", "integer"]),
+        (["bench", "--nope"], "bench", ["No such option: --nope"]),
+        (["audit"], "audit", ["Missing argument 'PATH'"]),
+        (["frobnicate"], "", ["No such command 'frobnicate'"]),
+    ],
+)
+def test_usage_errors_are_one_line(args, command, words):
+    res = _run(*args)
+    assert res.exit_code == 2 and res.stdout == ""
+    prefix = f"paramfold {command}: error: " if command else "paramfold: error: "
+    assert res.stderr.startswith(prefix) and res.stderr.count("\n") == 1, res.stderr
+    assert all(w in res.stderr for w in words), res.stderr
+
+
+# -- hostile files -----------------------------------------------------------------------------------
+
+
+def _flip_bytes_in_largest_record(path: Path) -> None:
+    with zipfile.ZipFile(path) as z:
+        rec = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    with open(path, "rb") as f:
+        f.seek(rec.header_offset + 26)
+        n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    middle = rec.header_offset + 30 + n + m + rec.file_size // 2
+    for i in range(middle, middle + 64):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_tensor_bytes_are_an_error_not_a_silent_fold(tmp_path):
+    src = _wn_checkpoint(tmp_path)
+    _flip_bytes_in_largest_record(src)
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"previous output")
+    before = _listing(tmp_path)
+    for target in (out, tmp_path / "new.pt"):
+        res = _run("audit", str(src), "--fold-out", str(target))
+        assert res.exit_code == 1 and "CRC-32" in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert res.stderr.startswith("paramfold audit: error: ") and "re-download or re-save" in res.stderr
+    assert _listing(tmp_path) == before  # the old output untouched, nothing new
+
+
+def _pt_declaring(path: Path, numel: int, record_bytes: int) -> None:
+    """A torch.save-layout file whose pickle declares ``numel`` floats in a ``record_bytes`` record."""
+
+    class Storage:
+        pass
+
+    class Ref:
+        def __reduce__(self):
+            return torch._utils._rebuild_tensor_v2, (storage, 0, (numel,), (1,), False, OrderedDict())
+
+    storage = Storage()
+
+    class P(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", torch.FloatStorage, "0", "cpu", numel) if obj is storage else None
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump({"big.weight": Ref()})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/byteorder", sys.byteorder)
+        z.writestr("archive/data/0", b"\0" * record_bytes)
+        z.writestr("archive/version", "3\n")
+
+
+def test_tensor_declaring_more_bytes_than_its_record_is_refused_before_allocating(tmp_path):
+    huge = tmp_path / "huge.pt"
+    _pt_declaring(huge, 2**38, 16)  # 1 TiB declared, 16 bytes stored
+    st = tmp_path / "huge.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2**38], "data_offsets": [0, 2**40]}}).encode()
+    st.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    before = _listing(tmp_path)
+    for src, words in ((huge, ["needs 1099511627776 bytes", "holds 16"]), (st, ["not a valid safetensors file"])):
+        res = _run("audit", str(src), "--fold-out", str(tmp_path / "o.pt"))
+        _one_line_error(res, "audit", 1, *words)
+    assert _listing(tmp_path) == before
+
+
+def test_hand_edited_dtypes_that_torch_cannot_combine_are_one_line(tmp_path):
+    torch.manual_seed(0)
+    wn = weight_norm(torch.nn.Linear(8, 4)).state_dict()
+    wn["parametrizations.weight.original0"] = wn["parametrizations.weight.original0"].half()
+    torch.save(wn, tmp_path / "wn.pt")
+    sn = spectral_norm(torch.nn.Linear(8, 4)).state_dict()
+    sn["parametrizations.weight.0._u"] = sn["parametrizations.weight.0._u"].double()
+    torch.save(sn, tmp_path / "sn.pt")
+    before = _listing(tmp_path)
+    for name, kind in (("wn.pt", "weight_norm"), ("sn.pt", "spectral_norm")):
+        res = _run("audit", str(tmp_path / name), "--fold-out", str(tmp_path / "o.safetensors"))
+        _one_line_error(res, "audit", 1, f"cannot fold 'weight' ({kind})", "torch refuses its stored tensors")
+    assert _listing(tmp_path) == before
+
+
+# -- hostile paths -----------------------------------------------------------------------------------
+
+
+def test_output_over_the_input_is_refused_and_the_input_kept(tmp_path):
+    src = _wn_checkpoint(tmp_path)
+    (tmp_path / "link.pt").symlink_to(src)
+    os.link(src, tmp_path / "hard.pt")
+    shard_dir = tmp_path / "hf"
+    shard_dir.mkdir()
+    save_file({"a": torch.ones(2)}, shard_dir / "m-1.safetensors")
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "m-1.safetensors"}}))
+    before, shards = _listing(tmp_path), _listing(shard_dir)
+    for inp, out in ((src, src), (src, tmp_path / "link.pt"), (src, tmp_path / "hard.pt"),
+                     (shard_dir, shard_dir / "m-1.safetensors")):
+        res = _run("audit", str(inp), "--fold-out", str(out))
+        _one_line_error(res, "audit", 2, "refusing to overwrite it")
+        assert res.stdout == ""  # refused before the report is printed
+    assert _listing(tmp_path) == before and _listing(shard_dir) == shards
+
+
+def test_fold_out_is_validated_before_any_work(tmp_path):
+    src = _wn_checkpoint(tmp_path)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "folder.pt").mkdir()
+    before = _listing(tmp_path)
+    for out, words in ((tmp_path / "no" / "o.pt", "does not exist"), (tmp_path / "file" / "o.pt", "does not exist"),
+                       (tmp_path / "o.gguf", "unsupported output format"), (tmp_path / "folder.pt", "is a folder")):
+        res = _run("audit", str(src), "--fold-out", str(out))
+        _one_line_error(res, "audit", 2, words)
+        assert res.stdout == ""
+    assert _listing(tmp_path) == before
+
+
+def test_unwritable_output_folder_is_one_line(tmp_path, monkeypatch):
+    src = _wn_checkpoint(tmp_path)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() == 0:  # root writes anywhere: make the permission check see what a user would
+        import paramfold.output
+
+        real = os.access
+        monkeypatch.setattr(paramfold.output.os, "access", lambda p, m: False if Path(p) == locked else real(p, m))
+    else:
+        locked.chmod(0o500)
+    res = _run("audit", str(src), "--fold-out", str(locked / "o.pt"))
+    _one_line_error(res, "audit", 2, "permission denied")
+    assert list(locked.iterdir()) == []
+
+
+class _FullDisk(io.FileIO):
+    """A file on a disk that fills up after ``room`` bytes (what a small tmpfs does)."""
+
+    room = 4096
+
+    def write(self, b):  # type: ignore[override]
+        n = memoryview(b).nbytes
+        if self.tell() + n > self.room:
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write(2) reports it: no name
+        return super().write(b)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_full_disk_is_one_line_and_keeps_the_old_output(tmp_path, monkeypatch, suffix):
+    import paramfold.output
+
+    src = _wn_checkpoint(tmp_path, width=128)  # ~70 KiB of tensors
+    out = tmp_path / f"o{suffix}"
+    out.write_bytes(b"previous output")
+    before = _listing(tmp_path)
+    monkeypatch.setattr(paramfold.output, "open", lambda p, mode: io.BufferedWriter(_FullDisk(p, "w")), raising=False)
+    res = _run("audit", str(src), "--fold-out", str(out))
+    _one_line_error(res, "audit", 1, f"{out}: cannot write: No space left on device", "nothing was written")
+    assert _listing(tmp_path) == before
+
+
+def test_new_outputs_get_normal_permissions_and_replaced_ones_keep_theirs(tmp_path):
+    src = _wn_checkpoint(tmp_path)
+    old = os.umask(0o027)
+    try:
+        assert _run("audit", str(src), "--fold-out", str(tmp_path / "new.safetensors")).exit_code == 0
+        kept = tmp_path / "kept.pt"
+        kept.write_bytes(b"x")
+        kept.chmod(0o604)
+        assert _run("audit", str(src), "--fold-out", str(kept)).exit_code == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.safetensors").stat().st_mode) == 0o640
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o604
+    assert set(load_file(tmp_path / "new.safetensors")) == set(torch.load(kept, weights_only=True))
+
+
+# -- hostile environment -----------------------------------------------------------------------------
+
+
+def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_path, monkeypatch):
+    src = _wn_checkpoint(tmp_path)
+    (tmp_path / "factories.py").write_text(
+        "import sys\ndef exits():\n    sys.exit(7)\ndef interrupted():\n    raise KeyboardInterrupt\n"
+    )
+    before = _listing(tmp_path)
+    out = str(tmp_path / "o.pt")
+    res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:exits")
+    _one_line_error(res, "audit", 1, "the factory called sys.exit(7)")
+    res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:interrupted")
+    _one_line_error(res, "audit", 130, "interrupted by SIGINT")
+
+    import paramfold.audit
+
+    def no_memory(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 1099511627776 bytes.\nmore")
+
+    monkeypatch.setattr(paramfold.audit, "_fold_site", no_memory)
+    res = _run("audit", str(src), "--fold-out", out)
+    _one_line_error(res, "audit", 1, "out of memory", "DefaultCPUAllocator")
+
+    monkeypatch.setattr(paramfold.audit, "_fold_site", lambda *a: (_ for _ in ()).throw(TypeError("a bug")))
+    res = _run("audit", str(src), "--fold-out", out)
+    _one_line_error(res, "audit", 1, "TypeError: a bug", "PARAMFOLD_DEBUG=1")
+    for env, args in (({"PARAMFOLD_DEBUG": "1"}, []), ({}, ["--debug"])):
+        res = _run(*args, "audit", str(src), "--fold-out", out, env=env)
+        assert res.exit_code == 1 and "Traceback (most recent call last)" in res.stderr
+        assert res.stderr.splitlines()[-1].startswith("paramfold audit: error: TypeError: a bug")
+    assert _listing(tmp_path) == before
+
+
+_SLOW_FOLD = textwrap.dedent(
+    """
+    import sys, time
+    import paramfold.audit as audit
+    real, calls = audit._fold_site, []
+    def slow(ckpt, site):  # the second site blocks: the output is half written when the signal comes
+        calls.append(site)
+        if len(calls) == 2:
+            sys.stderr.write("READY\\n"); sys.stderr.flush()
+            time.sleep(120)
+        return real(ckpt, site)
+    audit._fold_site = slow
+    from paramfold.cli import main
+    sys.argv = ["paramfold", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+def test_signals_mid_fold_leave_no_partial_file_and_the_old_output(tmp_path):
+    src = _wn_checkpoint(tmp_path, width=256)
+    cases = [(signal.SIGINT, ".pt", 130), (signal.SIGTERM, ".safetensors", 143), (signal.SIGHUP, ".pt", 129)]
+    outs = {}
+    for sig, suffix, _ in cases:
+        folder = tmp_path / sig.name
+        folder.mkdir()
+        outs[sig] = folder / f"o{suffix}"
+        outs[sig].write_bytes(b"previous output")
+    procs = {
+        sig: subprocess.Popen([sys.executable, "-c", _SLOW_FOLD, "audit", str(src), "--fold-out", str(outs[sig])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        for sig, _, _ in cases
+    }
+    try:  # all three at once: each pays torch's import, in parallel
+        for sig, _, code in cases:
+            proc = procs[sig]
+            for line in proc.stderr:  # (a warning printed by an import may come first)
+                if line == "READY\n":
+                    break
+            else:
+                pytest.fail(f"{sig.name}: the fold never started: {proc.communicate()}")
+            partial = [p for p in outs[sig].parent.iterdir() if p.name.endswith(".partial")]
+            assert len(partial) == 1 and partial[0].stat().st_size > 0  # half written, really
+            proc.send_signal(sig)
+            stdout, stderr = proc.communicate(timeout=60)
+            assert proc.returncode == code, (sig, proc.returncode, stderr)
+            assert stderr == f"paramfold audit: error: interrupted by {sig.name}; no output was written\n"
+            assert "1 parametrized site" not in stdout and "2 parametrized sites" in " ".join(stdout.split())
+            assert _listing(outs[sig].parent) == {outs[sig].name: b"previous output"}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+# -- output that fits --------------------------------------------------------------------------------
+
+
+def _result_with_big_numbers() -> bench.BenchResult:
+    config = bench.BenchConfig(backend="inductor", entry="layers", repeats=5)
+    variants = []
+    for i, name in enumerate(bench.VARIANT_NAMES):
+        first = 1.234567 * (i + 1) * (10 if name == "stock" else 1)
+        proxies = bench.Proxies(graphs=8 + i, graph_breaks=i, recompiles=7 * i, captured_calls=1024 + i,
+                                frames=1, recompile_limit_hits=int(name == "stock"))
+        samples = [bench.Sample(r, 0.0123, first + r, first + r, 0.00123456, [0.00123456], proxies,
+                                max_abs_diff=0.0 if i % 2 else 1.5e-5) for r in range(5)]
+        variants.append(bench.VariantResult(name, name, samples=samples))
+    env = {"torch": "2.13.0+cpu", "torch_threads": 1, "device": "x86_64"}
+    return bench.BenchResult(config, env, variants)
+
+
+def test_bench_table_fits_100_columns_with_every_number_uncut():
+    from rich.console import Console
+
+    result = _result_with_big_numbers()
+    buf = io.StringIO()
+    bench.print_table(result, console=Console(file=buf, width=100, color_system=None))
+    text = buf.getvalue()
+    assert max(map(len, text.splitlines())) <= 100 and "…" not in text
+    for v in result.variants:
+        row = next(line for line in text.splitlines() if line.strip().startswith(v.name + " "))
+        cells = [f"{v.first_call_min * 1e3:,.0f} / {v.first_call_median * 1e3:,.0f}",
+                 f"{result.ratio(v.name, 'min'):.2f}x / {result.ratio(v.name, 'median'):.2f}x",
+                 f"{v.steady_call_median * 1e3:.3f}", str(v.proxies.graphs), str(v.proxies.recompiles),
+                 str(v.proxies.captured_calls), "0" if not v.max_abs_diff else f"{v.max_abs_diff:.2e}"]
+        for cell in cells:
+            assert cell in row, (cell, row)
+    assert "stock: hit dynamo's recompile_limit" in text  # notes under the compact table
+    wide = io.StringIO()
+    bench.print_table(result, wide=True, console=Console(file=wide, width=200, color_system=None))
+    assert "first cpu" in wide.getvalue() and "prepare" in wide.getvalue() and "note" in wide.getvalue()
+
+
+def test_bench_cli_at_100_columns_prints_progress_lines_when_not_a_terminal():
+    res = _run("bench", "--layers", "1", "--repeats", "1", "--variant", "hoist", env={"COLUMNS": "100"})
+    assert res.exit_code == 0, res.output
+    assert max(map(len, res.stdout.splitlines())) <= 100 and "…" not in res.stdout
+    assert "hoist" in res.stdout and "x baseline" in res.stdout
+    progress = res.stderr.splitlines()
+    # a warm-up round and one repeat of baseline, stock, hoist, then "done"
+    assert [line.split("] ", 1)[1] for line in progress] == [
+        "warm-up (discarded): baseline", "warm-up (discarded): stock", "warm-up (discarded): hoist",
+        "repeat 1/1: baseline", "repeat 1/1: stock", "repeat 1/1: hoist", "done"]
+    assert all(line.startswith("paramfold bench: [") for line in progress)
+
+
+def test_lazy_package_keeps_every_public_name_and_submodule():
+    import importlib
+    import types
+
+    import paramfold
+
+    for name in paramfold.__all__:
+        assert not isinstance(getattr(paramfold, name), types.ModuleType), name
+    for name in ("prepare", "restore", "recompiles"):  # functions named like their modules
+        module = importlib.import_module(f"paramfold.{name}")
+        assert getattr(paramfold, name) is getattr(module, name)
+    assert paramfold.testing.__name__ == "paramfold.testing" and "testing" in dir(paramfold)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        paramfold.nope
