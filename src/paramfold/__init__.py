@@ -7,6 +7,7 @@ with :func:`restore`.
 
 from paramfold.audit import audit_checkpoint, fold_checkpoint
 from paramfold.errors import FoldError
+from paramfold.export import export
 from paramfold.prepare import MODES, prepare, prepared
 from paramfold.recompiles import (
     CompileRecord,
@@ -26,6 +27,7 @@ __all__ = [
     "KINDS",
     "MODES",
     "audit_checkpoint",
+    "export",
     "fold_checkpoint",
     "CompileRecord",
     "FoldError",
