@@ -254,3 +254,20 @@ def test_aoti_package_of_the_folded_program_runs_on_cpu():
     # Inductor may reorder float arithmetic (fused conv epilogues): a stated tolerance.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(again, expected_again, rtol=1e-5, atol=1e-6)
+
+
+def test_export_bench_example_runs_and_checks_equal_outputs():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "export_bench.py"
+    spec = importlib.util.spec_from_file_location("export_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        rows = bench.main(["--repeats", "2", "--models", "seed"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [name for name, _ in rows] == ["seed (unsafe bf16 cast)"]
+    assert all(v > 0 for v in rows[0][1].values())
