@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.classes import prepared_class
+from paramfold.classes import plain_base, prepared_class
 from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, install_refs, sync_refs
@@ -235,7 +235,7 @@ def _plan(
     for module, st in states.items():
         own = frozenset(st.sites)
         if own:
-            base = parametrize.type_before_parametrizations(module)
+            base = plain_base(module)
         else:
             # An entry that is parametrized but not selected keeps its stock per-instance class
             # as base, so its stock properties keep working.

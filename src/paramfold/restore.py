@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from paramfold.classes import rebased
 from paramfold.errors import FoldError
 from paramfold.runtime import STATE_ATTR, state_of
 
@@ -53,4 +54,8 @@ def restore_module(module: nn.Module) -> None:
     if state.detach_params:
         for name in module._parameters:
             module.__dict__.pop(name, None)
-    module.__class__ = state.original_class
+    # A library may have wrapped the prepared class since (FSDP2's fully_shard after prepare makes
+    # FSDP<Prepared>(FSDPModule, <Prepared>)): keep its wrapper, put the original class back inside.
+    cls = type(module)
+    prepared = next(c for c in cls.__mro__ if "_paramfold_names" in vars(c))
+    module.__class__ = rebased(cls, prepared, state.original_class)
