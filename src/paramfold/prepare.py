@@ -14,7 +14,7 @@ from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
-from paramfold.runtime import STATE_ATTR, ModuleState, site_state
+from paramfold.runtime import STATE_ATTR, ModuleState, is_dtensor, site_state
 from paramfold.sites import Site, find, hook_based_norms, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -86,6 +86,8 @@ def prepare(
     selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
         refuse_unfreezable(selected, "with mode='freeze'")
+    if mode == "inline":
+        _refuse_distributed_inline(selected)
     for site in selected:
         _refuse_unsupported(site)
 
@@ -185,6 +187,16 @@ def _refuse_unsupported(site: Site) -> None:
             f"{site.fqn}: its class {cls.__name__} is not the one torch.nn.utils.parametrize made "
             f"(extra attributes: {sorted(extra)}); paramfold cannot swap it safely. "
             "Exclude this module with filter_fn."
+        )
+
+
+def _refuse_distributed_inline(sites: list[Site]) -> None:
+    sharded = [s.fqn for s in sites if any(is_dtensor(t) for t in s.originals.values())]
+    if sharded:
+        raise FoldError(
+            f"cannot prepare {first_few(sharded, 3)} with mode='inline': their originals are DTensors "
+            "(sharded by fully_shard), which FSDP gathers only inside each layer's forward. Use "
+            "mode='auto' or 'hoist': those compute such tensors where they are read, after the gather."
         )
 
 

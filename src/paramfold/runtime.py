@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -39,6 +40,23 @@ class SiteState:
     #: not carry gradients from a subclass graph input back to the originals it was built from,
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
     subclass: bool | None = None
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    return _is_dtensor_type(type(tensor))
+
+
+@functools.cache
+def _is_dtensor_type(cls: type) -> bool:
+    return any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in cls.__mro__)
+
+
+def distributed(site: SiteState) -> bool:
+    """Whether an original of ``site`` is a DTensor *now*: sharded by FSDP2 between calls (its
+    pre-forward hook swaps in the gathered tensor only for the layer's own forward), or by a
+    communication parametrization. Such values are computed where they are read, never earlier."""
+    return any(_is_dtensor_type(type(d[key])) for d, key in site.originals)
 
 
 def original_names(plist: nn.Module) -> list[str]:

@@ -35,7 +35,7 @@ from paramfold.errors import FoldError
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value
 from paramfold.hoist import hoisted_value
 from paramfold.inline import sync_refs
-from paramfold.runtime import STATE_ATTR, SiteState
+from paramfold.runtime import STATE_ATTR, SiteState, distributed
 
 _MODULE_CALL = nn.Module.__call__
 _tokens = itertools.count(1)
@@ -63,6 +63,7 @@ def _open(entry: nn.Module) -> tuple[int, list[tuple[dict, str]]]:
                 _check_unchanged(holder, hs.sites)
             for name, site in hs.sites.items():
                 if site.mode == "inline":
+                    _refuse_distributed_inline(holder, name, site)
                     sync_refs(holder, site)
                     continue
                 value = _value(holder, name, site)
@@ -96,7 +97,22 @@ def _check_unchanged(holder: nn.Module, sites: dict[str, SiteState]) -> None:
         )
 
 
+def _refuse_distributed_inline(holder: nn.Module, name: str, site: SiteState) -> None:
+    if distributed(site):
+        raise FoldError(
+            f"{type(holder).__name__}.{name} was prepared with mode='inline' but its originals are now "
+            "DTensors (sharded by fully_shard, or a communication parametrization): inline reads the "
+            "originals stored at the call's start, before FSDP gathers them. Call "
+            "paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
+        )
+
+
 def _value(holder: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
+    if distributed(site):
+        # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
+        # has gathered the originals, exactly like stock: never gathered early, never frozen.
+        site.frozen = None
+        return None
     if site.mode == "hoist":
         return _hoisted(holder, name, site)
     frozen_ok = can_freeze(site)
