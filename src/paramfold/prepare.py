@@ -82,6 +82,10 @@ def prepare(
 
     paths = _module_paths(model)
     sites = [s for s in find(model) if not inside_parametrization(s.module_path)]
+    # Communication parametrizations (SimpleFSDP's all-gather) stay stock, in-graph: hoisting
+    # would gather every parameter at the root's call, freezing would keep a stale gather.
+    communicating = {s.module for s in sites if "communication" in s.kind.split("+")}
+    sites = [s for s in sites if s.module not in communicating]
     chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
     selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
