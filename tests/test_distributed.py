@@ -335,6 +335,22 @@ def _simple_fsdp(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+class AllReduceMean(nn.Module):
+    """A parametrization of a *plain* original that calls a collective (c10d all_reduce)."""
+
+    def forward(self, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x / WORLD
+
+
+def _all_reduce_model() -> nn.Module:
+    model = _model()
+    for layer in model.layers:
+        parametrize.register_parametrization(layer.proj, "bias", AllReduceMean())
+    return model
+
+
 def _communication_scenarios(rank: int, record) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -347,6 +363,18 @@ def _communication_scenarios(rank: int, record) -> None:
         model = _simple_fsdp(_model(), mesh)
         kinds = sorted({s.kind for s in paramfold.find(model)})
         record("comm/find", kinds=kinds)
+    with record.guard("comm/probe"):
+        model = _all_reduce_model()
+        # find() runs on one rank only: its probe must stop before the collective, or it would hang.
+        kinds = sorted({s.kind for s in paramfold.find(model)}) if rank == 0 else None
+        with torch.no_grad():
+            ref_outs = [model(x) for x in xs[:2]]
+        paramfold.prepare(model, "auto")
+        with torch.no_grad():
+            outs = [model(x) for x in xs[:2]]
+        stock_classes = all(type(layer.proj).__name__ == "ParametrizedLinear" for layer in model.layers)
+        paramfold.restore(model)
+        record("comm/probe", kinds=kinds, outs=_equal(outs, ref_outs), stock_classes=stock_classes)
     for mode in ("hoist", "auto", "freeze"):
         name = f"comm/{mode}"
         with record.guard(name):
@@ -515,6 +543,52 @@ def test_stock_ddp_compiled_trains_like_stock_ddp_eager(ranks):
 
 def test_communication_parametrization_is_found_with_its_own_kind(ranks):
     assert _record(ranks, "comm/find")["kinds"] == ["communication"]
+
+
+def test_a_chain_calling_a_collective_is_communication_and_left_stock(ranks):
+    first, second = _records(ranks, "comm/probe")
+    assert first["kinds"] == ["communication", "weight_norm"]  # found on rank 0 alone, no hang
+    assert first["outs"] and second["outs"] and first["stock_classes"] and second["stock_classes"]
+
+
+class _Wrapper:
+    """Stands in for FSDP2's FSDPModule mixin: fully_shard swaps a module's class to
+    ``FSDP<Class>(FSDPModule, <Class>)``, here without a process group."""
+
+
+def _wrap(module: nn.Module) -> nn.Module:
+    cls = type(module)
+    module.__class__ = type(f"Wrapped{cls.__name__}", (_Wrapper, cls), {})
+    return module
+
+
+def test_prepare_after_a_class_wrapper_keeps_it_and_restore_gives_it_back():
+    model = _model()
+    for layer in model.layers:
+        _wrap(layer.proj)
+    wrapped = [type(layer.proj) for layer in model.layers]
+    x = torch.randn(2, WIDTH)
+    expected = model(x)
+    paramfold.prepare(model, "hoist")  # was: AttributeError 'Parametrized_Wrapper' ... 'named_modules'
+    proj = model.layers[0].proj
+    assert isinstance(proj, _Wrapper) and isinstance(proj, nn.Linear)
+    assert type(proj) is type(model.layers[1].proj)  # one shared class, as without a wrapper
+    assert torch.equal(model(x), expected)
+    paramfold.restore(model)
+    assert [type(layer.proj) for layer in model.layers] == wrapped
+
+
+def test_a_wrapper_added_after_prepare_survives_restore():
+    model = paramfold.prepare(_model(), "auto")
+    for layer in model.layers:
+        _wrap(layer.proj)
+    x = torch.randn(2, WIDTH)
+    expected = model(x)
+    paramfold.restore(model)
+    proj = model.layers[0].proj
+    assert isinstance(proj, _Wrapper) and type(proj).__name__ == "WrappedParametrizedLinear"
+    assert isinstance(vars(type(proj).__mro__[2])["weight"], property)  # stock's per-instance class
+    assert torch.equal(model(x), expected)
 
 
 @pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
