@@ -56,6 +56,8 @@ def restore_module(module: nn.Module) -> None:
             module.__dict__.pop(name, None)
     # A library may have wrapped the prepared class since (FSDP2's fully_shard after prepare makes
     # FSDP<Prepared>(FSDPModule, <Prepared>)): keep its wrapper, put the original class back inside.
+    # A prepare that failed midway may not have switched this module's class yet.
     cls = type(module)
-    prepared = next(c for c in cls.__mro__ if "_paramfold_names" in vars(c))
-    module.__class__ = rebased(cls, prepared, state.original_class)
+    prepared = next((c for c in cls.__mro__ if "_paramfold_names" in vars(c)), None)
+    if prepared is not None:
+        module.__class__ = rebased(cls, prepared, state.original_class)
