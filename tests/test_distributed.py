@@ -362,7 +362,12 @@ def _communication_scenarios(rank: int, record) -> None:
     with record.guard("comm/find"):
         model = _simple_fsdp(_model(), mesh)
         kinds = sorted({s.kind for s in paramfold.find(model)})
-        record("comm/find", kinds=kinds)
+        try:
+            paramfold.export(model, (xs[0],))
+            refused = None
+        except paramfold.FoldError as exc:
+            refused = str(exc)
+        record("comm/find", kinds=kinds, export_refused=refused)
     with record.guard("comm/probe"):
         model = _all_reduce_model()
         # find() runs on one rank only: its probe must stop before the collective, or it would hang.
@@ -543,6 +548,10 @@ def test_stock_ddp_compiled_trains_like_stock_ddp_eager(ranks):
 
 def test_communication_parametrization_is_found_with_its_own_kind(ranks):
     assert _record(ranks, "comm/find")["kinds"] == ["communication"]
+
+
+def test_export_refuses_a_sharded_model_with_advice(ranks):
+    assert "Export the model before sharding it" in _record(ranks, "comm/find")["export_refused"]
 
 
 def test_a_chain_calling_a_collective_is_communication_and_left_stock(ranks):

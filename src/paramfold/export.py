@@ -26,7 +26,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.errors import FoldError, first_few
 from paramfold.inline import compute
-from paramfold.runtime import STATE_ATTR, state_of
+from paramfold.runtime import STATE_ATTR, is_dtensor, state_of
 from paramfold.sites import Site, find, inside_parametrization
 
 __all__ = ["export", "folded_copy"]
@@ -150,17 +150,17 @@ def _refuse_unfoldable(sites: list[Site]) -> None:
             "mode changes its value on every call (spectral_norm's power iteration). Call "
             "model.eval() first, or exclude these modules with filter_fn to export them stock."
         )
-    distributed = [f"{s.fqn} ({s.kind})" for s in sites if any(_is_dtensor(t) for t in s.originals.values())]
+    distributed = [
+        f"{s.fqn} ({s.kind})"
+        for s in sites
+        if "communication" in s.kind.split("+") or any(is_dtensor(t) for t in s.originals.values())
+    ]
     if distributed:
         raise FoldError(
-            f"cannot export {first_few(distributed, 3)} folded: its originals are DTensors (a "
-            "communication parametrization). Export the model before sharding it, or exclude "
-            "these modules with filter_fn."
+            f"cannot export {first_few(distributed, 3)} folded: its originals are DTensors or its "
+            "parametrization communicates (a sharded model). Export the model before sharding it, "
+            "or exclude these modules with filter_fn."
         )
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "DTensor"
 
 
 def _checked_value(site: Site) -> torch.Tensor:
