@@ -230,15 +230,16 @@ def _fsdp_prepared(xs, order: str, mode: str, compiled: bool):
     }
 
 
-def _fsdp_eval(xs, order: str | None, mode: str | None):
+def _fsdp_eval(xs, order: str | None, mode: str | None, compiled: bool = False):
     model = _model().eval().requires_grad_(False)
     if order == "before":
         paramfold.prepare(model, mode)
     _fsdp(model)
     if order == "after":
         paramfold.prepare(model, mode)
+    fn = torch.compile(model, backend="aot_eager") if compiled else model
     with torch.no_grad(), _Collectives() as comm:
-        outs = [model(x) for x in xs[:2]]
+        outs = [fn(x) for x in xs[:2]]
     if order is not None:
         paramfold.restore(model)
     return {"outs": outs, "comm": dict(comm.counts)}
@@ -272,6 +273,11 @@ def _fsdp_scenarios(rank: int, record) -> None:
             with record.guard(name):
                 got = _fsdp_eval(xs, order, mode)
                 record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
+    for mode in ("freeze", "auto"):
+        name = f"fsdp/eval/after/{mode}/aot_eager"
+        with record.guard(name):
+            got = _fsdp_eval(xs, "after", mode, compiled=True)
+            record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
     with record.guard("fsdp/inline"):
         model = _fsdp(_model())
         try:
@@ -521,6 +527,12 @@ def test_fsdp2_hoist_gathers_and_holds_no_more_than_stock(ranks, order, mode):
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_fsdp2_eval_outputs_equal_stock(ranks, order, mode):
     rec = _record(ranks, f"fsdp/eval/{order}/{mode}")
+    assert rec["outs"] and rec["comm"] == rec["stock_comm"]
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_fsdp2_eval_compiled_outputs_equal_stock_eager(ranks, mode):
+    rec = _record(ranks, f"fsdp/eval/after/{mode}/aot_eager")
     assert rec["outs"] and rec["comm"] == rec["stock_comm"]
 
 
