@@ -56,7 +56,14 @@ def distributed(site: SiteState) -> bool:
     """Whether an original of ``site`` is a DTensor *now*: sharded by FSDP2 between calls (its
     pre-forward hook swaps in the gathered tensor only for the layer's own forward), or by a
     communication parametrization. Such values are computed where they are read, never earlier."""
-    return any(_is_dtensor_type(type(d[key])) for d, key in site.originals)
+    for d, key in site.originals:  # called for every site at every call scope: a plain loop
+        cls = type(d[key])
+        if cls not in _PLAIN and _is_dtensor_type(cls):
+            return True
+    return False
+
+
+_PLAIN = frozenset({torch.Tensor, nn.Parameter})
 
 
 def original_names(plist: nn.Module) -> list[str]:
