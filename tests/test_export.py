@@ -189,6 +189,42 @@ def test_filter_fn_leaves_excluded_modules_stock():
     assert torch.equal(ep.module()(x), model(x))
 
 
+def _legacy_model(parametrized: bool = True) -> nn.Module:
+    """HiFi-GAN style: torch's deprecated hook-based weight_norm / spectral_norm (not parametrize)."""
+    import warnings
+
+    torch.manual_seed(0)
+    wn = nn.utils.weight_norm if parametrized else (lambda m: m)
+    sn = nn.utils.spectral_norm if parametrized else (lambda m: m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return nn.Sequential(wn(nn.Conv1d(4, 8, 3, padding=1)), nn.Tanh(), sn(nn.Conv1d(8, 4, 3, padding=1))).eval()
+
+
+def test_hook_based_norms_are_folded_too_and_the_model_keeps_its_hooks():
+    model = _legacy_model()
+    x = torch.randn(2, 4, 16)
+    expected = model(x)  # the hooks have run: module.weight is a non-leaf, which deepcopy refuses
+    before = snapshot(model)
+    ep = paramfold.export(model, (x,))
+    stock = ops(torch.export.export(model, (x,)))
+    assert "aten._weight_norm.default" in stock and "aten.mv.default" in stock
+    plain = _legacy_model(parametrized=False)
+    plain.load_state_dict({k: v for k, v in ep.state_dict.items()})
+    assert ops(ep) == ops(torch.export.export(plain, (x,)))
+    assert sorted(ep.state_dict) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert torch.equal(ep.module()(x), expected)
+    assert_unchanged(model, before)
+    assert [len(m._forward_pre_hooks) for m in (model[0], model[2])] == [1, 1]
+    assert torch.equal(model(x), expected)
+
+
+def test_hook_based_spectral_norm_in_training_mode_is_refused():
+    model = _legacy_model().train()
+    with pytest.raises(paramfold.FoldError, match="spectral_norm in training mode.*model.eval"):
+        paramfold.export(model, (torch.randn(2, 4, 16),))
+
+
 def test_spectral_norm_in_training_mode_is_refused_and_nothing_moves():
     model = build("spectral_norm").train()
     before = snapshot(model)

@@ -48,7 +48,8 @@ def export(
     its parameters (buffers when the originals were buffers) under ``<module>.<tensor>``, and its
     outputs equal ``model(*args, **kwargs)``. ``model`` is not changed (a model prepared by
     :func:`paramfold.prepare` may be passed as it is). Values are computed now, under
-    ``no_grad``, like stock PyTorch computes them: export again after training.
+    ``no_grad``, like stock PyTorch computes them: export again after training. Tensors of
+    torch's deprecated hook-based ``weight_norm`` / ``spectral_norm`` are folded too.
 
     Args:
         model: the parametrized model.
@@ -118,9 +119,16 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
                 values[key] = _checked_value(site)
             folded.append((site, values[key]))
 
+    legacy = _hook_based_norms(model)
     memo = _sharing_memo(model, {s.module for s in sites})
+    for module, hook in legacy:
+        # The tensor the pre-hook last wrote is a non-leaf, which deepcopy refuses; the copy drops it.
+        computed = module.__dict__.get(hook.name)
+        if isinstance(computed, torch.Tensor):
+            memo[id(computed)] = computed
     replica = copy.deepcopy(model, memo)
     _strip_prepared(model, memo)
+    _fold_hook_based_norms(legacy, memo)
     tensors: dict[int, torch.Tensor] = {}
     by_module: dict[nn.Module, dict[str, torch.Tensor]] = {}
     for site, value in folded:
@@ -173,6 +181,39 @@ def _checked_value(site: Site) -> torch.Tensor:
             "export it stock, or register torchao's unwrap_tensor_subclass parametrization on it."
         )
     return value
+
+
+def _hook_based_norms(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """torch's deprecated hook-based ``weight_norm`` / ``spectral_norm`` (still common in vocoders
+    and GANs): a forward pre-hook recomputes the tensor, which export would trace on every call."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    found = [
+        (module, hook)
+        for module in model.modules()
+        for hook in module._forward_pre_hooks.values()
+        if isinstance(hook, (WeightNorm, SpectralNorm))
+    ]
+    training = [type(m).__name__ for m, h in found if isinstance(h, SpectralNorm) and m.training]
+    if training:
+        raise FoldError(
+            f"cannot export {first_few(training, 3)} folded: torch.nn.utils.spectral_norm in training "
+            "mode runs a power iteration on every call. Call model.eval() first."
+        )
+    return found
+
+
+def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, Any]) -> None:
+    """On the copy, torch's own ``remove_weight_norm`` / ``remove_spectral_norm`` (they compute the
+    tensor as the hook does, eval mode, and drop the copy's own hook, ``_g``/``_v``/``_u`` entries)."""
+    from torch.nn.utils import remove_spectral_norm, remove_weight_norm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    with torch.no_grad():
+        for module, hook in legacy:
+            remove = remove_spectral_norm if isinstance(hook, SpectralNorm) else remove_weight_norm
+            remove(memo[id(module)], hook.name)
 
 
 def _sharing_memo(model: nn.Module, folded_modules: set[nn.Module]) -> dict[int, Any]:
