@@ -122,8 +122,10 @@ def rebased(cls: type, old: type, new: type) -> type:
     if old not in cls.__mro__:
         return cls
     bases = tuple(rebased(base, old, new) for base in cls.__bases__)
-    namespace = tuple((k, v) for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__"))
     name = cls.__name__.replace(old.__name__, new.__name__)
+    namespace = tuple(
+        (k, name if k == "__qualname__" else v) for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")
+    )
     try:
         return _derived(name, bases, namespace)
     except TypeError:  # an unhashable class attribute: build it uncached
