@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import functools
 import sys
 import threading
 
@@ -33,9 +34,9 @@ from torch.nn.utils import parametrize
 
 from paramfold.compute import compute, eager_value, parametrized_here
 from paramfold.errors import FoldError
-from paramfold.runtime import STATE_ATTR
-from paramfold.freeze import chain_needs_grad
 from paramfold.frames import run_eagerly_as_frame
+from paramfold.freeze import chain_needs_grad
+from paramfold.runtime import STATE_ATTR
 from paramfold.scope import compiled_call_impl, root_call
 
 
@@ -254,3 +255,47 @@ def install_type_before_parametrizations() -> None:
         namespace = getattr(module, "__dict__", None)
         if namespace is not None and namespace.get("type_before_parametrizations") is _stock_type_before:
             namespace["type_before_parametrizations"] = _type_before_parametrizations
+
+
+def plain_base(module: nn.Module) -> type:
+    """The class ``module`` would have without parametrizations, keeping any wrapper around it.
+
+    Stock ``parametrize`` puts ``module`` in a per-instance ``Parametrized<Name>`` class whose
+    first base is the original class; ``type_before_parametrizations`` relies on that. Libraries
+    that later swap the class to a subclass of their own — FSDP2's ``fully_shard`` makes
+    ``FSDPParametrizedLinear(FSDPModule, ParametrizedLinear)`` — break it (its first base is the
+    ``FSDPModule`` mixin), so here the stock class is found in the MRO and replaced there:
+    ``FSDPLinear(FSDPModule, Linear)``, one class shared by all such modules.
+    """
+    cls = type(module)
+    names = set(module._modules["parametrizations"]._modules) if "parametrizations" in module._modules else set()
+    stock = next((c for c in cls.__mro__ if names and all(type(vars(c).get(n)) is property for n in names)), None)
+    if stock is None or stock is cls:
+        return parametrize.type_before_parametrizations(module)
+    return rebased(cls, stock, stock.__bases__[0])
+
+
+def rebased(cls: type, old: type, new: type) -> type:
+    """``cls`` with ``old`` replaced by ``new`` wherever it appears among its bases (recursively).
+
+    ``rebased(C, C, N)`` is ``N``. Classes built here are cached, so modules that differ only by
+    their per-instance ``old`` share one rebased class.
+    """
+    if cls is old:
+        return new
+    if old not in cls.__mro__:
+        return cls
+    bases = tuple(rebased(base, old, new) for base in cls.__bases__)
+    name = cls.__name__.replace(old.__name__, new.__name__)
+    namespace = tuple(
+        (k, name if k == "__qualname__" else v) for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")
+    )
+    try:
+        return _derived(name, bases, namespace)
+    except TypeError:  # an unhashable class attribute: build it uncached
+        return _derived.__wrapped__(name, bases, namespace)
+
+
+@functools.cache
+def _derived(name: str, bases: tuple[type, ...], namespace: tuple[tuple[str, object], ...]) -> type:
+    return type(name, bases, dict(namespace))

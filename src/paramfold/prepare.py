@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.classes import install_type_before_parametrizations, prepared_class
+from paramfold.classes import install_type_before_parametrizations, plain_base, prepared_class
 from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
-from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, site_state
+from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, is_dtensor, site_state
 from paramfold.sites import Site, find, hook_based_norms, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -90,10 +90,16 @@ def prepare(
 
     paths = _module_paths(model)
     sites = [s for s in find(model) if not inside_parametrization(s.module_path)]
+    # Communication parametrizations (SimpleFSDP's all-gather) stay stock, in-graph: hoisting
+    # would gather every parameter at the root's call, freezing would keep a stale gather.
+    communicating = {s.module for s in sites if "communication" in s.kind.split("+")}
+    sites = [s for s in sites if s.module not in communicating]
     chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
     selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
         refuse_unfreezable(selected, "with mode='freeze'")
+    if mode == "inline":
+        _refuse_distributed_inline(selected)
     for site in selected:
         _refuse_unsupported(site)
 
@@ -197,6 +203,16 @@ def _refuse_unsupported(site: Site) -> None:
         )
 
 
+def _refuse_distributed_inline(sites: list[Site]) -> None:
+    sharded = [s.fqn for s in sites if any(is_dtensor(t) for t in s.originals.values())]
+    if sharded:
+        raise FoldError(
+            f"cannot prepare {first_few(sharded, 3)} with mode='inline': their originals are DTensors "
+            "(sharded by fully_shard), which FSDP gathers only inside each layer's forward. Use "
+            "mode='auto' or 'hoist': those compute such tensors where they are read, after the gather."
+        )
+
+
 def _ancestors(path: str) -> list[str]:
     if not path:
         return [""]
@@ -247,7 +263,7 @@ def _plan(
         if parametrize.is_parametrized(module):
             st.stock_names = frozenset(module._modules["parametrizations"]._modules)
         if own:
-            base = parametrize.type_before_parametrizations(module)
+            base = plain_base(module)
         else:
             # An entry that is parametrized but not selected keeps its stock per-instance class
             # as base, so its stock properties keep working.

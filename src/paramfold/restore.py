@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold.classes import rebased
 from paramfold.errors import FoldError
 from paramfold.runtime import STATE_ATTR, state_of
 
@@ -58,7 +59,16 @@ def restore_module(module: nn.Module) -> None:
     if state.detach_params:
         for name in module._parameters:
             module.__dict__.pop(name, None)
-    module.__class__ = state.original_class
+    # A library may have wrapped the prepared class since (FSDP2's fully_shard after prepare makes
+    # FSDP<Prepared>(FSDPModule, <Prepared>)): keep its wrapper, put the original class back inside.
+    # torch's remove_parametrizations may have unwrapped it to the plain class while prepared; a
+    # prepare that failed midway may not have switched this module's class yet.
+    cls = type(module)
+    prepared = next((c for c in cls.__mro__ if "_paramfold_names" in vars(c)), None)
+    if prepared is not None:
+        module.__class__ = rebased(cls, prepared, state.original_class)
+    elif cls is not state.original_class:
+        module.__class__ = state.original_class
     _stock_class_for_now(module, state.stock_names)
 
 
@@ -73,14 +83,19 @@ def _stock_class_for_now(module: nn.Module, stock_names: frozenset[str]) -> None
     now = frozenset(module._modules["parametrizations"]._modules) if parametrize.is_parametrized(module) else frozenset()
     if now == stock_names:
         return
+    cls = type(module)
     if not now:
         if "parametrizations" in module._modules:
             delattr(module, "parametrizations")
-        module.__class__ = module.__class__.__bases__[0]
+        if stock_names:
+            module.__class__ = cls.__bases__[0]
         return
-    if not stock_names:
+    if not stock_names and not any(isinstance(vars(cls).get(n), property) for n in now):
         parametrize._inject_new_class(module)
+        cls = type(module)
     for name in stock_names - now:
-        delattr(type(module), name)
+        if name in vars(cls):
+            delattr(cls, name)
     for name in sorted(now - stock_names):
-        parametrize._inject_property(module, name)
+        if name not in vars(cls):
+            parametrize._inject_property(module, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -64,6 +65,30 @@ class SiteState:
             if m.training:
                 return True
         return False
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (without importing it)."""
+    return _is_dtensor_type(type(tensor))
+
+
+@functools.cache
+def _is_dtensor_type(cls: type) -> bool:
+    return any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in cls.__mro__)
+
+
+def distributed(site: SiteState) -> bool:
+    """Whether an original of ``site`` is a DTensor *now*: sharded by FSDP2 between calls (its
+    pre-forward hook swaps in the gathered tensor only for the layer's own forward), or by a
+    communication parametrization. Such values are computed where they are read, never earlier."""
+    for d, key in site.originals:  # called for every site at every call scope: a plain loop
+        cls = type(d[key])
+        if cls not in _PLAIN and _is_dtensor_type(cls):
+            return True
+    return False
+
+
+_PLAIN = frozenset({torch.Tensor, nn.Parameter})
 
 
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:

@@ -42,7 +42,7 @@ from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value
 from paramfold.inline import sync_refs
-from paramfold.runtime import STATE_ATTR, ModuleState, SiteState
+from paramfold.runtime import STATE_ATTR, ModuleState, SiteState, distributed
 
 _MODULE_CALL = nn.Module.__call__
 _LOCK = threading.RLock()
@@ -86,6 +86,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
     try:
         for name, site in hs.sites.items():
             if site.mode == "inline":
+                _refuse_distributed_inline(holder, name, site)
                 sync_refs(holder, site)
                 continue
             value = _value(holder, name, site, grad)
@@ -148,7 +149,22 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
         )
 
 
+def _refuse_distributed_inline(holder: nn.Module, name: str, site: SiteState) -> None:
+    if distributed(site):
+        raise FoldError(
+            f"{type(holder).__name__}.{name} was prepared with mode='inline' but its originals are now "
+            "DTensors (sharded by fully_shard, or a communication parametrization): inline reads the "
+            "originals stored at the call's start, before FSDP gathers them. Call "
+            "paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
+        )
+
+
 def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
+    if distributed(site):
+        # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
+        # has gathered the originals, exactly like stock: never gathered early, never frozen.
+        site.frozen = None
+        return None
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
     frozen_ok = can_freeze(site)

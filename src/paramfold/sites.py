@@ -9,13 +9,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold.compute import is_nested, leaf_originals, members, original_names
+from paramfold.runtime import is_dtensor
 
 __all__ = ["KINDS", "Site", "find"]
 
 #: The kinds :func:`find` recognises; anything else is ``"custom"``. A chain of several
 #: parametrizations on one tensor gets the kinds of its members joined by ``"+"``.
+#: ``"communication"``: a parametrization of DTensor originals (not run by ``find``: it would
+#: issue collectives on one rank), or one found to call a collective (SimpleFSDP's all-gather).
 KINDS = (
     "weight_norm",
     "spectral_norm",
@@ -23,6 +27,7 @@ KINDS = (
     "fake_sparsity",
     "torchao_subclass",
     "cast",
+    "communication",
     "custom",
 )
 
@@ -154,7 +159,9 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     originals = {p: d[k] for p, d, k in leaf_originals(plist)}
     kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
-    if any(k is None for k in kinds):
+    if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
+        kinds = [k or "communication" for k in kinds]
+    elif any(k is None for k in kinds):
         inputs = _computed_originals(plist) if is_nested(plist) else originals
         probed_kinds, probed_stateful = _probe_unknown(chain, inputs, kinds)
         kinds, stateful = probed_kinds, stateful or probed_stateful
@@ -207,9 +214,13 @@ def _probe_unknown(
             versions = {k: v._version for k, v in state.items()}
             args = value if isinstance(value, tuple) else (value,)
             was_training = module.training
+            collective = False
             try:
                 module.train()
-                out = torch.func.functional_call(module, state, args)
+                with _NoCollectives():
+                    out = torch.func.functional_call(module, state, args)
+            except _Collective:
+                out, collective = None, True
             except Exception:  # a probe must never break find(); unknown stays "custom"
                 out = None
             finally:
@@ -217,10 +228,23 @@ def _probe_unknown(
             if any(state[k]._version != versions[k] for k in state) and kind not in _STATELESS_KINDS:
                 stateful = True
             if kind is None:
-                kind = "cast" if not state and _is_cast(args, out) else "custom"
+                kind = "communication" if collective else "cast" if not state and _is_cast(args, out) else "custom"
             resolved.append(kind)
             value = out
     return resolved, stateful
+
+
+class _Collective(Exception):
+    pass
+
+
+class _NoCollectives(TorchDispatchMode):
+    """Stops a probe at its first collective, before it is issued (on one rank it would hang)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
+            raise _Collective(func.name())
+        return func(*args, **(kwargs or {}))
 
 
 def _is_cast(args: tuple, out: object) -> bool:

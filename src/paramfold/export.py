@@ -1,0 +1,270 @@
+"""``export``: ``torch.export`` a parametrized model as the plain model's program.
+
+``torch.export`` ignores ``parametrize.cached()`` and traces every parametrization into the
+exported graph (pytorch #167645): weight_norm's ``_weight_norm``, spectral_norm's ``mv``/``vdot``
+chain, an unsafe cast's ``to`` and its asserts all run on every call of the exported program,
+where the same model without parametrizations has none of it. For deployment (ExecuTorch,
+AOTInductor) the parametrized tensors are constants, so :func:`export` folds them first: it
+exports a copy of the model in which every parametrized tensor is a plain parameter or buffer
+holding its current value, under the unparametrized name (``<module>.<tensor>``).
+
+The user's model is never changed: the copy shares every plain parameter and buffer with it (as
+``torch.export`` itself does) and gets its own class objects back, so stock's per-instance
+``Parametrized*`` classes — shared between a module and its ``deepcopy`` — are left alone (which
+is why ``parametrize.remove_parametrizations`` cannot be used on a copy).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from paramfold.errors import FoldError, first_few
+from paramfold.compute import compute
+from paramfold.runtime import STATE_ATTR, is_dtensor, state_of
+from paramfold.sites import Site, find, inside_parametrization
+
+__all__ = ["export", "folded_copy"]
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def export(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    filter_fn: FilterFn | None = None,
+    **export_kwargs: Any,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of ``model`` with every parametrized tensor folded to its value.
+
+    The program has the ops of the same model without parametrizations; the folded tensors are
+    its parameters (buffers when the originals were buffers) under ``<module>.<tensor>``, and its
+    outputs equal ``model(*args, **kwargs)``. ``model`` is not changed (a model prepared by
+    :func:`paramfold.prepare` may be passed as it is). Values are computed now, under
+    ``no_grad``, like stock PyTorch computes them: export again after training. Tensors of
+    torch's deprecated hook-based ``weight_norm`` / ``spectral_norm`` are folded too.
+
+    Args:
+        model: the parametrized model.
+        args, kwargs: example inputs, as for ``torch.export.export``.
+        filter_fn: ``filter_fn(module, fqn) -> bool`` selects the parametrized modules to fold;
+            the others keep their parametrizations in the program (stock export).
+        **export_kwargs: passed to ``torch.export.export`` (``dynamic_shapes``, ``strict``, ...).
+
+    Refused with :class:`paramfold.FoldError`, model unchanged, when a fold would not be exact:
+    a stateful chain in training mode (spectral_norm's power iteration moves on every call:
+    call ``model.eval()``), originals that are DTensors (communication parametrizations), or a
+    value that is a tensor subclass. Modules carrying torchao's ``unwrap_tensor_subclass``
+    parametrization are left as they are: it is what makes quantized weights exportable, and the
+    program it gives is exact.
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> model = torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 4)), torch.nn.Tanh())
+        >>> x = torch.randn(2, 4)
+        >>> ep = paramfold.export(model, (x,))
+        >>> "0.weight" in ep.state_dict
+        True
+        >>> torch.equal(ep.module()(x), model(x))
+        True
+    """
+    plain = folded_copy(model, filter_fn=filter_fn)
+    return torch.export.export(plain, args, kwargs, **export_kwargs)
+
+
+def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Module:
+    """A copy of ``model`` without (selected) parametrizations, each tensor holding its value.
+
+    Plain parameters and buffers are shared with ``model``, not copied; the folded tensors are
+    new. This is what :func:`export` exports; it is also a plain ``nn.Module`` you can script,
+    save whole or hand to another exporter.
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> from paramfold.export import folded_copy
+        >>> model = weight_norm(torch.nn.Linear(4, 3))
+        >>> plain = folded_copy(model)
+        >>> type(plain).__name__, sorted(n for n, _ in plain.named_parameters())
+        ('Linear', ['bias', 'weight'])
+        >>> plain.bias is model.bias
+        True
+    """
+    sites = [s for s in find(model) if not inside_parametrization(s.module_path)]
+    if filter_fn is not None:
+        sites = [s for s in sites if _selected(filter_fn, s)]
+    # torchao's unwrap_tensor_subclass exists to make quantized weights exportable: the program
+    # rebuilds the subclass from its plain components, which is exact. Such modules stay as they are.
+    kept = {s.module for s in sites if "torchao_subclass" in s.kind.split("+")}
+    sites = [s for s in sites if s.module not in kept]
+    _refuse_unfoldable(sites)
+
+    values: dict[tuple, torch.Tensor] = {}
+    folded: list[tuple[Site, torch.Tensor]] = []
+    with torch.no_grad():
+        for site in sites:
+            # Tied sites (same originals, same chain) share one tensor, as tied plain weights do.
+            key = (tuple(id(t) for t in site.originals.values()), tuple(id(m) for m in site.chain))
+            if key not in values:
+                values[key] = _checked_value(site)
+            folded.append((site, values[key]))
+
+    legacy = _hook_based_norms(model)
+    memo = _sharing_memo(model, {s.module for s in sites})
+    for module, hook in legacy:
+        # The tensor the pre-hook last wrote is a non-leaf, which deepcopy refuses; the copy drops it.
+        computed = module.__dict__.get(hook.name)
+        if isinstance(computed, torch.Tensor):
+            memo[id(computed)] = computed
+    replica = copy.deepcopy(model, memo)
+    _strip_prepared(model, memo)
+    _fold_hook_based_norms(legacy, memo)
+    tensors: dict[int, torch.Tensor] = {}
+    by_module: dict[nn.Module, dict[str, torch.Tensor]] = {}
+    for site, value in folded:
+        if id(value) not in tensors:
+            tensors[id(value)] = _as_plain_tensor(site, value)
+        by_module.setdefault(memo[id(site.module)], {})[site.tensor_name] = tensors[id(value)]
+    for module, named in by_module.items():
+        _fold_into(module, named)
+    return replica
+
+
+def _selected(filter_fn: FilterFn, site: Site) -> bool:
+    try:
+        return bool(filter_fn(site.module, site.module_path))
+    except Exception as exc:
+        raise FoldError(
+            f"filter_fn raised {type(exc).__name__}: {exc} (on module {site.module_path!r}); nothing "
+            "was exported. filter_fn is called as filter_fn(module, fqn) and must return a bool."
+        ) from exc
+
+
+def _refuse_unfoldable(sites: list[Site]) -> None:
+    training = [f"{s.fqn} ({s.kind})" for s in sites if s.stateful and s.training]
+    if training:
+        raise FoldError(
+            f"cannot export {first_few(training, 3)} folded: a stateful parametrization in training "
+            "mode changes its value on every call (spectral_norm's power iteration). Call "
+            "model.eval() first, or exclude these modules with filter_fn to export them stock."
+        )
+    distributed = [
+        f"{s.fqn} ({s.kind})"
+        for s in sites
+        if "communication" in s.kind.split("+") or any(is_dtensor(t) for t in s.originals.values())
+    ]
+    if distributed:
+        raise FoldError(
+            f"cannot export {first_few(distributed, 3)} folded: its originals are DTensors or its "
+            "parametrization communicates (a sharded model). Export the model before sharding it, "
+            "or exclude these modules with filter_fn."
+        )
+
+
+def _checked_value(site: Site) -> torch.Tensor:
+    value = compute(site.module, site.tensor_name)
+    if not isinstance(value, torch.Tensor) or type(value) not in (torch.Tensor, nn.Parameter):
+        raise FoldError(
+            f"cannot export {site.fqn} ({site.kind}) folded: its value is a "
+            f"{type(value).__name__}, not a plain tensor, and the exported program would hold that "
+            "subclass instead of the plain model's ops. Exclude this module with filter_fn to "
+            "export it stock, or register torchao's unwrap_tensor_subclass parametrization on it."
+        )
+    return value
+
+
+def _hook_based_norms(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """torch's deprecated hook-based ``weight_norm`` / ``spectral_norm`` (still common in vocoders
+    and GANs): a forward pre-hook recomputes the tensor, which export would trace on every call."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    found = [
+        (module, hook)
+        for module in model.modules()
+        for hook in module._forward_pre_hooks.values()
+        if isinstance(hook, (WeightNorm, SpectralNorm))
+    ]
+    training = [type(m).__name__ for m, h in found if isinstance(h, SpectralNorm) and m.training]
+    if training:
+        raise FoldError(
+            f"cannot export {first_few(training, 3)} folded: torch.nn.utils.spectral_norm in training "
+            "mode runs a power iteration on every call. Call model.eval() first."
+        )
+    return found
+
+
+def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, Any]) -> None:
+    """On the copy, torch's own ``remove_weight_norm`` / ``remove_spectral_norm`` (they compute the
+    tensor as the hook does, eval mode, and drop the copy's own hook, ``_g``/``_v``/``_u`` entries)."""
+    from torch.nn.utils import remove_spectral_norm, remove_weight_norm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    with torch.no_grad():
+        for module, hook in legacy:
+            remove = remove_spectral_norm if isinstance(hook, SpectralNorm) else remove_weight_norm
+            remove(memo[id(module)], hook.name)
+
+
+def _sharing_memo(model: nn.Module, folded_modules: set[nn.Module]) -> dict[int, Any]:
+    """A deepcopy memo under which every tensor, and the parametrizations of folded modules, are
+    shared with ``model`` instead of copied, and paramfold's state is left out."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        memo[id(tensor)] = tensor
+    for module in model.modules():
+        if module in folded_modules:
+            plists = module._modules["parametrizations"]
+            memo[id(plists)] = plists
+        state = state_of(module)
+        if state is not None:
+            memo[id(state)] = state
+    return memo
+
+
+def _strip_prepared(model: nn.Module, memo: dict[int, Any]) -> None:
+    """On the copy, undo :func:`paramfold.prepare` without touching the original's state."""
+    for module in model.modules():
+        state = state_of(module)
+        if state is None:
+            continue
+        replica = memo[id(module)]
+        values = replica.__dict__
+        values.pop(STATE_ATTR)
+        for name in (*state.sites, *state.ref_keys, *(state.detach_params and module._parameters or ())):
+            values.pop(name, None)
+        if state.load_hook is not None:
+            replica._load_state_dict_post_hooks.pop(state.load_hook.id, None)
+        replica.__class__ = state.original_class
+
+
+def _as_plain_tensor(site: Site, value: torch.Tensor) -> torch.Tensor:
+    value = value.detach()
+    if site.is_buffer:
+        return value
+    trainable = site.requires_grad or any(p.requires_grad for m in site.chain for p in m.parameters())
+    return nn.Parameter(value, requires_grad=trainable and (value.is_floating_point() or value.is_complex()))
+
+
+def _fold_into(module: nn.Module, named: dict[str, torch.Tensor]) -> None:
+    """Turn the copy ``module`` into its plain class, ``named`` tensors registered in place of its
+    parametrizations (every one of them: ``filter_fn`` selects whole modules)."""
+    base = parametrize.type_before_parametrizations(module)
+    # The copy still points at the original's ModuleDict (shared by the memo): only the copy drops it.
+    del module._modules["parametrizations"]
+    module.__class__ = base
+    for name, tensor in named.items():
+        if isinstance(tensor, nn.Parameter):
+            module.register_parameter(name, tensor)
+        else:
+            module.register_buffer(name, tensor)

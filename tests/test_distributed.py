@@ -1,0 +1,630 @@
+"""FSDP2, DDP and communication parametrizations on real 2-rank gloo process groups (127.0.0.1).
+
+One ``torch.multiprocessing`` launch runs every scenario on both ranks, in the same order (their
+collectives must match), against stock references built in the same process; each test then
+checks its scenario's record. Bounded: the process group times out after 30 s and the launch is
+killed after ``_DEADLINE_S``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import paramfold
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+WORLD = 2
+STEPS = 3
+WIDTH = 16
+_DEADLINE_S = 180
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = weight_norm(nn.Linear(WIDTH, WIDTH))
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x)) + x
+
+
+class Model(nn.Module):
+    def __init__(self, depth: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _model() -> Model:
+    torch.manual_seed(0)
+    return Model()
+
+
+def _inputs(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(8, WIDTH, generator=g) for _ in range(STEPS + 1)]
+
+
+class _Collectives:
+    """Counts the c10d collectives issued while active (FSDP2's all-gathers and reduce-scatters,
+    DDP's all-reduces, DTensor redistributions), by wrapping ``torch.distributed``'s functions."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+             "all_reduce", "all_gather", "broadcast")
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def wrapper(*args, _name=name, _original=original, **kwargs):
+                self.counts[_name] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues (``redistribute`` to ``Replicate``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            self.counts[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+    return out
+
+
+class _Gathered:
+    """Peak number of FSDP2 parameter groups (layers) gathered at once, and their bytes: the
+    memory FSDP2 exists to bound, and what hoisting at the root's call would blow up."""
+
+    def __enter__(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self.live: dict[int, int] = {}
+        self.peak_groups = self.peak_bytes = 0
+        self._saved = {n: getattr(FSDPParamGroup, n) for n in ("_to_unsharded", "_to_sharded", "_to_sharded_post_forward")}
+        to_unsharded = self._saved["_to_unsharded"]
+
+        def unsharded(group):
+            to_unsharded(group)
+            self.live[id(group)] = sum(p._unsharded_param.untyped_storage().nbytes() for p in group.fsdp_params)
+            self.peak_groups = max(self.peak_groups, len(self.live))
+            self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+
+        def resharder(original):
+            def sharded(group):
+                original(group)
+                self.live.pop(id(group), None)
+
+            return sharded
+
+        FSDPParamGroup._to_unsharded = unsharded
+        FSDPParamGroup._to_sharded = resharder(self._saved["_to_sharded"])
+        FSDPParamGroup._to_sharded_post_forward = resharder(self._saved["_to_sharded_post_forward"])
+        return self
+
+    def __exit__(self, *exc):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        for name, original in self._saved.items():
+            setattr(FSDPParamGroup, name, original)
+
+
+def _train(step_fn, model, opt, xs, steps):
+    losses = []
+    with _Collectives() as comm, _Gathered() as gathered:
+        for x in xs[:steps]:
+            loss = step_fn(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+    return losses, {**comm.counts, "peak_gathered_layers": gathered.peak_groups, "peak_gathered_bytes": gathered.peak_bytes}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _fsdp_stock(xs, compiled: bool):
+    model = _fsdp(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fn = torch.compile(model, backend="aot_eager") if compiled else model
+    losses, comm = _train(fn, model, opt, xs, STEPS)
+    after = _full(model)
+    last, _ = _train(model, model, opt, xs[STEPS:], 1)
+    return {"losses": losses, "comm": comm, "params": after, "last": last, "final": _full(model)}
+
+
+def _fsdp_prepared(xs, order: str, mode: str, compiled: bool):
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _model()
+    if order == "before":
+        paramfold.prepare(model, mode)
+        _fsdp(model)
+    else:
+        _fsdp(model)
+        paramfold.prepare(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fn = torch.compile(model, backend="aot_eager") if compiled else model
+    installed = []  # hoisted values seen by layers (eager runs only: a global hook changes graphs)
+    hook = None if compiled else nn.modules.module.register_module_forward_pre_hook(
+        lambda m, a: installed.extend(k for k in ("weight",) if k in m.__dict__)
+    )
+    try:
+        losses, comm = _train(fn, model, opt, xs, STEPS)
+    finally:
+        if hook is not None:
+            hook.remove()
+    after = _full(model)
+    paramfold.restore(model)
+    layer = model.layers[0].proj
+    restored = {
+        "fsdp_root": isinstance(model, FSDPModule) and isinstance(model.layers[0], FSDPModule),
+        "stock_class": type(layer).__name__ == "ParametrizedLinear" and isinstance(vars(type(layer))["weight"], property),
+        "no_state": not any("_paramfold" in m.__dict__ for m in model.modules()),
+    }
+    last, _ = _train(model, model, opt, xs[STEPS:], 1)
+    return {
+        "losses": losses, "comm": comm, "params": after, "last": last, "final": _full(model),
+        "restored": restored, "installed": len(installed),
+    }
+
+
+def _fsdp_eval(xs, order: str | None, mode: str | None, compiled: bool = False):
+    model = _model().eval().requires_grad_(False)
+    if order == "before":
+        paramfold.prepare(model, mode)
+    _fsdp(model)
+    if order == "after":
+        paramfold.prepare(model, mode)
+    fn = torch.compile(model, backend="aot_eager") if compiled else model
+    with torch.no_grad(), _Collectives() as comm:
+        outs = [fn(x) for x in xs[:2]]
+    if order is not None:
+        paramfold.restore(model)
+    return {"outs": outs, "comm": dict(comm.counts)}
+
+
+def _fsdp_scenarios(rank: int, record) -> None:
+    xs = _inputs(rank)
+    stock = {False: _fsdp_stock(xs, False), True: _fsdp_stock(xs, True)}
+    record("fsdp/stock", comm=stock[False]["comm"], compiled_equal=_equal(stock[True]["losses"], stock[False]["losses"]))
+    for order in ("before", "after"):
+        for mode in ("hoist", "auto"):
+            for compiled in (False, True):
+                name = f"fsdp/{order}/{mode}/{'aot_eager' if compiled else 'eager'}"
+                ref = stock[compiled]
+                with record.guard(name):
+                    got = _fsdp_prepared(xs, order, mode, compiled)
+                    record(
+                        name,
+                        losses=_equal(got["losses"], ref["losses"]),
+                        params=_equal(got["params"], ref["params"]),
+                        after_restore=_equal(got["last"], ref["last"]) and _equal(got["final"], ref["final"]),
+                        comm=got["comm"],
+                        stock_comm=ref["comm"],
+                        restored=got["restored"],
+                        installed=got["installed"],
+                    )
+    ref = _fsdp_eval(xs, None, None)
+    for order in ("before", "after"):
+        for mode in ("freeze", "auto"):
+            name = f"fsdp/eval/{order}/{mode}"
+            with record.guard(name):
+                got = _fsdp_eval(xs, order, mode)
+                record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
+    for mode in ("freeze", "auto"):
+        name = f"fsdp/eval/after/{mode}/aot_eager"
+        with record.guard(name):
+            got = _fsdp_eval(xs, "after", mode, compiled=True)
+            record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
+    with record.guard("fsdp/inline"):
+        model = _fsdp(_model())
+        try:
+            paramfold.prepare(model, "inline")
+            record("fsdp/inline", refused=None)
+        except paramfold.FoldError as exc:
+            record("fsdp/inline", refused=str(exc), unchanged=not any("_paramfold" in m.__dict__ for m in model.modules()))
+
+
+# ----------------------------------------------------------------------------------------- DDP
+
+
+def _ddp_scenarios(rank: int, record) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    xs = _inputs(rank)
+
+    def run(prepare_mode, compiled):
+        model = _model()
+        if prepare_mode:
+            paramfold.prepare(model, prepare_mode)
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        fn = torch.compile(ddp, backend="aot_eager") if compiled else ddp
+        losses, comm = _train(fn, ddp, opt, xs, STEPS)
+        return losses, comm, _full(model)
+
+    ref_losses, ref_comm, ref_params = run(None, False)
+    for mode in ("hoist", "auto"):
+        name = f"ddp/{mode}/aot_eager"
+        with record.guard(name):
+            losses, comm, params = run(mode, True)
+            record(name, losses=_equal(losses, ref_losses), params=_equal(params, ref_params), comm=comm, stock_comm=ref_comm)
+    with record.guard("ddp/stock/aot_eager"):
+        losses, comm, params = run(None, True)
+        record("ddp/stock/aot_eager", losses=_equal(losses, ref_losses), params=_equal(params, ref_params))
+
+
+# --------------------------------------------------------------------- communication parametrization
+
+
+class AllGather(nn.Module):
+    """SimpleFSDP-like: the original is a row-sharded DTensor, forward all-gathers it (``unsafe``)."""
+
+    def forward(self, x):
+        from torch.distributed.tensor import Replicate
+
+        return x.redistribute(placements=[Replicate()]).to_local()
+
+
+def _simple_fsdp(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for layer in model.layers:
+        linear = layer.proj
+        parametrize.remove_parametrizations(linear, "weight")  # plain weight, then sharded + gathered
+        for name in ("weight", "bias"):
+            full = linear._parameters.pop(name)
+            linear.register_parameter(name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(0)])))
+            parametrize.register_parametrization(linear, name, AllGather(), unsafe=True)
+    return model
+
+
+class AllReduceMean(nn.Module):
+    """A parametrization of a *plain* original that calls a collective (c10d all_reduce)."""
+
+    def forward(self, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x / WORLD
+
+
+def _all_reduce_model() -> nn.Module:
+    model = _model()
+    for layer in model.layers:
+        parametrize.register_parametrization(layer.proj, "bias", AllReduceMean())
+    return model
+
+
+def _communication_scenarios(rank: int, record) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    xs = _inputs(rank)
+    stock = _simple_fsdp(_model(), mesh)
+    with torch.no_grad():
+        ref = [stock(x) for x in xs[:2]]
+    with record.guard("comm/find"):
+        model = _simple_fsdp(_model(), mesh)
+        kinds = sorted({s.kind for s in paramfold.find(model)})
+        try:
+            paramfold.export(model, (xs[0],))
+            refused = None
+        except paramfold.FoldError as exc:
+            refused = str(exc)
+        record("comm/find", kinds=kinds, export_refused=refused)
+    with record.guard("comm/probe"):
+        model = _all_reduce_model()
+        # find() runs on one rank only: its probe must stop before the collective, or it would hang.
+        kinds = sorted({s.kind for s in paramfold.find(model)}) if rank == 0 else None
+        with torch.no_grad():
+            ref_outs = [model(x) for x in xs[:2]]
+        paramfold.prepare(model, "auto")
+        with torch.no_grad():
+            outs = [model(x) for x in xs[:2]]
+        stock_classes = all(type(layer.proj).__name__ == "ParametrizedLinear" for layer in model.layers)
+        paramfold.restore(model)
+        record("comm/probe", kinds=kinds, outs=_equal(outs, ref_outs), stock_classes=stock_classes)
+    for mode in ("hoist", "auto", "freeze"):
+        name = f"comm/{mode}"
+        with record.guard(name):
+            model = _simple_fsdp(_model(), mesh).eval().requires_grad_(False)
+            paramfold.prepare(model, mode)
+            installed = []
+            hook = nn.modules.module.register_module_forward_pre_hook(
+                lambda m, a: installed.extend(k for k in ("weight", "bias") if k in m.__dict__)
+            )
+            try:
+                with torch.no_grad(), _FunctionalCollectives() as comm:
+                    outs = [model(x) for x in xs[:2]]
+            finally:
+                hook.remove()
+            with torch.no_grad(), _FunctionalCollectives() as stock_comm:
+                [stock(x) for x in xs[:2]]
+            record(name, outs=_equal(outs, ref), installed=len(installed), comm=dict(comm.counts),
+                   stock_comm=dict(stock_comm.counts), kinds=sorted({s.kind for s in paramfold.find(model)}))
+            paramfold.restore(model)
+
+
+# ---------------------------------------------------------------------------------------- runner
+
+
+class _Recorder:
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+
+    def __call__(self, name: str, **values) -> None:
+        self.records[name] = values
+
+    def guard(self, name: str):
+        recorder = self
+
+        class _Guard:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, kind, exc, tb):
+                if exc is not None and not isinstance(exc, KeyboardInterrupt):
+                    recorder.records[name] = {"error": "".join(traceback.format_exception(kind, exc, tb))[-3000:]}
+                    return True
+                return False
+
+        return _Guard()
+
+
+def _worker(rank: int, port: int, out_dir: str, groups: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30))
+    record = _Recorder()
+    timings = {}
+    try:
+        for group in groups:
+            start = time.perf_counter()
+            {"fsdp": _fsdp_scenarios, "ddp": _ddp_scenarios, "comm": _communication_scenarios}[group](rank, record)
+            timings[group] = round(time.perf_counter() - start, 2)
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
+            json.dump({"records": record.records, "timings": timings}, f, default=str)
+        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(groups: list[str]) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(_free_port(), out_dir, groups), nprocs=WORLD, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + _DEADLINE_S
+        try:
+            while not ctx.join(timeout=5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {WORLD} ranks did not finish in {_DEADLINE_S} s")
+        finally:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+        results = []
+        for rank in range(WORLD):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return launch(["fsdp", "ddp", "comm"])
+
+
+def _record(ranks: list[dict], name: str) -> dict:
+    """``name``'s record, checked to be the same on both ranks (each compares against its own stock)."""
+    first, *others = _records(ranks, name)
+    assert all(other == first for other in others), f"{name}: ranks disagree: {[first, *others]}"
+    return first
+
+
+def _records(ranks: list[dict], name: str) -> list[dict]:
+    out = [r["records"].get(name) for r in ranks]
+    for rank, rec in enumerate(out):
+        assert rec is not None, f"rank {rank} did not record {name}"
+        assert "error" not in rec, f"rank {rank}, {name}:\n{rec['error']}"
+    return out
+
+
+# ----------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("compiled", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_fsdp2_prepared_before_or_after_fully_shard_trains_like_stock(ranks, order, mode, compiled):
+    rec = _record(ranks, f"fsdp/{order}/{mode}/{compiled}")
+    assert rec["losses"] and rec["params"], "losses or final parameters differ from stock FSDP2 (bitwise)"
+    # restore keeps FSDP2's wrapper class and gives the stock class back; training goes on like stock
+    assert rec["restored"] == {"fsdp_root": True, "stock_class": True, "no_state": True}
+    assert rec["after_restore"]
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_fsdp2_hoist_gathers_and_holds_no_more_than_stock(ranks, order, mode):
+    for compiled in ("eager", "aot_eager"):
+        rec = _record(ranks, f"fsdp/{order}/{mode}/{compiled}")
+        assert rec["comm"] == rec["stock_comm"]
+        assert rec["comm"]["all_gather_single"] == 2 * 4 * STEPS  # forward + backward, per layer
+        assert rec["comm"]["peak_gathered_layers"] == 1
+        if compiled == "eager":
+            assert rec["installed"] == 0  # nothing computed at the root's call, before FSDP's gather
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_fsdp2_eval_outputs_equal_stock(ranks, order, mode):
+    rec = _record(ranks, f"fsdp/eval/{order}/{mode}")
+    assert rec["outs"] and rec["comm"] == rec["stock_comm"]
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_fsdp2_eval_compiled_outputs_equal_stock_eager(ranks, mode):
+    rec = _record(ranks, f"fsdp/eval/after/{mode}/aot_eager")
+    assert rec["outs"] and rec["comm"] == rec["stock_comm"]
+
+
+def test_fsdp2_inline_after_fully_shard_is_refused_with_advice(ranks):
+    rec = _record(ranks, "fsdp/inline")
+    assert rec["refused"] and "mode='auto' or 'hoist'" in rec["refused"] and rec["unchanged"]
+
+
+def test_stock_fsdp2_compiles_like_eager(ranks):
+    rec = _record(ranks, "fsdp/stock")
+    assert rec["compiled_equal"]
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_ddp_compiled_prepared_trains_like_stock_ddp_eager(ranks, mode):
+    rec = _record(ranks, f"ddp/{mode}/aot_eager")
+    assert rec["losses"] and rec["params"]
+
+
+def test_stock_ddp_compiled_trains_like_stock_ddp_eager(ranks):
+    # What stock does today (torch 2.13, CPU, aot_eager): the same results as eager.
+    rec = _record(ranks, "ddp/stock/aot_eager")
+    assert rec["losses"] and rec["params"]
+
+
+def test_communication_parametrization_is_found_with_its_own_kind(ranks):
+    assert _record(ranks, "comm/find")["kinds"] == ["communication"]
+
+
+def test_export_refuses_a_sharded_model_with_advice(ranks):
+    assert "Export the model before sharding it" in _record(ranks, "comm/find")["export_refused"]
+
+
+def test_a_chain_calling_a_collective_is_communication_and_left_stock(ranks):
+    first, second = _records(ranks, "comm/probe")
+    assert first["kinds"] == ["communication", "weight_norm"]  # found on rank 0 alone, no hang
+    assert first["outs"] and second["outs"] and first["stock_classes"] and second["stock_classes"]
+
+
+class _Wrapper:
+    """Stands in for FSDP2's FSDPModule mixin: fully_shard swaps a module's class to
+    ``FSDP<Class>(FSDPModule, <Class>)``, here without a process group."""
+
+
+def _wrap(module: nn.Module) -> nn.Module:
+    cls = type(module)
+    module.__class__ = type(f"Wrapped{cls.__name__}", (_Wrapper, cls), {})
+    return module
+
+
+def test_prepare_after_a_class_wrapper_keeps_it_and_restore_gives_it_back():
+    model = _model()
+    for layer in model.layers:
+        _wrap(layer.proj)
+    wrapped = [type(layer.proj) for layer in model.layers]
+    x = torch.randn(2, WIDTH)
+    expected = model(x)
+    paramfold.prepare(model, "hoist")  # was: AttributeError 'Parametrized_Wrapper' ... 'named_modules'
+    proj = model.layers[0].proj
+    assert isinstance(proj, _Wrapper) and isinstance(proj, nn.Linear)
+    assert type(proj) is type(model.layers[1].proj)  # one shared class, as without a wrapper
+    assert torch.equal(model(x), expected)
+    paramfold.restore(model)
+    assert [type(layer.proj) for layer in model.layers] == wrapped
+
+
+def test_a_wrapper_added_after_prepare_survives_restore():
+    model = paramfold.prepare(_model(), "auto")
+    for layer in model.layers:
+        _wrap(layer.proj)
+    x = torch.randn(2, WIDTH)
+    expected = model(x)
+    paramfold.restore(model)
+    proj = model.layers[0].proj
+    assert isinstance(proj, _Wrapper) and type(proj).__name__ == "WrappedParametrizedLinear"
+    assert isinstance(vars(type(proj).__mro__[2])["weight"], property)  # stock's per-instance class
+    assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
+def test_communication_parametrization_stays_in_graph(ranks, mode):
+    rec = _record(ranks, f"comm/{mode}")
+    assert rec["outs"]
+    assert rec["installed"] == 0  # never hoisted to the root, never frozen
+    assert rec["comm"] == rec["stock_comm"] and sum(rec["comm"].values()) > 0
+
+
+def test_distributed_launch_stays_within_budget(ranks):
+    # The whole multi-process run (3 groups, both ranks) is kept small for CI on 2 shared cores.
+    assert all(sum(r["timings"].values()) < 90 for r in ranks)
+
+
+if __name__ == "__main__":
+    results = launch(sys.argv[1:] or ["fsdp", "ddp", "comm"])
+    print(json.dumps(results, indent=1, default=str))

@@ -1,0 +1,309 @@
+"""paramfold.export: the plain model's program, stock outputs bitwise, the model left unchanged."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+from helpers import build, seed_model, structure
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+import paramfold
+from paramfold.export import folded_copy
+
+KINDS = ["weight_norm", "spectral_norm", "orthogonal", "split", "chain", "buffer", "lora"]
+
+
+def ops(program: torch.export.ExportedProgram) -> list[str]:
+    return [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+
+
+def plain_twin(model: nn.Module, plain: nn.Module) -> nn.Module:
+    """``plain`` (same architecture, no parametrizations) holding ``model``'s materialised tensors."""
+    plain.load_state_dict(paramfold.plain_state_dict(model), strict=True)
+    return plain.train(model.training)
+
+
+def snapshot(model: nn.Module) -> tuple:
+    return structure(model), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_unchanged(model: nn.Module, before: tuple) -> None:
+    classes, values = before
+    assert structure(model) == classes
+    after = model.state_dict()
+    assert after.keys() == values.keys()
+    assert all(torch.equal(after[k], v) for k, v in values.items())
+
+
+class Vocoder(nn.Module):
+    """HiFi-GAN-like: weight_norm Conv1d / ConvTranspose1d with leaky ReLU residual blocks."""
+
+    def __init__(self, parametrized: bool = True, channels: int = 16):
+        super().__init__()
+        wn = weight_norm if parametrized else (lambda m: m)
+        self.pre = wn(nn.Conv1d(8, channels, 7, padding=3))
+        self.up = nn.ModuleList(
+            wn(nn.ConvTranspose1d(channels // 2**i, channels // 2 ** (i + 1), 4, stride=2, padding=1)) for i in range(2)
+        )
+        self.res = nn.ModuleList(
+            wn(nn.Conv1d(channels // 2 ** (i + 1), channels // 2 ** (i + 1), 3, padding=d, dilation=d))
+            for i, d in enumerate((1, 3))
+        )
+        self.post = wn(nn.Conv1d(channels // 4, 1, 7, padding=3))
+
+    def forward(self, x):
+        x = self.pre(x)
+        for up, res in zip(self.up, self.res):
+            x = up(nn.functional.leaky_relu(x, 0.1))
+            x = x + res(nn.functional.leaky_relu(x, 0.1))
+        return torch.tanh(self.post(nn.functional.leaky_relu(x)))
+
+
+class Discriminator(nn.Module):
+    """A spectral_norm conv discriminator (GAN style)."""
+
+    def __init__(self, parametrized: bool = True):
+        super().__init__()
+        sn = spectral_norm if parametrized else (lambda m: m)
+        self.convs = nn.ModuleList(
+            [sn(nn.Conv2d(3, 8, 3, stride=2, padding=1)), sn(nn.Conv2d(8, 16, 3, stride=2, padding=1))]
+        )
+        self.head = sn(nn.Linear(16 * 4 * 4, 1))
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = nn.functional.leaky_relu(conv(x), 0.2)
+        return self.head(x.flatten(1))
+
+
+def _cases():
+    torch.manual_seed(0)
+    return {
+        "vocoder": (Vocoder().eval(), lambda: Vocoder(False), (torch.randn(2, 8, 32),)),
+        "discriminator": (Discriminator().eval(), lambda: Discriminator(False), (torch.randn(2, 3, 16, 16),)),
+        "seed": (seed_model(), lambda: seed_model(parametrized=False), (torch.randn(3, 64, dtype=torch.bfloat16),)),
+        **{kind: (build(kind).eval(), lambda kind=kind: _plain_net(kind), (torch.randn(4, 32),)) for kind in KINDS},
+    }
+
+
+def _plain_net(kind: str) -> nn.Module:
+    net = build("plain")
+    if kind == "buffer":  # build("buffer") parametrizes a buffer "shift" that forward does not read
+        for layer in net.layers:
+            layer.register_buffer("shift", torch.zeros(32))
+    return net
+
+
+@pytest.mark.parametrize("case", ["vocoder", "discriminator", "seed", *KINDS])
+def test_export_is_the_plain_program_with_stock_outputs(case):
+    model, make_plain, args = _cases()[case]
+    before = snapshot(model)
+    expected = model(*args)
+
+    ep = paramfold.export(model, args)
+    plain = plain_twin(model, make_plain())
+    plain_ep = torch.export.export(plain, args)
+
+    assert ops(ep) == ops(plain_ep)
+    assert torch.equal(ep.module()(*args), expected)  # bitwise, eager CPU
+    # The folded tensors are parameters (or buffers) under the unparametrized names.
+    assert ep.state_dict.keys() | ep.constants.keys() == plain_ep.state_dict.keys() | plain_ep.constants.keys()
+    folded = paramfold.plain_state_dict(model)
+    assert all(torch.equal(v, folded[k]) for k, v in ep.state_dict.items())
+    assert_unchanged(model, before)
+    assert torch.equal(model(*args), expected)
+
+
+@pytest.mark.parametrize("case", ["vocoder", "discriminator", "seed"])
+def test_stock_export_carries_the_parametrization_math(case):
+    # The problem export solves (pytorch #167645): stock's program has more ops than the plain one.
+    model, make_plain, args = _cases()[case]
+    stock = ops(torch.export.export(model, args))
+    plain = ops(torch.export.export(plain_twin(model, make_plain()), args))
+    assert len(stock) > len(plain)
+    if case == "vocoder":
+        assert stock.count("aten._weight_norm.default") == 6  # one per conv
+
+
+def test_the_copy_keeps_the_originals_classes_and_shares_plain_tensors():
+    model = build("weight_norm").eval()
+    cls = type(model.layers[0])
+    plain = folded_copy(model)
+    # The original's per-instance class still has its property (remove_parametrizations on a
+    # deepcopy would delete it from the class both share).
+    assert isinstance(vars(cls)["weight"], property)
+    assert type(model.layers[0]) is cls and parametrize.is_parametrized(model.layers[0], "weight")
+    assert type(plain.layers[0]) is nn.Linear and not parametrize.is_parametrized(plain.layers[0])
+    assert plain.layers[0].bias is model.layers[0].bias
+    assert isinstance(plain.layers[0].weight, nn.Parameter)
+    assert plain.layers[0].weight.requires_grad
+
+
+def test_a_prepared_model_exports_plain_and_stays_prepared():
+    model, make_plain, args = _cases()["vocoder"]
+    paramfold.prepare(model, "auto")
+    prepared_classes = [type(m) for m in model.modules()]
+    expected = model(*args)
+    ep = paramfold.export(model, args)
+    assert ops(ep) == ops(torch.export.export(plain_twin(model, make_plain()), args))
+    assert torch.equal(ep.module()(*args), expected)
+    assert [type(m) for m in model.modules()] == prepared_classes
+    assert torch.equal(model(*args), expected)
+    paramfold.restore(model)
+    assert type(model.pre).__name__ == "ParametrizedConv1d"
+
+
+def test_shared_module_is_folded_once_like_a_tied_plain_model():
+    model = build("weight_norm").eval()
+    model.layers[2] = model.layers[1]
+    plain = build("plain")
+    plain.layers[2] = plain.layers[1]
+    x = torch.randn(2, 32)
+    ep = paramfold.export(model, (x,))
+    plain_ep = torch.export.export(plain_twin(model, plain), (x,))
+    assert ops(ep) == ops(plain_ep)
+    assert sorted(ep.state_dict) == sorted(plain_ep.state_dict)
+    assert torch.equal(ep.module()(x), model(x))
+
+
+def test_tied_originals_under_different_chains_fold_to_their_own_values():
+    model = build("chain").eval()
+    model.layers[2].parametrizations.weight.original0 = model.layers[1].parametrizations.weight.original0
+    x = torch.randn(2, 32)
+    ep = paramfold.export(model, (x,))
+    assert torch.equal(ep.module()(x), model(x))
+
+
+def test_filter_fn_leaves_excluded_modules_stock():
+    model = build("weight_norm").eval()
+    x = torch.randn(2, 32)
+    ep = paramfold.export(model, (x,), filter_fn=lambda module, fqn: fqn != "layers.0")
+    assert sum("weight_norm" in op for op in ops(ep)) == 1
+    assert "layers.0.parametrizations.weight.original0" in ep.state_dict
+    assert torch.equal(ep.module()(x), model(x))
+
+
+def _legacy_model(parametrized: bool = True) -> nn.Module:
+    """HiFi-GAN style: torch's deprecated hook-based weight_norm / spectral_norm (not parametrize)."""
+    import warnings
+
+    torch.manual_seed(0)
+    wn = nn.utils.weight_norm if parametrized else (lambda m: m)
+    sn = nn.utils.spectral_norm if parametrized else (lambda m: m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return nn.Sequential(wn(nn.Conv1d(4, 8, 3, padding=1)), nn.Tanh(), sn(nn.Conv1d(8, 4, 3, padding=1))).eval()
+
+
+def test_hook_based_norms_are_folded_too_and_the_model_keeps_its_hooks():
+    model = _legacy_model()
+    x = torch.randn(2, 4, 16)
+    expected = model(x)  # the hooks have run: module.weight is a non-leaf, which deepcopy refuses
+    before = snapshot(model)
+    ep = paramfold.export(model, (x,))
+    stock = ops(torch.export.export(model, (x,)))
+    assert "aten._weight_norm.default" in stock and "aten.mv.default" in stock
+    plain = _legacy_model(parametrized=False)
+    plain.load_state_dict({k: v for k, v in ep.state_dict.items()})
+    assert ops(ep) == ops(torch.export.export(plain, (x,)))
+    assert sorted(ep.state_dict) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert torch.equal(ep.module()(x), expected)
+    assert_unchanged(model, before)
+    assert [len(m._forward_pre_hooks) for m in (model[0], model[2])] == [1, 1]
+    assert torch.equal(model(x), expected)
+
+
+def test_hook_based_spectral_norm_in_training_mode_is_refused():
+    model = _legacy_model().train()
+    with pytest.raises(paramfold.FoldError, match="spectral_norm in training mode.*model.eval"):
+        paramfold.export(model, (torch.randn(2, 4, 16),))
+
+
+def test_spectral_norm_in_training_mode_is_refused_and_nothing_moves():
+    model = build("spectral_norm").train()
+    before = snapshot(model)
+    with pytest.raises(paramfold.FoldError, match="training mode.*model.eval"):
+        paramfold.export(model, (torch.randn(2, 32),))
+    assert_unchanged(model, before)  # the power iteration did not run (u, v unchanged)
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+class _ToSubclass(nn.Module):
+    def forward(self, x):
+        return x.as_subclass(_Marked)
+
+
+def test_a_tensor_subclass_value_is_refused():
+    model = build("plain")
+    parametrize.register_parametrization(model.layers[1], "weight", _ToSubclass(), unsafe=True)
+    before = snapshot(model)
+    with pytest.raises(paramfold.FoldError, match=r"layers\.1\.weight.*_Marked.*filter_fn"):
+        paramfold.export(model, (torch.randn(2, 32),))
+    assert_unchanged(model, before)
+
+
+def test_torchao_unwrapped_subclasses_stay_stock_and_exact():
+    pytest.importorskip("torchao")
+    import warnings
+
+    warnings.filterwarnings("ignore", module="torchao")
+    from test_torchao import _int8_model
+
+    model = _int8_model().eval()
+    x = torch.randn(2, 64)
+    ep = paramfold.export(model, (x,))
+    assert ops(ep) == ops(torch.export.export(model, (x,)))
+    assert torch.equal(ep.module()(x), model(x))
+
+
+def test_export_kwargs_pass_through():
+    model = build("weight_norm").eval()
+    batch = torch.export.Dim("batch", min=2, max=64)
+    ep = paramfold.export(model, (torch.randn(4, 32),), dynamic_shapes=({0: batch},))
+    x = torch.randn(9, 32)
+    assert torch.equal(ep.module()(x), model(x))
+
+
+def test_aoti_package_of_the_folded_program_runs_on_cpu():
+    # One AOTInductor compile of a small vocoder: about 40 s on a shared 2-core machine.
+    torch.manual_seed(0)
+    model = Vocoder(channels=8).eval()
+    x = torch.randn(1, 8, 16)
+    ep = paramfold.export(model, (x,))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(tmp, "vocoder.pt2"))
+        loaded = torch._inductor.aoti_load_package(path)
+        with torch.no_grad():
+            expected = model(x)
+            got = loaded(x)
+            again = loaded(copy.deepcopy(x) * 0.5)
+            expected_again = model(x * 0.5)
+    # Inductor may reorder float arithmetic (fused conv epilogues): a stated tolerance.
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(again, expected_again, rtol=1e-5, atol=1e-6)
+
+
+def test_export_bench_example_runs_and_checks_equal_outputs():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "export_bench.py"
+    spec = importlib.util.spec_from_file_location("export_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        rows = bench.main(["--repeats", "2", "--models", "seed"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [name for name, _ in rows] == ["seed (unsafe bf16 cast)"]
+    assert all(v > 0 for v in rows[0][1].values())
