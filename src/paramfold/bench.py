@@ -149,6 +149,33 @@ def _build_orthogonal(layers: int, width: int) -> nn.Module:
     return model
 
 
+def _build_weight_norm_hooks(layers: int, width: int) -> nn.Module:
+    model = _build_weight_norm_plain(layers, width)
+    for layer in model.seq:
+        _hook_based(torch.nn.utils.weight_norm, layer.linear)
+    return model
+
+
+def _build_spectral_norm_hooks(layers: int, width: int) -> nn.Module:
+    model = Stack([width] * (layers + 1), act=True)
+    for layer in model.seq:
+        _hook_based(torch.nn.utils.spectral_norm, layer.linear)
+    return model
+
+
+def _build_weight_norm_plain(layers: int, width: int) -> nn.Module:
+    half = max(width // 2, 1)
+    return Stack([half if i % 2 == 0 else width for i in range(layers + 1)], act=True)
+
+
+def _hook_based(norm: Callable[[nn.Module], nn.Module], module: nn.Module) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook-based API
+        norm(module)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One entry of the model zoo: how to build the stock parametrized model and its input."""
@@ -179,6 +206,16 @@ MODELS: dict[str, ModelSpec] = {
             "spectral_norm",
             "N Linear(W,W) with parametrizations.spectral_norm, GELU between",
             16, 64, _build_spectral_norm, lambda w: w, torch.float32,
+        ),
+        ModelSpec(
+            "weight_norm_hooks",
+            "as weight_norm, with the deprecated hook-based torch.nn.utils.weight_norm",
+            16, 128, _build_weight_norm_hooks, lambda w: max(w // 2, 1), torch.float32,
+        ),
+        ModelSpec(
+            "spectral_norm_hooks",
+            "as spectral_norm, with the deprecated hook-based torch.nn.utils.spectral_norm",
+            16, 64, _build_spectral_norm_hooks, lambda w: w, torch.float32,
         ),
         ModelSpec(
             "orthogonal",
@@ -308,7 +345,14 @@ def unparametrize(model: nn.Module) -> nn.Module:
         >>> parametrize.is_parametrized(plain), torch.equal(plain.weight, w)
         (False, True)
     """
+    from torch.nn.utils import remove_spectral_norm, remove_weight_norm
+
+    from paramfold.hooknorms import hook_norms
+
     for module in list(model.modules()):
+        for _, hook, kind in list(hook_norms(module)):
+            with torch.no_grad():
+                (remove_weight_norm if kind == "weight_norm" else remove_spectral_norm)(module, hook.name)
         if not parametrize.is_parametrized(module):
             continue
         for name in list(module.parametrizations.keys()):

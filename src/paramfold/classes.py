@@ -106,6 +106,9 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         namespace["__deepcopy__"] = _default_deepcopy
     if is_root:
         namespace["__call__"] = root_call
+        if _forward_is_torchs(base):
+            namespace["forward"] = _root_forward
+            namespace["_paramfold_forward"] = base.forward
     prefix = "Parametrized" if names else ""
     meta = _Sealed if type(base) is type else type(f"_Sealed{type(base).__name__}", (_Sealed, type(base)), {})
     cls = meta(f"{prefix}{base.__name__}", (base,), namespace)
@@ -175,6 +178,26 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
 def _in_checkpoint_recomputation() -> bool:
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+def _forward_is_torchs(base: type) -> bool:
+    """Whether dynamo skips ``base.forward`` as torch's own code (``nn.Sequential`` and friends).
+
+    ``torch.compile`` of such a module wraps it in an extra frame (``external_utils.wrap_inline``)
+    that *inlines* the module's ``__call__``, so the root's eager call scope never opens.
+    """
+    try:
+        from torch._dynamo import trace_rules
+
+        return bool(trace_rules.check(base.forward))
+    except Exception:  # an older dynamo without this rule: no wrapper frame either
+        return False
+
+
+def _root_forward(self: nn.Module, *args, **kwargs):
+    # A frame of paramfold's own for a torch-defined root forward: torch.compile(model) then calls
+    # the root's __call__ eagerly (opening the scope) and compiles this frame, as for user modules.
+    return type(self)._paramfold_forward(self, *args, **kwargs)
 
 
 def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:

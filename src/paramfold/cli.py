@@ -43,7 +43,7 @@ from paramfold import __version__
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The choices of `paramfold bench`; test_cli checks them against paramfold.bench (which imports torch).
-MODEL_NAMES = ("seed", "weight_norm", "spectral_norm", "orthogonal")
+MODEL_NAMES = ("seed", "weight_norm", "spectral_norm", "weight_norm_hooks", "spectral_norm_hooks", "orthogonal")
 BACKEND_NAMES = ("eager", "aot_eager", "inductor")
 ENTRY_NAMES = ("model", "method", "layers")
 VARIANT_NAMES = ("baseline", "stock", "hoist", "inline", "freeze", "auto")
@@ -206,9 +206,9 @@ def _root(
 @app.command("bench", cls=_Command)
 @_guarded("bench")
 def bench(
-    model: Literal["seed", "weight_norm", "spectral_norm", "orthogonal"] = typer.Option(
+    model: Literal["seed", "weight_norm", "spectral_norm", "weight_norm_hooks", "spectral_norm_hooks", "orthogonal"] = typer.Option(
         "seed", metavar="NAME",
-        help="The parametrized model of the zoo to measure: seed, weight_norm, spectral_norm or orthogonal."
+        help="The parametrized model of the zoo to measure: seed, weight_norm, spectral_norm, weight_norm_hooks, spectral_norm_hooks (torch's deprecated hook-based norms) or orthogonal."
     ),
     layers: Optional[int] = typer.Option(
         None, help="Number of layers \\[default: 32 for seed, else 16]."

@@ -100,7 +100,8 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
         >>> plain.bias is model.bias
         True
     """
-    sites = [s for s in find(model) if not inside_parametrization(s.module_path)]
+    # Hook-based norms are folded by torch's own remove_* below (_hook_based_norms).
+    sites = [s for s in find(model) if not inside_parametrization(s.module_path) and not s.hook_based]
     if filter_fn is not None:
         sites = [s for s in sites if _selected(filter_fn, s)]
     # torchao's unwrap_tensor_subclass exists to make quantized weights exportable: the program
@@ -192,7 +193,7 @@ def _hook_based_norms(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     found = [
         (module, hook)
         for module in model.modules()
-        for hook in module._forward_pre_hooks.values()
+        for hook in (getattr(h, "original", h) for h in module._forward_pre_hooks.values())
         if isinstance(hook, (WeightNorm, SpectralNorm))
     ]
     training = [type(m).__name__ for m, h in found if isinstance(h, SpectralNorm) and m.training]
@@ -212,8 +213,12 @@ def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, 
 
     with torch.no_grad():
         for module, hook in legacy:
+            copied = memo[id(module)]
+            hooks = copied._forward_pre_hooks
+            for key, h in list(hooks.items()):  # a prepared model's copy: torch's hook, not paramfold's
+                hooks[key] = getattr(h, "original", h)
             remove = remove_spectral_norm if isinstance(hook, SpectralNorm) else remove_weight_norm
-            remove(memo[id(module)], hook.name)
+            remove(copied, hook.name)
 
 
 def _sharing_memo(model: nn.Module, folded_modules: set[nn.Module]) -> dict[int, Any]:
@@ -241,8 +246,13 @@ def _strip_prepared(model: nn.Module, memo: dict[int, Any]) -> None:
         replica = memo[id(module)]
         values = replica.__dict__
         values.pop(STATE_ATTR)
-        for name in (*state.sites, *state.ref_keys, *(state.detach_params and module._parameters or ())):
+        parametrized = [n for n, site in state.sites.items() if site.hook is None]
+        for name in (*parametrized, *state.ref_keys, *(state.detach_params and module._parameters or ())):
             values.pop(name, None)
+        for site in state.sites.values():
+            if site.hook is not None:  # hook-based norm: torch's hook back, the value stays (as stock)
+                values.pop(site.hook_wrapper.marker, None)
+                replica._forward_pre_hooks[site.hook_key] = memo.get(id(site.hook), site.hook)
         if state.load_hook is not None:
             replica._load_state_dict_post_hooks.pop(state.load_hook.id, None)
         replica.__class__ = state.original_class

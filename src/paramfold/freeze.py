@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.errors import FoldError, first_few
-from paramfold.runtime import FrozenValue, SiteState, site_state
+from paramfold.runtime import FrozenValue, SiteState, hook_site_state, site_state
 from paramfold.sites import Site
 
 
@@ -33,7 +34,7 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
     frozen = site.frozen
     if frozen is None or not _unchanged(site, frozen):
         with torch.inference_mode(False), torch.no_grad():
-            value = compute(module, name)
+            value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
             # Stateful chains may bump their own buffers while computing; key on the state after.
             site.frozen = frozen = FrozenValue(value, _watch(site), tuple(map(len, site.tensor_dicts)))
     return frozen.value
@@ -100,7 +101,7 @@ def chain_needs_grad(site: SiteState) -> bool:
 
 def refuse_unfreezable(sites: list[Site], when: str) -> None:
     """Raise :class:`FoldError` naming every site in ``sites`` that cannot be frozen."""
-    states = [(s, site_state(s.module, s.tensor_name, "freeze", s.stateful)) for s in sites]
+    states = [(s, _state(s)) for s in sites]
     bad = [(s, st) for s, st in states if not can_freeze(st)]
     if not bad:
         return
@@ -113,6 +114,13 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
         "call model.eval() and model.requires_grad_(False) first, or use mode='auto' "
         "(freezes what it can, hoists the rest) or mode='hoist'."
     )
+
+
+def _state(site: Site) -> SiteState:
+    if site.hook_based:
+        (key, hook, kind), = [(k, h, kd) for k, h, kd in hooknorms.hook_norms(site.module) if h is site.chain[0]]
+        return hook_site_state(site.module, key, hook, kind, "freeze", "content")
+    return site_state(site.module, site.tensor_name, "freeze", site.stateful)
 
 
 def _address(t: torch.Tensor) -> int:

@@ -14,8 +14,9 @@ from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
-from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, is_dtensor, site_state
-from paramfold.sites import Site, find, hook_based_norms, inside_parametrization
+from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, hook_site_state, is_dtensor, site_state
+from paramfold.hooknorms import ScopedNormHook, hook_norms, swap_hook
+from paramfold.sites import Site, find, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
@@ -94,6 +95,10 @@ def prepare(
     # would gather every parameter at the root's call, freezing would keep a stale gather.
     communicating = {s.module for s in sites if "communication" in s.kind.split("+")}
     sites = [s for s in sites if s.module not in communicating]
+    if mode == "inline":
+        # A hook-based norm already computes its tensor in-graph, where it is read: inline's
+        # semantics. Its hook stays as it is.
+        sites = [s for s in sites if not s.hook_based]
     chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
     selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
@@ -103,7 +108,6 @@ def prepare(
     for site in selected:
         _refuse_unsupported(site)
 
-    _warn_hook_based_norms(model)
     states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check)
     install_type_before_parametrizations()
     applied: list[nn.Module] = []
@@ -116,26 +120,16 @@ def prepare(
                 state.ref_keys += install_refs(module, name, state.sites[name])
             if inline:
                 state.load_hook = module.register_load_state_dict_post_hook(_resync_after_load)
+            for site in state.sites.values():
+                if site.hook is not None:
+                    site.hook_wrapper = ScopedNormHook(site.hook)
+                    swap_hook(module, site.hook_key, site.hook_wrapper)
             module.__class__ = cls
     except BaseException:
         for module in applied:
             restore_module(module)
         raise
     return model
-
-
-def _warn_hook_based_norms(model: nn.Module) -> None:
-    legacy = hook_based_norms(model)
-    if legacy:
-        warnings.warn(
-            f"{len(legacy)} tensor(s) use torch's hook-based norms, which are not parametrizations "
-            f"and which paramfold leaves as they are: {first_few(legacy, 3)}. Build those modules "
-            "with torch.nn.utils.parametrizations.weight_norm / spectral_norm instead. The new "
-            "weight_norm loads checkpoints saved with the old one (weight_g, weight_v); old "
-            "spectral_norm checkpoints keep their tensors under weight_orig, weight_u, weight_v.",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 @contextlib.contextmanager
@@ -193,6 +187,8 @@ def _selected(filter_fn: FilterFn | None, module: nn.Module, fqn: str) -> bool:
 
 
 def _refuse_unsupported(site: Site) -> None:
+    if site.hook_based:
+        return
     cls = type(site.module)
     extra = set(vars(cls)) - _STOCK_CLASS_KEYS - set(site.module.parametrizations)
     if extra or not isinstance(site.module.parametrizations[site.tensor_name], parametrize.ParametrizationList):
@@ -240,7 +236,11 @@ def _plan(
 
     for site in selected:
         hs = state(site.module)
-        hs.sites[site.tensor_name] = site_state(site.module, site.tensor_name, mode, site.stateful, freeze_check)
+        if site.hook_based:
+            key = next(k for k, h, _ in hook_norms(site.module) if h is site.chain[0])
+            hs.sites[site.tensor_name] = hook_site_state(site.module, key, site.chain[0], site.kind, mode, freeze_check)
+        else:
+            hs.sites[site.tensor_name] = site_state(site.module, site.tensor_name, mode, site.stateful, freeze_check)
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():
@@ -259,7 +259,7 @@ def _plan(
 
     planned = {}
     for module, st in states.items():
-        own = frozenset(st.sites)
+        own = frozenset(n for n, site in st.sites.items() if site.hook is None)
         if parametrize.is_parametrized(module):
             st.stock_names = frozenset(module._modules["parametrizations"]._modules)
         if own:

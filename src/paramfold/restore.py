@@ -50,8 +50,13 @@ def restore_module(module: nn.Module) -> None:
     state = module.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return
-    for name in state.sites:
-        module.__dict__.pop(name, None)
+    for name, site in state.sites.items():
+        if site.hook is None:
+            module.__dict__.pop(name, None)
+        elif site.hook_wrapper is not None:
+            module.__dict__.pop(site.hook_wrapper.marker, None)
+            if module._forward_pre_hooks.get(site.hook_key) is site.hook_wrapper:
+                module._forward_pre_hooks[site.hook_key] = site.hook  # the same object, at its key
     for key in state.ref_keys:
         module.__dict__.pop(key, None)
     if state.load_hook is not None:

@@ -56,6 +56,12 @@ class SiteState:
     #: not carry gradients from a subclass graph input back to the originals it was built from,
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
     subclass: bool | None = None
+    #: Hook-based norms (``paramfold.hooknorms``): torch's hook object, its kind, its key in
+    #: ``module._forward_pre_hooks`` and the :class:`~paramfold.hooknorms.ScopedNormHook` put there.
+    hook: Any = None
+    hook_kind: str = ""
+    hook_key: int = -1
+    hook_wrapper: Any = None
 
     @property
     def training_stateful(self) -> bool:
@@ -99,6 +105,18 @@ def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_c
     return SiteState(
         mode, stateful, plist, members(plist), tuple(plist._modules.values()), originals, dicts, params,
         nested=is_nested(plist), freeze_check=freeze_check,
+    )
+
+
+def hook_site_state(module: nn.Module, key: int, hook: object, kind: str, mode: str, freeze_check: str) -> SiteState:
+    """A :class:`SiteState` for a tensor computed by torch's hook-based weight_norm/spectral_norm."""
+    from paramfold import hooknorms
+
+    originals = tuple((d, k) for _, d, k in hooknorms.originals(module, hook, kind))
+    return SiteState(
+        mode, kind == "spectral_norm", None, (module,), (), originals,
+        (module._parameters, module._buffers), (), freeze_check=freeze_check,
+        hook=hook, hook_kind=kind, hook_key=key,
     )
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
@@ -90,9 +91,14 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
                 sync_refs(holder, site)
                 continue
             value = _value(holder, name, site, grad)
-            if value is not None:
-                values[name] = value
+            if value is None:
+                continue
+            values[name] = value
+            if site.hook is None:
                 installed.append(name)
+            else:  # hook-based norm: like stock, the value stays after the call; the marker goes
+                values[site.hook_wrapper.marker] = True
+                installed.append(site.hook_wrapper.marker)
         if hs.detach_params and not grad:
             for name, param in holder._parameters.items():
                 if param is not None:
@@ -133,10 +139,19 @@ def _concurrent(entry: nn.Module) -> FoldError:
 
 
 def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
-    plists = holder._modules.get("parametrizations")
-    changed = type(holder) is not hs.prepared_class or plists is None or plists._modules.keys() != hs.sites.keys()
-    if not changed:
-        for name, site in hs.sites.items():
+    changed = type(holder) is not hs.prepared_class
+    hooks = holder._forward_pre_hooks
+    names = []
+    for name, site in hs.sites.items():
+        if site.hook is None:
+            names.append(name)
+        elif hooks.get(site.hook_key) is not site.hook_wrapper:
+            changed = True
+    if names and not changed:
+        plists = holder._modules.get("parametrizations")
+        changed = plists is None or plists._modules.keys() != set(names)
+        for name in names if not changed else ():
+            site = hs.sites[name]
             plist = plists._modules[name]
             if plist is not site.plist or tuple(plist._modules.values()) != site.modules:
                 changed = True
@@ -144,8 +159,8 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
     if changed:
         raise FoldError(
             f"parametrizations of a {hs.original_class.__name__} changed after paramfold.prepare "
-            "(registered, removed or replaced): call paramfold.restore(model), change them, then "
-            "prepare again."
+            "(registered, removed or replaced, or a hook-based norm removed): call "
+            "paramfold.restore(model), change them, then prepare again."
         )
 
 
@@ -184,7 +199,7 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
     needs_grad = grad and chain_needs_grad(site)
     if site.subclass and needs_grad:
         return None
-    value = compute(holder, name)
+    value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
     if site.subclass is None:
         site.subclass = type(value) not in (torch.Tensor, nn.Parameter)
         if site.subclass and needs_grad:

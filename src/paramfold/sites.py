@@ -12,6 +12,8 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold.compute import is_nested, leaf_originals, members, original_names
+from paramfold.hooknorms import hook_norms
+from paramfold.hooknorms import originals as hook_originals
 from paramfold.runtime import is_dtensor
 
 __all__ = ["KINDS", "Site", "find"]
@@ -65,6 +67,9 @@ class Site:
         tied_with: ``(module_path, tensor_name)`` of the other sites sharing an original tensor.
         nested: the sites of parametrizations registered on this site's own originals
             (``module.parametrizations.<name>.original``), which stock computes first.
+        hook_based: whether the tensor is computed by torch's deprecated hook-based
+            ``torch.nn.utils.weight_norm`` / ``spectral_norm`` (``chain`` is then the hook;
+            originals ``weight_g``/``weight_v`` or ``weight_orig``) rather than a parametrization.
     """
 
     module_path: str
@@ -78,6 +83,7 @@ class Site:
     is_buffer: bool
     tied_with: tuple[tuple[str, str], ...] = ()
     nested: tuple[Site, ...] = ()
+    hook_based: bool = False
 
     @property
     def fqn(self) -> str:
@@ -86,7 +92,9 @@ class Site:
 
     @property
     def training(self) -> bool:
-        """Whether any parametrization in the chain is in training mode."""
+        """Whether any parametrization in the chain (the module, for a hook-based norm) is training."""
+        if self.hook_based:
+            return self.module.training
         return any(m.training for m in self.chain)
 
 
@@ -105,7 +113,9 @@ def find(model: nn.Module) -> list[Site]:
         [('0', 'weight', 'weight_norm')]
     """
     every = {(path, name): _make_site(path, module, name) for path, module, name in _iter_registrations(model)}
-    sites = _attach_nested(every)
+    sites = _attach_nested(every) + _hook_sites(model)
+    order = {id(m): i for i, (_, m) in enumerate(model.named_modules())}
+    sites.sort(key=lambda s: order[id(s.module)])  # stable: a module's own order is kept
     by_original: dict[int, list[Site]] = defaultdict(list)
     for site in sites:
         for tensor in site.originals.values():
@@ -120,6 +130,24 @@ def find(model: nn.Module) -> list[Site]:
         }
         tied.append(dataclasses.replace(site, tied_with=tuple(sorted(others))))
     return tied
+
+
+def _hook_sites(model: nn.Module) -> list[Site]:
+    sites = []
+    for path, module in model.named_modules():
+        if inside_parametrization(path):
+            continue
+        for _, hook, kind in hook_norms(module):
+            originals = {n: d[k] for n, d, k in hook_originals(module, hook, kind)}
+            sites.append(
+                Site(
+                    module_path=path, tensor_name=hook.name, module=module, chain=(hook,),
+                    originals=originals, kind=kind,
+                    requires_grad=any(t.requires_grad for t in originals.values()),
+                    stateful=kind == "spectral_norm", is_buffer=False, hook_based=True,
+                )
+            )
+    return sites
 
 
 def _attach_nested(every: dict[tuple[str, str], Site]) -> list[Site]:
@@ -257,22 +285,3 @@ def _is_cast(args: tuple, out: object) -> bool:
     if out.is_floating_point() or out.is_complex():
         return torch.allclose(out, expected, rtol=0, atol=0, equal_nan=True)  # NaNs cast to NaNs
     return torch.equal(out, expected)
-
-
-def hook_based_norms(model: nn.Module) -> list[str]:
-    """``"fqn.name (api)"`` of every tensor computed by torch's *hook-based* norms.
-
-    ``torch.nn.utils.weight_norm`` and ``torch.nn.utils.spectral_norm`` (the deprecated APIs
-    many vocoders and GANs still use) recompute a tensor in a forward pre-hook rather than through
-    ``parametrize``, so :func:`find` does not report them and ``prepare`` leaves them alone.
-    """
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    found = []
-    for path, module in model.named_modules():
-        for hook in module._forward_pre_hooks.values():
-            for api, cls in (("weight_norm", WeightNorm), ("spectral_norm", SpectralNorm)):
-                if isinstance(hook, cls):
-                    found.append(f"{path + '.' if path else ''}{hook.name} (torch.nn.utils.{api})")
-    return found

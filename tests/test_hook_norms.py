@@ -1,0 +1,195 @@
+"""torch's hook-based ``weight_norm`` / ``spectral_norm`` through find, every mode and entry point.
+
+Stock and prepared copies are built twice from one seed (a hook-based module holds a non-leaf
+tensor that ``copy.deepcopy`` refuses, in stock too); everything is compared bitwise in eager and
+under aot_eager: outputs, gradients, spectral_norm's ``weight_u``/``weight_v``, state dicts.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import paramfold
+from paramfold.hooknorms import ScopedNormHook
+
+LAYERS = {
+    "linear": (lambda: nn.Linear(6, 6), (3, 6)),
+    "conv1d": (lambda: nn.Conv1d(6, 6, 3, padding=1), (2, 6, 5)),
+    "convtranspose1d": (lambda: nn.ConvTranspose1d(6, 6, 3, padding=1), (2, 6, 5)),
+    "conv2d": (lambda: nn.Conv2d(6, 6, 3, padding=1), (2, 6, 4, 4)),
+}
+
+
+def _norm(kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook-based API
+        if kind == "weight_norm":
+            return lambda m: torch.nn.utils.weight_norm(m, dim=1 if isinstance(m, nn.ConvTranspose1d) else 0)
+        return lambda m: torch.nn.utils.spectral_norm(m, dim=1 if isinstance(m, nn.ConvTranspose1d) else None)
+
+
+class Pair(nn.Sequential):
+    """A user-defined container (dynamo compiles its forward as a frame of the user's)."""
+
+    def forward(self, x):
+        return self[2](self[1](self[0](x)))
+
+
+def build(kind, layer, container=Pair):
+    make, shape = LAYERS[layer]
+    torch.manual_seed(0)
+    norm = _norm(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = container(norm(make()), nn.Tanh(), norm(make()))
+    return model, torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+def _hooks(model):
+    return [(path, list(m._forward_pre_hooks.items())) for path, m in model.named_modules()]
+
+
+def _check_equal(stock, ours, what):
+    for (n, a), (_, b) in zip(sorted(stock.items()), sorted(ours.items()), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b), f"{what} {n}"
+
+
+def _run(kind, layer, mode, train, compile_backend=None, steps=3):
+    stock, x = build(kind, layer)
+    ours, _ = build(kind, layer)
+    stock.train(train), ours.train(train)
+    if mode == "freeze":
+        stock.requires_grad_(False), ours.requires_grad_(False)
+    hooks = _hooks(ours)
+    keys = sorted(ours.state_dict())
+    paramfold.prepare(ours, mode)
+    assert sorted(ours.state_dict()) == keys
+    run = torch.compile(ours, backend=compile_backend) if compile_backend else ours
+    grad = mode != "freeze"
+    for _ in range(steps):
+        with torch.set_grad_enabled(grad):
+            out_s, out_o = stock(x), run(x)
+        assert torch.equal(out_s, out_o)
+        if grad:
+            out_s.square().sum().backward()
+            out_o.square().sum().backward()
+            _check_equal({n: p.grad for n, p in stock.named_parameters()}, {n: p.grad for n, p in ours.named_parameters()}, "grad")
+            with torch.no_grad():
+                for p in (*stock.parameters(), *ours.parameters()):
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+        _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
+        _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+    paramfold.restore(ours)
+    after = _hooks(ours)
+    assert [(p, [(k, id(h)) for k, h in hs]) for p, hs in after] == [(p, [(k, id(h)) for k, h in hs]) for p, hs in hooks]
+    with torch.set_grad_enabled(grad):
+        assert torch.equal(stock(x), ours(x))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_find_reports_hook_based_norms(kind):
+    model, _ = build(kind, "conv1d")
+    sites = paramfold.find(model)
+    assert [(s.fqn, s.kind, s.hook_based) for s in sites] == [("0.weight", kind, True), ("2.weight", kind, True)]
+    expected = {"weight_g", "weight_v"} if kind == "weight_norm" else {"weight_orig"}
+    assert all(set(s.originals) == expected for s in sites)
+    assert all(s.stateful == (kind == "spectral_norm") and s.requires_grad for s in sites)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_every_mode_bitwise_equal_to_stock(kind, layer, mode, train):
+    _run(kind, layer, mode, train)
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_freeze_bitwise_equal_to_stock(kind, layer):
+    _run(kind, layer, "freeze", train=False)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_compiled_bitwise_equal_to_stock(kind, mode):
+    torch._dynamo.reset()
+    _run(kind, "conv1d", mode, train=mode != "freeze", compile_backend="aot_eager", steps=2)
+
+
+def test_freeze_refuses_spectral_norm_in_training():
+    model, _ = build("spectral_norm", "linear")
+    model.requires_grad_(False)
+    with pytest.raises(paramfold.FoldError, match="stateful chain in training mode"):
+        paramfold.prepare(model, "freeze")
+    assert all(not isinstance(h, ScopedNormHook) for _, hs in _hooks(model) for _, h in hs)
+
+
+@pytest.mark.parametrize("entry", ["model", "method"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_compiled_graph_holds_only_the_plain_ops(kind, entry):
+    # The deterministic proxy of compile cost: hoisted, the norm is not traced at all.
+    def ops(model, x):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        if entry == "model":
+            torch.compile(model, backend=counter)(x)
+        elif entry == "method":
+            model.compile(backend=counter)
+            model(x)
+        else:
+            for layer in (model[0], model[2]):
+                layer.compile(backend=counter)
+            model(x)
+        return [n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+
+    stock, x = build(kind, "conv1d")
+    ours, _ = build(kind, "conv1d")
+    paramfold.prepare(ours, "hoist")
+    plain = Pair(nn.Conv1d(6, 6, 3, padding=1), nn.Tanh(), nn.Conv1d(6, 6, 3, padding=1))
+    assert ops(ours, x) == ops(plain, x)
+    assert len(ops(stock, x)) > len(ops(plain, x))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_torch_compile_of_a_prepared_nn_sequential_opens_the_scope(kind):
+    # torch.compile wraps torch's own modules (nn.Sequential) in an extra frame that inlines their
+    # __call__; the prepared root gives dynamo a forward frame of paramfold's own instead.
+    ours, x = build(kind, "conv1d", container=nn.Sequential)
+    stock, _ = build(kind, "conv1d", container=nn.Sequential)
+    paramfold.prepare(ours, "hoist")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    out = torch.compile(ours, backend=counter)(x)
+    assert torch.equal(out, stock(x))
+    names = [n.target.__name__ for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert names == ["conv1d", "tanh", "conv1d"]
+
+
+def test_module_called_outside_a_scope_still_runs_the_norm_like_stock():
+    stock, x = build("weight_norm", "linear")
+    ours, _ = build("weight_norm", "linear")
+    paramfold.prepare(ours, "hoist")
+    with torch.no_grad():
+        for m in (stock[0], ours[0]):
+            m.weight_g.mul_(2.0)
+    assert torch.equal(ours[0](x), stock[0](x))  # the layer alone: its own hook, as stock
+    assert torch.equal(ours(x), stock(x))
+
+
+def test_export_of_a_prepared_model_with_hook_based_norms_is_the_plain_program():
+    stock, x = build("weight_norm", "conv1d")
+    ours, _ = build("weight_norm", "conv1d")
+    paramfold.prepare(ours.eval(), "auto")
+    stock.eval()
+    with torch.no_grad():
+        program = paramfold.export(ours, (x,))
+        assert torch.equal(program.module()(x), stock(x))
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten._weight_norm_interface.default not in targets
