@@ -139,7 +139,7 @@ def _concurrent(entry: nn.Module) -> FoldError:
 
 
 def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
-    changed = type(holder) is not hs.prepared_class
+    changed = not issubclass(type(holder), hs.prepared_class)  # a wrapper class (fully_shard) is fine
     hooks = holder._forward_pre_hooks
     names = []
     for name, site in hs.sites.items():
