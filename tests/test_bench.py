@@ -29,7 +29,8 @@ def _fresh_dynamo():
 
 
 def _n_parametrized(model: torch.nn.Module) -> int:
-    return sum(len(m.parametrizations) for m in model.modules() if parametrize.is_parametrized(m))
+    """Parametrized tensors, torch's hook-based norms included."""
+    return len(paramfold.find(model))
 
 
 @pytest.mark.parametrize("model", list(bench.MODELS))
@@ -250,7 +251,7 @@ def test_cli_table_and_plot(tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--model", "resnet"], "'resnet' is not one of 'seed', 'weight_norm', 'spectral_norm', 'orthogonal'"),
+        (["--model", "resnet"], "'resnet' is not one of 'seed', 'weight_norm', 'spectral_norm', 'weight_norm_hooks', 'spectral_norm_hooks', 'orthogonal'"),
         (["--variant", "fast"], "'fast' is not one of 'baseline', 'stock', 'hoist'"),
         (["--plot", "/no/such/folder/x.png"], "folder /no/such/folder does not exist"),
         (["--plot", "ratios.svg"], "unsupported output format '.svg': use .png"),

@@ -104,11 +104,12 @@ def test_help_text_lists_choices_and_real_defaults():
     text = " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
     assert "<bool>" not in text and "Number of layers [default: 32 for seed, else 16]" in text
     assert "Layer width [default: 128 for seed and weight_norm, else 64]" in text
-    assert "seed, weight_norm, spectral_norm or orthogonal" in text and "eager, aot_eager or inductor" in text
+    assert all(name in text for name in cli.MODEL_NAMES) and "eager, aot_eager or inductor" in text
     assert "hoist, inline, freeze or auto" in text and "--wide" in text and "-h" in text
     # the defaults the help states are the zoo's, the choices are paramfold.bench's
     assert {n: (m.default_layers, m.default_width) for n, m in bench.MODELS.items()} == {
-        "seed": (32, 128), "weight_norm": (16, 128), "spectral_norm": (16, 64), "orthogonal": (16, 64)}
+        "seed": (32, 128), "weight_norm": (16, 128), "spectral_norm": (16, 64), "weight_norm_hooks": (16, 128),
+        "spectral_norm_hooks": (16, 64), "orthogonal": (16, 64)}
     assert cli.MODEL_NAMES == tuple(bench.MODELS) and cli.BACKEND_NAMES == bench.BACKENDS
     assert cli.ENTRY_NAMES == bench.ENTRIES and cli.VARIANT_NAMES == bench.VARIANT_NAMES
     root = " ".join(_run("--help", env={"COLUMNS": "200"}).stdout.split())

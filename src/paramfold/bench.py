@@ -351,8 +351,13 @@ def unparametrize(model: nn.Module) -> nn.Module:
 
     for module in list(model.modules()):
         for _, hook, kind in list(hook_norms(module)):
+            originals = [module._parameters[n] for n in ((f"{hook.name}_g", f"{hook.name}_v") if kind == "weight_norm" else (f"{hook.name}_orig",))]
+            requires_grad = any(t.requires_grad for t in originals)
             with torch.no_grad():
+                # In training, stock's first forward runs one power iteration first: so does this.
+                hook(module, None)
                 (remove_weight_norm if kind == "weight_norm" else remove_spectral_norm)(module, hook.name)
+            module._parameters[hook.name].requires_grad_(requires_grad)
         if not parametrize.is_parametrized(module):
             continue
         for name in list(module.parametrizations.keys()):
