@@ -311,9 +311,49 @@ def test_seed000_layerwise_rlhf_counts():
             value(tokens[68])
             reward(tokens[66])
         (policy(tokens[64]).mean() + value(tokens[68]).mean()).backward()
+    graphs = report.graphs_per_function()
+    (loc,) = [f for f in graphs if f.startswith("forward (")]  # Block.forward, shared by 8 blocks
+    assert graphs[loc] == 5 and report.recompiles_per_function()[loc] == 4
+    block = [r for r in report.recompiles if r.location == loc]
+    assert [r.cause for r in block] == ["shape", "shape", "requires_grad", "grad_mode"]
+    assert all(r.shared_code is None for r in report.records if r.location == loc)
+    others = set(graphs) - {loc}
+    if WRAPS_TORCH_MODULES:
+        # torch >= 2.14 compiles the nn.Embedding layers too, through its wrap_inline wrapper; the
+        # report names Embedding.forward, not the wrapper's `inner`.
+        (emb,) = others
+        assert emb.startswith("Embedding.forward (") and "torch/nn/modules/sparse.py:" in emb
+        assert all(r.shared_code for r in report.records if r.location == emb)
+    else:  # before 2.14 dynamo skips a torch.nn module's forward as a top-level frame
+        assert not others
+
+
+WRAPS_TORCH_MODULES = hasattr(torch._dynamo.eval_frame.OptimizedModule, "_should_wrap_module_call_impl")
+
+
+def test_torch_modules_compiled_one_by_one_share_one_limit():
+    """Ten nn.Linear(4 + i, 4).compile(): from torch 2.14 all run through one shared code object."""
+    layers = [nn.Linear(4 + i, 4) for i in range(10)]
+    for layer in layers:
+        layer.compile(backend="eager")
+    with recompiles(warn=False) as report:
+        for i, layer in enumerate(layers):
+            x = torch.ones(2, 4 + i)
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    if not WRAPS_TORCH_MODULES:
+        assert report.records == []  # torch < 2.14: a torch.nn forward is not compiled at all
+        return
+    limit = torch._dynamo.config.recompile_limit
     (loc,) = report.graphs_per_function()
-    assert report.graphs_per_function()[loc] == 5 and len(report.recompiles) == 4
-    assert [r.cause for r in report.recompiles] == ["shape", "shape", "requires_grad", "grad_mode"]
+    assert loc.startswith("Linear.forward (") and "torch/nn/modules/linear.py:" in loc
+    assert "inner" not in loc and "external_utils" not in loc
+    assert [r.kind for r in report.records] == ["first compile"] + ["recompile"] * (limit - 1) + ["limit hit"]
+    assert {r.cause for r in report.recompiles} == {"shape"}
+    hit = report.limit_hits[0]
+    assert hit.shared_code == "torch._dynamo.external_utils.wrap_inline"
+    assert "share ONE recompile limit" in hit.fix and "compile the parent model once" in hit.fix
+    text = " ".join(_text(report).split())
+    assert "all of them count against one recompile limit" in text and "RECOMPILE LIMIT HIT" in text
 
 
 def _cli(args: list[str]) -> tuple[int, str, str]:
