@@ -41,8 +41,10 @@ What depends on the torch version (each read from that version's source):
   a hit is read from dynamo's own warning (2.5+), else from the failure in the metrics
   (``CacheLimitExceeded``/"cache_size_limit reached" on 2.5, ``RecompileLimitExceeded``/
   "recompile_limit reached" on 2.6-2.10, ``Unsupported``/"recompile limit exceeded" from 2.11).
-* graph breaks: torch < 2.6 logs no ``dynamo_graph_break_reason``; the report says they are not
-  counted there instead of showing 0.
+* graph breaks and dynamic dims: torch < 2.6 logs no ``dynamo_graph_break_reason`` and no
+  ``create_symbol``; the report says so instead of showing 0 / none. A limit hit on 2.5 shows only
+  in dynamo's own warning (no compile metrics for a refused compile): keep torch._dynamo's
+  warnings on there.
 * from 2.14, ``layer.compile()`` on a torch.nn module (whose forward dynamo would skip) wraps its
   ``_call_impl`` in ``torch._dynamo.external_utils.wrap_inline``: every such layer compiles one
   shared code object, ``inner``. The report names the module's own forward (``Linear.forward``)
@@ -190,7 +192,7 @@ _LIMIT_FAIL_REASON = re.compile(
     re.IGNORECASE,
 )
 _TORCH_VERSION = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
-GRAPH_BREAKS_REPORTED = _TORCH_VERSION >= (2, 6)  # torch < 2.6 logs no graph-break event
+GRAPH_BREAKS_REPORTED = _TORCH_VERSION >= (2, 6)  # torch < 2.6: no graph-break, no create_symbol
 
 
 class RecompileLimitWarning(UserWarning):
@@ -208,6 +210,7 @@ class GuardFailure:
     cached_compile_id: str  # the cached graph whose guard failed, e.g. "0/1"
     reason: str  # verbatim, as torch reported it (including any "User stack trace")
     guard: str  # the first line of ``reason`` without the compile id: the failed check itself
+    # (locals spelled ``x`` as torch >= 2.7 does, not ``L['x']``)
     category: str
     fix: str
     tensor: str | None = None  # the tensor / attribute the guard names, when it names one
@@ -376,7 +379,7 @@ class RecompileReport:
         parts.append(summary)
         breaks = (
             f"{self.graph_breaks} graph breaks" if self.graph_breaks is not None
-            else "graph breaks not reported by torch < 2.6"
+            else "graph breaks and dynamic dims not reported by torch < 2.6"
         )
         parts.append(
             Text(
@@ -715,7 +718,8 @@ class _LimitWarningHandler(logging.Handler):
 def _classify(reason: str) -> GuardFailure:
     m = _COMPILE_ID_PREFIX.match(reason)
     cid, rest = (m["cid"], m["rest"]) if m else ("?", reason)
-    guard = rest.split("\nUser stack trace:", 1)[0].split("\n", 1)[0].rstrip()
+    # torch < 2.7 spells locals L['x']; 2.7+ spells them x: report the newer spelling on all.
+    guard = _strip_local_scope(rest.split("\nUser stack trace:", 1)[0].split("\n", 1)[0].rstrip())
     # Code-part guards carry "  # <user source line>" comments; match on the check alone.
     expr = re.split(r"\s+# ", guard, maxsplit=1)[0].strip()
     category, variant, fields = _categorize(expr, guard)
