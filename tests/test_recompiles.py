@@ -22,6 +22,7 @@ from paramfold.recompiles import (
     GRAPH_BREAKS_REPORTED,
     RecompileLimitError,
     RecompileLimitWarning,
+    limit_config,
     recompiles,
 )
 
@@ -209,9 +210,7 @@ def test_other_python_constant():
     assert "(n == 2)" in g.fix
 
 
-# torch >= 2.7 calls it recompile_limit (cache_size_limit is an alias there); older torch has only
-# cache_size_limit.
-LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+LIMIT = limit_config()  # recompile_limit (torch >= 2.7) or cache_size_limit
 
 
 def test_recompile_limit_hit_is_loud():
@@ -361,7 +360,7 @@ def test_torch_modules_compiled_one_by_one_share_one_limit():
     if not WRAPS_TORCH_MODULES:
         assert report.records == []  # torch < 2.14: a torch.nn forward is not compiled at all
         return
-    limit = torch._dynamo.config.recompile_limit
+    limit = getattr(torch._dynamo.config, LIMIT)
     (loc,) = report.graphs_per_function()
     assert loc.startswith("Linear.forward (") and "torch/nn/modules/linear.py:" in loc
     assert "inner" not in loc and "external_utils" not in loc

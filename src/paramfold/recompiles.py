@@ -76,6 +76,7 @@ __all__ = [
     "RecompileLimitError",
     "RecompileLimitWarning",
     "RecompileReport",
+    "limit_config",
     "recompiles",
 ]
 
@@ -193,6 +194,22 @@ _LIMIT_FAIL_REASON = re.compile(
 )
 _TORCH_VERSION = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
 GRAPH_BREAKS_REPORTED = _TORCH_VERSION >= (2, 6)  # torch < 2.6: no graph-break, no create_symbol
+
+
+def limit_config() -> str:
+    """The name of this torch's per-function recompile limit in ``torch._dynamo.config``.
+
+    ``recompile_limit`` from torch 2.7 on (``cache_size_limit`` stays as an alias there), only
+    ``cache_size_limit`` before::
+
+        >>> import torch
+        >>> from paramfold.recompiles import limit_config
+        >>> getattr(torch._dynamo.config, limit_config())
+        8
+    """
+    from torch._dynamo import config
+
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
 
 class RecompileLimitWarning(UserWarning):
@@ -620,8 +637,8 @@ class _Collector:
                 limit_type = p.limit[0]
             elif reason_hit is not None and reason_hit["type"]:
                 limit_type = reason_hit["type"]
-            else:  # config.recompile_limit from torch 2.7 on, cache_size_limit before
-                limit_type = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            else:
+                limit_type = limit_config()
             record.limit_type = limit_type
             record.limit = p.limit[1] if p.limit else getattr(config, limit_type, None)
             record.fix = _fix(
