@@ -76,6 +76,8 @@ __all__ = [
     "RecompileLimitError",
     "RecompileLimitWarning",
     "RecompileReport",
+    "is_limit_message",
+    "is_recompile",
     "limit_config",
     "recompiles",
 ]
@@ -189,7 +191,7 @@ _LIMIT_WARNING_PREFIX = "torch._dynamo hit config."
 # How each torch version words a refused compile in the metrics (fail_type / fail_reason).
 _LIMIT_FAIL_TYPES = ("FailOnRecompileLimitHit", "RecompileLimitExceeded", "CacheLimitExceeded")
 _LIMIT_FAIL_REASON = re.compile(
-    r"recompile limit exceeded|(?P<type>(?:accumulated_)?(?:recompile|cache_size)_limit) reached",
+    r"recompile limit|(?P<type>(?:accumulated_)?(?:recompile|cache_size)_limit) reached",
     re.IGNORECASE,
 )
 _TORCH_VERSION = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
@@ -210,6 +212,29 @@ def limit_config() -> str:
     from torch._dynamo import config
 
     return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+
+def is_limit_message(text: str) -> bool:
+    """Whether a dynamo failure message (``fail_reason``, ``counters["unimplemented"]`` key) says a
+    compile was refused at the recompile limit, in the wording of any torch from 2.5 to 2.15::
+
+        >>> from paramfold.recompiles import is_limit_message
+        >>> [is_limit_message(m) for m in ("cache_size_limit reached", "recompile_limit reached",
+        ...                                "Dynamo recompile limit exceeded", "data-dependent branch")]
+        [True, True, True, False]
+    """
+    return _LIMIT_FAIL_REASON.search(text) is not None
+
+
+def is_recompile(metrics: Any) -> bool:
+    """Whether one of torch's ``CompilationMetrics`` is a recompile.
+
+    torch >= 2.7 records ``recompile_reason``; before, a compile of a code object that already had
+    a graph (frame compile id > 0 in ``compile_id`` "frame/compile") is one.
+    """
+    if hasattr(metrics, "recompile_reason"):
+        return bool(metrics.recompile_reason)
+    return str(getattr(metrics, "compile_id", "") or "").rpartition("/")[2] not in ("", "0")
 
 
 class RecompileLimitWarning(UserWarning):
