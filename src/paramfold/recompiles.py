@@ -39,8 +39,9 @@ What depends on the torch version (each read from that version's source):
   ``recompile_reasons`` artifact alone marks a recompile (it is logged for every recompile since 2.5).
 * the recompile limit is ``config.recompile_limit`` from 2.7 on, ``config.cache_size_limit`` before;
   a hit is read from dynamo's own warning (2.5+), else from the failure in the metrics
-  (``CacheLimitExceeded``/"cache_size_limit reached" on 2.5, ``RecompileLimitExceeded``/
-  "recompile_limit reached" on 2.6-2.10, ``Unsupported``/"recompile limit exceeded" from 2.11).
+  (``RecompileLimitExceeded``/"recompile_limit reached" on 2.8-2.10, ``Unsupported``/"recompile
+  limit exceeded" from 2.11; 2.5 and 2.6 write no metrics for a refused compile, and 2.5's
+  ``CacheLimitExceeded("cache_size_limit reached")`` shows only in ``counters``).
 * graph breaks and dynamic dims: torch < 2.6 logs no ``dynamo_graph_break_reason`` and no
   ``create_symbol``; the report says so instead of showing 0 / none. A limit hit on 2.5 shows only
   in dynamo's own warning (no compile metrics for a refused compile): keep torch._dynamo's
@@ -855,12 +856,14 @@ def _decode_reasons(payload: str) -> list[str]:
 def _graph_break_summary(payload: str) -> str:
     """``at FILE:LINE: REASON`` from dynamo's graph-break message (its first lines)."""
     lines = [ln.strip() for ln in payload.splitlines() if ln.strip()]
-    where_prefix, reason_prefix = "Graph break in user code at ", "Graph Break Reason: "
+    where_prefix = "Graph break in user code at "
+    reason_prefixes = ("Graph Break Reason: ", "Reason: ")  # torch >= 2.7, torch 2.6
     where = next((ln for ln in lines if ln.startswith(where_prefix)), None)
-    i = next((k for k, ln in enumerate(lines) if ln.startswith(reason_prefix)), None)
+    i = next((k for k, ln in enumerate(lines) if ln.startswith(reason_prefixes)), None)
     if where is None or i is None:
         return lines[0] if lines else "graph break"
-    reason = lines[i][len(reason_prefix):]
+    prefix = next(p for p in reason_prefixes if lines[i].startswith(p))
+    reason = lines[i][len(prefix):]
     if reason.endswith(":") and i + 1 < len(lines):  # "...attempting to trace CALL...:" + cause
         i += 1
         reason = lines[i]
