@@ -17,7 +17,8 @@ The script runs the scenario twice, stock and with the paramfold recipe, prints
   sequence length >= 2 -- 3 graphs remain: the no_grad graph for lengths >= 2, the no_grad
   graph for length 1 (sizes 0 and 1 are always specialised; ``mark_unbacked`` would remove it but
   makes ``scaled_dot_product_attention(is_causal=True)`` graph-break on torch 2.13), and the
-  grad-mode graph of the training step (grad mode on/off always needs two).
+  grad-mode graph of the training step (grad mode on/off always needs two). ``backed_size_oblivious``
+  exists from torch 2.7 on; on older torch the recipe runs without it (and says so).
 
     python examples/rlhf_four_models.py [--layers 4] [--backend eager] [--recompile-limit N]
 """
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paramfold
+from paramfold.recompiles import limit_config
 
 WIDTH, HEADS, VOCAB = 64, 4, 128
 
@@ -127,6 +129,16 @@ class Result:
         return sum(n for fn, n in self.report.graphs_per_function().items() if fn.startswith("forward"))
 
 
+HAS_SIZE_OBLIVIOUS = hasattr(fx_config, "backed_size_oblivious")  # torch >= 2.7
+
+
+def size_oblivious() -> contextlib.AbstractContextManager:
+    """``backed_size_oblivious = True`` for the block, where this torch has it (2.7 and later)."""
+    if HAS_SIZE_OBLIVIOUS:
+        return fx_config.patch(backed_size_oblivious=True)
+    return contextlib.nullcontext()
+
+
 def scenario(recipe: bool, n_layers: int = 4, backend: str = "eager") -> Result:
     """Build, compile per layer and run the four models; ``recipe`` applies paramfold's fixes."""
     torch._dynamo.reset()
@@ -137,7 +149,7 @@ def scenario(recipe: bool, n_layers: int = 4, backend: str = "eager") -> Result:
     for model in models.values():
         for layer in model.layers:
             layer.compile(backend=backend)
-    shapes = fx_config.patch(backed_size_oblivious=True) if recipe else contextlib.nullcontext()
+    shapes = size_oblivious() if recipe else contextlib.nullcontext()
     with shapes, paramfold.recompiles(warn=False) as report:
         outputs = run(models)
     grads = {
@@ -153,10 +165,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--recompile-limit", type=int, default=None,
-                        help="set torch._dynamo.config.recompile_limit (torch's default: 8)")
+                        help="set torch._dynamo.config.recompile_limit (cache_size_limit before "
+                             "torch 2.7; torch's default: 8)")
     args = parser.parse_args()
     if args.recompile_limit is not None:
-        torch._dynamo.config.recompile_limit = args.recompile_limit
+        setattr(torch._dynamo.config, limit_config(), args.recompile_limit)
+    if not HAS_SIZE_OBLIVIOUS:
+        print(f"note: torch {torch.__version__} has no torch.fx.experimental._config."
+              "backed_size_oblivious (torch >= 2.7): the recipe runs without it, so each new "
+              "sequence length can still recompile")
 
     stock = scenario(recipe=False, n_layers=args.layers, backend=args.backend)
     print("== stock torch.compile ==")

@@ -16,6 +16,7 @@ import paramfold
 from paramfold import bench
 from paramfold.bench import BenchConfig, Variant, run_bench
 from paramfold.cli import app
+from paramfold.recompiles import limit_config
 
 HAS_PREPARE = hasattr(paramfold, "prepare")
 SMALL = dict(layers=4, repeats=1, backend="eager", steady_calls=2, warmup_calls=1)
@@ -157,7 +158,7 @@ def test_layers_entry_compiles_every_layer():
 
 
 def test_recompile_limit_is_reported():
-    limit = torch._dynamo.config.recompile_limit
+    limit = getattr(torch._dynamo.config, limit_config())  # cache_size_limit before torch 2.7
     config = BenchConfig(entry="layers", variants=(), **{**SMALL, "layers": limit + 2})
     result = run_bench(config)
     stock = result.variant("stock")

@@ -12,6 +12,11 @@ import pytest
 import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The graph counts are torch's own behaviour. torch 2.5's automatic dynamic recompiles for one more
+# sequence length (stock 7 graphs); the recipe's 3 need backed_size_oblivious (torch >= 2.7; 2.6
+# gets 4). Outputs and gradients equal stock on every version.
+STOCK_COUNTS = torch.__version__ >= (2, 6)
+RECIPE_COUNTS = torch.__version__ >= (2, 7)
 
 
 def _load(name: str):
@@ -31,6 +36,7 @@ def rlhf():
     return stock, recipe
 
 
+@pytest.mark.skipif(not STOCK_COUNTS, reason="torch 2.5's automatic dynamic makes 7 graphs, not 5")
 def test_rlhf_stock_recompiles_with_the_seed_causes(rlhf):
     stock, _ = rlhf
     (fn,) = [f for f in stock.report.graphs_per_function() if f.startswith("forward")]
@@ -39,6 +45,7 @@ def test_rlhf_stock_recompiles_with_the_seed_causes(rlhf):
     assert [r.cause for r in stock.report.recompiles] == ["shape", "shape", "requires_grad", "grad_mode"]
 
 
+@pytest.mark.skipif(not RECIPE_COUNTS, reason="the recipe needs backed_size_oblivious (torch >= 2.7)")
 def test_rlhf_recipe_leaves_only_the_unavoidable_graphs(rlhf):
     _, recipe = rlhf
     assert recipe.layer_graphs == 3
@@ -58,7 +65,11 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
 @pytest.mark.parametrize(
     "script, args, expected",
     [
-        ("rlhf_four_models.py", ["--layers", "1"], "Layer.forward graphs: stock 5, recipe 3"),
+        (
+            "rlhf_four_models.py", ["--layers", "1"],
+            "Layer.forward graphs: stock 5, recipe 3" if RECIPE_COUNTS
+            else "max |difference| of outputs and gradients: 0",
+        ),
         ("quickstart.py", [], "outputs equal: True"),
     ],
 )

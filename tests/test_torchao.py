@@ -1,4 +1,6 @@
-"""torchao 0.18: quantize_ + unwrap_tensor_subclass, and the sparsifier's FakeSparsity masks."""
+"""torchao 0.18: quantize_ + unwrap_tensor_subclass, and the sparsifier's FakeSparsity masks.
+
+Skipped as a whole when torchao is missing or cannot be imported with this torch (see conftest)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import paramfold
 import paramfold.testing as pt
 
 warnings.filterwarnings("ignore", module="torchao")
+# conftest turns a torchao that is installed but fails at import (one built for a newer torch
+# raises ImportError or AttributeError) into ModuleNotFoundError with the real error as reason.
 torchao = pytest.importorskip("torchao")
 from torchao.prototype.sparsity.sparsifier.utils import FakeSparsity  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold.recompiles import is_limit_message, is_recompile  # torch 2.5 .. 2.15 wording
+
 __all__ = [
     "BACKENDS",
     "ENTRIES",
@@ -659,13 +661,11 @@ def _read_proxies() -> Proxies:
     return Proxies(
         graphs=int(counters["stats"]["unique_graphs"]),
         graph_breaks=int(sum(counters["graph_break"].values())),
-        recompiles=sum(
-            1 for m in get_compilation_metrics() if getattr(m, "recompile_reason", None)
-        ),
+        recompiles=sum(1 for m in get_compilation_metrics() if is_recompile(m)),
         captured_calls=int(counters["stats"]["calls_captured"]),
         frames=int(counters["frames"]["ok"]),
         recompile_limit_hits=int(
-            sum(n for msg, n in counters["unimplemented"].items() if "recompile limit" in msg)
+            sum(n for msg, n in counters["unimplemented"].items() if is_limit_message(msg))
         ),
     )
 

@@ -32,6 +32,24 @@ the *first* failing guard of each cached graph, so a graph can differ in more wa
 shown.
 
 All fix texts live in :data:`FIXES`.
+
+What depends on the torch version (each read from that version's source):
+
+* recompile causes: torch >= 2.7 puts ``recompile_reason`` in the compile metrics; on older torch the
+  ``recompile_reasons`` artifact alone marks a recompile (it is logged for every recompile since 2.5).
+* the recompile limit is ``config.recompile_limit`` from 2.7 on, ``config.cache_size_limit`` before;
+  a hit is read from dynamo's own warning (2.5+), else from the failure in the metrics
+  (``RecompileLimitExceeded``/"recompile_limit reached" on 2.8-2.10, ``Unsupported``/"recompile
+  limit exceeded" from 2.11; 2.5 and 2.6 write no metrics for a refused compile, and 2.5's
+  ``CacheLimitExceeded("cache_size_limit reached")`` shows only in ``counters``).
+* graph breaks and dynamic dims: torch < 2.6 logs no ``dynamo_graph_break_reason`` and no
+  ``create_symbol``; the report says so instead of showing 0 / none. A limit hit on 2.5 shows only
+  in dynamo's own warning (no compile metrics for a refused compile): keep torch._dynamo's
+  warnings on there.
+* from 2.14, ``layer.compile()`` on a torch.nn module (whose forward dynamo would skip) wraps its
+  ``_call_impl`` in ``torch._dynamo.external_utils.wrap_inline``: every such layer compiles one
+  shared code object, ``inner``. The report names the module's own forward (``Linear.forward``)
+  and says that those layers share one recompile limit.
 """
 
 from __future__ import annotations
@@ -40,8 +58,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import inspect
 import os
 import re
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -57,6 +77,9 @@ __all__ = [
     "RecompileLimitError",
     "RecompileLimitWarning",
     "RecompileReport",
+    "is_limit_message",
+    "is_recompile",
+    "limit_config",
     "recompiles",
 ]
 
@@ -126,6 +149,14 @@ FIXES: dict[str, str] = {
         "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
         "it EAGER from now on: remove the causes above, or raise torch._dynamo.config.{limit_type}"
     ),
+    "limit hit:shared": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. On torch >= 2.14 every torch.nn module compiled on its own "
+        "(layer.compile()) runs through one shared wrapper code object "
+        "(torch._dynamo.external_utils.wrap_inline), so all such layers share ONE recompile limit: "
+        "compile the parent model once instead of each layer, or raise "
+        "torch._dynamo.config.{limit_type}"
+    ),
     "other": (
         "a Python value the compiled code depends on changed ({guard}): keep it constant, or pass "
         "it as a tensor"
@@ -158,6 +189,53 @@ _IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line inva
 _COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
 _FUNC_INFO = re.compile(r"^'(?P<name>.*)' \((?P<file>.*):(?P<line>\d+)\)$")
 _LIMIT_WARNING_PREFIX = "torch._dynamo hit config."
+# How each torch version words a refused compile in the metrics (fail_type / fail_reason).
+_LIMIT_FAIL_TYPES = ("FailOnRecompileLimitHit", "RecompileLimitExceeded", "CacheLimitExceeded")
+_LIMIT_FAIL_REASON = re.compile(
+    r"recompile limit|(?P<type>(?:accumulated_)?(?:recompile|cache_size)_limit) reached",
+    re.IGNORECASE,
+)
+_TORCH_VERSION = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
+GRAPH_BREAKS_REPORTED = _TORCH_VERSION >= (2, 6)  # torch < 2.6: no graph-break, no create_symbol
+
+
+def limit_config() -> str:
+    """The name of this torch's per-function recompile limit in ``torch._dynamo.config``.
+
+    ``recompile_limit`` from torch 2.7 on (``cache_size_limit`` stays as an alias there), only
+    ``cache_size_limit`` before::
+
+        >>> import torch
+        >>> from paramfold.recompiles import limit_config
+        >>> getattr(torch._dynamo.config, limit_config())
+        8
+    """
+    from torch._dynamo import config
+
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+
+def is_limit_message(text: str) -> bool:
+    """Whether a dynamo failure message (``fail_reason``, ``counters["unimplemented"]`` key) says a
+    compile was refused at the recompile limit, in the wording of any torch from 2.5 to 2.15::
+
+        >>> from paramfold.recompiles import is_limit_message
+        >>> [is_limit_message(m) for m in ("cache_size_limit reached", "recompile_limit reached",
+        ...                                "Dynamo recompile limit exceeded", "data-dependent branch")]
+        [True, True, True, False]
+    """
+    return _LIMIT_FAIL_REASON.search(text) is not None
+
+
+def is_recompile(metrics: Any) -> bool:
+    """Whether one of torch's ``CompilationMetrics`` is a recompile.
+
+    torch >= 2.7 records ``recompile_reason``; before, a compile of a code object that already had
+    a graph (frame compile id > 0 in ``compile_id`` "frame/compile") is one.
+    """
+    if hasattr(metrics, "recompile_reason"):
+        return bool(metrics.recompile_reason)
+    return str(getattr(metrics, "compile_id", "") or "").rpartition("/")[2] not in ("", "0")
 
 
 class RecompileLimitWarning(UserWarning):
@@ -175,6 +253,7 @@ class GuardFailure:
     cached_compile_id: str  # the cached graph whose guard failed, e.g. "0/1"
     reason: str  # verbatim, as torch reported it (including any "User stack trace")
     guard: str  # the first line of ``reason`` without the compile id: the failed check itself
+    # (locals spelled ``x`` as torch >= 2.7 does, not ``L['x']``)
     category: str
     fix: str
     tensor: str | None = None  # the tensor / attribute the guard names, when it names one
@@ -199,6 +278,9 @@ class CompileRecord:
     fix: str | None = None  # for "limit hit"
     fail_type: str | None = None
     fail_reason: str | None = None
+    # "torch._dynamo.external_utils.wrap_inline" when the compiled code object is torch's shared
+    # wrapper around a callable dynamo would not trace itself; ``function`` then names that callable.
+    shared_code: str | None = None
 
     @property
     def location(self) -> str:
@@ -232,7 +314,9 @@ class RecompileReport:
     def __init__(self) -> None:
         self.records: list[CompileRecord] = []
         self.graphs_total = 0  # counters["stats"]["unique_graphs"] delta over the block
-        self.graph_breaks = 0  # graph breaks dynamo logged in the block (dynamo_graph_break_reason)
+        # graph breaks dynamo logged in the block (dynamo_graph_break_reason); None on torch < 2.6,
+        # which logs no such event
+        self.graph_breaks: int | None = 0 if GRAPH_BREAKS_REPORTED else None
         self.collection_errors: list[str] = []
 
     @property
@@ -336,13 +420,26 @@ class RecompileReport:
                 ", ".join(f"{k} x{causes[k]}" for k in CATEGORIES if causes[k]) or "-",
             )
         parts.append(summary)
+        breaks = (
+            f"{self.graph_breaks} graph breaks" if self.graph_breaks is not None
+            else "graph breaks and dynamic dims not reported by torch < 2.6"
+        )
         parts.append(
             Text(
-                f"{self.graphs_total} graphs, {len(self.recompiles)} recompiles, "
-                f"{self.graph_breaks} graph breaks in {len(self.records)} compiles "
-                f"(torch {torch.__version__})"
+                f"{self.graphs_total} graphs, {len(self.recompiles)} recompiles, {breaks} in "
+                f"{len(self.records)} compiles (torch {torch.__version__})"
             )
         )
+        shared = sorted({r.location for r in self.records if r.shared_code})
+        if shared:
+            parts.append(
+                Text(
+                    f"{', '.join(shared)}: compiled through torch's one shared wrapper code object "
+                    f"({_WRAP_INLINE}); all of them count "
+                    "against one recompile limit",
+                    style="yellow",
+                )
+            )
         for r in self.limit_hits:
             parts.append(Text(f"RECOMPILE LIMIT HIT: {r.fix}", style="bold red"))
         for err in self.collection_errors:
@@ -443,7 +540,8 @@ def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[Recompile
             trace_log.setLevel(old_level)
         report.graphs_total = counters["stats"]["unique_graphs"] - graphs_before
         collector.flush()
-        report.graph_breaks = sum(len(r.graph_breaks) for r in report.records)
+        if GRAPH_BREAKS_REPORTED:
+            report.graph_breaks = sum(len(r.graph_breaks) for r in report.records)
     if report.limit_hit:
         msg = "recompile limit hit: " + "; ".join(r.fix or r.location for r in report.limit_hits)
         if strict:
@@ -463,6 +561,8 @@ class _Pending:
     dynamic: list[str] = dataclasses.field(default_factory=list)
     breaks: list[str] = dataclasses.field(default_factory=list)
     limit: tuple[str, int, str] | None = None  # (limit_type, value, "'name' (file:line)")
+    recompile: bool = False  # a recompile_reasons artifact arrived (torch logs one per recompile)
+    target: tuple[str, str, int | None] | None = None  # the callable behind torch's wrap_inline
 
 
 class _Collector:
@@ -470,6 +570,7 @@ class _Collector:
         self.report = report
         self.pending: dict[tuple[Any, Any, Any], _Pending] = {}
         self.frames: dict[tuple[Any, Any], tuple[str, str, int | None]] = {}
+        self.shared: set[tuple[Any, Any]] = set()  # frames whose code is torch's wrap_inline
 
     def on_trace(self, metadata: dict[str, Any], payload: str | None) -> None:
         name = next(iter(metadata))
@@ -482,10 +583,15 @@ class _Collector:
             artifact = metadata["artifact"].get("name")
             if artifact == "recompile_reasons" and payload is not None:
                 self._pending(key).reasons = _decode_reasons(payload)
+                self._pending(key).recompile = True
             elif artifact == "dynamo_graph_break_reason" and payload is not None:
                 summary = _graph_break_summary(payload)
                 if summary not in self._pending(key).breaks:
                     self._pending(key).breaks.append(summary)
+        elif name == "dynamo_start":
+            target = _wrapped_target()
+            if target is not None:
+                self._pending(key).target = target
         elif name == "dynamo_output_graph":
             self._pending(key).graphs += 1
         elif name == "create_symbol":
@@ -501,8 +607,12 @@ class _Collector:
         cid = CompileContext.current_compile_id()
         if cid is None or len(args) < 3:
             return
-        key = (cid.compiled_autograd_id, cid.frame_id, cid.frame_compile_id)
-        self._pending(key).limit = (str(args[0]), int(args[1]), str(args[2]))
+        # CompileId.compiled_autograd_id exists from torch 2.7 on.
+        key = (getattr(cid, "compiled_autograd_id", None), cid.frame_id, cid.frame_compile_id)
+        p = self._pending(key)
+        p.limit = (str(args[0]), int(args[1]), str(args[2]))
+        if p.target is None:
+            p.target = _wrapped_target()
 
     def _pending(self, key: tuple[Any, Any, Any]) -> _Pending:
         return self.pending.setdefault(key, _Pending())
@@ -511,6 +621,8 @@ class _Collector:
         p = self.pending.pop(key, _Pending())
         frame = key[:2]
         name, filename, lineno = m.get("co_name"), m.get("co_filename"), m.get("co_firstlineno")
+        if p.target is not None:
+            name, filename, lineno = p.target
         if name is None and p.limit is not None and (fm := _FUNC_INFO.match(p.limit[2])):
             name, filename, lineno = fm["name"], fm["file"], int(fm["line"])
         if name is None and frame in self.frames:
@@ -518,14 +630,18 @@ class _Collector:
         if name is not None:
             self.frames[frame] = (name, filename or "?", lineno)
         fail_type, fail_reason = m.get("fail_type"), m.get("fail_reason")
-        limit_hit = p.limit is not None or fail_type == "FailOnRecompileLimitHit" or (
-            "recompile limit exceeded" in (fail_reason or "").lower()
-        )
+        reason_hit = _LIMIT_FAIL_REASON.search(fail_reason or "")
+        limit_hit = p.limit is not None or fail_type in _LIMIT_FAIL_TYPES or reason_hit is not None
         reasons = p.reasons or ([m["recompile_reason"]] if m.get("recompile_reason") else [])
         if limit_hit:
             kind = "limit hit"
+        elif m.get("recompile_reason") is not None or p.recompile:
+            kind = "recompile"
         else:
-            kind = "recompile" if m.get("recompile_reason") is not None else "first compile"
+            kind = "first compile"
+        shared = p.target is not None or frame in self.shared
+        if shared:
+            self.shared.add(frame)
         record = CompileRecord(
             compile_id=m.get("compile_id") or _format_key(key),
             function=name or "?",
@@ -538,15 +654,22 @@ class _Collector:
             graph_breaks=p.breaks,
             fail_type=fail_type,
             fail_reason=fail_reason,
+            shared_code=_WRAP_INLINE if shared else None,
         )
         if limit_hit:
             from torch._dynamo import config
 
-            limit_type = p.limit[0] if p.limit else "recompile_limit"
+            if p.limit:
+                limit_type = p.limit[0]
+            elif reason_hit is not None and reason_hit["type"]:
+                limit_type = reason_hit["type"]
+            else:
+                limit_type = limit_config()
             record.limit_type = limit_type
             record.limit = p.limit[1] if p.limit else getattr(config, limit_type, None)
             record.fix = _fix(
-                "limit hit", function=record.location, limit=record.limit, limit_type=limit_type
+                "limit hit:shared" if shared else "limit hit",
+                function=record.location, limit=record.limit, limit_type=limit_type,
             )
         self.report.records.append(record)
 
@@ -558,6 +681,45 @@ class _Collector:
                 first_reason = p.reasons[0] if p.reasons else None
                 self._finish(key, {"compile_id": None, "recompile_reason": first_reason})
         self.pending.clear()
+
+
+_WRAP_INLINE = "torch._dynamo.external_utils.wrap_inline"
+
+
+def _wrapped_target() -> tuple[str, str, int | None] | None:
+    """The callable behind ``wrap_inline`` when dynamo is compiling that wrapper, else None.
+
+    ``wrap_inline(fn)`` returns ``inner``, one code object for every wrapped ``fn``; its closure
+    holds ``fn``. Called from a trace or log record emitted inside dynamo's ``_compile(code,
+    locals, ...)``, whose arguments (same names in torch 2.5 .. 2.15) say what it compiles.
+    """
+    from torch._dynamo import external_utils
+
+    inner = external_utils.wrap_inline(_wrapped_target).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_compile" and code.co_filename.endswith("convert_frame.py"):
+            if frame.f_locals.get("code") is not inner:
+                return None
+            fn = (frame.f_locals.get("locals") or {}).get("fn")
+            return _describe_callable(fn) if fn is not None else None
+        frame = frame.f_back
+    return None
+
+
+def _describe_callable(fn: Any) -> tuple[str, str, int | None]:
+    """``(qualified name, file, first line)`` of what a wrapped ``fn`` runs."""
+    owner = getattr(fn, "__self__", None)
+    if getattr(fn, "__name__", "") in ("_call_impl", "_wrapped_call_impl") and isinstance(
+        owner, torch.nn.Module
+    ):
+        fn = type(owner).forward  # what Module._call_impl runs
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    if code is None:
+        return name, getattr(fn, "__module__", None) or "?", None
+    return name, code.co_filename, code.co_firstlineno
 
 
 class _TraceHandler(logging.Handler):
@@ -599,7 +761,8 @@ class _LimitWarningHandler(logging.Handler):
 def _classify(reason: str) -> GuardFailure:
     m = _COMPILE_ID_PREFIX.match(reason)
     cid, rest = (m["cid"], m["rest"]) if m else ("?", reason)
-    guard = rest.split("\nUser stack trace:", 1)[0].split("\n", 1)[0].rstrip()
+    # torch < 2.7 spells locals L['x']; 2.7+ spells them x: report the newer spelling on all.
+    guard = _strip_local_scope(rest.split("\nUser stack trace:", 1)[0].split("\n", 1)[0].rstrip())
     # Code-part guards carry "  # <user source line>" comments; match on the check alone.
     expr = re.split(r"\s+# ", guard, maxsplit=1)[0].strip()
     category, variant, fields = _categorize(expr, guard)
@@ -693,12 +856,14 @@ def _decode_reasons(payload: str) -> list[str]:
 def _graph_break_summary(payload: str) -> str:
     """``at FILE:LINE: REASON`` from dynamo's graph-break message (its first lines)."""
     lines = [ln.strip() for ln in payload.splitlines() if ln.strip()]
-    where_prefix, reason_prefix = "Graph break in user code at ", "Graph Break Reason: "
+    where_prefix = "Graph break in user code at "
+    reason_prefixes = ("Graph Break Reason: ", "Reason: ")  # torch >= 2.7, torch 2.6
     where = next((ln for ln in lines if ln.startswith(where_prefix)), None)
-    i = next((k for k, ln in enumerate(lines) if ln.startswith(reason_prefix)), None)
+    i = next((k for k, ln in enumerate(lines) if ln.startswith(reason_prefixes)), None)
     if where is None or i is None:
         return lines[0] if lines else "graph break"
-    reason = lines[i][len(reason_prefix):]
+    prefix = next(p for p in reason_prefixes if lines[i].startswith(p))
+    reason = lines[i][len(prefix):]
     if reason.endswith(":") and i + 1 < len(lines):  # "...attempting to trace CALL...:" + cause
         i += 1
         reason = lines[i]

@@ -63,6 +63,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import importlib
 import importlib.util
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -205,8 +207,20 @@ class Recipe:
 
     @property
     def available(self) -> bool:
-        """Whether the package it needs is installed."""
-        return self.requires is None or importlib.util.find_spec(self.requires) is not None
+        """Whether the package it needs is installed and imports (a torchao built for a newer
+        torch is installed but fails at import with ImportError or AttributeError)."""
+        return self.requires is None or _importable(self.requires)
+
+
+@functools.lru_cache(maxsize=None)
+def _importable(name: str) -> bool:
+    try:
+        if importlib.util.find_spec(name) is None:
+            return False
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 -- whatever a broken install raises, the recipe is unavailable
+        return False
+    return True
 
 
 _FLOATS = (torch.float32, torch.bfloat16)
