@@ -193,3 +193,41 @@ def test_export_of_a_prepared_model_with_hook_based_norms_is_the_plain_program()
         assert torch.equal(program.module()(x), stock(x))
     targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten._weight_norm_interface.default not in targets
+
+
+def _legacy_spectral_stack(norm: bool) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv1d(6, 4, 3, padding=1), nn.Tanh(), nn.ConvTranspose1d(4, 5, 3, padding=1), nn.Tanh(), nn.Conv1d(5, 5, 1)]
+    if norm:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for i in (0, 2, 4):
+                torch.nn.utils.spectral_norm(layers[i], dim=1 if i == 2 else None)
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_audit_folds_legacy_spectral_norm_checkpoints_bitwise(tmp_path, suffix):
+    stock = _legacy_spectral_stack(norm=True)
+    x = torch.randn(2, 6, 7)
+    for _ in range(3):
+        stock(x)  # training forwards move weight_u / weight_v
+    stock.eval()
+    src = tmp_path / "legacy.pt"
+    torch.save(stock.state_dict(), src)
+    report = paramfold.audit_checkpoint(src)
+    assert [(s.key, s.kind, s.foldable) for s in report.sites] == [
+        (f"{i}.weight", "spectral_norm", True) for i in (0, 2, 4)
+    ]
+    out = tmp_path / f"plain{suffix}"
+    paramfold.fold_checkpoint(src, out)
+    if suffix == ".pt":
+        folded = torch.load(out, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+
+        folded = load_file(out)
+    plain = _legacy_spectral_stack(norm=False)
+    plain.load_state_dict(folded, strict=True)
+    with torch.no_grad():
+        assert torch.equal(plain(x), stock(x))

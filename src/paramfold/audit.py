@@ -13,7 +13,8 @@ Recognised from keys (and folded from the checkpoint alone):
 
 * ``weight_norm``: ``original0`` (g) and ``original1`` (v); the norm dim is inferred from g's shape.
   Folded with ``torch._weight_norm(v, g, dim)``, the op of ``parametrizations.weight_norm``, so the
-  result is bitwise equal. The legacy hook API's ``<name>_g``/``<name>_v`` pairs are recognised too.
+  result is bitwise equal. The legacy hook API's ``<name>_g``/``<name>_v`` pairs and
+  ``<name>_orig``/``_u``/``_v`` triples are recognised (and folded) too.
 * ``spectral_norm``: ``original`` plus ``0._u``/``0._v``. Folded to its eval-mode value
   ``W / vdot(u, W_mat @ v)`` from the stored vectors, exactly as ``_SpectralNorm.forward`` computes it
   in eval mode. Where the matrix dim is ambiguous from shapes (square ConvTranspose weights), it is
@@ -84,6 +85,7 @@ __all__ = [
 FOLDABLE_KINDS = ("weight_norm", "spectral_norm", "fake_sparsity")
 _ORIGINAL = re.compile(r"original\d*")
 _LEGACY_API = "weight_g/weight_v"
+_LEGACY_SPECTRAL_API = "weight_orig/weight_u/weight_v"
 
 
 @dataclass
@@ -255,7 +257,7 @@ def _audit(ckpt: Checkpoint) -> tuple[AuditReport, list[tuple[str, CheckpointSit
 
     for site in sites.values():
         _classify(site)
-    legacy = _legacy_weight_norm_sites(ckpt, plain)
+    legacy = _legacy_weight_norm_sites(ckpt, plain) + _legacy_spectral_norm_sites(ckpt, plain)
     legacy_keys = {k for s in legacy for k in s.keys.values()}
     legacy_first = {next(k for k in plain if k in s.keys.values()): s for s in legacy}
     plain = [k for k in plain if k not in legacy_keys]
@@ -407,6 +409,40 @@ def _legacy_weight_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[Checkp
     return found
 
 
+def _legacy_spectral_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[CheckpointSite]:
+    """``<m>.<name>_orig`` / ``_u`` / ``_v`` of the legacy ``torch.nn.utils.spectral_norm`` hook."""
+    present = set(plain)
+    found = []
+    for key in plain:
+        if not key.endswith("_orig"):
+            continue
+        base = key[: -len("_orig")]
+        if base + "_u" not in present or base + "_v" not in present or base in present:
+            continue
+        w, u, v = ckpt.info(key), ckpt.info(base + "_u"), ckpt.info(base + "_v")
+        dims = _spectral_dims(w.shape, u.shape, v.shape)
+        if not dims or not w.dtype.is_floating_point:
+            continue
+        module, _, tensor = base.rpartition(".")
+        params: dict[str, Any] = {"dim": dims[0]} if len(dims) == 1 else {"dim": None, "dim_candidates": dims}
+        params["api"] = _LEGACY_SPECTRAL_API
+        found.append(
+            CheckpointSite(
+                module,
+                tensor,
+                kind="spectral_norm",
+                originals={f"{tensor}_orig": w},
+                state={f"{tensor}_u": u, f"{tensor}_v": v},
+                params=params,
+                folded=w,
+                foldable=True,
+                note="legacy torch.nn.utils.spectral_norm keys, folded to its eval-mode value",
+                keys={f"{tensor}_orig": key, f"{tensor}_u": base + "_u", f"{tensor}_v": base + "_v"},
+            )
+        )
+    return found
+
+
 # --------------------------------------------------------------------------------------------------
 # Fold
 # --------------------------------------------------------------------------------------------------
@@ -504,10 +540,16 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
         # torchao.prototype.sparsity.sparsifier.utils.FakeSparsity.forward
         return t["0.mask"] * t["original"]
     if site.kind == "spectral_norm":
-        w, u, v = t["original"], t["0._u"], t["0._v"]
+        legacy = site.params.get("api") == _LEGACY_SPECTRAL_API
+        name = site.tensor
+        w, u, v = (t[f"{name}_orig"], t[f"{name}_u"], t[f"{name}_v"]) if legacy else (t["original"], t["0._u"], t["0._v"])
         dim = site.params["dim"]
         if dim is None:
             dim = _resolve_spectral_dim(w, u, v, site.params["dim_candidates"])
+        if legacy:
+            # torch.nn.utils.spectral_norm's SpectralNorm.compute_weight(do_power_iteration=False)
+            sigma = torch.dot(u, torch.mv(_spectral_weight_mat(w, dim), v))
+            return w / sigma
         return _spectral_norm_eval(w, u, v, dim)
     raise AssertionError(f"unfoldable kind {site.kind}")
 
