@@ -25,7 +25,7 @@ from torch import nn
 from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.errors import FoldError, first_few
-from paramfold.runtime import FrozenValue, SiteState, hook_site_state, site_state
+from paramfold.runtime import FrozenValue, SiteState, state_for
 from paramfold.sites import Site
 
 
@@ -101,7 +101,7 @@ def chain_needs_grad(site: SiteState) -> bool:
 
 def refuse_unfreezable(sites: list[Site], when: str) -> None:
     """Raise :class:`FoldError` naming every site in ``sites`` that cannot be frozen."""
-    states = [(s, _state(s)) for s in sites]
+    states = [(s, state_for(s, "freeze")) for s in sites]
     bad = [(s, st) for s, st in states if not can_freeze(st)]
     if not bad:
         return
@@ -114,13 +114,6 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
         "call model.eval() and model.requires_grad_(False) first, or use mode='auto' "
         "(freezes what it can, hoists the rest) or mode='hoist'."
     )
-
-
-def _state(site: Site) -> SiteState:
-    if site.hook_based:
-        (key, hook, kind), = [(k, h, kd) for k, h, kd in hooknorms.hook_norms(site.module) if h is site.chain[0]]
-        return hook_site_state(site.module, key, hook, kind, "freeze", "content")
-    return site_state(site.module, site.tensor_name, "freeze", site.stateful)
 
 
 def _address(t: torch.Tensor) -> int:

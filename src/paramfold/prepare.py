@@ -14,8 +14,8 @@ from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
-from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, hook_site_state, is_dtensor, site_state
-from paramfold.hooknorms import ScopedNormHook, hook_norms, swap_hook
+from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, is_dtensor, state_for
+from paramfold.hooknorms import ScopedNormHook, swap_hook
 from paramfold.sites import Site, find, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -236,11 +236,7 @@ def _plan(
 
     for site in selected:
         hs = state(site.module)
-        if site.hook_based:
-            key = next(k for k, h, _ in hook_norms(site.module) if h is site.chain[0])
-            hs.sites[site.tensor_name] = hook_site_state(site.module, key, site.chain[0], site.kind, mode, freeze_check)
-        else:
-            hs.sites[site.tensor_name] = site_state(site.module, site.tensor_name, mode, site.stateful, freeze_check)
+        hs.sites[site.tensor_name] = state_for(site, mode, freeze_check)
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramfold import hooknorms
 from paramfold.compute import is_nested, leaf_originals, members
 
 STATE_ATTR = "_paramfold"
@@ -108,10 +109,17 @@ def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_c
     )
 
 
+def state_for(site: Any, mode: str, freeze_check: str = "content") -> SiteState:
+    """The :class:`SiteState` of a :class:`paramfold.Site` (a parametrization or a hook-based norm)."""
+    if not site.hook_based:
+        return site_state(site.module, site.tensor_name, mode, site.stateful, freeze_check)
+    hook = site.chain[0]
+    key = next(k for k, h, _ in hooknorms.hook_norms(site.module) if h is hook)
+    return hook_site_state(site.module, key, hook, site.kind, mode, freeze_check)
+
+
 def hook_site_state(module: nn.Module, key: int, hook: object, kind: str, mode: str, freeze_check: str) -> SiteState:
     """A :class:`SiteState` for a tensor computed by torch's hook-based weight_norm/spectral_norm."""
-    from paramfold import hooknorms
-
     originals = tuple((d, k) for _, d, k in hooknorms.originals(module, hook, kind))
     return SiteState(
         mode, kind == "spectral_norm", None, (module,), (), originals,
