@@ -193,7 +193,7 @@ def _hook_based_norms(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     found = [
         (module, hook)
         for module in model.modules()
-        for hook in (getattr(h, "original", h) for h in module._forward_pre_hooks.values())
+        for hook in module._forward_pre_hooks.values()
         if isinstance(hook, (WeightNorm, SpectralNorm))
     ]
     training = [type(m).__name__ for m, h in found if isinstance(h, SpectralNorm) and m.training]
@@ -214,9 +214,6 @@ def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, 
     with torch.no_grad():
         for module, hook in legacy:
             copied = memo[id(module)]
-            hooks = copied._forward_pre_hooks
-            for key, h in list(hooks.items()):  # a prepared model's copy: torch's hook, not paramfold's
-                hooks[key] = getattr(h, "original", h)
             remove = remove_spectral_norm if isinstance(hook, SpectralNorm) else remove_weight_norm
             remove(copied, hook.name)
 
@@ -249,10 +246,6 @@ def _strip_prepared(model: nn.Module, memo: dict[int, Any]) -> None:
         parametrized = [n for n, site in state.sites.items() if site.hook is None]
         for name in (*parametrized, *state.ref_keys, *(state.detach_params and module._parameters or ())):
             values.pop(name, None)
-        for site in state.sites.values():
-            if site.hook is not None:  # hook-based norm: torch's hook back, the value stays (as stock)
-                values.pop(site.hook_wrapper.marker, None)
-                replica._forward_pre_hooks[site.hook_key] = memo.get(id(site.hook), site.hook)
         if state.load_hook is not None:
             replica._load_state_dict_post_hooks.pop(state.load_hook.id, None)
         replica.__class__ = state.original_class

@@ -6,14 +6,14 @@ published vocoder, codec and GAN code uses) register a forward pre-hook that rec
 ``weight_v`` buffers) and stores it as a plain attribute before every forward. Dynamo traces that
 hook, and the norm, for every layer.
 
-While prepared, the hook in ``module._forward_pre_hooks`` is replaced, at the same key (so the
-order of hooks is kept), by a :class:`ScopedNormHook`: when a call scope already installed the
-value (hoist or freeze, marked by :func:`marker`), it does nothing, so compiled code reads a plain
-tensor; otherwise it runs the original hook, exactly as stock (a module called outside a scope, or
-traced inside a bigger compiled region). Values are computed with the hook's own
-``compute_weight``, so results, gradients and spectral_norm's ``weight_u``/``weight_v`` evolution
-are stock's, once per call. As in stock, ``module.weight`` keeps the last value after a call.
-:func:`paramfold.restore` puts the original hook object back at its key.
+While a call scope is open (hoist or freeze), the scope computes the value with the hook's own
+``compute_weight`` — so results, gradients and spectral_norm's ``weight_u``/``weight_v`` evolution
+are stock's, once per call — stores it as ``module.weight``, and takes the hook out of
+``module._forward_pre_hooks`` (:func:`detach`): compiled code then sees a module without hooks,
+exactly like the plain model. :func:`attach` puts the very same hook object back at its key, in
+its place among the others, when the scope closes. Outside a scope the hook is where torch put it
+and runs as in stock (a layer called on its own, a bigger compiled region). As in stock,
+``module.weight`` keeps the last value after a call.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ def _classes() -> tuple[type, type]:
 
 
 def hook_norms(module: nn.Module) -> Iterator[tuple[int, object, str]]:
-    """``(hook key, hook, kind)`` of every hook-based norm on ``module`` (a wrapped one included)."""
+    """``(hook key, hook, kind)`` of every hook-based norm on ``module``."""
     weight_norm_cls, spectral_norm_cls = _classes()
     for key, hook in module._forward_pre_hooks.items():
-        original = hook.original if isinstance(hook, ScopedNormHook) else hook
-        if isinstance(original, weight_norm_cls):
-            yield key, original, "weight_norm"
-        elif isinstance(original, spectral_norm_cls):
-            yield key, original, "spectral_norm"
+        if isinstance(hook, weight_norm_cls):
+            yield key, hook, "weight_norm"
+        elif isinstance(hook, spectral_norm_cls):
+            yield key, hook, "spectral_norm"
 
 
 def originals(module: nn.Module, hook: object, kind: str) -> list[tuple[str, dict, str]]:
@@ -64,25 +63,18 @@ def compute(module: nn.Module, hook: object, kind: str) -> torch.Tensor:
     return hook.compute_weight(module, do_power_iteration=module.training)
 
 
-def marker(name: str) -> str:
-    """The instance ``__dict__`` key a call scope sets while it has installed ``name``."""
-    return f"_paramfold_scoped_{name}"
+def detach(module: nn.Module, keys: list[int]) -> tuple[list[tuple[int, object]], tuple[int, ...]]:
+    """Take the hooks at ``keys`` out of ``module._forward_pre_hooks``; returns what :func:`attach` needs."""
+    hooks = module._forward_pre_hooks
+    order = tuple(hooks)
+    return [(key, hooks.pop(key)) for key in keys], order
 
 
-class ScopedNormHook:
-    """Stands in for a hook-based norm's pre-hook while prepared (see the module docstring)."""
-
-    def __init__(self, original: object) -> None:
-        self.original = original
-        self.name = original.name
-        self.marker = marker(original.name)
-
-    def __call__(self, module: nn.Module, inputs: object) -> None:
-        if self.marker in module.__dict__:
-            return None
-        return self.original(module, inputs)
-
-
-def swap_hook(module: nn.Module, key: int, hook: object) -> None:
-    """Put ``hook`` at ``key`` of ``module._forward_pre_hooks`` (order unchanged)."""
-    module._forward_pre_hooks[key] = hook
+def attach(module: nn.Module, taken: list[tuple[int, object]], order: tuple[int, ...]) -> None:
+    """Put hooks taken by :func:`detach` back, each at its key, in the order the dict had."""
+    hooks = module._forward_pre_hooks
+    for key, hook in taken:
+        hooks[key] = hook
+    for key in (*order, *(k for k in list(hooks) if k not in order)):
+        if key in hooks:
+            hooks.move_to_end(key)

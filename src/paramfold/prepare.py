@@ -15,7 +15,6 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
 from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, is_dtensor, state_for
-from paramfold.hooknorms import ScopedNormHook, swap_hook
 from paramfold.sites import Site, find, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -120,10 +119,6 @@ def prepare(
                 state.ref_keys += install_refs(module, name, state.sites[name])
             if inline:
                 state.load_hook = module.register_load_state_dict_post_hook(_resync_after_load)
-            for site in state.sites.values():
-                if site.hook is not None:
-                    site.hook_wrapper = ScopedNormHook(site.hook)
-                    swap_hook(module, site.hook_key, site.hook_wrapper)
             module.__class__ = cls
     except BaseException:
         for module in applied:

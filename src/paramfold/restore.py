@@ -51,12 +51,8 @@ def restore_module(module: nn.Module) -> None:
     if state is None:
         return
     for name, site in state.sites.items():
-        if site.hook is None:
+        if site.hook is None:  # a hook-based norm's value stays, as stock leaves it
             module.__dict__.pop(name, None)
-        elif site.hook_wrapper is not None:
-            module.__dict__.pop(site.hook_wrapper.marker, None)
-            if module._forward_pre_hooks.get(site.hook_key) is site.hook_wrapper:
-                module._forward_pre_hooks[site.hook_key] = site.hook  # the same object, at its key
     for key in state.ref_keys:
         module.__dict__.pop(key, None)
     if state.load_hook is not None:

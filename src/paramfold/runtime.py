@@ -57,12 +57,11 @@ class SiteState:
     #: not carry gradients from a subclass graph input back to the originals it was built from,
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
     subclass: bool | None = None
-    #: Hook-based norms (``paramfold.hooknorms``): torch's hook object, its kind, its key in
-    #: ``module._forward_pre_hooks`` and the :class:`~paramfold.hooknorms.ScopedNormHook` put there.
+    #: Hook-based norms (``paramfold.hooknorms``): torch's hook object, its kind and its key in
+    #: ``module._forward_pre_hooks``.
     hook: Any = None
     hook_kind: str = ""
     hook_key: int = -1
-    hook_wrapper: Any = None
 
     @property
     def training_stateful(self) -> bool:
@@ -155,6 +154,9 @@ class ModuleState:
     users: int = 0
     installed: tuple[str, ...] = ()
     shareable: bool = False
+    #: Hook-based norms' hooks taken out of ``_forward_pre_hooks`` while values are installed,
+    #: and the dict's key order to put them back in (``hooknorms.detach`` / ``attach``).
+    hooks_out: tuple = ()
 
 
 def state_of(module: nn.Module) -> ModuleState | None:

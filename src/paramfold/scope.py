@@ -84,6 +84,7 @@ def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module]]:
 def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
     values = holder.__dict__
     installed = []
+    hook_keys: list[int] = []
     try:
         for name, site in hs.sites.items():
             if site.mode == "inline":
@@ -96,9 +97,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
             values[name] = value
             if site.hook is None:
                 installed.append(name)
-            else:  # hook-based norm: like stock, the value stays after the call; the marker goes
-                values[site.hook_wrapper.marker] = True
-                installed.append(site.hook_wrapper.marker)
+            else:  # hook-based norm: like stock, the value stays after the call; its hook is out meanwhile
+                hook_keys.append(site.hook_key)
         if hs.detach_params and not grad:
             for name, param in holder._parameters.items():
                 if param is not None:
@@ -109,6 +109,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
             values.pop(name, None)
         raise
     hs.installed = tuple(installed)
+    hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
 
@@ -127,6 +128,9 @@ def _release(claimed: list[nn.Module]) -> None:
                 for name in hs.installed:
                     values.pop(name, None)
                 hs.installed = ()
+                if hs.hooks_out:
+                    hooknorms.attach(holder, *hs.hooks_out)
+                    hs.hooks_out = ()
 
 
 def _concurrent(entry: nn.Module) -> FoldError:
@@ -145,7 +149,7 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
     for name, site in hs.sites.items():
         if site.hook is None:
             names.append(name)
-        elif hooks.get(site.hook_key) is not site.hook_wrapper:
+        elif hooks.get(site.hook_key) is not site.hook:
             changed = True
     if names and not changed:
         plists = holder._modules.get("parametrizations")
