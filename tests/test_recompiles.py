@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 import logging
 import sys
@@ -425,15 +424,3 @@ def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
     assert err.strip().splitlines() == [
         f"paramfold recompiles: error: script not found: {tmp_path / 'missing.py'}"
     ]
-
-
-def test_docstring_examples_run(monkeypatch):
-    import paramfold
-
-    module = sys.modules["paramfold.recompiles"]
-    monkeypatch.setattr(paramfold, "recompiles", recompiles)  # as the package exports it
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in doctest.DocTestFinder().find(module):
-        # clear_globs=False: dynamo's guards hold weak hooks into the example globals.
-        runner.run(test, clear_globs=False)
-    assert runner.tries >= 8 and runner.failures == 0
