@@ -7,15 +7,16 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
+import paramfold.testing as pt
 
-class Cast(nn.Module):
-    """The unsafe dtype cast of seed 003."""
 
-    def forward(self, x):
-        return x.to(torch.bfloat16)
+# The seed's dtype cast and a buffer scale: paramfold.testing's own parametrizations.
+Cast = pt.Cast
 
-    def right_inverse(self, x):
-        return x.to(torch.float32)
+
+def Scale() -> nn.Module:  # noqa: N802 - reads like the class it builds
+    """A chainable custom parametrization with a buffer (x * 1.5)."""
+    return pt.Scale(torch.tensor(1.5))
 
 
 class Split(nn.Module):
@@ -26,17 +27,6 @@ class Split(nn.Module):
 
     def right_inverse(self, x):
         return x / 2, x / 4
-
-
-class Scale(nn.Module):
-    """A chainable custom parametrization with a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("scale", torch.tensor(1.5))
-
-    def forward(self, x):
-        return x * self.scale
 
 
 class LoRA(nn.Module):
