@@ -357,3 +357,17 @@ def test_plain_state_dict_covers_a_module_registered_at_two_paths():
     model = nn.Sequential(layer, nn.Tanh(), layer)
     plain_keys = sorted(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2)).state_dict())
     assert sorted(paramfold.plain_state_dict(model)) == plain_keys
+
+
+def test_compile_tolerance_model():
+    # inductor's measured factor is applied (and exercised); an unknown or callable backend
+    # must name its tolerance instead of silently getting one.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    parametrize.register_parametrization(model[0], "weight", pt.HalfSum())
+    torch._dynamo.reset()
+    pt.assert_equivalent(model, torch.randn(3, 4), "hoist", compile={"backend": "inductor"})
+    for backend in ("cudagraphs", lambda gm, inputs: gm):
+        with pytest.raises(ValueError, match="pass atol= and/or rtol="):
+            pt.assert_equivalent(model, torch.randn(3, 4), "hoist", compile={"backend": backend})
+    torch._dynamo.reset()
+    pt.assert_equivalent(model, torch.randn(3, 4), "hoist", compile={"backend": lambda gm, inputs: gm}, atol=0, rtol=0)

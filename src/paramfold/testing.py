@@ -965,8 +965,10 @@ def assert_equivalent(
     objects, ``__dict__`` keys), and must still compute the stock outputs.
 
     Step comparisons are bitwise unless ``atol``/``rtol`` are given (then as in
-    ``torch.testing.assert_close``), or compiled (:data:`COMPILE_TOLERANCES`); see the module
-    docstring for the one exception (modules called twice per forward).
+    ``torch.testing.assert_close``), or compiled (:data:`COMPILE_TOLERANCES`; a backend without a
+    measured tolerance, or a callable backend, needs ``atol``/``rtol``); see the module
+    docstring for the one exception (modules called twice per forward: their originals' gradients
+    are compared within the rounding of the summed terms, with an absolute floor of 1e-5).
     :class:`paramfold.FoldError` from ``prepare`` propagates (``mode="freeze"`` refuses
     originals that require grad and training stateful chains). Under ``compile`` call
     ``torch._dynamo.reset()`` between unrelated checks yourself.
@@ -995,7 +997,12 @@ def assert_equivalent(
         run = torch.compile(candidate, **compile)
         backend = compile.get("backend", "inductor")
         if rtol is None and atol is None:
-            factor = COMPILE_TOLERANCES.get(backend if isinstance(backend, str) else "", 16.0)
+            if not isinstance(backend, str) or backend not in COMPILE_TOLERANCES:
+                raise ValueError(
+                    f"assert_equivalent has no measured tolerance for backend {backend!r} (known: "
+                    f"{', '.join(COMPILE_TOLERANCES)}): pass atol= and/or rtol= for it"
+                )
+            factor = COMPILE_TOLERANCES[backend]
     _compare_dicts(" after prepare", "state_dict", candidate.state_dict(), stock.state_dict(), _BITWISE)
     # Originals whose gradient sums several contributions in an order prepare may change, and
     # a stock copy run under parametrize.cached() (one value per tensor per forward, like
@@ -1165,7 +1172,9 @@ def _compare_grads(
         raise AssertionError(f"parameter names differ{at}: {sorted(set(got) ^ set(want))}")
     loose_tol = tol
     if loose:
-        # See the module docstring; the largest gradient stands for the size of the summed terms.
+        # See the module docstring; the largest gradient stands for the size of the summed terms,
+        # and 1e-5 is an absolute floor for gradients that cancel to near zero (documented in
+        # assert_equivalent's docstring).
         rtol = {torch.finfo(torch.bfloat16).eps: 1.6e-2, torch.finfo(torch.float16).eps: 1e-3}.get(eps, 1.3e-6)
         largest = max((_largest(p.grad) for p in want.values() if p.grad is not None), default=0.0)
         loose_tol = _Tolerance(max(tol.rtol, rtol), max(tol.atol, 1e-5, rtol * largest), tol.of_max)
