@@ -627,13 +627,21 @@ def _explain_refusal(p: Path, name: str) -> None:
     """Raise the most helpful ``CheckpointError`` for a pickle that names ``name``."""
     # torch's own weights-only loader (on the meta device: no data) says what the file holds, e.g.
     # a registered tensor subclass; it refuses code-running globals the same way.
-    obj = _torch_load(p, map_location="meta")
-    sd, _ = _find_state_dict(obj, p)
-    _plain_only(sd, p)
-    raise CheckpointError(
+    refused = CheckpointError(
         f"{p}: refused to unpickle: it references '{name}', which paramfold does not read (only plain "
         "tensors and containers). Re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
     )
+    try:
+        obj = _torch_load(p, map_location="meta")
+    except CheckpointError as e:
+        if "refused to unpickle" in str(e):
+            raise
+        # torch could not even build it on the meta device (torch 2.15: sparse tensors): say what
+        # paramfold refused, not torch's side error.
+        raise refused from None
+    sd, _ = _find_state_dict(obj, p)
+    _plain_only(sd, p)
+    raise refused
 
 
 def _torch_load(p: Path, **kwargs: Any) -> Any:
