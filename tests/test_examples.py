@@ -71,6 +71,7 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
             else "max |difference| of outputs and gradients: 0",
         ),
         ("quickstart.py", [], "outputs equal: True"),
+        ("percall_bench.py", ["--layers", "2", "--rounds", "2", "--calls", "2", "freeze", "hoist"], "x plain"),
     ],
 )
 def test_example_scripts_run_as_they_are(script, args, expected):
