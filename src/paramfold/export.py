@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
+from paramfold.hooknorms import hook_norms
 from paramfold.runtime import STATE_ATTR, is_dtensor, state_of
 from paramfold.sites import Site, find, inside_parametrization
 
@@ -187,22 +188,14 @@ def _checked_value(site: Site) -> torch.Tensor:
 def _hook_based_norms(model: nn.Module) -> list[tuple[nn.Module, Any]]:
     """torch's deprecated hook-based ``weight_norm`` / ``spectral_norm`` (still common in vocoders
     and GANs): a forward pre-hook recomputes the tensor, which export would trace on every call."""
-    from torch.nn.utils.spectral_norm import SpectralNorm
-    from torch.nn.utils.weight_norm import WeightNorm
-
-    found = [
-        (module, hook)
-        for module in model.modules()
-        for hook in module._forward_pre_hooks.values()
-        if isinstance(hook, (WeightNorm, SpectralNorm))
-    ]
-    training = [type(m).__name__ for m, h in found if isinstance(h, SpectralNorm) and m.training]
+    found = [(module, hook, kind) for module in model.modules() for _, hook, kind in hook_norms(module)]
+    training = [type(m).__name__ for m, _, kind in found if kind == "spectral_norm" and m.training]
     if training:
         raise FoldError(
             f"cannot export {first_few(training, 3)} folded: torch.nn.utils.spectral_norm in training "
             "mode runs a power iteration on every call. Call model.eval() first."
         )
-    return found
+    return [(module, hook) for module, hook, _ in found]
 
 
 def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, Any]) -> None:
