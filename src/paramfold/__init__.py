@@ -20,6 +20,8 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
+    "AuditReport": "audit",
+    "CheckpointError": "checkpoint",
     "audit_checkpoint": "audit",
     "fold_checkpoint": "audit",
     "FoldError": "errors",
@@ -42,10 +44,11 @@ _EXPORTS = {
 _SUBMODULES = ("audit", "bench", "checkpoint", "cli", "output", "plot", "testing")
 
 __all__ = [
+    "AuditReport",
+    "CheckpointError",
     "KINDS",
     "MODES",
     "audit_checkpoint",
-    "export",
     "export",
     "fold_checkpoint",
     "CompileRecord",
