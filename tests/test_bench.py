@@ -9,7 +9,6 @@ import stat
 
 import pytest
 import torch
-from torch.nn.utils import parametrize
 from typer.testing import CliRunner
 
 import paramfold

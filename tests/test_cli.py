@@ -17,7 +17,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 import zipfile
 from collections import OrderedDict
 from pathlib import Path

@@ -260,7 +260,7 @@ def bench(
 
     from rich.console import Console
 
-    from paramfold.bench import BenchConfig, run_bench, to_rich_table
+    from paramfold.bench import BenchConfig, run_bench
 
     err = Console(stderr=True)
     try:
