@@ -94,15 +94,18 @@ def test_nested_parametrization_restores_exactly(mode):
 # --- 2. parametrizations changed while prepared ---------------------------------------------
 
 
-def test_register_on_prepared_module_does_not_poison_other_modules_or_models():
-    m = paramfold.prepare(skew_pair(), "hoist")
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_register_on_prepared_module_does_not_poison_other_modules_or_models(mode):
+    # After a call, freeze and auto keep their values in the modules for the next call.
+    m = paramfold.prepare(_inference(skew_pair()), mode)
+    m(torch.randn(2, 4))
     P.register_parametrization(m[0], "bias", nn.Identity())
     assert torch.equal(m[2].bias, m[2]._parameters["bias"])  # other module: untouched
     assert torch.equal(m[0].bias, m[0].parametrizations.bias.original)  # changed one: like stock
     with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
         m(torch.randn(2, 4))
     paramfold.restore(m)
-    stock = skew_pair()
+    stock = _inference(skew_pair())
     P.register_parametrization(stock[0], "bias", nn.Identity())
     x = torch.randn(2, 4)
     assert torch.equal(m(x), stock(x))
@@ -113,11 +116,13 @@ def test_register_on_prepared_module_does_not_poison_other_modules_or_models():
     assert torch.equal(fresh[2].bias, fresh[2]._parameters["bias"])
 
 
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
 @pytest.mark.parametrize("leave", [True, False])
-def test_remove_on_prepared_module_is_refused_at_next_call_and_restores_like_stock(leave):
-    m = paramfold.prepare(skew_pair(), "hoist")
+def test_remove_on_prepared_module_is_refused_at_next_call_and_restores_like_stock(leave, mode):
+    m = paramfold.prepare(_inference(skew_pair()), mode)
+    m(torch.randn(2, 4))
     P.remove_parametrizations(m[0], "weight", leave_parametrized=leave)
-    stock = skew_pair()
+    stock = _inference(skew_pair())
     P.remove_parametrizations(stock[0], "weight", leave_parametrized=leave)
     assert torch.equal(m[0].weight, stock[0].weight)
     assert torch.equal(m[2].weight, stock[2].weight)  # the other module still works
@@ -186,6 +191,30 @@ def test_frozen_values_see_every_kind_of_write(mode, write):
     assert torch.equal(ours[0].weight, stock[0].weight)
     compiled = torch.compile(ours, backend="eager")
     assert torch.equal(compiled(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("write", ["data_mul", "numpy", "load_state_dict", "set_data", "u_data_copy"])
+def test_reads_between_calls_never_see_the_value_kept_for_the_next_call(mode, write):
+    # A frozen value stays in its module's __dict__ after a call; reads before the next call, eager
+    # or compiled without a scope (dynamo inlining the model), must still give stock's value.
+    stock, ours = _wn_pair()
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    ours(x)
+    assert "weight" in vars(ours[0])  # kept
+    WRITES[write](stock)
+    WRITES[write](ours)
+    assert torch.equal(ours[0].weight, stock[0].weight)
+    assert torch.equal(ours[2].weight, stock[2].weight)
+    assert torch.equal(ours[0](x), stock[0](x))
+    torch._dynamo.reset()
+    inlined = torch.compile(lambda t: ours(t), backend="eager")
+    assert torch.equal(inlined(x), stock(x))
+    WRITES[write](stock)
+    WRITES[write](ours)
+    assert torch.equal(inlined(x), stock(x))
+    assert torch.equal(ours(x), stock(x))
 
 
 def test_frozen_values_see_optimizer_steps_and_dtype_moves():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import copyreg
-import functools
 import sys
 import threading
 
@@ -36,6 +35,7 @@ from paramfold.compute import compute, eager_value, parametrized_here
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import chain_needs_grad
+from paramfold.rebase import rebased
 from paramfold.runtime import STATE_ATTR
 from paramfold.scope import compiled_call_impl, root_call
 
@@ -133,6 +133,66 @@ class SiteDescriptor:
         if torch.compiler.is_compiling():
             return compute(module, self.name)
         return read_outside_scope(module, self.name)
+
+
+class _BetweenCalls(SiteDescriptor):
+    """The descriptor of :func:`between_class`: a *data* descriptor, so a frozen value left in the
+    instance ``__dict__`` for the next call is never what a read between calls returns."""
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None):
+        if module is None:
+            return self
+        if torch.compiler.is_compiling():
+            return compute(module, self.name)
+        if parametrized_here(module, self.name):
+            return read_outside_scope(module, self.name)
+        # The parametrization is gone (torch's remove_parametrizations): a kept value is stale.
+        _drop_kept(module, self.name)
+        values = module.__dict__
+        if self.name in values:
+            return values[self.name]
+        raise AttributeError(self.name)  # nn.Module.__getattr__ finds the plain tensor
+
+    def __set__(self, module: nn.Module, value: object) -> None:
+        _drop_kept(module, self.name)
+        module.__dict__[self.name] = value
+
+    def __delete__(self, module: nn.Module) -> None:
+        _drop_kept(module, self.name)
+        if module.__dict__.pop(self.name, _MISSING) is _MISSING:
+            raise AttributeError(self.name)
+
+
+_MISSING = object()
+
+
+def _drop_kept(module: nn.Module, name: str) -> None:
+    state = module.__dict__.get(STATE_ATTR)
+    if state is not None and name in state.kept:
+        state.kept = tuple(n for n in state.kept if n != name)
+        module.__dict__.pop(name, None)
+
+
+def between_class(cls: type) -> type:
+    """The class a prepared module with frozen values has *between* calls.
+
+    Inside a call scope a module has ``cls``, whose non-data :class:`SiteDescriptor` lets the
+    values in its ``__dict__`` reach compiled code as plain tensors. Frozen values stay there after
+    the call, so the next call finds every module dict unchanged: nothing to write, and dynamo's
+    guards skip the tensors of dicts whose version tag did not move. Between calls the module
+    has this subclass instead, whose data descriptors compute each read like stock; compiled code
+    guards on the module's class, so code compiled outside a scope never reads a kept value.
+    """
+    key = ("between", cls)
+    with _classes_lock:
+        sub = _classes.get(key)
+        if sub is None:
+            names = [n for n in cls._paramfold_names if isinstance(vars(cls).get(n), SiteDescriptor)]
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_paramfold_between": True}
+            namespace.update((n, _BetweenCalls(n)) for n in names)
+            sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
+            type.__setattr__(sub, "_paramfold_sealed", True)
+    return sub
 
 
 class _ForeignSite:
@@ -240,7 +300,7 @@ def _make_setattr(base: type):
 # Run eagerly when dynamo meets them as frames of their own (a frame it falls back on calls
 # them); inlined into traced code they are traced as usual. torch's own parametrize code is
 # skipped the same way, as a file of torch.
-for _fn in (SiteDescriptor.__get__, _ForeignSite.__get__, read_outside_scope, compute, eager_value):
+for _fn in (SiteDescriptor.__get__, _BetweenCalls.__get__, _ForeignSite.__get__, read_outside_scope, compute, eager_value):
     run_eagerly_as_frame(_fn)
 del _fn
 
@@ -296,29 +356,3 @@ def plain_base(module: nn.Module) -> type:
     if stock is None or stock is cls:
         return parametrize.type_before_parametrizations(module)
     return rebased(cls, stock, stock.__bases__[0])
-
-
-def rebased(cls: type, old: type, new: type) -> type:
-    """``cls`` with ``old`` replaced by ``new`` wherever it appears among its bases (recursively).
-
-    ``rebased(C, C, N)`` is ``N``. Classes built here are cached, so modules that differ only by
-    their per-instance ``old`` share one rebased class.
-    """
-    if cls is old:
-        return new
-    if old not in cls.__mro__:
-        return cls
-    bases = tuple(rebased(base, old, new) for base in cls.__bases__)
-    name = cls.__name__.replace(old.__name__, new.__name__)
-    namespace = tuple(
-        (k, name if k == "__qualname__" else v) for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")
-    )
-    try:
-        return _derived(name, bases, namespace)
-    except TypeError:  # an unhashable class attribute: build it uncached
-        return _derived.__wrapped__(name, bases, namespace)
-
-
-@functools.cache
-def _derived(name: str, bases: tuple[type, ...], namespace: tuple[tuple[str, object], ...]) -> type:
-    return type(name, bases, dict(namespace))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.classes import install_type_before_parametrizations, plain_base, prepared_class
+from paramfold.classes import between_class, install_type_before_parametrizations, plain_base, prepared_class
 from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
@@ -267,5 +267,7 @@ def _plan(
         )
         st.covers = frozenset(id(m) for m in st.entries)
         st.prepared_class = prepared_class(base, own, module is model, inline)
+        if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
+            st.between_class = between_class(st.prepared_class)
         planned[module] = (st, st.prepared_class)
     return planned

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.classes import rebased
+from paramfold.rebase import rebased
 from paramfold.errors import FoldError
 from paramfold.runtime import STATE_ATTR, state_of
 
@@ -65,6 +65,8 @@ def restore_module(module: nn.Module) -> None:
     # torch's remove_parametrizations may have unwrapped it to the plain class while prepared; a
     # prepare that failed midway may not have switched this module's class yet.
     cls = type(module)
+    if state.between_class is not None and state.between_class in cls.__mro__:
+        cls = rebased(cls, state.between_class, state.prepared_class)
     prepared = next((c for c in cls.__mro__ if "_paramfold_names" in vars(c)), None)
     if prepared is not None:
         module.__class__ = rebased(cls, prepared, state.original_class)

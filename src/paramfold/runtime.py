@@ -21,12 +21,17 @@ FREEZE_CHECKS = ("content", "version")
 @dataclasses.dataclass(eq=False)
 class FrozenValue:
     value: torch.Tensor
-    #: Per input: ``(dict, key, tensor, storage address, version, byte view, byte copy)``; the
-    #: byte view and copy are None without ``freeze_check="content"`` and for inputs whose bytes
-    #: cannot be read as one view (tensor subclasses, meta and non-contiguous tensors).
+    #: Per input: ``(dict, key, tensor, version, storage address, requires_grad)``.
     watch: tuple[tuple, ...]
     #: ``len()`` of each tensor dict, so an added parameter or buffer counts as a change.
     sizes: tuple[int, ...]
+    #: With ``freeze_check="content"``: ``(input address, copy address, nbytes)`` of each
+    #: contiguous host input, compared with ``memcmp``; ``(byte view, copy)`` of the others
+    #: (compared with ``torch.equal``); and the copies themselves, kept alive here. Inputs whose
+    #: bytes cannot be read as one view (tensor subclasses, meta tensors) have neither.
+    raw: tuple[tuple[int, int, int], ...] = ()
+    views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    copies: tuple[torch.Tensor, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,6 +162,13 @@ class ModuleState:
     #: Hook-based norms' hooks taken out of ``_forward_pre_hooks`` while values are installed,
     #: and the dict's key order to put them back in (``hooknorms.detach`` / ``attach``).
     hooks_out: tuple = ()
+    #: For holders with frozen values: the class the module has between calls (a subclass of
+    #: ``prepared_class`` whose data descriptors compute every read like stock), and the names
+    #: whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
+    between_class: type | None = None
+    kept: tuple[str, ...] = ()
+    #: For entries: the call scope's steady-state fast path (``scope._Plan``), if it has one.
+    plan: Any = None
 
 
 def state_of(module: nn.Module) -> ModuleState | None:

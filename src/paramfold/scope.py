@@ -41,11 +41,13 @@ from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
-from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value
+from paramfold.freeze import _address, _memcmp, can_freeze, chain_needs_grad, frozen_value, unchanged
 from paramfold.inline import sync_refs
+from paramfold.rebase import rebased
 from paramfold.runtime import STATE_ATTR, ModuleState, SiteState, distributed
 
 _MODULE_CALL = nn.Module.__call__
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 _LOCK = threading.RLock()
 
 
@@ -59,59 +61,201 @@ _local = _Local()
 def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module]]:
     state = entry.__dict__[STATE_ATTR]
     grad = torch.is_grad_enabled()
-    claimed: list[nn.Module] = []
     with _LOCK:
-        try:
-            for holder in state.holders:
-                hs = holder.__dict__[STATE_ATTR]
-                if hs.sites:
-                    _check_unchanged(holder, hs)
-                if hs.users:
-                    if not (hs.shareable and _shareable(hs, grad)):
-                        raise _concurrent(entry)
-                    hs.users += 1
-                else:
-                    _install(holder, hs, grad)
-                claimed.append(holder)
-        except BaseException:
-            _release(claimed)
-            raise
+        plan = state.plan
+        if plan is not None and plan.grad is grad and _plan_holds(plan):
+            claimed = plan.claim()
+        else:
+            claimed = _open_holders(entry, state, grad)
+            state.plan = _Plan.build(state.holders, grad)
     previous = _local.covered
     _local.covered = state.covers
     return previous, claimed
 
 
+def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.Module]:
+    claimed: list[nn.Module] = []
+    try:
+        for holder in state.holders:
+            hs = holder.__dict__[STATE_ATTR]
+            if hs.sites:
+                _check_unchanged(holder, hs)
+            if hs.users:
+                if not (hs.shareable and _shareable(hs, grad)):
+                    raise _concurrent(entry)
+                hs.users += 1
+            else:
+                _install(holder, hs, grad)
+            claimed.append(holder)
+    except BaseException:
+        _release(claimed)
+        raise
+    return claimed
+
+
+class _Plan:
+    """An entry's call scope in its steady state: every site's value is frozen and kept in its
+    module's ``__dict__`` from the last call, so opening the scope is one flat check of everything
+    :func:`_check_unchanged` and :func:`paramfold.freeze.unchanged` would check site by site,
+    then a class switch per holder. Any failed check takes the general path, which rebuilds the
+    plan; a plan is only built where every site was served from a kept frozen value."""
+
+    __slots__ = (
+        "grad", "holders", "claimed", "kept", "links", "members", "sizes", "inputs", "other_inputs", "raw", "views",
+        "stateful",
+    )
+
+    @classmethod
+    def build(cls, holders: list[nn.Module], grad: bool) -> _Plan | None:
+        plan = cls()
+        plan.grad = grad
+        plan.holders, plan.kept, links, members, sizes, inputs, other_inputs = [], [], [], [], [], [], []
+        raw, views, stateful = [], [], []
+        for holder in holders:
+            hs = holder.__dict__[STATE_ATTR]
+            names = [n for n, site in hs.sites.items()]
+            if (
+                hs.users != 1 or hs.installed or hs.hooks_out or hs.between_class is None
+                or type(holder) is not hs.prepared_class or set(hs.kept) != set(names)
+            ):
+                return None
+            plists = holder._modules["parametrizations"]
+            links.append((holder._modules, "parametrizations", plists))
+            members.append((plists._modules, tuple(plists._modules.values())))
+            for name in names:
+                site = hs.sites[name]
+                frozen = site.frozen
+                if site.hook is not None or frozen is None or holder.__dict__.get(name) is not frozen.value:
+                    return None
+                members.append((site.plist._modules, site.modules))
+                sizes.extend(zip(site.tensor_dicts, frozen.sizes))
+                for entry in frozen.watch:
+                    # data_ptr() is read inline where it works; subclasses and sparse tensors go through _address.
+                    (inputs if _has_data_ptr(entry[2]) else other_inputs).append(entry)
+                raw.extend(frozen.raw)
+                views.extend(frozen.views)
+                if site.stateful:
+                    stateful.extend(site.chain)
+            plan.holders.append((holder, hs))
+            plan.kept.append(hs.kept)
+        plan.claimed = [holder for holder, _ in plan.holders]
+        plan.links, plan.members, plan.sizes = tuple(links), tuple(members), tuple(sizes)
+        plan.inputs, plan.other_inputs = tuple(inputs), tuple(other_inputs)
+        plan.raw, plan.views, plan.stateful = tuple(raw), tuple(views), tuple(stateful)
+        return plan
+
+    def claim(self) -> list[nn.Module]:
+        shareable = not self.grad
+        for holder, hs in self.holders:
+            object.__setattr__(holder, "__class__", hs.prepared_class)
+            hs.users = 1
+            hs.shareable = shareable
+        return self.claimed
+
+
+def _has_data_ptr(t: torch.Tensor) -> bool:
+    if type(t) not in _PLAIN_TENSORS:
+        return False
+    try:
+        t.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _plan_holds(plan: _Plan) -> bool:
+    # Runs at every call: flat loops over every check, cheapest first. Called under _LOCK.
+    for (holder, hs), kept in zip(plan.holders, plan.kept):
+        if hs.users or hs.kept is not kept or type(holder) is not hs.between_class:
+            return False
+    for d, key, value in plan.links:
+        if d.get(key) is not value:
+            return False
+    for d, values in plan.members:
+        if tuple(d.values()) != values:
+            return False
+    for d, size in plan.sizes:
+        if len(d) != size:
+            return False
+    for module in plan.stateful:
+        if module.training:
+            return False
+    for d, key, t, version, address, requires_grad in plan.inputs:
+        if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad or t.data_ptr() != address:
+            return False
+    for d, key, t, version, address, requires_grad in plan.other_inputs:
+        if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad or _address(t) != address:
+            return False
+    for address, copy, size in plan.raw:
+        if _memcmp(address, copy, size):
+            return False
+    for view, copy in plan.views:
+        if not torch.equal(view, copy):
+            return False
+    return True
+
+
 def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
     values = holder.__dict__
-    installed = []
+    kept_before = hs.kept
+    hs.kept = ()
+    if kept_before:
+        _enter_scope_class(holder, hs)
+    installed: list[str] = []
+    kept: list[str] = []
     hook_keys: list[int] = []
     try:
         for name, site in hs.sites.items():
-            if site.mode == "inline":
+            mode = site.mode
+            if mode == "inline":
                 _refuse_distributed_inline(holder, name, site)
                 sync_refs(holder, site)
                 continue
-            value = _value(holder, name, site, grad)
-            if value is None:
-                continue
-            values[name] = value
-            if site.hook is None:
-                installed.append(name)
-            else:  # hook-based norm: like stock, the value stays after the call; its hook is out meanwhile
+            frozen = site.frozen
+            if frozen is not None and mode != "hoist" and not site.training_stateful and unchanged(site, frozen):
+                value = frozen.value  # the fast path: nothing changed since the last call
+            else:
+                value = _value(holder, name, site, grad)
+                if value is None:
+                    values.pop(name, None)
+                    continue
+            if site.hook is not None:  # hook-based norm: like stock, the value stays; its hook is out meanwhile
+                values[name] = value
                 hook_keys.append(site.hook_key)
+            elif site.frozen is not None and value is site.frozen.value:
+                if values.get(name) is not value:  # an unchanged dict keeps dynamo's guards cheap
+                    values[name] = value
+                kept.append(name)
+            else:
+                values[name] = value
+                installed.append(name)
         if hs.detach_params and not grad:
             for name, param in holder._parameters.items():
                 if param is not None:
                     values[name] = param.detach()
                     installed.append(name)
+        for name in kept_before:
+            if name not in kept and name not in installed:
+                values.pop(name, None)
     except BaseException:
-        for name in installed:
+        for name in (*installed, *kept, *kept_before):
             values.pop(name, None)
         raise
     hs.installed = tuple(installed)
+    hs.kept = tuple(kept)
     hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
+
+
+def _enter_scope_class(holder: nn.Module, hs: ModuleState) -> None:
+    """Switch a holder whose frozen values were kept from its between-calls class back to the
+    prepared class (also inside a wrapper a library made of it meanwhile, FSDP2's fully_shard)."""
+    cls, between = type(holder), hs.between_class
+    if cls is between:
+        object.__setattr__(holder, "__class__", hs.prepared_class)
+    elif between is not None and between in cls.__mro__:
+        object.__setattr__(holder, "__class__", rebased(cls, between, hs.prepared_class))
 
 
 def _shareable(hs: ModuleState, grad: bool) -> bool:
@@ -128,6 +272,13 @@ def _release(claimed: list[nn.Module]) -> None:
                 for name in hs.installed:
                     values.pop(name, None)
                 hs.installed = ()
+                if hs.kept:
+                    if type(holder) is hs.prepared_class and hs.between_class is not None:
+                        object.__setattr__(holder, "__class__", hs.between_class)
+                    else:  # a class of someone else's now: nothing would hide kept values
+                        for name in hs.kept:
+                            values.pop(name, None)
+                        hs.kept = ()
                 if hs.hooks_out:
                     hooknorms.attach(holder, *hs.hooks_out)
                     hs.hooks_out = ()

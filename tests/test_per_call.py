@@ -1,0 +1,135 @@
+"""Deterministic proxies of the steady per-call path (issue 9): what a call of a prepared model
+costs in Python beyond the plain model's call, and what it changes that dynamo's guards look at.
+
+Timings are left to ``examples/percall_bench.py``; these tests count instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize as P
+from torch.nn.utils.parametrizations import weight_norm
+
+import paramfold
+from paramfold.bench import BenchConfig, build_model, make_input, unparametrize
+
+FREEZING = [("freeze", "content"), ("freeze", "version"), ("auto", "content"), ("auto", "version")]
+
+
+def _seed_pair(layers: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    config = BenchConfig(layers=layers, width=16)
+    stock, plain = (_seeded(config) for _ in range(2))  # not deepcopy: stock's copies share a class
+    return stock, unparametrize(plain), make_input(config)
+
+
+def _seeded(config: BenchConfig) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(config).eval().requires_grad_(False)
+
+
+def _python_frames(fn, x: torch.Tensor) -> Counter:
+    """Python frames entered by one call of ``fn`` (after two warm-up calls)."""
+    fn(x), fn(x)
+    frames: Counter = Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            frames[frame.f_code.co_name] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn(x)
+    finally:
+        sys.setprofile(None)
+    return frames
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode,check", FREEZING)
+def test_steady_call_python_work_does_not_grow_with_the_number_of_sites(mode, check, compiled):
+    extra = {}
+    for layers in (2, 8):  # 4 and 16 sites
+        stock, plain, x = _seed_pair(layers)
+        ours = paramfold.prepare(stock, mode, freeze_check=check)
+        if compiled:
+            torch._dynamo.reset()
+            plain, ours = torch.compile(plain, backend="eager"), torch.compile(ours, backend="eager")
+        with torch.no_grad():
+            assert torch.equal(ours(x), plain(x))
+            extra[layers] = sum(_python_frames(ours, x).values()) - sum(_python_frames(plain, x).values())
+    assert extra[2] == extra[8], extra  # a constant, not a walk over sites
+    assert extra[8] <= 25, extra
+
+
+@pytest.mark.parametrize("mode,check", FREEZING)
+def test_steady_calls_change_no_module_dict_and_compile_once(mode, check):
+    guards = pytest.importorskip("torch._C._dynamo.guards")
+    dict_version = getattr(guards, "dict_version", None)
+    if dict_version is None:
+        pytest.skip("this torch has no torch._C._dynamo.guards.dict_version")
+    stock, plain, x = _seed_pair(4)
+    ours = paramfold.prepare(stock, mode, freeze_check=check)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(ours, backend="eager")
+    with torch.no_grad():
+        compiled(x)
+        versions = [dict_version(m.__dict__) for m in ours.modules()]
+        for _ in range(3):
+            assert torch.equal(compiled(x), plain(x))
+        # Unchanged dicts: dynamo skips the guards of their tensors, as for the plain model.
+        assert [dict_version(m.__dict__) for m in ours.modules()] == versions
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_change_leaves_the_fast_path_and_the_next_call_takes_it_again():
+    stock, plain, x = _seed_pair(2)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    scope = sys.modules["paramfold.scope"]
+    with torch.no_grad():
+        ours(x)
+        plan = ours.__dict__["_paramfold"].plan
+        assert plan is not None
+        ours(x)
+        assert ours.__dict__["_paramfold"].plan is plan  # reused
+        for model in (stock, ours):
+            model.seq[0].linear.parametrizations.weight.original.data.mul_(2)  # no version bump
+        assert not scope._plan_holds(plan)
+        assert torch.equal(ours(x), stock(x))
+        assert ours.__dict__["_paramfold"].plan is not plan
+        assert scope._plan_holds(ours.__dict__["_paramfold"].plan)
+
+
+def test_content_check_compares_host_inputs_with_memcmp_and_others_with_torch_equal():
+    freeze = sys.modules["paramfold.freeze"]
+    if freeze._memcmp is None:
+        pytest.skip("no libc memcmp on this platform: every input is compared with torch.equal")
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4).eval().requires_grad_(False)
+    stock.weight = nn.Parameter(torch.randn(4, 4).t(), requires_grad=False)  # not contiguous
+    P.register_parametrization(stock, "weight", _Double())
+    weight_norm(stock, "bias", dim=None)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+        frozen = {n: s.frozen for n, s in ours.__dict__["_paramfold"].sites.items()}
+        assert len(frozen["weight"].views) == 1 and not frozen["weight"].raw  # the transposed original
+        assert len(frozen["bias"].raw) == 2 and not frozen["bias"].views  # g and v
+        for model in (stock, ours):
+            model.parametrizations.weight.original.data.add_(1)
+        assert torch.equal(ours(x), stock(x))
+        for model in (stock, ours):
+            model.parametrizations.bias.original1.detach().numpy()[0] += 1
+        assert torch.equal(ours(x), stock(x))
+
+
+class _Double(nn.Module):
+    def forward(self, w):
+        return w * 2
