@@ -66,6 +66,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import itertools
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -191,7 +192,9 @@ class Recipe:
         apply: ``apply(module, tensor_name, **options)`` registers it on ``module.<tensor_name>``
             (the tensor may already be parametrized when ``position`` allows it).
         supports: whether it can be registered on a tensor like this.
-        options: a Hypothesis strategy for ``apply``'s keyword options on such a tensor.
+        options: ``options(tensor)`` gives ``apply``'s keyword options on such a tensor: the
+            option dicts to choose from (plain data: the registry needs no Hypothesis), or a
+            Hypothesis strategy of them. :func:`chains` draws one.
         position: ``"first"`` (must start a chain), ``"any"``, ``"last"`` (must end it) or
             ``"alone"`` (the only parametrization of the tensor and of its module).
         stateful: mutates its buffers in forward when training.
@@ -201,7 +204,7 @@ class Recipe:
     name: str
     apply: Callable[..., None]
     supports: Callable[[TensorSpec], bool]
-    options: Callable[[TensorSpec], st.SearchStrategy[dict[str, Any]]]
+    options: Callable[[TensorSpec], Sequence[dict[str, Any]] | Any]
     position: str = "any"
     stateful: bool = False
     requires: str | None = None
@@ -225,10 +228,6 @@ def _importable(name: str) -> bool:
 
 
 _FLOATS = (torch.float32, torch.bfloat16)
-
-
-def _no_options(spec: TensorSpec) -> st.SearchStrategy[dict[str, Any]]:
-    return st.just({})
 
 
 def _current(module: nn.Module, name: str) -> torch.Tensor:
@@ -286,25 +285,31 @@ def _apply_int8_weight_only(module: nn.Module, name: str) -> None:
     unwrap_tensor_subclass(nn.Sequential(module))
 
 
-def _weight_norm_options(spec: TensorSpec) -> st.SearchStrategy[dict[str, Any]]:
-    return st.fixed_dictionaries({"dim": st.sampled_from([None, *range(-spec.ndim, spec.ndim)])})
+def _grid(**choices: Sequence[Any]) -> list[dict[str, Any]]:
+    """Every combination of the keyword ``choices``, first choices first."""
+    return [dict(zip(choices, values)) for values in itertools.product(*choices.values())]
 
 
-def _spectral_norm_options(spec: TensorSpec) -> st.SearchStrategy[dict[str, Any]]:
-    return st.fixed_dictionaries(
-        {"dim": st.sampled_from(range(spec.ndim)), "n_power_iterations": st.integers(1, 2)}
-    )
+def _no_options(spec: TensorSpec) -> list[dict[str, Any]]:
+    return [{}]
 
 
-def _orthogonal_options(spec: TensorSpec) -> st.SearchStrategy[dict[str, Any]]:
-    return st.sampled_from(
-        [
-            {"orthogonal_map": "matrix_exp"},
-            {"orthogonal_map": "cayley"},
-            {"orthogonal_map": "householder"},
-            {"orthogonal_map": "householder", "use_trivialization": False},
-        ]
-    )
+def _weight_norm_options(spec: TensorSpec) -> list[dict[str, Any]]:
+    return _grid(dim=[None, *range(-spec.ndim, spec.ndim)])
+
+
+def _spectral_norm_options(spec: TensorSpec) -> list[dict[str, Any]]:
+    return _grid(dim=range(spec.ndim), n_power_iterations=[1, 2])
+
+
+def _orthogonal_options(spec: TensorSpec) -> list[dict[str, Any]]:
+    # torch implements right_inverse without the trivialization for householder only.
+    return [
+        {"orthogonal_map": "matrix_exp"},
+        {"orthogonal_map": "cayley"},
+        {"orthogonal_map": "householder"},
+        {"orthogonal_map": "householder", "use_trivialization": False},
+    ]
 
 
 #: Real parametrizations by name. ``PARAMETRIZATIONS[name].apply(module, tensor_name, **options)``.
@@ -341,13 +346,13 @@ PARAMETRIZATIONS: dict[str, Recipe] = {
             "scale",
             _apply_scale,
             lambda s: s.dtype in _FLOATS,
-            lambda s: st.fixed_dictionaries({"per_row": st.booleans()}),
+            lambda s: _grid(per_row=[False, True]),
         ),
         Recipe(
             "fake_sparsity",
             _apply_fake_sparsity,
             lambda s: s.dtype in _FLOATS,
-            lambda s: st.fixed_dictionaries({"density": st.sampled_from([0.3, 0.7, 1.0])}),
+            lambda s: _grid(density=[0.3, 0.7, 1.0]),
             requires="torchao",
         ),
         Recipe(
@@ -404,6 +409,12 @@ def _available(names: Sequence[str] | None) -> list[Recipe]:
     return [r for r in chosen if r.available]
 
 
+def _options(recipe: Recipe, tensor: TensorSpec) -> st.SearchStrategy[dict[str, Any]]:
+    """A strategy for ``recipe``'s options on ``tensor``: one of its option dicts, or its own strategy."""
+    options = recipe.options(tensor)
+    return options if isinstance(options, st.SearchStrategy) else st.sampled_from([dict(o) for o in options])
+
+
 @st.composite
 def chains(
     draw: st.DrawFn,
@@ -437,7 +448,7 @@ def chains(
     alone = [r for r in recipes if r.position == "alone"]
     if alone and draw(st.integers(0, 3)) == 0:
         recipe = draw(st.sampled_from(alone))
-        return (Step(recipe.name, tuple(sorted(draw(recipe.options(tensor)).items()))),)
+        return (Step(recipe.name, tuple(sorted(draw(_options(recipe, tensor)).items()))),)
     steps: list[Step] = []
     for i in range(length):
         allowed = ("first", "any") if i == 0 else ("any",)
@@ -451,7 +462,7 @@ def chains(
         if not pool:
             break
         recipe = draw(st.sampled_from(pool))
-        steps.append(Step(recipe.name, tuple(sorted(draw(recipe.options(tensor)).items()))))
+        steps.append(Step(recipe.name, tuple(sorted(draw(_options(recipe, tensor)).items()))))
     return tuple(steps)
 
 
