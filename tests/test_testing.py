@@ -1,8 +1,15 @@
-"""paramfold.testing itself: its registry's options and availability, and what chains() draws."""
+"""paramfold.testing itself: only its strategies need Hypothesis, its modules are layered, its
+registry's options and availability, and what chains() draws."""
 
 from __future__ import annotations
 
+import ast
 import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import hypothesis
 import pytest
@@ -68,3 +75,91 @@ def test_chains_draws_a_recipes_options_from_data_or_from_its_own_strategy(monke
         assert found == (pt.Step("doubled", (("factor", factor),)),)
     with pytest.raises(hypothesis.errors.NoSuchExample):
         hypothesis.find(strategy, lambda chain: dict(chain[0].options)["factor"] not in (2, 3))
+
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+PACKAGE = SRC / "paramfold" / "testing"
+
+# Hypothesis hidden as if not installed: the checker, the registry and the models work; the
+# strategies say what to install, whichever way they are reached.
+_WITHOUT_HYPOTHESIS = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hypothesis"] = None
+    import torch
+    import paramfold
+    import paramfold.testing as pt
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 4)), torch.nn.Tanh())
+    pt.assert_equivalent(model, torch.randn(2, 4), "hoist", steps=2)
+    before = pt.structure(model)
+    paramfold.restore(paramfold.prepare(model, "auto"))
+    pt.assert_same_structure(before, pt.structure(model))
+    layer = pt.LayerSpec("linear", 4, 4, chains=(("weight", (pt.Step("spectral_norm"), pt.Step("scale"))),))
+    spec = pt.ModelSpec((layer, layer), dtype="cast")
+    with pt.grad_mode({"grad_enabled": True}):
+        pt.assert_equivalent(spec.build(), spec.inputs(), "hoist", steps=2)
+    print("options", pt.PARAMETRIZATIONS["spectral_norm"].options(pt.TensorSpec((2, 2)))[0])
+    for name in ("cases", "chains", "models", "Case"):
+        try:
+            getattr(pt, name)
+        except ImportError as e:
+            print(name, e)
+    try:
+        from paramfold.testing import cases
+    except ImportError as e:
+        print("from-import", e)
+    print("loaded", sorted(m for m in sys.modules if m.startswith("hypothesis") and sys.modules[m]))
+    """
+)
+
+
+def test_the_checker_and_registry_work_without_hypothesis_and_strategies_say_what_to_install():
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_HYPOTHESIS], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    message = "paramfold.testing's strategies (chains, models, cases) need hypothesis: pip install \"paramfold[testing]\""
+    assert proc.stdout.splitlines() == [
+        "options {'dim': 0, 'n_power_iterations': 1}",
+        *(f"{name} {message}" for name in ("cases", "chains", "models", "Case")),
+        f"from-import {message}",
+        "loaded []",
+    ]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy imports count), relative ones resolved."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(["paramfold", "testing", *filter(None, [base])])
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_only_the_strategies_import_hypothesis_and_the_modules_are_layered():
+    modules = {path.stem: _imports(path) for path in PACKAGE.glob("*.py")}
+    assert set(modules) == {"__init__", "registry", "nets", "check", "strategies"}
+    uses_hypothesis = {m for m, names in modules.items() if any(n.split(".")[0] == "hypothesis" for n in names)}
+    assert uses_hypothesis == {"strategies"}
+    siblings = {
+        m: {n.split(".")[2] for n in names if n.startswith("paramfold.testing.") and n.split(".")[2] in modules}
+        for m, names in modules.items()
+        if m != "__init__"
+    }
+    assert not any("paramfold.testing" in names for m, names in modules.items() if m != "__init__"), (
+        "a submodule that imports the package imports every other submodule"
+    )
+    # No cycles: each module imports only modules listed before it.
+    order = ["registry", "check", "nets", "strategies"]
+    for module, deps in siblings.items():
+        assert deps <= set(order[: order.index(module)]), (module, deps)
+    init = PACKAGE / "__init__.py"
+    eager = {node.module for node in ast.parse(init.read_text()).body if isinstance(node, ast.ImportFrom)}
+    assert "paramfold.testing.strategies" not in eager, "the package imports the strategies on first use only"

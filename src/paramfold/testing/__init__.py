@@ -35,10 +35,16 @@ and with Hypothesis::
 The layout says what needs what: :mod:`~paramfold.testing.registry` (the parametrizations),
 :mod:`~paramfold.testing.nets` (the models, as data), :mod:`~paramfold.testing.check` (the
 checker; its module docstring states the tolerances) and :mod:`~paramfold.testing.strategies`
-(Hypothesis, drawing from the first two). Everything is importable from here.
+(Hypothesis, drawing from the first two). Everything is importable from here. Only the
+strategies need Hypothesis (``pip install "paramfold[testing]"``): they are imported on first
+use, so the checker and the registry work without it, and ``pt.cases`` without it raises an
+ImportError that says what to install.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from paramfold.testing.check import (
     COMPILE_TOLERANCES,
@@ -50,7 +56,12 @@ from paramfold.testing.check import (
 )
 from paramfold.testing.nets import BufferMix, Conv1dBlock, Conv2dBlock, LayerSpec, ModelSpec, ResidualNet
 from paramfold.testing.registry import PARAMETRIZATIONS, Cast, HalfSum, Recipe, Scale, Step, TensorSpec, apply_chain
-from paramfold.testing.strategies import Case, cases, chains, models
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time they are resolved by __getattr__
+    from paramfold.testing.strategies import Case, cases, chains, models
+
+#: The names :mod:`paramfold.testing.strategies` defines: importing it needs Hypothesis.
+_STRATEGIES = frozenset({"Case", "cases", "chains", "models"})
 
 __all__ = [
     "COMPILE_TOLERANCES",
@@ -78,3 +89,15 @@ __all__ = [
     "models",
     "structure",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STRATEGIES:
+        value = getattr(importlib.import_module("paramfold.testing.strategies"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _STRATEGIES)

@@ -23,7 +23,9 @@ try:
     from hypothesis import strategies as st
 except ImportError as _e:  # hypothesis is an optional dependency: the paramfold[testing] extra
     raise ImportError(
-        "paramfold.testing needs hypothesis: pip install 'paramfold[testing]'"
+        "paramfold.testing's strategies (chains, models, cases) need hypothesis: "
+        'pip install "paramfold[testing]"',
+        name="hypothesis",
     ) from _e
 from torch import nn
 
