@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib
 import os
 import subprocess
 import sys
@@ -97,7 +98,7 @@ _WITHOUT_HYPOTHESIS = textwrap.dedent(
     paramfold.restore(paramfold.prepare(model, "auto"))
     pt.assert_same_structure(before, pt.structure(model))
     layer = pt.LayerSpec("linear", 4, 4, chains=(("weight", (pt.Step("spectral_norm"), pt.Step("scale"))),))
-    spec = pt.ModelSpec((layer, layer), dtype="cast")
+    spec = pt.NetSpec((layer, layer), dtype="cast")
     with pt.grad_mode({"grad_enabled": True}):
         pt.assert_equivalent(spec.build(), spec.inputs(), "hoist", steps=2)
     print("options", pt.PARAMETRIZATIONS["spectral_norm"].options(pt.TensorSpec((2, 2)))[0])
@@ -163,3 +164,13 @@ def test_only_the_strategies_import_hypothesis_and_the_modules_are_layered():
     init = PACKAGE / "__init__.py"
     eager = {node.module for node in ast.parse(init.read_text()).body if isinstance(node, ast.ImportFrom)}
     assert "paramfold.testing.strategies" not in eager, "the package imports the strategies on first use only"
+
+
+def test_model_spec_is_a_deprecated_alias_of_net_spec():
+    with pytest.warns(DeprecationWarning, match="ModelSpec is deprecated: use paramfold.testing.NetSpec") as record:
+        assert pt.ModelSpec is pt.NetSpec
+    assert record[0].filename == __file__  # the warning points at the caller
+    with pytest.warns(DeprecationWarning, match="NetSpec"):
+        from paramfold.testing import ModelSpec
+    assert ModelSpec is pt.NetSpec
+    assert "ModelSpec" not in pt.__all__ and not hasattr(importlib.import_module("paramfold.testing.nets"), "ModelSpec")

@@ -12,7 +12,7 @@ Three layers, usable separately:
   ``Int8WeightOnlyConfig`` + ``unwrap_tensor_subclass``), each applied by
   ``PARAMETRIZATIONS[name].apply(module, tensor_name, **options)``.
 * Hypothesis strategies: :func:`chains` (1-3 compatible parametrizations for one tensor),
-  :func:`models` (small random models as a printable :class:`ModelSpec`) and :func:`cases`
+  :func:`models` (small random models as a printable :class:`NetSpec`) and :func:`cases`
   (a model factory, its inputs and the case's flags).
 
 Example::
@@ -44,6 +44,7 @@ ImportError that says what to install.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from paramfold.testing.check import (
@@ -54,7 +55,7 @@ from paramfold.testing.check import (
     grad_mode,
     structure,
 )
-from paramfold.testing.nets import BufferMix, Conv1dBlock, Conv2dBlock, LayerSpec, ModelSpec, ResidualNet
+from paramfold.testing.nets import BufferMix, Conv1dBlock, Conv2dBlock, LayerSpec, NetSpec, ResidualNet
 from paramfold.testing.registry import PARAMETRIZATIONS, Cast, HalfSum, Recipe, Scale, Step, TensorSpec, apply_chain
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time they are resolved by __getattr__
@@ -73,7 +74,7 @@ __all__ = [
     "Conv2dBlock",
     "HalfSum",
     "LayerSpec",
-    "ModelSpec",
+    "NetSpec",
     "Recipe",
     "ResidualNet",
     "Scale",
@@ -92,6 +93,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "ModelSpec":  # its name until it met paramfold.bench.ModelSpec, a different thing
+        warnings.warn(
+            "paramfold.testing.ModelSpec is deprecated: use paramfold.testing.NetSpec (same class)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return NetSpec
     if name in _STRATEGIES:
         value = getattr(importlib.import_module("paramfold.testing.strategies"), name)
         globals()[name] = value

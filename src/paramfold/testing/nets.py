@@ -1,6 +1,6 @@
 """The small parametrized models that paramfold's property checks run, as printable data.
 
-Why a module of its own: a :class:`ModelSpec` (layers, their chains, dtype, tie, repeat,
+Why a module of its own: a :class:`NetSpec` (layers, their chains, dtype, tie, repeat,
 requires_grad, train mode, seed) rebuilds the same model bitwise every time and needs no
 Hypothesis, so the spec a failing property test prints can be pasted into a plain regression
 test. :mod:`paramfold.testing.strategies` draws them; the layer classes here are the blocks they
@@ -18,7 +18,7 @@ from torch import nn
 from paramfold.compute import original_names
 from paramfold.testing.registry import Chain, Step, TensorSpec, apply_chain
 
-__all__ = ["BufferMix", "Conv1dBlock", "Conv2dBlock", "LayerSpec", "ModelSpec", "ResidualNet"]
+__all__ = ["BufferMix", "Conv1dBlock", "Conv2dBlock", "LayerSpec", "NetSpec", "ResidualNet"]
 
 
 class Conv1dBlock(nn.Module):
@@ -69,7 +69,7 @@ class ResidualNet(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One layer of a :class:`ModelSpec`: its kind, sizes and a chain per parametrized tensor."""
+    """One layer of a :class:`NetSpec`: its kind, sizes and a chain per parametrized tensor."""
 
     kind: str  # "linear" | "conv1d" | "conv2d" | "layernorm" | "buffer" | "embedding"
     width_in: int
@@ -127,11 +127,21 @@ class LayerSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A small random model, printable (Hypothesis shows it on failure) and rebuilt exactly.
+class NetSpec:
+    """A small parametrized network as data, printable (Hypothesis shows it on failure) and
+    rebuilt exactly. (Called ``ModelSpec`` before, a name now deprecated: ``paramfold.bench``'s
+    ``ModelSpec`` is a benchmark model, a different thing.)
 
     :meth:`build` is deterministic: the same spec gives bitwise identical models (it seeds
     torch's RNG inside ``torch.random.fork_rng``, so the caller's RNG is untouched).
+
+    Example::
+
+        >>> from paramfold.testing import LayerSpec, NetSpec, Step
+        >>> layer = LayerSpec("linear", 4, 4, chains=(("weight", (Step("weight_norm"),)),))
+        >>> model = NetSpec((layer, layer), tie=(0, 1, "weight")).build()
+        >>> model[0].parametrizations.weight.original0 is model[1].parametrizations.weight.original0
+        True
     """
 
     layers: tuple[LayerSpec, ...]

@@ -6,7 +6,7 @@ without it.
 
 * :func:`chains`: 1-3 compatible parametrizations (:data:`~paramfold.testing.PARAMETRIZATIONS`)
   for one tensor;
-* :func:`models`: small random models as a printable :class:`~paramfold.testing.ModelSpec`;
+* :func:`models`: small random models as a printable :class:`~paramfold.testing.NetSpec`;
 * :func:`cases`: a model factory, its inputs and the case's flags.
 """
 
@@ -29,7 +29,7 @@ except ImportError as _e:  # hypothesis is an optional dependency: the paramfold
     ) from _e
 from torch import nn
 
-from paramfold.testing.nets import LayerSpec, ModelSpec
+from paramfold.testing.nets import LayerSpec, NetSpec
 from paramfold.testing.registry import PARAMETRIZATIONS, Chain, Recipe, Step, TensorSpec
 
 __all__ = ["Case", "cases", "chains", "models"]
@@ -128,8 +128,8 @@ def models(
     repeats: bool = True,
     training: bool | None = None,
     requires_grad: Sequence[str] = ("all", "all", "none", "some"),
-) -> ModelSpec:
-    """Hypothesis strategy: a :class:`ModelSpec` for a small random parametrized model.
+) -> NetSpec:
+    """Hypothesis strategy: a :class:`NetSpec` for a small random parametrized model.
 
     Layers are Linear, Conv1d and Conv2d (in blocks), LayerNorm, a module with a parametrizable
     *buffer*, and an Embedding stem; the root is an ``nn.Sequential`` or a custom module with a
@@ -212,7 +212,7 @@ def models(
         if candidates and draw(st.integers(0, 3)) == 0:
             repeat = draw(st.sampled_from(candidates))
 
-    return ModelSpec(
+    return NetSpec(
         layers=tuple(layers),
         dtype=dtype,
         residual=residual and count > 1,
@@ -236,7 +236,7 @@ class Case(NamedTuple):
 def cases(draw: st.DrawFn, **model_options: Any) -> Case:
     """Hypothesis strategy: ``(model_factory, inputs, flags)`` for a random parametrized model.
 
-    ``flags`` holds ``spec`` (the :class:`ModelSpec`), ``training``, ``requires_grad``,
+    ``flags`` holds ``spec`` (the :class:`NetSpec`), ``training``, ``requires_grad``,
     ``dtype``, ``tied``, ``repeated``, ``grad_enabled`` (whether to run the case with grad
     mode on; see :func:`grad_mode`) and ``input_requires_grad`` (float inputs then require
     grad, so even frozen models run backward). Keyword options go to :func:`models`.
