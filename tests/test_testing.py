@@ -174,3 +174,42 @@ def test_model_spec_is_a_deprecated_alias_of_net_spec():
         from paramfold.testing import ModelSpec
     assert ModelSpec is pt.NetSpec
     assert "ModelSpec" not in pt.__all__ and not hasattr(importlib.import_module("paramfold.testing.nets"), "ModelSpec")
+
+
+def _tied_pair() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    parametrize.register_parametrization(layer, "weight", pt.HalfSum())
+    return nn.Sequential(layer, nn.Tanh(), layer)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m[0].bias.data.add_(1), r"state_dict '0\.bias'"),
+        (lambda m: m[0].register_parameter("bias", nn.Parameter(m[0].bias.detach().clone())), "parameters changed"),
+        (lambda m: m[0].bias.requires_grad_(False), "parameters changed"),
+        (lambda m: m[0].register_buffer("extra", torch.zeros(1)), "'0': buffers changed"),
+        (lambda m: m[0].__dict__.update(note=1), r"__dict__ keys changed: added \['note'\]"),
+        (lambda m: m.__setattr__("__class__", type("Other", (nn.Sequential,), {})), "<root>'?: class changed"),
+        (lambda m: m[0].parametrizations.weight.__setattr__("original1", nn.Parameter(torch.zeros(3, 3))), "parameters"),
+    ],
+    ids=["value", "parameter object", "requires_grad", "buffer", "dict key", "class", "original of a chain"],
+)
+def test_structure_snapshots_catch_what_restore_must_give_back(change, message):
+    model = _tied_pair()
+    before = pt.structure(model)
+    pt.assert_same_structure(before, pt.structure(model))
+    change(model)
+    with pytest.raises(AssertionError, match=message):
+        pt.assert_same_structure(before, pt.structure(model))
+
+
+def test_structure_without_values_ignores_values_and_the_mark_torch_compile_leaves():
+    model = _tied_pair()
+    before = pt.structure(model, values=False)
+    with torch.no_grad():
+        model[0].bias.add_(1)
+    torch.compile(model)  # marks the module it wraps (_is_torch_compile), not paramfold's business
+    pt.assert_same_structure(before, pt.structure(model, values=False))
+    assert before.state is None
