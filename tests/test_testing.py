@@ -41,14 +41,20 @@ def _tensors() -> list[tuple[pt.TensorSpec, nn.Module]]:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(pt.PARAMETRIZATIONS))
-def test_every_option_of_every_recipe_registers_on_the_tensors_it_supports(name):
+def _available_or_skip(name: str) -> pt.Recipe:
+    """The recipe, or a skip that says why the strategies leave it out (rather than silence)."""
     recipe = pt.PARAMETRIZATIONS[name]
     if not recipe.available:
         pytest.skip(
             f"recipe {name!r} needs {recipe.requires}, which is missing or does not import here: "
             "chains(), models() and cases() leave it out"
         )
+    return recipe
+
+
+@pytest.mark.parametrize("name", sorted(pt.PARAMETRIZATIONS))
+def test_every_option_of_every_recipe_registers_on_the_tensors_it_supports(name):
+    recipe = _available_or_skip(name)
     tried = 0
     for spec, module in _tensors():
         if not recipe.supports(spec):
@@ -60,6 +66,13 @@ def test_every_option_of_every_recipe_registers_on_the_tensors_it_supports(name)
                 assert tuple(getattr(layer, spec.name).shape) == spec.shape, (spec, options)
             tried += 1
     assert tried >= 2, f"{name} supports almost none of the tensors the strategies draw"
+
+
+@pytest.mark.parametrize("name", sorted(pt.PARAMETRIZATIONS))
+def test_chains_draw_every_available_recipe(name):
+    _available_or_skip(name)
+    chain = hypothesis.find(pt.chains(pt.TensorSpec((4, 4))), lambda chain: name in [s.name for s in chain])
+    assert name in [s.name for s in chain]
 
 
 @pytest.mark.parametrize(
