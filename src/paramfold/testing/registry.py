@@ -110,7 +110,7 @@ class Recipe:
         supports: whether it can be registered on a tensor like this.
         options: ``options(tensor)`` gives ``apply``'s keyword options on such a tensor: the
             option dicts to choose from (plain data: the registry needs no Hypothesis), or a
-            Hypothesis strategy of them. :func:`chains` draws one.
+            Hypothesis strategy of them. :func:`~paramfold.testing.chains` draws one.
         position: ``"first"`` (must start a chain), ``"any"``, ``"last"`` (must end it) or
             ``"alone"`` (the only parametrization of the tensor and of its module).
         stateful: mutates its buffers in forward when training.
@@ -120,7 +120,7 @@ class Recipe:
     name: str
     apply: Callable[..., None]
     supports: Callable[[TensorSpec], bool]
-    options: Callable[[TensorSpec], Sequence[dict[str, Any]] | Any]
+    options: Callable[[TensorSpec], Any]  # a sequence of option dicts, or a Hypothesis strategy
     position: str = "any"
     stateful: bool = False
     requires: str | None = None

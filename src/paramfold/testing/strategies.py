@@ -40,10 +40,13 @@ def _available(names: Sequence[str] | None) -> list[Recipe]:
     return [r for r in chosen if r.available]
 
 
-def _options(recipe: Recipe, tensor: TensorSpec) -> st.SearchStrategy[dict[str, Any]]:
-    """A strategy for ``recipe``'s options on ``tensor``: one of its option dicts, or its own strategy."""
+def _step(recipe: Recipe, tensor: TensorSpec) -> st.SearchStrategy[Step]:
+    """``recipe`` as a :class:`Step` on ``tensor``, with one of its option dicts (or drawn from its
+    own strategy, for a recipe that gives one)."""
     options = recipe.options(tensor)
-    return options if isinstance(options, st.SearchStrategy) else st.sampled_from([dict(o) for o in options])
+    if not isinstance(options, st.SearchStrategy):
+        options = st.sampled_from([dict(o) for o in options])
+    return options.map(lambda o: Step(recipe.name, tuple(sorted(o.items()))))
 
 
 @st.composite
@@ -79,7 +82,7 @@ def chains(
     alone = [r for r in recipes if r.position == "alone"]
     if alone and draw(st.integers(0, 3)) == 0:
         recipe = draw(st.sampled_from(alone))
-        return (Step(recipe.name, tuple(sorted(draw(_options(recipe, tensor)).items()))),)
+        return (draw(_step(recipe, tensor)),)
     steps: list[Step] = []
     for i in range(length):
         allowed = ("first", "any") if i == 0 else ("any",)
@@ -93,7 +96,7 @@ def chains(
         if not pool:
             break
         recipe = draw(st.sampled_from(pool))
-        steps.append(Step(recipe.name, tuple(sorted(draw(_options(recipe, tensor)).items()))))
+        steps.append(draw(_step(recipe, tensor)))
     return tuple(steps)
 
 
