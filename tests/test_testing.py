@@ -131,9 +131,13 @@ _WITHOUT_HYPOTHESIS = textwrap.dedent(
 
 def test_the_checker_and_registry_work_without_hypothesis_and_strategies_say_what_to_install():
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    proc = subprocess.run([sys.executable, "-c", _WITHOUT_HYPOTHESIS], capture_output=True, text=True, env=env, timeout=300)
+    run = [sys.executable, "-c", _WITHOUT_HYPOTHESIS]
+    proc = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    message = "paramfold.testing's strategies (chains, models, cases) need hypothesis: pip install \"paramfold[testing]\""
+    message = (
+        "paramfold.testing's strategies (chains, models, cases) need hypothesis: "
+        'pip install "paramfold[testing]"'
+    )
     assert proc.stdout.splitlines() == [
         "options {'dim': 0, 'n_power_iterations': 1}",
         *(f"{name} {message}" for name in ("cases", "chains", "models", "Case")),
@@ -205,7 +209,10 @@ def _tied_pair() -> nn.Module:
         (lambda m: m[0].register_buffer("extra", torch.zeros(1)), "'0': buffers changed"),
         (lambda m: m[0].__dict__.update(note=1), r"__dict__ keys changed: added \['note'\]"),
         (lambda m: m.__setattr__("__class__", type("Other", (nn.Sequential,), {})), "<root>'?: class changed"),
-        (lambda m: m[0].parametrizations.weight.__setattr__("original1", nn.Parameter(torch.zeros(3, 3))), "parameters"),
+        (
+            lambda m: m[0].parametrizations.weight.__setattr__("original1", nn.Parameter(torch.zeros(3, 3))),
+            r"'0\.parametrizations\.weight': parameters changed",
+        ),
     ],
     ids=["value", "parameter object", "requires_grad", "buffer", "dict key", "class", "original of a chain"],
 )
