@@ -1,4 +1,8 @@
-"""Small real parametrized models shared by the core tests."""
+"""Small real parametrized models shared by the core tests.
+
+The parametrizations are paramfold.testing's own (``pt.Cast``, ``pt.Scale``) and so is the
+structure snapshot the tests compare (``pt.structure``); what is here is what they lack.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,8 @@ from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_no
 import paramfold.testing as pt
 
 
-# The seed's dtype cast and a buffer scale: paramfold.testing's own parametrizations.
-Cast = pt.Cast
-
-
-def Scale() -> nn.Module:  # noqa: N802 - reads like the class it builds
-    """A chainable custom parametrization with a buffer (x * 1.5)."""
+def scale_by_1_5() -> nn.Module:
+    """``pt.Scale`` with a fixed scalar buffer, 1.5 (any shape of tensor, deterministic)."""
     return pt.Scale(torch.tensor(1.5))
 
 
@@ -90,14 +90,14 @@ def build(kind: str, width: int = 32, depth: int = 3, seed: int = 0, blocks: boo
             parametrize.register_parametrization(layer, "weight", Split())
         elif kind == "chain":
             weight_norm(layer)
-            parametrize.register_parametrization(layer, "weight", Scale())
-            parametrize.register_parametrization(layer, "bias", Scale())
+            parametrize.register_parametrization(layer, "weight", scale_by_1_5())
+            parametrize.register_parametrization(layer, "bias", scale_by_1_5())
         elif kind == "lora":
             layer.weight.requires_grad_(False)  # frozen base weight, trainable adapters
             parametrize.register_parametrization(layer, "weight", LoRA(width, width))
         elif kind == "buffer":
             layer.register_buffer("shift", torch.randn(width))
-            parametrize.register_parametrization(layer, "shift", Scale())
+            parametrize.register_parametrization(layer, "shift", scale_by_1_5())
         elif kind != "plain":
             raise ValueError(kind)
     return net
@@ -122,7 +122,7 @@ def seed_model(n=4, width=64, parametrized=True, seed=0) -> nn.Module:
     for module in list(model.modules()):
         for name, p in list(module._parameters.items()):
             if p is not None:
-                parametrize.register_parametrization(module, name, Cast(), unsafe=True)
+                parametrize.register_parametrization(module, name, pt.Cast(), unsafe=True)
     return model
 
 
@@ -130,18 +130,6 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def structure(model: nn.Module) -> list[tuple]:
-    """Everything restore must give back: classes, parameter/buffer/module identities, dict keys."""
-    out = []
-    for path, module in model.named_modules():
-        out.append(
-            (
-                path,
-                type(module),
-                tuple((n, id(p)) for n, p in module._parameters.items()),
-                tuple((n, id(b)) for n, b in module._buffers.items()),
-                tuple((n, id(m)) for n, m in module._modules.items()),
-                tuple(sorted(module.__dict__)),
-            )
-        )
-    return out
+def classes(model: nn.Module) -> dict[str, type]:
+    """The class of every module, by path (prepare swaps them, restore must give each its own back)."""
+    return {path: type(module) for path, module in model.named_modules()}

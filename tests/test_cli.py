@@ -78,12 +78,12 @@ _NO_TORCH = textwrap.dedent(
                 assert e.code in (0, None), (argv, e.code)
         assert out.getvalue().strip(), argv
         print(argv, "torch" in sys.modules, out.getvalue().splitlines()[0] if argv == ["--version"] else "")
-    # import paramfold works without hypothesis; paramfold.testing says what to install
+    # import paramfold works without hypothesis; paramfold.testing's strategies say what to install
     sys.modules["hypothesis"] = None
     import paramfold
     assert callable(paramfold.fold_checkpoint)
     try:
-        paramfold.testing
+        paramfold.testing.cases
     except ImportError as e:
         print("testing:", e)
     """
@@ -96,7 +96,10 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
     lines = proc.stdout.splitlines()
     assert all(" False" in line for line in lines[:5]), lines  # torch not in sys.modules
     assert "paramfold 0.1.0" in lines[2]
-    assert lines[5] == "testing: paramfold.testing needs hypothesis: pip install 'paramfold[testing]'"
+    assert lines[5] == (
+        "testing: paramfold.testing's strategies (chains, models, cases) need hypothesis: "
+        'pip install "paramfold[testing]"'
+    )
 
 
 def test_help_text_lists_choices_and_real_defaults():

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import build, grads, seed_model, structure
+from helpers import build, classes, grads, seed_model
 from torch.nn.utils import parametrize
 
 import paramfold
@@ -48,10 +48,10 @@ def test_freeze_matches_stock_in_inference(kind):
 
 def test_freeze_refuses_trainable_and_training_stateful_and_changes_nothing():
     model = build("weight_norm")
-    before = structure(model)
+    before = pt.structure(model)
     with pytest.raises(paramfold.FoldError, match=r"layers\.0\.weight.*requires grad.*mode='auto'"):
         paramfold.prepare(model, "freeze")
-    assert structure(model) == before
+    pt.assert_same_structure(before, pt.structure(model))
 
     sn = build("spectral_norm").requires_grad_(False)  # train mode: power iteration mutates _u/_v
     with pytest.raises(paramfold.FoldError, match="stateful chain in training mode"):
@@ -131,14 +131,14 @@ def _count_computes(call, module_name):
 
 def test_restore_is_exact_and_optimizer_survives():
     model = build("chain")
-    before = structure(model)
+    before = pt.structure(model, values=False)  # the step changes values
     params = list(model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     paramfold.prepare(model, "hoist")
     assert [id(p) for p in model.parameters()] == [id(p) for p in params]
     _step(model, torch.randn(2, 32), opt)
     paramfold.restore(model)
-    assert structure(model) == before
+    pt.assert_same_structure(before, pt.structure(model, values=False))
     before_step = [p.detach().clone() for p in params]
     _step(model, torch.randn(2, 32), opt)  # optimizer built before prepare still drives the model
     assert all(not torch.equal(p, b) for p, b in zip(params, before_step, strict=True))
@@ -147,17 +147,19 @@ def test_restore_is_exact_and_optimizer_survives():
 
 def test_prepared_context_manager_restores_on_error():
     model = build("weight_norm")
-    before = structure(model)
+    before = pt.structure(model)
+    classes_before = classes(model)
     with pytest.raises(ZeroDivisionError):
         with paramfold.prepared(model, "hoist"):
-            assert type(model.layers[0]) is not {p: c for p, c, *_ in before}["layers.0"]
+            assert type(model.layers[0]) is not classes_before["layers.0"]
             1 / 0
-    assert structure(model) == before
+    pt.assert_same_structure(before, pt.structure(model))
 
 
 def test_prepare_is_atomic_on_bad_filter_fn_and_unsupported_class():
     model = build("weight_norm")
-    before = structure(model)
+    before = pt.structure(model)
+    classes_before = classes(model)
     calls = []
 
     def bad_filter(module, fqn):
@@ -168,17 +170,16 @@ def test_prepare_is_atomic_on_bad_filter_fn_and_unsupported_class():
 
     with pytest.raises(paramfold.FoldError, match="filter_fn raised KeyError"):
         paramfold.prepare(model, "hoist", filter_fn=bad_filter)
-    assert structure(model) == before
+    pt.assert_same_structure(before, pt.structure(model))
 
     type(model.layers[2]).extra = 1  # someone patched the per-instance parametrized class
     with pytest.raises(paramfold.FoldError, match=r"layers\.2\.weight.*Exclude this module with filter_fn"):
         paramfold.prepare(model, "hoist")
-    assert structure(model) == before
+    pt.assert_same_structure(before, pt.structure(model))
     paramfold.prepare(model, "hoist", filter_fn=lambda m, fqn: fqn != "layers.2")
-    classes = {path: cls for path, cls, *_ in before}
-    assert type(model.layers[2]) is classes["layers.2"]  # excluded module untouched
+    assert type(model.layers[2]) is classes_before["layers.2"]  # excluded module untouched
     paramfold.restore(model)
-    assert structure(model) == before
+    pt.assert_same_structure(before, pt.structure(model))
 
 
 def test_prepare_refuses_twice_and_unknown_mode():
@@ -329,7 +330,7 @@ def test_lora_adapters_are_never_frozen():
 def test_prepared_model_deepcopies_but_refuses_pickle_with_advice(tmp_path):
     stock = build("weight_norm")
     ours = build("weight_norm")
-    classes = [cls for _, cls, *_ in structure(ours)]
+    classes_before = classes(ours)
     paramfold.prepare(ours, "auto")
     with pytest.raises(RuntimeError, match=r"state_dict\(\).*paramfold\.restore"):
         torch.save(ours, tmp_path / "model.pt")
@@ -337,5 +338,5 @@ def test_prepared_model_deepcopies_but_refuses_pickle_with_advice(tmp_path):
     x = torch.randn(2, 32)
     assert torch.equal(twin(x), stock(x))
     paramfold.restore(twin)
-    assert [cls for _, cls, *_ in structure(twin)] == classes
+    assert classes(twin) == classes_before
     assert torch.equal(twin(x), stock(x))

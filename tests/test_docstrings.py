@@ -6,15 +6,26 @@ import doctest
 import gc
 import importlib
 import pkgutil
+from pathlib import Path
 
 import pytest
 import torch
 
 import paramfold
 
+# Subpackages' modules too: the finder skips objects a package only re-exports.
 MODULES = sorted(
-    name for _, name, _ in pkgutil.iter_modules(paramfold.__path__, prefix="paramfold.")
+    name for _, name, _ in pkgutil.walk_packages(paramfold.__path__, prefix="paramfold.")
 )
+
+
+def test_every_module_of_the_package_is_searched():
+    src = Path(paramfold.__file__).parent
+    files = {
+        ".".join(("paramfold", *path.relative_to(src).with_suffix("").parts)).removesuffix(".__init__")
+        for path in src.rglob("*.py")
+    }
+    assert set(MODULES) == files - {"paramfold"}
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -8,12 +8,13 @@ import tempfile
 
 import pytest
 import torch
-from helpers import build, seed_model, structure
+from helpers import build, seed_model
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import paramfold
+import paramfold.testing as pt
 from paramfold.export import folded_copy
 
 KINDS = ["weight_norm", "spectral_norm", "orthogonal", "split", "chain", "buffer", "lora"]
@@ -27,18 +28,6 @@ def plain_twin(model: nn.Module, plain: nn.Module) -> nn.Module:
     """``plain`` (same architecture, no parametrizations) holding ``model``'s materialised tensors."""
     plain.load_state_dict(paramfold.plain_state_dict(model), strict=True)
     return plain.train(model.training)
-
-
-def snapshot(model: nn.Module) -> tuple:
-    return structure(model), {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def assert_unchanged(model: nn.Module, before: tuple) -> None:
-    classes, values = before
-    assert structure(model) == classes
-    after = model.state_dict()
-    assert after.keys() == values.keys()
-    assert all(torch.equal(after[k], v) for k, v in values.items())
 
 
 class Vocoder(nn.Module):
@@ -103,7 +92,7 @@ def _plain_net(kind: str) -> nn.Module:
 @pytest.mark.parametrize("case", ["vocoder", "discriminator", "seed", *KINDS])
 def test_export_is_the_plain_program_with_stock_outputs(case):
     model, make_plain, args = _cases()[case]
-    before = snapshot(model)
+    before = pt.structure(model)
     expected = model(*args)
 
     ep = paramfold.export(model, args)
@@ -116,7 +105,7 @@ def test_export_is_the_plain_program_with_stock_outputs(case):
     assert ep.state_dict.keys() | ep.constants.keys() == plain_ep.state_dict.keys() | plain_ep.constants.keys()
     folded = paramfold.plain_state_dict(model)
     assert all(torch.equal(v, folded[k]) for k, v in ep.state_dict.items())
-    assert_unchanged(model, before)
+    pt.assert_same_structure(before, pt.structure(model))
     assert torch.equal(model(*args), expected)
 
 
@@ -205,7 +194,7 @@ def test_hook_based_norms_are_folded_too_and_the_model_keeps_its_hooks():
     model = _legacy_model()
     x = torch.randn(2, 4, 16)
     expected = model(x)  # the hooks have run: module.weight is a non-leaf, which deepcopy refuses
-    before = snapshot(model)
+    before = pt.structure(model)
     ep = paramfold.export(model, (x,))
     stock = ops(torch.export.export(model, (x,)))
     assert "aten._weight_norm.default" in stock and "aten.mv.default" in stock
@@ -214,7 +203,7 @@ def test_hook_based_norms_are_folded_too_and_the_model_keeps_its_hooks():
     assert ops(ep) == ops(torch.export.export(plain, (x,)))
     assert sorted(ep.state_dict) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert torch.equal(ep.module()(x), expected)
-    assert_unchanged(model, before)
+    pt.assert_same_structure(before, pt.structure(model))
     assert [len(m._forward_pre_hooks) for m in (model[0], model[2])] == [1, 1]
     assert torch.equal(model(x), expected)
 
@@ -227,10 +216,10 @@ def test_hook_based_spectral_norm_in_training_mode_is_refused():
 
 def test_spectral_norm_in_training_mode_is_refused_and_nothing_moves():
     model = build("spectral_norm").train()
-    before = snapshot(model)
+    before = pt.structure(model)
     with pytest.raises(paramfold.FoldError, match="training mode.*model.eval"):
         paramfold.export(model, (torch.randn(2, 32),))
-    assert_unchanged(model, before)  # the power iteration did not run (u, v unchanged)
+    pt.assert_same_structure(before, pt.structure(model))  # the power iteration did not run (u, v unchanged)
 
 
 class _Marked(torch.Tensor):
@@ -245,10 +234,10 @@ class _ToSubclass(nn.Module):
 def test_a_tensor_subclass_value_is_refused():
     model = build("plain")
     parametrize.register_parametrization(model.layers[1], "weight", _ToSubclass(), unsafe=True)
-    before = snapshot(model)
+    before = pt.structure(model)
     with pytest.raises(paramfold.FoldError, match=r"layers\.1\.weight.*_Marked.*filter_fn"):
         paramfold.export(model, (torch.randn(2, 32),))
-    assert_unchanged(model, before)
+    pt.assert_same_structure(before, pt.structure(model))
 
 
 def test_torchao_unwrapped_subclasses_stay_stock_and_exact():

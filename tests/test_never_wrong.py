@@ -10,12 +10,13 @@ import threading
 
 import pytest
 import torch
-from helpers import grads, structure
+from helpers import grads
 from torch import nn
 from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import paramfold
+import paramfold.testing as pt
 
 ALL_MODES = ["hoist", "inline", "freeze", "auto"]
 
@@ -85,10 +86,10 @@ def test_nested_parametrization_restores_exactly(mode):
     model = nested_linear()
     if mode == "freeze":
         _inference(model)
-    shape = structure(model)
+    shape = pt.structure(model, values=False)
     paramfold.prepare(model, mode)(torch.randn(2, 4))
     paramfold.restore(model)
-    assert structure(model) == shape
+    pt.assert_same_structure(shape, pt.structure(model, values=False))
 
 
 # --- 2. parametrizations changed while prepared ---------------------------------------------
@@ -449,14 +450,14 @@ def test_type_before_parametrizations_reports_the_users_classes(mode):
         _inference(model)
     before = {p: P.type_before_parametrizations(m) for p, m in model.named_modules()}
     assert before[""] is nn.Sequential and before["0.0"] is nn.Linear
-    shape = structure(model)
+    shape = pt.structure(model)
     paramfold.prepare(model, mode, filter_fn=None)
     assert {p: P.type_before_parametrizations(m) for p, m in model.named_modules()} == before
     from torch.ao.nn.intrinsic.modules import fused  # imported by name there
 
     assert fused.type_before_parametrizations(model) is nn.Sequential
     paramfold.restore(model)
-    assert structure(model) == shape
+    pt.assert_same_structure(shape, pt.structure(model))
 
 
 class Outer(nn.Module):

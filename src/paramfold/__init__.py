@@ -5,7 +5,7 @@ so that dynamo sees (nearly) the model it would see without parametrizations; un
 with :func:`restore`.
 
 The public names are imported on first use (PEP 562 module ``__getattr__``): ``import paramfold``
-and ``paramfold --help`` do not import torch. ``paramfold.testing`` (needs the
+and ``paramfold --help`` do not import torch. ``paramfold.testing`` (its strategies need the
 ``paramfold[testing]`` extra) and the other submodules are reachable as attributes too.
 """
 

@@ -1,0 +1,474 @@
+"""The checker: run a model stock and prepared side by side, and snapshot its structure.
+
+Why a module of its own: it is what a test suite calls (:func:`assert_equivalent`,
+:func:`structure`, :func:`assert_same_structure`, :func:`grad_mode`), on any model, drawn by
+:mod:`paramfold.testing.strategies` or built by hand, and it needs no Hypothesis.
+
+Tolerances. In eager mode every comparison is bitwise (``torch.testing.assert_close`` with
+``rtol=atol=0`` and ``equal_nan=True``), with one documented exception: gradients of originals
+that autograd sums from several contributions in an order ``prepare`` may change. That is
+
+* a parametrized module *called more than once per forward* (the same instance at two
+  places): stock computes its tensor once per call and autograd sums after the chain's
+  backward (``J^T g1 + J^T g2``); hoist, freeze and auto compute it once per forward and sum
+  before it (``J^T (g1 + g2)``);
+* an original *shared by several sites* (tied): hoisted sites are computed when the forward
+  starts, in module order, so their backward nodes run in a different order than stock's
+  when the forward reads them in another order or only some of them are prepared
+  (``filter_fn``), and sums of three or more terms (spectral_norm reads its weight twice)
+  round differently.
+
+Mathematically equal, they differ by rounding. So in modes other than ``"inline"`` the
+gradients of those originals are compared first, bitwise, with a third copy run stock under
+``torch.nn.utils.parametrize.cached()`` (one value per tensor per forward, paramfold's
+semantics: this covers modules called twice); failing that, with the stock copy at
+``rtol`` = ``torch.testing.assert_close``'s default for the lowest-precision floating dtype
+of the model and its outputs (bfloat16: 1.6e-2, float32: 1.3e-6) and ``atol = rtol *
+(largest gradient element in the model)``, the size of the terms being summed (a sum that
+cancels can be far smaller than its terms; this covers the tied case). Everything else,
+outputs and buffers included, stays bitwise.
+Under ``compile=...`` the default tolerance is :data:`COMPILE_TOLERANCES` for the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+import paramfold
+from paramfold.compute import original_names
+from paramfold.sites import inside_parametrization
+
+__all__ = ["COMPILE_TOLERANCES", "Structure", "assert_equivalent", "assert_same_structure", "grad_mode", "structure"]
+
+
+def grad_mode(flags: Mapping[str, Any]) -> contextlib.AbstractContextManager:
+    """``torch.enable_grad()`` or ``torch.no_grad()`` as a case's ``flags`` ask.
+
+    Example::
+
+        >>> import torch
+        >>> from paramfold.testing import grad_mode
+        >>> with grad_mode({"grad_enabled": False}):
+        ...     torch.is_grad_enabled()
+        False
+    """
+    return torch.enable_grad() if flags.get("grad_enabled", True) else torch.no_grad()
+
+
+# --------------------------------------------------------------------------------------------
+# Structure snapshots
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Structure:
+    """A snapshot of a model's object structure (and, optionally, its state dict values).
+
+    ``modules`` lists, for every module reached by ``named_modules(remove_duplicate=False)``
+    (parametrization modules included): its path, object id, class object, ``__dict__`` keys,
+    and the ids and ``requires_grad`` of its own parameters and buffers.
+    """
+
+    modules: tuple[tuple[Any, ...], ...]
+    state: dict[str, torch.Tensor] | None
+
+
+#: ``__dict__`` entries that are not paramfold's business: ``torch.compile(module)`` marks the
+#: module it wraps.
+_IGNORED_KEYS = frozenset({"_is_torch_compile"})
+
+
+def structure(model: nn.Module, *, values: bool = True) -> Structure:
+    """Snapshot ``model`` for :func:`assert_same_structure`; ``values`` also copies its state dict.
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> from paramfold.testing import structure, assert_same_structure
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> model = weight_norm(torch.nn.Linear(2, 2))
+        >>> before = structure(model)
+        >>> _ = paramfold.restore(paramfold.prepare(model, "hoist"))
+        >>> assert_same_structure(before, structure(model))
+    """
+    rows = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        params = tuple((n, id(p), p is not None and p.requires_grad) for n, p in module._parameters.items())
+        buffers = tuple((n, id(b)) for n, b in module._buffers.items())
+        keys = tuple(sorted(k for k in module.__dict__ if k not in _IGNORED_KEYS))
+        rows.append((path, id(module), type(module), keys, params, buffers))
+    state = None
+    if values:
+        state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    return Structure(tuple(rows), state)
+
+
+def assert_same_structure(before: Structure, after: Structure) -> None:
+    """Fail with a readable message unless two :func:`structure` snapshots agree.
+
+    State values are compared (bitwise) only when both snapshots carry them.
+    """
+    if len(before.modules) != len(after.modules):
+        raise AssertionError(f"module count changed: {len(before.modules)} -> {len(after.modules)}")
+    fields = ("path", "module object", "class", "__dict__ keys", "parameters", "buffers")
+    for old, new in zip(before.modules, after.modules):
+        for field, a, b in zip(fields, old, new):
+            if a == b:
+                continue
+            where = old[0] or "<root>"
+            if field == "class":
+                change = f"{a.__module__}.{a.__qualname__} (id {id(a)}) -> {b.__module__}.{b.__qualname__} (id {id(b)})"
+            elif field == "__dict__ keys":
+                change = f"added {sorted(set(b) - set(a))}, removed {sorted(set(a) - set(b))}"
+            else:
+                change = f"{a!r} -> {b!r}"
+            raise AssertionError(f"module {where!r}: {field} changed: {change}")
+    if before.state is not None and after.state is not None:
+        _compare_dicts("", "state_dict", before.state, after.state, _BITWISE)
+
+
+# --------------------------------------------------------------------------------------------
+# assert_equivalent
+# --------------------------------------------------------------------------------------------
+
+#: Default tolerance factor ``k`` under ``compile=dict(backend=...)`` when neither ``atol`` nor
+#: ``rtol`` is given: with ``eps`` that of the lowest-precision floating dtype among the model's
+#: tensors and outputs (bfloat16 for the seed's cast), each element may differ from stock by
+#: ``1e-5 + k * eps * (|stock element| + max|stock tensor|)``; 0 means bitwise. Measured on
+#: random :func:`~paramfold.testing.cases` (float32, bfloat16 and cast models; hoist, inline,
+#: auto, freeze; torch 2.13 CPU): ``"eager"`` and ``"aot_eager"`` run eager's ATen kernels and
+#: matched bitwise in all ~380 cases tried (except the hoisted tensor-subclass gradient bug of
+#: ``tests/test_properties.py``, which is not a rounding difference). Inductor generates its own kernels and
+#: computes low-precision math in float32; its worst difference was 3.5 in units of
+#: ``eps * max|stock tensor|`` (float32 gradients), and near-zero gradients that cancel in eager
+#: (a LayerNorm of width 2) need the ``1e-5`` floor. The default 16 leaves a 4x margin.
+#: Inductor on models *stored* in bfloat16 also produced different inf/NaN patterns in rare
+#: near-singular cases (spectral_norm of a masked weight): pass ``atol``/``rtol`` for those.
+COMPILE_TOLERANCES: dict[str, float] = {"eager": 0.0, "aot_eager": 0.0, "inductor": 16.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tolerance:
+    """``|actual - expected| <= atol + of_max * max|expected| + rtol * |expected|``, elementwise."""
+
+    rtol: float = 0.0
+    atol: float = 0.0
+    of_max: float = 0.0
+
+    def describe(self) -> str:
+        if not (self.rtol or self.atol or self.of_max):
+            return "bitwise"
+        return f"rtol={self.rtol:.3g}, atol={self.atol:.3g} + {self.of_max:.3g} * max|stock|"
+
+
+_BITWISE = _Tolerance()
+
+
+def assert_equivalent(
+    model: nn.Module,
+    inputs: torch.Tensor | Sequence[Any],
+    mode: str = "auto",
+    *,
+    steps: int = 1,
+    compile: Mapping[str, Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    lr: float = 1e-3,
+) -> None:
+    """Assert that ``paramfold.prepare(model, mode)`` changes nothing observable, then undo it.
+
+    ``model`` itself is never touched: it is deep-copied twice, one copy stays stock (eager)
+    and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
+    is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor or a sequence
+    of positional arguments) under the caller's grad mode; when the stock output requires grad,
+    both run backward on ``sum(o.float().sum() for o in outputs)``. Checked after each step:
+    outputs, the gradient of every parameter (originals included) and of every input that
+    requires grad, every buffer (so
+    spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
+    Between steps every floating parameter and parametrized buffer is updated in place on both
+    copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
+    and rate ``lr``, or a 1% shrink where there is none), so stale hoisted or frozen values
+    would show; before each step every parametrized tensor is also read as an attribute
+    outside any forward (parametrizations in eval mode) and must equal stock's.
+    Finally the prepared copy is restored with :func:`paramfold.restore` and must have exactly
+    its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
+    objects, ``__dict__`` keys), and must still compute the stock outputs.
+
+    Step comparisons are bitwise unless ``atol``/``rtol`` are given (then as in
+    ``torch.testing.assert_close``), or compiled (:data:`COMPILE_TOLERANCES`; a backend without a
+    measured tolerance, or a callable backend, needs ``atol``/``rtol``); see the module
+    docstring for the one exception (modules called twice per forward: their originals' gradients
+    are compared within the rounding of the summed terms, with an absolute floor of 1e-5).
+    :class:`paramfold.FoldError` from ``prepare`` propagates (``mode="freeze"`` refuses
+    originals that require grad and training stateful chains). Under ``compile`` call
+    ``torch._dynamo.reset()`` between unrelated checks yourself.
+
+    Raises:
+        AssertionError: naming the first tensor that differs, and the step.
+
+    Example::
+
+        >>> import torch, paramfold.testing as pt
+        >>> from torch.nn.utils.parametrizations import spectral_norm
+        >>> model = torch.nn.Sequential(spectral_norm(torch.nn.Linear(4, 4)), torch.nn.ReLU())
+        >>> pt.assert_equivalent(model, torch.randn(3, 4), "hoist", steps=3)
+    """
+    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    stock, candidate = copy.deepcopy(model), copy.deepcopy(model)
+    for copy_ in (stock, candidate):
+        for param in copy_.parameters():
+            param.grad = None
+    before = structure(candidate, values=False)
+
+    paramfold.prepare(candidate, mode, filter_fn=filter_fn)
+    run: Callable[..., Any] = candidate
+    factor = 0.0
+    if compile is not None:
+        run = torch.compile(candidate, **compile)
+        backend = compile.get("backend", "inductor")
+        if rtol is None and atol is None:
+            if not isinstance(backend, str) or backend not in COMPILE_TOLERANCES:
+                raise ValueError(
+                    f"assert_equivalent has no measured tolerance for backend {backend!r} (known: "
+                    f"{', '.join(COMPILE_TOLERANCES)}): pass atol= and/or rtol= for it"
+                )
+            factor = COMPILE_TOLERANCES[backend]
+    _compare_dicts(" after prepare", "state_dict", candidate.state_dict(), stock.state_dict(), _BITWISE)
+    # Originals whose gradient sums several contributions in an order prepare may change, and
+    # a stock copy run under parametrize.cached() (one value per tensor per forward, like
+    # hoist and freeze) to compare them with first: see the module docstring.
+    loose = _reordered_originals(candidate) if mode != "inline" else set()
+    cached = copy.deepcopy(stock) if loose else None
+
+    tol = _BITWISE
+    for step in range(steps):
+        if step:
+            _update(stock, [candidate] + ([cached] if cached is not None else []), lr)
+        at = f" at step {step + 1}" if steps > 1 else ""
+        # Compiled steps may leave state (spectral_norm's _u/_v) within the step tolerance.
+        _compare_reads(candidate, stock, f" before step {step + 1}", tol)
+        stock_args, candidate_args = _fresh(args), _fresh(args)
+        expected = stock(*stock_args)
+        actual = run(*candidate_args)
+        eps = torch.finfo(_lowest_precision(stock, expected)).eps
+        tol = _Tolerance(rtol or factor * eps, 1e-5 if factor else atol or 0.0, factor * eps)
+        _compare_outputs(actual, expected, at, tol)
+        expected_loss = _loss(expected)
+        if expected_loss is not None and expected_loss.requires_grad:
+            actual_loss = _loss(actual)
+            if actual_loss is None or not actual_loss.requires_grad:
+                raise AssertionError(f"stock output requires grad but prepared output does not{at}")
+            expected_loss.backward()
+            actual_loss.backward()
+        if cached is not None:
+            with parametrize.cached():
+                cached_loss = _loss(cached(*_fresh(args)))
+            if cached_loss is not None and cached_loss.requires_grad:
+                cached_loss.backward()
+        _compare_grads(candidate, stock, cached, at, loose, tol, eps)
+        for i, (a, e) in enumerate(zip(candidate_args, stock_args)):
+            if isinstance(e, torch.Tensor) and e.requires_grad:
+                _compare(f"grad of input {i}{at}", a.grad, e.grad, tol)
+        _compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
+        _compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
+
+    paramfold.restore(candidate)
+    try:
+        assert_same_structure(before, structure(candidate, values=False))
+    except AssertionError as exc:
+        raise AssertionError(f"after paramfold.restore: {exc}") from None
+    with torch.no_grad():
+        _compare_outputs(candidate(*args), stock(*args), " after restore", _BITWISE)
+
+
+def _fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Per-copy leaves for inputs that require grad, so each copy's input gradient is its own."""
+    return tuple(
+        a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
+    )
+
+
+def _loss(outputs: Any) -> torch.Tensor | None:
+    tensors = [t for t in _flatten(outputs) if t.is_floating_point()]
+    return sum((t.float().sum() for t in tensors[1:]), tensors[0].float().sum()) if tensors else None
+
+
+def _flatten(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _flatten(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flatten(v)
+
+
+def _compare_outputs(actual: Any, expected: Any, at: str, tol: _Tolerance) -> None:
+    got, want = list(_flatten(actual)), list(_flatten(expected))
+    if len(got) != len(want):
+        raise AssertionError(f"output has {len(got)} tensors, stock has {len(want)}{at}")
+    for i, (a, e) in enumerate(zip(got, want)):
+        name = "output" if len(want) == 1 else f"output[{i}]"
+        _compare(f"{name}{at}", a, e, tol)
+
+
+def _compare(what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, tol: _Tolerance) -> None:
+    if actual is None or expected is None:
+        if actual is not expected:
+            state = ("None", "a tensor") if actual is None else ("a tensor", "None")
+            raise AssertionError(f"{what}: prepared has {state[0]}, stock has {state[1]}")
+        return
+    if _is_subclass(actual) or _is_subclass(expected):
+        # e.g. torchao's Int8Tensor: compare its plain inner tensors and metadata instead.
+        if type(actual) is not type(expected):
+            raise AssertionError(f"{what}: prepared is a {type(actual).__name__}, stock a {type(expected).__name__}")
+        names, meta = expected.__tensor_flatten__()
+        if actual.__tensor_flatten__() != (names, meta):
+            raise AssertionError(f"{what}: tensor subclass metadata differs")
+        for inner in names:
+            _compare(f"{what}.{inner}", getattr(actual, inner), getattr(expected, inner), tol)
+        return
+    atol = tol.atol
+    if tol.of_max and expected.is_floating_point():
+        atol += tol.of_max * _largest(expected)
+    try:
+        torch.testing.assert_close(actual.detach(), expected.detach(), rtol=tol.rtol, atol=atol, equal_nan=True)
+    except AssertionError as exc:
+        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise AssertionError(f"{what} differs from stock ({tol.describe()}): {detail}") from None
+
+
+def _largest(t: torch.Tensor) -> float:
+    """The largest finite magnitude in ``t`` (0 for an empty or all non-finite tensor)."""
+    finite = t.detach().float().nan_to_num(0.0, 0.0, 0.0)
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def _is_subclass(t: torch.Tensor) -> bool:
+    return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__")
+
+
+def _compare_dicts(
+    at: str, what: str, actual: Mapping[str, Any], expected: Mapping[str, Any], tol: _Tolerance
+) -> None:
+    if list(actual) != list(expected):
+        missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
+        raise AssertionError(f"{what} keys differ{at}: missing {missing}, unexpected {extra} (or order changed)")
+    for key in expected:
+        _compare(f"{what} {key!r}{at}", actual[key], expected[key], tol)
+
+
+def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolerance) -> None:
+    """Every parametrized tensor read as an attribute, outside any forward, equals stock's.
+
+    Read with the parametrizations in eval mode, so spectral_norm's power iteration does not
+    advance (and the two copies stay in step); their training flags are put back after.
+    """
+    pairs = [(path, c, s) for (path, c), (_, s) in zip(_parametrized(candidate), _parametrized(stock))]
+    flags = [(m, m.training) for _, c, s in pairs for owner in (c, s) for m in owner.parametrizations.modules()]
+    try:
+        for m, _ in flags:
+            m.training = False
+        with torch.no_grad():
+            for path, c, s in pairs:
+                for name in s.parametrizations:
+                    where = f"{path}.{name}" if path else name
+                    _compare(f"{where} read outside forward{at}", getattr(c, name), getattr(s, name), tol)
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def _parametrized(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (path, m)
+        for path, m in model.named_modules()
+        if parametrize.is_parametrized(m) and not inside_parametrization(path)
+    ]
+
+
+def _compare_grads(
+    candidate: nn.Module,
+    stock: nn.Module,
+    cached: nn.Module | None,
+    at: str,
+    loose: set[int],
+    tol: _Tolerance,
+    eps: float,
+) -> None:
+    got, want = dict(candidate.named_parameters()), dict(stock.named_parameters())
+    if list(got) != list(want):
+        raise AssertionError(f"parameter names differ{at}: {sorted(set(got) ^ set(want))}")
+    loose_tol = tol
+    if loose:
+        # See the module docstring; the largest gradient stands for the size of the summed terms,
+        # and 1e-5 is an absolute floor for gradients that cancel to near zero (documented in
+        # assert_equivalent's docstring).
+        rtol = {torch.finfo(torch.bfloat16).eps: 1.6e-2, torch.finfo(torch.float16).eps: 1e-3}.get(eps, 1.3e-6)
+        largest = max((_largest(p.grad) for p in want.values() if p.grad is not None), default=0.0)
+        loose_tol = _Tolerance(max(tol.rtol, rtol), max(tol.atol, 1e-5, rtol * largest), tol.of_max)
+    same_as_cached = dict(cached.named_parameters()) if cached is not None else {}
+    for name, param in got.items():
+        what = f"grad of {name!r}{at}"
+        if id(param) not in loose:
+            _compare(what, param.grad, want[name].grad, tol)
+            continue
+        try:
+            _compare(what, param.grad, same_as_cached[name].grad, tol)
+        except (AssertionError, KeyError):
+            _compare(f"{what} (and differs from stock under parametrize.cached())", param.grad, want[name].grad, loose_tol)
+
+
+def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
+    """The same in-place step on ``stock`` and ``others``, driven by ``stock``'s gradients."""
+
+    def tensors(model: nn.Module) -> list[torch.Tensor]:
+        originals = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("original")]
+        return [*model.parameters(), *originals]
+
+    with torch.no_grad():
+        for reference, *copies in zip(tensors(stock), *map(tensors, others)):
+            if not reference.is_floating_point():
+                continue
+            grad = reference.grad
+            for tensor in (reference, *copies):
+                if grad is not None:
+                    tensor.add_(grad, alpha=-lr)
+                else:
+                    tensor.mul_(0.99)
+
+
+def _reordered_originals(model: nn.Module) -> set[int]:
+    """Originals of modules called more than once per forward, and originals shared by sites."""
+    calls: dict[int, int] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not inside_parametrization(path):
+            calls[id(module)] = calls.get(id(module), 0) + 1
+    users: dict[int, int] = {}
+    repeated: set[int] = set()
+    for path, module in model.named_modules():
+        if inside_parametrization(path) or not parametrize.is_parametrized(module):
+            continue
+        for plist in module.parametrizations.values():
+            for name in original_names(plist):
+                key = id(getattr(plist, name))
+                users[key] = users.get(key, 0) + 1
+                if calls.get(id(module), 0) > 1:
+                    repeated.add(key)
+    return repeated | {key for key, count in users.items() if count > 1}
+
+
+def _lowest_precision(model: nn.Module, outputs: Any) -> torch.dtype:
+    tensors = [*model.parameters(), *model.buffers(), *_flatten(outputs)]
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()} or {torch.float32}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)

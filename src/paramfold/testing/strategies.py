@@ -1,0 +1,275 @@
+"""Hypothesis strategies for parametrized models: :func:`chains`, :func:`models`, :func:`cases`.
+
+Why a module of its own: it is the only part of :mod:`paramfold.testing` that needs Hypothesis
+(the ``paramfold[testing]`` extra); the registry it draws from and the checker it feeds work
+without it.
+
+* :func:`chains`: 1-3 compatible parametrizations (:data:`~paramfold.testing.PARAMETRIZATIONS`)
+  for one tensor;
+* :func:`models`: small random models as a printable :class:`~paramfold.testing.NetSpec`;
+* :func:`cases`: a model factory, its inputs and the case's flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+try:
+    from hypothesis import assume
+    from hypothesis import strategies as st
+except ImportError as _e:  # hypothesis is an optional dependency: the paramfold[testing] extra
+    raise ImportError(
+        "paramfold.testing's strategies (chains, models, cases) need hypothesis: "
+        'pip install "paramfold[testing]"',
+        name="hypothesis",
+    ) from _e
+from torch import nn
+
+from paramfold.testing.nets import LayerSpec, NetSpec
+from paramfold.testing.registry import PARAMETRIZATIONS, Chain, Recipe, Step, TensorSpec
+
+__all__ = ["Case", "cases", "chains", "models"]
+
+
+def _available(names: Sequence[str] | None) -> list[Recipe]:
+    chosen = PARAMETRIZATIONS.values() if names is None else [PARAMETRIZATIONS[n] for n in names]
+    return [r for r in chosen if r.available]
+
+
+def _step(recipe: Recipe, tensor: TensorSpec) -> st.SearchStrategy[Step]:
+    """``recipe`` as a :class:`Step` on ``tensor``, with one of its option dicts (or drawn from its
+    own strategy, for a recipe that gives one)."""
+    options = recipe.options(tensor)
+    if not isinstance(options, st.SearchStrategy):
+        options = st.sampled_from([dict(o) for o in options])
+    return options.map(lambda o: Step(recipe.name, tuple(sorted(o.items()))))
+
+
+@st.composite
+def chains(
+    draw: st.DrawFn,
+    tensor: TensorSpec,
+    *,
+    names: Sequence[str] | None = None,
+    min_length: int = 1,
+    max_length: int = 3,
+) -> Chain:
+    """Hypothesis strategy: a chain of compatible parametrizations for one tensor.
+
+    Respects each :class:`Recipe`'s ``supports`` and ``position``; no name appears twice.
+    ``names`` restricts the registry (default: every available entry).
+
+    Example::
+
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from paramfold.testing import TensorSpec, apply_chain, chains
+        >>> @settings(max_examples=5)
+        ... @given(chains(TensorSpec((4, 4)), names=["weight_norm", "spectral_norm", "scale"]))
+        ... def check(chain):
+        ...     layer = apply_chain(torch.nn.Linear(4, 4), "weight", chain)
+        ...     assert len(layer.parametrizations.weight) == len(chain)
+        >>> check()
+    """
+    recipes = [r for r in _available(names) if r.supports(tensor)]
+    length = draw(st.integers(min_length, max_length))
+    if length == 0:
+        return ()
+    alone = [r for r in recipes if r.position == "alone"]
+    if alone and draw(st.integers(0, 3)) == 0:
+        recipe = draw(st.sampled_from(alone))
+        return (draw(_step(recipe, tensor)),)
+    steps: list[Step] = []
+    for i in range(length):
+        allowed = ("first", "any") if i == 0 else ("any",)
+        if i == 0 and any(r.position == "first" for r in recipes) and draw(st.booleans()):
+            allowed = ("first",)  # half the chains start with one: they are fewer, and rarer
+        pool = [r for r in recipes if r.position in allowed]
+        last = [r for r in recipes if r.position == "last"]
+        if i == length - 1 and last and draw(st.booleans()):
+            pool = last
+        pool = [r for r in pool if r.name not in {s.name for s in steps}]
+        if not pool:
+            break
+        recipe = draw(st.sampled_from(pool))
+        steps.append(draw(_step(recipe, tensor)))
+    return tuple(steps)
+
+
+_LAYER_KINDS = ("linear", "conv1d", "conv2d", "layernorm", "buffer")
+
+
+@st.composite
+def _layer(draw: st.DrawFn, index: int, width: int, max_width: int, residual: bool) -> LayerSpec:
+    kinds = _LAYER_KINDS + (("embedding",) if index == 0 else ())
+    kind = draw(st.sampled_from(kinds))
+    keeps_width = kind in ("layernorm", "buffer") or (residual and index > 0)
+    out = width if keeps_width or draw(st.booleans()) else draw(st.integers(2, max_width))
+    kernel: tuple[int, ...] = ()
+    if kind == "conv1d":
+        kernel = (draw(st.sampled_from([1, 3])),)
+    elif kind == "conv2d":
+        kernel = (draw(st.sampled_from([1, 3])), draw(st.sampled_from([1, 3])))
+    if kind == "embedding":
+        return LayerSpec(kind, draw(st.integers(2, max_width)), out)
+    return LayerSpec(kind, width, out, kernel, bias=draw(st.booleans()))
+
+
+@st.composite
+def models(
+    draw: st.DrawFn,
+    *,
+    max_layers: int = 3,
+    max_width: int = 12,
+    dtypes: Sequence[str] = ("float32", "bfloat16", "cast"),
+    names: Sequence[str] | None = None,
+    tying: bool = True,
+    repeats: bool = True,
+    training: bool | None = None,
+    requires_grad: Sequence[str] = ("all", "all", "none", "some"),
+) -> NetSpec:
+    """Hypothesis strategy: a :class:`NetSpec` for a small random parametrized model.
+
+    Layers are Linear, Conv1d and Conv2d (in blocks), LayerNorm, a module with a parametrizable
+    *buffer*, and an Embedding stem; the root is an ``nn.Sequential`` or a custom module with a
+    residual. Each tensor gets a random chain (:func:`chains`) or none; with ``dtype="cast"``
+    every floating tensor also gets the seed's ``unsafe`` cast to bfloat16, last. Optionally one
+    tensor's originals are shared by two same-shaped layers (``tie``), or one layer instance is
+    called twice (``repeat``; never for a stateful chain in training, where stock PyTorch runs
+    the power iteration once per call and paramfold once per forward).
+
+    Example::
+
+        >>> import torch
+        >>> from hypothesis import given, settings
+        >>> from paramfold.testing import models
+        >>> @settings(max_examples=5)
+        ... @given(models(max_layers=2, dtypes=["float32"]))
+        ... def check(spec):
+        ...     same = spec.build()(*spec.inputs()), spec.build()(*spec.inputs())
+        ...     torch.testing.assert_close(*same, rtol=0, atol=0, equal_nan=True)  # deterministic
+        >>> check()
+    """
+    dtype = draw(st.sampled_from(list(dtypes)))
+    residual = draw(st.booleans())
+    is_training = draw(st.booleans()) if training is None else training
+    allowed = [n for n in (names if names is not None else PARAMETRIZATIONS) if n != "cast"]
+    if dtype == "cast":
+        allowed = [n for n in allowed if n != "int8_weight_only"]
+    storage = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+
+    count = draw(st.integers(1, max_layers))
+    width = draw(st.integers(2, max_width))
+    layers: list[LayerSpec] = []
+    for index in range(count):
+        previous = layers[-1] if layers else None
+        if (
+            previous is not None
+            and previous.kind != "embedding"
+            and previous.width_in == previous.width_out
+            and draw(st.booleans())
+        ):
+            spec = dataclasses.replace(previous, chains=())  # same kind and sizes: tying candidates
+        else:
+            spec = draw(_layer(index, width, max_width, residual))
+        tensor_chains = []
+        for tensor in spec.tensors(storage):
+            if tensor_chains and tensor_chains[0][1][:1] == (Step("int8_weight_only"),):
+                break  # torchao's unwrap needs the module otherwise unparametrized
+            chain = draw(chains(tensor, names=allowed, min_length=0))
+            if chain:
+                tensor_chains.append((tensor.name, chain))
+        layers.append(dataclasses.replace(spec, chains=tuple(tensor_chains)))
+        width = spec.width_out
+
+    tie = None
+    if tying:
+        int8 = Step("int8_weight_only")
+        plain = [i for i, layer in enumerate(layers) if all(int8 not in c for _, c in layer.chains)]
+        pairs = [
+            (i, j, name)
+            for i in plain
+            for j in plain
+            if i < j and layers[i].kind == layers[j].kind and layers[i].tensors(storage) == layers[j].tensors(storage)
+            for name, _ in layers[i].chains
+        ]
+        if pairs and draw(st.sampled_from([True, True, True, False])):
+            i, j, name = draw(st.sampled_from(pairs))
+            shared = dict(layers[j].chains) | {name: dict(layers[i].chains)[name]}
+            layers[j] = dataclasses.replace(layers[j], chains=tuple(shared.items()))
+            tie = (i, j, name)
+
+    repeat = None
+    if repeats:
+        candidates = [
+            i
+            for i, layer in enumerate(layers)
+            if layer.width_in == layer.width_out
+            and layer.kind != "embedding"
+            and not (is_training and any(s.recipe.stateful for _, c in layer.chains for s in c))
+        ]
+        if candidates and draw(st.integers(0, 3)) == 0:
+            repeat = draw(st.sampled_from(candidates))
+
+    return NetSpec(
+        layers=tuple(layers),
+        dtype=dtype,
+        residual=residual and count > 1,
+        repeat=repeat,
+        tie=tie,
+        requires_grad=draw(st.sampled_from(list(requires_grad))),
+        training=is_training,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+class Case(NamedTuple):
+    """What :func:`cases` draws: ``factory()`` builds a fresh identical model every call."""
+
+    factory: Callable[[], nn.Module]
+    inputs: tuple[torch.Tensor, ...]
+    flags: dict[str, Any]
+
+
+@st.composite
+def cases(draw: st.DrawFn, **model_options: Any) -> Case:
+    """Hypothesis strategy: ``(model_factory, inputs, flags)`` for a random parametrized model.
+
+    ``flags`` holds ``spec`` (the :class:`NetSpec`), ``training``, ``requires_grad``,
+    ``dtype``, ``tied``, ``repeated``, ``grad_enabled`` (whether to run the case with grad
+    mode on; see :func:`grad_mode`) and ``input_requires_grad`` (float inputs then require
+    grad, so even frozen models run backward). Keyword options go to :func:`models`.
+
+    Example::
+
+        >>> from hypothesis import given, settings
+        >>> from paramfold.testing import assert_equivalent, cases, grad_mode
+        >>> @settings(max_examples=5, deadline=None)
+        ... @given(cases(max_layers=2))
+        ... def check(case):
+        ...     factory, inputs, flags = case
+        ...     with grad_mode(flags):
+        ...         assert_equivalent(factory(), inputs, "hoist")
+        >>> check()
+    """
+    spec = draw(models(**model_options))
+    # A model without any parametrization would check nothing paramfold does.
+    assume(spec.dtype == "cast" or any(dict(layer.chains) for layer in spec.layers))
+    flags = {
+        "spec": spec,
+        "training": spec.training,
+        "requires_grad": spec.requires_grad,
+        "dtype": spec.dtype,
+        "tied": spec.tie is not None,
+        "repeated": spec.repeat is not None,
+        "grad_enabled": draw(st.sampled_from([True, True, True, False])),
+        "input_requires_grad": draw(st.sampled_from([False, False, False, True])),
+    }
+    inputs = spec.inputs()
+    if flags["input_requires_grad"]:
+        inputs = tuple(x.requires_grad_() if x.is_floating_point() else x for x in inputs)
+    return Case(spec.build, inputs, flags)
