@@ -67,6 +67,24 @@ def test_steady_call_python_work_does_not_grow_with_the_number_of_sites(mode, ch
     assert extra[8] <= 25, extra
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_steady_hoisted_call_costs_per_site_only_the_parametrization_call(grad):
+    # Hoist computes every value at every call; beyond a constant, each site costs exactly its
+    # parametrization module's call (nn.Module.__call__, _call_impl, forward): no bookkeeping per site.
+    extra = {}
+    for layers in (2, 8):
+        stock, plain, x = _seed_pair(layers)
+        stock.requires_grad_(grad), plain.requires_grad_(grad)
+        torch._dynamo.reset()
+        ours = torch.compile(paramfold.prepare(stock, "hoist"), backend="eager")
+        plain = torch.compile(plain, backend="eager")
+        with torch.set_grad_enabled(grad):
+            extra[layers] = sum(_python_frames(ours, x).values()) - sum(_python_frames(plain, x).values())
+    per_site = (extra[8] - extra[2]) / (2 * (8 - 2))
+    assert per_site == 3, extra
+    assert extra[2] - 3 * 4 <= 25, extra
+
+
 @pytest.mark.parametrize("mode,check", FREEZING)
 def test_steady_calls_change_no_module_dict_and_compile_once(mode, check):
     guards = pytest.importorskip("torch._C._dynamo.guards")

@@ -94,62 +94,95 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.M
 
 
 class _Plan:
-    """An entry's call scope in its steady state: every site's value is frozen and kept in its
-    module's ``__dict__`` from the last call, so opening the scope is one flat check of everything
-    :func:`_check_unchanged` and :func:`paramfold.freeze.unchanged` would check site by site,
-    then a class switch per holder. Any failed check takes the general path, which rebuilds the
-    plan; a plan is only built where every site was served from a kept frozen value."""
+    """An entry's call scope in its steady state, checked in one flat pass instead of site by site.
+
+    Built after a call where every site was served from a frozen value kept in its module's
+    ``__dict__``, or hoisted (computed eagerly, for this call). Opening the scope then checks
+    everything :func:`_check_unchanged`, :func:`paramfold.freeze.unchanged` and :func:`_value`'s
+    choices depend on — structure links, dict sizes, every frozen input, every hoisted site's
+    originals, ``requires_grad`` and training flags — switches the holders' classes, and computes
+    the hoisted values. Any failed check takes the general path, which rebuilds the plan.
+    """
 
     __slots__ = (
-        "grad", "holders", "claimed", "kept", "links", "members", "sizes", "inputs", "other_inputs", "raw", "views",
-        "stateful",
+        "grad", "holders", "claimed", "links", "members", "sizes", "inputs", "other_inputs", "raw", "views",
+        "stateful", "originals", "flags", "modes", "hoisted",
     )
 
     @classmethod
     def build(cls, holders: list[nn.Module], grad: bool) -> _Plan | None:
         plan = cls()
         plan.grad = grad
-        plan.holders, plan.kept, links, members, sizes, inputs, other_inputs = [], [], [], [], [], [], []
-        raw, views, stateful = [], [], []
+        plan.holders, links, members, sizes, inputs, other_inputs = [], [], [], [], [], []
+        raw, views, stateful, originals, flags, modes, hoisted = [], [], [], [], [], [], []
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
-            names = [n for n, site in hs.sites.items()]
-            if (
-                hs.users != 1 or hs.installed or hs.hooks_out or hs.between_class is None
-                or type(holder) is not hs.prepared_class or set(hs.kept) != set(names)
-            ):
+            values = holder.__dict__
+            if hs.users != 1 or hs.hooks_out or hs.detach_params or type(holder) is not hs.prepared_class:
+                return None
+            if hs.kept and hs.between_class is None:
                 return None
             plists = holder._modules["parametrizations"]
             links.append((holder._modules, "parametrizations", plists))
             members.append((plists._modules, tuple(plists._modules.values())))
-            for name in names:
-                site = hs.sites[name]
-                frozen = site.frozen
-                if site.hook is not None or frozen is None or holder.__dict__.get(name) is not frozen.value:
+            for name, site in hs.sites.items():
+                if site.hook is not None or site.mode == "inline":
                     return None
                 members.append((site.plist._modules, site.modules))
-                sizes.extend(zip(site.tensor_dicts, frozen.sizes))
-                for entry in frozen.watch:
-                    # data_ptr() is read inline where it works; subclasses and sparse tensors go through _address.
-                    (inputs if _has_data_ptr(entry[2]) else other_inputs).append(entry)
-                raw.extend(frozen.raw)
-                views.extend(frozen.views)
-                if site.stateful:
-                    stateful.extend(site.chain)
-            plan.holders.append((holder, hs))
-            plan.kept.append(hs.kept)
-        plan.claimed = [holder for holder, _ in plan.holders]
+                frozen = site.frozen
+                if name in hs.kept:
+                    if frozen is None or values.get(name) is not frozen.value:
+                        return None
+                    sizes.extend(zip(site.tensor_dicts, frozen.sizes))
+                    for entry in frozen.watch:
+                        # data_ptr() is read inline where it works; subclasses and sparse tensors go through _address.
+                        (inputs if _has_data_ptr(entry[2]) else other_inputs).append(entry)
+                    raw.extend(frozen.raw)
+                    views.extend(frozen.views)
+                    if site.stateful:
+                        stateful.extend(site.chain)
+                elif name in hs.installed and frozen is None and site.subclass is False:
+                    # Hoisted: the same choice next call as long as the originals are the same
+                    # tensors (so not DTensors) and, for auto, nothing that decides it changed.
+                    originals.extend((d, key, d[key]) for d, key in site.originals)
+                    if site.mode == "auto":
+                        flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
+                        modes.extend((m, m.training) for m in site.chain)
+                    # compute()'s steps for a flat chain, without its lookups (plan.members pins them).
+                    chain = None if site.nested else site.chain
+                    hoisted.append((values, name, holder, site.originals, chain))
+                else:
+                    return None
+            expected = hs.between_class if hs.kept else hs.prepared_class
+            plan.holders.append((holder, hs, expected, hs.kept, hs.installed, _shareable(hs, grad)))
+        plan.claimed = [entry[0] for entry in plan.holders]
         plan.links, plan.members, plan.sizes = tuple(links), tuple(members), tuple(sizes)
         plan.inputs, plan.other_inputs = tuple(inputs), tuple(other_inputs)
         plan.raw, plan.views, plan.stateful = tuple(raw), tuple(views), tuple(stateful)
+        plan.originals, plan.flags, plan.modes, plan.hoisted = tuple(originals), tuple(flags), tuple(modes), tuple(hoisted)
         return plan
 
     def claim(self) -> list[nn.Module]:
-        shareable = not self.grad
-        for holder, hs in self.holders:
+        for holder, hs, _, _, installed, shareable in self.holders:
             object.__setattr__(holder, "__class__", hs.prepared_class)
             hs.users = 1
+            hs.installed = installed
             hs.shareable = shareable
+        try:
+            for values, name, holder, originals, chain in self.hoisted:
+                if chain is None:
+                    values[name] = compute(holder, name)
+                    continue
+                args = []
+                for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
+                    args.append(d[key])
+                value = chain[0](*args)
+                for module in chain[1:]:
+                    value = module(value)
+                values[name] = value
+        except BaseException:
+            _release(self.claimed)
+            raise
         return self.claimed
 
 
@@ -165,8 +198,8 @@ def _has_data_ptr(t: torch.Tensor) -> bool:
 
 def _plan_holds(plan: _Plan) -> bool:
     # Runs at every call: flat loops over every check, cheapest first. Called under _LOCK.
-    for (holder, hs), kept in zip(plan.holders, plan.kept):
-        if hs.users or hs.kept is not kept or type(holder) is not hs.between_class:
+    for holder, hs, expected, kept, _, _ in plan.holders:
+        if hs.users or hs.kept is not kept or type(holder) is not expected:
             return False
     for d, key, value in plan.links:
         if d.get(key) is not value:
@@ -179,6 +212,15 @@ def _plan_holds(plan: _Plan) -> bool:
             return False
     for module in plan.stateful:
         if module.training:
+            return False
+    for module, training in plan.modes:
+        if module.training is not training:
+            return False
+    for d, key, t in plan.originals:
+        if d.get(key) is not t:
+            return False
+    for t, requires_grad in plan.flags:
+        if t.requires_grad is not requires_grad:
             return False
     for d, key, t, version, address, requires_grad in plan.inputs:
         if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad or t.data_ptr() != address:
