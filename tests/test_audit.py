@@ -20,9 +20,11 @@ from safetensors.torch import load_file, save_file
 from torch.nn.utils import parametrize
 from typer.testing import CliRunner
 
-from paramfold.audit import audit_checkpoint, fold_checkpoint, load_factory
+from paramfold.audit import audit_checkpoint
 from paramfold.checkpoint import CheckpointError
 from paramfold.cli import app
+from paramfold.factory import load_factory
+from paramfold.fold import fold_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # audit_models must be importable as a dotted --model MODULE too
@@ -344,9 +346,9 @@ def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
     src = _save(stock.state_dict(), "safetensors", tmp_path)
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous")
-    import paramfold.audit as audit_mod
+    import paramfold.fold as fold_mod
 
-    real = audit_mod._fold_site
+    real = fold_mod._fold_site
     calls = []
 
     def flaky(ckpt, site):
@@ -355,11 +357,28 @@ def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         return real(ckpt, site)
 
-    monkeypatch.setattr(audit_mod, "_fold_site", flaky)
+    monkeypatch.setattr(fold_mod, "_fold_site", flaky)
     with pytest.raises(RuntimeError, match="disk on fire"):
         fold_checkpoint(src, out)
     assert out.read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "out.safetensors"]
+
+
+def test_names_that_moved_out_of_audit_are_still_importable_from_it():
+    import paramfold
+    import paramfold.audit as audit
+    import paramfold.factory
+    import paramfold.fold
+    import paramfold.render
+
+    for name, module in (("fold_checkpoint", paramfold.fold), ("FoldResult", paramfold.fold),
+                         ("load_factory", paramfold.factory), ("print_report", paramfold.render)):
+        assert getattr(audit, name) is getattr(module, name), name
+        assert name in audit.__all__
+    assert paramfold.fold_checkpoint is paramfold.fold.fold_checkpoint
+    assert paramfold.AuditReport is audit.AuditReport and paramfold.CheckpointError is paramfold.fold.CheckpointError
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        audit.nope  # noqa: B018
 
 
 def test_load_factory_reports_a_factory_error_in_one_line(tmp_path):
@@ -376,7 +395,8 @@ def test_load_factory_reports_a_factory_error_in_one_line(tmp_path):
 _PEAK = textwrap.dedent(
     """
     import sys
-    from paramfold.audit import audit_checkpoint, fold_checkpoint
+    from paramfold.audit import audit_checkpoint
+    from paramfold.fold import fold_checkpoint
     action, paths = sys.argv[1], sys.argv[2:]
     for p in paths:
         if action == "audit":

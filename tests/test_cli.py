@@ -327,17 +327,17 @@ def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_pat
     res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:interrupted")
     _one_line_error(res, "audit", 130, "interrupted by SIGINT")
 
-    import paramfold.audit
+    import paramfold.fold
 
     def no_memory(*a, **k):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
                            "you tried to allocate 1099511627776 bytes.\nmore")
 
-    monkeypatch.setattr(paramfold.audit, "_fold_site", no_memory)
+    monkeypatch.setattr(paramfold.fold, "_fold_site", no_memory)
     res = _run("audit", str(src), "--fold-out", out)
     _one_line_error(res, "audit", 1, "out of memory", "DefaultCPUAllocator")
 
-    monkeypatch.setattr(paramfold.audit, "_fold_site", lambda *a: (_ for _ in ()).throw(TypeError("a bug")))
+    monkeypatch.setattr(paramfold.fold, "_fold_site", lambda *a: (_ for _ in ()).throw(TypeError("a bug")))
     res = _run("audit", str(src), "--fold-out", out)
     _one_line_error(res, "audit", 1, "TypeError: a bug", "PARAMFOLD_DEBUG=1")
     for env, args in (({"PARAMFOLD_DEBUG": "1"}, []), ({}, ["--debug"])):
@@ -350,15 +350,15 @@ def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_pat
 _SLOW_FOLD = textwrap.dedent(
     """
     import sys, time
-    import paramfold.audit as audit
-    real, calls = audit._fold_site, []
+    import paramfold.fold as fold
+    real, calls = fold._fold_site, []
     def slow(ckpt, site):  # the second site blocks: the output is half written when the signal comes
         calls.append(site)
         if len(calls) == 2:
             sys.stderr.write("READY\\n"); sys.stderr.flush()
             time.sleep(120)
         return real(ckpt, site)
-    audit._fold_site = slow
+    fold._fold_site = slow
     from paramfold.cli import main
     sys.argv = ["paramfold", *sys.argv[1:]]
     main()

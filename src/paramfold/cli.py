@@ -343,8 +343,10 @@ def audit(
     if fold_out is not None:  # before anything is imported or read
         check_output(fold_out, suffixes=(".safetensors", ".pt", ".pth", ".bin", ".ckpt"))
 
-    from paramfold.audit import audit_checkpoint, fold_checkpoint, print_report
+    from paramfold.audit import audit_checkpoint
     from paramfold.checkpoint import open_checkpoint
+    from paramfold.fold import fold_checkpoint
+    from paramfold.render import print_report
 
     with open_checkpoint(path) as ckpt:
         if fold_out is not None:
