@@ -68,7 +68,7 @@ _NO_TORCH = textwrap.dedent(
     """
     import io, sys, contextlib
     from paramfold.cli import main
-    for argv in (["--help"], ["-h"], ["--version"], ["bench", "-h"], ["audit", "--help"]):
+    for argv in (["--help"], ["-h"], ["--version"], ["bench", "-h"], ["audit", "--help"], ["fold", "-h"]):
         sys.argv = ["paramfold", *argv]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -94,9 +94,9 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert all(" False" in line for line in lines[:5]), lines  # torch not in sys.modules
+    assert all(" False" in line for line in lines[:6]), lines  # torch not in sys.modules
     assert "paramfold 0.1.0" in lines[2]
-    assert lines[5] == (
+    assert lines[6] == (
         "testing: paramfold.testing's strategies (chains, models, cases) need hypothesis: "
         'pip install "paramfold[testing]"'
     )

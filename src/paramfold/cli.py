@@ -1,4 +1,4 @@
-"""The ``paramfold`` command line: ``bench``, ``audit`` and ``recompiles``.
+"""The ``paramfold`` command line: ``bench``, ``audit``, ``fold`` and ``recompiles``.
 
 Every failure ends with one line on stderr, ``paramfold <command>: error: <what, and what to do>``,
 and one of these exit codes:
@@ -308,7 +308,15 @@ def bench(
         raise typer.Exit(1)
 
 
-# --- paramfold audit ------------------------------------------------------------------------------
+# --- audit, fold -------------------------------------------------------------------------------
+
+# What `fold OUT` / `audit --fold-out OUT` may end in (paramfold.checkpoint writes these).
+FOLD_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+_MODEL_HELP = (
+    "Build the parametrized model with FACTORY() from MODULE (a dotted module or a path to a .py "
+    "file), load the checkpoint into it and materialise every parametrization. Needed for kinds that "
+    "cannot be folded from the checkpoint alone."
+)
 
 
 @app.command("audit", cls=_Command)
@@ -321,35 +329,29 @@ def audit(
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the report as a JSON document instead of a table."),
     fold_out: Optional[str] = typer.Option(
         None, "--fold-out", metavar="OUT",
-        help="Write the unparametrized model's checkpoint here (.safetensors or .pt). It must not be the input.",
+        help="Also fold: the older spelling of `paramfold fold PATH OUT`, printed after the report.",
     ),
     model: Optional[str] = typer.Option(
-        None,
-        "--model",
-        metavar="MODULE:FACTORY",
-        help="With --fold-out: build the parametrized model with FACTORY() from MODULE (a dotted module or a "
-        "path to a .py file), load the checkpoint into it and materialise every parametrization. "
-        "Needed for kinds that cannot be folded from the checkpoint alone.",
+        None, "--model", metavar="MODULE:FACTORY", help="With --fold-out: " + _MODEL_HELP[0].lower() + _MODEL_HELP[1:],
     ),
 ) -> None:
-    """Inspect a checkpoint for parametrizations without running its pickle; optionally fold it.
+    """Inspect a checkpoint for parametrizations without running its pickle.
 
-    Example: paramfold audit vocoder.pt --fold-out vocoder_plain.safetensors
+    Example: paramfold audit vocoder.pt --json
     """
     from paramfold.output import OutputError, check_output
 
     if model is not None and fold_out is None:
         raise OutputError("--model only applies together with --fold-out OUT")
     if fold_out is not None:  # before anything is imported or read
-        check_output(fold_out, suffixes=(".safetensors", ".pt", ".pth", ".bin", ".ckpt"))
+        check_output(fold_out, suffixes=FOLD_SUFFIXES)
 
     from paramfold.audit import audit_checkpoint
     from paramfold.checkpoint import open_checkpoint
-    from paramfold.fold import fold_checkpoint
     from paramfold.render import print_report
 
     with open_checkpoint(path) as ckpt:
-        if fold_out is not None:
+        if fold_out is not None:  # refused before the report is printed
             check_output(fold_out, inputs=ckpt.files)
         report = audit_checkpoint(ckpt)
     if json_out:
@@ -357,8 +359,37 @@ def audit(
     else:
         print_report(report)
     if fold_out is not None:
-        res = fold_checkpoint(path, fold_out, model_factory=model)
-        typer.echo(res.summary(), err=json_out)
+        _fold(path, fold_out, model, err=json_out)
+
+
+@app.command("fold", cls=_Command)
+@_guarded("fold")
+def fold(
+    path: str = typer.Argument(
+        ..., metavar="IN", show_default=False,
+        help="The parametrized checkpoint: as for `paramfold audit PATH`.",
+    ),
+    out: str = typer.Argument(
+        ..., metavar="OUT", show_default=False,
+        help="Where to write the unparametrized model's checkpoint (.safetensors or .pt); not the input.",
+    ),
+    model: Optional[str] = typer.Option(None, "--model", metavar="MODULE:FACTORY", help=_MODEL_HELP),
+) -> None:
+    """Write the checkpoint the unparametrized model would have (<module>.<tensor> keys).
+
+    OUT appears whole or not at all. Example: paramfold fold vocoder.pt vocoder_plain.safetensors
+    """
+    from paramfold.output import check_output
+
+    check_output(out, suffixes=FOLD_SUFFIXES)  # before anything is imported or read
+    _fold(path, out, model)
+
+
+def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
+    """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``)."""
+    from paramfold.fold import fold_checkpoint
+
+    typer.echo(fold_checkpoint(path, out, model_factory=model).summary(), err=err)
 
 
 # --- recompiles ---------------------------------------------------------------------------------
