@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
+import pkgutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import paramfold
+import paramfold.checkpoint
 from paramfold.checkpoint import CheckpointError, TensorInfo, open_checkpoint, write_checkpoint, write_state_dict
 
 
@@ -201,3 +206,25 @@ def test_corrupt_bytes_and_unsupported_tensor_kinds_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="_rebuild_sparse_tensor") as info:
         open_checkpoint(tmp_path / "sparse.pt")
     assert "\n" not in str(info.value)
+
+
+# tests/test_docstrings.py runs the examples of paramfold's top-level modules; a package's own
+# modules (open_checkpoint's, write_checkpoint's examples live in them) are run here.
+@pytest.mark.parametrize(
+    "name", [m.name for m in pkgutil.iter_modules(paramfold.checkpoint.__path__, "paramfold.checkpoint.")]
+)
+def test_docstring_examples_of_the_package_modules(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+def test_public_names_stay_where_they_were():
+    import paramfold.checkpoint.read
+    import paramfold.checkpoint.write
+
+    for name in paramfold.checkpoint.__all__:
+        assert getattr(paramfold.checkpoint, name) is not None, name
+    assert paramfold.CheckpointError is paramfold.checkpoint.CheckpointError
+    assert paramfold.checkpoint.open_checkpoint is paramfold.checkpoint.read.open_checkpoint
+    assert paramfold.checkpoint.write_state_dict is paramfold.checkpoint.write.write_state_dict
+    assert paramfold.checkpoint.NESTED_STATE_DICT_KEYS == ("state_dict", "model", "model_state_dict")

@@ -64,10 +64,10 @@ __all__ = [
     "audit_checkpoint",
     "audit_plan",
     # moved, still importable from here: see _MOVED
-    "FoldResult",
-    "fold_checkpoint",
-    "load_factory",
-    "print_report",
+    "FoldResult",  # noqa: F822 (resolved by __getattr__)
+    "fold_checkpoint",  # noqa: F822
+    "load_factory",  # noqa: F822
+    "print_report",  # noqa: F822
 ]
 
 FOLDABLE_KINDS = ("weight_norm", "spectral_norm", "fake_sparsity")
