@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-import importlib
 import json
 import pkgutil
 
@@ -209,13 +207,14 @@ def test_corrupt_bytes_and_unsupported_tensor_kinds_are_refused(tmp_path):
 
 
 # tests/test_docstrings.py runs the examples of paramfold's top-level modules; a package's own
-# modules (open_checkpoint's, write_checkpoint's examples live in them) are run here.
+# modules (open_checkpoint's, write_checkpoint's examples live in them) are run here, the same way.
 @pytest.mark.parametrize(
     "name", [m.name for m in pkgutil.iter_modules(paramfold.checkpoint.__path__, "paramfold.checkpoint.")]
 )
 def test_docstring_examples_of_the_package_modules(name):
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0
+    from test_docstrings import test_docstring_examples
+
+    test_docstring_examples(name)
 
 
 def test_public_names_stay_where_they_were():

@@ -422,75 +422,9 @@ def recompiles_command(
 
     Example: paramfold recompiles -- python train.py --epochs 1
     """
-    import contextlib
-    import re
-    import runpy
-    import traceback
+    from paramfold.recompiles.script import run_script
 
-    tokens = list(command)
-    if tokens and (
-        tokens[0] == sys.executable
-        or re.fullmatch(r"python[\d.]*(\.exe)?", os.path.basename(tokens[0]))
-    ):
-        tokens = tokens[1:]
-    if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
-        _say("recompiles", "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]...")
-        raise typer.Exit(2)
-    old_argv, old_path = sys.argv[:], sys.path[:]
-    if tokens[0] == "-m":
-        import importlib.util
-
-        module = tokens[1]
-        sys.path.insert(0, os.getcwd())  # as ``python -m`` does
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            sys.path[:] = old_path
-            _say("recompiles", f"no module named {module!r}")
-            raise typer.Exit(2)
-        argv0, rest = spec.origin or module, tokens[2:]
-    else:
-        module, argv0, rest = None, tokens[0], tokens[1:]
-        if not os.path.isfile(argv0):
-            _say("recompiles", f"script not found: {argv0}")
-            raise typer.Exit(2)
-
-    from paramfold.recompiles import recompiles
-
-    sys.argv = [argv0, *rest]
-    if module is None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
-    redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
-    code = 0
-    try:
-        with redirect, recompiles(warn=False) as report:
-            try:
-                if module is None:
-                    runpy.run_path(argv0, run_name="__main__")
-                else:
-                    runpy.run_module(module, run_name="__main__", alter_sys=True)
-            except SystemExit as e:
-                if e.code is None or isinstance(e.code, int):
-                    code = e.code or 0
-                else:
-                    print(e.code, file=sys.stderr)
-                    code = 1
-            except KeyboardInterrupt as e:  # the report of what ran so far is still printed
-                code = getattr(e, "exit_code", 130)
-            except Exception:
-                traceback.print_exc()  # the script's own traceback: it is the script's output
-                code = 1
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
-    if as_json:
-        sys.stdout.write(report.to_json() + "\n")
-    else:
-        report.print()
-    if code == 0 and strict and report.limit_hit:
-        code = 3
-    raise typer.Exit(code)
+    raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
 
 
 def main() -> None:
