@@ -41,7 +41,8 @@ def _run(*args: str, env: dict | None = None):
 def _one_line_error(res, command: str, code: int, *words: str) -> None:
     assert res.exit_code == code, (res.exit_code, res.output)
     err = res.stderr
-    assert err.startswith(f"paramfold {command}: error: ") and err.count("\n") == 1, err
+    prefix = f"paramfold {command}: error: " if command else "paramfold: error: "
+    assert err.startswith(prefix) and err.count("\n") == 1, err
     assert "Traceback" not in res.output
     for w in words:
         assert w in err, (w, err)
@@ -135,6 +136,45 @@ def test_usage_errors_are_one_line(args, command, words):
     prefix = f"paramfold {command}: error: " if command else "paramfold: error: "
     assert res.stderr.startswith(prefix) and res.stderr.count("\n") == 1, res.stderr
     assert all(w in res.stderr for w in words), res.stderr
+
+
+def _corrupt(folder: Path) -> Path:
+    path = folder / "corrupt.pt"
+    path.write_bytes(b"PK\x03\x04 not really a zip")
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, command, code, words",
+    [
+        (["frobnicate"], "", 2, ["No such command 'frobnicate'", "(see paramfold --help)"]),
+        (["bench", "--device", "gpu0"], "bench", 2, ["unknown device 'gpu0'"]),
+        (["audit", "{tmp}/missing.pt"], "audit", 2, ["missing.pt: no such file or folder"]),
+        (["audit", "{corrupt}"], "audit", 1, ["truncated or corrupt PyTorch checkpoint"]),
+        (["fold", "{corrupt}"], "fold", 2, ["Missing argument 'OUT'", "(see paramfold fold --help)"]),
+        (["fold", "{corrupt}", "{tmp}/o.pt"], "fold", 1, ["truncated or corrupt PyTorch checkpoint"]),
+        (["fold", "{tmp}/missing.pt", "{tmp}/o.onnx"], "fold", 2, ["unsupported output format '.onnx'"]),
+        (["recompiles"], "recompiles", 2, ["Missing argument", "(see paramfold recompiles --help)"]),
+        (["recompiles", "--", "python", "{tmp}/missing.py"], "recompiles", 2, ["script not found"]),
+    ],
+)
+def test_every_command_fails_with_one_line_in_one_format(tmp_path, args, command, code, words):
+    corrupt = _corrupt(tmp_path)
+    res = _run(*(a.format(tmp=tmp_path, corrupt=corrupt) for a in args))
+    _one_line_error(res, command, code, *words)
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_outside_any_command_is_one_line_with_its_own_code(monkeypatch, signum, code):
+    from paramfold.output import Interrupted
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+
+    monkeypatch.setattr(cli.typer, "echo", interrupted)  # --version is answered while parsing
+    res = _run("--version")
+    _one_line_error(res, "", code, f"interrupted by {signal.Signals(signum).name}")
 
 
 # -- hostile files -----------------------------------------------------------------------------------
@@ -344,6 +384,9 @@ def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_pat
         res = _run(*args, "audit", str(src), "--fold-out", out, env=env)
         assert res.exit_code == 1 and "Traceback (most recent call last)" in res.stderr
         assert res.stderr.splitlines()[-1].startswith("paramfold audit: error: TypeError: a bug")
+    assert "PARAMFOLD_DEBUG" not in os.environ  # --debug holds for its own command line only
+    res = _run("audit", str(src), "--fold-out", out)
+    _one_line_error(res, "audit", 1, "TypeError: a bug")
     assert _listing(tmp_path) == before
 
 

@@ -462,6 +462,24 @@ def test_cli_strict_exits_3_after_the_report_and_says_why(tmp_path):
     assert err.count("\n") == 1 and f"torch._dynamo.config.{LIMIT}=1" in err
 
 
+def test_cli_interrupted_script_still_reports_then_says_so(tmp_path):
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            f = torch.compile(lambda x: x * 2, backend="eager")
+            f(torch.ones(3))
+            f(torch.ones(3, dtype=torch.float64))
+            raise KeyboardInterrupt
+            """
+        )
+    )
+    code, out, err = _cli(["recompiles", "--", "python", str(script)])
+    assert code == 130 and "dtype/device" in out  # the report of what ran before the interrupt
+    assert err == "paramfold recompiles: error: interrupted by SIGINT; the report covers what ran before it\n"
+
+
 def test_the_package_keeps_every_name_and_the_function_keeps_its_name():
     import importlib
 

@@ -1,7 +1,8 @@
 """The ``paramfold`` command line: ``bench``, ``audit``, ``fold`` and ``recompiles``.
 
-Every failure ends with one line on stderr, ``paramfold <command>: error: <what, and what to do>``,
-and one of these exit codes:
+Every failure ends with one line on stderr, ``paramfold <command>: error: <what, and what to do>``
+(``paramfold: error: ...`` when no command was named), printed by :func:`_say` and nowhere else;
+commands raise, and :func:`_guarded` turns the exception into that line and one of these exit codes:
 
 ===== ==========================================================================================
 0     success
@@ -9,14 +10,16 @@ and one of these exit codes:
       not fit together), the environment (disk full, permission denied, out of memory), a bench
       variant that failed, or an unexpected error
 2     the command line: an unknown option or value, a missing input, an unsupported format, an
-      output path that cannot be used (missing folder, the input itself)
+      output path that cannot be used (missing folder, the input itself), nothing to run
 3     ``recompiles --strict``: a function hit dynamo's recompile limit
 129   interrupted by SIGHUP, 130 by SIGINT (Ctrl-C), 143 by SIGTERM (``timeout``, schedulers)
 ===== ==========================================================================================
 
-Outputs are written whole or not at all (:mod:`paramfold.output`): after a failure or a signal no
-partial or temporary file is left and a pre-existing output file is unchanged. ``--debug`` (before
-the command: ``paramfold --debug audit ...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
+``recompiles -- python script.py`` otherwise exits with the script's own status; what the script
+prints, its traceback included, is its own output. Outputs are written whole or not at all
+(:mod:`paramfold.output`): after a failure or a signal no partial or temporary file is left and a
+pre-existing output file is unchanged. ``--debug`` (before the command: ``paramfold --debug audit
+...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
 
 This module imports neither torch nor the rest of paramfold until a command runs, so ``--help``
 and ``--version`` answer at once.
@@ -24,9 +27,11 @@ and ``--version`` answer at once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+from collections.abc import Iterator
 from enum import Enum
 from typing import Any, Callable, Literal, Optional, TypeVar
 
@@ -51,24 +56,37 @@ VariantName = Enum("VariantName", {n: n for n in VARIANT_NAMES}, type=str)  # ty
 
 
 def _debug() -> bool:
+    """``paramfold --debug ...`` or ``PARAMFOLD_DEBUG=1``: print the traceback of a failure too."""
+    ctx = click.globals.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().params.get("debug"):
+        return True  # read from the command line, not set in os.environ: nothing outlives this call
     return os.environ.get("PARAMFOLD_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _say(command: str, message: str) -> None:
+    """The one way this CLI prints an error: ``paramfold <command>: error: <message>``, one line.
+
+    ``command`` is ``""`` for an error of the root command (no command named, or none yet).
+    """
     text = " ".join(str(message).split())  # one line, whatever the message held
-    sys.stderr.write(f"paramfold {command}: error: {text}\n")
+    sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
     sys.stderr.flush()
 
 
-def _describe(exc: BaseException) -> tuple[int, str]:
+# What an interrupt leaves behind, after "interrupted by SIGINT; ": nothing, for commands that
+# write files (outputs are atomic), or for recompiles the report of what ran before it.
+_AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
+
+
+def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
     from paramfold.errors import FoldError
     from paramfold.output import Interrupted, describe_os_error
 
-    if isinstance(exc, Interrupted):
-        return exc.exit_code, f"interrupted by {exc.args[0]}; no output was written"
     if isinstance(exc, KeyboardInterrupt):
-        return 130, "interrupted by SIGINT; no output was written"
+        signame = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
+        code = exc.exit_code if isinstance(exc, Interrupted) else 130
+        return code, f"interrupted by {signame}; {_AFTER_INTERRUPT.get(command, 'no output was written')}"
     if isinstance(exc, FoldError):
         return getattr(exc, "exit_code", 1), str(exc)
     if isinstance(exc, MemoryError):
@@ -95,7 +113,7 @@ def _guarded(command: str) -> Callable[[F], F]:
             except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
                 raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
             except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
-                code, message = _describe(exc)
+                code, message = _describe(exc, command)
                 if _debug():
                     import traceback
 
@@ -106,6 +124,16 @@ def _guarded(command: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+@contextlib.contextmanager
+def _interrupt_said() -> Iterator[None]:
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        code, message = _describe(e)
+        _say("", message)
+        raise typer.Exit(code) from None
 
 
 class _PlainHelpFlag:
@@ -125,9 +153,19 @@ class _Command(_PlainHelpFlag, TyperCommand):
 class _Group(_PlainHelpFlag, TyperGroup):
     """The root command: one-line usage errors, signals turned into exceptions, an exit code."""
 
+    # typer turns a KeyboardInterrupt (and so any handled signal) out of parsing or invoking into a
+    # silent exit 130; outside a command (whose own are _guarded) it is said here, with its code.
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _interrupt_said():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _interrupt_said():
+            return super().invoke(ctx)
+
     def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        from paramfold.output import Interrupted, signals_raise
+        from paramfold.output import signals_raise
 
         try:
             with signals_raise():
@@ -139,25 +177,21 @@ class _Group(_PlainHelpFlag, TyperGroup):
             code = 2
         except click.exceptions.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "paramfold"
-            hint = f" (see {where} --help)"
-            sys.stderr.write(f"{where}: error: {' '.join(e.format_message().split())}{hint}\n")
+            _say(where.partition(" ")[2], f"{e.format_message()} (see {where} --help)")
             code = 2
         except click.exceptions.ClickException as e:
-            sys.stderr.write(f"paramfold: error: {' '.join(e.format_message().split())}\n")
+            _say("", e.format_message())
             code = e.exit_code
         except typer.Abort:
-            sys.stderr.write("paramfold: error: aborted\n")
+            _say("", "aborted")
             code = 1
         except SystemExit as e:  # typer exits by itself on a closed stdout (| head)
             code = e.code if isinstance(e.code, int) else 1
         except BrokenPipeError:
             code = 1
-        except Interrupted as e:
-            sys.stderr.write(f"paramfold: error: interrupted by {e.args[0]}\n")
-            code = e.exit_code
-        except KeyboardInterrupt:
-            sys.stderr.write("paramfold: error: interrupted by SIGINT\n")
-            code = 130
+        except KeyboardInterrupt as e:  # a signal before or after click's own handling
+            code, message = _describe(e)
+            _say("", message)
         if standalone_mode:
             sys.exit(code)
         return code
@@ -196,8 +230,7 @@ def _root(
     Exit codes: 0 ok, 1 the work failed (file contents, disk, memory), 2 bad command line,
     3 recompiles --strict hit the recompile limit, 129/130/143 interrupted by SIGHUP/SIGINT/SIGTERM.
     """
-    if debug:
-        os.environ["PARAMFOLD_DEBUG"] = "1"
+    # --debug is read back by _debug() from this context's params.
 
 
 # --- bench -------------------------------------------------------------------------------------
