@@ -16,17 +16,8 @@ time, so the result is bitwise equal to what the stock model computes:
 
 Every other kind needs the model: with ``model_factory`` (a callable, or ``"MODULE:FACTORY"``
 resolved by :func:`paramfold.factory.load_factory`) the model is built, loaded and materialised
-instead. Output goes through :mod:`paramfold.checkpoint`'s atomic writers.
-
-Example::
-
-    >>> import torch, tempfile, os
-    >>> from torch.nn.utils.parametrizations import weight_norm
-    >>> from paramfold.fold import fold_checkpoint
-    >>> d = tempfile.mkdtemp()
-    >>> torch.save(weight_norm(torch.nn.Linear(4, 3)).state_dict(), os.path.join(d, "wn.pt"))
-    >>> fold_checkpoint(os.path.join(d, "wn.pt"), os.path.join(d, "plain.safetensors")).tensors
-    2
+instead. Output goes through :mod:`paramfold.checkpoint`'s atomic writers (see
+:func:`fold_checkpoint` for an example).
 """
 
 from __future__ import annotations
