@@ -128,6 +128,7 @@ def _guarded(command: str) -> Callable[[F], F]:
 
 @contextlib.contextmanager
 def _interrupt_said() -> Iterator[None]:
+    """Say an interrupt in the block (outside any _guarded command) and exit with its code."""
     try:
         yield
     except KeyboardInterrupt as e:
