@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import pkgutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import paramfold
-import paramfold.checkpoint
 from paramfold.checkpoint import CheckpointError, TensorInfo, open_checkpoint, write_checkpoint, write_state_dict
 
 
@@ -204,17 +202,6 @@ def test_corrupt_bytes_and_unsupported_tensor_kinds_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="_rebuild_sparse_tensor") as info:
         open_checkpoint(tmp_path / "sparse.pt")
     assert "\n" not in str(info.value)
-
-
-# tests/test_docstrings.py runs the examples of paramfold's top-level modules; a package's own
-# modules (open_checkpoint's, write_checkpoint's examples live in them) are run here, the same way.
-@pytest.mark.parametrize(
-    "name", [m.name for m in pkgutil.iter_modules(paramfold.checkpoint.__path__, "paramfold.checkpoint.")]
-)
-def test_docstring_examples_of_the_package_modules(name):
-    from test_docstrings import test_docstring_examples
-
-    test_docstring_examples(name)
 
 
 def test_public_names_stay_where_they_were():

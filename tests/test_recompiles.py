@@ -492,13 +492,3 @@ def test_the_package_keeps_every_name_and_the_function_keeps_its_name():
     assert paramfold.recompiles is package.recompiles and callable(paramfold.recompiles)
     assert issubclass(RecompileLimitError, RuntimeError) and RecompileLimitError.exit_code == 3
     assert package.GRAPH_BREAKS_REPORTED is GRAPH_BREAKS_REPORTED
-
-
-# tests/test_docstrings.py runs the examples of paramfold's top-level modules; the package's own
-# modules (recompiles()'s, limit_config's examples live in them) are run here, the same way.
-@pytest.mark.parametrize("name", ["paramfold.recompiles.classify", "paramfold.recompiles.collect",
-                                  "paramfold.recompiles.report", "paramfold.recompiles.script"])
-def test_docstring_examples_of_the_package_modules(name):
-    from test_docstrings import test_docstring_examples
-
-    test_docstring_examples(name)
