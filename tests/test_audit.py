@@ -20,9 +20,11 @@ from safetensors.torch import load_file, save_file
 from torch.nn.utils import parametrize
 from typer.testing import CliRunner
 
-from paramfold.audit import audit_checkpoint, fold_checkpoint, load_factory
+from paramfold.audit import audit_checkpoint
 from paramfold.checkpoint import CheckpointError
 from paramfold.cli import app
+from paramfold.factory import load_factory
+from paramfold.fold import fold_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:  # audit_models must be importable as a dotted --model MODULE too
@@ -284,59 +286,109 @@ def _truncate(path: Path, keep: float) -> None:
     path.write_bytes(data[: int(len(data) * keep)])
 
 
-def _bad_args(case: str, d: Path, src: dict[str, Path]) -> list[str]:
-    fold = ["--fold-out", str(d / "o.pt")]
+def _bad_case(case: str, d: Path, src: dict[str, Path]) -> tuple[Path, Path | None, list[str]]:
+    """(input, output or None, other options) of a command line that must fail."""
+    out = d / "o.pt"
     if case == "missing":
-        return [str(d / "missing.pt")]
+        return d / "missing.pt", None, []
     if case == "unsupported":
         (d / "w.onnx").write_bytes(b"\0")
-        return [str(d / "w.onnx")]
+        return d / "w.onnx", None, []
     if case == "truncated_pt":
         _truncate(src["pt"], 0.6)
-        return [str(src["pt"])]
+        return src["pt"], None, []
     if case == "truncated_st":
         _truncate(src["st"], 0.9)
-        return [str(src["st"])]
+        return src["st"], None, []
     if case == "out_folder_missing":
-        return [str(src["pt"]), "--fold-out", str(d / "no" / "o.pt")]
-    if case == "out_format":
-        return [str(src["pt"]), "--fold-out", str(d / "o.gguf")]
+        return src["pt"], d / "no" / "o.pt", []
+    if case == "out_format":  # checked before the input is even looked at
+        return d / "missing.pt", d / "o.gguf", []
+    if case == "out_is_input":
+        return src["pt"], src["pt"], []
     if case == "model_without_out":
-        return [str(src["pt"]), "--model", "audit_models:custom_net"]
+        return src["pt"], None, ["--model", "audit_models:custom_net"]
     if case == "model_spec":
-        return [str(src["pt"]), *fold, "--model", "nocolon"]
+        return src["pt"], out, ["--model", "nocolon"]
     if case == "model_import":
-        return [str(src["pt"]), *fold, "--model", "no_such_mod_xyz:f"]
+        return src["pt"], out, ["--model", "no_such_mod_xyz:f"]
     if case == "model_mismatch":
-        return [str(src["pt"]), *fold, "--model", "audit_models:custom_net"]
+        return src["pt"], out, ["--model", "audit_models:custom_net"]
+    if case == "needs_model":
+        return src["orthogonal"], out, []
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize(
-    "case, code, message",
-    [
-        ("missing", 2, "no such file"),
-        ("unsupported", 2, "unsupported checkpoint format"),
-        ("truncated_pt", 1, "truncated or corrupt"),
-        ("truncated_st", 1, "not a valid safetensors file"),
-        ("out_folder_missing", 2, "does not exist"),
-        ("out_format", 2, "unsupported output format"),
-        ("model_without_out", 2, "only applies together with --fold-out"),
-        ("model_spec", 2, "expected MODULE:FACTORY"),
-        ("model_import", 2, "cannot import"),
-        ("model_mismatch", 1, "does not fit the model"),
-    ],
-)
-def test_bad_input_gets_one_line_and_no_output(tmp_path, case, code, message):
+BAD_CASES = [
+    ("missing", 2, "no such file"),
+    ("unsupported", 2, "unsupported checkpoint format"),
+    ("truncated_pt", 1, "truncated or corrupt"),
+    ("truncated_st", 1, "not a valid safetensors file"),
+    ("out_folder_missing", 2, "does not exist"),
+    ("out_format", 2, "unsupported output format"),
+    ("out_is_input", 2, "refusing to overwrite it"),
+    ("model_without_out", 2, "only applies together with --fold-out"),
+    ("model_spec", 2, "expected MODULE:FACTORY"),
+    ("model_import", 2, "cannot import"),
+    ("model_mismatch", 1, "does not fit the model"),
+    ("needs_model", 1, "(orthogonal) from the checkpoint alone: its value depends on the orthogonal_map"),
+]
+
+
+def _bad_sources(tmp_path: Path) -> dict[str, Path]:
     stock, _ = _stock("weight_norm")
-    src = {"pt": _save(stock.state_dict(), "pt", tmp_path), "st": _save(stock.state_dict(), "safetensors", tmp_path)}
-    args = _bad_args(case, tmp_path, src)
-    before = sorted(p.name for p in tmp_path.iterdir())
-    res = _cli(*args)
+    ortho = tmp_path / "ortho"
+    ortho.mkdir()
+    return {"pt": _save(stock.state_dict(), "pt", tmp_path), "st": _save(stock.state_dict(), "safetensors", tmp_path),
+            "orthogonal": _save(_stock("orthogonal")[0].state_dict(), "pt", ortho)}
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "command, case, code, message",
+    [(command, *case) for command in ("audit", "fold") for case in BAD_CASES
+     if not (command == "fold" and case[0] == "model_without_out")],  # fold's OUT is not optional
+)
+def test_bad_input_gets_one_line_and_no_output(tmp_path, command, case, code, message):
+    src = _bad_sources(tmp_path)
+    inp, out, extra = _bad_case(case, tmp_path, src)
+    if command == "audit":
+        args = ["audit", str(inp), *(["--fold-out", str(out)] if out else []), *extra]
+    else:
+        args = ["fold", str(inp), str(out or tmp_path / "o.pt"), *extra]
+    before = _listing(tmp_path)
+    res = CliRunner().invoke(app, args)
     assert res.exit_code == code, res.output
-    assert res.stderr.startswith("paramfold audit: error:") and res.stderr.count("\n") == 1
+    assert res.stderr.startswith(f"paramfold {command}: error: ") and res.stderr.count("\n") == 1, res.stderr
     assert message in res.stderr and "Traceback" not in res.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    if command == "fold" or case.startswith("out_") or case == "model_without_out":
+        assert res.stdout == ""  # fold prints only its summary; a bad OUT is refused before the report
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "orthogonal"])
+def test_fold_command_writes_exactly_what_audit_fold_out_writes(tmp_path, kind, suffix):
+    stock, x = _stock(kind)
+    src = _save(stock.state_dict(), "nested", tmp_path)
+    model = [] if kind == "spectral_norm" else ["--model", f"audit_models:{audit_models.CASES[kind][0]}"]
+    new, old = tmp_path / f"new{suffix}", tmp_path / f"old{suffix}"
+    res = CliRunner().invoke(app, ["fold", str(src), str(new), *model])
+    assert res.exit_code == 0 and res.stderr == "", res.output
+    how = "folded from the checkpoint" if not model else "materialised by the model"
+    assert res.stdout.startswith(f"wrote {new}: ") and res.stdout.endswith(f"{how}\n") and res.stdout.count("\n") == 1
+    assert _cli(str(src), "--fold-out", str(old), *model).exit_code == 0
+    _check_folded(new, stock, x, kind)
+    if model and suffix == ".pt":
+        # torch.save writes the .pt of a model fold: its records carry a random serialization id and
+        # the temporary file's name, so only the tensors can be compared.
+        assert all(_same_tensor(a, b) for a, b in zip(_load(new).values(), _load(old).values()))
+    else:
+        assert new.read_bytes() == old.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name, new.name, old.name])
 
 
 def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
@@ -344,9 +396,9 @@ def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
     src = _save(stock.state_dict(), "safetensors", tmp_path)
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"previous")
-    import paramfold.audit as audit_mod
+    import paramfold.fold as fold_mod
 
-    real = audit_mod._fold_site
+    real = fold_mod._fold_site
     calls = []
 
     def flaky(ckpt, site):
@@ -355,11 +407,28 @@ def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
             raise RuntimeError("disk on fire")
         return real(ckpt, site)
 
-    monkeypatch.setattr(audit_mod, "_fold_site", flaky)
+    monkeypatch.setattr(fold_mod, "_fold_site", flaky)
     with pytest.raises(RuntimeError, match="disk on fire"):
         fold_checkpoint(src, out)
     assert out.read_bytes() == b"previous"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "out.safetensors"]
+
+
+def test_names_that_moved_out_of_audit_are_still_importable_from_it():
+    import paramfold
+    import paramfold.audit as audit
+    import paramfold.factory
+    import paramfold.fold
+    import paramfold.render
+
+    for name, module in (("fold_checkpoint", paramfold.fold), ("FoldResult", paramfold.fold),
+                         ("load_factory", paramfold.factory), ("print_report", paramfold.render)):
+        assert getattr(audit, name) is getattr(module, name), name
+        assert name in audit.__all__
+    assert paramfold.fold_checkpoint is paramfold.fold.fold_checkpoint
+    assert paramfold.AuditReport is audit.AuditReport and paramfold.CheckpointError is paramfold.fold.CheckpointError
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        audit.nope  # noqa: B018
 
 
 def test_load_factory_reports_a_factory_error_in_one_line(tmp_path):
@@ -376,7 +445,8 @@ def test_load_factory_reports_a_factory_error_in_one_line(tmp_path):
 _PEAK = textwrap.dedent(
     """
     import sys
-    from paramfold.audit import audit_checkpoint, fold_checkpoint
+    from paramfold.audit import audit_checkpoint
+    from paramfold.fold import fold_checkpoint
     action, paths = sys.argv[1], sys.argv[2:]
     for p in paths:
         if action == "audit":

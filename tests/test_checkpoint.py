@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import paramfold
 from paramfold.checkpoint import CheckpointError, TensorInfo, open_checkpoint, write_checkpoint, write_state_dict
 
 
@@ -201,3 +202,15 @@ def test_corrupt_bytes_and_unsupported_tensor_kinds_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="_rebuild_sparse_tensor") as info:
         open_checkpoint(tmp_path / "sparse.pt")
     assert "\n" not in str(info.value)
+
+
+def test_public_names_stay_where_they_were():
+    import paramfold.checkpoint.read
+    import paramfold.checkpoint.write
+
+    for name in paramfold.checkpoint.__all__:
+        assert getattr(paramfold.checkpoint, name) is not None, name
+    assert paramfold.CheckpointError is paramfold.checkpoint.CheckpointError
+    assert paramfold.checkpoint.open_checkpoint is paramfold.checkpoint.read.open_checkpoint
+    assert paramfold.checkpoint.write_state_dict is paramfold.checkpoint.write.write_state_dict
+    assert paramfold.checkpoint.NESTED_STATE_DICT_KEYS == ("state_dict", "model", "model_state_dict")

@@ -41,7 +41,8 @@ def _run(*args: str, env: dict | None = None):
 def _one_line_error(res, command: str, code: int, *words: str) -> None:
     assert res.exit_code == code, (res.exit_code, res.output)
     err = res.stderr
-    assert err.startswith(f"paramfold {command}: error: ") and err.count("\n") == 1, err
+    prefix = f"paramfold {command}: error: " if command else "paramfold: error: "
+    assert err.startswith(prefix) and err.count("\n") == 1, err
     assert "Traceback" not in res.output
     for w in words:
         assert w in err, (w, err)
@@ -68,7 +69,7 @@ _NO_TORCH = textwrap.dedent(
     """
     import io, sys, contextlib
     from paramfold.cli import main
-    for argv in (["--help"], ["-h"], ["--version"], ["bench", "-h"], ["audit", "--help"]):
+    for argv in (["--help"], ["-h"], ["--version"], ["bench", "-h"], ["audit", "--help"], ["fold", "-h"]):
         sys.argv = ["paramfold", *argv]
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -94,9 +95,9 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert all(" False" in line for line in lines[:5]), lines  # torch not in sys.modules
+    assert all(" False" in line for line in lines[:6]), lines  # torch not in sys.modules
     assert "paramfold 0.1.0" in lines[2]
-    assert lines[5] == (
+    assert lines[6] == (
         "testing: paramfold.testing's strategies (chains, models, cases) need hypothesis: "
         'pip install "paramfold[testing]"'
     )
@@ -135,6 +136,45 @@ def test_usage_errors_are_one_line(args, command, words):
     prefix = f"paramfold {command}: error: " if command else "paramfold: error: "
     assert res.stderr.startswith(prefix) and res.stderr.count("\n") == 1, res.stderr
     assert all(w in res.stderr for w in words), res.stderr
+
+
+def _corrupt(folder: Path) -> Path:
+    path = folder / "corrupt.pt"
+    path.write_bytes(b"PK\x03\x04 not really a zip")
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, command, code, words",
+    [
+        (["frobnicate"], "", 2, ["No such command 'frobnicate'", "(see paramfold --help)"]),
+        (["bench", "--device", "gpu0"], "bench", 2, ["unknown device 'gpu0'"]),
+        (["audit", "{tmp}/missing.pt"], "audit", 2, ["missing.pt: no such file or folder"]),
+        (["audit", "{corrupt}"], "audit", 1, ["truncated or corrupt PyTorch checkpoint"]),
+        (["fold", "{corrupt}"], "fold", 2, ["Missing argument 'OUT'", "(see paramfold fold --help)"]),
+        (["fold", "{corrupt}", "{tmp}/o.pt"], "fold", 1, ["truncated or corrupt PyTorch checkpoint"]),
+        (["fold", "{tmp}/missing.pt", "{tmp}/o.onnx"], "fold", 2, ["unsupported output format '.onnx'"]),
+        (["recompiles"], "recompiles", 2, ["Missing argument", "(see paramfold recompiles --help)"]),
+        (["recompiles", "--", "python", "{tmp}/missing.py"], "recompiles", 2, ["script not found"]),
+    ],
+)
+def test_every_command_fails_with_one_line_in_one_format(tmp_path, args, command, code, words):
+    corrupt = _corrupt(tmp_path)
+    res = _run(*(a.format(tmp=tmp_path, corrupt=corrupt) for a in args))
+    _one_line_error(res, command, code, *words)
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupt_outside_any_command_is_one_line_with_its_own_code(monkeypatch, signum, code):
+    from paramfold.output import Interrupted
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+
+    monkeypatch.setattr(cli.typer, "echo", interrupted)  # --version is answered while parsing
+    res = _run("--version")
+    _one_line_error(res, "", code, f"interrupted by {signal.Signals(signum).name}")
 
 
 # -- hostile files -----------------------------------------------------------------------------------
@@ -327,38 +367,41 @@ def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_pat
     res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:interrupted")
     _one_line_error(res, "audit", 130, "interrupted by SIGINT")
 
-    import paramfold.audit
+    import paramfold.fold
 
     def no_memory(*a, **k):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
                            "you tried to allocate 1099511627776 bytes.\nmore")
 
-    monkeypatch.setattr(paramfold.audit, "_fold_site", no_memory)
+    monkeypatch.setattr(paramfold.fold, "_fold_site", no_memory)
     res = _run("audit", str(src), "--fold-out", out)
     _one_line_error(res, "audit", 1, "out of memory", "DefaultCPUAllocator")
 
-    monkeypatch.setattr(paramfold.audit, "_fold_site", lambda *a: (_ for _ in ()).throw(TypeError("a bug")))
+    monkeypatch.setattr(paramfold.fold, "_fold_site", lambda *a: (_ for _ in ()).throw(TypeError("a bug")))
     res = _run("audit", str(src), "--fold-out", out)
     _one_line_error(res, "audit", 1, "TypeError: a bug", "PARAMFOLD_DEBUG=1")
     for env, args in (({"PARAMFOLD_DEBUG": "1"}, []), ({}, ["--debug"])):
         res = _run(*args, "audit", str(src), "--fold-out", out, env=env)
         assert res.exit_code == 1 and "Traceback (most recent call last)" in res.stderr
         assert res.stderr.splitlines()[-1].startswith("paramfold audit: error: TypeError: a bug")
+    assert "PARAMFOLD_DEBUG" not in os.environ  # --debug holds for its own command line only
+    res = _run("audit", str(src), "--fold-out", out)
+    _one_line_error(res, "audit", 1, "TypeError: a bug")
     assert _listing(tmp_path) == before
 
 
 _SLOW_FOLD = textwrap.dedent(
     """
     import sys, time
-    import paramfold.audit as audit
-    real, calls = audit._fold_site, []
+    import paramfold.fold as fold
+    real, calls = fold._fold_site, []
     def slow(ckpt, site):  # the second site blocks: the output is half written when the signal comes
         calls.append(site)
         if len(calls) == 2:
             sys.stderr.write("READY\\n"); sys.stderr.flush()
             time.sleep(120)
         return real(ckpt, site)
-    audit._fold_site = slow
+    fold._fold_site = slow
     from paramfold.cli import main
     sys.argv = ["paramfold", *sys.argv[1:]]
     main()

@@ -424,3 +424,71 @@ def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
     assert err.strip().splitlines() == [
         f"paramfold recompiles: error: script not found: {tmp_path / 'missing.py'}"
     ]
+
+
+def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
+    for args, message in (
+        (["python"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
+        (["python", "-m"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
+        (["python", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+    ):
+        code, out, err = _cli(["recompiles", "--", *args])
+        assert (code, out, err) == (2, "", f"paramfold recompiles: error: {message}\n"), args
+
+
+def test_cli_strict_exits_3_after_the_report_and_says_why(tmp_path):
+    script = tmp_path / "hits.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import torch
+            torch._dynamo.config.{LIMIT} = 1
+            f = torch.compile(lambda x: x + 1, backend="eager")
+            f(torch.ones(3))
+            f(torch.ones(3, dtype=torch.float64))
+            """
+        )
+    )
+    limit = getattr(torch._dynamo.config, LIMIT)
+    try:
+        code, out, err = _cli(["recompiles", "--", "python", str(script)])
+        assert code == 0 and "RECOMPILE LIMIT HIT" in out and err == ""  # without --strict: reported only
+        torch._dynamo.reset()
+        code, out, err = _cli(["recompiles", "--strict", "--json", "--", "python", str(script)])
+    finally:
+        setattr(torch._dynamo.config, LIMIT, limit)
+    assert code == 3 and json.loads(out)["limit_hit"] is True
+    assert err.startswith("paramfold recompiles: error: recompile limit hit: torch stopped compiling ")
+    assert err.count("\n") == 1 and f"torch._dynamo.config.{LIMIT}=1" in err
+
+
+def test_cli_interrupted_script_still_reports_then_says_so(tmp_path):
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            f = torch.compile(lambda x: x * 2, backend="eager")
+            f(torch.ones(3))
+            f(torch.ones(3, dtype=torch.float64))
+            raise KeyboardInterrupt
+            """
+        )
+    )
+    code, out, err = _cli(["recompiles", "--", "python", str(script)])
+    assert code == 130 and "dtype/device" in out  # the report of what ran before the interrupt
+    assert err == "paramfold recompiles: error: interrupted by SIGINT; the report covers what ran before it\n"
+
+
+def test_the_package_keeps_every_name_and_the_function_keeps_its_name():
+    import importlib
+
+    import paramfold
+
+    package = importlib.import_module("paramfold.recompiles")
+    for name in package.__all__:
+        assert getattr(package, name) is not None, name
+    # paramfold.recompiles is the function, not the package of the same name (see its docstring)
+    assert paramfold.recompiles is package.recompiles and callable(paramfold.recompiles)
+    assert issubclass(RecompileLimitError, RuntimeError) and RecompileLimitError.exit_code == 3
+    assert package.GRAPH_BREAKS_REPORTED is GRAPH_BREAKS_REPORTED

@@ -1,91 +1,96 @@
-"""Audit a checkpoint for parametrizations from its keys alone, and fold it into a plain checkpoint.
+"""Audit a checkpoint for parametrizations from its keys alone: which tensors, of which kind.
 
 A model that uses ``torch.nn.utils.parametrize`` saves ``<module>.parametrizations.<tensor>.original``
 (or ``original0..N``) plus the parametrization modules' own tensors
 (``<module>.parametrizations.<tensor>.<i>.<name>``, e.g. FakeSparsity's ``0.mask``, spectral_norm's
 ``0._u``/``0._v``). ``audit_checkpoint`` groups those keys into sites and recognises each site's kind
 from its tensors' names, shapes and dtypes, without building the model and without reading tensor
-data. ``fold_checkpoint`` writes the checkpoint the *unparametrized* model would have
-(``<module>.<tensor>`` keys), computing each recognised stateless kind with the op torch itself uses,
-one tensor at a time.
+data. This module only inspects; :mod:`paramfold.fold` computes and writes the plain tensors
+(``fold_checkpoint``), following the plan :func:`audit_plan` makes here, and :mod:`paramfold.render`
+prints the report.
 
-Recognised from keys (and folded from the checkpoint alone):
+Recognised from keys (and foldable from the checkpoint alone, ``FOLDABLE_KINDS``):
 
 * ``weight_norm``: ``original0`` (g) and ``original1`` (v); the norm dim is inferred from g's shape.
-  Folded with ``torch._weight_norm(v, g, dim)``, the op of ``parametrizations.weight_norm``, so the
-  result is bitwise equal. The legacy hook API's ``<name>_g``/``<name>_v`` pairs and
-  ``<name>_orig``/``_u``/``_v`` triples are recognised (and folded) too.
-* ``spectral_norm``: ``original`` plus ``0._u``/``0._v``. Folded to its eval-mode value
-  ``W / vdot(u, W_mat @ v)`` from the stored vectors, exactly as ``_SpectralNorm.forward`` computes it
-  in eval mode. Where the matrix dim is ambiguous from shapes (square ConvTranspose weights), it is
-  resolved from the stored vectors (``v`` is the normalised ``W_mat^H u`` of the last power step).
-* ``fake_sparsity``: ``original`` plus ``0.mask``: folded to ``mask * original``.
+  The legacy hook API's ``<name>_g``/``<name>_v`` pairs are recognised too.
+* ``spectral_norm``: ``original`` plus ``0._u``/``0._v``; also the legacy hook API's
+  ``<name>_orig``/``_u``/``_v`` triples. Where the matrix dim is ambiguous from shapes (square
+  ConvTranspose weights), the site lists ``dim_candidates`` and the fold resolves it from the stored
+  vectors.
+* ``fake_sparsity``: ``original`` plus ``0.mask``.
 
-Recognised but folded only with ``model_factory`` (``--model``): ``orthogonal`` (``original`` plus
-``0.base``: its value depends on the ``orthogonal_map``, which is not saved), ``torchao_subclass``
-(``original0..N`` with quantized dtypes, from ``torchao.utils.unwrap_tensor_subclass``: the subclass
-type and its metadata live in the model, not the file), and everything else, reported as ``custom``.
-A parametrization without tensors of its own (a dtype cast, a 1-D spectral_norm, orthogonal without
-trivialization) leaves no trace in the keys: a chain ``[weight_norm, cast]`` looks like plain
-weight_norm. If your models stack such parametrizations, fold with ``model_factory``.
+Recognised but foldable only with the model (``model_factory``, ``--model``): ``orthogonal``
+(``original`` plus ``0.base``: its value depends on the ``orthogonal_map``, which is not saved),
+``torchao_subclass`` (``original0..N`` with quantized dtypes, from
+``torchao.utils.unwrap_tensor_subclass``: the subclass type and its metadata live in the model, not
+the file), and everything else, reported as ``custom``. A parametrization without tensors of its own
+(a dtype cast, a 1-D spectral_norm, orthogonal without trivialization) leaves no trace in the keys: a
+chain ``[weight_norm, cast]`` looks like plain weight_norm. If your models stack such
+parametrizations, fold with ``model_factory``.
+
+``fold_checkpoint``, ``FoldResult``, ``load_factory`` and ``print_report`` lived here before the split
+and are still importable from this module (resolved on first use, so that this module does not import
+the ones that import it).
 
 Example::
 
     >>> import torch, tempfile, os
     >>> from torch.nn.utils.parametrizations import weight_norm
-    >>> from paramfold.audit import audit_checkpoint, fold_checkpoint
+    >>> from paramfold.audit import audit_checkpoint
     >>> d = tempfile.mkdtemp()
     >>> torch.save(weight_norm(torch.nn.Linear(4, 3)).state_dict(), os.path.join(d, "wn.pt"))
     >>> report = audit_checkpoint(os.path.join(d, "wn.pt"))
     >>> [(s.key, s.kind, s.params) for s in report.sites]
     [('weight', 'weight_norm', {'dim': 0})]
-    >>> fold_checkpoint(os.path.join(d, "wn.pt"), os.path.join(d, "plain.safetensors")).tensors
-    2
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
 import re
-import sys
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from paramfold.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    TensorInfo,
-    open_checkpoint,
-    write_checkpoint,
-    write_state_dict,
-)
-from paramfold.errors import first_few
-from paramfold.output import OutputError, check_output
-
-if TYPE_CHECKING:
-    from rich.console import Console
+from paramfold.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 
 __all__ = [
     "CheckpointSite",
     "AuditReport",
-    "FoldResult",
+    "FOLDABLE_KINDS",
     "audit_checkpoint",
-    "fold_checkpoint",
-    "load_factory",
-    "print_report",
+    "audit_plan",
+    # moved, still importable from here: see _MOVED
+    "FoldResult",  # noqa: F822 (resolved by __getattr__)
+    "fold_checkpoint",  # noqa: F822
+    "load_factory",  # noqa: F822
+    "print_report",  # noqa: F822
 ]
 
 FOLDABLE_KINDS = ("weight_norm", "spectral_norm", "fake_sparsity")
+# ``params["api"]`` of a site found from the legacy hook API's keys rather than parametrize's.
+LEGACY_WEIGHT_NORM_API = "weight_g/weight_v"
+LEGACY_SPECTRAL_NORM_API = "weight_orig/weight_u/weight_v"
 _ORIGINAL = re.compile(r"original\d*")
-_LEGACY_API = "weight_g/weight_v"
-_LEGACY_SPECTRAL_API = "weight_orig/weight_u/weight_v"
+
+# Names that moved out of this module in the audit/fold split -> the module that defines them now.
+_MOVED = {
+    "FoldResult": "paramfold.fold",
+    "fold_checkpoint": "paramfold.fold",
+    "load_factory": "paramfold.factory",
+    "print_report": "paramfold.render",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Resolved on first use: paramfold.fold imports this module, so this one cannot import it back.
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass
@@ -187,28 +192,6 @@ class AuditReport:
         return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
 
 
-@dataclass
-class FoldResult:
-    """What ``fold_checkpoint`` wrote: ``tensors`` keys and ``nbytes`` of data to ``out``."""
-
-    out: Path
-    tensors: int
-    nbytes: int
-    sites: int
-    via: str  # "keys" (folded from the checkpoint alone) or "model" (materialised by the model)
-
-    def summary(self) -> str:
-        how = "materialised by the model" if self.via == "model" else "folded from the checkpoint"
-        return (
-            f"wrote {self.out}: {self.tensors} tensors, {_human(self.nbytes)}; "
-            f"{self.sites} parametrized site{'' if self.sites == 1 else 's'} {how}"
-        )
-
-
-# --------------------------------------------------------------------------------------------------
-# Audit
-# --------------------------------------------------------------------------------------------------
-
 
 def audit_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> AuditReport:
     """Find every parametrized tensor in the checkpoint at ``path`` and recognise its kind.
@@ -230,14 +213,18 @@ def audit_checkpoint(path: str | os.PathLike[str] | Checkpoint) -> AuditReport:
         {'original': {'shape': [4, 5], 'dtype': 'float32'}}
     """
     if isinstance(path, Checkpoint):
-        return _audit(path)[0]
+        return audit_plan(path)[0]
     with open_checkpoint(path) as ckpt:
-        report, _ = _audit(ckpt)
+        report, _ = audit_plan(ckpt)
     return report
 
 
-def _audit(ckpt: Checkpoint) -> tuple[AuditReport, list[tuple[str, CheckpointSite | None]]]:
-    """The report, plus the fold plan: every output key in checkpoint order, with its site or None."""
+def audit_plan(ckpt: Checkpoint) -> tuple[AuditReport, list[tuple[str, CheckpointSite | None]]]:
+    """The report, plus the fold plan: every output key in checkpoint order, with its site or None.
+
+    A plain tensor keeps its key (``None``); a site's keys collapse into one output key, placed where
+    the site's first key was. :func:`paramfold.fold.fold_checkpoint` writes the plan in this order.
+    """
     sites: dict[tuple[str, str], CheckpointSite] = {}
     plain: list[str] = []
     order: list[tuple[str, tuple[str, str] | None]] = []
@@ -399,7 +386,7 @@ def _legacy_weight_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[Checkp
             tensor,
             kind="weight_norm",
             originals={f"{tensor}_g": g, f"{tensor}_v": v},
-            params={"dim": dim, "api": _LEGACY_API},
+            params={"dim": dim, "api": LEGACY_WEIGHT_NORM_API},
             folded=TensorInfo(v.shape, torch.promote_types(g.dtype, v.dtype)),
             foldable=True,
             note="legacy torch.nn.utils.weight_norm keys",
@@ -425,7 +412,7 @@ def _legacy_spectral_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[Chec
             continue
         module, _, tensor = base.rpartition(".")
         params: dict[str, Any] = {"dim": dims[0]} if len(dims) == 1 else {"dim": None, "dim_candidates": dims}
-        params["api"] = _LEGACY_SPECTRAL_API
+        params["api"] = LEGACY_SPECTRAL_NORM_API
         found.append(
             CheckpointSite(
                 module,
@@ -441,295 +428,3 @@ def _legacy_spectral_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[Chec
             )
         )
     return found
-
-
-# --------------------------------------------------------------------------------------------------
-# Fold
-# --------------------------------------------------------------------------------------------------
-
-
-def fold_checkpoint(
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    model_factory: Callable[[], torch.nn.Module] | str | None = None,
-) -> FoldResult:
-    """Write the unparametrized model's checkpoint (``<module>.<tensor>`` keys) to ``out``.
-
-    ``out`` ends in ``.safetensors`` or ``.pt``. Without ``model_factory``, every site must be of a
-    kind in ``FOLDABLE_KINDS``; they are computed tensor by tensor as torch computes them, and every
-    other tensor is copied through, so memory stays around one tensor. With ``model_factory`` (a
-    callable returning the parametrized model, or a ``"MODULE:FACTORY"`` string for ``load_factory``)
-    the model is built, the checkpoint is loaded into it with ``strict=True``, the model is put in
-    eval mode and every parametrized tensor is materialised once. The output is written to a
-    temporary file in ``out``'s folder and renamed when complete; ``out`` must not be one of the
-    checkpoint's own files (refused with ``CheckpointError``, exit code 2).
-
-    Example::
-
-        >>> import torch, tempfile, os
-        >>> from torch.nn.utils.parametrizations import weight_norm
-        >>> d = tempfile.mkdtemp()
-        >>> m = weight_norm(torch.nn.Linear(4, 3))
-        >>> torch.save(m.state_dict(), os.path.join(d, "wn.pt"))
-        >>> res = fold_checkpoint(os.path.join(d, "wn.pt"), os.path.join(d, "plain.pt"))
-        >>> plain = torch.nn.Linear(4, 3)
-        >>> _ = plain.load_state_dict(torch.load(res.out, weights_only=True), strict=True)
-        >>> x = torch.randn(2, 4)
-        >>> torch.equal(plain(x), m(x))
-        True
-    """
-    with open_checkpoint(path) as ckpt:
-        try:
-            check_output(out, inputs=ckpt.files)
-        except OutputError as e:
-            raise CheckpointError(str(e), exit_code=e.exit_code) from None
-        if model_factory is not None:
-            return _fold_with_model(ckpt, Path(out), model_factory)
-        report, plan = _audit(ckpt)
-        refused = report.refused
-        if refused:
-            listed = first_few([f"{s.key} ({s.kind})" for s in refused], 3)
-            raise CheckpointError(
-                f"cannot fold {listed} from the checkpoint alone: {refused[0].note}; "
-                "pass --model MODULE:FACTORY that builds the parametrized model"
-            )
-        specs: dict[str, TensorInfo] = {}
-        for key, site in plan:
-            if key in specs:
-                raise CheckpointError(f"the folded checkpoint would hold '{key}' twice (a parametrized and a plain tensor)")
-            specs[key] = ckpt.info(key) if site is None else site.folded  # type: ignore[assignment]
-        nbytes = write_checkpoint(out, specs, _stream(ckpt, plan), metadata={"format": "pt"})
-    return FoldResult(Path(out), len(specs), nbytes, len(report.sites), "keys")
-
-
-def _stream(ckpt: Checkpoint, plan: list[tuple[str, CheckpointSite | None]]) -> Iterator[tuple[str, torch.Tensor]]:
-    # Plain tensors are read into one reused buffer; the writer is done with each before the next.
-    largest = max((ckpt.info(k).nbytes for k, site in plan if site is None), default=0)
-    scratch = torch.empty(largest, dtype=torch.uint8)
-    for key, site in plan:
-        yield key, (ckpt.read(key, out=scratch) if site is None else _fold_site(ckpt, site))
-
-
-def _fold_site(ckpt: Checkpoint, site: CheckpointSite) -> torch.Tensor:
-    t = {name: ckpt.read(key) for name, key in site.keys.items()}
-    try:
-        with torch.no_grad():
-            return _fold_tensors(site, t)
-    except CheckpointError:
-        raise
-    except RuntimeError as e:  # e.g. a hand-edited file: fp16 g with fp32 v, fp64 _u with fp32 W
-        if "memory" in str(e).lower():
-            raise  # the allocator's "can't allocate memory": not the file's fault
-        pieces = ", ".join(f"{n} {str(x.dtype)[6:]}{list(x.shape)}" for n, x in t.items())
-        raise CheckpointError(
-            f"cannot fold '{site.key}' ({site.kind}): torch refuses its stored tensors ({pieces}): "
-            f"{str(e).strip().splitlines()[0][:200]}; the stock model could not compute it either: "
-            "re-save the checkpoint from a working model"
-        ) from None
-
-
-def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    if site.kind == "weight_norm":
-        if site.params.get("api") == _LEGACY_API:
-            g, v = t[f"{site.tensor}_g"], t[f"{site.tensor}_v"]
-        else:
-            g, v = t["original0"], t["original1"]
-        # parametrizations._WeightNorm.forward (and the legacy hook's compute_weight) call exactly this.
-        return torch._weight_norm(v, g, site.params["dim"])
-    if site.kind == "fake_sparsity":
-        # torchao.prototype.sparsity.sparsifier.utils.FakeSparsity.forward
-        return t["0.mask"] * t["original"]
-    if site.kind == "spectral_norm":
-        legacy = site.params.get("api") == _LEGACY_SPECTRAL_API
-        name = site.tensor
-        w, u, v = (t[f"{name}_orig"], t[f"{name}_u"], t[f"{name}_v"]) if legacy else (t["original"], t["0._u"], t["0._v"])
-        dim = site.params["dim"]
-        if dim is None:
-            dim = _resolve_spectral_dim(w, u, v, site.params["dim_candidates"])
-        if legacy:
-            # torch.nn.utils.spectral_norm's SpectralNorm.compute_weight(do_power_iteration=False)
-            sigma = torch.dot(u, torch.mv(_spectral_weight_mat(w, dim), v))
-            return w / sigma
-        return _spectral_norm_eval(w, u, v, dim)
-    raise AssertionError(f"unfoldable kind {site.kind}")
-
-
-def _spectral_weight_mat(weight: torch.Tensor, dim: int) -> torch.Tensor:
-    # parametrizations._SpectralNorm._reshape_weight_to_matrix
-    if dim != 0:
-        weight = weight.permute(dim, *(d for d in range(weight.dim()) if d != dim))
-    return weight.flatten(1)
-
-
-def _spectral_norm_eval(weight: torch.Tensor, u: torch.Tensor, v: torch.Tensor, dim: int) -> torch.Tensor:
-    # parametrizations._SpectralNorm.forward with self.training == False, op for op.
-    weight_mat = _spectral_weight_mat(weight, dim)
-    u = u.clone(memory_format=torch.contiguous_format)
-    v = v.clone(memory_format=torch.contiguous_format)
-    sigma = torch.vdot(u, torch.mv(weight_mat, v))
-    return weight / sigma
-
-
-def _resolve_spectral_dim(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int]) -> int:
-    # The power method ends with v = normalize(W_mat^H u): the right dim reproduces the stored v.
-    def agreement(d: int) -> float:
-        mat = _spectral_weight_mat(w.double(), d)
-        return float(torch.dot(torch.nn.functional.normalize(torch.mv(mat.H, u.double()), dim=0), v.double()))
-
-    return max(candidates, key=agreement)
-
-
-def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], torch.nn.Module] | str) -> FoldResult:
-    factory = load_factory(model_factory) if isinstance(model_factory, str) else model_factory
-    name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__qualname__", "model_factory")
-    try:
-        model = factory()
-    except Exception as e:
-        raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}: {e}") from None
-    except SystemExit as e:
-        raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
-    if not isinstance(model, torch.nn.Module):
-        raise CheckpointError(f"--model {name}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
-    state = {k: ckpt.read(k) for k in ckpt.keys()}
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        msg = " ".join(str(e).split())
-        raise CheckpointError(
-            f"the checkpoint does not fit the model from --model {name} (strict load): {msg[:400]}"
-        ) from None
-    del state
-    model.eval()
-    plain = _plain_state_dict(model)
-    sites = sum(
-        len(m.parametrizations) for m in model.modules() if torch.nn.utils.parametrize.is_parametrized(m)
-    )
-    nbytes = write_state_dict(out, plain)
-    return FoldResult(out, len(plain), nbytes, sites, "model")
-
-
-def _plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict the unparametrized model would have: paramfold's freeze materialisation.
-
-    Call it in eval mode: a stateful parametrization (spectral_norm) would otherwise step its state.
-    """
-    from paramfold.state_dict import plain_state_dict
-
-    return plain_state_dict(model)
-
-
-def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
-    """Resolve ``"MODULE:FACTORY"`` to a callable that builds the parametrized model.
-
-    ``MODULE`` is a dotted module importable from ``sys.path`` (``mypkg.models``) or a path to a
-    ``.py`` file (``./models/vocoder.py``, whose folder is put first on ``sys.path`` while it is
-    imported); ``FACTORY`` names a callable in it taking no arguments (a function or a class).
-
-    Example::
-
-        >>> load_factory("torch.nn:Identity")()
-        Identity()
-    """
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise CheckpointError(
-            f"--model {spec!r}: expected MODULE:FACTORY, e.g. mypkg.models:build or ./make_model.py:build",
-            exit_code=2,
-        )
-    try:
-        if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
-            module = _import_file(Path(module_name))
-        else:
-            module = importlib.import_module(module_name)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"--model {spec}: cannot import {module_name}: {type(e).__name__}: {e}", exit_code=2) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise CheckpointError(f"--model {spec}: {module_name} has no callable named {attr!r}", exit_code=2)
-    return factory
-
-
-def _import_file(path: Path) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"--model: no such file {path}", exit_code=2)
-    name = f"_paramfold_model_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise CheckpointError(f"--model: cannot import {path} as a Python module", exit_code=2)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.resolve().parent))
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    finally:
-        sys.path.remove(str(path.resolve().parent))
-    return module
-
-
-# --------------------------------------------------------------------------------------------------
-# Rendering
-# --------------------------------------------------------------------------------------------------
-
-
-def print_report(report: AuditReport, console: Console | None = None) -> None:
-    """Print ``report`` as a rich table and a summary line."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = console or Console()
-    root = f" (under '{report.root}')" if report.root else ""
-    table = Table(title=escape(f"{report.path} [{report.format}]{root}"), title_justify="left")
-    table.add_column("module", overflow="fold")
-    table.add_column("tensor")
-    table.add_column("kind")
-    table.add_column("originals", overflow="fold")
-    table.add_column("stored", justify="right")
-    table.add_column("folded", justify="right")
-    styles = {"custom": "red", "orthogonal": "yellow", "torchao_subclass": "yellow"}
-    for s in report.sites:
-        pieces = [f"{n} {_shape(i)} {i.dtype_name}" for n, i in {**s.originals, **s.state}.items()]
-        kind = s.kind + (f" dim={s.params['dim']}" if s.params.get("dim") is not None else "")
-        table.add_row(
-            escape(s.module or "(root)"),
-            escape(s.tensor),
-            f"[{styles.get(s.kind, 'green')}]{kind}[/]",
-            escape("\n".join(pieces)),
-            _human(s.originals_bytes + s.state_bytes),
-            "?" if s.folded_bytes is None else _human(s.folded_bytes),
-        )
-    if report.sites:
-        console.print(table)
-    kinds = ", ".join(f"{k} {n}" for k, n in report.kinds.items()) or "none"
-    stored = sum(s.originals_bytes + s.state_bytes for s in report.sites)
-    folded = sum(s.folded_bytes or 0 for s in report.sites)
-    unknown = sum(s.folded_bytes is None for s in report.sites)
-    refused = len(report.refused)
-    n = len(report.sites)
-    if unknown == n and n:
-        folded_text = "?"
-    else:
-        folded_text = _human(folded) + (f" + {unknown} unknown" if unknown else "")
-    console.print(
-        f"{n} parametrized site{'' if n == 1 else 's'} ({kinds}); stored {_human(stored)} -> folded "
-        f"{folded_text}; {report.plain_tensors} plain tensors ({_human(report.plain_bytes)}); "
-        + ("foldable from keys alone" if not refused else f"{refused} need --model to fold"),
-        highlight=False,
-    )
-
-
-def _shape(i: TensorInfo) -> str:
-    return "[" + ",".join(map(str, i.shape)) + "]"
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"

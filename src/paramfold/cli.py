@@ -1,7 +1,8 @@
-"""The ``paramfold`` command line: ``bench``, ``audit`` and ``recompiles``.
+"""The ``paramfold`` command line: ``bench``, ``audit``, ``fold`` and ``recompiles``.
 
-Every failure ends with one line on stderr, ``paramfold <command>: error: <what, and what to do>``,
-and one of these exit codes:
+Every failure ends with one line on stderr, ``paramfold <command>: error: <what, and what to do>``
+(``paramfold: error: ...`` when no command was named), printed by :func:`_say` and nowhere else;
+commands raise, and :func:`_guarded` turns the exception into that line and one of these exit codes:
 
 ===== ==========================================================================================
 0     success
@@ -9,14 +10,16 @@ and one of these exit codes:
       not fit together), the environment (disk full, permission denied, out of memory), a bench
       variant that failed, or an unexpected error
 2     the command line: an unknown option or value, a missing input, an unsupported format, an
-      output path that cannot be used (missing folder, the input itself)
+      output path that cannot be used (missing folder, the input itself), nothing to run
 3     ``recompiles --strict``: a function hit dynamo's recompile limit
 129   interrupted by SIGHUP, 130 by SIGINT (Ctrl-C), 143 by SIGTERM (``timeout``, schedulers)
 ===== ==========================================================================================
 
-Outputs are written whole or not at all (:mod:`paramfold.output`): after a failure or a signal no
-partial or temporary file is left and a pre-existing output file is unchanged. ``--debug`` (before
-the command: ``paramfold --debug audit ...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
+``recompiles -- python script.py`` otherwise exits with the script's own status; what the script
+prints, its traceback included, is its own output. Outputs are written whole or not at all
+(:mod:`paramfold.output`): after a failure or a signal no partial or temporary file is left and a
+pre-existing output file is unchanged. ``--debug`` (before the command: ``paramfold --debug audit
+...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
 
 This module imports neither torch nor the rest of paramfold until a command runs, so ``--help``
 and ``--version`` answer at once.
@@ -24,9 +27,11 @@ and ``--version`` answer at once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+from collections.abc import Iterator
 from enum import Enum
 from typing import Any, Callable, Literal, Optional, TypeVar
 
@@ -51,24 +56,37 @@ VariantName = Enum("VariantName", {n: n for n in VARIANT_NAMES}, type=str)  # ty
 
 
 def _debug() -> bool:
+    """``paramfold --debug ...`` or ``PARAMFOLD_DEBUG=1``: print the traceback of a failure too."""
+    ctx = click.globals.get_current_context(silent=True)
+    if ctx is not None and ctx.find_root().params.get("debug"):
+        return True  # read from the command line, not set in os.environ: nothing outlives this call
     return os.environ.get("PARAMFOLD_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _say(command: str, message: str) -> None:
+    """The one way this CLI prints an error: ``paramfold <command>: error: <message>``, one line.
+
+    ``command`` is ``""`` for an error of the root command (no command named, or none yet).
+    """
     text = " ".join(str(message).split())  # one line, whatever the message held
-    sys.stderr.write(f"paramfold {command}: error: {text}\n")
+    sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
     sys.stderr.flush()
 
 
-def _describe(exc: BaseException) -> tuple[int, str]:
+# What an interrupt leaves behind, after "interrupted by SIGINT; ": nothing, for commands that
+# write files (outputs are atomic), or for recompiles the report of what ran before it.
+_AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
+
+
+def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
     from paramfold.errors import FoldError
     from paramfold.output import Interrupted, describe_os_error
 
-    if isinstance(exc, Interrupted):
-        return exc.exit_code, f"interrupted by {exc.args[0]}; no output was written"
     if isinstance(exc, KeyboardInterrupt):
-        return 130, "interrupted by SIGINT; no output was written"
+        signame = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
+        code = exc.exit_code if isinstance(exc, Interrupted) else 130
+        return code, f"interrupted by {signame}; {_AFTER_INTERRUPT.get(command, 'no output was written')}"
     if isinstance(exc, FoldError):
         return getattr(exc, "exit_code", 1), str(exc)
     if isinstance(exc, MemoryError):
@@ -95,7 +113,7 @@ def _guarded(command: str) -> Callable[[F], F]:
             except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
                 raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
             except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
-                code, message = _describe(exc)
+                code, message = _describe(exc, command)
                 if _debug():
                     import traceback
 
@@ -106,6 +124,17 @@ def _guarded(command: str) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorate
+
+
+@contextlib.contextmanager
+def _interrupt_said() -> Iterator[None]:
+    """Say an interrupt in the block (outside any _guarded command) and exit with its code."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        code, message = _describe(e)
+        _say("", message)
+        raise typer.Exit(code) from None
 
 
 class _PlainHelpFlag:
@@ -125,9 +154,19 @@ class _Command(_PlainHelpFlag, TyperCommand):
 class _Group(_PlainHelpFlag, TyperGroup):
     """The root command: one-line usage errors, signals turned into exceptions, an exit code."""
 
+    # typer turns a KeyboardInterrupt (and so any handled signal) out of parsing or invoking into a
+    # silent exit 130; outside a command (whose own are _guarded) it is said here, with its code.
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _interrupt_said():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _interrupt_said():
+            return super().invoke(ctx)
+
     def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        from paramfold.output import Interrupted, signals_raise
+        from paramfold.output import signals_raise
 
         try:
             with signals_raise():
@@ -139,25 +178,21 @@ class _Group(_PlainHelpFlag, TyperGroup):
             code = 2
         except click.exceptions.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "paramfold"
-            hint = f" (see {where} --help)"
-            sys.stderr.write(f"{where}: error: {' '.join(e.format_message().split())}{hint}\n")
+            _say(where.partition(" ")[2], f"{e.format_message()} (see {where} --help)")
             code = 2
         except click.exceptions.ClickException as e:
-            sys.stderr.write(f"paramfold: error: {' '.join(e.format_message().split())}\n")
+            _say("", e.format_message())
             code = e.exit_code
         except typer.Abort:
-            sys.stderr.write("paramfold: error: aborted\n")
+            _say("", "aborted")
             code = 1
         except SystemExit as e:  # typer exits by itself on a closed stdout (| head)
             code = e.code if isinstance(e.code, int) else 1
         except BrokenPipeError:
             code = 1
-        except Interrupted as e:
-            sys.stderr.write(f"paramfold: error: interrupted by {e.args[0]}\n")
-            code = e.exit_code
-        except KeyboardInterrupt:
-            sys.stderr.write("paramfold: error: interrupted by SIGINT\n")
-            code = 130
+        except KeyboardInterrupt as e:  # a signal before or after click's own handling
+            code, message = _describe(e)
+            _say("", message)
         if standalone_mode:
             sys.exit(code)
         return code
@@ -196,8 +231,7 @@ def _root(
     Exit codes: 0 ok, 1 the work failed (file contents, disk, memory), 2 bad command line,
     3 recompiles --strict hit the recompile limit, 129/130/143 interrupted by SIGHUP/SIGINT/SIGTERM.
     """
-    if debug:
-        os.environ["PARAMFOLD_DEBUG"] = "1"
+    # --debug is read back by _debug() from this context's params.
 
 
 # --- bench -------------------------------------------------------------------------------------
@@ -308,7 +342,15 @@ def bench(
         raise typer.Exit(1)
 
 
-# --- paramfold audit ------------------------------------------------------------------------------
+# --- audit, fold -------------------------------------------------------------------------------
+
+# What `fold OUT` / `audit --fold-out OUT` may end in (paramfold.checkpoint writes these).
+FOLD_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+_MODEL_HELP = (
+    "Build the parametrized model with FACTORY() from MODULE (a dotted module or a path to a .py "
+    "file), load the checkpoint into it and materialise every parametrization. Needed for kinds that "
+    "cannot be folded from the checkpoint alone."
+)
 
 
 @app.command("audit", cls=_Command)
@@ -321,33 +363,29 @@ def audit(
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the report as a JSON document instead of a table."),
     fold_out: Optional[str] = typer.Option(
         None, "--fold-out", metavar="OUT",
-        help="Write the unparametrized model's checkpoint here (.safetensors or .pt). It must not be the input.",
+        help="Also fold: the older spelling of `paramfold fold PATH OUT`, printed after the report.",
     ),
     model: Optional[str] = typer.Option(
-        None,
-        "--model",
-        metavar="MODULE:FACTORY",
-        help="With --fold-out: build the parametrized model with FACTORY() from MODULE (a dotted module or a "
-        "path to a .py file), load the checkpoint into it and materialise every parametrization. "
-        "Needed for kinds that cannot be folded from the checkpoint alone.",
+        None, "--model", metavar="MODULE:FACTORY", help="With --fold-out: " + _MODEL_HELP[0].lower() + _MODEL_HELP[1:],
     ),
 ) -> None:
-    """Inspect a checkpoint for parametrizations without running its pickle; optionally fold it.
+    """Inspect a checkpoint for parametrizations without running its pickle.
 
-    Example: paramfold audit vocoder.pt --fold-out vocoder_plain.safetensors
+    Example: paramfold audit vocoder.pt --json
     """
     from paramfold.output import OutputError, check_output
 
     if model is not None and fold_out is None:
         raise OutputError("--model only applies together with --fold-out OUT")
     if fold_out is not None:  # before anything is imported or read
-        check_output(fold_out, suffixes=(".safetensors", ".pt", ".pth", ".bin", ".ckpt"))
+        check_output(fold_out, suffixes=FOLD_SUFFIXES)
 
-    from paramfold.audit import audit_checkpoint, fold_checkpoint, print_report
+    from paramfold.audit import audit_checkpoint
     from paramfold.checkpoint import open_checkpoint
+    from paramfold.render import print_report
 
     with open_checkpoint(path) as ckpt:
-        if fold_out is not None:
+        if fold_out is not None:  # refused before the report is printed
             check_output(fold_out, inputs=ckpt.files)
         report = audit_checkpoint(ckpt)
     if json_out:
@@ -355,8 +393,37 @@ def audit(
     else:
         print_report(report)
     if fold_out is not None:
-        res = fold_checkpoint(path, fold_out, model_factory=model)
-        typer.echo(res.summary(), err=json_out)
+        _fold(path, fold_out, model, err=json_out)
+
+
+@app.command("fold", cls=_Command)
+@_guarded("fold")
+def fold(
+    path: str = typer.Argument(
+        ..., metavar="IN", show_default=False,
+        help="The parametrized checkpoint: as for `paramfold audit PATH`.",
+    ),
+    out: str = typer.Argument(
+        ..., metavar="OUT", show_default=False,
+        help="Where to write the unparametrized model's checkpoint (.safetensors or .pt); not the input.",
+    ),
+    model: Optional[str] = typer.Option(None, "--model", metavar="MODULE:FACTORY", help=_MODEL_HELP),
+) -> None:
+    """Write the checkpoint the unparametrized model would have (<module>.<tensor> keys).
+
+    OUT appears whole or not at all. Example: paramfold fold vocoder.pt vocoder_plain.safetensors
+    """
+    from paramfold.output import check_output
+
+    check_output(out, suffixes=FOLD_SUFFIXES)  # before anything is imported or read
+    _fold(path, out, model)
+
+
+def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
+    """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``)."""
+    from paramfold.fold import fold_checkpoint
+
+    typer.echo(fold_checkpoint(path, out, model_factory=model).summary(), err=err)
 
 
 # --- recompiles ---------------------------------------------------------------------------------
@@ -389,75 +456,9 @@ def recompiles_command(
 
     Example: paramfold recompiles -- python train.py --epochs 1
     """
-    import contextlib
-    import re
-    import runpy
-    import traceback
+    from paramfold.recompiles.script import run_script
 
-    tokens = list(command)
-    if tokens and (
-        tokens[0] == sys.executable
-        or re.fullmatch(r"python[\d.]*(\.exe)?", os.path.basename(tokens[0]))
-    ):
-        tokens = tokens[1:]
-    if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
-        _say("recompiles", "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]...")
-        raise typer.Exit(2)
-    old_argv, old_path = sys.argv[:], sys.path[:]
-    if tokens[0] == "-m":
-        import importlib.util
-
-        module = tokens[1]
-        sys.path.insert(0, os.getcwd())  # as ``python -m`` does
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            sys.path[:] = old_path
-            _say("recompiles", f"no module named {module!r}")
-            raise typer.Exit(2)
-        argv0, rest = spec.origin or module, tokens[2:]
-    else:
-        module, argv0, rest = None, tokens[0], tokens[1:]
-        if not os.path.isfile(argv0):
-            _say("recompiles", f"script not found: {argv0}")
-            raise typer.Exit(2)
-
-    from paramfold.recompiles import recompiles
-
-    sys.argv = [argv0, *rest]
-    if module is None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
-    redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
-    code = 0
-    try:
-        with redirect, recompiles(warn=False) as report:
-            try:
-                if module is None:
-                    runpy.run_path(argv0, run_name="__main__")
-                else:
-                    runpy.run_module(module, run_name="__main__", alter_sys=True)
-            except SystemExit as e:
-                if e.code is None or isinstance(e.code, int):
-                    code = e.code or 0
-                else:
-                    print(e.code, file=sys.stderr)
-                    code = 1
-            except KeyboardInterrupt as e:  # the report of what ran so far is still printed
-                code = getattr(e, "exit_code", 130)
-            except Exception:
-                traceback.print_exc()  # the script's own traceback: it is the script's output
-                code = 1
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
-    if as_json:
-        sys.stdout.write(report.to_json() + "\n")
-    else:
-        report.print()
-    if code == 0 and strict and report.limit_hit:
-        code = 3
-    raise typer.Exit(code)
+    raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
 
 
 def main() -> None:

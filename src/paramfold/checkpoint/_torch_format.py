@@ -1,0 +1,475 @@
+"""torch's private ``torch.save`` format: everything paramfold knows about it, in one place.
+
+paramfold reads ``.pt`` files without ``torch.load`` (no pickled code runs, no tensor data is read
+until asked for, every record's CRC-32 is checked) and writes them without ``torch.save`` (one
+tensor at a time). Both rely on details torch does not document or promise. Each is listed here
+with what paramfold does if torch changes it; in every case the failure is a refusal with a
+one-line ``CheckpointError`` (or, for the last, a failing import), never a silently different tensor.
+
+* **The archive** (``torch.save`` since 1.6): a zip holding one folder ``<name>/`` (the file's stem
+  when saved to a path, ``archive`` when saved to a buffer) with ``data.pkl``, one uncompressed
+  record ``data/<key>`` per storage, ``byteorder`` (absent in old files: little-endian) and
+  ``version``; torch 2.x adds ``.format_version``, ``.storage_alignment`` and
+  ``.data/serialization_id``, which are ignored. Read by :func:`pt_entries`,
+  :func:`record_data_offset` (the local header's extra field, which torch pads) and
+  :func:`check_record_crc`. If it changes: no single ``*/data.pkl`` is refused as "not a PyTorch
+  checkpoint", a compressed record as "re-save it", a record whose size disagrees with the pickle
+  as corrupt.
+* **data.pkl's globals**: ``torch._utils._rebuild_tensor_v2`` (dtypes with a legacy storage class,
+  ``torch.FloatStorage`` ...), ``_rebuild_tensor_v3`` with ``torch.storage.UntypedStorage`` (the
+  others: uint16/32/64, float8), ``_rebuild_parameter`` / ``_rebuild_parameter_with_state``,
+  ``torch._tensor._rebuild_from_type_v2``, persistent ids ``("storage", type, key, location,
+  numel)``, plus ``torch.Size``, ``torch.device``, ``collections.OrderedDict`` and
+  ``_codecs.encode``. :class:`_StubUnpickler` answers exactly these (``_SAFE_GLOBALS``) with
+  functions that build stubs. If torch renames one or adds another: the file is refused before
+  anything is imported, and :func:`_explain_refusal` asks torch's own weights-only loader (on the
+  meta device) what the file holds.
+* ``torch.storage._dtype_to_storage_type_map()`` (private): the legacy storage class name of each
+  dtype, read when this module is imported and again for every tensor written. If it goes away,
+  ``import paramfold.checkpoint`` fails (AttributeError/ImportError): the loudest break; a fixed
+  table would replace it.
+* ``torch.load(weights_only=True)``'s ``UnpicklingError`` wording (:func:`_torch_load`, used for
+  legacy non-zip files and to explain a refusal): searched for ``GLOBAL <name>`` ("Unsupported
+  global: GLOBAL x was not an allowed global by default" in 2.13), ``Unsupported operand`` and
+  ``WeightsUnpickler error:``. If it changes: still refused, with the generic "it is not a plain
+  weights-only pickle".
+* **Writing** (:func:`write_pt`): records ``archive/data/<i>`` as each tensor arrives, then
+  ``archive/data.pkl`` (``_rebuild_tensor_v2``/``_v3`` references), ``byteorder`` and ``version``
+  ``3`` (what 2.13 writes), each record's data aligned to 64 bytes by an ``FB`` extra field as
+  torch's ``PyTorchStreamWriter`` does, so that ``torch.load(mmap=True)`` maps it;
+  ``.storage_alignment`` is not written, and ``torch.load`` assumes 64 without it (2.13's
+  ``serialization.py``). If torch changes its default alignment or requires a new record, loading
+  paramfold's output fails: ``tests/test_checkpoint.py`` loads every ``.pt`` it writes with
+  ``torch.load(weights_only=True)``, also with ``mmap=True``.
+
+Checked against: torch 2.13.0's ``serialization.py``, ``_utils.py``, ``_tensor.py``, ``storage.py``
+and ``_weights_only_unpickler.py`` (read for these notes); the tests that exercise this module
+(``test_checkpoint.py``, ``test_audit.py``, ``test_cli.py``) passed on every torch of the nox
+matrix, 2.5.1 to 2.15.0, when README's version table was last measured.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import re
+import struct
+import sys
+import zipfile
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch.storage import _dtype_to_storage_type_map
+
+from paramfold.checkpoint.common import (
+    CheckpointError,
+    Entry,
+    TensorInfo,
+    contiguous_stride,
+    element_size,
+    first_line,
+    raw_bytes,
+)
+
+__all__ = ["NESTED_STATE_DICT_KEYS", "check_record_crc", "pt_entries", "record_data_offset", "write_pt"]
+
+# Where a training checkpoint keeps the model's state dict, in the order they are tried.
+NESTED_STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
+    """Every tensor of the ``.pt`` file ``p`` (where its bytes are) and the entry it was under.
+
+    A zip archive is read without ``torch.load``: its directory, then ``data.pkl`` through
+    :class:`_StubUnpickler`; each tensor is checked to fit in its storage record. A legacy (non-zip)
+    file is loaded whole with ``torch.load(weights_only=True)``.
+    """
+    with open(p, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"
+    if not is_zip:
+        obj = _torch_load(p)  # legacy format: no offsets, no checksums; weights_only still applies
+        sd, root = _find_state_dict(obj, p)
+        _plain_only(sd, p)
+        return {k: Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
+    try:  # the zip's central directory sits at its end: a truncated file has none
+        with zipfile.ZipFile(p) as z:
+            infos = z.infolist()
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(pickles) != 1:
+                raise CheckpointError(f"{p}: not a PyTorch checkpoint (a zip archive without one data.pkl)")
+            prefix = pickles[0].filename[: -len("data.pkl")]
+            data = z.read(pickles[0])  # zipfile checks its CRC-32
+            byteorder = z.read(prefix + "byteorder") if prefix + "byteorder" in z.NameToInfo else b"little"
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
+        detail = "the zip archive is incomplete" if "CRC" not in str(e) else first_line(e)
+        raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint ({detail})") from None
+    if byteorder.decode(errors="replace") != sys.byteorder:
+        raise CheckpointError(
+            f"{p}: saved on a {byteorder.decode(errors='replace')}-endian machine; load and re-save it there"
+        )
+    try:
+        obj = _StubUnpickler(io.BytesIO(data)).load()
+    except _Refused as r:
+        _explain_refusal(p, r.name)
+        raise AssertionError("unreachable") from None
+    except Exception as e:  # a malformed pickle: torch's own rebuild functions got the wrong arguments
+        raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: its data.pkl does not unpickle ({first_line(e)})") from None
+    sd, root = _find_state_dict(obj, p, tensor_type=_TensorStub)
+    records = {i.filename[len(prefix) + len("data/"):]: i for i in infos if i.filename.startswith(prefix + "data/")}
+    entries: dict[str, Entry] = {}
+    for k, t in sd.items():
+        rec = records.get(t.storage.key)
+        if rec is None:
+            raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: the storage of '{k}' (record data/{t.storage.key}) is missing")
+        if rec.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(f"{p}: record {rec.filename} is compressed; torch.save never compresses: re-save it")
+        elem = element_size(t.dtype)
+        storage_bytes = t.storage.numel * (elem if t.storage.typed else 1)
+        span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
+        needed = (t.offset + span) * elem if span else 0
+        if storage_bytes != rec.file_size or needed > rec.file_size or t.offset < 0 or min(t.stride, default=0) < 0:
+            raise CheckpointError(
+                f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
+                f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
+            )
+        entries[k] = Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec)
+    return entries, root
+
+
+def _plain_only(sd: dict[str, torch.Tensor], p: Path) -> dict[str, torch.Tensor]:
+    for k, t in sd.items():
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise CheckpointError(
+                f"{p}: '{k}' is a {type(t).__name__} (a tensor subclass); paramfold reads plain tensors: "
+                "save the model after torchao.utils.unwrap_tensor_subclass(model), or its plain state dict"
+            )
+    return sd
+
+
+def record_data_offset(f: io.BufferedReader, rec: zipfile.ZipInfo, file: Path, key: str) -> int:
+    """Where the bytes of record ``rec`` start in ``f``: after its local header and its extra field.
+
+    The zip's central directory gives the local header's offset; the header's own name and extra
+    lengths say where the data begins (torch pads the extra field to align the data).
+    """
+    f.seek(rec.header_offset)
+    header = f.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise CheckpointError(f"{file}: corrupt PyTorch checkpoint: the zip record of tensor '{key}' is damaged")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return rec.header_offset + 30 + name_len + extra_len
+
+
+def check_record_crc(data: memoryview, rec: zipfile.ZipInfo, file: Path, key: str) -> None:
+    """Refuse the bytes read for record ``rec`` unless they match the CRC-32 the zip stores for it."""
+    if zlib.crc32(data) != rec.CRC:
+        raise CheckpointError(
+            f"{file}: corrupt: the bytes of tensor '{key}' fail their CRC-32 check (record "
+            f"{rec.filename}); the file was damaged after it was saved: re-download or re-save it"
+        )
+
+
+class _Refused(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+@dataclass(frozen=True)
+class _StorageStub:
+    """A storage named by ``data.pkl``: its record key, element dtype (or bytes) and size."""
+
+    key: str
+    dtype: torch.dtype | None  # None: an UntypedStorage, ``numel`` counts bytes
+    numel: int
+
+    @property
+    def typed(self) -> bool:
+        return self.dtype is not None
+
+
+@dataclass(frozen=True)
+class _TensorStub:
+    """A tensor described by ``data.pkl``, its data still in the archive."""
+
+    storage: _StorageStub
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    out = tuple(values)
+    if not all(type(v) is int for v in out):
+        raise ValueError(f"{what} must be integers")
+    return out
+
+
+def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                metadata: Any = None) -> _TensorStub:
+    if not isinstance(storage, _StorageStub) or storage.dtype is None or type(offset) is not int:
+        raise ValueError("_rebuild_tensor_v2 got no typed storage")
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), storage.dtype)
+
+
+def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
+                dtype: Any, metadata: Any = None) -> _TensorStub:
+    if not isinstance(storage, _StorageStub) or not isinstance(dtype, torch.dtype) or type(offset) is not int:
+        raise ValueError("_rebuild_tensor_v3 got no storage or dtype")
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), dtype)
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> Any:
+    if not isinstance(data, _TensorStub):
+        raise ValueError("a Parameter without tensor data")
+    return data
+
+
+class _PlainTensorType:
+    """What ``torch.Tensor`` / ``nn.Parameter`` unpickle to here (a marker, never instantiated)."""
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if new_type is not _PlainTensorType or func not in (_rebuild_v2, _rebuild_v3, _rebuild_parameter):
+        raise ValueError("a tensor subclass")
+    return func(*args)
+
+
+_STORAGE_DTYPES: dict[str, torch.dtype] = {}
+for _dt, _storage_name in _dtype_to_storage_type_map().items():
+    _STORAGE_DTYPES.setdefault(_storage_name, _dt)
+
+_SAFE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._tensor", "Tensor"): _PlainTensorType,
+    ("torch", "Tensor"): _PlainTensorType,
+    ("torch.nn.parameter", "Parameter"): _PlainTensorType,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch", "Size"): tuple,
+    ("torch", "device"): lambda *args: "device",  # where a tensor was: irrelevant to its bytes
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("_codecs", "encode"): lambda text, encoding="utf-8": str(text).encode(str(encoding)),
+}
+
+
+class _StubUnpickler(pickle.Unpickler):
+    """Unpickles ``data.pkl`` into containers and :class:`_TensorStub`: no other code can run.
+
+    Every global a pickle names goes through ``find_class``; only the table above is answered,
+    with functions of this module that build stubs. Anything else raises :class:`_Refused`
+    before it is imported.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _SAFE_GLOBALS.get((module, name))
+        if found is not None:
+            return found
+        if name == "UntypedStorage" and module in ("torch", "torch.storage"):
+            return ("storage-type", None)
+        if module == "torch":
+            if name in _STORAGE_DTYPES:
+                return ("storage-type", _STORAGE_DTYPES[name])
+            dtype = getattr(torch, name, None) if not name.startswith("_") else None
+            if isinstance(dtype, torch.dtype):
+                return dtype
+        raise _Refused(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise ValueError(f"unexpected persistent id {str(pid)[:60]}")
+        _, kind, key, _location, numel = pid
+        if not (isinstance(kind, tuple) and kind[:1] == ("storage-type",)) or type(numel) is not int:
+            raise ValueError("a storage of unknown type")
+        return _StorageStub(str(key), kind[1], numel)
+
+
+def _explain_refusal(p: Path, name: str) -> None:
+    """Raise the most helpful ``CheckpointError`` for a pickle that names ``name``."""
+    # torch's own weights-only loader (on the meta device: no data) says what the file holds, e.g.
+    # a registered tensor subclass; it refuses code-running globals the same way.
+    refused = CheckpointError(
+        f"{p}: refused to unpickle: it references '{name}', which paramfold does not read (only plain "
+        "tensors and containers). Re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
+    )
+    try:
+        obj = _torch_load(p, map_location="meta")
+    except CheckpointError as e:
+        if "refused to unpickle" in str(e):
+            raise
+        # torch could not even build it on the meta device (torch 2.15: sparse tensors): say what
+        # paramfold refused, not torch's side error.
+        raise refused from None
+    sd, _ = _find_state_dict(obj, p)
+    _plain_only(sd, p)
+    raise refused
+
+
+def _torch_load(p: Path, **kwargs: Any) -> Any:
+    try:
+        return torch.load(p, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        m = re.search(r"GLOBAL ([\w.]+)", msg)
+        if m:
+            why = f"it references '{m.group(1)}', which could run arbitrary code"
+        else:
+            detail = re.search(r"(Unsupported operand[^\n]*|WeightsUnpickler error:[^\n]+)", msg)
+            why = (
+                "it is not a plain weights-only pickle"
+                + (f" ({detail.group(1).strip()})" if detail else "")
+                + ": either corrupt or it needs code execution"
+            )
+        raise CheckpointError(
+            f"{p}: refused to unpickle: {why}; paramfold reads only tensors and plain containers and never runs pickled code. "
+            "If you trust the file, re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
+        ) from None
+    except Exception as e:
+        if "central directory" in str(e) or isinstance(e, (EOFError, zipfile.BadZipFile)):
+            raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint (the zip archive is incomplete)") from None
+        raise CheckpointError(f"{p}: cannot read this PyTorch checkpoint ({first_line(e)})") from None
+
+
+def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tuple[dict[str, Any], str | None]:
+    if _is_state_dict(obj, tensor_type):
+        return dict(obj), None
+    if isinstance(obj, Mapping):
+        for key in NESTED_STATE_DICT_KEYS:
+            sub = obj.get(key)
+            if _is_state_dict(sub, tensor_type):
+                return dict(sub), key
+        where = f"top-level keys: {', '.join(map(str, list(obj)[:8]))}"
+    else:
+        where = f"it holds a {type(obj).__name__}"
+    raise CheckpointError(
+        f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
+        + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
+    )
+
+
+def _is_state_dict(obj: Any, tensor_type: type = torch.Tensor) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and len(obj) > 0
+        and all(isinstance(k, str) and isinstance(v, tensor_type) for k, v in obj.items())
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+class _StorageRef:
+    def __init__(self, key: str, storage_type: Any, numel: int) -> None:
+        self.pid = ("storage", storage_type, key, "cpu", numel)
+
+
+class _TensorRef:
+    """Pickles like a CPU tensor saved by ``torch.save``, whose storage is record ``data/<key>``."""
+
+    def __init__(self, key: str, info: TensorInfo) -> None:
+        self.key, self.info = key, info
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        info = self.info
+        stride = contiguous_stride(info.shape)
+        legacy = _dtype_to_storage_type_map().get(info.dtype)
+        if legacy is not None:
+            storage = _StorageRef(self.key, getattr(torch, legacy), info.numel)
+            return torch._utils._rebuild_tensor_v2, (
+                storage, 0, info.shape, stride, False, collections.OrderedDict(),
+            )
+        storage = _StorageRef(self.key, torch.UntypedStorage, info.nbytes)
+        return torch._utils._rebuild_tensor_v3, (
+            storage, 0, info.shape, stride, False, collections.OrderedDict(), info.dtype,
+        )
+
+
+class _RefPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if isinstance(obj, _StorageRef) else None
+
+
+_PT_ALIGNMENT = 64  # torch.save aligns every record's data to 64 bytes (mmap-friendly)
+
+
+class _ZipWriter:
+    """The records of a ``torch.save`` archive, written with :mod:`zipfile` (CRC-32 per record).
+
+    On an error nothing more is written: the caller discards the file.
+    """
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self._zip = zipfile.ZipFile(f, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True)
+
+    def record(self, name: str, data: bytes | memoryview) -> None:
+        name = f"archive/{name}"
+        size = len(data) if isinstance(data, bytes) else data.nbytes
+        zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule: it then adds a 20-byte extra
+        start = self._f.tell() + 30 + len(name.encode()) + 4 + (20 if zip64 else 0)
+        pad = -start % _PT_ALIGNMENT
+        info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = size
+        info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad  # torch's padding field
+        w = self._zip.open(info, mode="w", force_zip64=zip64)
+        w.write(data)
+        w.close()
+
+    def finish(self) -> None:
+        self._zip.close()
+
+    def abandon(self) -> None:
+        # ZipFile.__del__ would write a central directory to a file that is being discarded.
+        self._zip._writing = False  # type: ignore[attr-defined]
+        self._zip.fp = None
+
+
+def write_pt(
+    f: IO[bytes], specs: Mapping[str, TensorInfo], tensors: Iterable[tuple[str, torch.Tensor]]
+) -> int:
+    """Write ``tensors`` to ``f`` in the layout ``torch.save`` writes; returns the bytes of tensor data.
+
+    ``tensors`` yields the keys of ``specs`` in order, as contiguous CPU tensors (the writer in
+    :mod:`paramfold.checkpoint.write` checks them before they get here).
+    """
+    # The zip layout torch.save writes, except that every storage record is written as soon as
+    # its tensor exists and the pickle comes last.
+    refs: dict[str, _TensorRef] = {}
+    nbytes = 0
+    zw = _ZipWriter(f)
+    try:
+        for key, t in tensors:
+            i = len(refs)
+            zw.record(f"data/{i}", raw_bytes(t) if t.numel() else b"")
+            refs[key] = _TensorRef(str(i), specs[key])
+            nbytes += t.nbytes
+        buf = io.BytesIO()
+        _RefPickler(buf, protocol=2).dump(refs)
+        zw.record("data.pkl", buf.getvalue())
+        zw.record("byteorder", sys.byteorder.encode())
+        zw.record("version", b"3\n")
+        zw.finish()
+    except BaseException:
+        zw.abandon()
+        raise
+    return nbytes

@@ -1,0 +1,294 @@
+"""Reading checkpoints: ``open_checkpoint`` and the lazy, verified ``Checkpoint`` it returns.
+
+This module finds the files (a single file, a Hugging Face folder, an index and its shards), reads
+safetensors headers and does all the reading of tensor bytes, with positioned reads into buffers
+the caller may reuse. What a ``torch.save`` file holds is told by :mod:`._torch_format`, the one
+module that knows torch's private serialization format.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from paramfold.checkpoint._torch_format import check_record_crc, pt_entries, record_data_offset
+from paramfold.checkpoint.common import (
+    PT_SUFFIXES,
+    SAFETENSORS_SUFFIX,
+    ST_DTYPES,
+    CheckpointError,
+    Entry,
+    TensorInfo,
+    contiguous_stride,
+    element_size,
+    first_line,
+)
+
+__all__ = ["Checkpoint", "open_checkpoint"]
+
+
+class Checkpoint:
+    """A lazily read checkpoint: keys, shapes and dtypes up front, tensor data on ``read(key)``.
+
+    Use ``open_checkpoint(path)`` to get one; close it (or use it as a context manager) to release
+    its file handles.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        format: str,
+        entries: dict[str, Entry],
+        *,
+        root: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        files: Iterable[Path] = (),
+    ) -> None:
+        self.path = path
+        self.format = format
+        self.root = root
+        self.metadata = dict(metadata or {})
+        self._entries = entries
+        self._files: dict[Path, io.BufferedReader] = {}
+        # Every file this checkpoint reads (the index and its shards for a sharded checkpoint).
+        self.files: list[Path] = list(dict.fromkeys([path, *files, *(e.file for e in entries.values() if e.file)]))
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def info(self, key: str) -> TensorInfo:
+        return self._entries[key].info
+
+    def read(self, key: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor stored under ``key``, read now into CPU memory that nothing else shares.
+
+        With ``out`` (a 1-D ``uint8`` CPU tensor), the bytes are read into ``out`` and the result is a
+        view of it, valid until ``out`` is reused: a streamed pass then allocates nothing per tensor
+        (repeatedly allocating and freeing large tensors grows the heap with glibc's malloc).
+        """
+        e = self._entries[key]
+        shape, dtype = e.info.shape, e.info.dtype
+        if e.tensor is not None:
+            if out is None or out.numel() < e.info.nbytes:
+                return e.tensor.clone(memory_format=torch.contiguous_format)
+            view = out[: e.info.nbytes].view(dtype).view(shape)
+            return view.copy_(e.tensor)
+        stride = e.stride if e.stride is not None else contiguous_stride(shape)
+        numel = e.info.numel
+        span = 0 if numel == 0 else 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+        elem = element_size(dtype)
+        nbytes = span * elem
+        start = e.storage_offset * elem
+        if e.record is not None:  # read the whole storage record, so that its CRC-32 can be checked
+            start, nbytes = 0, e.record.file_size
+        if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes and nbytes:
+            raw = out[:nbytes]
+        else:
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            buf = memoryview(raw.numpy())
+            if e.record is not None:
+                self._read_record(e, buf, key)
+            else:
+                self._read_into(e.file, e.offset + start, buf, nbytes, key)  # type: ignore[arg-type]
+        if e.record is not None:
+            first = e.storage_offset * elem
+            raw = raw[first : first + span * elem]
+        flat = raw.view(dtype) if numel else torch.empty(0, dtype=dtype)
+        result = flat.as_strided(shape, stride)
+        if not result.is_contiguous():
+            return result.contiguous()
+        if out is None and raw.untyped_storage().nbytes() != result.nbytes:
+            return result.clone()  # a view into a larger storage record: keep only its own bytes
+        return result
+
+    def _read_record(self, e: Entry, buf: memoryview, key: str) -> None:
+        rec = e.record
+        assert rec is not None and e.file is not None
+        start = record_data_offset(self._open(e.file), rec, e.file, key)
+        self._read_into(e.file, start, buf, rec.file_size, key)
+        check_record_crc(buf[: rec.file_size], rec, e.file, key)
+
+    def _open(self, file: Path) -> io.BufferedReader:
+        f = self._files.get(file)
+        if f is None:
+            f = self._files[file] = open(file, "rb", buffering=0)  # noqa: SIM115 (closed in close())
+        return f
+
+    def _read_into(self, file: Path, start: int, buf: memoryview, nbytes: int, key: str) -> None:
+        f = self._open(file)
+        f.seek(start)
+        got = 0
+        while got < nbytes:
+            n = f.readinto(buf[got:nbytes])
+            if not n:
+                raise CheckpointError(
+                    f"{file}: truncated: tensor '{key}' needs {nbytes} bytes at offset {start}, "
+                    f"the file ends after {got}; re-download or re-save the checkpoint"
+                )
+            got += n
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, format={self.format!r}, tensors={len(self)})"
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Open a checkpoint for lazy, safe reading (see the module docstring for the formats).
+
+    Raises ``CheckpointError`` with a one-line message for a missing path, an unsupported format, a
+    truncated or corrupt file, or a pickle that would need to run code.
+
+    Example::
+
+        >>> import torch, tempfile, os
+        >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> torch.save({"epoch": 3, "state_dict": {"lin.weight": torch.zeros(4, 2)}}, p)
+        >>> ckpt = open_checkpoint(p)
+        >>> ckpt.format, ckpt.root, ckpt.keys(), ckpt.info("lin.weight").dtype_name
+        ('pt', 'state_dict', ['lin.weight'], 'float32')
+        >>> ckpt.close()
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or folder", exit_code=2)
+    if p.is_dir():
+        return _open_folder(p)
+    name = p.name.lower()
+    if name.endswith(".index.json"):
+        return _open_index(p)
+    if name.endswith(SAFETENSORS_SUFFIX):
+        entries, metadata = _safetensors_entries(p)
+        return Checkpoint(p, "safetensors", entries, metadata=metadata)
+    if name.endswith(PT_SUFFIXES):
+        entries, root = pt_entries(p)
+        return Checkpoint(p, "pt", entries, root=root)
+    raise CheckpointError(
+        f"{p}: unsupported checkpoint format '{p.suffix or p.name}': expected "
+        f"{', '.join(PT_SUFFIXES)}, {SAFETENSORS_SUFFIX}, a *.safetensors.index.json "
+        "or a folder holding one",
+        exit_code=2,
+    )
+
+
+def _open_folder(folder: Path) -> Checkpoint:
+    indexes = sorted(folder.glob("*.safetensors.index.json")) or sorted(
+        q for q in folder.glob("*.index.json") if q.name.lower().endswith(tuple(f"{s}.index.json" for s in PT_SUFFIXES))
+    )
+    if len(indexes) == 1:
+        return _open_index(indexes[0])
+    if len(indexes) > 1:
+        names = ", ".join(q.name for q in indexes)
+        raise CheckpointError(f"{folder}: several index files ({names}): pass the one to audit", exit_code=2)
+    singles = sorted(folder.glob(f"*{SAFETENSORS_SUFFIX}")) or sorted(
+        q for q in folder.iterdir() if q.is_file() and q.name.lower().endswith(PT_SUFFIXES)
+    )
+    if len(singles) == 1:
+        return open_checkpoint(singles[0])
+    if not singles:
+        raise CheckpointError(
+            f"{folder}: no checkpoint in this folder (looked for *.safetensors.index.json, "
+            "*.safetensors, *.pt, *.pth, *.bin)",
+            exit_code=2,
+        )
+    names = ", ".join(q.name for q in singles[:4])
+    raise CheckpointError(
+        f"{folder}: several checkpoint files and no index ({names}, ...): pass one file", exit_code=2
+    )
+
+
+def _open_index(index: Path) -> Checkpoint:
+    try:
+        doc = json.loads(index.read_text())
+        weight_map = doc["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to shard file names")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid checkpoint index ({type(e).__name__}: {e})") from None
+    shards: dict[str, dict[str, Entry]] = {}
+    kinds: set[str] = set()
+    for shard in dict.fromkeys(weight_map.values()):
+        sp = (index.parent / shard).resolve()
+        if index.parent.resolve() not in sp.parents:
+            raise CheckpointError(f"{index}: shard '{shard}' lies outside the index's folder")
+        if not sp.is_file():
+            raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing")
+        if sp.name.lower().endswith(SAFETENSORS_SUFFIX):
+            shards[shard], _ = _safetensors_entries(sp)
+            kinds.add("safetensors")
+        elif sp.name.lower().endswith(PT_SUFFIXES):
+            shards[shard], _ = pt_entries(sp)
+            kinds.add("pt")
+        else:
+            raise CheckpointError(f"{index}: shard '{shard}' has an unsupported format")
+    entries: dict[str, Entry] = {}
+    for key, shard in weight_map.items():
+        if key not in shards[shard]:
+            raise CheckpointError(f"{index}: the index puts '{key}' in '{shard}', but that shard lacks it")
+        entries[key] = shards[shard][key]
+    fmt = "sharded-" + ("safetensors" if kinds == {"safetensors"} else "pt" if kinds == {"pt"} else "mixed")
+    metadata = {k: str(v) for k, v in (doc.get("metadata") or {}).items()}
+    files = [(index.parent / shard).resolve() for shard in dict.fromkeys(weight_map.values())]
+    return Checkpoint(index, fmt, entries, metadata=metadata, files=files)
+
+
+def _safetensors_entries(p: Path) -> tuple[dict[str, Entry], dict[str, str]]:
+    from safetensors import safe_open
+
+    try:
+        # safe_open validates the header: offsets in bounds, contiguous, matching shapes and dtypes.
+        with safe_open(str(p), framework="pt") as f:
+            metadata = f.metadata() or {}
+            infos = {}
+            for k in f.keys():
+                sl = f.get_slice(k)
+                infos[k] = TensorInfo(tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), p))
+        with open(p, "rb") as f:
+            (n,) = _unpack_u64(f.read(8))
+            header = json.loads(f.read(n))
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError, plus OSError / ValueError
+        raise CheckpointError(f"{p}: not a valid safetensors file ({first_line(e)})") from None
+    base = 8 + n
+    # In the order the data lies in the file (safe_open lists keys sorted by name).
+    order = sorted(infos, key=lambda k: (header[k]["data_offsets"][0], k))
+    entries = {k: Entry(infos[k], p, base + header[k]["data_offsets"][0]) for k in order}
+    return entries, metadata
+
+
+def _unpack_u64(b: bytes) -> tuple[int]:
+    if len(b) != 8:
+        raise ValueError("file too short for a safetensors header")
+    return (int.from_bytes(b, "little"),)
+
+
+def _st_dtype(name: str, p: Path) -> torch.dtype:
+    try:
+        return ST_DTYPES[name.upper()]
+    except KeyError:
+        raise CheckpointError(f"{p}: safetensors dtype {name} has no torch equivalent here") from None

@@ -1,0 +1,234 @@
+"""Fold a checkpoint: compute the plain tensors from the parametrization originals and write them.
+
+``fold_checkpoint`` writes the checkpoint the *unparametrized* model would have
+(``<module>.<tensor>`` keys), following the plan that :func:`paramfold.audit.audit_plan` makes from
+the keys. Each recognised stateless kind is computed with the op torch itself uses, one tensor at a
+time, so the result is bitwise equal to what the stock model computes:
+
+* ``weight_norm``: ``torch._weight_norm(v, g, dim)``, the op of ``parametrizations.weight_norm`` and
+  of the legacy hook's ``compute_weight``.
+* ``spectral_norm``: its eval-mode value ``W / vdot(u, W_mat @ v)`` from the stored vectors, exactly
+  as ``_SpectralNorm.forward`` computes it in eval mode (the legacy hook's
+  ``compute_weight(do_power_iteration=False)`` for legacy keys). An ambiguous matrix dim (square
+  ConvTranspose weights) is resolved from the stored vectors: ``v`` is the normalised
+  ``W_mat^H u`` of the last power step.
+* ``fake_sparsity``: ``mask * original``.
+
+Every other kind needs the model: with ``model_factory`` (a callable, or ``"MODULE:FACTORY"``
+resolved by :func:`paramfold.factory.load_factory`) the model is built, loaded and materialised
+instead. Output goes through :mod:`paramfold.checkpoint`'s atomic writers (see
+:func:`fold_checkpoint` for an example).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from paramfold.audit import LEGACY_SPECTRAL_NORM_API, LEGACY_WEIGHT_NORM_API, CheckpointSite, audit_plan
+from paramfold.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    TensorInfo,
+    open_checkpoint,
+    write_checkpoint,
+    write_state_dict,
+)
+from paramfold.errors import first_few
+from paramfold.factory import load_factory
+from paramfold.output import OutputError, check_output
+from paramfold.render import human_bytes
+
+__all__ = ["FoldResult", "fold_checkpoint"]
+
+
+@dataclass
+class FoldResult:
+    """What ``fold_checkpoint`` wrote: ``tensors`` keys and ``nbytes`` of data to ``out``."""
+
+    out: Path
+    tensors: int
+    nbytes: int
+    sites: int
+    via: str  # "keys" (folded from the checkpoint alone) or "model" (materialised by the model)
+
+    def summary(self) -> str:
+        how = "materialised by the model" if self.via == "model" else "folded from the checkpoint"
+        return (
+            f"wrote {self.out}: {self.tensors} tensors, {human_bytes(self.nbytes)}; "
+            f"{self.sites} parametrized site{'' if self.sites == 1 else 's'} {how}"
+        )
+
+
+def fold_checkpoint(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    model_factory: Callable[[], torch.nn.Module] | str | None = None,
+) -> FoldResult:
+    """Write the unparametrized model's checkpoint (``<module>.<tensor>`` keys) to ``out``.
+
+    ``out`` ends in ``.safetensors`` or ``.pt``. Without ``model_factory``, every site must be of a
+    kind in ``paramfold.audit.FOLDABLE_KINDS``; they are computed tensor by tensor as torch computes
+    them, and every other tensor is copied through, so memory stays around one tensor. With ``model_factory`` (a
+    callable returning the parametrized model, or a ``"MODULE:FACTORY"`` string for ``load_factory``)
+    the model is built, the checkpoint is loaded into it with ``strict=True``, the model is put in
+    eval mode and every parametrized tensor is materialised once. The output is written to a
+    temporary file in ``out``'s folder and renamed when complete; ``out`` must not be one of the
+    checkpoint's own files (refused with ``CheckpointError``, exit code 2).
+
+    Example::
+
+        >>> import torch, tempfile, os
+        >>> from torch.nn.utils.parametrizations import weight_norm
+        >>> d = tempfile.mkdtemp()
+        >>> m = weight_norm(torch.nn.Linear(4, 3))
+        >>> torch.save(m.state_dict(), os.path.join(d, "wn.pt"))
+        >>> res = fold_checkpoint(os.path.join(d, "wn.pt"), os.path.join(d, "plain.pt"))
+        >>> plain = torch.nn.Linear(4, 3)
+        >>> _ = plain.load_state_dict(torch.load(res.out, weights_only=True), strict=True)
+        >>> x = torch.randn(2, 4)
+        >>> torch.equal(plain(x), m(x))
+        True
+    """
+    with open_checkpoint(path) as ckpt:
+        try:
+            check_output(out, inputs=ckpt.files)
+        except OutputError as e:
+            raise CheckpointError(str(e), exit_code=e.exit_code) from None
+        if model_factory is not None:
+            return _fold_with_model(ckpt, Path(out), model_factory)
+        report, plan = audit_plan(ckpt)
+        refused = report.refused
+        if refused:
+            listed = first_few([f"{s.key} ({s.kind})" for s in refused], 3)
+            raise CheckpointError(
+                f"cannot fold {listed} from the checkpoint alone: {refused[0].note}; "
+                "pass --model MODULE:FACTORY that builds the parametrized model"
+            )
+        specs: dict[str, TensorInfo] = {}
+        for key, site in plan:
+            if key in specs:
+                raise CheckpointError(f"the folded checkpoint would hold '{key}' twice (a parametrized and a plain tensor)")
+            specs[key] = ckpt.info(key) if site is None else site.folded  # type: ignore[assignment]
+        nbytes = write_checkpoint(out, specs, _stream(ckpt, plan), metadata={"format": "pt"})
+    return FoldResult(Path(out), len(specs), nbytes, len(report.sites), "keys")
+
+
+def _stream(ckpt: Checkpoint, plan: list[tuple[str, CheckpointSite | None]]) -> Iterator[tuple[str, torch.Tensor]]:
+    # Plain tensors are read into one reused buffer; the writer is done with each before the next.
+    largest = max((ckpt.info(k).nbytes for k, site in plan if site is None), default=0)
+    scratch = torch.empty(largest, dtype=torch.uint8)
+    for key, site in plan:
+        yield key, (ckpt.read(key, out=scratch) if site is None else _fold_site(ckpt, site))
+
+
+def _fold_site(ckpt: Checkpoint, site: CheckpointSite) -> torch.Tensor:
+    t = {name: ckpt.read(key) for name, key in site.keys.items()}
+    try:
+        with torch.no_grad():
+            return _fold_tensors(site, t)
+    except CheckpointError:
+        raise
+    except RuntimeError as e:  # e.g. a hand-edited file: fp16 g with fp32 v, fp64 _u with fp32 W
+        if "memory" in str(e).lower():
+            raise  # the allocator's "can't allocate memory": not the file's fault
+        pieces = ", ".join(f"{n} {str(x.dtype)[6:]}{list(x.shape)}" for n, x in t.items())
+        raise CheckpointError(
+            f"cannot fold '{site.key}' ({site.kind}): torch refuses its stored tensors ({pieces}): "
+            f"{str(e).strip().splitlines()[0][:200]}; the stock model could not compute it either: "
+            "re-save the checkpoint from a working model"
+        ) from None
+
+
+def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    if site.kind == "weight_norm":
+        if site.params.get("api") == LEGACY_WEIGHT_NORM_API:
+            g, v = t[f"{site.tensor}_g"], t[f"{site.tensor}_v"]
+        else:
+            g, v = t["original0"], t["original1"]
+        # parametrizations._WeightNorm.forward (and the legacy hook's compute_weight) call exactly this.
+        return torch._weight_norm(v, g, site.params["dim"])
+    if site.kind == "fake_sparsity":
+        # torchao.prototype.sparsity.sparsifier.utils.FakeSparsity.forward
+        return t["0.mask"] * t["original"]
+    if site.kind == "spectral_norm":
+        legacy = site.params.get("api") == LEGACY_SPECTRAL_NORM_API
+        name = site.tensor
+        w, u, v = (t[f"{name}_orig"], t[f"{name}_u"], t[f"{name}_v"]) if legacy else (t["original"], t["0._u"], t["0._v"])
+        dim = site.params["dim"]
+        if dim is None:
+            dim = _resolve_spectral_dim(w, u, v, site.params["dim_candidates"])
+        if legacy:
+            # torch.nn.utils.spectral_norm's SpectralNorm.compute_weight(do_power_iteration=False)
+            sigma = torch.dot(u, torch.mv(_spectral_weight_mat(w, dim), v))
+            return w / sigma
+        return _spectral_norm_eval(w, u, v, dim)
+    raise AssertionError(f"unfoldable kind {site.kind}")
+
+
+def _spectral_weight_mat(weight: torch.Tensor, dim: int) -> torch.Tensor:
+    # parametrizations._SpectralNorm._reshape_weight_to_matrix
+    if dim != 0:
+        weight = weight.permute(dim, *(d for d in range(weight.dim()) if d != dim))
+    return weight.flatten(1)
+
+
+def _spectral_norm_eval(weight: torch.Tensor, u: torch.Tensor, v: torch.Tensor, dim: int) -> torch.Tensor:
+    # parametrizations._SpectralNorm.forward with self.training == False, op for op.
+    weight_mat = _spectral_weight_mat(weight, dim)
+    u = u.clone(memory_format=torch.contiguous_format)
+    v = v.clone(memory_format=torch.contiguous_format)
+    sigma = torch.vdot(u, torch.mv(weight_mat, v))
+    return weight / sigma
+
+
+def _resolve_spectral_dim(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int]) -> int:
+    # The power method ends with v = normalize(W_mat^H u): the right dim reproduces the stored v.
+    def agreement(d: int) -> float:
+        mat = _spectral_weight_mat(w.double(), d)
+        return float(torch.dot(torch.nn.functional.normalize(torch.mv(mat.H, u.double()), dim=0), v.double()))
+
+    return max(candidates, key=agreement)
+
+
+def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], torch.nn.Module] | str) -> FoldResult:
+    factory = load_factory(model_factory) if isinstance(model_factory, str) else model_factory
+    name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__qualname__", "model_factory")
+    try:
+        model = factory()
+    except Exception as e:
+        raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}: {e}") from None
+    except SystemExit as e:
+        raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
+    if not isinstance(model, torch.nn.Module):
+        raise CheckpointError(f"--model {name}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
+    state = {k: ckpt.read(k) for k in ckpt.keys()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        msg = " ".join(str(e).split())
+        raise CheckpointError(
+            f"the checkpoint does not fit the model from --model {name} (strict load): {msg[:400]}"
+        ) from None
+    del state
+    model.eval()
+    plain = _plain_state_dict(model)
+    sites = sum(
+        len(m.parametrizations) for m in model.modules() if torch.nn.utils.parametrize.is_parametrized(m)
+    )
+    nbytes = write_state_dict(out, plain)
+    return FoldResult(out, len(plain), nbytes, sites, "model")
+
+
+def _plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict the unparametrized model would have: paramfold's freeze materialisation.
+
+    Call it in eval mode: a stateful parametrization (spectral_norm) would otherwise step its state.
+    """
+    from paramfold.state_dict import plain_state_dict
+
+    return plain_state_dict(model)

@@ -1,0 +1,251 @@
+"""Read torch's guard-failure text: which category a recompile belongs to, and the fix for it.
+
+``torch.compile`` guards each graph; when one fails, torch reports the failed check as text (the
+``recompile_reasons`` trace artifact, ``torch._dynamo.utils.guard_failures``). That text is the only
+thing paramfold parses: :func:`classify` picks one of :data:`CATEGORIES` for it, names the tensor
+and dim where it can, and fills in the fix from :data:`FIXES` (the one table of fix texts).
+
+The wording is torch's, not a promise, so each pattern below says where it comes from. All of them
+were checked against the real messages of torch 2.5 to 2.15: ``tests/test_recompiles.py`` causes
+each category for real and compares paramfold's reasons with torch's own ``guard_failures`` (run on
+every version of the nox matrix; README's version table). What differs between those versions:
+
+* torch < 2.7 spells locals ``L['x']``, 2.7+ ``x``; :func:`strip_local_scope` reports the newer
+  spelling on all.
+* the tensor checks (``tensor 'x' size mismatch at index 1. expected 8, actual 1``, ``stride``,
+  ``rank``, ``requires_grad``, ``dtype``, ``dispatch key set``, ``device index``) are the C++
+  ``TensorGuards`` wording (``torch/csrc/dynamo/guards.cpp``), the same in 2.5 to 2.15.
+* ``GLOBAL_STATE changed: grad_mode ...`` is the C++ ``GlobalStateGuard``; ``___check_obj_id`` /
+  ``___check_type_id`` are the Python code parts of ID_MATCH / TYPE_MATCH; "GuardAccessor: Not a",
+  "got deallocated" and "Cache line invalidated" come from the guard manager
+  (``torch/_dynamo/guards.py``), all present in 2.5 to 2.15.
+* a symbolic-shape guard is the shape expression itself (``2 <= x.size()[1]``, with
+  "0/1 specialization" in its comment from 2.6 on).
+
+If torch rewords one of these, that guard falls through to ``other`` (with the verbatim guard in the
+fix) instead of its own category: the report stays right about what failed, only less specific.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+__all__ = ["CATEGORIES", "FIXES", "GuardFailure", "classify", "fix_text", "strip_local_scope"]
+
+CATEGORIES = (
+    "shape",
+    "requires_grad",
+    "training",
+    "grad_mode",
+    "dtype/device",
+    "id/object identity",
+    "limit hit",
+    "other",
+)
+
+# The one table of fix texts. Keys are a category, optionally ":variant". Placeholders are filled
+# from the failed guard: {tensor} {dim} {expected} {actual} {source} {state} {guard} {function}
+# {limit_type} {limit}.
+FIXES: dict[str, str] = {
+    "shape": (
+        "torch._dynamo.mark_dynamic({tensor}, {dim}) before the first call (or compile with "
+        "dynamic=True); torch makes the dim dynamic by itself only after it changed once"
+    ),
+    "shape:size01": (
+        "expected: sizes 0 and 1 are specialised; torch._dynamo.decorators.mark_unbacked({tensor}, "
+        "{dim}) before the call lets one graph serve them too"
+    ),
+    "shape:symbolic": (
+        "a shape relation the graph assumed no longer holds ({guard}); mark the dims involved with "
+        "torch._dynamo.mark_dynamic, or keep the relation stable"
+    ),
+    "shape:parameter": (
+        "parameter/buffer {tensor} changed shape; torch._dynamo.config."
+        "force_parameter_static_shapes = False lets one graph serve both"
+    ),
+    "requires_grad": (
+        "run frozen and trainable copies through paramfold.prepare(..., "
+        "detach_params_under_no_grad=True) or keep requires_grad consistent"
+    ),
+    "requires_grad:input": (
+        "input {tensor} requires grad in one call and not in another; make it consistent "
+        "(.requires_grad_() or .detach()) or accept one graph each"
+    ),
+    "training": (
+        "put models that share this code in the same train/eval mode ({source}.training differs)"
+    ),
+    "grad_mode": (
+        "unavoidable: one graph per grad mode (no_grad/inference_mode vs grad); nothing to fix"
+    ),
+    "dtype/device": (
+        "{tensor} arrived as {actual}, the graph was made for {expected}: cast it before the call, "
+        "or accept one graph per dtype"
+    ),
+    "dtype/device:dispatch": (
+        "{tensor} has another device or kind (e.g. cpu vs cuda, or an inference-mode tensor): pass "
+        "one device and kind, or accept one graph each"
+    ),
+    "dtype/device:global": (
+        "global {state} changed between calls (autocast / default dtype): call under one setting, "
+        "or accept one graph per setting"
+    ),
+    "id/object identity": (
+        "{source} is a different object than when the graph was made (rebound global, new "
+        "function or closure, module of another class): reuse one object, or pass the varying "
+        "value as a tensor"
+    ),
+    "limit hit": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on: remove the causes above, or raise torch._dynamo.config.{limit_type}"
+    ),
+    "limit hit:shared": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. On torch >= 2.14 every torch.nn module compiled on its own "
+        "(layer.compile()) runs through one shared wrapper code object "
+        "(torch._dynamo.external_utils.wrap_inline), so all such layers share ONE recompile limit: "
+        "compile the parent model once instead of each layer, or raise "
+        "torch._dynamo.config.{limit_type}"
+    ),
+    "other": (
+        "a Python value the compiled code depends on changed ({guard}): keep it constant, or pass "
+        "it as a tensor"
+    ),
+    "other:global": "global torch state {state} changed between calls: keep it fixed",
+    "other:backend": "compile every caller of this code with the same backend object",
+}
+
+_TENSOR_MISMATCH = re.compile(
+    r"^tensor '(?P<tensor>.+)' (?P<what>size|stride) mismatch at index (?P<dim>\d+)\. "
+    r"expected (?P<expected>\d+), actual (?P<actual>\d+)"
+)
+_RANK_MISMATCH = re.compile(
+    r"^tensor '(?P<tensor>.+)' rank mismatch\. expected (?P<expected>\d+), actual (?P<actual>\d+)"
+)
+_REQUIRES_GRAD = re.compile(
+    r"^tensor '(?P<tensor>.+)' requires_grad mismatch\. expected requires_grad=(?P<expected>[01])"
+)
+_DTYPE = re.compile(
+    r"^tensor '(?P<tensor>.+)' dtype mismatch\. expected (?P<expected>\S+), actual (?P<actual>\S+)"
+)
+_DISPATCH = re.compile(r"^tensor '(?P<tensor>.+)' dispatch key set mismatch\.")
+_DEVICE = re.compile(r"device (index )?mismatch", re.IGNORECASE)
+_SYM_SIZE = re.compile(r"(?P<tensor>[\w.\[\]'\"]+?)\.size\(\)\[(?P<dim>\d+)\]")
+_SYM_STRIDE = re.compile(r"\.(size|stride)\(\)\[\d+\]|\.storage_offset\(\)")
+_TRAINING = re.compile(r"(?P<source>[\w.\[\]'\"]+)\.training\b")
+_OBJ_ID = re.compile(r"___check_(obj|type)_id\((?P<source>[^,]+),")
+_GLOBAL_STATE = "GLOBAL_STATE changed:"
+_IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line invalidated")
+_COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
+
+
+@dataclasses.dataclass
+class GuardFailure:
+    """One failed guard of one cached graph, as torch reported it."""
+
+    cached_compile_id: str  # the cached graph whose guard failed, e.g. "0/1"
+    reason: str  # verbatim, as torch reported it (including any "User stack trace")
+    guard: str  # the first line of ``reason`` without the compile id: the failed check itself
+    # (locals spelled ``x`` as torch >= 2.7 does, not ``L['x']``)
+    category: str
+    fix: str
+    tensor: str | None = None  # the tensor / attribute the guard names, when it names one
+    dim: int | None = None
+
+
+def classify(reason: str) -> GuardFailure:
+    """One entry of torch's guard-failure text (``"0/1: tensor 'x' dtype mismatch. ..."``) classified.
+
+    Example::
+
+        >>> g = classify("0/0: tensor 'x' dtype mismatch. expected Float, actual Double")
+        >>> g.cached_compile_id, g.category, g.tensor
+        ('0/0', 'dtype/device', 'x')
+    """
+    m = _COMPILE_ID_PREFIX.match(reason)
+    cid, rest = (m["cid"], m["rest"]) if m else ("?", reason)
+    # torch < 2.7 spells locals L['x']; 2.7+ spells them x: report the newer spelling on all.
+    guard = strip_local_scope(rest.split("\nUser stack trace:", 1)[0].split("\n", 1)[0].rstrip())
+    # Code-part guards carry "  # <user source line>" comments; match on the check alone.
+    expr = re.split(r"\s+# ", guard, maxsplit=1)[0].strip()
+    category, variant, fields = _categorize(expr, guard)
+    fields.setdefault("guard", expr)
+    key = f"{category}:{variant}" if variant else category
+    return GuardFailure(
+        cached_compile_id=cid,
+        reason=reason,
+        guard=guard,
+        category=category,
+        fix=fix_text(key, **fields),
+        tensor=fields.get("tensor") or fields.get("source"),
+        dim=int(fields["dim"]) if fields.get("dim") is not None else None,
+    )
+
+
+def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]:
+    if m := _REQUIRES_GRAD.match(expr):
+        f = m.groupdict()
+        return "requires_grad", None if _is_param(f["tensor"]) else "input", f
+    if expr.startswith(_GLOBAL_STATE):
+        states = expr[len(_GLOBAL_STATE):].split()
+        others = [s for s in states if s != "grad_mode"]
+        if not others:
+            return "grad_mode", None, {"state": "grad_mode"}
+        if all(s.startswith("autocast") or s == "default_dtype" for s in others):
+            return "dtype/device", "global", {"state": ", ".join(others)}
+        return "other", "global", {"state": ", ".join(others)}
+    if m := _TENSOR_MISMATCH.match(expr):
+        f = m.groupdict()
+        if _is_param(f["tensor"]):
+            return "shape", "parameter", f
+        if f["what"] == "size" and int(f["actual"]) in (0, 1):
+            return "shape", "size01", f
+        if f["what"] == "stride":
+            return "shape", "symbolic", {"tensor": f["tensor"], "dim": f["dim"]}
+        return "shape", None, f
+    if m := _RANK_MISMATCH.match(expr):
+        return "shape", "symbolic", m.groupdict()
+    if _SYM_STRIDE.search(expr):
+        f: dict[str, Any] = {}
+        if m := _SYM_SIZE.search(expr):
+            f = m.groupdict()
+        if "0/1 specialization" in guard or re.match(r"^2 <= \S+\.size\(\)\[\d+\]$", expr):
+            return "shape", "size01", f
+        return "shape", "symbolic", f
+    if m := _DTYPE.match(expr):
+        return "dtype/device", None, m.groupdict()
+    if m := _DISPATCH.match(expr):
+        return "dtype/device", "dispatch", m.groupdict()
+    if _DEVICE.search(expr):
+        return "dtype/device", "dispatch", {"tensor": expr}
+    if m := _TRAINING.search(expr):
+        return "training", None, m.groupdict()
+    if m := _OBJ_ID.search(expr):
+        return "id/object identity", None, {"source": m["source"].strip()}
+    if any(t in expr for t in _IDENTITY_MARKERS):
+        source = expr.rsplit(" on ", 1)[-1] if " on " in expr else expr
+        return "id/object identity", None, {"source": source}
+    if expr.startswith("BACKEND_MATCH"):
+        return "other", "backend", {}
+    return "other", None, {}
+
+
+def _is_param(source: str) -> bool:
+    return "._parameters[" in source or "._buffers[" in source
+
+
+class _Blank(dict):
+    def __missing__(self, key: str) -> str:
+        return "?"
+
+
+def fix_text(key: str, **fields: Any) -> str:
+    """The fix of :data:`FIXES` for ``category[:variant]``, its placeholders filled (``?`` if unknown)."""
+    template = FIXES.get(key) or FIXES[key.split(":", 1)[0]]
+    return template.format_map(_Blank({k: v for k, v in fields.items() if v is not None}))
+
+
+def strip_local_scope(s: str) -> str:
+    """``L['x'].size()[1]`` (torch < 2.7) -> ``x.size()[1]`` (2.7+)."""
+    return re.sub(r"L\[\s*['\"](.*?)['\"]\s*\]", r"\1", s)

@@ -1,0 +1,429 @@
+"""Collect every compile in a block from torch's own structured trace: :func:`recompiles`.
+
+Handlers on torch's trace log (``torch._logging.trace_structured``, the events tlparse reads) and on
+dynamo's recompile-limit warning turn each compile into a
+:class:`~paramfold.recompiles.report.CompileRecord`; the guard text in it is classified by
+:mod:`paramfold.recompiles.classify`. The events: ``compilation_metrics`` (function, compile id,
+whether it recompiled, failure), the ``recompile_reasons`` artifact (every failed guard, one per
+cached graph), ``dynamo_output_graph`` and ``create_symbol`` (graphs made, dims made dynamic),
+``dynamo_graph_break_reason`` (graph breaks, including the data-dependent ones
+``counters["graph_break"]`` misses), plus ``torch._dynamo.utils.counters["stats"]["unique_graphs"]``
+for the total graph count.
+
+What depends on the torch version (each read from that version's source):
+
+* recompile causes: torch >= 2.7 puts ``recompile_reason`` in the compile metrics; on older torch the
+  ``recompile_reasons`` artifact alone marks a recompile (it is logged for every recompile since 2.5).
+* the recompile limit is ``config.recompile_limit`` from 2.7 on, ``config.cache_size_limit`` before;
+  a hit is read from dynamo's own warning (2.5+), else from the failure in the metrics
+  (``RecompileLimitExceeded``/"recompile_limit reached" on 2.8-2.10, ``Unsupported``/"recompile
+  limit exceeded" from 2.11; 2.5 and 2.6 write no metrics for a refused compile, and 2.5's
+  ``CacheLimitExceeded("cache_size_limit reached")`` shows only in ``counters``).
+* graph breaks and dynamic dims: torch < 2.6 logs no ``dynamo_graph_break_reason`` and no
+  ``create_symbol``; the report says so instead of showing 0 / none. A limit hit on 2.5 shows only
+  in dynamo's own warning (no compile metrics for a refused compile): keep torch._dynamo's
+  warnings on there. The graph-break message reads "Reason:" on 2.6, "Graph Break Reason:" from 2.7.
+* from 2.14, ``layer.compile()`` on a torch.nn module (whose forward dynamo would skip) wraps its
+  ``_call_impl`` in ``torch._dynamo.external_utils.wrap_inline``: every such layer compiles one
+  shared code object, ``inner``. The report names the module's own forward (``Linear.forward``)
+  and says that those layers share one recompile limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from paramfold.errors import FoldError
+from paramfold.recompiles.classify import classify, fix_text, strip_local_scope
+from paramfold.recompiles.report import CompileRecord, RecompileReport, short_path
+
+__all__ = [
+    "GRAPH_BREAKS_REPORTED",
+    "RecompileLimitError",
+    "RecompileLimitWarning",
+    "is_limit_message",
+    "is_recompile",
+    "limit_config",
+    "limit_message",
+    "recompiles",
+]
+
+_FUNC_INFO = re.compile(r"^'(?P<name>.*)' \((?P<file>.*):(?P<line>\d+)\)$")
+_LIMIT_WARNING_PREFIX = "torch._dynamo hit config."
+# How each torch version words a refused compile in the metrics (fail_type / fail_reason).
+_LIMIT_FAIL_TYPES = ("FailOnRecompileLimitHit", "RecompileLimitExceeded", "CacheLimitExceeded")
+_LIMIT_FAIL_REASON = re.compile(
+    r"recompile limit|(?P<type>(?:accumulated_)?(?:recompile|cache_size)_limit) reached",
+    re.IGNORECASE,
+)
+TORCH_VERSION = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
+GRAPH_BREAKS_REPORTED = TORCH_VERSION >= (2, 6)  # torch < 2.6: no graph-break, no create_symbol
+
+
+def limit_config() -> str:
+    """The name of this torch's per-function recompile limit in ``torch._dynamo.config``.
+
+    ``recompile_limit`` from torch 2.7 on (``cache_size_limit`` stays as an alias there), only
+    ``cache_size_limit`` before::
+
+        >>> import torch
+        >>> from paramfold.recompiles import limit_config
+        >>> getattr(torch._dynamo.config, limit_config())
+        8
+    """
+    from torch._dynamo import config
+
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+
+def is_limit_message(text: str) -> bool:
+    """Whether a dynamo failure message (``fail_reason``, ``counters["unimplemented"]`` key) says a
+    compile was refused at the recompile limit, in the wording of any torch from 2.5 to 2.15::
+
+        >>> from paramfold.recompiles import is_limit_message
+        >>> [is_limit_message(m) for m in ("cache_size_limit reached", "recompile_limit reached",
+        ...                                "Dynamo recompile limit exceeded", "data-dependent branch")]
+        [True, True, True, False]
+    """
+    return _LIMIT_FAIL_REASON.search(text) is not None
+
+
+def is_recompile(metrics: Any) -> bool:
+    """Whether one of torch's ``CompilationMetrics`` is a recompile.
+
+    torch >= 2.7 records ``recompile_reason``; before, a compile of a code object that already had
+    a graph (frame compile id > 0 in ``compile_id`` "frame/compile") is one.
+    """
+    if hasattr(metrics, "recompile_reason"):
+        return bool(metrics.recompile_reason)
+    return str(getattr(metrics, "compile_id", "") or "").rpartition("/")[2] not in ("", "0")
+
+
+class RecompileLimitWarning(UserWarning):
+    """A function hit ``torch._dynamo.config.recompile_limit`` inside :func:`recompiles`."""
+
+
+class RecompileLimitError(FoldError):
+    """Raised by ``recompiles(strict=True)`` when a function hit the recompile limit.
+
+    A ``RuntimeError`` (through ``FoldError``); ``exit_code`` is what ``paramfold recompiles
+    --strict`` exits with.
+    """
+
+    exit_code = 3
+
+
+@contextlib.contextmanager
+def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[RecompileReport]:
+    """Record every compile and recompile in the block; yields a :class:`RecompileReport`.
+
+    The report fills in as the block runs and is complete when it exits. If a function hits the
+    recompile limit (after which torch runs it uncompiled), a :class:`RecompileLimitWarning` is
+    issued at exit (``warn=False`` to silence it), or with ``strict=True`` a
+    :class:`RecompileLimitError` is raised.
+
+    Example::
+
+        >>> import torch, paramfold
+        >>> f = torch.compile(lambda x: x * 2, backend="eager")
+        >>> with paramfold.recompiles() as report:
+        ...     _ = f(torch.ones(4)); _ = f(torch.ones(4, dtype=torch.float64))
+        >>> [(r.kind, r.cause) for r in report.records]
+        [('first compile', None), ('recompile', 'dtype/device')]
+    """
+    from torch._dynamo.utils import counters
+    from torch._logging._internal import trace_log
+
+    report = RecompileReport()
+    if not GRAPH_BREAKS_REPORTED:
+        report.graph_breaks = None
+    collector = _Collector(report)
+    trace_handler = _TraceHandler(collector)
+    limit_handler = _LimitWarningHandler(collector)
+    limit_logger = logging.getLogger("torch._dynamo.convert_frame")
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    old_level = trace_log.level
+    trace_log.addHandler(trace_handler)
+    if not trace_log.isEnabledFor(logging.DEBUG):
+        trace_log.setLevel(logging.DEBUG)
+    limit_logger.addHandler(limit_handler)
+    try:
+        yield report
+    finally:
+        trace_log.removeHandler(trace_handler)
+        limit_logger.removeHandler(limit_handler)
+        if not trace_log.handlers:
+            trace_log.setLevel(old_level)
+        report.graphs_total = counters["stats"]["unique_graphs"] - graphs_before
+        collector.flush()
+        if GRAPH_BREAKS_REPORTED:
+            report.graph_breaks = sum(len(r.graph_breaks) for r in report.records)
+    if report.limit_hit:
+        msg = limit_message(report)
+        if strict:
+            raise RecompileLimitError(msg)
+        if warn:
+            warnings.warn(msg, RecompileLimitWarning, stacklevel=3)
+
+
+def limit_message(report: RecompileReport) -> str:
+    """What ``recompiles(strict=True)`` raises with (and ``paramfold recompiles --strict`` says)."""
+    return "recompile limit hit: " + "; ".join(r.fix or r.location for r in report.limit_hits)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collection
+
+
+@dataclasses.dataclass
+class _Pending:
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    graphs: int = 0
+    dynamic: list[str] = dataclasses.field(default_factory=list)
+    breaks: list[str] = dataclasses.field(default_factory=list)
+    limit: tuple[str, int, str] | None = None  # (limit_type, value, "'name' (file:line)")
+    recompile: bool = False  # a recompile_reasons artifact arrived (torch logs one per recompile)
+    target: tuple[str, str, int | None] | None = None  # the callable behind torch's wrap_inline
+
+
+class _Collector:
+    def __init__(self, report: RecompileReport) -> None:
+        self.report = report
+        self.pending: dict[tuple[Any, Any, Any], _Pending] = {}
+        self.frames: dict[tuple[Any, Any], tuple[str, str, int | None]] = {}
+        self.shared: set[tuple[Any, Any]] = set()  # frames whose code is torch's wrap_inline
+
+    def on_trace(self, metadata: dict[str, Any], payload: str | None) -> None:
+        name = next(iter(metadata))
+        key = (
+            metadata.get("compiled_autograd_id"),
+            metadata.get("frame_id"),
+            metadata.get("frame_compile_id"),
+        )
+        if name == "artifact":
+            artifact = metadata["artifact"].get("name")
+            if artifact == "recompile_reasons" and payload is not None:
+                self._pending(key).reasons = _decode_reasons(payload)
+                self._pending(key).recompile = True
+            elif artifact == "dynamo_graph_break_reason" and payload is not None:
+                summary = _graph_break_summary(payload)
+                if summary not in self._pending(key).breaks:
+                    self._pending(key).breaks.append(summary)
+        elif name == "dynamo_start":
+            target = _wrapped_target()
+            if target is not None:
+                self._pending(key).target = target
+        elif name == "dynamo_output_graph":
+            self._pending(key).graphs += 1
+        elif name == "create_symbol":
+            source = metadata["create_symbol"].get("source")
+            if source:
+                self._pending(key).dynamic.append(strip_local_scope(source))
+        elif name == "compilation_metrics":
+            self._finish(key, metadata["compilation_metrics"])
+
+    def on_limit_warning(self, args: tuple[Any, ...]) -> None:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        if cid is None or len(args) < 3:
+            return
+        # CompileId.compiled_autograd_id exists from torch 2.7 on.
+        key = (getattr(cid, "compiled_autograd_id", None), cid.frame_id, cid.frame_compile_id)
+        p = self._pending(key)
+        p.limit = (str(args[0]), int(args[1]), str(args[2]))
+        if p.target is None:
+            p.target = _wrapped_target()
+
+    def _pending(self, key: tuple[Any, Any, Any]) -> _Pending:
+        return self.pending.setdefault(key, _Pending())
+
+    def _finish(self, key: tuple[Any, Any, Any], m: dict[str, Any]) -> None:
+        p = self.pending.pop(key, _Pending())
+        frame = key[:2]
+        name, filename, lineno = m.get("co_name"), m.get("co_filename"), m.get("co_firstlineno")
+        if p.target is not None:
+            name, filename, lineno = p.target
+        if name is None and p.limit is not None and (fm := _FUNC_INFO.match(p.limit[2])):
+            name, filename, lineno = fm["name"], fm["file"], int(fm["line"])
+        if name is None and frame in self.frames:
+            name, filename, lineno = self.frames[frame]
+        if name is not None:
+            self.frames[frame] = (name, filename or "?", lineno)
+        fail_type, fail_reason = m.get("fail_type"), m.get("fail_reason")
+        reason_hit = _LIMIT_FAIL_REASON.search(fail_reason or "")
+        limit_hit = p.limit is not None or fail_type in _LIMIT_FAIL_TYPES or reason_hit is not None
+        reasons = p.reasons or ([m["recompile_reason"]] if m.get("recompile_reason") else [])
+        if limit_hit:
+            kind = "limit hit"
+        elif m.get("recompile_reason") is not None or p.recompile:
+            kind = "recompile"
+        else:
+            kind = "first compile"
+        shared = p.target is not None or frame in self.shared
+        if shared:
+            self.shared.add(frame)
+        record = CompileRecord(
+            compile_id=m.get("compile_id") or _format_key(key),
+            function=name or "?",
+            filename=filename or "?",
+            lineno=lineno,
+            kind=kind,
+            failed_guards=[classify(r) for r in reasons],
+            graphs=p.graphs,
+            dynamic=p.dynamic,
+            graph_breaks=p.breaks,
+            fail_type=fail_type,
+            fail_reason=fail_reason,
+            shared_code=_WRAP_INLINE if shared else None,
+        )
+        if limit_hit:
+            from torch._dynamo import config
+
+            if p.limit:
+                limit_type = p.limit[0]
+            elif reason_hit is not None and reason_hit["type"]:
+                limit_type = reason_hit["type"]
+            else:
+                limit_type = limit_config()
+            record.limit_type = limit_type
+            record.limit = p.limit[1] if p.limit else getattr(config, limit_type, None)
+            record.fix = fix_text(
+                "limit hit:shared" if shared else "limit hit",
+                function=record.location, limit=record.limit, limit_type=limit_type,
+            )
+        self.report.records.append(record)
+
+    def flush(self) -> None:
+        """Pending compiles whose metrics never arrived (e.g. an exception escaped mid-compile)."""
+        for key in list(self.pending):
+            p = self.pending[key]
+            if p.reasons or p.graphs or p.limit or p.breaks:
+                first_reason = p.reasons[0] if p.reasons else None
+                self._finish(key, {"compile_id": None, "recompile_reason": first_reason})
+        self.pending.clear()
+
+
+_WRAP_INLINE = "torch._dynamo.external_utils.wrap_inline"
+
+
+def _wrapped_target() -> tuple[str, str, int | None] | None:
+    """The callable behind ``wrap_inline`` when dynamo is compiling that wrapper, else None.
+
+    ``wrap_inline(fn)`` returns ``inner``, one code object for every wrapped ``fn``; its closure
+    holds ``fn``. Called from a trace or log record emitted inside dynamo's ``_compile(code,
+    locals, ...)``, whose arguments (same names in torch 2.5 .. 2.15) say what it compiles.
+    """
+    from torch._dynamo import external_utils
+
+    inner = external_utils.wrap_inline(_wrapped_target).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_compile" and code.co_filename.endswith("convert_frame.py"):
+            if frame.f_locals.get("code") is not inner:
+                return None
+            fn = (frame.f_locals.get("locals") or {}).get("fn")
+            return _describe_callable(fn) if fn is not None else None
+        frame = frame.f_back
+    return None
+
+
+def _describe_callable(fn: Any) -> tuple[str, str, int | None]:
+    """``(qualified name, file, first line)`` of what a wrapped ``fn`` runs."""
+    owner = getattr(fn, "__self__", None)
+    if getattr(fn, "__name__", "") in ("_call_impl", "_wrapped_call_impl") and isinstance(
+        owner, torch.nn.Module
+    ):
+        fn = type(owner).forward  # what Module._call_impl runs
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    if code is None:
+        return name, getattr(fn, "__module__", None) or "?", None
+    return name, code.co_filename, code.co_firstlineno
+
+
+class _TraceHandler(logging.Handler):
+    """Receives torch's structured trace events (``torch._logging.trace_structured``)."""
+
+    def __init__(self, collector: _Collector) -> None:
+        super().__init__(logging.DEBUG)
+        self.collector = collector
+
+    def emit(self, record: logging.LogRecord) -> None:
+        metadata = getattr(record, "metadata", None)
+        if not isinstance(metadata, dict) or not metadata:
+            return
+        try:
+            self.collector.on_trace(metadata, getattr(record, "payload", None))
+        except Exception as e:  # never break the user's compile; say it in the report instead
+            self.collector.report.collection_errors.append(f"{type(e).__name__}: {e}")
+
+
+class _LimitWarningHandler(logging.Handler):
+    """Catches dynamo's own "hit config.recompile_limit" warning; its args are structured."""
+
+    def __init__(self, collector: _Collector) -> None:
+        super().__init__(logging.WARNING)
+        self.collector = collector
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith(_LIMIT_WARNING_PREFIX):
+            try:
+                self.collector.on_limit_warning(tuple(record.args or ()))
+            except Exception as e:
+                self.collector.report.collection_errors.append(f"{type(e).__name__}: {e}")
+
+
+def _decode_reasons(payload: str) -> list[str]:
+    # trace_structured logs a one-element list as the bare string, longer lists as JSON lines.
+    if payload.startswith("[\n"):
+        try:
+            value = json.loads(payload)
+        except ValueError:
+            return [payload]
+        if isinstance(value, list):
+            return [str(v) for v in value]
+    return [payload]
+
+
+def _graph_break_summary(payload: str) -> str:
+    """``at FILE:LINE: REASON`` from dynamo's graph-break message (its first lines)."""
+    lines = [ln.strip() for ln in payload.splitlines() if ln.strip()]
+    where_prefix = "Graph break in user code at "
+    reason_prefixes = ("Graph Break Reason: ", "Reason: ")  # torch >= 2.7, torch 2.6
+    where = next((ln for ln in lines if ln.startswith(where_prefix)), None)
+    i = next((k for k, ln in enumerate(lines) if ln.startswith(reason_prefixes)), None)
+    if where is None or i is None:
+        return lines[0] if lines else "graph break"
+    prefix = next(p for p in reason_prefixes if lines[i].startswith(p))
+    reason = lines[i][len(prefix):]
+    if reason.endswith(":") and i + 1 < len(lines):  # "...attempting to trace CALL...:" + cause
+        i += 1
+        reason = lines[i]
+    if i + 1 < len(lines) and lines[i + 1].startswith("Explanation: "):
+        reason += f" ({lines[i + 1][len('Explanation: '):]})"
+    return f"at {_short_path_loc(where[len(where_prefix):])}: {reason}"
+
+
+def _short_path_loc(loc: str) -> str:
+    path, sep, line = loc.rpartition(":")
+    return f"{short_path(path)}:{line}" if sep else loc
+
+
+def _format_key(key: tuple[Any, Any, Any]) -> str:
+    ca, frame_id, frame_compile_id = key
+    base = f"{frame_id}/{frame_compile_id}"
+    return f"!{ca}/{base}" if ca is not None else base

@@ -1,0 +1,98 @@
+"""``paramfold recompiles -- python script.py [ARGS]``: run a script under :func:`recompiles`.
+
+The script (or ``-m module``) runs in this process, as ``python`` would run it: its own
+``sys.argv``, its folder (or the working directory for ``-m``) first on ``sys.path``, its exit status
+kept. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout (the
+script's own prints go to stderr so that stdout stays parseable). What the script prints, its
+traceback included, is its own output; what goes wrong with the command itself is raised as
+:class:`ScriptError` (exit code 2), for the command line to print in its one format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import runpy
+import sys
+import traceback
+
+from paramfold.errors import FoldError
+from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
+
+__all__ = ["ScriptError", "run_script"]
+
+USAGE = "paramfold recompiles -- python SCRIPT [ARGS]..."
+
+
+class ScriptError(FoldError):
+    """Nothing runnable was named: no script, a missing file, an unknown module. ``exit_code`` 2."""
+
+    exit_code = 2
+
+
+def run_script(command: list[str], *, as_json: bool = False, strict: bool = False) -> int:
+    """Run ``[python] SCRIPT [ARGS]`` or ``[python] -m MODULE [ARGS]``, print the report, return its exit code.
+
+    The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if the script
+    succeeded but a function hit the recompile limit, raises :class:`RecompileLimitError` (exit
+    code 3) after the report is printed. A Ctrl-C or a handled signal in the script is raised again
+    after the report of what ran before it.
+    """
+    tokens = list(command)
+    if tokens and (tokens[0] == sys.executable or re.fullmatch(r"python[\d.]*(\.exe)?", os.path.basename(tokens[0]))):
+        tokens = tokens[1:]
+    if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
+        raise ScriptError(f"nothing to run; usage: {USAGE}")
+    old_argv, old_path = sys.argv[:], sys.path[:]
+    if tokens[0] == "-m":
+        module: str | None = tokens[1]
+        sys.path.insert(0, os.getcwd())  # as ``python -m`` does
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            sys.path[:] = old_path
+            raise ScriptError(f"no module named {module!r}")
+        argv0, rest = spec.origin or module, tokens[2:]
+    else:
+        module, argv0, rest = None, tokens[0], tokens[1:]
+        if not os.path.isfile(argv0):
+            raise ScriptError(f"script not found: {argv0}")
+
+    sys.argv = [argv0, *rest]
+    if module is None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
+    redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    code, interrupted = 0, None
+    try:
+        with redirect, recompiles(warn=False) as report:
+            try:
+                if module is None:
+                    runpy.run_path(argv0, run_name="__main__")
+                else:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+            except SystemExit as e:
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:  # sys.exit("message"), as python prints it
+                    print(e.code, file=sys.stderr)
+                    code = 1
+            except KeyboardInterrupt as e:  # the report of what ran so far is still printed
+                interrupted = e
+            except Exception:
+                traceback.print_exc()  # the script's own traceback: it is the script's output
+                code = 1
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    if as_json:
+        sys.stdout.write(report.to_json() + "\n")
+    else:
+        report.print()
+    if interrupted is not None:
+        raise interrupted
+    if code == 0 and strict and report.limit_hit:
+        raise RecompileLimitError(limit_message(report))
+    return code

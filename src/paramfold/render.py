@@ -1,0 +1,83 @@
+"""How the command line shows a checkpoint audit: the rich table, the summary line, byte sizes.
+
+Kept apart from :mod:`paramfold.audit` and :mod:`paramfold.fold`, which compute and return plain
+data (``AuditReport.to_json()`` is the machine-readable form); rich is imported only when printing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from paramfold.audit import AuditReport
+    from paramfold.checkpoint import TensorInfo
+
+__all__ = ["human_bytes", "print_report"]
+
+
+def print_report(report: AuditReport, console: Console | None = None) -> None:
+    """Print ``report`` as a rich table and a summary line."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    root = f" (under '{report.root}')" if report.root else ""
+    table = Table(title=escape(f"{report.path} [{report.format}]{root}"), title_justify="left")
+    table.add_column("module", overflow="fold")
+    table.add_column("tensor")
+    table.add_column("kind")
+    table.add_column("originals", overflow="fold")
+    table.add_column("stored", justify="right")
+    table.add_column("folded", justify="right")
+    styles = {"custom": "red", "orthogonal": "yellow", "torchao_subclass": "yellow"}
+    for s in report.sites:
+        pieces = [f"{n} {_shape(i)} {i.dtype_name}" for n, i in {**s.originals, **s.state}.items()]
+        kind = s.kind + (f" dim={s.params['dim']}" if s.params.get("dim") is not None else "")
+        table.add_row(
+            escape(s.module or "(root)"),
+            escape(s.tensor),
+            f"[{styles.get(s.kind, 'green')}]{kind}[/]",
+            escape("\n".join(pieces)),
+            human_bytes(s.originals_bytes + s.state_bytes),
+            "?" if s.folded_bytes is None else human_bytes(s.folded_bytes),
+        )
+    if report.sites:
+        console.print(table)
+    kinds = ", ".join(f"{k} {n}" for k, n in report.kinds.items()) or "none"
+    stored = sum(s.originals_bytes + s.state_bytes for s in report.sites)
+    folded = sum(s.folded_bytes or 0 for s in report.sites)
+    unknown = sum(s.folded_bytes is None for s in report.sites)
+    refused = len(report.refused)
+    n = len(report.sites)
+    if unknown == n and n:
+        folded_text = "?"
+    else:
+        folded_text = human_bytes(folded) + (f" + {unknown} unknown" if unknown else "")
+    console.print(
+        f"{n} parametrized site{'' if n == 1 else 's'} ({kinds}); stored {human_bytes(stored)} -> folded "
+        f"{folded_text}; {report.plain_tensors} plain tensors ({human_bytes(report.plain_bytes)}); "
+        + ("foldable from keys alone" if not refused else f"{refused} need --model to fold"),
+        highlight=False,
+    )
+
+
+def _shape(i: TensorInfo) -> str:
+    return "[" + ",".join(map(str, i.shape)) + "]"
+
+
+def human_bytes(n: int) -> str:
+    """A byte count as the audit table and the fold summary print it.
+
+    Example::
+
+        >>> human_bytes(512), human_bytes(2_726_297)
+        ('512 B', '2.6 MiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
