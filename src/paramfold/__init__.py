@@ -23,7 +23,7 @@ _EXPORTS = {
     "AuditReport": "audit",
     "CheckpointError": "checkpoint",
     "audit_checkpoint": "audit",
-    "fold_checkpoint": "audit",
+    "fold_checkpoint": "fold",
     "FoldError": "errors",
     "export": "export",
     "MODES": "prepare",
@@ -41,7 +41,7 @@ _EXPORTS = {
     "find": "sites",
     "plain_state_dict": "state_dict",
 }
-_SUBMODULES = ("audit", "bench", "checkpoint", "cli", "output", "plot", "testing")
+_SUBMODULES = ("audit", "bench", "checkpoint", "cli", "fold", "output", "plot", "testing")
 
 __all__ = [
     "AuditReport",
