@@ -419,10 +419,10 @@ def test_names_that_moved_out_of_audit_are_still_importable_from_it():
     import paramfold.audit as audit
     import paramfold.factory
     import paramfold.fold
-    import paramfold.render
+    import paramfold.audit_render
 
     for name, module in (("fold_checkpoint", paramfold.fold), ("FoldResult", paramfold.fold),
-                         ("load_factory", paramfold.factory), ("print_report", paramfold.render)):
+                         ("load_factory", paramfold.factory), ("print_report", paramfold.audit_render)):
         assert getattr(audit, name) is getattr(module, name), name
         assert name in audit.__all__
     assert paramfold.fold_checkpoint is paramfold.fold.fold_checkpoint

@@ -6,7 +6,7 @@ A model that uses ``torch.nn.utils.parametrize`` saves ``<module>.parametrizatio
 ``0._u``/``0._v``). ``audit_checkpoint`` groups those keys into sites and recognises each site's kind
 from its tensors' names, shapes and dtypes, without building the model and without reading tensor
 data. This module only inspects; :mod:`paramfold.fold` computes and writes the plain tensors
-(``fold_checkpoint``), following the plan :func:`audit_plan` makes here, and :mod:`paramfold.render`
+(``fold_checkpoint``), following the plan :func:`audit_plan` makes here, and :mod:`paramfold.audit_render`
 prints the report.
 
 Recognised from keys (and foldable from the checkpoint alone, ``FOLDABLE_KINDS``):
@@ -81,7 +81,7 @@ _MOVED = {
     "FoldResult": "paramfold.fold",
     "fold_checkpoint": "paramfold.fold",
     "load_factory": "paramfold.factory",
-    "print_report": "paramfold.render",
+    "print_report": "paramfold.audit_render",
 }
 
 

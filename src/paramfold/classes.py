@@ -36,7 +36,7 @@ from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
-from paramfold.runtime import STATE_ATTR
+from paramfold.state import STATE_ATTR
 from paramfold.scope import compiled_call_impl, root_call
 
 

@@ -382,7 +382,7 @@ def audit(
 
     from paramfold.audit import audit_checkpoint
     from paramfold.checkpoint import open_checkpoint
-    from paramfold.render import print_report
+    from paramfold.audit_render import print_report
 
     with open_checkpoint(path) as ckpt:
         if fold_out is not None:  # refused before the report is printed

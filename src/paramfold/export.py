@@ -27,7 +27,7 @@ from torch.nn.utils import parametrize
 from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
 from paramfold.hooknorms import hook_norms
-from paramfold.runtime import STATE_ATTR, is_dtensor, state_of
+from paramfold.state import STATE_ATTR, is_dtensor, state_of
 from paramfold.sites import Site, find, inside_parametrization
 
 __all__ = ["export", "folded_copy"]

@@ -41,7 +41,7 @@ from paramfold.checkpoint import (
 from paramfold.errors import first_few
 from paramfold.factory import load_factory
 from paramfold.output import OutputError, check_output
-from paramfold.render import human_bytes
+from paramfold.audit_render import human_bytes
 
 __all__ = ["FoldResult", "fold_checkpoint"]
 

@@ -25,7 +25,7 @@ from torch import nn
 from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.errors import FoldError, first_few
-from paramfold.runtime import FrozenValue, SiteState, state_for
+from paramfold.state import FrozenValue, SiteState, state_for
 from paramfold.sites import Site
 
 

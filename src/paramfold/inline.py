@@ -15,7 +15,7 @@ from torch import nn
 
 from paramfold.compute import eager_value, members, original_names, parametrized_here
 from paramfold.frames import run_eagerly_as_frame
-from paramfold.runtime import SiteState
+from paramfold.state import SiteState
 
 
 def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:

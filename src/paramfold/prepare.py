@@ -13,7 +13,7 @@ from paramfold.errors import FoldError, first_few
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
-from paramfold.runtime import FREEZE_CHECKS, STATE_ATTR, ModuleState, is_dtensor, state_for
+from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, is_dtensor, state_for
 from paramfold.sites import Site, find, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")

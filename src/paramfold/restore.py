@@ -7,7 +7,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.rebase import rebased
 from paramfold.errors import FoldError
-from paramfold.runtime import STATE_ATTR, state_of
+from paramfold.state import STATE_ATTR, state_of
 
 
 def restore(model: nn.Module) -> nn.Module:

@@ -44,7 +44,7 @@ from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import _address, _memcmp, can_freeze, chain_needs_grad, frozen_value, unchanged
 from paramfold.inline import sync_refs
 from paramfold.rebase import rebased
-from paramfold.runtime import STATE_ATTR, ModuleState, SiteState, distributed
+from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
 
 _MODULE_CALL = nn.Module.__call__
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paramfold.compute import is_nested, leaf_originals, members, original_names
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
-from paramfold.runtime import is_dtensor
+from paramfold.state import is_dtensor
 
 __all__ = ["KINDS", "Site", "find"]
 
