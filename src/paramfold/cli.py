@@ -299,7 +299,7 @@ def bench(
 
         print_table(result, wide=wide)
     if plot is not None:
-        from paramfold.plot import plot_ratios
+        from paramfold.bench.plot import plot_ratios
 
         plot_ratios(result, plot)
     failed = [v for v in result.variants if v.status == "error"]
