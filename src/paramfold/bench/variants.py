@@ -51,18 +51,14 @@ _MODE_DESCRIPTIONS = {
 
 
 def default_variants() -> list[Variant]:
-    """baseline, stock and every paramfold mode (marked unavailable if ``paramfold.prepare`` is missing)."""
-    import paramfold
-
-    missing = None if hasattr(paramfold, "prepare") else "paramfold.prepare not available yet"
+    """baseline, stock and every paramfold mode (``freeze`` is inference only)."""
     variants = [
         Variant("baseline", unparametrize, "same architecture, no parametrization"),
         Variant("stock", lambda model: model, "torch.nn.utils.parametrize as is"),
     ]
     for mode, text in _MODE_DESCRIPTIONS.items():
         variants.append(
-            Variant(mode, _paramfold_prepare(mode), text, eval_only=mode == "freeze",
-                    unavailable=missing)
+            Variant(mode, _paramfold_prepare(mode), text, eval_only=mode == "freeze")
         )
     return variants
 
