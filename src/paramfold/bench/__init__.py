@@ -45,9 +45,23 @@ import warnings
 from typing import Any
 
 from paramfold.bench.config import BACKENDS, ENTRIES, BenchConfig, build_model, make_input
-from paramfold.bench.render import describe_config, plain_progress, print_table, to_rich_table
-from paramfold.bench.result import SCHEMA_VERSION, BenchResult, Proxies, Sample, VariantResult
-from paramfold.bench.run import run_bench
+from paramfold.bench.render import (
+    describe_config,
+    plain_progress,
+    print_sweep,
+    print_table,
+    to_rich_table,
+    to_sweep_tables,
+)
+from paramfold.bench.result import (
+    SCHEMA_VERSION,
+    BenchResult,
+    Proxies,
+    Sample,
+    SweepResult,
+    VariantResult,
+)
+from paramfold.bench.run import run_bench, run_sweep
 from paramfold.bench.variants import VARIANT_NAMES, Variant, default_variants
 from paramfold.bench.zoo import MODELS, CastToBFloat16, Layer, Stack, ZooModel, unparametrize
 
@@ -64,6 +78,7 @@ __all__ = [
     "Proxies",
     "Sample",
     "Stack",
+    "SweepResult",
     "Variant",
     "VariantResult",
     "ZooModel",
@@ -72,9 +87,12 @@ __all__ = [
     "describe_config",
     "make_input",
     "plain_progress",
+    "print_sweep",
     "print_table",
     "run_bench",
+    "run_sweep",
     "to_rich_table",
+    "to_sweep_tables",
     "unparametrize",
 ]
 

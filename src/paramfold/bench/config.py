@@ -17,7 +17,7 @@ from torch import nn
 from paramfold.bench.variants import VARIANT_NAMES
 from paramfold.bench.zoo import MODELS, ZooModel
 
-__all__ = ["BACKENDS", "ENTRIES", "BenchConfig", "build_model", "make_input"]
+__all__ = ["BACKENDS", "ENTRIES", "BenchConfig", "build_model", "make_input", "parse_layer_counts"]
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 ENTRIES = ("model", "method", "layers")
@@ -34,6 +34,12 @@ class BenchConfig:
     for each other on shared cores turn steady calls of ~1 ms into hundreds of ms.  ``device`` is
     where the model and input live (``"cuda"``: the run synchronises the device around each timed
     call).
+
+    ``repeats`` first compiled calls are timed per variant, each in a fresh compile state. The
+    steady time is then measured for all variants side by side: each is compiled once more and
+    called ``warmup_calls`` times, then ``steady_rounds`` interleaved rounds of ``steady_calls``
+    calls (a no_grad forward, or with ``train`` a training step: ``zero_grad``, forward,
+    backward) time every variant in turn.
     """
 
     model: str = "seed"
@@ -52,6 +58,7 @@ class BenchConfig:
     cold_caches: bool = True
     threads: int | None = 1
     device: str = "cpu"
+    steady_rounds: int = 5
 
     def __post_init__(self) -> None:
         try:
@@ -70,7 +77,8 @@ class BenchConfig:
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
-        for name, low in (("repeats", 1), ("steady_calls", 1), ("warmup_calls", 0), ("batch", 1)):
+        for name, low in (("repeats", 1), ("steady_calls", 1), ("warmup_calls", 0), ("batch", 1),
+                          ("steady_rounds", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
         if self.variants is not None:
@@ -124,3 +132,27 @@ def make_input(config: BenchConfig) -> torch.Tensor:
     gen = torch.Generator().manual_seed(config.seed + 1)
     x = torch.randn(config.batch, config.spec.input_features(config.n_width), generator=gen)
     return x.to(device=config.device, dtype=config.spec.dtype)
+
+
+def parse_layer_counts(text: str, layers: int | None = None) -> tuple[int, ...]:
+    """The layer counts of ``--sweep-layers`` (``"32,128,512"``); ``ValueError`` says what is wrong.
+
+    ``layers`` is ``--layers``, which a sweep replaces: giving both is an error.
+
+    Example::
+
+        >>> parse_layer_counts("2, 4,8")
+        (2, 4, 8)
+    """
+    if layers is not None:
+        raise ValueError("--sweep-layers replaces --layers: give one of them")
+    words = [w.strip() for w in text.split(",")]
+    if not all(w.isdigit() and int(w) >= 1 for w in words):
+        raise ValueError(
+            f"--sweep-layers takes layer counts of at least 1 separated by commas, "
+            f"e.g. 32,128,512; got {text!r}"
+        )
+    counts = tuple(int(w) for w in words)
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"--sweep-layers lists a layer count twice: {text!r}")
+    return counts

@@ -1,8 +1,9 @@
-"""How one variant is measured: compile it, time its first call, read dynamo's counters.
+"""How one variant is measured: its first compiled call, a steady round, dynamo's counters.
 
 Everything that touches torch's global compile state (``torch._dynamo.reset()``, counters,
-inductor caches, thread count, the cyclic GC) is here, as small context managers, so that the
-order of a run (:mod:`~paramfold.bench.run`) reads apart from how each step is done.
+inductor caches, thread count, the cyclic GC, dynamo's per-code caches) is here, as small
+functions and context managers, so that the order of a run (:mod:`~paramfold.bench.run`) reads
+apart from how each step is done.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import contextlib
 import gc
 import os
 import platform
-import statistics
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +25,29 @@ from torch import nn
 from paramfold.bench.config import BenchConfig, build_model
 from paramfold.bench.result import Proxies, Sample
 from paramfold.bench.variants import Variant
+from paramfold.bench.zoo import Layer, Stack
 from paramfold.recompiles import is_limit_message, is_recompile  # torch 2.5 .. 2.15 wording
 
+__all__ = [
+    "Compiled",
+    "compile_model",
+    "compiled_for_steady",
+    "cpu_seconds",
+    "environment",
+    "first_call",
+    "fresh_compile_state",
+    "gc_paused",
+    "max_abs_diff",
+    "metrics_limit",
+    "num_threads",
+    "own_code",
+    "read_proxies",
+    "step",
+    "time_round",
+]
 
-def _compile(model: nn.Module, config: BenchConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+
+def compile_model(model: nn.Module, config: BenchConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     if config.entry == "model":
         return torch.compile(model, backend=config.backend)
     if config.entry == "method":
@@ -40,7 +61,7 @@ def _compile(model: nn.Module, config: BenchConfig) -> Callable[[torch.Tensor], 
     return model
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     """CPU time of this process, its waited-for children (g++) and its live children.
 
     Less sensitive than wall time to other processes sharing the cores.  Live children (inductor's
@@ -65,7 +86,7 @@ def _cpu_seconds() -> float:
     return total
 
 
-def _step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, train: bool) -> torch.Tensor:
+def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, train: bool) -> torch.Tensor:
     if train:
         out = fn(x)
         out.mean().backward()
@@ -78,7 +99,7 @@ def _step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, train: bo
     return out
 
 
-def _read_proxies() -> Proxies:
+def read_proxies() -> Proxies:
     from torch._dynamo.utils import counters, get_compilation_metrics
 
     return Proxies(
@@ -94,7 +115,7 @@ def _read_proxies() -> Proxies:
 
 
 @contextlib.contextmanager
-def _fresh_compile_state(cold_caches: bool) -> Iterator[None]:
+def fresh_compile_state(cold_caches: bool) -> Iterator[None]:
     """``torch._dynamo.reset()``, cleared counters and, if asked, empty inductor caches."""
     from torch._dynamo.utils import clear_compilation_metrics, counters
 
@@ -123,7 +144,7 @@ def _fresh_compile_state(cold_caches: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _num_threads(threads: int | None) -> Iterator[None]:
+def num_threads(threads: int | None) -> Iterator[None]:
     if threads is None:
         yield
         return
@@ -136,7 +157,7 @@ def _num_threads(threads: int | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _metrics_limit(size: int) -> Iterator[None]:
+def metrics_limit(size: int) -> Iterator[None]:
     # Recompiles are counted from the compile metrics, which torch keeps only for the last 64.
     from torch._dynamo import utils
 
@@ -152,7 +173,7 @@ def _metrics_limit(size: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Collect, then keep the cyclic GC off while timing, as ``timeit`` does.
 
     A compile allocates a great many objects; whether a full collection of the whole heap happens
@@ -168,49 +189,107 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _measure(variant: Variant, config: BenchConfig, x: torch.Tensor, repeat: int
-             ) -> tuple[Sample, torch.Tensor]:
-    with _fresh_compile_state(config.cold_caches):
+def first_call(variant: Variant, config: BenchConfig, x: torch.Tensor, repeat: int
+               ) -> tuple[Sample, torch.Tensor]:
+    """Build, prepare and compile a fresh model in a fresh compile state; time its first call."""
+    with fresh_compile_state(config.cold_caches):
         model = build_model(config)
         gc.collect()
         t0 = time.perf_counter()
         model = variant.prepare(model)
         prepare_s = time.perf_counter() - t0
-        fn = _compile(model, config)
-        with _gc_paused():
-            c0, t0 = _cpu_seconds(), time.perf_counter()
-            out = _step(fn, x, config.train)
+        fn = compile_model(model, config)
+        with gc_paused():
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            out = step(fn, x, config.train)
             first_s = time.perf_counter() - t0
-            first_cpu_s = _cpu_seconds() - c0
-        for _ in range(config.warmup_calls):
-            model.zero_grad(set_to_none=True)
-            _step(fn, x, config.train)
-        steady: list[float] = []
-        for _ in range(config.steady_calls):
-            model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            _step(fn, x, config.train)
-            steady.append(time.perf_counter() - t0)
-        proxies = _read_proxies()
+            first_cpu_s = cpu_seconds() - c0
+        proxies = read_proxies()
     sample = Sample(
         repeat=repeat,
         prepare_s=prepare_s,
         first_call_s=first_s,
         first_call_cpu_s=first_cpu_s,
-        steady_call_s=statistics.median(steady),
-        steady_calls_s=steady,
+        steady_call_s=None,
+        steady_calls_s=[],
         proxies=proxies,
     )
     return sample, out
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+@dataclass
+class Compiled:
+    """A variant's model compiled and warmed up for the steady rounds (:func:`compiled_for_steady`)."""
+
+    model: nn.Module
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    first_out: torch.Tensor
+
+
+def own_code(model: nn.Module) -> nn.Module:
+    """Give ``model``'s :class:`~paramfold.bench.zoo.Stack` and ``Layer`` classes code of its own.
+
+    Dynamo keeps what it compiled on the code object of the frame it compiled (``forward``), and
+    looks at every entry there, up to the recompile limit, before it compiles again. Compiled
+    side by side in one process, the variants' models would share ``Stack.forward``'s entries:
+    one variant's calls would first try the others' guards, and with ``--entry layers`` stock's
+    per-layer recompiles would use up the limit for every variant after it. So each model gets a
+    subclass per zoo class (same name, same ``forward`` bytecode, a new code object), shared by
+    the modules of that model only: each variant's cache is what it would be in a process of its
+    own.
+    """
+    copies: dict[type, type] = {}
+    for module in model.modules():
+        cls = type(module)
+        if cls not in (Stack, Layer):
+            continue
+        if cls not in copies:
+            f = cls.forward
+            forward = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__,
+                                         f.__defaults__, f.__closure__)
+            forward.__qualname__ = f.__qualname__
+            copies[cls] = type(cls.__name__, (cls,), {
+                "forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            })
+        module.__class__ = copies[cls]
+    return model
+
+
+def compiled_for_steady(variant: Variant, config: BenchConfig, x: torch.Tensor) -> Compiled:
+    """A fresh model of ``variant`` with code of its own (:func:`own_code`), compiled and warmed up."""
+    model = variant.prepare(own_code(build_model(config)))
+    fn = compile_model(model, config)
+    out = step(fn, x, config.train)
+    for _ in range(config.warmup_calls):
+        model.zero_grad(set_to_none=True)
+        step(fn, x, config.train)
+    return Compiled(model, fn, out)
+
+
+def time_round(compiled: Compiled, x: torch.Tensor, config: BenchConfig) -> tuple[float, int]:
+    """One steady round: seconds per call (or training step) over ``config.steady_calls`` calls,
+    and the number of graphs compiled meanwhile (0 unless a call recompiled)."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    model, fn = compiled.model, compiled.fn
+    with gc_paused():
+        t0 = time.perf_counter()
+        for _ in range(config.steady_calls):
+            if config.train:
+                model.zero_grad(set_to_none=True)
+            step(fn, x, config.train)
+        seconds = (time.perf_counter() - t0) / config.steady_calls
+    return seconds, int(counters["stats"]["unique_graphs"] - graphs)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
     return float((a.float() - b.float()).abs().max().item()) if a.numel() else 0.0
 
 
-def _environment(device: str) -> dict[str, Any]:
+def environment(device: str) -> dict[str, Any]:
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
