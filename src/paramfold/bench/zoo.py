@@ -70,8 +70,7 @@ def _build_seed(layers: int, width: int) -> nn.Module:
 
 
 def _build_weight_norm(layers: int, width: int) -> nn.Module:
-    half = max(width // 2, 1)
-    model = Stack([half if i % 2 == 0 else width for i in range(layers + 1)], act=True)
+    model = _build_weight_norm_plain(layers, width)
     for layer in model.seq:
         torch.nn.utils.parametrizations.weight_norm(layer.linear)
     return model
@@ -106,14 +105,21 @@ def _build_spectral_norm_hooks(layers: int, width: int) -> nn.Module:
 
 
 def _build_weight_norm_plain(layers: int, width: int) -> nn.Module:
-    half = max(width // 2, 1)
-    return Stack([half if i % 2 == 0 else width for i in range(layers + 1)], act=True)
+    return Stack([_half_width(width) if i % 2 == 0 else width for i in range(layers + 1)], act=True)
 
 
 def _hook_based(norm: Callable[[nn.Module], nn.Module], module: nn.Module) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook-based API
         norm(module)
+
+
+def _full_width(width: int) -> int:
+    return width
+
+
+def _half_width(width: int) -> int:
+    return max(width // 2, 1)
 
 
 @dataclass(frozen=True)
@@ -129,43 +135,25 @@ class ZooModel:
     default_layers: int
     default_width: int
     build: Callable[[int, int], nn.Module]
-    input_features: Callable[[int], int]
-    dtype: torch.dtype
+    input_features: Callable[[int], int] = _full_width
+    dtype: torch.dtype = torch.float32
 
 
 MODELS: dict[str, ZooModel] = {
     spec.name: spec
     for spec in (
-        ZooModel(
-            "seed",
-            "seed 003: N Linear(W,W), every weight and bias cast to bfloat16 (unsafe=True)",
-            32, 128, _build_seed, lambda w: w, torch.bfloat16,
-        ),
-        ZooModel(
-            "weight_norm",
-            "N Linear alternating W/2 <-> W with parametrizations.weight_norm, GELU between",
-            16, 128, _build_weight_norm, lambda w: max(w // 2, 1), torch.float32,
-        ),
-        ZooModel(
-            "spectral_norm",
-            "N Linear(W,W) with parametrizations.spectral_norm, GELU between",
-            16, 64, _build_spectral_norm, lambda w: w, torch.float32,
-        ),
-        ZooModel(
-            "weight_norm_hooks",
-            "as weight_norm, with the deprecated hook-based torch.nn.utils.weight_norm",
-            16, 128, _build_weight_norm_hooks, lambda w: max(w // 2, 1), torch.float32,
-        ),
-        ZooModel(
-            "spectral_norm_hooks",
-            "as spectral_norm, with the deprecated hook-based torch.nn.utils.spectral_norm",
-            16, 64, _build_spectral_norm_hooks, lambda w: w, torch.float32,
-        ),
-        ZooModel(
-            "orthogonal",
-            "N Linear(W,W) with parametrizations.orthogonal (matrix_exp), GELU between",
-            16, 64, _build_orthogonal, lambda w: w, torch.float32,
-        ),
+        ZooModel("seed", "seed 003: N Linear(W,W), every weight and bias cast to bfloat16 "
+                 "(unsafe=True)", 32, 128, _build_seed, dtype=torch.bfloat16),
+        ZooModel("weight_norm", "N Linear alternating W/2 <-> W with parametrizations.weight_norm, "
+                 "GELU between", 16, 128, _build_weight_norm, _half_width),
+        ZooModel("spectral_norm", "N Linear(W,W) with parametrizations.spectral_norm, GELU between",
+                 16, 64, _build_spectral_norm),
+        ZooModel("weight_norm_hooks", "as weight_norm, with the deprecated hook-based "
+                 "torch.nn.utils.weight_norm", 16, 128, _build_weight_norm_hooks, _half_width),
+        ZooModel("spectral_norm_hooks", "as spectral_norm, with the deprecated hook-based "
+                 "torch.nn.utils.spectral_norm", 16, 64, _build_spectral_norm_hooks),
+        ZooModel("orthogonal", "N Linear(W,W) with parametrizations.orthogonal (matrix_exp), GELU "
+                 "between", 16, 64, _build_orthogonal),
     )
 }
 
