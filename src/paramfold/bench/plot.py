@@ -129,8 +129,8 @@ def plot_sweep(sweep: SweepResult, path: str | os.PathLike[str]) -> Path:
         ax.set_yscale("log")
         ax.set_xticks(sweep.layers, [str(n) for n in sweep.layers])
         ax.xaxis.set_minor_locator(ticker.NullLocator())
-        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_major_formatter(ticker.LogFormatter())
+        ax.yaxis.set_minor_formatter(ticker.LogFormatter())  # some minor ticks within a decade
         ax.set_xlabel("layers")
         ax.set_ylabel(what)
         ax.legend(fontsize=8)

@@ -24,8 +24,14 @@ __all__ = [
 ]
 
 
-def _ms(seconds: float | None, digits: int = 0) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:,.{digits}f}"
+def _ms(seconds: float | None, digits: int | None = 0) -> str:
+    """Milliseconds with ``digits`` decimals (``None``: 3, fewer from 10 ms on, for steady times)."""
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    if digits is None:
+        digits = 3 if ms < 10 else 2 if ms < 100 else 1
+    return f"{ms:,.{digits}f}"
 
 
 def _ratio(value: float | None) -> str:
@@ -81,7 +87,7 @@ def _pair(low: str, mid: str) -> str:
     return "-" if low == mid == "-" else f"{low} / {mid}"
 
 
-def _min_med(v: VariantResult, which: str, digits: int) -> str:
+def _min_med(v: VariantResult, which: str, digits: int | None) -> str:
     return _pair(_ms(getattr(v, f"{which}_min"), digits), _ms(getattr(v, f"{which}_median"), digits))
 
 
@@ -136,7 +142,7 @@ def to_rich_table(result: BenchResult, *, wide: bool = True) -> Any:
             cells += [_ms(v.first_call_cpu_min), _ratio(result.ratio(v.name, "cpu"))]
         cells += [_ratios(result, v.name, "steady_min", "steady_median")]
         if wide:
-            cells += [_min_med(v, "steady_call", 3), _ms(v.prepare_median, 1)]
+            cells += [_min_med(v, "steady_call", None), _ms(v.prepare_median, 1)]
         cells += [*proxies, _diff(v.max_abs_diff)]
         if wide:
             cells += [_notes(v)]
@@ -203,7 +209,7 @@ def to_sweep_tables(sweep: SweepResult) -> list[Any]:
     tables = []
     for title, stat, unit, digits in (
         ("first compiled call (compile + run)", "first_call", "ms", 0),
-        (f"steady {_steady_what(first)}", "steady_call", "ms", 3),
+        (f"steady {_steady_what(first)}", "steady_call", "ms", None),
     ):
         low, mid = ("min", "median") if stat == "first_call" else ("steady_min", "steady_median")
         title = f"paramfold bench --sweep-layers {layers}: {title}"
