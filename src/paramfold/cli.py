@@ -247,7 +247,7 @@ def bench(
     ),
     wide: bool = typer.Option(
         False, "--wide", metavar="",
-        help="Show every column (CPU time, prepare time, notes) in the table; it needs ~150 columns.",
+        help="Show every column (CPU time, steady ms, prepare time, notes) in the table; it needs ~150 columns (not with --sweep-layers).",
     ),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print a JSON document with every sample."),
     plot: Optional[str] = typer.Option(

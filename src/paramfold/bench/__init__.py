@@ -13,9 +13,11 @@ For every repeat the variants are measured one after the other (their order rota
 repeat), each from a fresh ``torch._dynamo.reset()``, a model rebuilt from the same seed and cold
 inductor caches, after one discarded warm-up round of every variant. A measurement times the
 first call (compile + run, with the cyclic GC paused as ``timeit`` does), in wall time and in CPU
-time (steadier when other processes share the cores), and the steady per-call time, and records
-deterministic proxies (graphs, graph breaks, recompiles, captured calls) and the largest absolute
-difference between the variant's output and the stock model's.
+time (steadier when other processes share the cores), and records deterministic proxies (graphs,
+graph breaks, recompiles, captured calls) and the largest absolute difference between the
+variant's output and the stock model's. Then the steady time (per call, or per training step) is
+measured for all variants at once, in interleaved rounds. Every time is also reported as a ratio
+to the baseline's; :func:`run_sweep` repeats it all for several layer counts.
 
 One module per idea; this one re-exports their public names:
 
