@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -350,26 +351,29 @@ def test_run_sweep_rows_progress_and_document():
                                 f"{run.ratio('hoist', 'steady_median'):.2f}x")
 
 
-def test_cli_sweep_table_json_and_plot(tmp_path):
+def test_cli_sweep_json_plot_and_table(tmp_path):
     args = ["bench", "--sweep-layers", "2,4", "--repeats", "1", "--steady-rounds", "1",
             "--model", "weight_norm", "--train", "--variant", "freeze", "--variant", "auto"]
-    res = CliRunner().invoke(app, [*args, "--plot", str(tmp_path / "sweep.png")], env={"COLUMNS": "100"})
+    res = CliRunner().invoke(app, [*args, "--json", "--plot", str(tmp_path / "sweep.png")])
     assert res.exit_code == 0, res.output
-    assert max(map(len, res.stdout.splitlines())) <= 100 and "…" not in res.stdout
-    text = res.stdout
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "paramfold.bench.sweep/1" and doc["layers"] == [2, 4]
+    assert [[v["name"] for v in r["variants"]] for r in doc["runs"]] == [["baseline", "stock", "freeze", "auto"]] * 2
+    assert all(r["variants"][2]["status"] == "skipped" for r in doc["runs"])
+    # the table the command prints without --json (the same function), at 100 columns
+    from rich.console import Console
+
+    out = io.StringIO()
+    bench.print_sweep(bench.SweepResult.from_dict(doc), console=Console(file=out, width=100))
+    text = out.getvalue()
+    assert max(map(len, text.splitlines())) <= 100 and "…" not in text
     assert "--sweep-layers 2,4: first compiled call (compile + run)" in text
     assert "--sweep-layers 2,4: steady per training step (forward + backward)" in text
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["2"], ["4"])]
     assert [r[0] for r in rows] == ["2", "4", "2", "4"]  # one row per size in each table
     assert all(len(r) == 1 + 3 * 3 for r in rows)  # baseline, stock, auto: "min / med" each
     assert "freeze: inference only: skipped for --train (layers 2, 4)" in text
-    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    res = CliRunner().invoke(app, [*args, "--json"])
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
-    assert doc["schema"] == "paramfold.bench.sweep/1" and doc["layers"] == [2, 4]
-    assert [[v["name"] for v in r["variants"]] for r in doc["runs"]] == [["baseline", "stock", "freeze", "auto"]] * 2
-    assert all(r["variants"][2]["status"] == "skipped" for r in doc["runs"])
 
 
 def test_cli_table_and_plot(tmp_path):  # matplotlib is in the test extra
