@@ -105,8 +105,7 @@ def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         new, value = _DEPRECATED[name]
         warnings.warn(
-            f"paramfold.bench.{name} is deprecated: use paramfold.bench.{new} "
-            "(paramfold.testing has a ModelSpec of its own)",
+            f"paramfold.bench.{name} is deprecated: use paramfold.bench.{new} (same class)",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -127,7 +127,8 @@ class ZooModel:
     """One entry of the model zoo: how to build the stock parametrized model and its input.
 
     Called ``ModelSpec`` before 0.2 (``paramfold.bench.ModelSpec`` still answers, with a
-    ``DeprecationWarning``); renamed because ``paramfold.testing`` has a ``ModelSpec`` of its own.
+    ``DeprecationWarning``); renamed because ``paramfold.testing`` had a ``ModelSpec`` too, a
+    different thing (now ``paramfold.testing.NetSpec``).
     """
 
     name: str
