@@ -1,8 +1,10 @@
 """Steady per-call time of the seed model: plain vs stock vs paramfold modes, side by side.
 
-Eval, ``no_grad``, ``torch.compile(backend="eager")``, one thread; every variant is compiled and
-warmed up first, then timed in interleaved rounds (median and min reported, as ratios to plain).
-A mode may carry its freeze check: ``freeze:version``.
+Eval, ``no_grad``, ``torch.compile(backend="eager")``, one thread: the steady phase of
+``paramfold bench`` (every variant compiled with code of its own and warmed up, then timed in
+interleaved rounds; median and min reported, as ratios to plain), for modes with options too: a
+mode may carry its freeze check, ``freeze:version``. Each variant's first output is checked equal
+to stock's.
 
     python examples/percall_bench.py                      # freeze freeze:version auto hoist
     python examples/percall_bench.py --layers 8 auto
@@ -11,13 +13,16 @@ A mode may carry its freeze check: ``freeze:version``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
-import torch
 
 import paramfold
-from paramfold.bench import BenchConfig, build_model, make_input, unparametrize
+from paramfold.bench import BenchConfig, Variant, default_variants, run_bench
+
+
+def mode_variant(spec: str) -> Variant:
+    """``"freeze:version"`` -> ``prepare(model, "freeze", freeze_check="version")``."""
+    mode, _, check = spec.partition(":")
+    options = {"freeze_check": check} if check else {}
+    return Variant(spec, lambda model: paramfold.prepare(model, mode, **options), f"prepare {spec}")
 
 
 def main() -> None:
@@ -27,36 +32,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=20, help="calls per round")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    config = BenchConfig(layers=args.layers)
-    x = make_input(config)
-
-    def fresh() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return build_model(config).eval().requires_grad_(False)
-
-    variants = {"plain": unparametrize(fresh()), "stock": fresh()}
-    for spec in args.modes:
-        mode, _, check = spec.partition(":")
-        variants[spec] = paramfold.prepare(fresh(), mode, **({"freeze_check": check} if check else {}))
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    with torch.no_grad():
-        compiled = {name: torch.compile(model, backend="eager") for name, model in variants.items()}
-        expected = compiled["plain"](x)
-        for name, fn in compiled.items():
-            for _ in range(3):
-                out = fn(x)
-            assert torch.equal(out, expected), name  # same values as the plain model
-        for _ in range(args.rounds):
-            for name, fn in compiled.items():
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    fn(x)
-                times[name].append((time.perf_counter() - start) / args.calls)
-    plain = statistics.median(times["plain"])
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f"{name:16s} median {median * 1e3:7.3f} ms  min {min(samples) * 1e3:7.3f} ms  x plain {median / plain:5.2f}")
+    config = BenchConfig(layers=args.layers, steady_rounds=args.rounds, steady_calls=args.calls,
+                         warmup_calls=3)
+    plain_and_stock = [v for v in default_variants() if v.name in ("baseline", "stock")]
+    variants = [*plain_and_stock, *map(mode_variant, args.modes)]
+    result = run_bench(config, variants=variants, first_calls=False)
+    for v in result.variants:
+        assert v.status == "ok" and v.steady_max_abs_diff == 0.0, (v.name, v.note)
+        name = "plain" if v.name == "baseline" else v.name
+        print(f"{name:16s} median {v.steady_call_median * 1e3:7.3f} ms  "
+              f"min {v.steady_call_min * 1e3:7.3f} ms  "
+              f"x plain {result.ratio(v.name, 'steady_median'):5.2f}")
 
 
 if __name__ == "__main__":

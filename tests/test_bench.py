@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import stat
+import statistics
 
 import pytest
 import torch
@@ -17,8 +19,7 @@ from paramfold.bench import BenchConfig, Variant, run_bench
 from paramfold.cli import app
 from paramfold.recompiles import limit_config
 
-HAS_PREPARE = hasattr(paramfold, "prepare")
-SMALL = dict(layers=4, repeats=1, backend="eager", steady_calls=2, warmup_calls=1)
+SMALL = dict(layers=4, repeats=1, backend="eager", steady_calls=2, warmup_calls=1, steady_rounds=2)
 
 
 @pytest.fixture(autouse=True)
@@ -89,24 +90,33 @@ def test_run_bench_eval_structure_proxies_and_outputs():
     base, stock = result.variant("baseline"), result.variant("stock")
     for v in (base, stock):
         assert v.status == "ok" and len(v.samples) == config.repeats
-        assert v.first_call_min > 0 and v.steady_call_median > 0
-        assert len(v.samples[0].steady_calls_s) == config.steady_calls
+        assert v.first_call_min > 0 and v.steady_call_min > 0
         assert v.proxies_stable
         assert v.max_abs_diff == 0.0
         assert (v.proxies.graphs, v.proxies.graph_breaks, v.proxies.recompiles) == (1, 0, 0)
     # The baseline graph holds one linear per layer; stock also traces both casts of every layer.
     assert base.proxies.captured_calls == config.n_layers
     assert stock.proxies.captured_calls == 3 * config.n_layers
-    assert result.ratio("baseline") == 1.0
+    for name in ("min", "median", "cpu", "steady_min", "steady_median"):
+        assert result.ratio("baseline", name) == 1.0
     assert result.ratio("stock", "median") == pytest.approx(
         stock.first_call_median / base.first_call_median
     )
+    for mode in bench.VARIANT_NAMES:
+        v = result.variant(mode)
+        assert v.status == "ok" and len(v.samples) == config.repeats, v.note
+        # the steady phase: one time per interleaved round, nothing compiled while timing, and
+        # its own model's first output equal to stock's
+        assert len(v.steady_rounds_s) == config.steady_rounds and min(v.steady_rounds_s) > 0
+        assert v.steady_call_min == min(v.steady_rounds_s) and v.steady_compiles == 0
+        assert v.steady_max_abs_diff == 0.0
+        assert result.ratio(mode, "steady_median") == pytest.approx(
+            statistics.median(v.steady_rounds_s) / statistics.median(base.steady_rounds_s))
+        assert result.ratio(mode, "steady_min") == pytest.approx(
+            min(v.steady_rounds_s) / min(base.steady_rounds_s))
+        assert all(s.steady_call_s is None and s.steady_calls_s == [] for s in v.samples)
     for mode in ("hoist", "inline", "freeze", "auto"):
         v = result.variant(mode)
-        if not HAS_PREPARE:
-            assert v.status == "skipped" and "prepare" in v.note and not v.samples
-            continue
-        assert v.status == "ok", v.note
         assert v.max_abs_diff == 0.0  # backend=eager runs the same kernels as stock
         # Issue 2, requirement 6: as many graphs and breaks as the unparametrized model.
         assert v.proxies.graphs == base.proxies.graphs
@@ -127,18 +137,22 @@ def test_train_skips_freeze_and_keeps_outputs_equal():
     result = run_bench(config)
     assert [v.name for v in result.variants] == ["baseline", "stock", "hoist", "freeze"]
     freeze = result.variant("freeze")
-    assert freeze.status == "skipped" and not freeze.samples
-    assert "train" in freeze.note or "prepare" in freeze.note
+    assert freeze.status == "skipped" and not freeze.samples and not freeze.steady_rounds_s
+    assert freeze.note == "inference only: skipped for --train"
+    assert result.ratio("freeze", "steady_median") is None
+    assert result.steady_unit == "seconds per training step (zero_grad, forward, backward)"
+    for v in (result.variant(n) for n in ("baseline", "stock", "hoist")):
+        assert len(v.steady_rounds_s) == config.steady_rounds and v.steady_max_abs_diff == 0.0
     base, stock = result.variant("baseline"), result.variant("stock")
     # The baseline holds the weights after one power iteration, i.e. what stock's first step uses.
     assert base.max_abs_diff == 0.0 and stock.max_abs_diff == 0.0
     assert base.proxies.graph_breaks == stock.proxies.graph_breaks == 0
     assert stock.proxies.captured_calls > base.proxies.captured_calls
     hoist = result.variant("hoist")
-    if HAS_PREPARE:
-        # The power iteration runs outside the graph, exactly as stock runs it.
-        assert hoist.status == "ok" and hoist.max_abs_diff == 0.0
-        assert hoist.proxies.captured_calls == base.proxies.captured_calls
+    # The power iteration runs outside the graph, exactly as stock runs it.
+    assert hoist.status == "ok" and len(hoist.samples) == config.repeats
+    assert hoist.max_abs_diff == 0.0
+    assert hoist.proxies.captured_calls == base.proxies.captured_calls
 
 
 def test_layers_entry_compiles_every_layer():
@@ -194,19 +208,22 @@ def test_method_entry_and_custom_variants():
     assert status["broken"] == ("error", "RuntimeError: this preparer is broken\nsecond line")
     assert status["eval-only"][0] == status["missing"][0] == "skipped"
     assert status["missing"][1] == "not installed"
-    assert calls == ["Stack"] * 3  # warm-up and two repeats
+    assert calls == ["Stack"] * 4  # warm-up, two repeats, the steady phase
     same = result.variant("same")
     assert same.status == "ok" and same.max_abs_diff == 0.0
     assert same.proxies == result.variant("stock").proxies
-    # A warm-up round and 2 repeats of the 4 active variants, in rotated order, then "done".
+    # A warm-up round and 2 repeats of the 4 active variants, in rotated order, the steady
+    # phase's compiles and its 2 rounds, then "done".
     labels = [label for _, _, label in progress]
     active = ("baseline", "stock", "broken", "same")
-    assert [d for d, _, _ in progress] == list(range(13))
-    assert all(t == 12 for _, t, _ in progress)
+    assert [d for d, _, _ in progress] == list(range(19))
+    assert all(t == 18 for _, t, _ in progress)
     assert labels[0:4] == [f"warm-up (discarded): {n}" for n in active]
     assert labels[4:8] == [f"repeat 1/2: {n}" for n in active]
     assert labels[8:12] == [f"repeat 2/2: {n}" for n in ("stock", "broken", "same", "baseline")]
-    assert labels[12] == "done"
+    assert labels[12:16] == [f"steady: compile and warm up {n}" for n in active]
+    assert labels[16:19] == ["steady: round 1/2", "steady: round 2/2", "done"]
+    assert not result.variant("broken").steady_rounds_s
     assert bench.to_rich_table(result).row_count == len(variants)
 
 
@@ -215,32 +232,159 @@ def test_run_bench_requires_baseline_and_stock():
         run_bench(BenchConfig(**SMALL), variants=[Variant("stock", lambda m: m)])
 
 
+VARIANT_KEYS = {
+    "name", "description", "status", "note", "first_call_s", "first_call_cpu_s_min",
+    "ratio_to_baseline", "steady_s", "steady_ratio_to_baseline", "steady_call_s_median",
+    "steady_compiles", "steady_max_abs_diff_vs_stock", "prepare_s_median", "proxies",
+    "proxies_stable", "max_abs_diff_vs_stock", "samples",
+}
+
+
+def _check_document(doc: dict, layers: int) -> None:
+    """A ``paramfold.bench/2`` document: its keys, and ratios that are the times over the baseline's."""
+    assert doc["schema"] == "paramfold.bench/2"
+    assert set(doc) == {"schema", "config", "environment", "steady_unit", "variants"}
+    assert doc["config"]["layers"] == layers and doc["config"]["steady_rounds"] == 1
+    assert doc["steady_unit"] == "seconds per call (eval, no_grad)"
+    base = doc["variants"][0]
+    assert base["name"] == "baseline"
+    for v in doc["variants"]:
+        assert set(v) == VARIANT_KEYS and v["status"] == "ok", v  # eval: every variant applies
+        assert len(v["samples"]) == 1 and math.isfinite(v["first_call_s"]["min"])
+        assert set(v["proxies"]) == {"graphs", "graph_breaks", "recompiles", "captured_calls",
+                                     "frames", "recompile_limit_hits"}
+        assert set(v["steady_s"]) == {"min", "median", "rounds"} and len(v["steady_s"]["rounds"]) == 1
+        assert v["steady_call_s_median"] == v["steady_s"]["median"]
+        for key in ("min", "median"):
+            assert v["ratio_to_baseline"][key] == pytest.approx(
+                v["first_call_s"][key] / base["first_call_s"][key])
+            assert v["steady_ratio_to_baseline"][key] == pytest.approx(
+                v["steady_s"][key] / base["steady_s"][key])
+        assert v["ratio_to_baseline"]["cpu"] == pytest.approx(
+            v["first_call_cpu_s_min"] / base["first_call_cpu_s_min"])
+
+
 def test_cli_json_has_every_variant():
     runner = CliRunner()
-    res = runner.invoke(app, ["bench", "--layers", "2", "--repeats", "1", "--json"])
+    res = runner.invoke(app, ["bench", "--layers", "2", "--repeats", "1", "--steady-rounds", "1", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["schema"] == "paramfold.bench/1"
     assert doc["config"]["model"] == "seed" and doc["config"]["backend"] == "eager"
-    names = [v["name"] for v in doc["variants"]]
-    assert names == list(bench.VARIANT_NAMES)
+    assert [v["name"] for v in doc["variants"]] == list(bench.VARIANT_NAMES)
+    _check_document(doc, layers=2)
+    assert bench.BenchResult.from_dict(doc).to_dict() == doc
+
+
+def test_schema_1_documents_are_still_read():
+    """Before the interleaved rounds each sample had steady calls of its own (schema 1)."""
+    proxies = bench.Proxies(1, 0, 0, 4, 1)
+    samples = [bench.Sample(r, 0.0, 0.2, 0.2, 0.001 * (r + 1), [0.001 * (r + 1)], proxies, 0.0)
+               for r in range(3)]
+    old = bench.BenchResult(BenchConfig(layers=4, repeats=3),
+                            {"torch": "2.5.1", "torch_threads": 1},
+                            [bench.VariantResult(n, n, samples=samples) for n in ("baseline", "stock")])
+    doc = json.loads(json.dumps(old.to_dict()))
+    doc["schema"] = "paramfold.bench/1"
     for v in doc["variants"]:
-        assert v["status"] in ("ok", "skipped")
-        if v["status"] == "ok":
-            assert len(v["samples"]) == 1
-            assert math.isfinite(v["first_call_s"]["min"])
-            assert set(v["proxies"]) == {"graphs", "graph_breaks", "recompiles", "captured_calls",
-                                         "frames", "recompile_limit_hits"}
+        del v["steady_s"], v["steady_compiles"], v["steady_max_abs_diff_vs_stock"]
+    again = bench.BenchResult.from_dict(doc)
+    assert again.variant("stock").steady_call_median == 0.002
+    assert again.variant("stock").steady_call_min == 0.001
+    assert again.ratio("stock", "steady_median") == 1.0
+    with pytest.raises(ValueError, match="paramfold bench --json"):
+        bench.BenchResult.from_dict({**doc, "schema": "paramfold.bench/3"})
 
 
-def test_cli_table_and_plot(tmp_path):
-    pytest.importorskip("matplotlib")
+def test_steady_models_have_dynamo_caches_of_their_own():
+    """Compiled side by side, each variant's code keeps only its own graphs, as in a process of its
+    own: past dynamo's recompile limit stock runs uncompiled, and the variants after it do not."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from paramfold.bench import measure
+
+    limit = getattr(torch._dynamo.config, limit_config())
+    config = BenchConfig(entry="layers", **{**SMALL, "layers": limit + 2})
+    x = bench.make_input(config)
+    ready = {v.name: measure.compiled_for_steady(v, config, x)
+             for v in bench.default_variants() if v.name in ("baseline", "stock", "hoist")}
+    # one code object (equal to Layer.forward's, not the same) shared by the layers of one model
+    code = {name: {id(type(layer).forward.__code__): type(layer).forward.__code__
+                   for layer in c.model.seq} for name, c in ready.items()}
+    assert all(len(codes) == 1 for codes in code.values())
+    assert len({*code["baseline"], *code["stock"], *code["hoist"], id(bench.Layer.forward.__code__)}) == 4
+    entries = {name: len(_debug_get_cache_entry_list(*c.values())) for name, c in code.items()}
+    assert entries == {"baseline": 1, "stock": limit, "hoist": 1}
+    seconds, compiles = measure.time_round(ready["hoist"], x, config)
+    assert seconds > 0 and compiles == 0
+
+
+def test_run_sweep_rows_progress_and_document():
+    progress = []
+    config = BenchConfig(variants=("hoist",), **{**SMALL, "steady_rounds": 1})
+    sweep = bench.run_sweep(config, [2, 3], on_progress=lambda *a: progress.append(a))
+    assert sweep.layers == [2, 3] and sweep.variant_names == ["baseline", "stock", "hoist"]
+    assert [r.config.warmup_round for r in sweep.runs] == [True, False]
+    for run, n in zip(sweep.runs, (2, 3)):
+        assert run.config.n_layers == n and run.variant("baseline").proxies.captured_calls == n
+        assert all(v.status == "ok" and v.steady_rounds_s for v in run.variants)
+    # 3 warm-ups, 3 first calls, 3 steady compiles and 1 round at layers=2; no warm-up at 3
+    assert [d for d, _, _ in progress] == list(range(18)) and {t for _, t, _ in progress} == {17}
+    assert progress[0][2] == "layers=2: warm-up (discarded): baseline"
+    assert progress[10][2] == "layers=3: repeat 1/1: baseline" and progress[-1][2] == "done"
+    doc = json.loads(json.dumps(sweep.to_dict()))
+    assert doc["schema"] == "paramfold.bench.sweep/1" and doc["layers"] == [2, 3]
+    assert [r["config"]["layers"] for r in doc["runs"]] == [2, 3]
+    assert bench.SweepResult.from_dict(doc).to_dict() == doc
+    with pytest.raises(ValueError, match="--sweep-layers"):
+        bench.SweepResult.from_dict(doc["runs"][0])
+    with pytest.raises(ValueError, match="at least one layer count"):
+        bench.run_sweep(config, [])
+    tables = bench.to_sweep_tables(sweep)
+    assert [t.row_count for t in tables] == [2, 2]
+    for table in tables:
+        assert [c.header.split("\n")[0] for c in table.columns] == ["layers", "baseline", "stock", "hoist"]
+        assert list(table.columns[0].cells) == ["2", "3"]
+    first, steady = ([list(c.cells) for c in t.columns] for t in tables)
+    for i, run in enumerate(sweep.runs):
+        assert first[2][i] == f"{run.ratio('stock', 'min'):.2f}x / {run.ratio('stock', 'median'):.2f}x"
+        assert steady[3][i] == (f"{run.ratio('hoist', 'steady_min'):.2f}x / "
+                                f"{run.ratio('hoist', 'steady_median'):.2f}x")
+
+
+def test_cli_sweep_json_plot_and_table(tmp_path):
+    args = ["bench", "--sweep-layers", "2,4", "--repeats", "1", "--steady-rounds", "1",
+            "--model", "weight_norm", "--train", "--variant", "freeze", "--variant", "auto"]
+    res = CliRunner().invoke(app, [*args, "--json", "--plot", str(tmp_path / "sweep.png")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "paramfold.bench.sweep/1" and doc["layers"] == [2, 4]
+    assert [[v["name"] for v in r["variants"]] for r in doc["runs"]] == [["baseline", "stock", "freeze", "auto"]] * 2
+    assert all(r["variants"][2]["status"] == "skipped" for r in doc["runs"])
+    # the table the command prints without --json (the same function), at 100 columns
+    from rich.console import Console
+
+    out = io.StringIO()
+    bench.print_sweep(bench.SweepResult.from_dict(doc), console=Console(file=out, width=100))
+    text = out.getvalue()
+    assert max(map(len, text.splitlines())) <= 100 and "…" not in text
+    assert "--sweep-layers 2,4: first compiled call (compile + run)" in text
+    assert "--sweep-layers 2,4: steady per training step (forward + backward)" in text
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["2"], ["4"])]
+    assert [r[0] for r in rows] == ["2", "4", "2", "4"]  # one row per size in each table
+    assert all(len(r) == 1 + 3 * 3 for r in rows)  # baseline, stock, auto: "min / med" each
+    assert "freeze: inference only: skipped for --train (layers 2, 4)" in text
+
+
+def test_cli_table_and_plot(tmp_path):  # matplotlib is in the test extra
     out = tmp_path / "ratios.png"
     res = CliRunner().invoke(
         app, ["bench", "--layers", "1", "--repeats", "1", "--variant", "stock", "--plot", str(out)]
     )
     assert res.exit_code == 0, res.output
     assert "baseline" in res.stdout and "x baseline" in res.stdout
+    assert "first compiled call (compile + run), steady per call (eval, no_grad)" in res.stdout
+    assert "baseline steady: " in res.stdout and " ms per call" in res.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["ratios.png"]
     umask = os.umask(0)
@@ -257,6 +401,11 @@ def test_cli_table_and_plot(tmp_path):
         (["--plot", "ratios.svg"], "unsupported output format '.svg': use .png"),
         (["--repeats", "0"], "repeats must be at least 1"),
         (["--device", "gpu0"], "unknown device 'gpu0'"),
+        (["--steady-rounds", "0"], "steady_rounds must be at least 1"),
+        (["--sweep-layers", "32,x"], "--sweep-layers takes layer counts of at least 1 separated by commas"),
+        (["--sweep-layers", "0,4"], "e.g. 32,128,512; got '0,4'"),
+        (["--sweep-layers", "4,4"], "lists a layer count twice"),
+        (["--sweep-layers", "2,4", "--layers", "8"], "--sweep-layers replaces --layers"),
         pytest.param(["--device", "cuda"], "device 'cuda' is not available here",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
     ],
@@ -267,3 +416,18 @@ def test_cli_bad_input_is_one_line(args, words):
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("paramfold bench: error: ") and words in lines[0]
+
+
+def test_deprecated_names_still_answer(monkeypatch):
+    import importlib
+    import sys
+
+    from paramfold.bench.plot import plot_ratios
+
+    with pytest.warns(DeprecationWarning, match="use paramfold.bench.ZooModel"):
+        assert bench.ModelSpec is bench.ZooModel
+    monkeypatch.delitem(sys.modules, "paramfold.plot", raising=False)
+    with pytest.warns(DeprecationWarning, match="from paramfold.bench.plot"):
+        assert importlib.import_module("paramfold.plot").plot_ratios is plot_ratios
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        bench.nope

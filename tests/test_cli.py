@@ -475,7 +475,8 @@ def test_bench_table_fits_100_columns_with_every_number_uncut():
         row = next(line for line in text.splitlines() if line.strip().startswith(v.name + " "))
         cells = [f"{v.first_call_min * 1e3:,.0f} / {v.first_call_median * 1e3:,.0f}",
                  f"{result.ratio(v.name, 'min'):.2f}x / {result.ratio(v.name, 'median'):.2f}x",
-                 f"{v.steady_call_median * 1e3:.3f}", str(v.proxies.graphs), str(v.proxies.recompiles),
+                 f"{result.ratio(v.name, 'steady_min'):.2f}x / {result.ratio(v.name, 'steady_median'):.2f}x",
+                 str(v.proxies.graphs), str(v.proxies.recompiles),
                  str(v.proxies.captured_calls), "0" if not v.max_abs_diff else f"{v.max_abs_diff:.2e}"]
         for cell in cells:
             assert cell in row, (cell, row)
@@ -483,18 +484,22 @@ def test_bench_table_fits_100_columns_with_every_number_uncut():
     wide = io.StringIO()
     bench.print_table(result, wide=True, console=Console(file=wide, width=200, color_system=None))
     assert "first cpu" in wide.getvalue() and "prepare" in wide.getvalue() and "note" in wide.getvalue()
+    assert "steady ms" in wide.getvalue() and f"{v.steady_call_median * 1e3:.3f}" in wide.getvalue()
 
 
 def test_bench_cli_at_100_columns_prints_progress_lines_when_not_a_terminal():
-    res = _run("bench", "--layers", "1", "--repeats", "1", "--variant", "hoist", env={"COLUMNS": "100"})
+    res = _run("bench", "--layers", "1", "--repeats", "1", "--steady-rounds", "1", "--variant", "hoist",
+               env={"COLUMNS": "100"})
     assert res.exit_code == 0, res.output
     assert max(map(len, res.stdout.splitlines())) <= 100 and "…" not in res.stdout
     assert "hoist" in res.stdout and "x baseline" in res.stdout
     progress = res.stderr.splitlines()
-    # a warm-up round and one repeat of baseline, stock, hoist, then "done"
+    # a warm-up round and one repeat of baseline, stock, hoist, the steady phase, then "done"
     assert [line.split("] ", 1)[1] for line in progress] == [
         "warm-up (discarded): baseline", "warm-up (discarded): stock", "warm-up (discarded): hoist",
-        "repeat 1/1: baseline", "repeat 1/1: stock", "repeat 1/1: hoist", "done"]
+        "repeat 1/1: baseline", "repeat 1/1: stock", "repeat 1/1: hoist",
+        "steady: compile and warm up baseline", "steady: compile and warm up stock",
+        "steady: compile and warm up hoist", "steady: round 1/1", "done"]
     assert all(line.startswith("paramfold bench: [") for line in progress)
 
 

@@ -262,7 +262,14 @@ def bench(
         False, "--train/--eval", metavar="",
         help="One training step (forward+backward) or a no_grad forward.",
     ),
-    repeats: int = typer.Option(3, help="Measurements per variant (min and median reported)."),
+    repeats: int = typer.Option(3, help="First compiled calls per variant (min and median reported)."),
+    steady_rounds: int = typer.Option(
+        5, "--steady-rounds", help="Interleaved rounds of 10 steady calls (or training steps) per variant (min and median reported)."
+    ),
+    sweep_layers: Optional[str] = typer.Option(
+        None, "--sweep-layers", metavar="N,N,...",
+        help="Run once per layer count (e.g. 32,128,512): how the first call and the steady time grow with model size. Instead of --layers.",
+    ),
     threads: int = typer.Option(
         1, help="torch.set_num_threads for the run; 0 leaves torch's setting."
     ),
@@ -274,14 +281,16 @@ def bench(
     ),
     wide: bool = typer.Option(
         False, "--wide", metavar="",
-        help="Show every column (CPU time, prepare time, notes) in the table; it needs ~150 columns.",
+        help="Show every column (CPU time, steady ms, prepare time, notes) in the table; it needs ~150 columns (not with --sweep-layers).",
     ),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print a JSON document with every sample."),
     plot: Optional[str] = typer.Option(
-        None, metavar="PNG", help="Also write a bar chart of the ratios to this PNG file."
+        None, metavar="PNG",
+        help="Also write a figure to this PNG file: the ratios, or with --sweep-layers the times against the layer count.",
     ),
 ) -> None:
-    """Time the first compiled call of baseline, stock and each paramfold mode, side by side.
+    """Time the first compiled call and the steady call (or training step) of baseline, stock and
+    each paramfold mode, side by side, as ratios to the baseline (the plain model).
 
     Example: paramfold bench --model spectral_norm --train --backend aot_eager
     """
@@ -294,19 +303,26 @@ def bench(
 
     from rich.console import Console
 
-    from paramfold.bench import BenchConfig, run_bench
+    from paramfold.bench import BenchConfig, run_bench, run_sweep
+    from paramfold.bench.config import parse_layer_counts
 
     err = Console(stderr=True)
     try:
         config = BenchConfig(
             model=model, layers=layers, width=width, backend=backend, entry=entry, train=train,
-            repeats=repeats, threads=threads or None,
+            repeats=repeats, threads=threads or None, steady_rounds=steady_rounds,
             variants=tuple(v.value for v in variant) if variant else None, device=device,
         )
         config.check_device()
+        sizes = None if sweep_layers is None else parse_layer_counts(sweep_layers, layers)
     except ValueError as exc:
         _say("bench", str(exc))
         raise typer.Exit(2) from None
+
+    def run(on_progress: Callable[[int, int, str], None]) -> Any:
+        if sizes:
+            return run_sweep(config, sizes, on_progress=on_progress)
+        return run_bench(config, on_progress=on_progress)
 
     if err.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -320,23 +336,25 @@ def bench(
             def on_progress(done: int, total: int, label: str) -> None:
                 progress.update(task, completed=done, total=total, description=label)
 
-            result = run_bench(config, on_progress=on_progress)
+            result = run(on_progress)
     else:
         from paramfold.bench import plain_progress
 
-        result = run_bench(config, on_progress=plain_progress(sys.stderr))
+        result = run(plain_progress(sys.stderr))
 
+    from paramfold.bench import SweepResult, print_sweep, print_table
+    from paramfold.bench.plot import plot_ratios, plot_sweep
+
+    runs = result.runs if isinstance(result, SweepResult) else [result]
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
+    elif sizes:
+        print_sweep(result)
     else:
-        from paramfold.bench import print_table
-
         print_table(result, wide=wide)
     if plot is not None:
-        from paramfold.plot import plot_ratios
-
-        plot_ratios(result, plot)
-    failed = [v for v in result.variants if v.status == "error"]
+        (plot_sweep if sizes else plot_ratios)(result, plot)
+    failed = [v for r in runs for v in r.variants if v.status == "error"]
     if failed:
         _say("bench", "variant(s) failed: " + "; ".join(f"{v.name}: {v.note.splitlines()[0]}" for v in failed))
         raise typer.Exit(1)

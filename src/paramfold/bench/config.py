@@ -1,0 +1,158 @@
+"""What one benchmark run measures (:class:`BenchConfig`), and the model and input it builds.
+
+A config is plain data, validated on construction (so the CLI can turn a bad value into one line)
+and written into every result, so a saved ``--json`` document says what was measured.
+:func:`build_model` and :func:`make_input` live here, not in :mod:`~paramfold.bench.zoo`, because
+they read a config: the zoo knows nothing of configs, and nothing imports in a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paramfold.bench.variants import VARIANT_NAMES
+from paramfold.bench.zoo import MODELS, ZooModel
+
+__all__ = ["BACKENDS", "ENTRIES", "BenchConfig", "build_model", "make_input", "parse_layer_counts"]
+
+BACKENDS = ("eager", "aot_eager", "inductor")
+ENTRIES = ("model", "method", "layers")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure.  ``layers``/``width`` of ``None`` mean the model's defaults.
+
+    ``variants`` of ``None`` means every variant; ``baseline`` and ``stock`` are always measured
+    (ratios are taken to the baseline, outputs are compared to stock).  ``threads`` is set with
+    ``torch.set_num_threads`` for the run (``None``: leave torch's setting); one thread by default
+    because compiling is single-threaded, the zoo's matmuls are tiny, and OpenMP threads waiting
+    for each other on shared cores turn steady calls of ~1 ms into hundreds of ms.  ``device`` is
+    where the model and input live (``"cuda"``: the run synchronises the device around each timed
+    call).
+
+    ``repeats`` first compiled calls are timed per variant, each in a fresh compile state. The
+    steady time is then measured for all variants side by side: each is compiled once more and
+    called ``warmup_calls`` times, then ``steady_rounds`` interleaved rounds of ``steady_calls``
+    calls (a no_grad forward, or with ``train`` a training step: ``zero_grad``, forward,
+    backward) time every variant in turn.
+    """
+
+    model: str = "seed"
+    layers: int | None = None
+    width: int | None = None
+    backend: str = "eager"
+    entry: str = "model"
+    train: bool = False
+    repeats: int = 3
+    steady_calls: int = 10
+    warmup_calls: int = 2
+    batch: int = 8
+    seed: int = 0
+    variants: tuple[str, ...] | None = None
+    warmup_round: bool = True
+    cold_caches: bool = True
+    threads: int | None = 1
+    device: str = "cpu"
+    steady_rounds: int = 5
+
+    def __post_init__(self) -> None:
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"unknown device {self.device!r}: {exc}") from None
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}"
+            )
+        if self.entry not in ENTRIES:
+            raise ValueError(f"unknown entry {self.entry!r}; choose one of {', '.join(ENTRIES)}")
+        for name, low in (("layers", 1), ("width", 2), ("threads", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name} must be at least {low}, got {value}")
+        for name, low in (("repeats", 1), ("steady_calls", 1), ("warmup_calls", 0), ("batch", 1),
+                          ("steady_rounds", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if self.variants is not None:
+            unknown = [v for v in self.variants if v not in VARIANT_NAMES]
+            if unknown:
+                raise ValueError(
+                    f"unknown variant(s) {', '.join(map(repr, unknown))}; "
+                    f"choose from {', '.join(VARIANT_NAMES)}"
+                )
+
+    def check_device(self) -> None:
+        """Raise ``ValueError`` if ``device`` cannot run here (a config read back from JSON may
+        come from another machine, so this is checked before running, not on construction)."""
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} is not available here (no CUDA device)")
+
+    @property
+    def spec(self) -> ZooModel:
+        return MODELS[self.model]
+
+    @property
+    def n_layers(self) -> int:
+        return self.layers if self.layers is not None else self.spec.default_layers
+
+    @property
+    def n_width(self) -> int:
+        return self.width if self.width is not None else self.spec.default_width
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["layers"], out["width"] = self.n_layers, self.n_width
+        out["variants"] = list(self.variants) if self.variants is not None else None
+        return out
+
+
+def build_model(config: BenchConfig) -> nn.Module:
+    """The stock parametrized model of ``config``, built from ``config.seed``, in train/eval mode.
+
+    In eval mode nothing requires grad (an inference benchmark; it is what lets ``freeze`` apply).
+    """
+    torch.manual_seed(config.seed)
+    model = config.spec.build(config.n_layers, config.n_width).to(config.device)
+    model.train(config.train)
+    if not config.train:
+        model.requires_grad_(False)
+    return model
+
+
+def make_input(config: BenchConfig) -> torch.Tensor:
+    """The input of ``config``'s model: ``(batch, features)`` from a generator seeded by ``config.seed``."""
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    x = torch.randn(config.batch, config.spec.input_features(config.n_width), generator=gen)
+    return x.to(device=config.device, dtype=config.spec.dtype)
+
+
+def parse_layer_counts(text: str, layers: int | None = None) -> tuple[int, ...]:
+    """The layer counts of ``--sweep-layers`` (``"32,128,512"``); ``ValueError`` says what is wrong.
+
+    ``layers`` is ``--layers``, which a sweep replaces: giving both is an error.
+
+    Example::
+
+        >>> parse_layer_counts("2, 4,8")
+        (2, 4, 8)
+    """
+    if layers is not None:
+        raise ValueError("--sweep-layers replaces --layers: give one of them")
+    words = [w.strip() for w in text.split(",")]
+    if not all(w.isdigit() and int(w) >= 1 for w in words):
+        raise ValueError(
+            f"--sweep-layers takes layer counts of at least 1 separated by commas, "
+            f"e.g. 32,128,512; got {text!r}"
+        )
+    counts = tuple(int(w) for w in words)
+    if len(set(counts)) != len(counts):
+        raise ValueError(f"--sweep-layers lists a layer count twice: {text!r}")
+    return counts
