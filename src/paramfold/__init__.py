@@ -41,7 +41,7 @@ _EXPORTS = {
     "find": "sites",
     "plain_state_dict": "state_dict",
 }
-_SUBMODULES = ("audit", "bench", "checkpoint", "cli", "fold", "output", "plot", "testing")
+_SUBMODULES = ("audit", "bench", "checkpoint", "cli", "fold", "output", "testing")
 
 __all__ = [
     "AuditReport",
