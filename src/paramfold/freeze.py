@@ -68,14 +68,25 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if tuple(map(len, site.tensor_dicts)) != frozen.sizes:
         return False
-    for d, key, t, version, address, requires_grad in frozen.watch:
+    # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
+    # is held alive by its tensor.
+    return same_inputs(frozen.watch) and same_bytes(frozen.raw, frozen.views)
+
+
+def same_inputs(watch: tuple[tuple, ...]) -> bool:
+    """Whether each ``(dict, key, tensor, version, address, requires_grad)`` still holds."""
+    for d, key, t, version, address, requires_grad in watch:
         if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad or _address(t) != address:
             return False
-    # The addresses are the ones just checked; each input's storage is held alive by its tensor.
-    for address, copy, size in frozen.raw:
+    return True
+
+
+def same_bytes(raw: tuple[tuple[int, int, int], ...], views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> bool:
+    """Whether each input's bytes equal its copy's (see :class:`FrozenValue`)."""
+    for address, copy, size in raw:
         if _memcmp(address, copy, size):
             return False
-    for view, copy in frozen.views:
+    for view, copy in views:
         if not torch.equal(view, copy):
             return False
     return True

@@ -41,7 +41,7 @@ from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
-from paramfold.freeze import _address, _memcmp, can_freeze, chain_needs_grad, frozen_value, unchanged
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, same_bytes, same_inputs, unchanged
 from paramfold.inline import sync_refs
 from paramfold.rebase import rebased
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
@@ -225,16 +225,7 @@ def _plan_holds(plan: _Plan) -> bool:
     for d, key, t, version, address, requires_grad in plan.inputs:
         if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad or t.data_ptr() != address:
             return False
-    for d, key, t, version, address, requires_grad in plan.other_inputs:
-        if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad or _address(t) != address:
-            return False
-    for address, copy, size in plan.raw:
-        if _memcmp(address, copy, size):
-            return False
-    for view, copy in plan.views:
-        if not torch.equal(view, copy):
-            return False
-    return True
+    return same_inputs(plan.other_inputs) and same_bytes(plan.raw, plan.views)
 
 
 def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
