@@ -33,7 +33,7 @@ One module per idea; this one re-exports their public names:
 Example::
 
     >>> from paramfold.bench import BenchConfig, run_bench
-    >>> result = run_bench(BenchConfig(layers=2, repeats=1, steady_calls=1, warmup_calls=0,
+    >>> result = run_bench(BenchConfig(layers=2, repeats=1, steady_calls=1, steady_rounds=1, warmup_calls=0,
     ...                                variants=("baseline", "stock")))
     >>> [v.name for v in result.variants]
     ['baseline', 'stock']

@@ -7,7 +7,7 @@ the path, renamed when complete, normal permissions), so a failure never leaves 
 Example::
 
     >>> from paramfold.bench import BenchConfig, run_bench
-    >>> result = run_bench(BenchConfig(layers=1, repeats=1, steady_calls=1,
+    >>> result = run_bench(BenchConfig(layers=1, repeats=1, steady_calls=1, steady_rounds=1,
     ...                                variants=("baseline", "stock")))
     >>> import tempfile, pathlib
     >>> out = pathlib.Path(tempfile.mkdtemp()) / "ratios.png"

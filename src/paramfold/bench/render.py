@@ -107,7 +107,7 @@ def to_rich_table(result: BenchResult, *, wide: bool = True) -> Any:
     Example::
 
         >>> from paramfold.bench import BenchConfig, run_bench
-        >>> r = run_bench(BenchConfig(layers=1, repeats=1, steady_calls=1,
+        >>> r = run_bench(BenchConfig(layers=1, repeats=1, steady_calls=1, steady_rounds=1,
         ...                           variants=("baseline", "stock")))
         >>> to_rich_table(r).row_count, len(to_rich_table(r, wide=False).columns)
         (2, 9)

@@ -86,7 +86,7 @@ def run_bench(
 
     Example::
 
-        >>> r = run_bench(BenchConfig(model="weight_norm", layers=2, repeats=1, steady_calls=1,
+        >>> r = run_bench(BenchConfig(model="weight_norm", layers=2, repeats=1, steady_calls=1, steady_rounds=2,
         ...                           variants=("baseline", "stock")))
         >>> r.variant("baseline").proxies.graph_breaks
         0
