@@ -6,6 +6,7 @@ Every test compares against stock PyTorch on the same inputs (bitwise in eager o
 from __future__ import annotations
 
 import copy
+import importlib
 import threading
 
 import pytest
@@ -403,6 +404,28 @@ def test_multithreaded_same_grad_mode_inference_keeps_working(mode):
     errors = _run_threads(infer, infer, infer)
     assert not errors, errors
     assert len(results) == 150 and all(results)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_stateful_chain_put_in_training_between_calls_is_no_longer_shared_across_threads(mode):
+    # A call's values may be shared with another thread's overlapping no_grad call only while no
+    # stateful chain trains; the steady-state fast path must see model.train() between calls.
+    scope = importlib.import_module("paramfold.scope")
+    torch.manual_seed(0)
+    model = paramfold.prepare(nn.Sequential(spectral_norm(nn.Linear(4, 4))).eval(), mode)
+    layer = model[0]
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x), model(x)  # steady
+        previous, claimed = scope._open(model)
+        assert layer.__dict__["_paramfold"].shareable
+        scope._close(previous, claimed)
+        model.train()
+        previous, claimed = scope._open(model)
+        try:
+            assert not layer.__dict__["_paramfold"].shareable
+        finally:
+            scope._close(previous, claimed)
 
 
 # --- 7. inline never adds graphs ------------------------------------------------------------

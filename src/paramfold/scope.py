@@ -147,6 +147,7 @@ class _Plan:
                     originals.extend((d, key, d[key]) for d, key in site.originals)
                     if site.mode == "auto":
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
+                    if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing
                         modes.extend((m, m.training) for m in site.chain)
                     # compute()'s steps for a flat chain, without its lookups (plan.members pins them).
                     chain = None if site.nested else site.chain
