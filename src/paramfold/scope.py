@@ -122,7 +122,9 @@ class _Plan:
                 return None
             if hs.kept and hs.between_class is None:
                 return None
-            plists = holder._modules["parametrizations"]
+            plists = holder._modules.get("parametrizations")
+            if plists is None:  # hook-based norms only
+                return None
             links.append((holder._modules, "parametrizations", plists))
             members.append((plists._modules, tuple(plists._modules.values())))
             for name, site in hs.sites.items():
