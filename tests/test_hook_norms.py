@@ -235,3 +235,24 @@ def test_audit_folds_legacy_spectral_norm_checkpoints_bitwise(tmp_path, suffix):
     plain.load_state_dict(folded, strict=True)
     with torch.no_grad():
         assert torch.equal(plain(x), stock(x))
+
+
+def test_a_call_where_no_hook_is_detached_opens_and_closes_cleanly(monkeypatch):
+    # Where a hook-based norm's value is computed where it is read (DTensor originals), its hook
+    # stays in place: the module then has no value of paramfold's at all, and the call scope's
+    # steady-state plan must not assume a parametrizations ModuleDict (it raised KeyError).
+    import importlib
+
+    scope = importlib.import_module("paramfold.scope")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4))).eval()
+
+    stock, ours = build(), paramfold.prepare(build(), "auto")
+    monkeypatch.setattr(scope, "distributed", lambda site: True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(ours(x), stock(x))
+    assert ours[0].__dict__["_paramfold"].users == 0
