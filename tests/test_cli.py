@@ -409,6 +409,12 @@ _SLOW_FOLD = textwrap.dedent(
 )
 
 
+def _hangup_default() -> None:
+    # Under nohup (a CI runner may start the suite that way) SIGHUP is inherited as ignored, and
+    # paramfold then keeps ignoring it on purpose; this test is about a real hangup.
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def test_signals_mid_fold_leave_no_partial_file_and_the_old_output(tmp_path):
     src = _wn_checkpoint(tmp_path, width=256)
     cases = [(signal.SIGINT, ".pt", 130), (signal.SIGTERM, ".safetensors", 143), (signal.SIGHUP, ".pt", 129)]
@@ -420,7 +426,8 @@ def test_signals_mid_fold_leave_no_partial_file_and_the_old_output(tmp_path):
         outs[sig].write_bytes(b"previous output")
     procs = {
         sig: subprocess.Popen([sys.executable, "-c", _SLOW_FOLD, "audit", str(src), "--fold-out", str(outs[sig])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                              preexec_fn=_hangup_default)
         for sig, _, _ in cases
     }
     try:  # all three at once: each pays torch's import, in parallel
