@@ -47,7 +47,6 @@ from paramfold.rebase import rebased
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
 
 _MODULE_CALL = nn.Module.__call__
-_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 _LOCK = threading.RLock()
 
 
@@ -105,7 +104,7 @@ class _Plan:
     """
 
     __slots__ = (
-        "grad", "holders", "claimed", "links", "members", "sizes", "inputs", "other_inputs", "raw", "views",
+        "grad", "holders", "claimed", "links", "members", "sizes", "inputs", "raw", "views",
         "stateful", "originals", "flags", "modes", "hoisted",
     )
 
@@ -113,7 +112,7 @@ class _Plan:
     def build(cls, holders: list[nn.Module], grad: bool) -> _Plan | None:
         plan = cls()
         plan.grad = grad
-        plan.holders, links, members, sizes, inputs, other_inputs = [], [], [], [], [], []
+        plan.holders, links, members, sizes, inputs = [], [], [], [], []
         raw, views, stateful, originals, flags, modes, hoisted = [], [], [], [], [], [], []
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
@@ -136,9 +135,7 @@ class _Plan:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
                     sizes.extend(zip(site.tensor_dicts, frozen.sizes))
-                    for entry in frozen.watch:
-                        # data_ptr() is read inline where it works; subclasses and sparse tensors go through _address.
-                        (inputs if _has_data_ptr(entry[2]) else other_inputs).append(entry)
+                    inputs.extend(frozen.watch)
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
                     if site.stateful:
@@ -160,7 +157,7 @@ class _Plan:
             plan.holders.append((holder, hs, expected, hs.kept, hs.installed, _shareable(hs, grad)))
         plan.claimed = [entry[0] for entry in plan.holders]
         plan.links, plan.members, plan.sizes = tuple(links), tuple(members), tuple(sizes)
-        plan.inputs, plan.other_inputs = tuple(inputs), tuple(other_inputs)
+        plan.inputs = tuple(inputs)
         plan.raw, plan.views, plan.stateful = tuple(raw), tuple(views), tuple(stateful)
         plan.originals, plan.flags, plan.modes, plan.hoisted = tuple(originals), tuple(flags), tuple(modes), tuple(hoisted)
         return plan
@@ -189,16 +186,6 @@ class _Plan:
         return self.claimed
 
 
-def _has_data_ptr(t: torch.Tensor) -> bool:
-    if type(t) not in _PLAIN_TENSORS:
-        return False
-    try:
-        t.data_ptr()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _plan_holds(plan: _Plan) -> bool:
     # Runs at every call: flat loops over every check, cheapest first. Called under _LOCK.
     for holder, hs, expected, kept, _, _ in plan.holders:
@@ -225,10 +212,7 @@ def _plan_holds(plan: _Plan) -> bool:
     for t, requires_grad in plan.flags:
         if t.requires_grad is not requires_grad:
             return False
-    for d, key, t, version, address, requires_grad in plan.inputs:
-        if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad or t.data_ptr() != address:
-            return False
-    return same_inputs(plan.other_inputs) and same_bytes(plan.raw, plan.views)
+    return same_inputs(plan.inputs) and same_bytes(plan.raw, plan.views)
 
 
 def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
