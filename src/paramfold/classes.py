@@ -188,7 +188,7 @@ def between_class(cls: type) -> type:
         sub = _classes.get(key)
         if sub is None:
             names = [n for n in cls._paramfold_names if isinstance(vars(cls).get(n), SiteDescriptor)]
-            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_paramfold_between": True}
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
             namespace.update((n, _BetweenCalls(n)) for n in names)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
             type.__setattr__(sub, "_paramfold_sealed", True)
