@@ -1,0 +1,231 @@
+"""A prepared model and its stock twin stay equal under any sequence of calls and weight events.
+
+Hypothesis drives two copies of one parametrized model (weight_norm, a training spectral_norm,
+a custom chain, a LoRA-style parametrization owning parameters, a plain layer): the stock one
+and a prepared one (any mode and freeze check). Each step is a call (eager or compiled with the
+eager backend, grad or ``no_grad``, with backward and an SGD step), or an event between calls
+that stock PyTorch sees at its next read: in-place writes, writes through ``.data`` or numpy that
+bump no version counter, ``load_state_dict`` (also ``assign=True``), ``train()``/``eval()``,
+``requires_grad_`` flips, reads of the parametrized tensors, ``parametrize.cached()``. After
+every step the outputs, gradients, reads and the whole ``state_dict`` (spectral_norm's ``u``/``v``
+included) must be bitwise equal: the same ops run on the same inputs, on CPU.
+
+This is what pins the steady-call fast path (``paramfold.scope._Plan``) and the frozen values
+kept between calls: a check it forgets is an event sequence here that goes stale.
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import nullcontext
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch import nn
+from torch.nn.utils import parametrize as P
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+import paramfold
+import paramfold.testing as pt
+from helpers import LoRA
+
+WIDTH = 4
+
+
+class Skew(nn.Module):
+    def forward(self, w):
+        return w.tril(-1) - w.tril(-1).T
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x))
+
+
+class Twin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(5))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) + x
+        return x
+
+
+def twin(trainable: bool) -> nn.Module:
+    """The same model every time (built twice, not deep-copied: stock shares classes on deepcopy)."""
+    torch.manual_seed(0)
+    model = Twin()
+    wn, sn, chain, lora, _plain = (layer.proj for layer in model.layers)
+    weight_norm(wn)
+    spectral_norm(sn)
+    P.register_parametrization(chain, "weight", Skew())
+    P.register_parametrization(chain, "weight", pt.Scale(torch.tensor(1.5)))
+    P.register_parametrization(chain, "bias", pt.Scale(torch.tensor(0.5)))
+    lora.weight.requires_grad_(False)
+    P.register_parametrization(lora, "weight", LoRA(WIDTH, WIDTH))
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def parametrized_reads(model: nn.Module) -> list[torch.Tensor]:
+    return [getattr(m, name) for m in model.modules() if P.is_parametrized(m) for name in m.parametrizations]
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a is None and b is None
+
+
+def _numpy_scale(t: torch.Tensor, c: float) -> None:
+    arr = t.detach().numpy()
+    arr *= c
+
+
+class PreparedMatchesStock(RuleBasedStateMachine):
+    """The machine; each mode gets a subclass of its own (below), so every mode is explored."""
+
+    MODE = "auto"
+
+    @initialize(check=st.sampled_from(["content", "version"]), trainable=st.booleans())
+    def build(self, check, trainable, mode=None):
+        mode = mode or self.MODE
+        torch._dynamo.reset()
+        self.mode, self.check = mode, check
+        self.trainable = trainable and mode != "freeze"  # freeze refuses trainable chains
+        self.stock, self.model = twin(self.trainable), twin(self.trainable)
+        if mode == "freeze":  # and a training spectral_norm
+            self.stock.eval(), self.model.eval()
+        paramfold.prepare(self.model, mode, freeze_check=check)
+        self.compiled = None
+        self.inputs = torch.Generator().manual_seed(1)
+
+    # --- calls ------------------------------------------------------------------------------
+
+    @rule(how=st.sampled_from(["eager", "compiled", "cached", "read"]), grad=st.booleans(), sgd=st.booleans())
+    def call(self, how, grad, sgd):
+        """A call of the model, or (``how="read"``) a read of every parametrized tensor outside one."""
+        if how == "read":
+            with torch.set_grad_enabled(grad):
+                for got, expected in zip(parametrized_reads(self.model), parametrized_reads(self.stock), strict=True):
+                    assert same(got, expected)
+            return
+        x = torch.randn(3, WIDTH, generator=self.inputs)
+        if how == "compiled" and self.compiled is None:
+            self.compiled = torch.compile(self.model, backend="eager")
+        fn = self.compiled if how == "compiled" else self.model
+        with torch.set_grad_enabled(grad and how != "cached"), P.cached() if how == "cached" else nullcontext():
+            expected, got = self.stock(x), fn(x)
+        assert same(got, expected)
+        if not (grad and expected.requires_grad):
+            return
+        expected.square().sum().backward()
+        got.square().sum().backward()
+        stock_params, params = dict(self.stock.named_parameters()), dict(self.model.named_parameters())
+        assert stock_params.keys() == params.keys()
+        for name, p in stock_params.items():
+            assert same(params[name].grad, p.grad), name
+        with torch.no_grad():
+            for name, p in stock_params.items():
+                if p.grad is not None:
+                    if sgd:
+                        p.sub_(0.1 * p.grad)
+                        params[name].sub_(0.1 * params[name].grad)
+                    p.grad, params[name].grad = None, None
+
+    # --- events between calls ---------------------------------------------------------------
+
+    def _pair(self, data, buffers: bool = True):
+        stock = dict(self.stock.named_parameters())
+        if buffers:
+            stock.update(self.stock.named_buffers())
+        name = data.draw(st.sampled_from(sorted(stock)), "tensor")
+        mine = dict(self.model.named_parameters())
+        mine.update(self.model.named_buffers())
+        return stock[name], mine[name]
+
+    @rule(data=st.data(), c=st.sampled_from([0.5, 1.25, -1.0]), via=st.sampled_from(["in_place", "data", "numpy"]))
+    def write(self, data, c, via):
+        if self.check == "version":
+            via = "in_place"  # writes that bump no version counter are only seen by the content check
+        a, b = self._pair(data)
+        for t in (a, b):
+            if via == "in_place":
+                with torch.no_grad():
+                    t.mul_(c)
+            elif via == "data":
+                t.data.mul_(c)
+            else:
+                _numpy_scale(t, c)
+
+    @rule(c=st.sampled_from([0.75, 2.0]), assign=st.booleans())
+    def load_state_dict(self, c, assign):
+        state = {k: v * c if v.is_floating_point() else v.clone() for k, v in self.stock.state_dict().items()}
+        for model in (self.stock, self.model):
+            model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=assign)
+
+    @precondition(lambda self: self.mode != "freeze")  # freeze refuses a training spectral_norm
+    @rule(training=st.booleans())
+    def train_or_eval(self, training):
+        self.stock.train(training), self.model.train(training)
+
+    @precondition(lambda self: self.mode != "freeze")  # and trainable chains
+    @rule(data=st.data(), flag=st.booleans())
+    def requires_grad(self, data, flag):
+        a, b = self._pair(data, buffers=False)
+        a.requires_grad_(flag), b.requires_grad_(flag)
+
+    # --- after every step -------------------------------------------------------------------
+
+    @invariant()
+    def same_state_dict(self):
+        if not hasattr(self, "model"):
+            return
+        expected, got = self.stock.state_dict(), self.model.state_dict()
+        assert list(got) == list(expected)
+        for k, v in expected.items():
+            assert same(got[k], v), k
+
+    def teardown(self):
+        if hasattr(self, "model"):
+            paramfold.restore(self.model)
+
+
+def _machine_for(mode: str) -> type[PreparedMatchesStock]:
+    machine = type(f"{mode.capitalize()}MatchesStock", (PreparedMatchesStock,), {"MODE": mode})
+    machine.TestCase.settings = settings(max_examples=60, stateful_step_count=25)
+    return machine
+
+
+HoistMatchesStock = _machine_for("hoist")
+InlineMatchesStock = _machine_for("inline")
+FreezeMatchesStock = _machine_for("freeze")
+AutoMatchesStock = _machine_for("auto")
+test_hoist_matches_stock_under_any_event_sequence = HoistMatchesStock.TestCase
+test_inline_matches_stock_under_any_event_sequence = InlineMatchesStock.TestCase
+test_freeze_matches_stock_under_any_event_sequence = FreezeMatchesStock.TestCase
+test_auto_matches_stock_under_any_event_sequence = AutoMatchesStock.TestCase
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_state_machine_catches_a_stale_frozen_value(monkeypatch, mode):
+    """The machine must fail when frozen values ignore a change (here: every check says unchanged)."""
+    scope = importlib.import_module("paramfold.scope")
+    monkeypatch.setattr(scope, "_plan_holds", lambda plan: True)
+    monkeypatch.setattr(scope, "unchanged", lambda site, frozen: True)
+    machine = PreparedMatchesStock()
+    machine.build(mode=mode, check="version", trainable=False)
+    machine.call(how="eager", grad=False, sgd=False)
+    machine.load_state_dict(c=2.0, assign=False)
+    with pytest.raises(AssertionError):
+        machine.call(how="eager", grad=False, sgd=False)
