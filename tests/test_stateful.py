@@ -7,7 +7,7 @@ eager backend, grad or ``no_grad``, with backward and an SGD step, or inside
 ``parametrize.cached()``), a read of the parametrized tensors, or an event between calls that
 stock PyTorch sees at its next read: in-place writes, storage swaps through ``.data =``, writes
 through ``.data`` or numpy that bump no version counter, ``load_state_dict`` (also
-``assign=True``), ``train()``/``eval()``, ``requires_grad_`` flips. After
+``assign=True``), ``train()``/``eval()``, ``requires_grad_`` flips, dtype conversions. After
 every step the outputs, gradients, reads and the whole ``state_dict`` (spectral_norm's ``u``/``v``
 included) must be bitwise equal: the same ops run on the same inputs, on CPU.
 
@@ -135,7 +135,7 @@ class PreparedMatchesStock(RuleBasedStateMachine):
                 for got, expected in zip(parametrized_reads(self.model), parametrized_reads(self.stock), strict=True):
                     assert same(got, expected)
             return
-        x = torch.randn(3, WIDTH, generator=self.inputs)
+        x = torch.randn(3, WIDTH, generator=self.inputs).to(next(self.stock.parameters()).dtype)
         if how == "compiled" and self.compiled is None:
             self.compiled = torch.compile(self.model, backend="eager")
         fn = self.compiled if how == "compiled" else self.model
@@ -195,10 +195,18 @@ class PreparedMatchesStock(RuleBasedStateMachine):
         self.stock.train(training), self.model.train(training)
 
     @precondition(lambda self: self.mode != "freeze")  # and trainable chains
-    @rule(name=st.sampled_from(PARAMETERS), flag=st.booleans())
+    @rule(name=st.sampled_from(["(all)", *PARAMETERS]), flag=st.booleans())
     def requires_grad(self, name, flag):
+        if name == "(all)":
+            self.stock.requires_grad_(flag), self.model.requires_grad_(flag)
+            return
         a, b = self._pair(name)
         a.requires_grad_(flag), b.requires_grad_(flag)
+
+    @rule(dtype=st.sampled_from([torch.float64, torch.float32]))
+    def convert(self, dtype):
+        # Module._apply: each original gets new storage (param.data = ...), buffers are replaced.
+        self.stock.to(dtype), self.model.to(dtype)
 
     # --- after every step -------------------------------------------------------------------
 
@@ -249,6 +257,7 @@ KNOWN_SEQUENCES = {
         CALL, ("write", {"name": WN_G, "c": 0.5, "via": "set_data"}), CALL]),
     "frozen originals replaced by load_state_dict(assign=True)": ("freeze", "version", False, [
         CALL, ("load_state_dict", {"c": 2.0, "assign": True}), CALL]),
+    "dtype conversion": ("freeze", "version", False, [CALL, ("convert", {"dtype": torch.float64}), CALL]),
     "load_state_dict in place": ("auto", "version", False, [CALL, ("load_state_dict", {"c": 2.0, "assign": False}), CALL]),
     "frozen original starts to require grad": ("auto", "content", False, [
         CALL, ("requires_grad", {"name": WN_G, "flag": True}), GRAD_CALL, CALL]),
