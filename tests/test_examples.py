@@ -72,6 +72,11 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
         ),
         ("quickstart.py", [], "outputs equal: True"),
         ("percall_bench.py", ["--layers", "2", "--rounds", "2", "--calls", "2", "freeze", "hoist"], "x plain"),
+        (
+            "compiled_chain_bench.py",
+            ["--backend", "eager", "--layers", "2", "--width", "8", "--rounds", "2", "--steps", "2"],
+            "compiled chain calls:",
+        ),
     ],
 )
 def test_example_scripts_run_as_they_are(script, args, expected):
