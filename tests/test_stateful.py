@@ -1,8 +1,9 @@
 """A prepared model and its stock twin stay equal under any sequence of calls and weight events.
 
 Hypothesis drives two copies of one parametrized model (weight_norm, a training spectral_norm,
-a custom chain, a LoRA-style parametrization owning parameters, a plain layer): the stock one
-and a prepared one (any mode and freeze check). Each step is a call (eager or compiled with the
+a custom chain, a LoRA-style parametrization owning parameters, a plain layer; or the same with
+torch's deprecated hook-based norms): the stock one and a prepared one (any mode and freeze
+check). Each step is a call (eager or compiled with the
 eager backend, grad or ``no_grad``, with backward and an SGD step, or inside
 ``parametrize.cached()``), a read of the parametrized tensors, or an event between calls that
 stock PyTorch sees at its next read: in-place writes, storage swaps through ``.data =``, writes
@@ -88,12 +89,27 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-PARAMETERS = sorted(dict(twin(True).named_parameters()))
-TENSORS = sorted(_tensors(twin(True)))
+def hook_twin(trainable: bool) -> nn.Module:
+    """The same model with torch's deprecated hook-based norms (served by ``paramfold.hooknorms``)."""
+    torch.manual_seed(0)
+    model = Twin()
+    wn, sn, chain, _lora, _plain = (layer.proj for layer in model.layers)
+    torch.nn.utils.weight_norm(wn)
+    torch.nn.utils.spectral_norm(sn)
+    torch.nn.utils.spectral_norm(chain, name="bias", dim=0)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
 
 
 def parametrized_reads(model: nn.Module) -> list[torch.Tensor]:
-    return [getattr(m, name) for m in model.modules() if P.is_parametrized(m) for name in m.parametrizations]
+    """Every parametrized tensor, read as a user would (a hook-based norm's is the last forward's)."""
+    reads = []
+    for m in model.modules():
+        if P.is_parametrized(m):
+            reads += [getattr(m, name) for name in m.parametrizations]
+        reads += [getattr(m, hook.name) for hook in m._forward_pre_hooks.values() if hasattr(hook, "name")]
+    return reads
 
 
 def same(a: object, b: object) -> bool:
@@ -111,6 +127,7 @@ class PreparedMatchesStock(RuleBasedStateMachine):
     """The machine; each mode gets a subclass of its own (below), so every mode is explored."""
 
     MODE = "auto"
+    BUILD = staticmethod(twin)
 
     @initialize(check=st.sampled_from(["content", "version"]), trainable=st.booleans())
     def build(self, check, trainable, mode=None):
@@ -118,7 +135,7 @@ class PreparedMatchesStock(RuleBasedStateMachine):
         torch._dynamo.reset()
         self.mode, self.check = mode, check
         self.trainable = trainable and mode != "freeze"  # freeze refuses trainable chains
-        self.stock, self.model = twin(self.trainable), twin(self.trainable)
+        self.stock, self.model = self.BUILD(self.trainable), self.BUILD(self.trainable)
         if mode == "freeze":  # and a training spectral_norm
             self.stock.eval(), self.model.eval()
         paramfold.prepare(self.model, mode, freeze_check=check)
@@ -160,11 +177,15 @@ class PreparedMatchesStock(RuleBasedStateMachine):
 
     # --- events between calls ---------------------------------------------------------------
 
-    def _pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return _tensors(self.stock)[name], _tensors(self.model)[name]
+    def _pair(self, name: str | int, parameters: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensor called ``name`` in both models; an int picks one by position (any model)."""
+        stock = dict(self.stock.named_parameters()) if parameters else _tensors(self.stock)
+        if isinstance(name, int):
+            name = sorted(stock)[name % len(stock)]
+        return stock[name], _tensors(self.model)[name]
 
     @rule(
-        name=st.sampled_from(TENSORS),
+        name=st.integers(0, 63),
         c=st.sampled_from([0.5, 1.25, -1.0]),
         via=st.sampled_from(["in_place", "set_data", "data", "numpy"]),
     )
@@ -195,12 +216,12 @@ class PreparedMatchesStock(RuleBasedStateMachine):
         self.stock.train(training), self.model.train(training)
 
     @precondition(lambda self: self.mode != "freeze")  # and trainable chains
-    @rule(name=st.sampled_from(["(all)", *PARAMETERS]), flag=st.booleans())
+    @rule(name=st.none() | st.integers(0, 63), flag=st.booleans())
     def requires_grad(self, name, flag):
-        if name == "(all)":
+        if name is None:
             self.stock.requires_grad_(flag), self.model.requires_grad_(flag)
             return
-        a, b = self._pair(name)
+        a, b = self._pair(name, parameters=True)
         a.requires_grad_(flag), b.requires_grad_(flag)
 
     @rule(dtype=st.sampled_from([torch.float64, torch.float32]))
@@ -224,9 +245,10 @@ class PreparedMatchesStock(RuleBasedStateMachine):
             paramfold.restore(self.model)
 
 
-def _machine_for(mode: str) -> type[PreparedMatchesStock]:
-    machine = type(f"{mode.capitalize()}MatchesStock", (PreparedMatchesStock,), {"MODE": mode})
-    machine.TestCase.settings = settings(max_examples=60, stateful_step_count=25)
+def _machine_for(mode: str, build=twin, examples: int = 60) -> type[PreparedMatchesStock]:
+    name = f"{mode.capitalize()}{'HookNorms' if build is hook_twin else ''}MatchesStock"
+    machine = type(name, (PreparedMatchesStock,), {"MODE": mode, "BUILD": staticmethod(build)})
+    machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=25)
     return machine
 
 
@@ -238,6 +260,13 @@ test_hoist_matches_stock_under_any_event_sequence = HoistMatchesStock.TestCase
 test_inline_matches_stock_under_any_event_sequence = InlineMatchesStock.TestCase
 test_freeze_matches_stock_under_any_event_sequence = FreezeMatchesStock.TestCase
 test_auto_matches_stock_under_any_event_sequence = AutoMatchesStock.TestCase
+# inline leaves hook-based norms as they are (stock's hooks compute in-graph already).
+HoistHookNormsMatchesStock = _machine_for("hoist", hook_twin, examples=30)
+AutoHookNormsMatchesStock = _machine_for("auto", hook_twin, examples=30)
+FreezeHookNormsMatchesStock = _machine_for("freeze", hook_twin, examples=30)
+test_hoist_matches_stock_with_hook_norms = HoistHookNormsMatchesStock.TestCase
+test_auto_matches_stock_with_hook_norms = AutoHookNormsMatchesStock.TestCase
+test_freeze_matches_stock_with_hook_norms = FreezeHookNormsMatchesStock.TestCase
 
 
 # Sequences each of the plan's checks exists for, replayed as they are: a derandomized (CI) run of
