@@ -3,14 +3,14 @@
 Hypothesis drives two copies of one parametrized model (weight_norm, a training spectral_norm,
 a custom chain, a LoRA-style parametrization owning parameters, a plain layer; or the same with
 torch's deprecated hook-based norms): the stock one and a prepared one (any mode and freeze
-check). Each step is a call (eager or compiled with the
-eager backend, grad or ``no_grad``, with backward and an SGD step, or inside
-``parametrize.cached()``), a read of the parametrized tensors, or an event between calls that
-stock PyTorch sees at its next read: in-place writes, storage swaps through ``.data =``, writes
-through ``.data`` or numpy that bump no version counter, ``load_state_dict`` (also
-``assign=True``), ``train()``/``eval()``, ``requires_grad_`` flips, dtype conversions. After
-every step the outputs, gradients, reads and the whole ``state_dict`` (spectral_norm's ``u``/``v``
-included) must be bitwise equal: the same ops run on the same inputs, on CPU.
+check). Each step is a call (eager, ``torch.compile``d with the eager backend, after
+``model.compile()`` or ``layer.compile()``, or inside ``parametrize.cached()``; grad or
+``no_grad``, with backward and an SGD step), a read of the parametrized tensors, or an event
+between calls that stock PyTorch sees at its next read: in-place writes, storage swaps through
+``.data =``, writes through ``.data`` or numpy that bump no version counter, ``load_state_dict``
+(also ``assign=True``), ``train()``/``eval()``, ``requires_grad_`` flips, dtype conversions.
+After every step the outputs, gradients, reads and the whole ``state_dict`` (spectral_norm's
+``u``/``v`` included) must be bitwise equal: the same ops run on the same inputs, on CPU.
 
 This is what pins the steady-call fast path (``paramfold.scope._Plan``) and the frozen values
 kept between calls: a check it forgets is an event sequence here that goes stale.
@@ -140,6 +140,7 @@ class PreparedMatchesStock(RuleBasedStateMachine):
             self.stock.eval(), self.model.eval()
         paramfold.prepare(self.model, mode, freeze_check=check)
         self.compiled = None
+        self.entry = None
         self.inputs = torch.Generator().manual_seed(1)
 
     # --- calls ------------------------------------------------------------------------------
@@ -174,6 +175,14 @@ class PreparedMatchesStock(RuleBasedStateMachine):
                         p.sub_(0.1 * p.grad)
                         params[name].sub_(0.1 * params[name].grad)
                     p.grad, params[name].grad = None, None
+
+    @precondition(lambda self: self.entry is None)
+    @rule(entry=st.sampled_from(["method", "layers"]))
+    def compile_in_place(self, entry):
+        """``model.compile()`` or ``layer.compile()`` on every layer: later eager calls run compiled."""
+        self.entry = entry
+        for module in [self.model] if entry == "method" else list(self.model.layers):
+            module.compile(backend="eager")
 
     # --- events between calls ---------------------------------------------------------------
 
@@ -272,12 +281,15 @@ test_freeze_matches_stock_with_hook_norms = FreezeHookNormsMatchesStock.TestCase
 # Sequences each of the plan's checks exists for, replayed as they are: a derandomized (CI) run of
 # the machines above explores a fixed sample and need not reach every one of them.
 CALL = ("call", {"how": "eager", "grad": False, "sgd": False})
+LAYERS = ("compile_in_place", {"entry": "layers"})
 GRAD_CALL = ("call", {"how": "eager", "grad": True, "sgd": True})
 COMPILED_CALL = ("call", {"how": "compiled", "grad": True, "sgd": True})
 WN_G = "layers.0.proj.parametrizations.weight.original0"
 KNOWN_SEQUENCES = {
     "frozen spectral_norm back in training": ("auto", "content", False, [
         ("train_or_eval", {"training": False}), CALL, ("train_or_eval", {"training": True}), CALL]),
+    "layer.compile(), then a write through .data": ("auto", "content", False, [
+        LAYERS, CALL, ("write", {"name": WN_G, "c": 0.5, "via": "data"}), CALL]),
     "write through .data": ("freeze", "content", False, [CALL, ("write", {"name": WN_G, "c": 0.5, "via": "data"}), CALL]),
     "write through numpy": ("auto", "content", False, [CALL, ("write", {"name": WN_G, "c": 0.5, "via": "numpy"}), CALL]),
     "in-place write, version check": ("freeze", "version", False, [
