@@ -19,6 +19,13 @@ def scale_by_1_5() -> nn.Module:
     return pt.Scale(torch.tensor(1.5))
 
 
+class Skew(nn.Module):
+    """A custom parametrization: the skew-symmetric part below the diagonal (square weights)."""
+
+    def forward(self, w):
+        return w.tril(-1) - w.tril(-1).T
+
+
 class Split(nn.Module):
     """A custom parametrization whose right_inverse returns a tuple (original0, original1)."""
 

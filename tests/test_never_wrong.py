@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from helpers import grads
+from helpers import Skew, grads
 from torch import nn
 from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
@@ -20,11 +20,6 @@ import paramfold
 import paramfold.testing as pt
 
 ALL_MODES = ["hoist", "inline", "freeze", "auto"]
-
-
-class Skew(nn.Module):
-    def forward(self, w):
-        return w.tril(-1) - w.tril(-1).T
 
 
 def skew_pair() -> nn.Module:

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import LoRA
+from helpers import LoRA, Skew
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -41,11 +41,6 @@ import paramfold
 import paramfold.testing as pt
 
 WIDTH = 4
-
-
-class Skew(nn.Module):
-    def forward(self, w):
-        return w.tril(-1) - w.tril(-1).T
 
 
 class Layer(nn.Module):
