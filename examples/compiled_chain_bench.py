@@ -8,8 +8,9 @@ It is an experiment, patched into paramfold's private call-scope code, not a mod
 Two measurements on spectral_norm N x Linear(W, W), training (forward + backward):
 
 * per site: forward and backward of the chain alone, eager against compiled;
-* per step: plain, stock, inline, hoist and hoist with compiled chains, compiled with the same
-  backend, interleaved rounds, medians as ratios to plain.
+* per step: the steady phase of ``paramfold bench --model spectral_norm --train`` (interleaved
+  rounds, medians as ratios to plain) for plain, stock, inline, hoist and hoist with compiled
+  chains, all compiled with the same backend.
 
     python examples/compiled_chain_bench.py                     # inductor, 16 x 64
     python examples/compiled_chain_bench.py --backend aot_eager
@@ -21,12 +22,12 @@ import argparse
 import importlib
 import statistics
 import time
+import weakref
 
 import torch
-from torch.nn.utils import parametrize
 
 import paramfold
-from paramfold.bench.measure import own_code
+from paramfold.bench import BenchConfig, Variant, default_variants, run_bench
 from paramfold.bench.zoo import _build_spectral_norm
 from paramfold.frames import run_eagerly_as_frame
 
@@ -41,48 +42,42 @@ def chain_value(chain, originals):
 
 
 class CompiledChains:
-    """While ``on``, the steady call path computes hoisted values with ``compiled(chain, originals)``."""
+    """For the models in ``models``, the steady call path computes hoisted values with
+    ``compiled(chain, originals)``; every other prepared model keeps paramfold's eager chains."""
 
     def __init__(self, compiled):
-        self.compiled, self.on, self.calls, self.pending = compiled, False, 0, []
+        self.compiled, self.models, self.calls = compiled, weakref.WeakSet(), 0
+        self._on, self._pending = False, []
         self._claim, self._open_scope = scope._Plan.claim, scope._open_scope
         scope._Plan.claim = lambda plan: self._claim_then_defer(plan)
         # The compiled call must run outside the disabled scope code, as a frame dynamo skips.
         scope._open_scope = run_eagerly_as_frame(self._open_then_compute)
 
     def _claim_then_defer(self, plan):
-        if not self.on:
+        if not self._on:
             return self._claim(plan)
         for holder, hs, _, _, installed, shareable in plan.holders:
             object.__setattr__(holder, "__class__", hs.prepared_class)
             hs.users, hs.installed, hs.shareable = 1, installed, shareable
-        self.pending.append(plan.hoisted)
+        self._pending.append(plan.hoisted)
         return plan.claimed
 
     def _open_then_compute(self, entry):
-        opened = self._open_scope(entry)
-        while self.pending:
-            for values, name, _holder, originals, chain in self.pending.pop():
+        self._on = entry in self.models
+        try:
+            opened = self._open_scope(entry)
+        finally:
+            self._on = False
+        while self._pending:
+            for values, name, _holder, originals, chain in self._pending.pop():
                 values[name] = self.compiled(chain, [d[k] for d, k in originals])
                 self.calls += 1
         return opened
 
 
-def build(kind: str, layers: int, width: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = own_code(_build_spectral_norm(layers, width))
-    if kind == "plain":
-        for layer in model.seq:
-            parametrize.remove_parametrizations(layer.linear, "weight")
-    elif kind == "inline":
-        paramfold.prepare(model, "inline")
-    elif kind.startswith("hoist"):
-        paramfold.prepare(model, "hoist")
-    return model
-
-
 def per_site(compiled, layers: int, width: int, repeats: int) -> None:
-    model = build("hoist", layers, width)
+    torch.manual_seed(0)
+    model = paramfold.prepare(_build_spectral_norm(layers, width), "hoist")
     sites = [layer.linear._paramfold.sites["weight"] for layer in model.seq]
 
     def run(fn):
@@ -101,32 +96,22 @@ def per_site(compiled, layers: int, width: int, repeats: int) -> None:
 
 
 def per_step(chains: CompiledChains, args) -> None:
-    x = torch.randn(8, args.width)
-    kinds = ["plain", "stock", "inline", "hoist", "hoist+compiled chains"]
-    models = {}
-    for kind in kinds:
-        model = build(kind, args.layers, args.width)
-        fn = torch.compile(model, backend=args.backend)
-        chains.on = kind == "hoist+compiled chains"
-        for _ in range(4):
-            model.zero_grad(set_to_none=True)
-            fn(x).mean().backward()
-        models[kind] = (model, fn)
-    rounds = {kind: [] for kind in kinds}
-    for r in range(args.rounds):
-        for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
-            model, fn = models[kind]
-            chains.on = kind == "hoist+compiled chains"
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                model.zero_grad(set_to_none=True)
-                fn(x).mean().backward()
-            rounds[kind].append((time.perf_counter() - t0) / args.steps)
-    chains.on = False
-    plain = statistics.median(rounds["plain"])
-    for kind in kinds:
-        median = statistics.median(rounds[kind])
-        print(f"per step  {kind:22s} median {median * 1e3:7.3f} ms  x plain {median / plain:5.2f}")
+    """The steady phase of ``paramfold bench --train`` with one more variant."""
+
+    def hoist_with_compiled_chains(model):
+        chains.models.add(paramfold.prepare(model, "hoist"))
+        return model
+
+    config = BenchConfig(model="spectral_norm", layers=args.layers, width=args.width, backend=args.backend,
+                         train=True, steady_rounds=args.rounds, steady_calls=args.steps, warmup_calls=3)
+    variants = [v for v in default_variants() if v.name in ("baseline", "stock", "inline", "hoist")]
+    variants.append(Variant("hoist+compiled chains", hoist_with_compiled_chains, "hoist, chains compiled"))
+    result = run_bench(config, variants=variants, first_calls=False)
+    for v in result.variants:
+        assert v.status == "ok", (v.name, v.note)
+        name = "plain" if v.name == "baseline" else v.name
+        print(f"per step  {name:22s} median {v.steady_call_median * 1e3:7.3f} ms  "
+              f"x plain {result.ratio(v.name, 'steady_median'):5.2f}")
     assert chains.calls, "the compiled chains were never used"
     print(f"compiled chain calls: {chains.calls}")
 
