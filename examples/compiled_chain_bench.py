@@ -30,6 +30,7 @@ import paramfold
 from paramfold.bench import BenchConfig, Variant, default_variants, run_bench
 from paramfold.bench.zoo import _build_spectral_norm
 from paramfold.frames import run_eagerly_as_frame
+from paramfold.scope_plan import Plan
 
 scope = importlib.import_module("paramfold.scope")
 
@@ -48,19 +49,16 @@ class CompiledChains:
     def __init__(self, compiled):
         self.compiled, self.models, self.calls = compiled, weakref.WeakSet(), 0
         self._on, self._pending = False, []
-        self._claim, self._open_scope = scope._Plan.claim, scope._open_scope
-        scope._Plan.claim = lambda plan: self._claim_then_defer(plan)
+        self._claim, self._open_scope = Plan.claim, scope._open_scope
+        Plan.claim = lambda plan: self._claim_then_defer(plan)
         # The compiled call must run outside the disabled scope code, as a frame dynamo skips.
         scope._open_scope = run_eagerly_as_frame(self._open_then_compute)
 
     def _claim_then_defer(self, plan):
         if not self._on:
             return self._claim(plan)
-        for holder, hs, _, _, installed, shareable in plan.holders:
-            object.__setattr__(holder, "__class__", hs.prepared_class)
-            hs.users, hs.installed, hs.shareable = 1, installed, shareable
+        plan.enter()
         self._pending.append(plan.hoisted)
-        return plan.claimed
 
     def _open_then_compute(self, entry):
         self._on = entry in self.models

@@ -113,6 +113,46 @@ def test_register_on_prepared_module_does_not_poison_other_modules_or_models(mod
     assert torch.equal(fresh[2].bias, fresh[2]._parameters["bias"])
 
 
+class _Triple(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 3 * x
+
+
+def _replace_chain_dict(m: nn.Module) -> None:
+    plist = m[0].parametrizations.weight
+    plist._modules = {"0": _Triple()}  # a new dict of the same size: no public API, nothing bumped
+
+
+def _replace_holder_dict(m: nn.Module) -> None:
+    holder = m[0]
+    parametrizations = nn.ModuleDict({"weight": nn.ModuleList([_Triple()])})
+    holder._modules = {**holder._modules, "parametrizations": parametrizations}
+
+
+def _reorder_chain(m: nn.Module) -> None:
+    d = m[0].parametrizations.weight._modules
+    first = d.pop("0")
+    d["0"] = first  # same keys, same modules: the chain now runs in the other order
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+@pytest.mark.parametrize("change", [_replace_chain_dict, _replace_holder_dict, _reorder_chain],
+                         ids=["chain-dict", "holder-dict", "chain-order"])
+def test_parametrizations_swapped_below_the_public_api_are_refused_at_the_next_steady_call(mode, change):
+    # Regression: the steady-call plan compared the dicts it had captured, so a chain whose
+    # ``_modules`` dict was replaced by a same-sized one kept serving the old chain's value.
+    model = nn.Sequential(nn.Linear(4, 4))
+    P.register_parametrization(model[0], "weight", Skew())
+    P.register_parametrization(model[0], "weight", _Triple())
+    m = paramfold.prepare(_inference(model), mode, freeze_check="version")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        m(x), m(x)  # the second call runs the steady plan
+        change(m)
+        with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+            m(x)
+
+
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
 @pytest.mark.parametrize("leave", [True, False])
 def test_remove_on_prepared_module_is_refused_at_next_call_and_restores_like_stock(leave, mode):

@@ -7,6 +7,7 @@ Timings are left to ``examples/percall_bench.py``; these tests count instead.
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 from collections import Counter
 
@@ -67,6 +68,46 @@ def test_steady_call_python_work_does_not_grow_with_the_number_of_sites(mode, ch
     assert extra[8] <= 25, extra
 
 
+def _bytecode(fn) -> int:
+    """Bytecode instructions the interpreter runs in one call of ``fn``."""
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "opcode":
+            count += 1
+        return local
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        return local
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+@pytest.mark.parametrize("mode,check", FREEZING)
+def test_steady_call_scope_runs_the_same_python_bytecode_for_4_and_64_sites(mode, check):
+    # The steady plan's checks and bookkeeping run as map() over C callables: the interpreter's
+    # work to open and close a call's scope is a constant, whatever the number of sites (the C
+    # work per site stays, about 1 us on this machine).
+    scope = importlib.import_module("paramfold.scope")
+    counts = {}
+    for layers in (2, 32):
+        stock, plain, x = _seed_pair(layers)
+        ours = paramfold.prepare(stock, mode, freeze_check=check)
+        with torch.no_grad():
+            assert torch.equal(ours(x), plain(x))
+            assert torch.equal(ours(x), plain(x))
+            counts[layers] = _bytecode(lambda: scope._close(*scope._open(ours)))
+            assert torch.equal(ours(x), plain(x))
+    assert counts[2] == counts[32], counts
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_steady_hoisted_call_costs_per_site_only_the_parametrization_call(grad):
     # Hoist computes every value at every call; beyond a constant, each site costs exactly its
@@ -109,7 +150,7 @@ def test_steady_calls_change_no_module_dict_and_compile_once(mode, check):
 def test_a_change_leaves_the_fast_path_and_the_next_call_takes_it_again():
     stock, plain, x = _seed_pair(2)
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
-    scope = sys.modules["paramfold.scope"]
+    scope_plan = sys.modules["paramfold.scope_plan"]
     with torch.no_grad():
         ours(x)
         plan = ours.__dict__["_paramfold"].plan
@@ -118,15 +159,15 @@ def test_a_change_leaves_the_fast_path_and_the_next_call_takes_it_again():
         assert ours.__dict__["_paramfold"].plan is plan  # reused
         for model in (stock, ours):
             model.seq[0].linear.parametrizations.weight.original.data.mul_(2)  # no version bump
-        assert not scope._plan_holds(plan)
+        assert not scope_plan.holds(plan)
         assert torch.equal(ours(x), stock(x))
         assert ours.__dict__["_paramfold"].plan is not plan
-        assert scope._plan_holds(ours.__dict__["_paramfold"].plan)
+        assert scope_plan.holds(ours.__dict__["_paramfold"].plan)
 
 
 def test_content_check_compares_host_inputs_with_memcmp_and_others_with_torch_equal():
     freeze = sys.modules["paramfold.freeze"]
-    if freeze._memcmp is None:
+    if freeze.memcmp is None:
         pytest.skip("no libc memcmp on this platform: every input is compared with torch.equal")
     torch.manual_seed(0)
     stock = nn.Linear(4, 4).eval().requires_grad_(False)

@@ -337,7 +337,7 @@ def test_checker_catches_stale_frozen_values():
     model = _spectral_model().eval().requires_grad_(False)
     always = lambda *args: True  # noqa: E731
     with mock.patch.object(freeze, "unchanged", always), mock.patch.object(scope, "unchanged", always), \
-            mock.patch.object(scope, "_plan_holds", always):
+            mock.patch.object(scope, "holds", always):
         with pytest.raises(AssertionError, match="before step 2 differs|at step 2 differs"):
             pt.assert_equivalent(model, torch.randn(3, 4), "freeze", steps=2)
 

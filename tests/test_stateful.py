@@ -12,7 +12,7 @@ between calls that stock PyTorch sees at its next read: in-place writes, storage
 After every step the outputs, gradients, reads and the whole ``state_dict`` (spectral_norm's
 ``u``/``v`` included) must be bitwise equal: the same ops run on the same inputs, on CPU.
 
-This is what pins the steady-call fast path (``paramfold.scope._Plan``) and the frozen values
+This is what pins the steady-call fast path (``paramfold.scope_plan.Plan``) and the frozen values
 kept between calls: a check it forgets is an event sequence here that goes stale.
 """
 
@@ -324,7 +324,7 @@ def test_known_sequence_matches_stock(sequence):
 def test_replay_fails_when_frozen_values_ignore_changes(monkeypatch, sequence):
     """The checks must be able to fail: with every freshness check answering "unchanged", they do."""
     scope = importlib.import_module("paramfold.scope")
-    monkeypatch.setattr(scope, "_plan_holds", lambda plan: True)
+    monkeypatch.setattr(scope, "holds", lambda plan: True)
     monkeypatch.setattr(scope, "unchanged", lambda site, frozen: True)
     with pytest.raises(AssertionError):
         replay(*KNOWN_SEQUENCES[sequence])

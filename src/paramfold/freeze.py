@@ -54,7 +54,7 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
             if view is None:
                 continue
             copy = view.clone(memory_format=torch.contiguous_format)
-            if _memcmp is not None and address and view.device.type == "cpu" and view.is_contiguous():
+            if memcmp is not None and address and view.device.type == "cpu" and view.is_contiguous():
                 raw.append((address, copy.data_ptr(), view.nbytes))
                 copies.append(copy)
             else:
@@ -90,7 +90,7 @@ def same_inputs(watch: tuple[tuple, ...]) -> bool:
 def same_bytes(raw: tuple[tuple[int, int, int], ...], views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> bool:
     """Whether each input's bytes equal its copy's (see :class:`FrozenValue`)."""
     for address, copy, size in raw:
-        if _memcmp(address, copy, size):
+        if memcmp(address, copy, size):
             return False
     for view, copy in views:
         if not torch.equal(view, copy):
@@ -117,7 +117,7 @@ def _load_memcmp():
         return None
 
 
-_memcmp = _load_memcmp()
+memcmp = _load_memcmp()
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

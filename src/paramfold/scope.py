@@ -41,9 +41,10 @@ from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
-from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, same_bytes, same_inputs, unchanged
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
 from paramfold.inline import sync_refs
 from paramfold.rebase import rebased
+from paramfold.scope_plan import Plan, holds
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
 
 _MODULE_CALL = nn.Module.__call__
@@ -57,16 +58,21 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module]]:
+def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module] | Plan]:
     state = entry.__dict__[STATE_ATTR]
     grad = torch.is_grad_enabled()
     with _LOCK:
         plan = state.plan
-        if plan is not None and plan.grad is grad and _plan_holds(plan):
-            claimed = plan.claim()
+        if plan is not None and plan.grad is grad and holds(plan):
+            try:
+                plan.claim()
+            except BaseException:
+                _release(plan.claimed)
+                raise
+            claimed = plan
         else:
             claimed = _open_holders(entry, state, grad)
-            state.plan = _Plan.build(state.holders, grad)
+            state.plan = Plan.build(state.holders, grad, _shareable)
     previous = _local.covered
     _local.covered = state.covers
     return previous, claimed
@@ -90,129 +96,6 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.M
         _release(claimed)
         raise
     return claimed
-
-
-class _Plan:
-    """An entry's call scope in its steady state, checked in one flat pass instead of site by site.
-
-    Built after a call where every site was served from a frozen value kept in its module's
-    ``__dict__``, or hoisted (computed eagerly, for this call). Opening the scope then checks
-    everything :func:`_check_unchanged`, :func:`paramfold.freeze.unchanged` and :func:`_value`'s
-    choices depend on — structure links, dict sizes, every frozen input, every hoisted site's
-    originals, ``requires_grad`` and training flags — switches the holders' classes, and computes
-    the hoisted values. Any failed check takes the general path, which rebuilds the plan.
-    """
-
-    __slots__ = (
-        "grad", "holders", "claimed", "links", "members", "sizes", "inputs", "raw", "views",
-        "stateful", "originals", "flags", "modes", "hoisted",
-    )
-
-    @classmethod
-    def build(cls, holders: list[nn.Module], grad: bool) -> _Plan | None:
-        plan = cls()
-        plan.grad = grad
-        plan.holders, links, members, sizes, inputs = [], [], [], [], []
-        raw, views, stateful, originals, flags, modes, hoisted = [], [], [], [], [], [], []
-        for holder in holders:
-            hs = holder.__dict__[STATE_ATTR]
-            values = holder.__dict__
-            if hs.users != 1 or hs.hooks_out or hs.detach_params or type(holder) is not hs.prepared_class:
-                return None
-            if hs.kept and hs.between_class is None:
-                return None
-            plists = holder._modules.get("parametrizations")
-            if plists is None:  # hook-based norms only
-                return None
-            links.append((holder._modules, "parametrizations", plists))
-            members.append((plists._modules, tuple(plists._modules.values())))
-            for name, site in hs.sites.items():
-                if site.hook is not None or site.mode == "inline":
-                    return None
-                members.append((site.plist._modules, site.modules))
-                frozen = site.frozen
-                if name in hs.kept:
-                    if frozen is None or values.get(name) is not frozen.value:
-                        return None
-                    sizes.extend(zip(site.tensor_dicts, frozen.sizes))
-                    inputs.extend(frozen.watch)
-                    raw.extend(frozen.raw)
-                    views.extend(frozen.views)
-                    if site.stateful:
-                        stateful.extend(site.chain)
-                elif name in hs.installed and frozen is None and site.subclass is False:
-                    # Hoisted: the same choice next call as long as the originals are the same
-                    # tensors (so not DTensors) and, for auto, nothing that decides it changed.
-                    originals.extend((d, key, d[key]) for d, key in site.originals)
-                    if site.mode == "auto":
-                        flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
-                    if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing
-                        modes.extend((m, m.training) for m in site.chain)
-                    # compute()'s steps for a flat chain, without its lookups (plan.members pins them).
-                    chain = None if site.nested else site.chain
-                    hoisted.append((values, name, holder, site.originals, chain))
-                else:
-                    return None
-            expected = hs.between_class if hs.kept else hs.prepared_class
-            plan.holders.append((holder, hs, expected, hs.kept, hs.installed, _shareable(hs, grad)))
-        plan.claimed = [entry[0] for entry in plan.holders]
-        plan.links, plan.members, plan.sizes = tuple(links), tuple(members), tuple(sizes)
-        plan.inputs = tuple(inputs)
-        plan.raw, plan.views, plan.stateful = tuple(raw), tuple(views), tuple(stateful)
-        plan.originals, plan.flags, plan.modes, plan.hoisted = tuple(originals), tuple(flags), tuple(modes), tuple(hoisted)
-        return plan
-
-    def claim(self) -> list[nn.Module]:
-        for holder, hs, _, _, installed, shareable in self.holders:
-            object.__setattr__(holder, "__class__", hs.prepared_class)
-            hs.users = 1
-            hs.installed = installed
-            hs.shareable = shareable
-        try:
-            for values, name, holder, originals, chain in self.hoisted:
-                if chain is None:
-                    values[name] = compute(holder, name)
-                    continue
-                args = []
-                for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
-                    args.append(d[key])
-                value = chain[0](*args)
-                for module in chain[1:]:
-                    value = module(value)
-                values[name] = value
-        except BaseException:
-            _release(self.claimed)
-            raise
-        return self.claimed
-
-
-def _plan_holds(plan: _Plan) -> bool:
-    # Runs at every call: flat loops over every check, cheapest first. Called under _LOCK.
-    for holder, hs, expected, kept, _, _ in plan.holders:
-        if hs.users or hs.kept is not kept or type(holder) is not expected:
-            return False
-    for d, key, value in plan.links:
-        if d.get(key) is not value:
-            return False
-    for d, values in plan.members:
-        if tuple(d.values()) != values:
-            return False
-    for d, size in plan.sizes:
-        if len(d) != size:
-            return False
-    for module in plan.stateful:
-        if module.training:
-            return False
-    for module, training in plan.modes:
-        if module.training is not training:
-            return False
-    for d, key, t in plan.originals:
-        if d.get(key) is not t:
-            return False
-    for t, requires_grad in plan.flags:
-        if t.requires_grad is not requires_grad:
-            return False
-    return same_inputs(plan.inputs) and same_bytes(plan.raw, plan.views)
 
 
 def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
@@ -282,8 +165,12 @@ def _shareable(hs: ModuleState, grad: bool) -> bool:
     return not grad and not any(site.training_stateful for site in hs.sites.values())
 
 
-def _release(claimed: list[nn.Module]) -> None:
+def _release(claimed: list[nn.Module] | Plan) -> None:
     with _LOCK:
+        if type(claimed) is Plan:
+            if claimed.release():
+                return
+            claimed = claimed.claimed
         for holder in claimed:
             hs = holder.__dict__[STATE_ATTR]
             hs.users -= 1
@@ -382,7 +269,7 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
     return value
 
 
-def _close(previous: frozenset[int], claimed: list[nn.Module]) -> None:
+def _close(previous: frozenset[int], claimed: list[nn.Module] | Plan) -> None:
     _local.covered = previous
     _release(claimed)
 

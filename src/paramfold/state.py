@@ -167,7 +167,7 @@ class ModuleState:
     #: whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
     between_class: type | None = None
     kept: tuple[str, ...] = ()
-    #: For entries: the call scope's steady-state fast path (``scope._Plan``), if it has one.
+    #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one.
     plan: Any = None
 
 

@@ -1,0 +1,235 @@
+"""A call scope's steady state, checked and entered with a constant amount of Python per call.
+
+Opening a scope the general way (:mod:`paramfold.scope`) walks every holder and site: it checks
+that nothing changed, then installs or reuses each value. Once a model is in its steady state —
+every site served from a frozen value kept in its module's ``__dict__``, or hoisted — an entry
+keeps a :class:`Plan`: everything those choices depend on, flattened into parallel tuples.
+:func:`holds` checks all of it, and :meth:`Plan.claim` / :meth:`Plan.release` do the scope's
+bookkeeping, with ``map`` over C-level callables (``operator.is_``, ``attrgetter``, ``memcmp``),
+so the interpreter runs the same bytecode whether a model has 4 sites or 4,000; only the hoisted
+sites' own parametrization calls run per site. A failed check sends the call down the general
+path, which rebuilds the plan: the plan makes a call cheaper, never different.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import repeat
+from operator import attrgetter, getitem, is_
+
+import torch
+from torch import nn
+
+from paramfold.compute import compute
+from paramfold.freeze import memcmp, same_inputs
+from paramfold.state import STATE_ATTR
+
+_users = attrgetter("users")
+_kept = attrgetter("kept")
+_training = attrgetter("training")
+_requires_grad = attrgetter("requires_grad")
+# Plain tensors' own accessors, without an attribute lookup per tensor (only used on tensors
+# whose type is torch.Tensor or nn.Parameter, which override none of them).
+_version = torch._C.TensorBase._version.__get__
+_plain_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_data_ptr = torch._C.TensorBase.data_ptr
+_PLAIN = (torch.Tensor, nn.Parameter)
+_set_class = object.__setattr__
+
+
+#: Exhausts an iterator in C (itertools' ``consume`` recipe): ``_run(map(setattr, ...))`` is a
+#: bulk update with no Python loop or frame.
+_run = deque(maxlen=0).extend
+
+
+class Plan:
+    """The steady state of one entry's call scope (see the module docstring).
+
+    ``claimed`` is the holders a scope opened through the plan claims, for the general release.
+    """
+
+    __slots__ = (
+        "grad", "claimed", "states", "types", "kepts", "installed", "shareable", "ones",
+        "switched", "prepared", "between",
+        "link_dicts", "link_keys", "links", "member_dicts", "members", "ordered", "order",
+        "size_dicts", "sizes", "stateful", "mode_modules", "modes",
+        "original_dicts", "original_keys", "originals", "flag_tensors", "flags",
+        "input_dicts", "input_keys", "inputs", "versions", "input_flags", "addresses",
+        "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "hoisted", "hoisted_dicts",
+        "hoisted_names",
+    )
+
+    @classmethod
+    def build(cls, holders: list[nn.Module], grad: bool, shareable) -> Plan | None:
+        """The plan of a scope just opened over ``holders`` the general way, or None where some
+        site is not in a steady state (inline, hook-based norms, DTensors, anything recomputed)."""
+        plan = cls()
+        plan.grad = grad
+        claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
+        switched, prepared, between = [], [], []
+        links, members, ordered, sizes, stateful, modes = [], [], [], [], [], []
+        originals, flags, watch, raw, views, hoisted = [], [], [], [], [], []
+        for holder in holders:
+            hs = holder.__dict__[STATE_ATTR]
+            values = holder.__dict__
+            if hs.users != 1 or hs.hooks_out or hs.detach_params or type(holder) is not hs.prepared_class:
+                return None
+            if hs.kept and hs.between_class is None:
+                return None
+            plists = holder._modules.get("parametrizations")
+            if plists is None:  # hook-based norms only
+                return None
+            links.append((values, "_modules", holder._modules))
+            links.append((holder._modules, "parametrizations", plists))
+            links.append((plists.__dict__, "_modules", plists._modules))
+            members.append(plists._modules)
+            for name, site in hs.sites.items():
+                if site.hook is not None or site.mode == "inline":
+                    return None
+                links.append((site.plist.__dict__, "_modules", site.plist._modules))
+                members.append(site.plist._modules)
+                if len(site.modules) > 1:
+                    ordered.append(site.plist._modules)
+                frozen = site.frozen
+                if name in hs.kept:
+                    if frozen is None or values.get(name) is not frozen.value:
+                        return None
+                    sizes.extend(zip(site.tensor_dicts, frozen.sizes))
+                    watch.extend(frozen.watch)
+                    raw.extend(frozen.raw)
+                    views.extend(frozen.views)
+                    if site.stateful:
+                        stateful.extend(site.chain)
+                elif name in hs.installed and frozen is None and site.subclass is False:
+                    # Hoisted: the same choice next call as long as the originals are the same
+                    # tensors (so not DTensors) and, for auto, nothing that decides it changed.
+                    originals.extend((d, key, d[key]) for d, key in site.originals)
+                    if site.mode == "auto":
+                        flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
+                    if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing
+                        modes.extend((m, m.training) for m in site.chain)
+                    # compute()'s steps for a flat chain, without its lookups (plan.members pins the modules).
+                    chain = None if site.nested else site.chain
+                    hoisted.append((values, name, holder, site.originals, chain))
+                else:
+                    return None
+            claimed.append(holder)
+            states.append(hs)
+            types.append(hs.between_class if hs.kept else hs.prepared_class)
+            kepts.append(hs.kept)
+            installed.append(hs.installed)
+            shares.append(shareable(hs, grad))
+            if hs.kept:
+                switched.append(holder)
+                prepared.append(hs.prepared_class)
+                between.append(hs.between_class)
+        plan.claimed, plan.states, plan.types, plan.kepts = claimed, tuple(states), tuple(types), tuple(kepts)
+        plan.installed, plan.shareable, plan.ones = tuple(installed), tuple(shares), [1] * len(states)
+        plan.switched, plan.prepared, plan.between = tuple(switched), tuple(prepared), tuple(between)
+        plan.link_dicts, plan.link_keys, plan.links = _columns(links, 3)
+        # Copies to compare with: dict equality checks sizes, keys and values (modules compare
+        # by identity) in C; the key lists of chains longer than one, their order. The general
+        # path checked just now that they are prepare's.
+        plan.member_dicts, plan.members = members, list(map(dict, members))
+        plan.ordered, plan.order = ordered, list(map(list, ordered))
+        plan.size_dicts, sizes_now = _columns(sizes, 2)
+        plan.sizes = list(sizes_now)
+        plan.stateful = tuple(stateful)
+        plan.mode_modules, plan.modes = _columns(modes, 2)
+        plan.original_dicts, plan.original_keys, plan.originals = _columns(originals, 3)
+        plan.flag_tensors, plan.flags = _columns(flags, 2)
+        # Inputs without a storage address (tensor subclasses) keep same_inputs' own handling.
+        addressed = [w for w in watch if w[4] and type(w[2]) in _PLAIN]
+        plan.unaddressed = tuple(w for w in watch if not (w[4] and type(w[2]) in _PLAIN))
+        plan.input_dicts, plan.input_keys, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
+        plan.versions, plan.addresses = list(versions), list(addresses)
+        plan.raw_inputs, plan.raw_copies, plan.raw_sizes = _columns(raw, 3)
+        plan.views = tuple(views)
+        plan.hoisted = tuple(hoisted)
+        plan.hoisted_dicts = tuple(h[0] for h in hoisted)
+        plan.hoisted_names = tuple(h[1] for h in hoisted)
+        return plan
+
+    def claim(self) -> None:
+        """Claim every holder (the caller holds the scope lock and has checked :func:`holds`),
+        then compute the hoisted values. On an exception the caller releases ``claimed``."""
+        self.enter()
+        self.compute_hoisted()
+
+    def enter(self) -> None:
+        """:meth:`claim`'s bookkeeping: the holders' classes and claim counts, as the general path leaves them."""
+        _run(map(_set_class, self.switched, repeat("__class__"), self.prepared))
+        states = self.states
+        _run(map(setattr, states, repeat("users"), self.ones))
+        _run(map(setattr, states, repeat("installed"), self.installed))
+        _run(map(setattr, states, repeat("shareable"), self.shareable))
+
+    def compute_hoisted(self) -> None:
+        """Write every hoisted site's value into its module's ``__dict__``, computed like stock."""
+        for values, name, holder, originals, chain in self.hoisted:
+            if chain is None:
+                values[name] = compute(holder, name)
+                continue
+            args = []
+            for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
+                args.append(d[key])
+            value = chain[0](*args)
+            for module in chain[1:]:
+                value = module(value)
+            values[name] = value
+
+    def release(self) -> bool:
+        """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
+        meanwhile (the caller holds the scope lock); False leaves it to the general release."""
+        if list(map(_users, self.states)) != self.ones or not all(map(is_, map(type, self.switched), self.prepared)):
+            return False
+        _run(map(dict.pop, self.hoisted_dicts, self.hoisted_names, repeat(None)))
+        states = self.states
+        _run(map(setattr, states, repeat("users"), repeat(0, len(states))))
+        _run(map(setattr, states, repeat("installed"), repeat((), len(states))))
+        _run(map(_set_class, self.switched, repeat("__class__"), self.between))
+        return True
+
+
+def _columns(rows: list[tuple], width: int) -> tuple[tuple, ...]:
+    return tuple(zip(*rows)) if rows else ((),) * width
+
+
+def holds(plan: Plan) -> bool:
+    """Whether everything ``plan`` was built on is unchanged: the checks of the general path
+    (:func:`paramfold.scope._check_unchanged`, :func:`paramfold.freeze.unchanged` and the mode
+    choices), over flat columns, cheapest first. Runs at every call, under the scope lock."""
+    try:
+        states = plan.states
+        if any(map(_users, states)) or not all(map(is_, map(_kept, states), plan.kepts)):
+            return False
+        if not all(map(is_, map(type, plan.claimed), plan.types)):
+            return False
+        if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
+            return False
+        if plan.member_dicts != plan.members or list(map(list, plan.ordered)) != plan.order:
+            return False
+        if list(map(len, plan.size_dicts)) != plan.sizes:
+            return False
+        if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):
+            return False
+        if not all(map(is_, map(getitem, plan.original_dicts, plan.original_keys), plan.originals)):
+            return False
+        if not all(map(is_, map(_requires_grad, plan.flag_tensors), plan.flags)):
+            return False
+        inputs = plan.inputs
+        if not all(map(is_, map(getitem, plan.input_dicts, plan.input_keys), inputs)):
+            return False
+        if list(map(_version, inputs)) != plan.versions or not all(map(is_, map(_plain_requires_grad, inputs), plan.input_flags)):
+            return False
+        if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
+            return False
+    except (LookupError, RuntimeError):  # a key gone, a tensor without storage or version now
+        return False
+    if plan.raw_inputs and any(map(memcmp, plan.raw_inputs, plan.raw_copies, plan.raw_sizes)):
+        return False
+    for view, copy in plan.views:
+        if not torch.equal(view, copy):
+            return False
+    return True
+
