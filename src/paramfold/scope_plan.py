@@ -13,6 +13,7 @@ path, which rebuilds the plan: the plan makes a call cheaper, never different.
 
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 from itertools import repeat
 from operator import attrgetter, getitem, is_
@@ -143,7 +144,10 @@ class Plan:
         plan.unaddressed = tuple(w for w in watch if not (w[4] and type(w[2]) in _PLAIN))
         plan.input_dicts, plan.input_keys, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
         plan.versions, plan.addresses = list(versions), list(addresses)
-        plan.raw_inputs, plan.raw_copies, plan.raw_sizes = _columns(raw, 3)
+        # memcmp's arguments as ctypes objects, converted once here instead of at every call.
+        plan.raw_inputs, plan.raw_copies, plan.raw_sizes = (
+            tuple(map(kind, column)) for kind, column in zip((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), _columns(raw, 3))
+        )
         plan.views = tuple(views)
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
