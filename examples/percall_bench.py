@@ -2,7 +2,8 @@
 
 Eval, ``no_grad``, ``torch.compile(backend="eager")``, one thread: the steady phase of
 ``paramfold bench`` (every variant compiled with code of its own and warmed up, then timed in
-interleaved rounds; median and min reported, as ratios to plain), for modes with options too: a
+interleaved rounds; median and min reported, as ratios to plain, and the median of each round's
+ratio to plain's in the same round, ``paired``, which a drifting machine moves least), for modes with options too: a
 mode may carry its freeze check, ``freeze:version``. Each variant's first output is checked equal
 to stock's.
 
@@ -42,7 +43,8 @@ def main() -> None:
         name = "plain" if v.name == "baseline" else v.name
         print(f"{name:16s} median {v.steady_call_median * 1e3:7.3f} ms  "
               f"min {v.steady_call_min * 1e3:7.3f} ms  "
-              f"x plain {result.ratio(v.name, 'steady_median'):5.2f}")
+              f"x plain {result.ratio(v.name, 'steady_median'):5.2f}  "
+              f"paired {result.ratio(v.name, 'steady_paired'):5.2f}")
 
 
 if __name__ == "__main__":

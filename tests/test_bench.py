@@ -97,7 +97,7 @@ def test_run_bench_eval_structure_proxies_and_outputs():
     # The baseline graph holds one linear per layer; stock also traces both casts of every layer.
     assert base.proxies.captured_calls == config.n_layers
     assert stock.proxies.captured_calls == 3 * config.n_layers
-    for name in ("min", "median", "cpu", "steady_min", "steady_median"):
+    for name in ("min", "median", "cpu", "steady_min", "steady_median", "steady_paired"):
         assert result.ratio("baseline", name) == 1.0
     assert result.ratio("stock", "median") == pytest.approx(
         stock.first_call_median / base.first_call_median
@@ -114,6 +114,8 @@ def test_run_bench_eval_structure_proxies_and_outputs():
             statistics.median(v.steady_rounds_s) / statistics.median(base.steady_rounds_s))
         assert result.ratio(mode, "steady_min") == pytest.approx(
             min(v.steady_rounds_s) / min(base.steady_rounds_s))
+        assert result.ratio(mode, "steady_paired") == pytest.approx(
+            statistics.median(t / b for t, b in zip(v.steady_rounds_s, base.steady_rounds_s)))
         assert all(s.steady_call_s is None and s.steady_calls_s == [] for s in v.samples)
     for mode in ("hoist", "inline", "freeze", "auto"):
         v = result.variant(mode)
@@ -139,7 +141,7 @@ def test_train_skips_freeze_and_keeps_outputs_equal():
     freeze = result.variant("freeze")
     assert freeze.status == "skipped" and not freeze.samples and not freeze.steady_rounds_s
     assert freeze.note == "inference only: skipped for --train"
-    assert result.ratio("freeze", "steady_median") is None
+    assert result.ratio("freeze", "steady_median") is None and result.ratio("freeze", "steady_paired") is None
     assert result.steady_unit == "seconds per training step (zero_grad, forward, backward)"
     for v in (result.variant(n) for n in ("baseline", "stock", "hoist")):
         assert len(v.steady_rounds_s) == config.steady_rounds and v.steady_max_abs_diff == 0.0
@@ -260,6 +262,8 @@ def _check_document(doc: dict, layers: int) -> None:
                 v["first_call_s"][key] / base["first_call_s"][key])
             assert v["steady_ratio_to_baseline"][key] == pytest.approx(
                 v["steady_s"][key] / base["steady_s"][key])
+        assert v["steady_ratio_to_baseline"]["paired"] == pytest.approx(  # one round here
+            v["steady_s"]["rounds"][0] / base["steady_s"]["rounds"][0])
         assert v["ratio_to_baseline"]["cpu"] == pytest.approx(
             v["first_call_cpu_s_min"] / base["first_call_cpu_s_min"])
 

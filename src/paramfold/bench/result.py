@@ -86,6 +86,14 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _paired_median(rounds: list[float], baseline: list[float]) -> float | None:
+    # Round i of every variant ran in the same interleaved round; a variant that failed midway
+    # has fewer rounds and no pairing.
+    if not rounds or len(rounds) != len(baseline) or not all(baseline):
+        return None
+    return statistics.median(t / b for t, b in zip(rounds, baseline))
+
+
 @dataclass
 class VariantResult:
     """All measurements of one variant; ``status`` is ``ok``, ``skipped`` or ``error`` (see ``note``).
@@ -176,8 +184,12 @@ class BenchResult:
         """A time of ``name`` over the baseline's (the plain, unparametrized model).
 
         ``stat`` is the first compiled call's ``min`` or ``median`` (wall time) or ``cpu`` (min of
-        CPU time), or the steady time's ``steady_min`` or ``steady_median`` (over the rounds).
+        CPU time), or the steady time's ``steady_min`` or ``steady_median`` (over the rounds), or
+        ``steady_paired``: the median over rounds of each round's time over the baseline's in the
+        same round, which a machine whose speed drifts between rounds moves least.
         """
+        if stat == "steady_paired":
+            return _paired_median(self.variant(name).steady_rounds_s, self.variant("baseline").steady_rounds_s)
         attr = _RATIO_STATS[stat]
         num, den = getattr(self.variant(name), attr), getattr(self.variant("baseline"), attr)
         return num / den if num is not None and den else None
@@ -207,7 +219,7 @@ class BenchResult:
                     "ratio_to_baseline": self._ratios(v.name, "min", "median", "cpu"),
                     "steady_s": {"min": v.steady_call_min, "median": v.steady_call_median,
                                  "rounds": list(v.steady_rounds_s)},
-                    "steady_ratio_to_baseline": self._ratios(v.name, "steady_min", "steady_median"),
+                    "steady_ratio_to_baseline": self._ratios(v.name, "steady_min", "steady_median", "steady_paired"),
                     "steady_call_s_median": v.steady_call_median,
                     "steady_compiles": v.steady_compiles,
                     "steady_max_abs_diff_vs_stock": v.steady_max_abs_diff,
