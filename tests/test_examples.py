@@ -72,6 +72,7 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
         ),
         ("quickstart.py", [], "outputs equal: True"),
         ("percall_bench.py", ["--layers", "2", "--rounds", "2", "--calls", "2", "freeze", "hoist"], "x plain"),
+        ("scope_cost.py", ["--layers", "2", "--width", "16", "--rounds", "2", "--calls", "1"], "plan check"),
         (
             "compiled_chain_bench.py",
             ["--backend", "eager", "--layers", "2", "--width", "8", "--rounds", "2", "--steps", "2"],
