@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
+from collections.abc import Callable
 from itertools import repeat
 from operator import attrgetter, getitem, is_
 
@@ -23,7 +24,7 @@ from torch import nn
 
 from paramfold.compute import compute
 from paramfold.freeze import memcmp, same_inputs
-from paramfold.state import STATE_ATTR
+from paramfold.state import STATE_ATTR, ModuleState
 
 _users = attrgetter("users")
 _kept = attrgetter("kept")
@@ -61,7 +62,7 @@ class Plan:
     )
 
     @classmethod
-    def build(cls, holders: list[nn.Module], grad: bool, shareable) -> Plan | None:
+    def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], bool]) -> Plan | None:
         """The plan of a scope just opened over ``holders`` the general way, or None where some
         site is not in a steady state (inline, hook-based norms, DTensors, anything recomputed)."""
         plan = cls()
