@@ -129,18 +129,24 @@ def _replace_holder_dict(m: nn.Module) -> None:
     holder._modules = {**holder._modules, "parametrizations": parametrizations}
 
 
+def _replace_tensor_dict(m: nn.Module) -> None:
+    plist = m[0].parametrizations.weight
+    plist._parameters = {"original": nn.Parameter(plist.original.detach() + 1, requires_grad=False)}
+
+
 def _reorder_chain(m: nn.Module) -> None:
     d = m[0].parametrizations.weight._modules
     first = d.pop("0")
     d["0"] = first  # same keys, same modules: the chain now runs in the other order
 
 
-@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
-@pytest.mark.parametrize("change", [_replace_chain_dict, _replace_holder_dict, _reorder_chain],
-                         ids=["chain-dict", "holder-dict", "chain-order"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("change", [_replace_chain_dict, _replace_holder_dict, _replace_tensor_dict, _reorder_chain],
+                         ids=["chain-dict", "holder-dict", "tensor-dict", "chain-order"])
 def test_parametrizations_swapped_below_the_public_api_are_refused_at_the_next_steady_call(mode, change):
     # Regression: the steady-call plan compared the dicts it had captured, so a chain whose
-    # ``_modules`` dict was replaced by a same-sized one kept serving the old chain's value.
+    # ``_modules`` dict was replaced by a same-sized one kept serving the old chain's value; and
+    # every path read a replaced ``_parameters`` dict's old tensors (a stale frozen or hoisted value).
     model = nn.Sequential(nn.Linear(4, 4))
     P.register_parametrization(model[0], "weight", Skew())
     P.register_parametrization(model[0], "weight", _Triple())

@@ -209,6 +209,9 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
             names.append(name)
         elif hooks.get(site.hook_key) is not site.hook:
             changed = True
+        for d, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
+            if d.get(key) is not value:
+                changed = True
     if names and not changed:
         plists = holder._modules.get("parametrizations")
         changed = plists is None or plists._modules.keys() != set(names)
@@ -221,7 +224,8 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
     if changed:
         raise FoldError(
             f"parametrizations of a {hs.original_class.__name__} changed after paramfold.prepare "
-            "(registered, removed or replaced, or a hook-based norm removed): call "
+            "(registered, removed or replaced, a hook-based norm removed, or a _parameters/_buffers "
+            "dict under them replaced): call "
             "paramfold.restore(model), change them, then prepare again."
         )
 

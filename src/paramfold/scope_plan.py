@@ -89,6 +89,7 @@ class Plan:
                 if site.hook is not None or site.mode == "inline":
                     return None
                 links.append((site.plist.__dict__, "_modules", site.plist._modules))
+                links.extend(site.dict_pins)
                 members.append(site.plist._modules)
                 if len(site.modules) > 1:
                     ordered.append(site.plist._modules)

@@ -52,6 +52,10 @@ class SiteState:
     #: The ``_parameters`` dicts among them: originals *and* parameters the parametrizations own
     #: (LoRA's A and B), all of which must be frozen before the value may be.
     param_dicts: tuple[dict, ...]
+    #: ``(owner.__dict__, "_parameters" or "_buffers", dict)`` for each of ``tensor_dicts``: the
+    #: dicts are read as captured, so a wholesale replacement (``m._parameters = {...}``) must be
+    #: caught before a captured one is trusted.
+    dict_pins: tuple[tuple[dict, str, dict], ...] = ()
     #: Whether an original is itself parametrized (computed through the inner chain).
     nested: bool = False
     freeze_check: str = "content"
@@ -105,12 +109,16 @@ _PLAIN = frozenset({torch.Tensor, nn.Parameter})
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:
     plist = module._modules["parametrizations"]._modules[name]
     originals = tuple((d, k) for _, d, k in leaf_originals(plist))
-    dicts = tuple(d for m in plist.modules() for d in (m._parameters, m._buffers) if d)
-    params = tuple(m._parameters for m in plist.modules() if m._parameters)
+    pins = _dict_pins(plist.modules())
+    params = tuple(d for _, attr, d in pins if attr == "_parameters")
     return SiteState(
-        mode, stateful, plist, members(plist), tuple(plist._modules.values()), originals, dicts, params,
-        nested=is_nested(plist), freeze_check=freeze_check,
+        mode, stateful, plist, members(plist), tuple(plist._modules.values()), originals,
+        tuple(d for _, _, d in pins), params, dict_pins=pins, nested=is_nested(plist), freeze_check=freeze_check,
     )
+
+
+def _dict_pins(modules) -> tuple[tuple[dict, str, dict], ...]:
+    return tuple((m.__dict__, attr, m.__dict__[attr]) for m in modules for attr in ("_parameters", "_buffers") if m.__dict__[attr])
 
 
 def state_for(site: Any, mode: str, freeze_check: str = "content") -> SiteState:
@@ -125,9 +133,10 @@ def state_for(site: Any, mode: str, freeze_check: str = "content") -> SiteState:
 def hook_site_state(module: nn.Module, key: int, hook: object, kind: str, mode: str, freeze_check: str) -> SiteState:
     """A :class:`SiteState` for a tensor computed by torch's hook-based weight_norm/spectral_norm."""
     originals = tuple((d, k) for _, d, k in hooknorms.originals(module, hook, kind))
+    pins = tuple((module.__dict__, attr, module.__dict__[attr]) for attr in ("_parameters", "_buffers"))
     return SiteState(
         mode, kind == "spectral_norm", None, (module,), (), originals,
-        (module._parameters, module._buffers), (), freeze_check=freeze_check,
+        (module._parameters, module._buffers), (), dict_pins=pins, freeze_check=freeze_check,
         hook=hook, hook_kind=kind, hook_key=key,
     )
 
