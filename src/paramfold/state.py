@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -109,7 +110,7 @@ _PLAIN = frozenset({torch.Tensor, nn.Parameter})
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:
     plist = module._modules["parametrizations"]._modules[name]
     originals = tuple((d, k) for _, d, k in leaf_originals(plist))
-    pins = _dict_pins(plist.modules())
+    pins = tuple(pin for pin in _dict_pins(plist.modules()) if pin[2])  # the non-empty dicts
     params = tuple(d for _, attr, d in pins if attr == "_parameters")
     return SiteState(
         mode, stateful, plist, members(plist), tuple(plist._modules.values()), originals,
@@ -117,8 +118,9 @@ def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_c
     )
 
 
-def _dict_pins(modules) -> tuple[tuple[dict, str, dict], ...]:
-    return tuple((m.__dict__, attr, m.__dict__[attr]) for m in modules for attr in ("_parameters", "_buffers") if m.__dict__[attr])
+def _dict_pins(modules: Iterable[nn.Module]) -> tuple[tuple[dict, str, dict], ...]:
+    """``(module.__dict__, name, dict)`` of each module's ``_parameters`` and ``_buffers``."""
+    return tuple((m.__dict__, attr, m.__dict__[attr]) for m in modules for attr in ("_parameters", "_buffers"))
 
 
 def state_for(site: Any, mode: str, freeze_check: str = "content") -> SiteState:
@@ -133,7 +135,7 @@ def state_for(site: Any, mode: str, freeze_check: str = "content") -> SiteState:
 def hook_site_state(module: nn.Module, key: int, hook: object, kind: str, mode: str, freeze_check: str) -> SiteState:
     """A :class:`SiteState` for a tensor computed by torch's hook-based weight_norm/spectral_norm."""
     originals = tuple((d, k) for _, d, k in hooknorms.originals(module, hook, kind))
-    pins = tuple((module.__dict__, attr, module.__dict__[attr]) for attr in ("_parameters", "_buffers"))
+    pins = _dict_pins((module,))
     return SiteState(
         mode, kind == "spectral_norm", None, (module,), (), originals,
         (module._parameters, module._buffers), (), dict_pins=pins, freeze_check=freeze_check,
