@@ -24,18 +24,17 @@ from torch import nn
 
 from paramfold.compute import compute
 from paramfold.freeze import memcmp, same_inputs
-from paramfold.state import STATE_ATTR, ModuleState
+from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 
 _users = attrgetter("users")
 _kept = attrgetter("kept")
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
 # Plain tensors' own accessors, without an attribute lookup per tensor (only used on tensors
-# whose type is torch.Tensor or nn.Parameter, which override none of them).
+# whose type is in state.PLAIN_TENSOR_TYPES, which override none of them).
 _version = torch._C.TensorBase._version.__get__
 _plain_requires_grad = torch._C.TensorBase.requires_grad.__get__
 _data_ptr = torch._C.TensorBase.data_ptr
-_PLAIN = (torch.Tensor, nn.Parameter)
 _set_class = object.__setattr__
 
 
@@ -142,8 +141,8 @@ class Plan:
         plan.original_dicts, plan.original_keys, plan.originals = _columns(originals, 3)
         plan.flag_tensors, plan.flags = _columns(flags, 2)
         # Inputs without a storage address (tensor subclasses) keep same_inputs' own handling.
-        addressed = [w for w in watch if w[4] and type(w[2]) in _PLAIN]
-        plan.unaddressed = tuple(w for w in watch if not (w[4] and type(w[2]) in _PLAIN))
+        addressed = [w for w in watch if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES]
+        plan.unaddressed = tuple(w for w in watch if not (w[4] and type(w[2]) in PLAIN_TENSOR_TYPES))
         plan.input_dicts, plan.input_keys, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
         plan.versions, plan.addresses = list(versions), list(addresses)
         # memcmp's arguments as ctypes objects, converted once here instead of at every call.

@@ -99,12 +99,13 @@ def distributed(site: SiteState) -> bool:
     communication parametrization. Such values are computed where they are read, never earlier."""
     for d, key in site.originals:  # called for every site at every call scope: a plain loop
         cls = type(d[key])
-        if cls not in _PLAIN and _is_dtensor_type(cls):
+        if cls not in PLAIN_TENSOR_TYPES and _is_dtensor_type(cls):
             return True
     return False
 
 
-_PLAIN = frozenset({torch.Tensor, nn.Parameter})
+#: The tensor types that are not subclasses: they override none of TensorBase's accessors.
+PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
 
 
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:
