@@ -141,8 +141,10 @@ class Plan:
         plan.original_dicts, plan.original_keys, plan.originals = _columns(originals, 3)
         plan.flag_tensors, plan.flags = _columns(flags, 2)
         # Inputs without a storage address (tensor subclasses) keep same_inputs' own handling.
-        addressed = [w for w in watch if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES]
-        plan.unaddressed = tuple(w for w in watch if not (w[4] and type(w[2]) in PLAIN_TENSOR_TYPES))
+        addressed, unaddressed = [], []
+        for w in watch:
+            (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES else unaddressed).append(w)
+        plan.unaddressed = tuple(unaddressed)
         plan.input_dicts, plan.input_keys, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
         plan.versions, plan.addresses = list(versions), list(addresses)
         # memcmp's arguments as ctypes objects, converted once here instead of at every call.
