@@ -1,7 +1,7 @@
 """Collect every compile in a block from torch's own structured trace: :func:`recompiles`.
 
-Handlers on torch's trace log (``torch._logging.trace_structured``, the events tlparse reads) and on
-dynamo's recompile-limit warning turn each compile into a
+A handler on torch's trace log (``torch._logging.trace_structured``, the events tlparse reads) and a
+filter on dynamo's recompile-limit warning turn each compile into a
 :class:`~paramfold.recompiles.report.CompileRecord`; the guard text in it is classified by
 :mod:`paramfold.recompiles.classify`. The events: ``compilation_metrics`` (function, compile id,
 whether it recompiled, failure), the ``recompile_reasons`` artifact (every failed guard, one per
@@ -125,13 +125,15 @@ class RecompileLimitError(FoldError):
 
 
 @contextlib.contextmanager
-def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[RecompileReport]:
+def recompiles(*, strict: bool = False, warn: bool = True, torch_warning: bool = True) -> Iterator[RecompileReport]:
     """Record every compile and recompile in the block; yields a :class:`RecompileReport`.
 
     The report fills in as the block runs and is complete when it exits. If a function hits the
     recompile limit (after which torch runs it uncompiled), a :class:`RecompileLimitWarning` is
     issued at exit (``warn=False`` to silence it), or with ``strict=True`` a
-    :class:`RecompileLimitError` is raised.
+    :class:`RecompileLimitError` is raised. ``torch_warning=False`` keeps dynamo's own multi-line
+    warning about the hit from torch's log handlers while the block runs (the report holds the
+    same event); other log records are untouched.
 
     Example::
 
@@ -150,7 +152,7 @@ def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[Recompile
         report.graph_breaks = None
     collector = _Collector(report)
     trace_handler = _TraceHandler(collector)
-    limit_handler = _LimitWarningHandler(collector)
+    limit_filter = _LimitWarningFilter(collector, keep=torch_warning)
     limit_logger = logging.getLogger("torch._dynamo.convert_frame")
 
     graphs_before = counters["stats"]["unique_graphs"]
@@ -158,12 +160,12 @@ def recompiles(*, strict: bool = False, warn: bool = True) -> Iterator[Recompile
     trace_log.addHandler(trace_handler)
     if not trace_log.isEnabledFor(logging.DEBUG):
         trace_log.setLevel(logging.DEBUG)
-    limit_logger.addHandler(limit_handler)
+    limit_logger.addFilter(limit_filter)
     try:
         yield report
     finally:
         trace_log.removeHandler(trace_handler)
-        limit_logger.removeHandler(limit_handler)
+        limit_logger.removeFilter(limit_filter)
         if not trace_log.handlers:
             trace_log.setLevel(old_level)
         report.graphs_total = counters["stats"]["unique_graphs"] - graphs_before
@@ -372,19 +374,23 @@ class _TraceHandler(logging.Handler):
             self.collector.report.collection_errors.append(f"{type(e).__name__}: {e}")
 
 
-class _LimitWarningHandler(logging.Handler):
-    """Catches dynamo's own "hit config.recompile_limit" warning; its args are structured."""
+class _LimitWarningFilter(logging.Filter):
+    """Catches dynamo's own "hit config.recompile_limit" warning (its args are structured) before
+    any handler sees it; ``keep=False`` then stops it there."""
 
-    def __init__(self, collector: _Collector) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, collector: _Collector, *, keep: bool) -> None:
+        super().__init__()
         self.collector = collector
+        self.keep = keep
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if isinstance(record.msg, str) and record.msg.startswith(_LIMIT_WARNING_PREFIX):
-            try:
-                self.collector.on_limit_warning(tuple(record.args or ()))
-            except Exception as e:
-                self.collector.report.collection_errors.append(f"{type(e).__name__}: {e}")
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith(_LIMIT_WARNING_PREFIX)):
+            return True
+        try:
+            self.collector.on_limit_warning(tuple(record.args or ()))
+        except Exception as e:
+            self.collector.report.collection_errors.append(f"{type(e).__name__}: {e}")
+        return self.keep
 
 
 def _decode_reasons(payload: str) -> list[str]:

@@ -4,8 +4,10 @@ The script (or ``-m module``) runs in this process, as ``python`` would run it: 
 ``sys.argv``, its folder (or the working directory for ``-m``) first on ``sys.path``, its exit status
 kept. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout (the
 script's own prints go to stderr so that stdout stays parseable). What the script prints, its
-traceback included, is its own output; what goes wrong with the command itself is raised as
-:class:`ScriptError` (exit code 2), for the command line to print in its one format.
+traceback included, is its own output, except dynamo's multi-line recompile-limit warning: the
+report shows that hit with its cause and fix, and ``--strict`` says it in one error line. What goes
+wrong with the command itself is raised as :class:`ScriptError` (exit code 2), for the command
+line to print in its one format.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     code, interrupted = 0, None
     try:
-        with redirect, recompiles(warn=False) as report:
+        with redirect, recompiles(warn=False, torch_warning=False) as report:
             try:
                 if module is None:
                     runpy.run_path(argv0, run_name="__main__")
