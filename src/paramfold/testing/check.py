@@ -8,10 +8,11 @@ Tolerances. In eager mode every comparison is bitwise (``torch.testing.assert_cl
 ``rtol=atol=0`` and ``equal_nan=True``), with one documented exception: gradients of originals
 that autograd sums from several contributions in an order ``prepare`` may change. That is
 
-* a parametrized module *called more than once per forward* (the same instance at two
-  places): stock computes its tensor once per call and autograd sums after the chain's
-  backward (``J^T g1 + J^T g2``); hoist, freeze and auto compute it once per forward and sum
-  before it (``J^T (g1 + g2)``);
+* a parametrized module *called more than once per forward* (the same instance registered
+  at two places, or called twice by a forward; calls are counted in stock's first step): stock
+  computes its tensor once per call and autograd sums after the chain's backward (``J^T g1 +
+  J^T g2``); hoist, freeze and auto compute it once per forward and sum before it (``J^T (g1 +
+  g2)``);
 * an original *shared by several sites* (tied): hoisted sites are computed when the forward
   starts, in module order, so their backward nodes run in a different order than stock's
   when the forward reads them in another order or only some of them are prepared
@@ -27,7 +28,12 @@ of the model and its outputs (bfloat16: 1.6e-2, float32: 1.3e-6) and ``atol = rt
 (largest gradient element in the model)``, the size of the terms being summed (a sum that
 cancels can be far smaller than its terms; this covers the tied case). Everything else,
 outputs and buffers included, stays bitwise.
-Under ``compile=...`` the default tolerance is :data:`COMPILE_TOLERANCES` for the backend.
+Under ``compile=...`` the default tolerance is :data:`COMPILE_TOLERANCES` for the backend, and
+a step that does not match eager stock is held to stock compiled the same way, run from the same
+state: some modules take another path when compiled (``nn.MultiheadAttention``'s fused eval fast
+path runs only eagerly), so stock itself differs there. The check then goes on from that stock's
+state. Only where torch cannot deep-copy the stock model mid-run (an LSTM keeps computed weights
+in ``_flat_weights``) is the eager comparison the only one.
 """
 
 from __future__ import annotations
@@ -207,7 +213,9 @@ def assert_equivalent(
     ``torch.testing.assert_close``), or compiled (:data:`COMPILE_TOLERANCES`; a backend without a
     measured tolerance, or a callable backend, needs ``atol``/``rtol``); see the module
     docstring for the one exception (modules called twice per forward: their originals' gradients
-    are compared within the rounding of the summed terms, with an absolute floor of 1e-5).
+    are compared within the rounding of the summed terms, with an absolute floor of 1e-5) and for
+    compiled steps that stock itself computes differently compiled (held to stock compiled the
+    same way).
     :class:`paramfold.FoldError` from ``prepare`` propagates (``mode="freeze"`` refuses
     originals that require grad and training stateful chains). Under ``compile`` call
     ``torch._dynamo.reset()`` between unrelated checks yourself.
@@ -245,9 +253,11 @@ def assert_equivalent(
     _compare_dicts(" after prepare", "state_dict", candidate.state_dict(), stock.state_dict(), _BITWISE)
     # Originals whose gradient sums several contributions in an order prepare may change, and
     # a stock copy run under parametrize.cached() (one value per tensor per forward, like
-    # hoist and freeze) to compare them with first: see the module docstring.
+    # hoist and freeze) to compare them with first: see the module docstring. Modules called
+    # more than once per forward are counted in stock's first step, before the copy runs.
     loose = _reordered_originals(candidate) if mode != "inline" else set()
-    cached = copy.deepcopy(stock) if loose else None
+    spare = copy.deepcopy(stock) if mode != "inline" else None
+    cached: nn.Module | None = None
 
     tol = _BITWISE
     for step in range(steps):
@@ -256,30 +266,33 @@ def assert_equivalent(
         at = f" at step {step + 1}" if steps > 1 else ""
         # Compiled steps may leave state (spectral_norm's _u/_v) within the step tolerance.
         _compare_reads(candidate, stock, f" before step {step + 1}", tol)
-        stock_args, candidate_args = _fresh(args), _fresh(args)
-        expected = stock(*stock_args)
-        actual = run(*candidate_args)
-        eps = torch.finfo(_lowest_precision(stock, expected)).eps
-        tol = _Tolerance(rtol or factor * eps, 1e-5 if factor else atol or 0.0, factor * eps)
-        _compare_outputs(actual, expected, at, tol)
-        expected_loss = _loss(expected)
-        if expected_loss is not None and expected_loss.requires_grad:
-            actual_loss = _loss(actual)
-            if actual_loss is None or not actual_loss.requires_grad:
-                raise AssertionError(f"stock output requires grad but prepared output does not{at}")
-            expected_loss.backward()
-            actual_loss.backward()
+        # Where torch compiles a module differently from its eager run, stock itself differs
+        # compiled: a compiled step that does not match eager stock is held to stock compiled
+        # the same way from the same state, and the check goes on from that stock's state.
+        at_start = _copy_or_none(stock) if compile is not None else None
+        with _calls(stock) as calls:
+            expected = _step(stock, args, None)
+        twice = {path for path, n in calls.items() if n > 1}
+        if mode != "inline":
+            loose |= _originals_of(candidate, twice)
+        if step == 0 and loose:
+            cached = spare
+        backward = _wants_backward(expected)
+        actual = _step(run, args, backward, at)
         if cached is not None:
             with parametrize.cached():
-                cached_loss = _loss(cached(*_fresh(args)))
-            if cached_loss is not None and cached_loss.requires_grad:
-                cached_loss.backward()
-        _compare_grads(candidate, stock, cached, at, loose, tol, eps)
-        for i, (a, e) in enumerate(zip(candidate_args, stock_args)):
-            if isinstance(e, torch.Tensor) and e.requires_grad:
-                _compare(f"grad of input {i}{at}", a.grad, e.grad, tol)
-        _compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
-        _compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
+                _step(cached, args, backward)
+        try:
+            tol = _compare_step(candidate, stock, cached, expected, actual, at, loose, factor, rtol, atol)
+        except AssertionError as exc:
+            if at_start is None:
+                raise _explained(exc, stock, twice, mode) from None
+            reference = _step(torch.compile(at_start, **compile), args, backward)
+            try:
+                tol = _compare_step(candidate, at_start, cached, reference, actual, at, loose, factor, rtol, atol)
+            except AssertionError:
+                raise _explained(AssertionError(f"{exc}, and from stock compiled the same way"), stock, twice, mode) from None
+            stock = at_start
 
     paramfold.restore(candidate)
     try:
@@ -295,6 +308,113 @@ def _fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(
         a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
     )
+
+
+def _explained(exc: AssertionError, stock: nn.Module, twice: set[str], mode: str) -> AssertionError:
+    """``exc``, with the documented reason where a parametrized module with state (buffers in
+    its parametrizations, as spectral_norm's) ran more than once in the forward."""
+    stateful = sorted(
+        path or "<root>"
+        for path, module in _parametrized(stock)
+        if path in twice and any(True for _ in module.parametrizations.buffers())
+    )
+    if mode == "inline" or not stateful:
+        return exc
+    return AssertionError(
+        f"{exc} ({', '.join(stateful)} ran more than once in the forward: mode={mode!r} computes a "
+        "parametrized tensor once per call, so a stateful parametrization such as spectral_norm "
+        "advances once where stock advances at every read; prepare it with mode='inline', e.g. "
+        "through filter_fn)"
+    )
+
+
+def _copy_or_none(model: nn.Module) -> nn.Module | None:
+    """A deep copy of ``model``, or None where torch cannot make one (a module that keeps a
+    computed tensor across calls, as an LSTM's ``_flat_weights`` after a training step)."""
+    try:
+        return copy.deepcopy(model)
+    except RuntimeError:
+        return None
+
+
+@dataclasses.dataclass
+class _Ran:
+    """One copy's step: its arguments (inputs that require grad get a leaf of their own) and outputs."""
+
+    args: tuple[Any, ...]
+    outputs: Any
+
+
+def _step(call: Callable[..., Any], args: tuple[Any, ...], backward: bool | None, at: str = "") -> _Ran:
+    """Run ``call`` on fresh arguments; then backward on its loss if ``backward`` (None: if it
+    requires grad, as for stock, whose output decides for the others)."""
+    ran = _Ran(_fresh(args), None)
+    ran.outputs = call(*ran.args)
+    loss = _loss(ran.outputs)
+    if backward is None:
+        backward = _wants_backward(ran)
+    elif backward and (loss is None or not loss.requires_grad):
+        raise AssertionError(f"stock output requires grad but prepared output does not{at}")
+    if backward:
+        loss.backward()
+    return ran
+
+
+def _wants_backward(ran: _Ran) -> bool:
+    loss = _loss(ran.outputs)
+    return loss is not None and loss.requires_grad
+
+
+def _compare_step(
+    candidate: nn.Module,
+    stock: nn.Module,
+    cached: nn.Module | None,
+    expected: _Ran,
+    actual: _Ran,
+    at: str,
+    loose: set[int],
+    factor: float,
+    rtol: float | None,
+    atol: float | None,
+) -> _Tolerance:
+    """Everything one step leaves, prepared against stock; returns the step's tolerance."""
+    eps = torch.finfo(_lowest_precision(stock, expected.outputs)).eps
+    tol = _Tolerance(rtol or factor * eps, 1e-5 if factor else atol or 0.0, factor * eps)
+    _compare_outputs(actual.outputs, expected.outputs, at, tol)
+    _compare_grads(candidate, stock, cached, at, loose, tol, eps)
+    for i, (a, e) in enumerate(zip(actual.args, expected.args)):
+        if isinstance(e, torch.Tensor) and e.requires_grad:
+            _compare(f"grad of input {i}{at}", a.grad, e.grad, tol)
+    _compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
+    _compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
+    return tol
+
+
+@contextlib.contextmanager
+def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Counts the calls of each parametrized module of ``model`` (by path) in the block."""
+    counts: dict[str, int] = {}
+    handles = []
+    for path, module in _parametrized(model):
+        def count(*_: Any, path: str = path) -> None:
+            counts[path] = counts.get(path, 0) + 1
+        handles.append(module.register_forward_pre_hook(count))
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _originals_of(model: nn.Module, paths: set[str]) -> set[int]:
+    """The ids of the originals of the parametrized modules at ``paths``."""
+    return {
+        id(getattr(plist, name))
+        for path, module in _parametrized(model)
+        if path in paths
+        for plist in module.parametrizations.values()
+        for name in original_names(plist)
+    }
 
 
 def _loss(outputs: Any) -> torch.Tensor | None:
