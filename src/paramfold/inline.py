@@ -19,22 +19,29 @@ from paramfold.state import SiteState
 
 
 def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:
-    """Instance ``__dict__`` keys of a generated getter's inputs: chain members, then originals."""
-    ntensors, _, forwards = signature
-    originals = ["original"] if ntensors is None else [f"original{i}" for i in range(ntensors)]
+    """Instance ``__dict__`` keys of a generated getter's inputs: chain members, then the dict
+    holding each original (the getter reads ``self.<key>[<original's name>]``)."""
     return (
-        [f"_paramfold_{name}_m{i}" for i in range(len(forwards))],
-        [f"_paramfold_{name}_{o}" for o in originals],
+        [f"_paramfold_{name}_m{i}" for i in range(len(signature[2]))],
+        [f"_paramfold_{name}_{o}" for o in _originals(signature)],
     )
+
+
+def _originals(signature: tuple) -> list[str]:
+    ntensors = signature[0]
+    return ["original"] if ntensors is None else [f"original{i}" for i in range(ntensors)]
 
 
 def install_refs(module: nn.Module, name: str, site: SiteState) -> list[str]:
     """Store a generated getter's inputs as plain attributes of ``module``; returns their keys.
 
-    Compiled code then reaches each chain member and original with one attribute read, without
-    dynamo wrapping the ``parametrizations`` ModuleDict, the ``ParametrizationList`` or its dicts
-    on every read. Members are checked and originals re-synced (a ``load_state_dict(assign=True)``
-    replaces them) at every call scope and after every ``load_state_dict``.
+    Compiled code then reaches each chain member with one attribute read and each original with
+    one read of the ``ParametrizationList``'s own ``_parameters`` (or ``_buffers``) dict, without
+    dynamo wrapping the ``parametrizations`` ModuleDict or the ``ParametrizationList`` on every
+    read. The dict, not the tensor: an original replaced where no call scope runs (by
+    ``torch.func.functional_call`` inside compiled code, or ``load_state_dict(assign=True)``) is
+    read as it is then. Members and dicts are checked at every call scope (the dicts are pinned
+    to their owners, see ``SiteState.dict_pins``).
     """
     member_keys, original_keys = ref_keys(name, chain_signature(module, name))
     for key, member in zip(member_keys, site.chain):
@@ -45,11 +52,11 @@ def install_refs(module: nn.Module, name: str, site: SiteState) -> list[str]:
 
 
 def sync_refs(module: nn.Module, site: SiteState) -> None:
-    """Point the stored originals of a site at the ParametrizationList's current ones."""
+    """Point the stored original dicts of a site at the ParametrizationList's (put back if removed)."""
     values = module.__dict__
-    for key, d, k in site.original_refs:
-        if values.get(key) is not d[k]:
-            values[key] = d[k]
+    for key, d, _ in site.original_refs:
+        if values.get(key) is not d:
+            values[key] = d
 
 
 def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]:
@@ -100,7 +107,7 @@ def inline_property(name: str, signature: tuple) -> property:
     like stock, honouring ``parametrize.cached()``.
     """
     member_keys, original_keys = ref_keys(name, signature)
-    expr = ", ".join(f"self.{key}" for key in original_keys)
+    expr = ", ".join(f"self.{key}[{o!r}]" for key, o in zip(original_keys, _originals(signature)))
     for i, (key, forward) in enumerate(zip(member_keys, signature[2])):
         expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
     source = (

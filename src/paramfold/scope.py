@@ -19,6 +19,14 @@ How each entry point reaches a scope:
 * Anything dynamo inlines from a bigger compiled region sees no scope and computes values through
   the descriptor in-graph: correct, at stock-like compile cost.
 
+Calls nested in a scope: a forward may swap originals below it before calling a submodule
+(``torch.func.functional_call(self.inner, params, x)``). Every eager call of an entry reads its
+``_compiled_call_impl`` (:func:`_get_compiled_call_impl`); inside a scope that read checks, in one
+C-level pass, that the tensors below are those the installed values were computed from, and
+where they are not, the call runs with those values computed afresh and put back after. Nested
+calls inside compiled code are traced, not called, so hoisted and frozen values are not
+re-checked there (a documented limit; inline reads originals where it reads them).
+
 Threads: which entries a scope covers is thread-local; the values themselves live in the modules'
 ``__dict__``, which every thread sees. So a scope *claims* each holder under one lock: the first
 claim installs values, later claims by other threads share them only when both calls run under
@@ -30,8 +38,11 @@ instead of letting one thread's values (and autograd graph) leak into the other'
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import threading
 from collections.abc import Callable
+from operator import getitem
 from typing import Any
 
 import torch
@@ -53,6 +64,8 @@ _LOCK = threading.RLock()
 
 class _Local(threading.local):
     covered: frozenset[int] = frozenset()
+    #: The entry whose scope was opened last, until its own call reaches ``_compiled_call_impl``.
+    opened: nn.Module | None = None
 
 
 _local = _Local()
@@ -75,6 +88,7 @@ def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module] | Plan]:
             state.plan = Plan.build(state.holders, grad, _shareable)
     previous = _local.covered
     _local.covered = state.covers
+    _local.opened = entry
     return previous, claimed
 
 
@@ -122,6 +136,10 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
                 if value is None:
                     values.pop(name, None)
                     continue
+            read_from = _inputs(site)
+            if not _same(read_from, site.read_from):
+                site.read_from = read_from
+                _Installs.count += 1
             if site.hook is not None:  # hook-based norm: like stock, the value stays; its hook is out meanwhile
                 values[name] = value
                 hook_keys.append(site.hook_key)
@@ -275,7 +293,106 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
 
 def _close(previous: frozenset[int], claimed: list[nn.Module] | Plan) -> None:
     _local.covered = previous
+    _local.opened = None
     _release(claimed)
+
+
+def _inputs(site: SiteState) -> tuple:
+    return tuple(itertools.chain.from_iterable(map(dict.values, site.tensor_dicts)))
+
+
+def _same(now: tuple, then: tuple) -> bool:
+    return len(now) == len(then) and all(map(operator.is_, now, then))
+
+
+class _Installs:
+    """Counts changes of any site's ``read_from`` (under the scope lock): an entry's nested-call
+    check (:func:`_nested_check`) stays valid until the next one. Shared by all models, so one
+    model's change only makes another's check be rebuilt, never trusted wrongly."""
+
+    count = 0
+
+
+def _nested_check(entry: nn.Module) -> tuple:
+    """``(install count, dicts, keys, tensors, sized dicts, sizes, swapped)`` for the sites below
+    ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is tensors[i]`` and the
+    dicts' sizes hold while nothing was swapped since the values were installed."""
+    state = entry.__dict__[STATE_ATTR]
+    dicts, keys, tensors, sized, swapped = [], [], [], [], []
+    for holder in state.holders:
+        values = holder.__dict__
+        for name, site in values[STATE_ATTR].sites.items():
+            if site.mode == "inline" or name not in values:
+                continue  # computed where it is read, from what is there then
+            if not _same(_inputs(site), site.read_from):
+                swapped.append((holder, name))
+                continue
+            for d in site.tensor_dicts:
+                sized.append(d)
+                for key in d:
+                    dicts.append(d)
+                    keys.append(key)
+            tensors.extend(site.read_from)
+    check = (_Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped)
+    state.nested_check = check
+    return check
+
+
+def _swapped(entry: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The sites below ``entry`` whose value in ``__dict__`` was computed from tensors that are
+    no longer there: a call of ``entry`` nested in a scope, after the forward swapped originals
+    (``torch.func.functional_call(self.submodule, params, ...)``). One pass of C-level checks
+    while nothing was swapped."""
+    check = entry.__dict__[STATE_ATTR].nested_check
+    if check is None or check[0] != _Installs.count:
+        check = _nested_check(entry)
+    try:
+        if not check[6] and all(map(operator.is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
+            return []
+    except KeyError:  # a key gone
+        pass
+    entry.__dict__[STATE_ATTR].nested_check = None
+    return [
+        (holder, name)
+        for holder in entry.__dict__[STATE_ATTR].holders
+        for name, site in holder.__dict__[STATE_ATTR].sites.items()
+        if site.mode != "inline" and name in holder.__dict__ and not _same(_inputs(site), site.read_from)
+    ]
+
+
+def _call_swapped(entry: nn.Module, swapped: list[tuple[nn.Module, str]], call: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``call`` with the ``swapped`` sites' values computed from the tensors there now, as stock
+    computes them at each read; the scope's values are put back after."""
+    put_back = []
+    try:
+        with _LOCK:
+            for holder, name in swapped:
+                hs = holder.__dict__[STATE_ATTR]
+                if hs.users > 1:  # another thread's call shares these values
+                    raise _concurrent(entry)
+                site = hs.sites[name]
+                value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
+                put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from))
+                holder.__dict__[name] = value
+                site.read_from = _inputs(site)  # calls nested in this one use the new value
+            _Installs.count += 1
+        return call(*args, **kwargs)
+    finally:
+        with _LOCK:
+            for values, name, value, site, read_from in reversed(put_back):
+                values[name] = value
+                site.read_from = read_from
+            _Installs.count += 1
+
+
+def _nested(module: nn.Module, call: Callable) -> Callable:
+    """``call`` for a call of ``module`` inside an open scope: itself unless originals below
+    were swapped since the scope opened (the entry that opened it skips the check once)."""
+    if _local.opened is module:
+        _local.opened = None
+        return call
+    swapped = _swapped(module)
+    return functools.partial(_call_swapped, module, swapped, call) if swapped else call
 
 
 # Both run eagerly even when dynamo is active around them: the scope's work must never be traced.
@@ -299,8 +416,10 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling() or _in_scope(module):
+    if torch.compiler.is_compiling():
         return compiled(*args, **kwargs)
+    if _in_scope(module):
+        return _nested(module, compiled)(*args, **kwargs)
     previous, claimed = _open_scope(module)
     try:
         return compiled(*args, **kwargs)
@@ -309,10 +428,28 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
 
 
 def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
+    # nn.Module._wrapped_call_impl reads this at every eager call of an entry: where the call is
+    # nested in a scope and originals below were swapped, it answers with a call that computes
+    # their values afresh.
     compiled = self.__dict__.get("_compiled_call_impl")
-    if compiled is None:
+    if compiled is not None:
+        return functools.partial(_scoped_compiled_call, self, compiled)
+    local = _local
+    if id(self) not in local.covered:
         return None
-    return functools.partial(_scoped_compiled_call, self, compiled)
+    if local.opened is self:
+        local.opened = None
+        return None
+    # _swapped's first test, here: no frame of its own while nothing was swapped.
+    check = self.__dict__[STATE_ATTR].nested_check
+    if check is not None and check[0] == _Installs.count and not check[6]:
+        try:
+            if all(map(operator.is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
+                return None
+        except KeyError:
+            pass
+    swapped = _swapped(self)
+    return functools.partial(_call_swapped, self, swapped, self._call_impl) if swapped else None
 
 
 def _set_compiled_call_impl(self: nn.Module, value: Callable | None) -> None:
@@ -327,6 +464,6 @@ compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
 # __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
 # eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
 # forward).
-for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl):
+for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl, _call_swapped):
     run_eagerly_as_frame(_fn)
 del _fn

@@ -72,6 +72,10 @@ class SiteState:
     hook: Any = None
     hook_kind: str = ""
     hook_key: int = -1
+    #: Every tensor of ``tensor_dicts`` when a call scope last put this site's value in its
+    #: module's ``__dict__``: a call nested in that scope compares them, to see originals swapped
+    #: inside the forward (``torch.func.functional_call`` of a submodule).
+    read_from: tuple = ()
 
     @property
     def training_stateful(self) -> bool:
@@ -181,6 +185,8 @@ class ModuleState:
     kept: tuple[str, ...] = ()
     #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one.
     plan: Any = None
+    #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
+    nested_check: Any = None
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
