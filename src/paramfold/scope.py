@@ -19,13 +19,13 @@ How each entry point reaches a scope:
 * Anything dynamo inlines from a bigger compiled region sees no scope and computes values through
   the descriptor in-graph: correct, at stock-like compile cost.
 
-Calls nested in a scope: a forward may swap originals below it before calling a submodule
-(``torch.func.functional_call(self.inner, params, x)``). Every eager call of an entry reads its
-``_compiled_call_impl`` (:func:`_get_compiled_call_impl`); inside a scope that read checks, in one
-C-level pass, that the tensors below are those the installed values were computed from, and
-where they are not, the call runs with those values computed afresh and put back after. Nested
-calls inside compiled code are traced, not called, so hoisted and frozen values are not
-re-checked there (a documented limit; inline reads originals where it reads them).
+Calls nested in a scope: a forward may swap or change originals before it calls a submodule
+(``torch.func.functional_call(self.inner, params, x)``, MoCo's momentum update). Every eager call
+of an entry reads its ``_compiled_call_impl`` (:func:`_get_compiled_call_impl`), which checks in
+one C-level pass what :mod:`paramfold.scope_nested` recorded, and runs the call with changed
+values computed afresh. Nested calls inside compiled code are traced, not called: hoisted and
+frozen values are not re-checked there (a documented limit; inline reads originals where it
+reads them).
 
 Threads: which entries a scope covers is thread-local; the values themselves live in the modules'
 ``__dict__``, which every thread sees. So a scope *claims* each holder under one lock: the first
@@ -38,17 +38,16 @@ instead of letting one thread's values (and autograd graph) leak into the other'
 from __future__ import annotations
 
 import functools
-import itertools
-import operator
 import threading
 from collections.abc import Callable
-from operator import getitem
+from operator import getitem, is_
 from typing import Any
 
 import torch
 from torch import nn
 
 from paramfold import hooknorms
+from paramfold import scope_nested as nested
 from paramfold.compute import compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
@@ -59,6 +58,11 @@ from paramfold.scope_plan import Plan, holds
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
 
 _MODULE_CALL = nn.Module.__call__
+_version = torch._C.TensorBase._version.__get__
+_data_ptr = torch._C.TensorBase.data_ptr
+# Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
+# without it counts as "maybe": nested calls then see swaps only.
+_eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
 _LOCK = threading.RLock()
 
 
@@ -136,10 +140,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
                 if value is None:
                     values.pop(name, None)
                     continue
-            read_from = _inputs(site)
-            if not _same(read_from, site.read_from):
-                site.read_from = read_from
-                _Installs.count += 1
+            nested.record(site)
             if site.hook is not None:  # hook-based norm: like stock, the value stays; its hook is out meanwhile
                 values[name] = value
                 hook_keys.append(site.hook_key)
@@ -297,102 +298,17 @@ def _close(previous: frozenset[int], claimed: list[nn.Module] | Plan) -> None:
     _release(claimed)
 
 
-def _inputs(site: SiteState) -> tuple:
-    return tuple(itertools.chain.from_iterable(map(dict.values, site.tensor_dicts)))
-
-
-def _same(now: tuple, then: tuple) -> bool:
-    return len(now) == len(then) and all(map(operator.is_, now, then))
-
-
-class _Installs:
-    """Counts changes of any site's ``read_from`` (under the scope lock): an entry's nested-call
-    check (:func:`_nested_check`) stays valid until the next one. Shared by all models, so one
-    model's change only makes another's check be rebuilt, never trusted wrongly."""
-
-    count = 0
-
-
-def _nested_check(entry: nn.Module) -> tuple:
-    """``(install count, dicts, keys, tensors, sized dicts, sizes, swapped)`` for the sites below
-    ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is tensors[i]`` and the
-    dicts' sizes hold while nothing was swapped since the values were installed."""
-    state = entry.__dict__[STATE_ATTR]
-    dicts, keys, tensors, sized, swapped = [], [], [], [], []
-    for holder in state.holders:
-        values = holder.__dict__
-        for name, site in values[STATE_ATTR].sites.items():
-            if site.mode == "inline" or name not in values:
-                continue  # computed where it is read, from what is there then
-            if not _same(_inputs(site), site.read_from):
-                swapped.append((holder, name))
-                continue
-            for d in site.tensor_dicts:
-                sized.append(d)
-                for key in d:
-                    dicts.append(d)
-                    keys.append(key)
-            tensors.extend(site.read_from)
-    check = (_Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped)
-    state.nested_check = check
-    return check
-
-
-def _swapped(entry: nn.Module) -> list[tuple[nn.Module, str]]:
-    """The sites below ``entry`` whose value in ``__dict__`` was computed from tensors that are
-    no longer there: a call of ``entry`` nested in a scope, after the forward swapped originals
-    (``torch.func.functional_call(self.submodule, params, ...)``). One pass of C-level checks
-    while nothing was swapped."""
-    check = entry.__dict__[STATE_ATTR].nested_check
-    if check is None or check[0] != _Installs.count:
-        check = _nested_check(entry)
-    try:
-        if not check[6] and all(map(operator.is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
-            return []
-    except KeyError:  # a key gone
-        pass
-    entry.__dict__[STATE_ATTR].nested_check = None
-    return [
-        (holder, name)
-        for holder in entry.__dict__[STATE_ATTR].holders
-        for name, site in holder.__dict__[STATE_ATTR].sites.items()
-        if site.mode != "inline" and name in holder.__dict__ and not _same(_inputs(site), site.read_from)
-    ]
-
-
-def _call_swapped(entry: nn.Module, swapped: list[tuple[nn.Module, str]], call: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``call`` with the ``swapped`` sites' values computed from the tensors there now, as stock
-    computes them at each read; the scope's values are put back after."""
-    put_back = []
-    try:
-        with _LOCK:
-            for holder, name in swapped:
-                hs = holder.__dict__[STATE_ATTR]
-                if hs.users > 1:  # another thread's call shares these values
-                    raise _concurrent(entry)
-                site = hs.sites[name]
-                value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
-                put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from))
-                holder.__dict__[name] = value
-                site.read_from = _inputs(site)  # calls nested in this one use the new value
-            _Installs.count += 1
-        return call(*args, **kwargs)
-    finally:
-        with _LOCK:
-            for values, name, value, site, read_from in reversed(put_back):
-                values[name] = value
-                site.read_from = read_from
-            _Installs.count += 1
-
-
 def _nested(module: nn.Module, call: Callable) -> Callable:
-    """``call`` for a call of ``module`` inside an open scope: itself unless originals below
-    were swapped since the scope opened (the entry that opened it skips the check once)."""
+    """``call`` for a call of ``module`` inside an open scope: itself unless inputs below it
+    changed since the scope opened (:mod:`paramfold.scope_nested`; the entry that opened the
+    scope skips the check once)."""
     if _local.opened is module:
         _local.opened = None
         return call
-    swapped = _swapped(module)
-    return functools.partial(_call_swapped, module, swapped, call) if swapped else call
+    if nested.unchanged(nested.check_of(module)):
+        return call
+    found = nested.changed(module)
+    return functools.partial(nested.call_changed, module, found, _LOCK, _concurrent, call) if found else call
 
 
 # Both run eagerly even when dynamo is active around them: the scope's work must never be traced.
@@ -409,9 +325,15 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling() or _in_scope(self):
         return _MODULE_CALL(self, *args, **kwargs)
     previous, claimed = _open_scope(self)
+    snapshot = nested.local.snapshot
+    # Run eagerly (no dynamo callback, no compiled call): its nested calls will check what
+    # changed in place against the tensors as they are now.
+    eager = _eval_frame_callback() is None and self.__dict__.get("_compiled_call_impl") is None
+    nested.local.snapshot = nested.snapshot(self) if eager else None
     try:
         return _MODULE_CALL(self, *args, **kwargs)
     finally:
+        nested.local.snapshot = snapshot
         _close_scope(previous, claimed)
 
 
@@ -440,16 +362,23 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     if local.opened is self:
         local.opened = None
         return None
-    # _swapped's first test, here: no frame of its own while nothing was swapped.
+    # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     check = self.__dict__[STATE_ATTR].nested_check
-    if check is not None and check[0] == _Installs.count and not check[6]:
+    if check is not None and check[0] == nested.Installs.count and not check[6]:
         try:
-            if all(map(operator.is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
-                return None
-        except KeyError:
+            if all(map(is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
+                snap, plain = nested.local.snapshot, check[7]
+                if snap is None or not plain:
+                    return None
+                ids = list(map(id, plain))
+                if list(map(snap[0].__getitem__, ids)) == list(map(_version, plain)) and \
+                        list(map(snap[1].__getitem__, ids)) == list(map(_data_ptr, plain)):
+                    return None
+        except (LookupError, RuntimeError):
             pass
-    swapped = _swapped(self)
-    return functools.partial(_call_swapped, self, swapped, self._call_impl) if swapped else None
+    call = self._call_impl
+    found = nested.changed(self) if not nested.unchanged(nested.check_of(self)) else []
+    return functools.partial(nested.call_changed, self, found, _LOCK, _concurrent, call) if found else None
 
 
 def _set_compiled_call_impl(self: nn.Module, value: Callable | None) -> None:
@@ -464,6 +393,6 @@ compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
 # __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
 # eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
 # forward).
-for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl, _call_swapped):
+for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl, nested.call_changed):
     run_eagerly_as_frame(_fn)
 del _fn

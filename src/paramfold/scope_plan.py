@@ -105,7 +105,10 @@ class Plan:
                 elif name in hs.installed and frozen is None and site.subclass is False:
                     # Hoisted: the same choice next call as long as the originals are the same
                     # tensors (so not DTensors) and, for auto, nothing that decides it changed.
-                    originals.extend((d, key, d[key]) for d, key in site.originals)
+                    # Every tensor of the chain's dicts, not only the originals: module.to()
+                    # replaces buffers, and what a call nested in the scope checks
+                    # (scope_nested, site.read_from) was recorded from all of them.
+                    originals.extend((d, key, t) for d in site.tensor_dicts for key, t in d.items())
                     if site.mode == "auto":
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
                     if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing

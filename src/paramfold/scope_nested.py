@@ -1,0 +1,217 @@
+"""Calls nested in an open call scope, after the forward changed what the scope's values were computed from.
+
+A scope (:mod:`paramfold.scope`) computes its hoisted and frozen values when the prepared model's
+call begins. A forward may then change their inputs before it calls a submodule:
+
+* swap them: ``torch.func.functional_call(self.inner, params, x)`` puts other tensors in the
+  ``ParametrizationList``'s dicts for the call of ``self.inner``, then puts the originals back;
+* change them in place: MoCo's momentum update, ``param_k.data = m * param_k.data + (1 - m) *
+  param_q.data``, inside ``forward``, before ``self.key_encoder(x)``.
+
+Every eager call of an entry reads its ``_compiled_call_impl`` (``scope._get_compiled_call_impl``),
+which checks the entry's :func:`check_of` columns: the tensors below it are the ones its values
+were computed from (always), and, where the scope was opened eagerly, their version counters and
+storage addresses are those of when it opened (:func:`snapshot`). Where something differs,
+:func:`call_changed` runs the call with those values computed afresh, as stock computes each
+read: a swapped value is put back after (the originals come back), a value changed in place stays
+(it is the current one for the rest of the call).
+
+Not seen: reads that are not inside a nested module call (a forward reading ``self.k.weight``
+after changing it); in-place edits through ``.data`` (they bump no version counter); and
+anything inside compiled code, where nested calls are traced, not called (README, Notes and
+limits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from operator import getitem, is_
+from typing import Any
+
+import torch
+from torch import nn
+
+from paramfold import hooknorms
+from paramfold.compute import compute
+from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
+
+_version = torch._C.TensorBase._version.__get__
+_data_ptr = torch._C.TensorBase.data_ptr
+
+
+class _Local(threading.local):
+    #: ``({id: version}, {id: storage address})`` of the plain tensors below the entry whose
+    #: scope this thread opened eagerly, taken when it opened; None otherwise.
+    snapshot: tuple[dict, dict] | None = None
+
+
+local = _Local()
+
+
+class Installs:
+    """Counts changes of any site's ``read_from`` (under the scope lock): an entry's
+    :func:`check_of` stays valid until the next one. Shared by all models, so one model's change
+    only makes another's check be rebuilt, never trusted wrongly."""
+
+    count = 0
+
+
+def inputs(site: SiteState) -> tuple:
+    return tuple(itertools.chain.from_iterable(map(dict.values, site.tensor_dicts)))
+
+
+def same(now: tuple, then: tuple) -> bool:
+    return len(now) == len(then) and all(map(is_, now, then))
+
+
+def record(site: SiteState) -> None:
+    """Note what a value just put in ``__dict__`` by the scope was computed from."""
+    read_from = inputs(site)
+    if not same(read_from, site.read_from):
+        site.read_from = read_from
+        Installs.count += 1
+
+
+def check_of(entry: nn.Module) -> tuple:
+    """``(count, dicts, keys, tensors, sized dicts, sizes, swapped, plain tensors)`` for the sites
+    below ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is tensors[i]`` and the
+    dicts' sizes hold while nothing was swapped since the values were put there."""
+    state = entry.__dict__[STATE_ATTR]
+    check = state.nested_check
+    if check is not None and check[0] == Installs.count:
+        return check
+    dicts, keys, tensors, sized, swapped = [], [], [], [], []
+    for holder, name, site in _valued(entry):
+        if not same(inputs(site), site.read_from):
+            swapped.append((holder, name))
+            continue
+        for d in site.tensor_dicts:
+            sized.append(d)
+            for key in d:
+                dicts.append(d)
+                keys.append(key)
+        tensors.extend(site.read_from)
+    plain = [t for t in tensors if type(t) in PLAIN_TENSOR_TYPES]
+    check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain)
+    state.nested_check = check
+    return check
+
+
+def snapshot(entry: nn.Module) -> tuple[dict, dict] | None:
+    """Version counters and storage addresses of the plain tensors below ``entry``, now."""
+    plain = check_of(entry)[7]
+    ids = list(map(id, plain))
+    try:
+        return dict(zip(ids, map(_version, plain))), dict(zip(ids, map(_data_ptr, plain)))
+    except RuntimeError:  # a tensor without storage: only swaps are seen
+        return None
+
+
+def unchanged(check: tuple) -> bool:
+    """Nothing below the entry of ``check`` changed: what ``scope._get_compiled_call_impl``
+    tests inline (without a frame of its own), for the other callers."""
+    try:
+        if check[6] or not all(map(is_, map(getitem, check[1], check[2]), check[3])):
+            return False
+        if list(map(len, check[4])) != check[5]:
+            return False
+        snap = local.snapshot
+        if snap is not None and check[7]:
+            plain = check[7]
+            ids = list(map(id, plain))
+            if list(map(snap[0].__getitem__, ids)) != list(map(_version, plain)):
+                return False
+            if list(map(snap[1].__getitem__, ids)) != list(map(_data_ptr, plain)):
+                return False
+    except (LookupError, RuntimeError):  # a key gone, a tensor the snapshot lacks
+        return False
+    return True
+
+
+def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool]]:
+    """``(holder, name, swapped)`` of every site below ``entry`` whose inputs differ from those
+    its value was computed from: other tensors (swapped), or the same ones changed in place."""
+    entry.__dict__[STATE_ATTR].nested_check = None
+    snap = local.snapshot
+    found = []
+    for holder, name, site in _valued(entry):
+        now = inputs(site)
+        if not same(now, site.read_from):
+            found.append((holder, name, True))
+        elif snap is not None and _moved(now, snap):
+            found.append((holder, name, False))
+    return found
+
+
+def call_changed(
+    entry: nn.Module,
+    found: list[tuple[nn.Module, str, bool]],
+    lock: Any,
+    busy: Callable[[nn.Module], Exception],
+    call: Callable,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``call`` with the values of ``found`` computed from the tensors there now; swapped ones
+    are put back after. ``busy(entry)`` is raised where another thread shares a value."""
+    put_back = []
+    try:
+        with lock:
+            for holder, name, swapped in found:
+                hs = holder.__dict__[STATE_ATTR]
+                if hs.users > 1:
+                    raise busy(entry)
+                site = hs.sites[name]
+                value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
+                if swapped:
+                    put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from))
+                holder.__dict__[name] = value
+                site.read_from = inputs(site)  # calls nested in this one use the new value
+                _refresh(site)
+            Installs.count += 1
+        return call(*args, **kwargs)
+    finally:
+        if put_back:
+            with lock:
+                for values, name, value, site, read_from in reversed(put_back):
+                    values[name] = value
+                    site.read_from = read_from
+                    _refresh(site)
+                Installs.count += 1
+
+
+def _valued(entry: nn.Module):
+    for holder in entry.__dict__[STATE_ATTR].holders:
+        values = holder.__dict__
+        for name, site in values[STATE_ATTR].sites.items():
+            if site.mode != "inline" and name in values:  # inline computes where it reads
+                yield holder, name, site
+
+
+def _moved(tensors: tuple, snap: tuple[dict, dict]) -> bool:
+    versions, addresses = snap
+    for t in tensors:
+        if type(t) not in PLAIN_TENSOR_TYPES:
+            continue
+        try:
+            if versions[id(t)] != _version(t) or addresses[id(t)] != _data_ptr(t):
+                return True
+        except (LookupError, RuntimeError):
+            return True
+    return False
+
+
+def _refresh(site: SiteState) -> None:
+    """The snapshot takes this site's tensors as they are now (its value was just computed from
+    them; a stateful chain's own buffer updates must not count as a change)."""
+    snap = local.snapshot
+    if snap is None:
+        return
+    for t in site.read_from:
+        if type(t) in PLAIN_TENSOR_TYPES:
+            try:
+                snap[0][id(t)], snap[1][id(t)] = _version(t), _data_ptr(t)
+            except RuntimeError:
+                pass
