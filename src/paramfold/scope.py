@@ -351,8 +351,8 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
 
 def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # nn.Module._wrapped_call_impl reads this at every eager call of an entry: where the call is
-    # nested in a scope and originals below were swapped, it answers with a call that computes
-    # their values afresh.
+    # nested in a scope and tensors below were swapped or changed since it opened, it answers
+    # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:
         return functools.partial(_scoped_compiled_call, self, compiled)
@@ -367,10 +367,9 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     if check is not None and check[0] == nested.Installs.count and not check[6]:
         try:
             if all(map(is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
-                snap, plain = nested.local.snapshot, check[7]
+                snap, plain, ids = nested.local.snapshot, check[7], check[8]
                 if snap is None or not plain:
                     return None
-                ids = list(map(id, plain))
                 if list(map(snap[0].__getitem__, ids)) == list(map(_version, plain)) and \
                         list(map(snap[1].__getitem__, ids)) == list(map(_data_ptr, plain)):
                     return None

@@ -75,9 +75,10 @@ def record(site: SiteState) -> None:
 
 
 def check_of(entry: nn.Module) -> tuple:
-    """``(count, dicts, keys, tensors, sized dicts, sizes, swapped, plain tensors)`` for the sites
-    below ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is tensors[i]`` and the
-    dicts' sizes hold while nothing was swapped since the values were put there."""
+    """``(count, dicts, keys, tensors, sized dicts, sizes, swapped, plain tensors, their ids)``
+    for the sites below ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is
+    tensors[i]`` and the dicts' sizes hold while nothing was swapped since the values were put
+    there."""
     state = entry.__dict__[STATE_ATTR]
     check = state.nested_check
     if check is not None and check[0] == Installs.count:
@@ -94,15 +95,15 @@ def check_of(entry: nn.Module) -> tuple:
                 keys.append(key)
         tensors.extend(site.read_from)
     plain = [t for t in tensors if type(t) in PLAIN_TENSOR_TYPES]
-    check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain)
+    check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain, list(map(id, plain)))
     state.nested_check = check
     return check
 
 
 def snapshot(entry: nn.Module) -> tuple[dict, dict] | None:
     """Version counters and storage addresses of the plain tensors below ``entry``, now."""
-    plain = check_of(entry)[7]
-    ids = list(map(id, plain))
+    check = check_of(entry)
+    plain, ids = check[7], check[8]
     try:
         return dict(zip(ids, map(_version, plain))), dict(zip(ids, map(_data_ptr, plain)))
     except RuntimeError:  # a tensor without storage: only swaps are seen
@@ -119,8 +120,7 @@ def unchanged(check: tuple) -> bool:
             return False
         snap = local.snapshot
         if snap is not None and check[7]:
-            plain = check[7]
-            ids = list(map(id, plain))
+            plain, ids = check[7], check[8]
             if list(map(snap[0].__getitem__, ids)) != list(map(_version, plain)):
                 return False
             if list(map(snap[1].__getitem__, ids)) != list(map(_data_ptr, plain)):
