@@ -394,6 +394,28 @@ def test_checker_holds_compiled_steps_to_stock_compiled_where_torch_compiles_ano
             torch._dynamo.reset()
 
 
+class _Recurrent(nn.Module):
+    """An LSTM with a weight-normed recurrent weight: after a training step it keeps the computed
+    weight in ``_flat_weights``, which torch cannot deep-copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 6, batch_first=True)
+        weight_norm(self.rnn, "weight_hh_l0")
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_checker_runs_compiled_steps_of_a_model_torch_cannot_copy_mid_run():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    try:
+        pt.assert_equivalent(_Recurrent().train(), torch.randn(2, 3, 4), "hoist", steps=2, compile={"backend": "aot_eager"})
+    finally:
+        torch._dynamo.reset()
+
+
 class _Twice(nn.Module):
     """One parametrized layer, registered once, called twice per forward."""
 
