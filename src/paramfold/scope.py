@@ -376,8 +376,8 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         except (LookupError, RuntimeError):
             pass
     call = self._call_impl
-    found = nested.changed(self) if not nested.unchanged(nested.check_of(self)) else []
-    return functools.partial(nested.call_changed, self, found, _LOCK, _concurrent, call) if found else None
+    wrapped = _nested(self, call)
+    return None if wrapped is call else wrapped
 
 
 def _set_compiled_call_impl(self: nn.Module, value: Callable | None) -> None:
