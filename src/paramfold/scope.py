@@ -56,10 +56,10 @@ from paramfold.inline import sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
+from paramfold.state import tensor_data_ptr as _data_ptr
+from paramfold.state import tensor_version as _version
 
 _MODULE_CALL = nn.Module.__call__
-_version = torch._C.TensorBase._version.__get__
-_data_ptr = torch._C.TensorBase.data_ptr
 # Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
 # without it counts as "maybe": nested calls then see swaps only.
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)

@@ -30,15 +30,14 @@ from collections.abc import Callable
 from operator import getitem, is_
 from typing import Any
 
-import torch
 from torch import nn
 
 from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
+from paramfold.state import tensor_data_ptr as _data_ptr
+from paramfold.state import tensor_version as _version
 
-_version = torch._C.TensorBase._version.__get__
-_data_ptr = torch._C.TensorBase.data_ptr
 
 
 class _Local(threading.local):

@@ -25,16 +25,14 @@ from torch import nn
 from paramfold.compute import compute
 from paramfold.freeze import memcmp, same_inputs
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
+from paramfold.state import tensor_data_ptr as _data_ptr
+from paramfold.state import tensor_requires_grad as _plain_requires_grad
+from paramfold.state import tensor_version as _version
 
 _users = attrgetter("users")
 _kept = attrgetter("kept")
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
-# Plain tensors' own accessors, without an attribute lookup per tensor (only used on tensors
-# whose type is in state.PLAIN_TENSOR_TYPES, which override none of them).
-_version = torch._C.TensorBase._version.__get__
-_plain_requires_grad = torch._C.TensorBase.requires_grad.__get__
-_data_ptr = torch._C.TensorBase.data_ptr
 _set_class = object.__setattr__
 
 

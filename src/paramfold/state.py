@@ -111,6 +111,12 @@ def distributed(site: SiteState) -> bool:
 #: The tensor types that are not subclasses: they override none of TensorBase's accessors.
 PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
 
+# Plain tensors' own accessors, without an attribute lookup per tensor (only for tensors whose
+# type is in PLAIN_TENSOR_TYPES): the version counter, the storage address, requires_grad.
+tensor_version = torch._C.TensorBase._version.__get__
+tensor_data_ptr = torch._C.TensorBase.data_ptr
+tensor_requires_grad = torch._C.TensorBase.requires_grad.__get__
+
 
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:
     plist = module._modules["parametrizations"]._modules[name]
