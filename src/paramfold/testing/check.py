@@ -277,7 +277,7 @@ def assert_equivalent(
             loose |= _originals_of(candidate, twice)
         if step == 0 and loose:
             cached = spare
-        backward = _wants_backward(expected)
+        backward = expected.backward
         actual = _step(run, args, backward, at)
         if cached is not None:
             with parametrize.cached():
@@ -340,30 +340,27 @@ def _copy_or_none(model: nn.Module) -> nn.Module | None:
 
 @dataclasses.dataclass
 class _Ran:
-    """One copy's step: its arguments (inputs that require grad get a leaf of their own) and outputs."""
+    """One copy's step: its arguments (inputs that require grad get a leaf of their own), its
+    outputs, and whether it ran backward."""
 
     args: tuple[Any, ...]
-    outputs: Any
+    outputs: Any = None
+    backward: bool = False
 
 
 def _step(call: Callable[..., Any], args: tuple[Any, ...], backward: bool | None, at: str = "") -> _Ran:
     """Run ``call`` on fresh arguments; then backward on its loss if ``backward`` (None: if it
     requires grad, as for stock, whose output decides for the others)."""
-    ran = _Ran(_fresh(args), None)
+    ran = _Ran(_fresh(args))
     ran.outputs = call(*ran.args)
     loss = _loss(ran.outputs)
-    if backward is None:
-        backward = _wants_backward(ran)
-    elif backward and (loss is None or not loss.requires_grad):
+    wants = loss is not None and loss.requires_grad
+    if backward and not wants:
         raise AssertionError(f"stock output requires grad but prepared output does not{at}")
-    if backward:
+    ran.backward = wants if backward is None else backward
+    if ran.backward:
         loss.backward()
     return ran
-
-
-def _wants_backward(ran: _Ran) -> bool:
-    loss = _loss(ran.outputs)
-    return loss is not None and loss.requires_grad
 
 
 def _compare_step(
