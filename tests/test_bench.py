@@ -134,6 +134,38 @@ def test_run_bench_eval_structure_proxies_and_outputs():
         bench.BenchResult.from_dict({"schema": "something else"})
 
 
+def test_grad_phase_records_autograd_without_backward_and_skips_freeze():
+    seen, models = [], []
+
+    def hoist_probed(model):
+        paramfold.prepare(model, "hoist")
+        models.append(model)
+        linear = model.seq[0].linear
+
+        def probe(module, args, out):
+            seen.append((torch.is_grad_enabled(), module.training, module.weight.grad_fn is not None, out.requires_grad))
+
+        linear.register_forward_hook(probe)
+        return model
+
+    variants = [v for v in bench.default_variants() if v.name in ("baseline", "stock", "freeze")]
+    variants.append(Variant("hoist", hoist_probed))
+    config = BenchConfig(model="weight_norm", grad=True, **SMALL)
+    assert config.phase.name == "grad" and config.trainable
+    result = run_bench(config, variants=variants)
+    freeze = result.variant("freeze")
+    assert freeze.status == "skipped" and freeze.note == "inference only: skipped for --grad"
+    assert result.steady_unit.startswith("seconds per call (forward in train mode recording autograd")
+    # Every call of the hoisted model recorded autograd: grad on, train mode, a hoisted weight
+    # with a history, an output that requires grad (the bench detaches it after the call).
+    assert seen and set(seen) == {(True, True, True, True)}
+    for v in (result.variant(n) for n in ("baseline", "stock", "hoist")):
+        assert v.max_abs_diff == 0.0 and v.steady_max_abs_diff == 0.0
+    assert models and all(p.requires_grad and p.grad is None for m in models for p in m.parameters())  # no backward
+    with pytest.raises(ValueError, match="give one of them"):
+        BenchConfig(train=True, grad=True)
+
+
 def test_train_skips_freeze_and_keeps_outputs_equal():
     config = BenchConfig(model="spectral_norm", train=True, variants=("freeze", "hoist"), **SMALL)
     result = run_bench(config)
@@ -410,6 +442,7 @@ def test_cli_table_and_plot(tmp_path):  # matplotlib is in the test extra
         (["--sweep-layers", "0,4"], "e.g. 32,128,512; got '0,4'"),
         (["--sweep-layers", "4,4"], "lists a layer count twice"),
         (["--sweep-layers", "2,4", "--layers", "8"], "--sweep-layers replaces --layers"),
+        (["--grad", "--train"], "--grad is a forward without backward and --train a whole step"),
         pytest.param(["--device", "cuda"], "device 'cuda' is not available here",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA")),
     ],

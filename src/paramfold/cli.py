@@ -262,6 +262,10 @@ def bench(
         False, "--train/--eval", metavar="",
         help="One training step (forward+backward) or a no_grad forward.",
     ),
+    grad: bool = typer.Option(
+        False, "--grad", metavar="",
+        help="A forward in training mode that records autograd, with no backward (freeze is skipped). Instead of --train.",
+    ),
     repeats: int = typer.Option(3, help="First compiled calls per variant (min and median reported)."),
     steady_rounds: int = typer.Option(
         5, "--steady-rounds", help="Interleaved rounds of 10 steady calls (or training steps) per variant (min and median reported)."
@@ -309,7 +313,7 @@ def bench(
     err = Console(stderr=True)
     try:
         config = BenchConfig(
-            model=model, layers=layers, width=width, backend=backend, entry=entry, train=train,
+            model=model, layers=layers, width=width, backend=backend, entry=entry, train=train, grad=grad,
             repeats=repeats, threads=threads or None, steady_rounds=steady_rounds,
             variants=tuple(v.value for v in variant) if variant else None, device=device,
         )

@@ -17,10 +17,38 @@ from torch import nn
 from paramfold.bench.variants import VARIANT_NAMES
 from paramfold.bench.zoo import MODELS, ZooModel
 
-__all__ = ["BACKENDS", "ENTRIES", "BenchConfig", "build_model", "make_input", "parse_layer_counts"]
+__all__ = ["BACKENDS", "ENTRIES", "PHASES", "BenchConfig", "Phase", "build_model", "make_input", "parse_layer_counts"]
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 ENTRIES = ("model", "method", "layers")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one timed call does, and the words tables, documents and figures use for it."""
+
+    name: str
+    option: str  # the CLI option that selects it
+    label: str  # in a table's description line
+    steady_what: str  # what the steady time is, in a title
+    unit: str  # what one steady time is, in a JSON document
+    count: str  # what a steady round counts
+    short: str  # "per <short>", in a figure's axis
+
+
+#: ``eval``: a ``no_grad`` forward in eval mode; ``grad``: a forward in training mode recording
+#: autograd, no backward (what compiling costs where hoisted values require grad); ``train``: a
+#: training step.
+PHASES = {
+    "eval": Phase("eval", "--eval", "eval (no_grad)", "per call (eval, no_grad)",
+                  "seconds per call (eval, no_grad)", "calls", "call"),
+    "grad": Phase("grad", "--grad", "grad forward (train mode, no backward)",
+                  "per call (forward with grad, no backward)",
+                  "seconds per call (forward in train mode recording autograd, no backward)",
+                  "calls", "call"),
+    "train": Phase("train", "--train", "train step", "per training step (forward + backward)",
+                   "seconds per training step (zero_grad, forward, backward)", "steps", "training step"),
+}
 
 
 @dataclass(frozen=True)
@@ -38,8 +66,9 @@ class BenchConfig:
     ``repeats`` first compiled calls are timed per variant, each in a fresh compile state. The
     steady time is then measured for all variants side by side: each is compiled once more and
     called ``warmup_calls`` times, then ``steady_rounds`` interleaved rounds of ``steady_calls``
-    calls (a no_grad forward, or with ``train`` a training step: ``zero_grad``, forward,
-    backward) time every variant in turn.
+    calls (a no_grad forward; with ``grad`` a forward in training mode that records autograd,
+    and no backward; with ``train`` a training step: ``zero_grad``, forward, backward) time every
+    variant in turn.
     """
 
     model: str = "seed"
@@ -48,6 +77,7 @@ class BenchConfig:
     backend: str = "eager"
     entry: str = "model"
     train: bool = False
+    grad: bool = False
     repeats: int = 3
     steady_calls: int = 10
     warmup_calls: int = 2
@@ -65,6 +95,8 @@ class BenchConfig:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"unknown device {self.device!r}: {exc}") from None
+        if self.train and self.grad:
+            raise ValueError("--grad is a forward without backward and --train a whole step: give one of them")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
         if self.backend not in BACKENDS:
@@ -96,6 +128,16 @@ class BenchConfig:
             raise ValueError(f"device {self.device!r} is not available here (no CUDA device)")
 
     @property
+    def phase(self) -> Phase:
+        """What one timed call does (:data:`PHASES`)."""
+        return PHASES["train" if self.train else "grad" if self.grad else "eval"]
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the model is built trainable: in training mode, its tensors requiring grad."""
+        return self.train or self.grad
+
+    @property
     def spec(self) -> ZooModel:
         return MODELS[self.model]
 
@@ -121,8 +163,8 @@ def build_model(config: BenchConfig) -> nn.Module:
     """
     torch.manual_seed(config.seed)
     model = config.spec.build(config.n_layers, config.n_width).to(config.device)
-    model.train(config.train)
-    if not config.train:
+    model.train(config.trainable)
+    if not config.trainable:
         model.requires_grad_(False)
     return model
 

@@ -86,11 +86,15 @@ def cpu_seconds() -> float:
     return total
 
 
-def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, train: bool) -> torch.Tensor:
-    if train:
+def step(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, phase: str) -> torch.Tensor:
+    """One timed call of ``phase`` (:data:`~paramfold.bench.config.PHASES`): its output, detached."""
+    if phase == "train":
         out = fn(x)
         out.mean().backward()
         out = out.detach()
+    elif phase == "grad":
+        with torch.enable_grad():
+            out = fn(x).detach()
     else:
         with torch.no_grad():
             out = fn(x)
@@ -201,7 +205,7 @@ def first_call(variant: Variant, config: BenchConfig, x: torch.Tensor, repeat: i
         fn = compile_model(model, config)
         with gc_paused():
             c0, t0 = cpu_seconds(), time.perf_counter()
-            out = step(fn, x, config.train)
+            out = step(fn, x, config.phase.name)
             first_s = time.perf_counter() - t0
             first_cpu_s = cpu_seconds() - c0
         proxies = read_proxies()
@@ -259,10 +263,10 @@ def compiled_for_steady(variant: Variant, config: BenchConfig, x: torch.Tensor) 
     """A fresh model of ``variant`` with code of its own (:func:`own_code`), compiled and warmed up."""
     model = variant.prepare(own_code(build_model(config)))
     fn = compile_model(model, config)
-    out = step(fn, x, config.train)
+    out = step(fn, x, config.phase.name)
     for _ in range(config.warmup_calls):
         model.zero_grad(set_to_none=True)
-        step(fn, x, config.train)
+        step(fn, x, config.phase.name)
     return Compiled(model, fn, out)
 
 
@@ -278,7 +282,7 @@ def time_round(compiled: Compiled, x: torch.Tensor, config: BenchConfig) -> tupl
         for _ in range(config.steady_calls):
             if config.train:
                 model.zero_grad(set_to_none=True)
-            step(fn, x, config.train)
+            step(fn, x, config.phase.name)
         seconds = (time.perf_counter() - t0) / config.steady_calls
     return seconds, int(counters["stats"]["unique_graphs"] - graphs)
 

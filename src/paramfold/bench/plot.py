@@ -45,11 +45,11 @@ def _pyplot() -> Any:
 def _title(result: BenchResult, layers: str) -> str:
     c = result.config
     return (f"{c.model} x{layers}, backend={c.backend}, entry={c.entry}, "
-            f"{'train' if c.train else 'eval'}")
+            f"{c.phase.name}")
 
 
 def _steady_label(result: BenchResult) -> str:
-    return "training step" if result.config.train else "call"
+    return result.config.phase.short
 
 
 def _save(fig: Any, plt: Any, path: str | os.PathLike[str]) -> Path:

@@ -46,7 +46,7 @@ def _diff(value: float | None) -> str:
 
 def _describe(result: BenchResult, layers: str) -> str:
     c, env = result.config, result.environment
-    mode = "train step" if c.train else "eval (no_grad)"
+    mode = c.phase.label
     return (
         f"model={c.model} layers={layers} width={c.n_width} batch={c.batch} "
         f"backend={c.backend} entry={c.entry} {mode} repeats={c.repeats} "
@@ -61,14 +61,14 @@ def describe_config(result: BenchResult) -> str:
 
 
 def _steady_what(result: BenchResult) -> str:
-    return "per training step (forward + backward)" if result.config.train else "per call (eval, no_grad)"
+    return result.config.phase.steady_what
 
 
 def _how(result: BenchResult) -> str:
     """What min / med are taken over, for under a table."""
     c = result.config
     return (f"min / med: first call over {c.repeats} repeat(s), steady over {c.steady_rounds} "
-            f"interleaved round(s) of {c.steady_calls} {'steps' if c.train else 'calls'}")
+            f"interleaved round(s) of {c.steady_calls} {c.phase.count}")
 
 
 def _notes(v: VariantResult) -> str:
@@ -179,7 +179,7 @@ def print_table(result: BenchResult, *, wide: bool = False, console: Any = None)
     _say(console, _how(result))
     base = result.variant("baseline")
     _say(console, f"baseline steady: {_min_med(base, 'steady_call', 3)} ms "
-                  f"{'per training step' if result.config.train else 'per call'}")
+                  f"per {result.config.phase.short}")
     if not wide:
         for v in result.variants:
             note = _notes(v)
@@ -191,7 +191,7 @@ def print_table(result: BenchResult, *, wide: bool = False, console: Any = None)
 def to_sweep_tables(sweep: SweepResult) -> list[Any]:
     """Two ``rich.table.Table`` of a sweep, one row per layer count: the first compiled call and
     the steady time, the baseline's in ms and every other variant's as a ratio to it (min / med).
-    A variant skipped at every size (freeze with ``train``) has no column; the notes say why.
+    A variant skipped at every size (freeze with ``train`` or ``grad``) has no column; the notes say why.
 
     Example::
 

@@ -197,9 +197,7 @@ class BenchResult:
     @property
     def steady_unit(self) -> str:
         """What one steady time is, for tables and documents."""
-        if self.config.train:
-            return "seconds per training step (zero_grad, forward, backward)"
-        return "seconds per call (eval, no_grad)"
+        return self.config.phase.unit
 
     def _ratios(self, name: str, *stats: str) -> dict[str, float | None]:
         return {stat.removeprefix("steady_"): self.ratio(name, stat) for stat in stats}

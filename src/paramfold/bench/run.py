@@ -54,7 +54,7 @@ def _selected(config: BenchConfig, variants: Sequence[Variant] | None) -> list[V
 
 
 def _applies(v: Variant, config: BenchConfig) -> bool:
-    return not v.unavailable and not (v.eval_only and config.train)
+    return not v.unavailable and not (v.eval_only and config.trainable)
 
 
 def _steps(config: BenchConfig, active: int, first: bool, steady: bool) -> int:
@@ -102,7 +102,7 @@ def run_bench(
             results[v.name].status, results[v.name].note = "skipped", v.unavailable
         elif not _applies(v, config):
             results[v.name].status = "skipped"
-            results[v.name].note = "inference only: skipped for --train"
+            results[v.name].note = f"inference only: skipped for {config.phase.option}"
         else:
             active.append(v)
 

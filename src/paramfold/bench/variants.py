@@ -22,7 +22,8 @@ class Variant:
     """A named way to turn the freshly built stock model into the model that gets compiled.
 
     ``prepare`` may return the same module (changed in place) or a new one.  ``unavailable`` is a
-    reason to skip the variant in every configuration; ``eval_only`` skips it for ``train=True``.
+    reason to skip the variant in every configuration; ``eval_only`` skips it where the model is
+    trainable (``train`` or ``grad``).
     """
 
     name: str
