@@ -250,7 +250,7 @@ def _fsdp_scenarios(rank: int, record) -> None:
     stock = {False: _fsdp_stock(xs, False), True: _fsdp_stock(xs, True)}
     record("fsdp/stock", comm=stock[False]["comm"], compiled_equal=_equal(stock[True]["losses"], stock[False]["losses"]))
     for order in ("before", "after"):
-        for mode in ("hoist", "auto"):
+        for mode in ("hoist", "auto", "inline"):
             for compiled in (False, True):
                 name = f"fsdp/{order}/{mode}/{'aot_eager' if compiled else 'eager'}"
                 ref = stock[compiled]
@@ -268,23 +268,16 @@ def _fsdp_scenarios(rank: int, record) -> None:
                     )
     ref = _fsdp_eval(xs, None, None)
     for order in ("before", "after"):
-        for mode in ("freeze", "auto"):
+        for mode in ("freeze", "auto", "inline"):
             name = f"fsdp/eval/{order}/{mode}"
             with record.guard(name):
                 got = _fsdp_eval(xs, order, mode)
                 record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
-    for mode in ("freeze", "auto"):
+    for mode in ("freeze", "auto", "inline"):
         name = f"fsdp/eval/after/{mode}/aot_eager"
         with record.guard(name):
             got = _fsdp_eval(xs, "after", mode, compiled=True)
             record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
-    with record.guard("fsdp/inline"):
-        model = _fsdp(_model())
-        try:
-            paramfold.prepare(model, "inline")
-            record("fsdp/inline", refused=None)
-        except paramfold.FoldError as exc:
-            record("fsdp/inline", refused=str(exc), unchanged=not any("_paramfold" in m.__dict__ for m in model.modules()))
 
 
 # ----------------------------------------------------------------------------------------- DDP
@@ -501,7 +494,7 @@ def _records(ranks: list[dict], name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("compiled", ["eager", "aot_eager"])
-@pytest.mark.parametrize("mode", ["hoist", "auto"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_fsdp2_prepared_before_or_after_fully_shard_trains_like_stock(ranks, order, mode, compiled):
     rec = _record(ranks, f"fsdp/{order}/{mode}/{compiled}")
@@ -512,8 +505,8 @@ def test_fsdp2_prepared_before_or_after_fully_shard_trains_like_stock(ranks, ord
 
 
 @pytest.mark.parametrize("order", ["before", "after"])
-@pytest.mark.parametrize("mode", ["hoist", "auto"])
-def test_fsdp2_hoist_gathers_and_holds_no_more_than_stock(ranks, order, mode):
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_fsdp2_prepared_gathers_and_holds_no_more_than_stock(ranks, order, mode):
     for compiled in ("eager", "aot_eager"):
         rec = _record(ranks, f"fsdp/{order}/{mode}/{compiled}")
         assert rec["comm"] == rec["stock_comm"]
@@ -523,22 +516,17 @@ def test_fsdp2_hoist_gathers_and_holds_no_more_than_stock(ranks, order, mode):
             assert rec["installed"] == 0  # nothing computed at the root's call, before FSDP's gather
 
 
-@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "inline"])
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_fsdp2_eval_outputs_equal_stock(ranks, order, mode):
     rec = _record(ranks, f"fsdp/eval/{order}/{mode}")
     assert rec["outs"] and rec["comm"] == rec["stock_comm"]
 
 
-@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "inline"])
 def test_fsdp2_eval_compiled_outputs_equal_stock_eager(ranks, mode):
     rec = _record(ranks, f"fsdp/eval/after/{mode}/aot_eager")
     assert rec["outs"] and rec["comm"] == rec["stock_comm"]
-
-
-def test_fsdp2_inline_after_fully_shard_is_refused_with_advice(ranks):
-    rec = _record(ranks, "fsdp/inline")
-    assert rec["refused"] and "mode='auto' or 'hoist'" in rec["refused"] and rec["unchanged"]
 
 
 def test_stock_fsdp2_compiles_like_eager(ranks):

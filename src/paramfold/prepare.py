@@ -9,11 +9,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold.classes import between_class, install_type_before_parametrizations, plain_base, prepared_class
-from paramfold.errors import FoldError, first_few
+from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
 from paramfold.restore import restore, restore_module
-from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, is_dtensor, state_for
+from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for
 from paramfold.sites import Site, find, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -101,8 +101,6 @@ def prepare(
     selected = [s for s in sites if chosen[s.module]]
     if mode == "freeze":
         refuse_unfreezable(selected, "with mode='freeze'")
-    if mode == "inline":
-        _refuse_distributed_inline(selected)
     for site in selected:
         _refuse_unsupported(site)
 
@@ -190,16 +188,6 @@ def _refuse_unsupported(site: Site) -> None:
             f"{site.fqn}: its class {cls.__name__} is not the one torch.nn.utils.parametrize made "
             f"(extra attributes: {sorted(extra)}); paramfold cannot swap it safely. "
             "Exclude this module with filter_fn."
-        )
-
-
-def _refuse_distributed_inline(sites: list[Site]) -> None:
-    sharded = [s.fqn for s in sites if any(is_dtensor(t) for t in s.originals.values())]
-    if sharded:
-        raise FoldError(
-            f"cannot prepare {first_few(sharded, 3)} with mode='inline': their originals are DTensors "
-            "(sharded by fully_shard), which FSDP gathers only inside each layer's forward. Use "
-            "mode='auto' or 'hoist': those compute such tensors where they are read, after the gather."
         )
 
 

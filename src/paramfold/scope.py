@@ -129,7 +129,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
         for name, site in hs.sites.items():
             mode = site.mode
             if mode == "inline":
-                _refuse_distributed_inline(holder, name, site)
+                # Nothing to compute here: the getter reads each original from its dict when the
+                # tensor is read, so under FSDP2 after the layer's pre-forward gather, like stock.
                 sync_refs(holder, site)
                 continue
             frozen = site.frozen
@@ -246,16 +247,6 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
             "(registered, removed or replaced, a hook-based norm removed, or a _parameters/_buffers "
             "dict under them replaced): call "
             "paramfold.restore(model), change them, then prepare again."
-        )
-
-
-def _refuse_distributed_inline(holder: nn.Module, name: str, site: SiteState) -> None:
-    if distributed(site):
-        raise FoldError(
-            f"{type(holder).__name__}.{name} was prepared with mode='inline' but its originals are now "
-            "DTensors (sharded by fully_shard, or a communication parametrization): inline reads the "
-            "originals stored at the call's start, before FSDP gathers them. Call "
-            "paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
         )
 
 
