@@ -510,7 +510,9 @@ def test_fsdp2_prepared_gathers_and_holds_no_more_than_stock(ranks, order, mode)
     for compiled in ("eager", "aot_eager"):
         rec = _record(ranks, f"fsdp/{order}/{mode}/{compiled}")
         assert rec["comm"] == rec["stock_comm"]
-        assert rec["comm"]["all_gather_single"] == 2 * 4 * STEPS  # forward + backward, per layer
+        # forward + backward, per layer; FSDP2 calls all_gather_into_tensor on torch 2.11
+        gathers = rec["comm"].get("all_gather_single", 0) + rec["comm"].get("all_gather_into_tensor", 0)
+        assert gathers == 2 * 4 * STEPS
         assert rec["comm"]["peak_gathered_layers"] == 1
         if compiled == "eager":
             assert rec["installed"] == 0  # nothing computed at the root's call, before FSDP's gather
