@@ -17,10 +17,11 @@ import ctypes
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
-from operator import attrgetter, getitem, is_
+from operator import attrgetter, contains, getitem, is_, itemgetter
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_globals
 
 from paramfold.compute import compute
 from paramfold.freeze import memcmp, same_inputs
@@ -34,6 +35,15 @@ _kept = attrgetter("kept")
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
 _set_class = object.__setattr__
+#: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``: all empty (and no
+#: ``_compiled_call_impl`` set there by ``module.compile()``) means a call is a call of ``forward``.
+_HOOKS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
+_hooks = itemgetter(*_HOOKS)
+#: What a module's call resolves through its class (read live, so a class patched later is seen).
+_call_path = attrgetter("__call__", "_wrapped_call_impl", "_call_impl", "forward", "__getattribute__",
+                        "_compiled_call_impl")
+_MODULE_CALL_PATH = (nn.Module.__call__, nn.Module._wrapped_call_impl, nn.Module._call_impl)
+_tracing_state = torch._C._get_tracing_state
 
 
 #: Exhausts an iterator in C (itertools' ``consume`` recipe): ``_run(map(setattr, ...))`` is a
@@ -55,7 +65,7 @@ class Plan:
         "original_dicts", "original_keys", "originals", "flag_tensors", "flags",
         "input_dicts", "input_keys", "inputs", "versions", "input_flags", "addresses",
         "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "hoisted", "hoisted_dicts",
-        "hoisted_names",
+        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths",
     )
 
     @classmethod
@@ -67,7 +77,7 @@ class Plan:
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
         links, members, ordered, sizes, stateful, modes = [], [], [], [], [], []
-        originals, flags, watch, raw, views, hoisted = [], [], [], [], [], []
+        originals, flags, watch, raw, views, hoisted, callees = [], [], [], [], [], [], []
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
@@ -111,9 +121,14 @@ class Plan:
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
                     if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing
                         modes.extend((m, m.training) for m in site.chain)
-                    # compute()'s steps for a flat chain, without its lookups (plan.members pins the modules).
+                    # compute()'s steps for a flat chain, without its lookups (plan.members pins the
+                    # modules), and each member's forward where a call of it would be just that.
                     chain = None if site.nested else site.chain
-                    hoisted.append((values, name, holder, site.originals, chain))
+                    forwards = None
+                    if chain is not None and all(map(_plain_call, chain)):
+                        forwards = tuple(type(m).forward for m in chain)
+                        callees.extend(chain)
+                    hoisted.append((values, name, holder, site.originals, chain, forwards))
                 else:
                     return None
             claimed.append(holder)
@@ -156,6 +171,10 @@ class Plan:
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
+        plan.callees = tuple(callees)
+        plan.callee_types = tuple(map(type, callees))
+        plan.callee_classes = tuple(dict.fromkeys(plan.callee_types))
+        plan.callee_paths = list(map(_call_path, plan.callee_classes))
         return plan
 
     def claim(self) -> None:
@@ -173,18 +192,50 @@ class Plan:
         _run(map(setattr, states, repeat("shareable"), self.shareable))
 
     def compute_hoisted(self) -> None:
-        """Write every hoisted site's value into its module's ``__dict__``, computed like stock."""
-        for values, name, holder, originals, chain in self.hoisted:
+        """Write every hoisted site's value into its module's ``__dict__``, computed like stock.
+
+        Where :meth:`plain_calls` holds, a chain member's ``forward`` is called directly: with no
+        hook, no compiled or instance override and no JIT tracing, ``nn.Module.__call__`` does
+        exactly that, through two more Python frames per member (about 3 us each call here)."""
+        direct = self.plain_calls()
+        for values, name, holder, originals, chain, forwards in self.hoisted:
             if chain is None:
                 values[name] = compute(holder, name)
                 continue
             args = []
             for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
                 args.append(d[key])
-            value = chain[0](*args)
-            for module in chain[1:]:
-                value = module(value)
+            if direct and forwards is not None:
+                value = forwards[0](chain[0], *args)
+                for i in range(1, len(chain)):
+                    value = forwards[i](chain[i], value)
+            else:
+                value = chain[0](*args)
+                for module in chain[1:]:
+                    value = module(value)
             values[name] = value
+
+    def plain_calls(self) -> bool:
+        """Whether calling each member in ``callees`` is, right now, exactly calling its class's
+        ``forward``: what ``nn.Module._wrapped_call_impl`` and ``_call_impl`` check, read live."""
+        callees = self.callees
+        g = _module_globals
+        if (_tracing_state() is not None or g._global_forward_hooks or g._global_forward_pre_hooks
+                or g._global_backward_hooks or g._global_backward_pre_hooks):
+            return False
+        if not all(map(is_, map(type, callees), self.callee_types)):
+            return False
+        if list(map(_call_path, self.callee_classes)) != self.callee_paths:
+            return False
+        own = list(map(vars, callees))
+        try:
+            if any(map(any, map(_hooks, own))):
+                return False
+        except KeyError:  # a module whose __init__ did not run
+            return False
+        if any(map(contains, own, repeat("forward"))) or any(map(contains, own, repeat("_call_impl"))):
+            return False
+        return all(map(is_, map(dict.get, own, repeat("_compiled_call_impl")), repeat(None)))
 
     def release(self) -> bool:
         """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
@@ -197,6 +248,17 @@ class Plan:
         _run(map(setattr, states, repeat("installed"), repeat((), len(states))))
         _run(map(_set_class, self.switched, repeat("__class__"), self.between))
         return True
+
+
+def _plain_call(module: nn.Module) -> bool:
+    """Whether ``module``'s class calls like ``nn.Module`` (its ``__call__`` and ``_call_impl`` are
+    torch's, attribute lookup is object's), so that with no hooks a call is a call of its ``forward``."""
+    cls = type(module)
+    path = _call_path(cls)
+    # The hook dicts are read from the instance dict: no class along the MRO may shadow them.
+    shadowed = any(name in vars(c) for c in cls.__mro__ for name in _HOOKS)
+    return (path[:3] == _MODULE_CALL_PATH and path[4] is object.__getattribute__ and path[5] is None
+            and not shadowed)
 
 
 def _columns(rows: list[tuple], width: int) -> tuple[tuple, ...]:
