@@ -435,6 +435,33 @@ def test_checker_treats_a_module_called_twice_like_one_registered_twice(mode):
     pt.assert_equivalent(model, torch.randn(5, 6), mode, steps=2)
 
 
+@pytest.mark.parametrize("compile", [None, {"backend": "aot_eager"}], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_checker_runs_stock_and_prepared_on_the_same_random_numbers(mode, compile):
+    # Real models train with dropout (transformers' WavTokenizer hard-codes nn.Dropout(0.1)):
+    # each step of the prepared copy draws what stock's step drew, so only paramfold can differ.
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(6, 6)), nn.Dropout(0.5), nn.Tanh(), nn.Linear(6, 3)).train()
+    torch._dynamo.reset()
+    try:
+        pt.assert_equivalent(model, torch.randn(5, 6), mode, steps=2, compile=compile)
+    finally:
+        torch._dynamo.reset()
+    # ...and it still fails a prepared copy that draws other numbers than stock.
+    original = paramfold.prepare
+
+    def draw(module, args):
+        torch.rand(1)
+
+    def prepare_then_draw_once_more(candidate, *a, **k):
+        candidate[1].register_forward_pre_hook(draw)
+        return original(candidate, *a, **k)
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(AssertionError, match="differs from stock"):
+        patch.setattr(paramfold, "prepare", prepare_then_draw_once_more)
+        pt.assert_equivalent(model, torch.randn(5, 6), mode, steps=1)
+
+
 def test_plain_state_dict_covers_a_module_registered_at_two_paths():
     # Found by these properties: the second path used to keep its parametrized keys.
     layer = nn.Linear(2, 2)

@@ -195,8 +195,10 @@ def assert_equivalent(
     ``model`` itself is never touched: it is deep-copied twice, one copy stays stock (eager)
     and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
     is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor or a sequence
-    of positional arguments) under the caller's grad mode; when the stock output requires grad,
-    both run backward on ``sum(o.float().sum() for o in outputs)``. Checked after each step:
+    of positional arguments) under the caller's grad mode, on the same random numbers (the global
+    CPU and CUDA generators are set back to where stock's step began, so dropout draws the same
+    masks); when the stock output requires grad, both run backward on
+    ``sum(o.float().sum() for o in outputs)``. Checked after each step:
     outputs, the gradient of every parameter (originals included) and of every input that
     requires grad, every buffer (so
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
@@ -270,16 +272,21 @@ def assert_equivalent(
         # compiled: a compiled step that does not match eager stock is held to stock compiled
         # the same way from the same state, and the check goes on from that stock's state.
         at_start = _copy_or_none(stock) if compile is not None else None
+        # Every run of a step draws the same random numbers (dropout), from where stock's began.
+        rng = _rng_state()
         with _calls(stock) as calls:
             expected = _step(stock, args, None)
+        after = _rng_state()
         twice = {path for path, n in calls.items() if n > 1}
         if mode != "inline":
             loose |= _originals_of(candidate, twice)
         if step == 0 and loose:
             cached = spare
         backward = expected.backward
+        _set_rng_state(rng)
         actual = _step(run, args, backward, at)
         if cached is not None:
+            _set_rng_state(rng)
             with parametrize.cached():
                 _step(cached, args, backward)
         try:
@@ -287,12 +294,14 @@ def assert_equivalent(
         except AssertionError as exc:
             if at_start is None:
                 raise _explained(exc, stock, twice, mode) from None
+            _set_rng_state(rng)
             reference = _step(torch.compile(at_start, **compile), args, backward)
             try:
                 tol = _compare_step(candidate, at_start, cached, reference, actual, at, loose, factor, rtol, atol)
             except AssertionError:
                 raise _explained(AssertionError(f"{exc}, and from stock compiled the same way"), stock, twice, mode) from None
             stock = at_start
+        _set_rng_state(after)
 
     paramfold.restore(candidate)
     try:
@@ -300,7 +309,22 @@ def assert_equivalent(
     except AssertionError as exc:
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
-        _compare_outputs(candidate(*args), stock(*args), " after restore", _BITWISE)
+        rng = _rng_state()
+        restored = candidate(*args)
+        _set_rng_state(rng)
+        _compare_outputs(restored, stock(*args), " after restore", _BITWISE)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The global generators' states: the CPU one, and CUDA's where CUDA is in use."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 def _fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
