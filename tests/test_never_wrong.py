@@ -765,3 +765,35 @@ def test_buffers_replaced_by_module_to_between_calls_are_not_taken_for_a_swap(mo
         assert torch.equal(model(x.to(dtype)), stock(x.to(dtype)))
         for (name, a), (_, b) in zip(stock.named_buffers(), model.named_buffers()):
             assert torch.equal(a, b), name
+
+
+class _Tagger(nn.Module):
+    """A GRU with spectral_norm on its recurrent weight, and a spectral_norm head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = spectral_norm(nn.GRU(4, 5, batch_first=True), "weight_hh_l0")
+        self.head = spectral_norm(nn.Linear(5, 2))
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def _tagger() -> nn.Module:
+    torch.manual_seed(0)
+    return _Tagger().train()
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_spectral_norm_on_an_rnn_is_refused_where_stock_runs_it_once_per_read(mode):
+    # Found on a real pattern: torch's RNNs read their weights twice per forward, so stock's power
+    # iteration advances twice per call; hoist/auto advanced it once and the gradients differed.
+    model = _tagger()
+    before = pt.structure(model)
+    with pytest.raises(paramfold.FoldError, match="rnn.weight_hh_l0: a stateful parametrization.*mode='inline'"):
+        paramfold.prepare(model, mode)
+    pt.assert_same_structure(before, pt.structure(model))
+    # What the message offers works: leave the RNN stock with filter_fn, or inline for all.
+    pt.assert_equivalent(_tagger(), torch.randn(2, 3, 4), mode, steps=2,
+                         filter_fn=lambda m, fqn: not isinstance(m, nn.RNNBase))
+    pt.assert_equivalent(_tagger(), torch.randn(2, 3, 4), "inline", steps=2)

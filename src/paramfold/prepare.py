@@ -103,6 +103,8 @@ def prepare(
         refuse_unfreezable(selected, "with mode='freeze'")
     for site in selected:
         _refuse_unsupported(site)
+        if mode in ("hoist", "auto"):
+            _refuse_stateful_rnn(site, mode)
 
     states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check)
     install_type_before_parametrizations()
@@ -188,6 +190,20 @@ def _refuse_unsupported(site: Site) -> None:
             f"{site.fqn}: its class {cls.__name__} is not the one torch.nn.utils.parametrize made "
             f"(extra attributes: {sorted(extra)}); paramfold cannot swap it safely. "
             "Exclude this module with filter_fn."
+        )
+
+
+def _refuse_stateful_rnn(site: Site, mode: str) -> None:
+    # RNNBase._update_flat_weights reads every weight more than once per forward (hasattr, then
+    # getattr): stock runs a stateful chain once per read, a hoisted value once per call.
+    if site.stateful and not site.hook_based and isinstance(site.module, nn.RNNBase):
+        raise FoldError(
+            f"{site.fqn}: a stateful parametrization (spectral_norm) on a {type(site.module).__name__} "
+            f"cannot be served by mode={mode!r}: torch's RNN modules read their weights more than once "
+            "per forward, and in training stock runs the power iteration at each read, which a value "
+            "computed once per call cannot reproduce. Leave this module stock with filter_fn "
+            "(e.g. lambda m, fqn: not isinstance(m, torch.nn.RNNBase)), or prepare the model with "
+            "mode='inline', which computes at every read like stock."
         )
 
 
