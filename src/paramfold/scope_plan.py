@@ -197,7 +197,7 @@ class Plan:
         Where :meth:`plain_calls` holds, a chain member's ``forward`` is called directly: with no
         hook, no compiled or instance override and no JIT tracing, ``nn.Module.__call__`` does
         exactly that, through two more Python frames per member (about 3 us each call here)."""
-        direct = self.plain_calls()
+        direct = bool(self.callees) and self.plain_calls()
         for values, name, holder, originals, chain, forwards in self.hoisted:
             if chain is None:
                 values[name] = compute(holder, name)
