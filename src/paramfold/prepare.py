@@ -47,7 +47,9 @@ def prepare(
       steps, in-place edits). Refused for sites where an original, or a parameter a
       parametrization owns (LoRA's adapters), requires grad, or whose stateful chain
       (spectral_norm) is training.
-    * ``"auto"``: on every call, freeze what can be frozen and hoist the rest.
+    * ``"auto"``: on every call, freeze what can be frozen and hoist the rest; tensors that
+      neither serves exactly (a chain that draws random numbers, spectral_norm on torch's RNN
+      modules, which read a weight twice per forward) are computed at every read, as inline.
 
     Args:
         model: the model you will call (and may compile, whole or per layer).
@@ -103,8 +105,8 @@ def prepare(
         refuse_unfreezable(selected, "with mode='freeze'")
     for site in selected:
         _refuse_unsupported(site)
-        if mode in ("hoist", "auto"):
-            _refuse_stateful_rnn(site, mode)
+        if mode in ("hoist", "freeze"):
+            _refuse_read_by_read(site, mode)
 
     states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check)
     install_type_before_parametrizations()
@@ -193,17 +195,36 @@ def _refuse_unsupported(site: Site) -> None:
         )
 
 
-def _refuse_stateful_rnn(site: Site, mode: str) -> None:
-    # RNNBase._update_flat_weights reads every weight more than once per forward (hasattr, then
-    # getattr): stock runs a stateful chain once per read, a hoisted value once per call.
-    if site.stateful and not site.hook_based and isinstance(site.module, nn.RNNBase):
+def _read_by_read(site: Site, mode: str) -> str | None:
+    """Why only a value computed at every read, like stock's (inline), serves ``site`` exactly
+    under ``mode``, or None."""
+    if site.hook_based:
+        return None  # torch's hook computes once per forward: a value per call is stock's
+    if site.random:
+        return (
+            f"its parametrization ({site.kind}) draws random numbers each time it computes the tensor, "
+            "and stock draws them at every read, in the forward's order, which a value computed "
+            "before the call (hoist) or once for many calls (freeze) cannot reproduce"
+        )
+    if mode != "freeze" and site.stateful and isinstance(site.module, nn.RNNBase):
+        # RNNBase._update_flat_weights reads every weight more than once per forward (hasattr,
+        # then getattr): stock runs a stateful chain once per read, a hoisted value once per call.
+        return (
+            f"a stateful parametrization (spectral_norm) on a {type(site.module).__name__}: torch's RNN "
+            "modules read their weights more than once per forward, and in training stock runs the "
+            "power iteration at each read, which a value computed once per call cannot reproduce"
+        )
+    return None
+
+
+def _refuse_read_by_read(site: Site, mode: str) -> None:
+    why = _read_by_read(site, mode)
+    if why is not None:
         raise FoldError(
-            f"{site.fqn}: a stateful parametrization (spectral_norm) on a {type(site.module).__name__} "
-            f"cannot be served by mode={mode!r}: torch's RNN modules read their weights more than once "
-            "per forward, and in training stock runs the power iteration at each read, which a value "
-            "computed once per call cannot reproduce. Leave this module stock with filter_fn "
-            "(e.g. lambda m, fqn: not isinstance(m, torch.nn.RNNBase)), or prepare the model with "
-            "mode='inline', which computes at every read like stock."
+            f"{site.fqn}: {why}, so mode={mode!r} cannot serve it. Prepare the model with mode='auto' "
+            "(which computes such tensors at every read, as inline does) or mode='inline', or leave "
+            "this module stock with filter_fn (e.g. lambda m, fqn: fqn != "
+            f"{site.module_path!r})."
         )
 
 
@@ -234,7 +255,9 @@ def _plan(
 
     for site in selected:
         hs = state(site.module)
-        hs.sites[site.tensor_name] = state_for(site, mode, freeze_check)
+        # auto serves what neither freeze nor hoist can serve exactly the way inline does.
+        site_mode = "inline" if mode == "auto" and _read_by_read(site, mode) else mode
+        hs.sites[site.tensor_name] = state_for(site, site_mode, freeze_check)
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -70,6 +71,9 @@ class Site:
         hook_based: whether the tensor is computed by torch's deprecated hook-based
             ``torch.nn.utils.weight_norm`` / ``spectral_norm`` (``chain`` is then the hook;
             originals ``weight_g``/``weight_v`` or ``weight_orig``) rather than a parametrization.
+        random: whether the chain (or a nested chain) draws random numbers when it computes
+            the tensor, in training or eval mode (DropConnect, weight noise, sampled Bayesian
+            weights): stock then draws at every read, in the forward's order.
     """
 
     module_path: str
@@ -84,6 +88,7 @@ class Site:
     tied_with: tuple[tuple[str, str], ...] = ()
     nested: tuple[Site, ...] = ()
     hook_based: bool = False
+    random: bool = False
 
     @property
     def fqn(self) -> str:
@@ -102,7 +107,8 @@ def find(model: nn.Module) -> list[Site]:
     """Return every parametrization registration in ``model``, in ``named_modules`` order.
 
     Nothing is modified: parametrizations whose kind is not known by class are probed on
-    copies of their buffers, so no running statistics move.
+    copies of their buffers, so no running statistics move, and with the random number
+    generators' states put back, so the numbers a program draws next are stock's.
 
     Example::
 
@@ -163,7 +169,9 @@ def _attach_nested(every: dict[tuple[str, str], Site]) -> list[Site]:
 
     def attach(key: tuple[str, str], site: Site) -> Site:
         children = tuple(attach((s.module_path, s.tensor_name), s) for s in inner.get(key, ()))
-        return dataclasses.replace(site, nested=children) if children else site
+        if not children:
+            return site
+        return dataclasses.replace(site, nested=children, random=site.random or any(c.random for c in children))
 
     return [attach(key, site) for key, site in every.items() if id(site) not in nested_ids]
 
@@ -187,12 +195,14 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     originals = {p: d[k] for p, d, k in leaf_originals(plist)}
     kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
+    random = False
     if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
         kinds = [k or "communication" for k in kinds]
     elif any(k is None for k in kinds):
-        inputs = _computed_originals(plist) if is_nested(plist) else originals
-        probed_kinds, probed_stateful = _probe_unknown(chain, inputs, kinds)
-        kinds, stateful = probed_kinds, stateful or probed_stateful
+        with _rng_kept(originals.values()):
+            inputs = _computed_originals(plist) if is_nested(plist) else originals
+            kinds, probed_stateful, random = _probe_unknown(chain, inputs, kinds)
+        stateful = stateful or probed_stateful
     return Site(
         module_path=path,
         tensor_name=name,
@@ -203,7 +213,25 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         requires_grad=any(t.requires_grad for t in originals.values()),
         stateful=stateful,
         is_buffer=not any(isinstance(t, nn.Parameter) for t in originals.values()),
+        random=random,
     )
+
+
+@contextlib.contextmanager
+def _rng_kept(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Put back the CPU generator's state, and that of each device ``tensors`` live on, on exit:
+    a probe that draws random numbers must not move the user's random streams."""
+    devices: dict[str, set[int]] = defaultdict(set)
+    for t in tensors:
+        device = t.device
+        if device.type not in ("cpu", "meta"):
+            devices[device.type].add(device.index or 0)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU generator
+        for device_type, indices in devices.items():
+            with contextlib.suppress(Exception):  # a device torch cannot fork: its probe runs as is
+                stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=device_type))
+        yield
 
 
 def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
@@ -224,54 +252,75 @@ def _probe_unknown(
     chain: tuple[nn.Module, ...],
     originals: dict[str, torch.Tensor],
     kinds: list[str | None],
-) -> tuple[list[str], bool]:
-    """Run the chain on cloned state to tell casts from custom maps and find buffer mutation.
+) -> tuple[list[str], bool, bool]:
+    """Run the chain on cloned state to tell casts from custom maps, find buffer mutation and
+    random draws: ``(kinds, stateful, random)``.
 
     Each module is called through ``torch.func.functional_call`` with clones of its own
-    parameters and buffers in training mode, so the real module state never changes.
+    parameters and buffers in training mode, so the real module state never changes, then
+    again in eval mode to see whether it draws random numbers there (the caller puts the
+    generators back).
     """
     resolved: list[str] = []
-    stateful = False
+    stateful = random = False
     with torch.no_grad():
         value: object = tuple(originals.values())
         for module, kind in zip(chain, kinds):
-            state = {
-                **{k: v.clone() for k, v in module.named_parameters()},
-                **{k: v.clone() for k, v in module.named_buffers()},
-            }
-            versions = {k: v._version for k, v in state.items()}
             args = value if isinstance(value, tuple) else (value,)
-            was_training = module.training
-            collective = False
-            try:
-                module.train()
-                with _NoCollectives():
-                    out = torch.func.functional_call(module, state, args)
-            except _Collective:
-                out, collective = None, True
-            except Exception:  # a probe must never break find(); unknown stays "custom"
-                out = None
-            finally:
-                module.train(was_training)
-            if any(state[k]._version != versions[k] for k in state) and kind not in _STATELESS_KINDS:
+            state, out, probe = _probe_call(module, args, training=True)
+            if any(state[k]._version != v for k, v in probe.versions.items()) and kind not in _STATELESS_KINDS:
                 stateful = True
             if kind is None:
+                collective = probe.collective
                 kind = "communication" if collective else "cast" if not state and _is_cast(args, out) else "custom"
+            random = random or probe.random or (not probe.collective and _probe_call(module, args, training=False)[2].random)
             resolved.append(kind)
             value = out
-    return resolved, stateful
+    return resolved, stateful, random
+
+
+def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, object, _Probe]:
+    """``module(*args)`` on clones of its own parameters and buffers, in the given mode:
+    ``(the clones, the output or None where it raised, what the probe saw)``."""
+    state = {
+        **{k: v.clone() for k, v in module.named_parameters()},
+        **{k: v.clone() for k, v in module.named_buffers()},
+    }
+    probe = _Probe({k: v._version for k, v in state.items()})
+    was_training = module.training
+    try:
+        module.train(training)
+        with probe:
+            out = torch.func.functional_call(module, state, args)
+    except _Collective:
+        out, probe.collective = None, True
+    except Exception:  # a probe must never break find(); unknown stays "custom"
+        out = None
+    finally:
+        module.train(was_training)
+    return state, out, probe
 
 
 class _Collective(Exception):
     pass
 
 
-class _NoCollectives(TorchDispatchMode):
-    """Stops a probe at its first collective, before it is issued (on one rank it would hang)."""
+class _Probe(TorchDispatchMode):
+    """What a probe's ops do: it is stopped at its first collective, before it is issued (on
+    one rank it would hang), and notes whether it draws random numbers (any op tagged
+    ``nondeterministic_seeded``: dropout, ``bernoulli``, ``randn_like``, ...)."""
+
+    def __init__(self, versions: dict[str, int]) -> None:
+        super().__init__()
+        self.versions = versions
+        self.collective = False
+        self.random = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
             raise _Collective(func.name())
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random = True
         return func(*args, **(kwargs or {}))
 
 

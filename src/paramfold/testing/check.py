@@ -514,10 +514,13 @@ def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolera
     """Every parametrized tensor read as an attribute, outside any forward, equals stock's.
 
     Read with the parametrizations in eval mode, so spectral_norm's power iteration does not
-    advance (and the two copies stay in step); their training flags are put back after.
+    advance (and the two copies stay in step); their training flags are put back after. Each
+    read starts from the same random state (a chain may draw random numbers), and the reads
+    leave the generators where they were.
     """
     pairs = [(path, c, s) for (path, c), (_, s) in zip(_parametrized(candidate), _parametrized(stock))]
     flags = [(m, m.training) for _, c, s in pairs for owner in (c, s) for m in owner.parametrizations.modules()]
+    rng = _rng_state()
     try:
         for m, _ in flags:
             m.training = False
@@ -525,8 +528,12 @@ def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolera
             for path, c, s in pairs:
                 for name in s.parametrizations:
                     where = f"{path}.{name}" if path else name
-                    _compare(f"{where} read outside forward{at}", getattr(c, name), getattr(s, name), tol)
+                    ours = getattr(c, name)
+                    _set_rng_state(rng)
+                    _compare(f"{where} read outside forward{at}", ours, getattr(s, name), tol)
+                    _set_rng_state(rng)
     finally:
+        _set_rng_state(rng)
         for m, training in flags:
             m.training = training
 

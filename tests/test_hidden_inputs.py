@@ -1,0 +1,166 @@
+"""What a parametrization reads besides its tensors: plain attributes, submodules, hooks, random numbers.
+
+Stock computes a parametrized tensor at every read, so whatever the chain reads is read afresh:
+a member's ``temperature`` set between calls, a hook registered on it, the random numbers it
+draws. Each test changes one such input (or draws) and compares with stock on the same inputs,
+bitwise (eager, CPU, and compiled with the eager backend), or expects a ``FoldError`` where a
+mode cannot serve the case. Every test failed on the code before the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize as P
+from torch.nn.utils.parametrizations import spectral_norm
+
+import paramfold
+import paramfold.testing as pt
+
+ALL_MODES = ["hoist", "inline", "freeze", "auto"]
+
+
+class Scaled(nn.Module):
+    """A parametrization with plain (non-tensor) settings, as annealed temperatures and LoRA scales are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = 1.0
+        self.inner = nn.Identity()
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        w = self.inner(w)
+        return w * self.alpha if self.training else w * (self.alpha + 1)
+
+
+class Doubled(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+class DropConnect(nn.Module):
+    """Drops weights while training, as DropConnect does: random only in training mode."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return F.dropout(w, 0.5, self.training)
+
+
+class Noisy(nn.Module):
+    """Samples its weights at every computation, in every mode (Bayesian / MC sampling)."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + 0.1 * torch.randn_like(w)
+
+
+def _model(parametrization: type[nn.Module], *, frozen: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.25), nn.Linear(4, 4))
+    P.register_parametrization(model[2], "weight", parametrization())
+    return model.eval().requires_grad_(False) if frozen else model
+
+
+def _pair(parametrization: type[nn.Module], mode: str, **kwargs) -> tuple[nn.Module, nn.Module]:
+    stock = _model(parametrization, **kwargs)
+    return stock, paramfold.prepare(copy.deepcopy(stock), mode)
+
+
+def _calls(model: nn.Module, compiled: bool):
+    return torch.compile(model, backend="eager") if compiled else model
+
+
+def _same_step(stock, ours, x: torch.Tensor, seed: int) -> bool:
+    torch.manual_seed(seed)
+    expected = stock(x)
+    torch.manual_seed(seed)
+    return torch.equal(ours(x), expected)
+
+
+# --- random numbers -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+def test_find_reports_chains_that_draw_random_numbers_and_leaves_the_generator_alone(parametrization):
+    model = _model(parametrization)
+    P.register_parametrization(model[0], "weight", Doubled())
+    torch.manual_seed(3)
+    sites = {s.fqn: s for s in paramfold.find(model)}
+    drawn = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.rand(3))  # find() probed the chain without moving the stream
+    assert sites["2.weight"].random and not sites["0.weight"].random
+    assert model[2].parametrizations.weight[0].training is False  # probed in both modes, put back
+
+
+def test_a_random_inner_chain_makes_its_nested_site_random():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    P.register_parametrization(model, "weight", Doubled())
+    P.register_parametrization(model.parametrizations.weight, "original", Noisy())
+    (site,) = paramfold.find(model)
+    assert site.random
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+def test_hoist_and_freeze_refuse_a_chain_that_draws_random_numbers(mode, parametrization):
+    # Regression: freeze and auto served one sample forever; hoist drew before the forward's own
+    # random ops (here a Dropout), so its numbers were not stock's.
+    model = _model(parametrization)
+    before = pt.structure(model)
+    with pytest.raises(paramfold.FoldError, match=r"2\.weight: its parametrization \(custom\) draws random numbers.*mode='auto'"):
+        paramfold.prepare(model, mode)
+    pt.assert_same_structure(before, pt.structure(model))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("mode", ["auto", "inline"])
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+def test_auto_and_inline_draw_a_random_chains_numbers_where_stock_does(parametrization, mode, training, compiled):
+    stock = _model(parametrization, frozen=False).train(training)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    assert ours[2].__dict__["_paramfold"].sites["weight"].mode == "inline"
+    run = _calls(ours, compiled)
+    x = torch.randn(2, 4)
+    for step in range(3):
+        assert _same_step(stock, run, x, seed=10 + step), step
+    # and gradients, in training
+    if training:
+        torch.manual_seed(20)
+        stock(x).square().sum().backward()
+        torch.manual_seed(20)
+        run(x).square().sum().backward()
+        for (name, a), b in zip(stock.named_parameters(), ours.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+
+
+def test_the_checker_holds_auto_to_stock_on_a_random_chain():
+    pt.assert_equivalent(_model(Noisy, frozen=False), torch.randn(2, 4), "auto", steps=3)
+
+
+# --- spectral_norm on torch's RNNs (read twice per forward) ---------------------------------
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = spectral_norm(nn.GRU(4, 4, batch_first=True), "weight_hh_l0")
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_auto_serves_spectral_norm_on_an_rnn_at_every_read():
+    torch.manual_seed(0)
+    model = _Tagger().train()
+    ours = paramfold.prepare(copy.deepcopy(model), "auto")
+    assert ours.rnn.__dict__["_paramfold"].sites["weight_hh_l0"].mode == "inline"
+    torch.manual_seed(0)
+    pt.assert_equivalent(_Tagger().train(), torch.randn(2, 3, 4), "auto", steps=2)
