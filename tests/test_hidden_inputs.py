@@ -81,6 +81,136 @@ def _same_step(stock, ours, x: torch.Tensor, seed: int) -> bool:
     return torch.equal(ours(x), expected)
 
 
+# --- plain attributes, submodules, training flags of a chain's members ----------------------
+
+
+def _set_alpha(m: nn.Module, step: int) -> None:
+    m[2].parametrizations.weight[0].alpha = 0.5 * step
+
+
+def _swap_inner(m: nn.Module, step: int) -> None:
+    m[2].parametrizations.weight[0].inner = Doubled() if step % 2 else nn.Identity()
+
+
+def _toggle_member_training(m: nn.Module, step: int) -> None:
+    m[2].parametrizations.weight[0].train(step % 2 == 1)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("change", [_set_alpha, _swap_inner, _toggle_member_training],
+                         ids=["attribute", "submodule", "training"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("check", ["content", "version"])
+def test_a_members_settings_changed_between_calls_are_seen(mode, change, compiled, check):
+    # Regression: freeze and auto kept serving the value computed with the old settings (the
+    # fingerprint covered tensors only); stock reads them at every computation.
+    stock = _model(Scaled)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    run = _calls(ours, compiled)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for step in range(4):
+            change(stock, step)
+            change(ours, step)
+            assert torch.equal(run(x), stock(x)), step
+            assert torch.equal(ours[2].weight, stock[2].weight), step
+
+
+def test_a_setting_equal_to_the_old_one_keeps_the_frozen_value():
+    # A setting rebound to an equal value keeps the frozen value (nothing recomputed).
+    stock = _model(Scaled)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    member = ours[2].parametrizations.weight[0]
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ours(x), ours(x)
+        value = vars(ours[2])["weight"]
+        member.alpha = 0.5 * 2  # another float object equal to 1.0
+        assert torch.equal(ours(x), stock(x))
+        assert vars(ours[2])["weight"] is value
+        member.alpha = 3.0
+        stock[2].parametrizations.weight[0].alpha = 3.0
+        assert torch.equal(ours(x), stock(x))
+        assert vars(ours[2])["weight"] is not value
+
+
+# --- hooks -----------------------------------------------------------------------------------
+
+
+def _hook_target(m: nn.Module, where: str) -> nn.Module:
+    plist = m[2].parametrizations.weight
+    return plist[0] if where == "member" else plist
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("where", ["member", "list"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_forward_hooks_registered_after_prepare_run_like_stock(mode, where, compiled):
+    # Regression: freeze and auto served the value computed before the hook (a member's hook);
+    # every mode skipped a hook on the ParametrizationList, which stock calls as a module.
+    stock, ours = _pair(Doubled, mode)
+    run = _calls(ours, compiled)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        run(x), run(x)
+        handles = [_hook_target(m, where).register_forward_hook(lambda mod, args, out: out + 1) for m in (stock, ours)]
+        assert torch.equal(run(x), stock(x))
+        assert torch.equal(run(x), stock(x))
+        for handle in handles:
+            handle.remove()
+        assert torch.equal(run(x), stock(x))
+
+
+@pytest.mark.parametrize("where", ["member", "list"])
+def test_inline_refuses_a_hook_registered_after_prepare_on_what_its_getter_skips(where):
+    # inline's getter calls a hook-free member's forward directly (and not the list at all), as
+    # compiled code made for it does: a hook registered later is refused at the next call.
+    stock, ours = _pair(Doubled, "inline")
+    x = torch.randn(2, 4)
+    ours(x)
+    _hook_target(ours, where).register_forward_hook(lambda mod, args, out: out + 1)
+    with pytest.raises(paramfold.FoldError, match="a hook added to one"):
+        ours(x)
+    paramfold.restore(ours)
+    _hook_target(stock, where).register_forward_hook(lambda mod, args, out: out + 1)
+    assert torch.equal(ours(x), stock(x))  # restore gives stock's behaviour back, hook and all
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("where", ["member", "list"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_hooks_registered_before_prepare_run_like_stock(mode, where, compiled):
+    stock = _model(Doubled)
+    _hook_target(stock, where).register_forward_hook(lambda mod, args, out: out * 3)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(_calls(ours, compiled)(x), stock(x))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_global_module_hook_that_changes_a_parametrizations_output_is_honoured(mode, compiled):
+    # Registered before the first call: compiled stock does not notice global hooks registered
+    # after it compiled (torch's guards do not cover them), so neither can compiled inline.
+    stock, ours = _pair(Doubled, mode)
+    x = torch.randn(2, 4)
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out + 1 if isinstance(mod, Doubled) else None
+    )
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", re.escape("Using `torch.compile(module)` when there are global hooks"))
+            run = _calls(ours, compiled)
+            assert torch.equal(run(x), stock(x))
+            assert torch.equal(run(x), stock(x))
+            assert torch.equal(ours[2].weight, stock[2].weight)
+    finally:
+        handle.remove()
+    if not compiled:
+        assert torch.equal(ours(x), stock(x))
+
+
 # --- random numbers -----------------------------------------------------------------------
 
 

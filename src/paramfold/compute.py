@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_globals
 from torch.nn.utils import parametrize
 
 
@@ -67,8 +68,15 @@ def leaf_originals(plist: nn.Module) -> list[tuple[str, dict, str]]:
 
 
 def compute(module: nn.Module, name: str) -> torch.Tensor:
-    """Evaluate the parametrization chain of ``module.<name>`` like stock, minus the plumbing."""
+    """Evaluate the parametrization chain of ``module.<name>`` like stock, minus the plumbing.
+
+    Stock calls the ``ParametrizationList`` as a module; so does this where that call would run
+    hooks (the list's own, or global ones): otherwise it is just the members' calls below.
+    """
     plist = module._modules["parametrizations"]._modules[name]
+    if (plist._forward_hooks or plist._forward_pre_hooks or plist._backward_hooks or plist._backward_pre_hooks
+            or any(GLOBAL_HOOKS)):
+        return plist()
     modules = plist._modules
     if "parametrizations" in modules:  # nested: the list's own properties compute the originals
         originals = [getattr(plist, n) for n in original_names(plist)]
@@ -92,3 +100,17 @@ def eager_value(module: nn.Module, name: str) -> torch.Tensor:
     if value is None:
         value = parametrize._cache[key] = compute(module, name)
     return value
+
+
+def has_own_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own (not global ones)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+#: torch's dicts of global module hooks (``register_module_forward_hook`` and friends): any of
+#: them non-empty (``any(GLOBAL_HOOKS)``) means every module call runs hooks.
+GLOBAL_HOOKS = (
+    _module_globals._global_forward_hooks, _module_globals._global_forward_pre_hooks,
+    _module_globals._global_backward_hooks, _module_globals._global_backward_pre_hooks,
+)

@@ -13,6 +13,10 @@ parametrization modules' own parameters and buffers), in two ways:
   inputs per call (about what a cheap parametrization costs to recompute) and one copy of them in
   memory. ``freeze_check="version"`` trusts identity, address and version alone.
 
+and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
+(``member.temperature = 0.5``), their submodules and forward hooks, and global forward hooks,
+each dict compared with a copy taken when the value was computed.
+
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
 inside ``torch.inference_mode()`` also serves later calls that record gradients.
 """
@@ -23,7 +27,7 @@ import torch
 from torch import nn
 
 from paramfold import hooknorms
-from paramfold.compute import compute
+from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.state import FrozenValue, SiteState, state_for
 from paramfold.sites import Site
@@ -59,7 +63,34 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
                 copies.append(copy)
             else:
                 views.append((view, copy))
-    return FrozenValue(value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views), tuple(copies))
+    live = settings(site)
+    return FrozenValue(
+        value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views), tuple(copies),
+        live, tuple(map(dict, live)),
+    )
+
+
+def settings(site: SiteState) -> tuple[dict, ...]:
+    """Every dict besides the tensor dicts that ``site``'s value depends on (see
+    :class:`~paramfold.state.FrozenValue`), read from the chain as it is now."""
+    if site.hook is not None:
+        found = [vars(site.hook)]  # name, dim, eps, n_power_iterations
+    else:
+        plist = site.plist
+        found = [plist._forward_hooks, plist._forward_pre_hooks]
+        for m in plist.modules():
+            if m is not plist:
+                found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks]
+    return (*found, *GLOBAL_HOOKS[:2])  # the forward ones: a frozen value is computed without autograd
+
+
+def same_settings(live: tuple[dict, ...], then: tuple[dict, ...]) -> bool:
+    """Whether each dict in ``live`` equals its copy in ``then`` (one C-level comparison; entries
+    that are the same object compare without calling their ``__eq__``)."""
+    try:
+        return live == then
+    except Exception:  # an entry replaced by a tensor or an array: changed
+        return False
 
 
 def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
@@ -70,7 +101,8 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.
-    return same_inputs(frozen.watch) and same_bytes(frozen.raw, frozen.views)
+    return (same_inputs(frozen.watch) and same_settings(frozen.settings, frozen.settings_then)
+            and same_bytes(frozen.raw, frozen.views))
 
 
 def same_inputs(watch: tuple[tuple, ...]) -> bool:

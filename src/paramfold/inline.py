@@ -13,7 +13,7 @@ import functools
 
 from torch import nn
 
-from paramfold.compute import eager_value, members, original_names, parametrized_here
+from paramfold.compute import GLOBAL_HOOKS, eager_value, has_own_hooks, members, original_names, parametrized_here
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.state import SiteState
 
@@ -59,21 +59,32 @@ def sync_refs(module: nn.Module, site: SiteState) -> None:
             values[key] = d
 
 
-def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, int]:
+def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tuple, bool]:
     """What the generated getter of ``module.<name>`` is specialised on.
 
     ``(number of originals or None for a single ``original``, the dict holding them, one entry
-    per chain member)``. An entry is the member's ``forward`` function, called directly (dynamo
-    then has no module call to set up), or ``None`` when the member has hooks and must be
-    called as a module, as stock does. Modules with equal signatures share one getter, and so
-    one class.
+    per chain member, whether the ``ParametrizationList`` itself is called)``. An entry is the
+    member's ``forward`` function, called directly (dynamo then has no module call to set up),
+    or ``None`` when the member has hooks and must be called as a module, as stock does; a
+    ``ParametrizationList`` with hooks of its own is called as stock calls it. Modules with
+    equal signatures share one getter, and so one class.
     """
     plist = module._modules["parametrizations"]._modules[name]
     ntensors = None if plist.is_tensor else plist.ntensors
     first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
     forwards = tuple(None if _has_hooks(m) else type(m).forward for m in members(plist))
-    return ntensors, where, forwards
+    return ntensors, where, forwards, has_own_hooks(plist)
+
+
+def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
+    """Whether the getter made for ``signature`` still computes ``module.<name>`` like stock: no
+    hook was added since to a member it calls ``forward`` of directly, or to the
+    ``ParametrizationList`` it does not call."""
+    plist = module._modules["parametrizations"]._modules[name]
+    if not signature[3] and has_own_hooks(plist):
+        return False
+    return not any(f is not None and has_own_hooks(m) for m, f in zip(members(plist), signature[2]))
 
 
 class _InlineProperty(property):
@@ -110,29 +121,26 @@ def inline_property(name: str, signature: tuple) -> property:
     expr = ", ".join(f"self.{key}[{o!r}]" for key, o in zip(original_keys, _originals(signature)))
     for i, (key, forward) in enumerate(zip(member_keys, signature[2])):
         expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
+    stock_call = f"self._modules['parametrizations']._modules[{name!r}]()"
+    if signature[3]:  # stock's call of the ParametrizationList, its hooks and all
+        expr = stock_call
     source = (
         "def get(self):\n"
+        # Global module hooks run at every module call in stock (dynamo guards these dicts).
+        f"    if G[0] or G[1] or G[2] or G[3]:\n"
+        f"        return {stock_call}\n"
         f"    return {expr}\n"
         "def set(self, value):\n"
         f"    self._modules['parametrizations']._modules[{name!r}].right_inverse(value)\n"
     )
     namespace = {f"F{i}": f for i, f in enumerate(signature[2]) if f is not None}
+    namespace["G"] = GLOBAL_HOOKS
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
     return _InlineProperty(run_eagerly_as_frame(namespace["get"]), namespace["set"], name)
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    from torch.nn.modules import module as module_globals
-
-    own = (
-        module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-        module._backward_pre_hooks, module._forward_hooks_with_kwargs, module._forward_pre_hooks_with_kwargs,
-    )
-    global_hooks = (
-        module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
-        module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks,
-    )
-    return any(map(bool, own + global_hooks))
+    return has_own_hooks(module) or any(GLOBAL_HOOKS)
 
 
 run_eagerly_as_frame(_InlineProperty.__get__)

@@ -285,13 +285,12 @@ def _plan(
             # An entry that is parametrized but not selected keeps its stock per-instance class
             # as base, so its stock properties keep working.
             base = type(module)
-        inline = tuple(
-            sorted(
-                (n, inline_property(n, chain_signature(module, n)))
-                for n, site in st.sites.items()
-                if site.mode == "inline" and not site.nested
-            )
-        )
+        inline = []
+        for n, site in st.sites.items():
+            if site.mode == "inline" and not site.nested:
+                site.signature = chain_signature(module, n)
+                inline.append((n, inline_property(n, site.signature)))
+        inline = tuple(sorted(inline))
         st.covers = frozenset(id(m) for m in st.entries)
         st.prepared_class = prepared_class(base, own, module is model, inline)
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):

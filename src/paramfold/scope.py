@@ -52,7 +52,7 @@ from paramfold.compute import compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
-from paramfold.inline import sync_refs
+from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
@@ -241,11 +241,14 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
             if plist is not site.plist or tuple(plist._modules.values()) != site.modules:
                 changed = True
                 break
+            if site.signature is not None and not still_exact(holder, name, site.signature):
+                changed = True
+                break
     if changed:
         raise FoldError(
             f"parametrizations of a {hs.original_class.__name__} changed after paramfold.prepare "
-            "(registered, removed or replaced, a hook-based norm removed, or a _parameters/_buffers "
-            "dict under them replaced): call "
+            "(registered, removed or replaced, a hook-based norm removed, a _parameters/_buffers "
+            "dict under them replaced, or, with mode='inline', a hook added to one): call "
             "paramfold.restore(model), change them, then prepare again."
         )
 

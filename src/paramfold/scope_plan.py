@@ -21,10 +21,9 @@ from operator import attrgetter, contains, getitem, is_, itemgetter
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_globals
 
-from paramfold.compute import compute
-from paramfold.freeze import memcmp, same_inputs
+from paramfold.compute import GLOBAL_HOOKS, compute
+from paramfold.freeze import memcmp, same_inputs, same_settings
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_requires_grad as _plain_requires_grad
@@ -64,8 +63,9 @@ class Plan:
         "size_dicts", "sizes", "stateful", "mode_modules", "modes",
         "original_dicts", "original_keys", "originals", "flag_tensors", "flags",
         "input_dicts", "input_keys", "inputs", "versions", "input_flags", "addresses",
-        "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "hoisted", "hoisted_dicts",
-        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths",
+        "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "settings", "settings_then",
+        "hoisted", "hoisted_dicts",
+        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists",
     )
 
     @classmethod
@@ -77,7 +77,8 @@ class Plan:
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
         links, members, ordered, sizes, stateful, modes = [], [], [], [], [], []
-        originals, flags, watch, raw, views, hoisted, callees = [], [], [], [], [], [], []
+        originals, flags, watch, raw, views, hoisted, callees, lists = [], [], [], [], [], [], [], []
+        settings: dict[int, tuple[dict, dict]] = {}  # by id: the global hook dicts are in every site's
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
@@ -108,6 +109,7 @@ class Plan:
                     watch.extend(frozen.watch)
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
+                    settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
                         stateful.extend(site.chain)
                 elif name in hs.installed and frozen is None and site.subclass is False:
@@ -129,6 +131,7 @@ class Plan:
                         forwards = tuple(type(m).forward for m in chain)
                         callees.extend(chain)
                     hoisted.append((values, name, holder, site.originals, chain, forwards))
+                    lists.append(site.plist)
                 else:
                     return None
             claimed.append(holder)
@@ -168,6 +171,7 @@ class Plan:
             tuple(map(kind, column)) for kind, column in zip((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), _columns(raw, 3))
         )
         plan.views = tuple(views)
+        plan.settings, plan.settings_then = _columns(list(settings.values()), 2)
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
@@ -175,6 +179,7 @@ class Plan:
         plan.callee_types = tuple(map(type, callees))
         plan.callee_classes = tuple(dict.fromkeys(plan.callee_types))
         plan.callee_paths = list(map(_call_path, plan.callee_classes))
+        plan.plists = tuple(lists)
         return plan
 
     def claim(self) -> None:
@@ -196,10 +201,13 @@ class Plan:
 
         Where :meth:`plain_calls` holds, a chain member's ``forward`` is called directly: with no
         hook, no compiled or instance override and no JIT tracing, ``nn.Module.__call__`` does
-        exactly that, through two more Python frames per member (about 3 us each call here)."""
+        exactly that, through two more Python frames per member (about 3 us each call here).
+        Where hooks would run for a ``ParametrizationList`` (its own, or global ones), each value
+        is computed the way stock calls it (:func:`~paramfold.compute.compute`)."""
         direct = bool(self.callees) and self.plain_calls()
+        listed = not direct and (any(GLOBAL_HOOKS) or self.lists_hooked())
         for values, name, holder, originals, chain, forwards in self.hoisted:
-            if chain is None:
+            if chain is None or listed:
                 values[name] = compute(holder, name)
                 continue
             args = []
@@ -219,9 +227,7 @@ class Plan:
         """Whether calling each member in ``callees`` is, right now, exactly calling its class's
         ``forward``: what ``nn.Module._wrapped_call_impl`` and ``_call_impl`` check, read live."""
         callees = self.callees
-        g = _module_globals
-        if (_tracing_state() is not None or g._global_forward_hooks or g._global_forward_pre_hooks
-                or g._global_backward_hooks or g._global_backward_pre_hooks):
+        if _tracing_state() is not None or any(GLOBAL_HOOKS) or self.lists_hooked():
             return False
         if not all(map(is_, map(type, callees), self.callee_types)):
             return False
@@ -236,6 +242,13 @@ class Plan:
         if any(map(contains, own, repeat("forward"))) or any(map(contains, own, repeat("_call_impl"))):
             return False
         return all(map(is_, map(dict.get, own, repeat("_compiled_call_impl")), repeat(None)))
+
+    def lists_hooked(self) -> bool:
+        """Whether a hoisted site's ``ParametrizationList`` has hooks, which stock's call of it runs."""
+        try:
+            return any(map(any, map(_hooks, map(vars, self.plists))))
+        except KeyError:
+            return True
 
     def release(self) -> bool:
         """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
@@ -295,6 +308,8 @@ def holds(plan: Plan) -> bool:
         if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
             return False
     except (LookupError, RuntimeError):  # a key gone, a tensor without storage or version now
+        return False
+    if not same_settings(plan.settings, plan.settings_then):
         return False
     if plan.raw_inputs and any(map(memcmp, plan.raw_inputs, plan.raw_copies, plan.raw_sizes)):
         return False

@@ -33,6 +33,13 @@ class FrozenValue:
     raw: tuple[tuple[int, int, int], ...] = ()
     views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     copies: tuple[torch.Tensor, ...] = ()
+    #: What else the value was computed from, as the dicts themselves (``settings``) and copies
+    #: of them taken just after (``settings_then``): every chain member's ``__dict__`` (its plain
+    #: attributes: a temperature, a scale, ``training``), ``_modules`` and forward hooks, the
+    #: ``ParametrizationList``'s forward hooks and the global ones (a hook-based norm: its
+    #: hook's attributes). Equal means every entry is the same object, or an equal one.
+    settings: tuple[dict, ...] = ()
+    settings_then: tuple[dict, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +70,8 @@ class SiteState:
     frozen: FrozenValue | None = None
     #: Inline sites: (instance attribute, dict, key) of each original a generated getter reads.
     original_refs: tuple[tuple[str, dict, str], ...] = ()
+    #: Inline sites: what the generated getter was made for (``inline.chain_signature``).
+    signature: tuple | None = None
     #: Whether values are tensor subclasses (known after the first computation). AOTAutograd does
     #: not carry gradients from a subclass graph input back to the originals it was built from,
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
