@@ -114,3 +114,28 @@ GLOBAL_HOOKS = (
     _module_globals._global_forward_hooks, _module_globals._global_forward_pre_hooks,
     _module_globals._global_backward_hooks, _module_globals._global_backward_pre_hooks,
 )
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    found = []
+    for device_type in ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "privateuseone"):
+        try:
+            torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+        except Exception:  # a device type this torch has no autocast for
+            continue
+        found.append(device_type)
+    return tuple(found)
+
+
+_AUTOCAST_DEVICES = _autocast_devices()
+#: Whether autocast is on for any device type (one C call).
+any_autocast = torch._C._is_any_autocast_enabled
+
+
+def autocast_state() -> tuple | None:
+    """The autocast state a value computed now is computed under: None where autocast is off
+    for every device type, else ``(enabled, dtype)`` per device type. Stock computes a value
+    where it is read, so under that read's state (``torch.autocast`` casts a chain's matmuls)."""
+    if not any_autocast():
+        return None
+    return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)

@@ -15,7 +15,8 @@ parametrization modules' own parameters and buffers), in two ways:
 
 and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
 (``member.temperature = 0.5``), their submodules and forward hooks, and global forward hooks,
-each dict compared with a copy taken when the value was computed.
+each dict compared with a copy taken when the value was computed; and on the autocast state it
+was computed under (a value computed outside ``torch.autocast`` does not serve a call inside it).
 
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
 inside ``torch.inference_mode()`` also serves later calls that record gradients.
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from paramfold import hooknorms
-from paramfold.compute import GLOBAL_HOOKS, compute
+from paramfold.compute import GLOBAL_HOOKS, autocast_state, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.state import FrozenValue, SiteState, state_for
 from paramfold.sites import Site
@@ -66,7 +67,7 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     live = settings(site)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views), tuple(copies),
-        live, tuple(map(dict, live)),
+        live, tuple(map(dict, live)), autocast_state(),
     )
 
 
@@ -97,7 +98,7 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     """Whether every input of ``frozen`` is as it was: same tensor, version, storage address and
     ``requires_grad`` (and, with ``freeze_check="content"``, the same bytes)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
-    if tuple(map(len, site.tensor_dicts)) != frozen.sizes:
+    if tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast:
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.

@@ -48,7 +48,8 @@ from torch import nn
 
 from paramfold import hooknorms
 from paramfold import scope_nested as nested
-from paramfold.compute import compute
+from paramfold.compute import any_autocast as _any_autocast
+from paramfold.compute import autocast_state, compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
@@ -60,6 +61,7 @@ from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 
 _MODULE_CALL = nn.Module.__call__
+_grad_enabled = torch.is_grad_enabled
 # Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
 # without it counts as "maybe": nested calls then see swaps only.
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
@@ -75,9 +77,10 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module] | Plan]:
+def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     state = entry.__dict__[STATE_ATTR]
     grad = torch.is_grad_enabled()
+    context = (grad, autocast_state() if _any_autocast() else None)  # what the values are computed under
     with _LOCK:
         plan = state.plan
         if plan is not None and plan.grad is grad and holds(plan):
@@ -90,9 +93,10 @@ def _open(entry: nn.Module) -> tuple[frozenset[int], list[nn.Module] | Plan]:
         else:
             claimed = _open_holders(entry, state, grad)
             state.plan = Plan.build(state.holders, grad, _shareable)
-    previous = _local.covered
+    previous = (_local.covered, nested.local.context)
     _local.covered = state.covers
     _local.opened = entry
+    nested.local.context = context
     return previous, claimed
 
 
@@ -286,8 +290,8 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
     return value
 
 
-def _close(previous: frozenset[int], claimed: list[nn.Module] | Plan) -> None:
-    _local.covered = previous
+def _close(previous: tuple, claimed: list[nn.Module] | Plan) -> None:
+    _local.covered, nested.local.context = previous
     _local.opened = None
     _release(claimed)
 
@@ -357,8 +361,10 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         local.opened = None
         return None
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
+    context = nested.local.context
     check = self.__dict__[STATE_ATTR].nested_check
-    if check is not None and check[0] == nested.Installs.count and not check[6]:
+    if (check is not None and check[0] == nested.Installs.count and not check[6]
+            and context[0] is _grad_enabled() and context[1] is None and not _any_autocast()):
         try:
             if all(map(is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
                 snap, plain, ids = nested.local.snapshot, check[7], check[8]

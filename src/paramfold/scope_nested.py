@@ -6,15 +6,20 @@ call begins. A forward may then change their inputs before it calls a submodule:
 * swap them: ``torch.func.functional_call(self.inner, params, x)`` puts other tensors in the
   ``ParametrizationList``'s dicts for the call of ``self.inner``, then puts the originals back;
 * change them in place: MoCo's momentum update, ``param_k.data = m * param_k.data + (1 - m) *
-  param_q.data``, inside ``forward``, before ``self.key_encoder(x)``.
+  param_q.data``, inside ``forward``, before ``self.key_encoder(x)``;
+* or change what they are computed under: a ``torch.autocast`` region (Accelerate wraps
+  ``forward`` in one; stock's reads inside it compute the chain's matmuls in lower precision), or
+  a ``torch.enable_grad()`` region in a ``no_grad`` call (stock's reads there record gradients).
 
 Every eager call of an entry reads its ``_compiled_call_impl`` (``scope._get_compiled_call_impl``),
 which checks the entry's :func:`check_of` columns: the tensors below it are the ones its values
 were computed from (always), and, where the scope was opened eagerly, their version counters and
-storage addresses are those of when it opened (:func:`snapshot`). Where something differs,
-:func:`call_changed` runs the call with those values computed afresh, as stock computes each
-read: a swapped value is put back after (the originals come back), a value changed in place stays
-(it is the current one for the rest of the call).
+storage addresses are those of when it opened (:func:`snapshot`); and that the grad mode and
+autocast state are those the values were computed under (``local.context``). Where something
+differs, :func:`call_changed` runs the call with those values computed afresh, as stock computes
+each read: a swapped value, or one computed for another grad mode or autocast state, is put back
+after (the originals come back, the region ends), a value changed in place stays (it is the
+current one for the rest of the call).
 
 Not seen: reads that are not inside a nested module call (a forward reading ``self.k.weight``
 after changing it); in-place edits through ``.data`` (they bump no version counter); and
@@ -30,13 +35,18 @@ from collections.abc import Callable
 from operator import getitem, is_
 from typing import Any
 
+import torch
 from torch import nn
 
 from paramfold import hooknorms
-from paramfold.compute import compute
+from paramfold.compute import any_autocast, autocast_state, compute
+from paramfold.errors import FoldError
+from paramfold.freeze import chain_needs_grad
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
+
+is_grad_enabled = torch.is_grad_enabled
 
 
 
@@ -44,6 +54,9 @@ class _Local(threading.local):
     #: ``({id: version}, {id: storage address})`` of the plain tensors below the entry whose
     #: scope this thread opened eagerly, taken when it opened; None otherwise.
     snapshot: tuple[dict, dict] | None = None
+    #: ``(grad enabled, compute.autocast_state())`` the values of this thread's open scope were
+    #: computed under (:func:`context`); None where no scope is open.
+    context: tuple | None = None
 
 
 local = _Local()
@@ -109,9 +122,25 @@ def snapshot(entry: nn.Module) -> tuple[dict, dict] | None:
         return None
 
 
+def context() -> tuple:
+    """What a value computed now is computed under, besides its inputs."""
+    return torch.is_grad_enabled(), autocast_state()
+
+
+def same_context(then: tuple | None) -> bool:
+    """Whether values computed under ``then`` (``local.context``) serve a call made now:
+    :func:`context` equal, tested cheaply (autocast's details only where it is on)."""
+    return then is None or (
+        then[0] is is_grad_enabled() and (then[1] is None) is not any_autocast()
+        and (then[1] is None or autocast_state() == then[1])
+    )
+
+
 def unchanged(check: tuple) -> bool:
     """Nothing below the entry of ``check`` changed: what ``scope._get_compiled_call_impl``
     tests inline (without a frame of its own), for the other callers."""
+    if not same_context(local.context):
+        return False
     try:
         if check[6] or not all(map(is_, map(getitem, check[1], check[2]), check[3])):
             return False
@@ -130,14 +159,29 @@ def unchanged(check: tuple) -> bool:
 
 
 def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool]]:
-    """``(holder, name, swapped)`` of every site below ``entry`` whose inputs differ from those
-    its value was computed from: other tensors (swapped), or the same ones changed in place."""
+    """``(holder, name, put back)`` of every site below ``entry`` whose value differs from what
+    stock would compute now: from other tensors (swapped: put back after the call), under another
+    grad mode or autocast state (put back too), or from the same ones changed in place."""
     entry.__dict__[STATE_ATTR].nested_check = None
     snap = local.snapshot
+    then, now_context = local.context, context()
+    autocast_moved = then is not None and then[1] != now_context[1]
+    grad_on = then is not None and now_context[0] and not then[0]
     found = []
     for holder, name, site in _valued(entry):
         now = inputs(site)
         if not same(now, site.read_from):
+            found.append((holder, name, True))
+        elif autocast_moved or (grad_on and chain_needs_grad(site)):
+            if site.training_stateful:
+                raise FoldError(
+                    f"{type(holder).__name__}.{name}: a stateful parametrization (spectral_norm) in training "
+                    "is read under another grad mode or autocast state than the prepared model's call "
+                    "(a torch.autocast or torch.enable_grad region inside its forward); stock runs the "
+                    "power iteration at that read, a value computed at the call's start already ran it. "
+                    "Enter the region around the model's call, or prepare this module with mode='inline' "
+                    "(filter_fn)."
+                )
             found.append((holder, name, True))
         elif snap is not None and _moved(now, snap):
             found.append((holder, name, False))
@@ -153,9 +197,13 @@ def call_changed(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """``call`` with the values of ``found`` computed from the tensors there now; swapped ones
-    are put back after. ``busy(entry)`` is raised where another thread shares a value."""
+    """``call`` with the values of ``found`` computed from the tensors there now, under the grad
+    mode and autocast state now (calls nested in it compare with those); the ones found to be put
+    back are put back after. ``busy(entry)`` is raised where another thread shares a value."""
     put_back = []
+    outer = local.context
+    if outer is not None:
+        local.context = context()
     try:
         with lock:
             for holder, name, swapped in found:
@@ -172,6 +220,7 @@ def call_changed(
             Installs.count += 1
         return call(*args, **kwargs)
     finally:
+        local.context = outer
         if put_back:
             with lock:
                 for values, name, value, site, read_from in reversed(put_back):

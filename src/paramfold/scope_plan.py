@@ -22,8 +22,8 @@ from operator import attrgetter, contains, getitem, is_, itemgetter
 import torch
 from torch import nn
 
-from paramfold.compute import GLOBAL_HOOKS, compute
-from paramfold.freeze import memcmp, same_inputs, same_settings
+from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
+from paramfold.freeze import memcmp, same_inputs
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_requires_grad as _plain_requires_grad
@@ -65,7 +65,7 @@ class Plan:
         "input_dicts", "input_keys", "inputs", "versions", "input_flags", "addresses",
         "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "settings", "settings_then",
         "hoisted", "hoisted_dicts",
-        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists",
+        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
     )
 
     @classmethod
@@ -74,6 +74,7 @@ class Plan:
         site is not in a steady state (inline, hook-based norms, DTensors, anything recomputed)."""
         plan = cls()
         plan.grad = grad
+        plan.autocast = autocast_state()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
         links, members, ordered, sizes, stateful, modes = [], [], [], [], [], []
@@ -286,6 +287,8 @@ def holds(plan: Plan) -> bool:
         states = plan.states
         if any(map(_users, states)) or not all(map(is_, map(_kept, states), plan.kepts)):
             return False
+        if (plan.autocast is None) is any_autocast() or (plan.autocast is not None and autocast_state() != plan.autocast):
+            return False
         if not all(map(is_, map(type, plan.claimed), plan.types)):
             return False
         if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
@@ -307,9 +310,11 @@ def holds(plan: Plan) -> bool:
             return False
         if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
             return False
-    except (LookupError, RuntimeError):  # a key gone, a tensor without storage or version now
-        return False
-    if not same_settings(plan.settings, plan.settings_then):
+        if plan.settings != plan.settings_then:  # freeze.same_settings, written out
+            return False
+    # A key gone, a tensor without storage or version now, a setting replaced by a tensor or an
+    # array (whose == is elementwise).
+    except (LookupError, RuntimeError, ValueError, TypeError):
         return False
     if plan.raw_inputs and any(map(memcmp, plan.raw_inputs, plan.raw_copies, plan.raw_sizes)):
         return False

@@ -40,6 +40,8 @@ class FrozenValue:
     #: hook's attributes). Equal means every entry is the same object, or an equal one.
     settings: tuple[dict, ...] = ()
     settings_then: tuple[dict, ...] = ()
+    #: The autocast state it was computed under (``compute.autocast_state``).
+    autocast: tuple | None = None
 
 
 @dataclasses.dataclass(eq=False)
