@@ -65,9 +65,10 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
             else:
                 views.append((view, copy))
     live = settings(site)
+    full = tuple(d for d in live if d)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views), tuple(copies),
-        live, tuple(map(dict, live)), autocast_state(),
+        tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(),
     )
 
 
@@ -85,13 +86,40 @@ def settings(site: SiteState) -> tuple[dict, ...]:
     return (*found, *GLOBAL_HOOKS[:2])  # the forward ones: a frozen value is computed without autograd
 
 
-def same_settings(live: tuple[dict, ...], then: tuple[dict, ...]) -> bool:
-    """Whether each dict in ``live`` equals its copy in ``then`` (one C-level comparison; entries
-    that are the same object compare without calling their ``__eq__``)."""
+def same_settings(empty: tuple[dict, ...], full: tuple[dict, ...], then: list) -> bool:
+    """Whether the dicts of :func:`settings` are as they were: the ``empty`` ones still empty,
+    the ``full`` ones with the tags ``then`` (one C-level pass each)."""
     try:
-        return live == then
-    except Exception:  # an entry replaced by a tensor or an array: changed
+        return not any(empty) and list(map(tag, full)) == then
+    except Exception:  # a copy's entry replaced by a tensor or an array, whose == is elementwise
         return False
+
+
+def _load_dict_version():
+    """torch's reader of a dict's version tag (CPython's ``ma_version_tag``, or a dict watcher's
+    count from Python 3.12), where it behaves as this module relies on, else None."""
+    try:
+        from torch._C._dynamo.guards import dict_version
+    except Exception:  # a torch without dynamo's C guards
+        return None
+    try:
+        probe = nn.Module()
+        tags = [dict_version(probe.__dict__)]
+        for change in (lambda: setattr(probe, "alpha", 1.0), lambda: setattr(probe, "alpha", 2.0),
+                       lambda: delattr(probe, "alpha")):  # added, replaced, removed
+            change()
+            tags.append(dict_version(probe.__dict__))
+        if len(set(tags)) != len(tags) or dict_version(probe.__dict__) != tags[-1]:
+            return None
+    except Exception:
+        return None
+    return dict_version
+
+
+_dict_version = _load_dict_version()
+#: What :func:`same_settings` compares of a dict: its version tag (any write to it changes it),
+#: or, where torch cannot read one, a copy (entries compared by identity, then ``==``).
+tag = _dict_version if _dict_version is not None else dict
 
 
 def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
@@ -102,7 +130,7 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.
-    return (same_inputs(frozen.watch) and same_settings(frozen.settings, frozen.settings_then)
+    return (same_inputs(frozen.watch) and same_settings(frozen.settings_empty, frozen.settings, frozen.settings_then)
             and same_bytes(frozen.raw, frozen.views))
 
 

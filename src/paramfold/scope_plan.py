@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
-from paramfold.freeze import memcmp, same_inputs
+from paramfold.freeze import memcmp, same_inputs, tag
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_requires_grad as _plain_requires_grad
@@ -59,11 +59,11 @@ class Plan:
     __slots__ = (
         "grad", "claimed", "states", "types", "kepts", "installed", "shareable", "ones",
         "switched", "prepared", "between",
-        "link_dicts", "link_keys", "links", "member_dicts", "members", "ordered", "order",
-        "size_dicts", "sizes", "stateful", "mode_modules", "modes",
-        "original_dicts", "original_keys", "originals", "flag_tensors", "flags",
-        "input_dicts", "input_keys", "inputs", "versions", "input_flags", "addresses",
-        "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "settings", "settings_then",
+        "link_dicts", "link_keys", "links", "structure", "structure_tags", "ordered", "order",
+        "stateful", "mode_modules", "modes", "flag_tensors", "flags",
+        "inputs", "versions", "input_flags", "addresses",
+        "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "settings_empty", "settings",
+        "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
     )
@@ -77,9 +77,11 @@ class Plan:
         plan.autocast = autocast_state()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
-        links, members, ordered, sizes, stateful, modes = [], [], [], [], [], []
-        originals, flags, watch, raw, views, hoisted, callees, lists = [], [], [], [], [], [], [], []
-        settings: dict[int, tuple[dict, dict]] = {}  # by id: the global hook dicts are in every site's
+        links, ordered, stateful, modes = [], [], [], []
+        flags, watch, raw, views, hoisted, callees, lists = [], [], [], [], [], [], []
+        structure: dict[int, dict] = {}
+        empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
+        settings: dict[int, tuple[dict, object]] = {}
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
@@ -90,36 +92,34 @@ class Plan:
             plists = holder._modules.get("parametrizations")
             if plists is None:  # hook-based norms only
                 return None
+            # Every dict a site's value is found through, down to its tensors, is checked by its
+            # tag (any write changes it): the holder's own __dict__, which the scope writes
+            # values to, and the chain members' (hoist reads their attributes live) by the key.
             links.append((values, "_modules", holder._modules))
-            links.append((holder._modules, "parametrizations", plists))
-            links.append((plists.__dict__, "_modules", plists._modules))
-            members.append(plists._modules)
+            structure.update((id(d), d) for d in (holder._modules, plists.__dict__, plists._modules))
             for name, site in hs.sites.items():
                 if site.hook is not None or site.mode == "inline":
                     return None
-                links.append((site.plist.__dict__, "_modules", site.plist._modules))
-                links.extend(site.dict_pins)
-                members.append(site.plist._modules)
+                plist_dict = site.plist.__dict__
+                structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))
+                links.extend(pin for pin in site.dict_pins if pin[0] is not plist_dict)
                 if len(site.modules) > 1:
                     ordered.append(site.plist._modules)
                 frozen = site.frozen
                 if name in hs.kept:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
-                    sizes.extend(zip(site.tensor_dicts, frozen.sizes))
                     watch.extend(frozen.watch)
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
+                    empty.update((id(d), d) for d in frozen.settings_empty)
                     settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
                         stateful.extend(site.chain)
                 elif name in hs.installed and frozen is None and site.subclass is False:
                     # Hoisted: the same choice next call as long as the originals are the same
-                    # tensors (so not DTensors) and, for auto, nothing that decides it changed.
-                    # Every tensor of the chain's dicts, not only the originals: module.to()
-                    # replaces buffers, and what a call nested in the scope checks
-                    # (scope_nested, site.read_from) was recorded from all of them.
-                    originals.extend((d, key, t) for d in site.tensor_dicts for key, t in d.items())
+                    # tensors (so not DTensors: the tensor dicts' tags) and, for auto, nothing
+                    # that decides it changed.
                     if site.mode == "auto":
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
                     if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing
@@ -149,30 +149,30 @@ class Plan:
         plan.installed, plan.shareable, plan.ones = tuple(installed), tuple(shares), [1] * len(states)
         plan.switched, plan.prepared, plan.between = tuple(switched), tuple(prepared), tuple(between)
         plan.link_dicts, plan.link_keys, plan.links = _columns(links, 3)
-        # Copies to compare with: dict equality checks sizes, keys and values (modules compare
-        # by identity) in C; the key lists of chains longer than one, their order. The general
-        # path checked just now that they are prepare's.
-        plan.member_dicts, plan.members = members, list(map(dict, members))
+        # The tags as the general path, which checked just now that everything is prepare's,
+        # leaves them; the key lists of chains longer than one, their order (a copy's equality
+        # would not see it where tags cannot be read).
+        plan.structure = tuple(structure.values())
+        plan.structure_tags = list(map(tag, plan.structure))
         plan.ordered, plan.order = ordered, list(map(list, ordered))
-        plan.size_dicts, sizes_now = _columns(sizes, 2)
-        plan.sizes = list(sizes_now)
         plan.stateful = tuple(stateful)
         plan.mode_modules, plan.modes = _columns(modes, 2)
-        plan.original_dicts, plan.original_keys, plan.originals = _columns(originals, 3)
         plan.flag_tensors, plan.flags = _columns(flags, 2)
         # Inputs without a storage address (tensor subclasses) keep same_inputs' own handling.
         addressed, unaddressed = [], []
         for w in watch:
             (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES else unaddressed).append(w)
         plan.unaddressed = tuple(unaddressed)
-        plan.input_dicts, plan.input_keys, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
+        _, _, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
         plan.versions, plan.addresses = list(versions), list(addresses)
         # memcmp's arguments as ctypes objects, converted once here instead of at every call.
         plan.raw_inputs, plan.raw_copies, plan.raw_sizes = (
             tuple(map(kind, column)) for kind, column in zip((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), _columns(raw, 3))
         )
         plan.views = tuple(views)
-        plan.settings, plan.settings_then = _columns(list(settings.values()), 2)
+        plan.settings_empty = tuple(empty.values())
+        plan.settings, then = _columns(list(settings.values()), 2)
+        plan.settings_then = list(then)
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
@@ -293,24 +293,19 @@ def holds(plan: Plan) -> bool:
             return False
         if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
             return False
-        if plan.member_dicts != plan.members or list(map(list, plan.ordered)) != plan.order:
-            return False
-        if list(map(len, plan.size_dicts)) != plan.sizes:
+        if list(map(tag, plan.structure)) != plan.structure_tags or list(map(list, plan.ordered)) != plan.order:
             return False
         if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):
-            return False
-        if not all(map(is_, map(getitem, plan.original_dicts, plan.original_keys), plan.originals)):
             return False
         if not all(map(is_, map(_requires_grad, plan.flag_tensors), plan.flags)):
             return False
         inputs = plan.inputs
-        if not all(map(is_, map(getitem, plan.input_dicts, plan.input_keys), inputs)):
-            return False
         if list(map(_version, inputs)) != plan.versions or not all(map(is_, map(_plain_requires_grad, inputs), plan.input_flags)):
             return False
         if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
             return False
-        if plan.settings != plan.settings_then:  # freeze.same_settings, written out
+        # freeze.same_settings, written out
+        if any(plan.settings_empty) or list(map(tag, plan.settings)) != plan.settings_then:
             return False
     # A key gone, a tensor without storage or version now, a setting replaced by a tensor or an
     # array (whose == is elementwise).

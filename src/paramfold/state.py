@@ -33,13 +33,15 @@ class FrozenValue:
     raw: tuple[tuple[int, int, int], ...] = ()
     views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     copies: tuple[torch.Tensor, ...] = ()
-    #: What else the value was computed from, as the dicts themselves (``settings``) and copies
-    #: of them taken just after (``settings_then``): every chain member's ``__dict__`` (its plain
-    #: attributes: a temperature, a scale, ``training``), ``_modules`` and forward hooks, the
-    #: ``ParametrizationList``'s forward hooks and the global ones (a hook-based norm: its
-    #: hook's attributes). Equal means every entry is the same object, or an equal one.
+    #: What else the value was computed from (``freeze.settings``): every chain member's
+    #: ``__dict__`` (its plain attributes: a temperature, a scale, ``training``), ``_modules`` and
+    #: forward hooks, the ``ParametrizationList``'s forward hooks and the global ones (a
+    #: hook-based norm: its hook's attributes). Those empty just after computing must stay empty
+    #: (``settings_empty``); for the others, ``settings_then`` holds what ``freeze.tag`` read of
+    #: each then (its version tag, or a copy where versions cannot be read).
+    settings_empty: tuple[dict, ...] = ()
     settings: tuple[dict, ...] = ()
-    settings_then: tuple[dict, ...] = ()
+    settings_then: list = dataclasses.field(default_factory=list)
     #: The autocast state it was computed under (``compute.autocast_state``).
     autocast: tuple | None = None
 
