@@ -232,10 +232,9 @@ def test_a_change_leaves_the_fast_path_and_the_next_call_takes_it_again():
         assert scope_plan.holds(ours.__dict__["_paramfold"].plan)
 
 
-def test_content_check_compares_host_inputs_with_memcmp_and_others_with_torch_equal():
-    freeze = sys.modules["paramfold.freeze"]
-    if freeze.memcmp is None:
-        pytest.skip("no libc memcmp on this platform: every input is compared with torch.equal")
+def test_content_check_hashes_host_inputs_in_place_and_compares_others_with_torch_equal():
+    import ctypes
+
     torch.manual_seed(0)
     stock = nn.Linear(4, 4).eval().requires_grad_(False)
     stock.weight = nn.Parameter(torch.randn(4, 4).t(), requires_grad=False)  # not contiguous
@@ -248,6 +247,10 @@ def test_content_check_compares_host_inputs_with_memcmp_and_others_with_torch_eq
         frozen = {n: s.frozen for n, s in ours.__dict__["_paramfold"].sites.items()}
         assert len(frozen["weight"].views) == 1 and not frozen["weight"].raw  # the transposed original
         assert len(frozen["bias"].raw) == 2 and not frozen["bias"].views  # g and v
+        # hashed where they are: no copy of a host input is kept
+        originals = ours.parametrizations.bias.original0, ours.parametrizations.bias.original1
+        assert [ctypes.addressof(memory) for memory, _ in frozen["bias"].raw] == [t.data_ptr() for t in originals]
+        assert not any(isinstance(part, torch.Tensor) for pair in frozen["bias"].raw for part in pair)
         for model in (stock, ours):
             model.parametrizations.weight.original.data.add_(1)
         assert torch.equal(ours(x), stock(x))

@@ -7,11 +7,12 @@ parametrization modules' own parameters and buffers), in two ways:
   steps, ``load_state_dict`` (``copy_``), in-place ops, ``torch.nn.init.*`` on the tensor,
   ``lerp_``/``torch._foreach_lerp_``, ``assign=True`` loads, ``.data = ...`` and ``.to()`` /
   ``.half()`` change it;
-* with ``freeze_check="content"`` (the default), a byte copy of each, compared at every call:
-  writes that bump no version counter — through ``.data`` (``p.data.mul_()``, init code,
-  EMA loops), ``.detach().numpy()``, DLPack — change the bytes. This costs one comparison of the
-  inputs per call (about what a cheap parametrization costs to recompute) and one copy of them in
-  memory. ``freeze_check="version"`` trusts identity, address and version alone.
+* with ``freeze_check="content"`` (the default), their bytes, checked at every call: writes
+  that bump no version counter — through ``.data`` (``p.data.mul_()``, init code, EMA loops),
+  ``.detach().numpy()``, DLPack — change the bytes. A host tensor's bytes are hashed in place
+  (:data:`digest`, 16 bytes kept per input); a device tensor is compared with a copy. This costs
+  one read of the inputs per call (about what a cheap parametrization costs to recompute).
+  ``freeze_check="version"`` trusts identity, address and version alone.
 
 and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
 (``member.temperature = 0.5``), their submodules and forward hooks, and global forward hooks,
@@ -24,7 +25,10 @@ inside ``torch.inference_mode()`` also serves later calls that record gradients.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+import xxhash
 from torch import nn
 
 from paramfold import hooknorms
@@ -48,7 +52,7 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
 def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`)."""
     content = site.freeze_check == "content"
-    watch, raw, views, copies = [], [], [], []
+    watch, raw, views = [], [], []
     for d in site.tensor_dicts:
         for key, t in d.items():
             if t is None:
@@ -58,16 +62,17 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
             view = _bytes(t) if content else None
             if view is None:
                 continue
-            copy = view.clone(memory_format=torch.contiguous_format)
-            if memcmp is not None and address and view.device.type == "cpu" and view.is_contiguous():
-                raw.append((address, copy.data_ptr(), view.nbytes))
-                copies.append(copy)
+            if address and view.device.type == "cpu" and view.is_contiguous():
+                # The tensor's own bytes, read in place (its storage is kept alive by the tensor,
+                # and its address is checked before each read).
+                memory = (ctypes.c_char * view.nbytes).from_address(address)
+                raw.append((memory, digest(memory)))
             else:
-                views.append((view, copy))
+                views.append((view, view.clone(memory_format=torch.contiguous_format)))
     live = settings(site)
     full = tuple(d for d in live if d)
     return FrozenValue(
-        value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views), tuple(copies),
+        value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
         tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(),
     )
 
@@ -148,10 +153,10 @@ def same_inputs(watch: tuple[tuple, ...]) -> bool:
     return True
 
 
-def same_bytes(raw: tuple[tuple[int, int, int], ...], views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> bool:
-    """Whether each input's bytes equal its copy's (see :class:`FrozenValue`)."""
-    for address, copy, size in raw:
-        if memcmp(address, copy, size):
+def same_bytes(raw: tuple[tuple[object, int], ...], views: tuple[tuple[torch.Tensor, torch.Tensor], ...]) -> bool:
+    """Whether each input's bytes are as they were (see :class:`FrozenValue`)."""
+    for memory, expected in raw:
+        if digest(memory) != expected:
             return False
     for view, copy in views:
         if not torch.equal(view, copy):
@@ -159,26 +164,10 @@ def same_bytes(raw: tuple[tuple[int, int, int], ...], views: tuple[tuple[torch.T
     return True
 
 
-def _load_memcmp():
-    """libc's ``memcmp`` through ctypes: an exact byte comparison of two host buffers without
-    torch's per-op dispatch (``torch.equal`` costs about 5x more on 64 KB), or None."""
-    try:
-        import ctypes
-        import sys
-
-        libc = ctypes.cdll.msvcrt if sys.platform == "win32" else ctypes.CDLL(None)
-        fn = libc.memcmp
-        fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-        fn.restype = ctypes.c_int
-        a, b = (ctypes.c_char * 4).from_buffer_copy(b"abcd"), (ctypes.c_char * 4).from_buffer_copy(b"abce")
-        if fn(ctypes.addressof(a), ctypes.addressof(b), 3) != 0 or fn(ctypes.addressof(a), ctypes.addressof(b), 4) == 0:
-            return None
-        return fn
-    except Exception:  # no libc to load: torch.equal does it
-        return None
-
-
-memcmp = _load_memcmp()
+#: The content check's hash of a host buffer: XXH3's 128 bits (a change kept undetected needs a
+#: collision, about 3e-39 for a random change), read at memory speed in one pass, where a
+#: comparison with a copy reads twice the bytes and keeps the copy in memory.
+digest = xxhash.xxh3_128_intdigest
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

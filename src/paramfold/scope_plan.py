@@ -5,7 +5,7 @@ that nothing changed, then installs or reuses each value. Once a model is in its
 every site served from a frozen value kept in its module's ``__dict__``, or hoisted — an entry
 keeps a :class:`Plan`: everything those choices depend on, flattened into parallel tuples.
 :func:`holds` checks all of it, and :meth:`Plan.claim` / :meth:`Plan.release` do the scope's
-bookkeeping, with ``map`` over C-level callables (``operator.is_``, ``attrgetter``, ``memcmp``),
+bookkeeping, with ``map`` over C-level callables (``operator.is_``, ``attrgetter``, a hash),
 so the interpreter runs the same bytecode whether a model has 4 sites or 4,000; only the hoisted
 sites' own parametrization calls run per site. A failed check sends the call down the general
 path, which rebuilds the plan: the plan makes a call cheaper, never different.
@@ -13,7 +13,6 @@ path, which rebuilds the plan: the plan makes a call cheaper, never different.
 
 from __future__ import annotations
 
-import ctypes
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
-from paramfold.freeze import memcmp, same_inputs, tag
+from paramfold.freeze import digest, same_inputs, tag
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_requires_grad as _plain_requires_grad
@@ -62,7 +61,7 @@ class Plan:
         "link_dicts", "link_keys", "links", "structure", "structure_tags", "ordered", "order",
         "stateful", "mode_modules", "modes", "flag_tensors", "flags",
         "inputs", "versions", "input_flags", "addresses",
-        "unaddressed", "raw_inputs", "raw_copies", "raw_sizes", "views", "settings_empty", "settings",
+        "unaddressed", "raw_memory", "raw_digests", "views", "settings_empty", "settings",
         "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
@@ -165,10 +164,8 @@ class Plan:
         plan.unaddressed = tuple(unaddressed)
         _, _, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
         plan.versions, plan.addresses = list(versions), list(addresses)
-        # memcmp's arguments as ctypes objects, converted once here instead of at every call.
-        plan.raw_inputs, plan.raw_copies, plan.raw_sizes = (
-            tuple(map(kind, column)) for kind, column in zip((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), _columns(raw, 3))
-        )
+        plan.raw_memory, digests = _columns(raw, 2)
+        plan.raw_digests = list(digests)
         plan.views = tuple(views)
         plan.settings_empty = tuple(empty.values())
         plan.settings, then = _columns(list(settings.values()), 2)
@@ -311,7 +308,7 @@ def holds(plan: Plan) -> bool:
     # array (whose == is elementwise).
     except (LookupError, RuntimeError, ValueError, TypeError):
         return False
-    if plan.raw_inputs and any(map(memcmp, plan.raw_inputs, plan.raw_copies, plan.raw_sizes)):
+    if plan.raw_memory and list(map(digest, plan.raw_memory)) != plan.raw_digests:
         return False
     for view, copy in plan.views:
         if not torch.equal(view, copy):

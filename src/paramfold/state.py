@@ -26,13 +26,12 @@ class FrozenValue:
     watch: tuple[tuple, ...]
     #: ``len()`` of each tensor dict, so an added parameter or buffer counts as a change.
     sizes: tuple[int, ...]
-    #: With ``freeze_check="content"``: ``(input address, copy address, nbytes)`` of each
-    #: contiguous host input, compared with ``memcmp``; ``(byte view, copy)`` of the others
-    #: (compared with ``torch.equal``); and the copies themselves, kept alive here. Inputs whose
-    #: bytes cannot be read as one view (tensor subclasses, meta tensors) have neither.
-    raw: tuple[tuple[int, int, int], ...] = ()
+    #: With ``freeze_check="content"``: ``(the bytes in place as a ctypes array, their
+    #: freeze.digest)`` of each contiguous host input; ``(byte view, copy)`` of the others
+    #: (compared with ``torch.equal``). Inputs whose bytes cannot be read as one view (tensor
+    #: subclasses, meta tensors) have neither.
+    raw: tuple[tuple[object, int], ...] = ()
     views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
-    copies: tuple[torch.Tensor, ...] = ()
     #: What else the value was computed from (``freeze.settings``): every chain member's
     #: ``__dict__`` (its plain attributes: a temperature, a scale, ``training``), ``_modules`` and
     #: forward hooks, the ``ParametrizationList``'s forward hooks and the global ones (a
