@@ -108,6 +108,23 @@ def test_steady_call_scope_runs_the_same_python_bytecode_for_4_and_64_sites(mode
     assert counts[2] == counts[32], counts
 
 
+def test_steady_compiled_inline_call_has_a_plan_and_constant_python_work():
+    # Regression: a model with any inline site (so every inline model) had no steady plan, and
+    # each call walked every holder and site in Python.
+    extra = {}
+    for layers in (2, 8):
+        stock, plain, x = _seed_pair(layers)
+        torch._dynamo.reset()
+        prepared = paramfold.prepare(stock, "inline")
+        ours, plain = torch.compile(prepared, backend="eager"), torch.compile(plain, backend="eager")
+        with torch.no_grad():
+            assert torch.equal(ours(x), plain(x))
+            extra[layers] = sum(_python_frames(ours, x).values()) - sum(_python_frames(plain, x).values())
+        assert prepared.__dict__["_paramfold"].plan is not None
+    assert extra[2] == extra[8], extra
+    assert extra[8] <= 25, extra
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_steady_hoisted_call_costs_per_site_only_the_parametrization_call(grad):
     # Hoist computes every value at every call; beyond a constant, each site costs exactly its

@@ -70,7 +70,7 @@ class Plan:
     @classmethod
     def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], bool]) -> Plan | None:
         """The plan of a scope just opened over ``holders`` the general way, or None where some
-        site is not in a steady state (inline, hook-based norms, DTensors, anything recomputed)."""
+        site is not in a steady state (hook-based norms, DTensors, anything recomputed)."""
         plan = cls()
         plan.grad = grad
         plan.autocast = autocast_state()  # the frozen values were just checked against it
@@ -97,7 +97,7 @@ class Plan:
             links.append((values, "_modules", holder._modules))
             structure.update((id(d), d) for d in (holder._modules, plists.__dict__, plists._modules))
             for name, site in hs.sites.items():
-                if site.hook is not None or site.mode == "inline":
+                if site.hook is not None:
                     return None
                 plist_dict = site.plist.__dict__
                 structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))
@@ -105,6 +105,18 @@ class Plan:
                 if len(site.modules) > 1:
                     ordered.append(site.plist._modules)
                 frozen = site.frozen
+                if site.mode == "inline":
+                    # Computed where it is read, from the dicts its getter keeps in the holder's
+                    # __dict__ (pinned by key, as scope's sync_refs puts them); the getter calls
+                    # the forwards of members that had no hooks, which must stay so.
+                    links.extend((values, key, d) for key, d, _ in site.original_refs)
+                    if site.signature is not None:
+                        for member, forward in zip(site.chain, site.signature[2]):
+                            if forward is not None:
+                                empty.update((id(d), d) for d in _hooks(vars(member)))
+                        if not site.signature[3]:
+                            empty.update((id(d), d) for d in _hooks(vars(site.plist)))
+                    continue
                 if name in hs.kept:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
