@@ -198,11 +198,19 @@ def test_hooks_registered_before_prepare_run_like_stock(mode, where, compiled):
         assert torch.equal(_calls(ours, compiled)(x), stock(x))
 
 
+_INLINE_GETTER_SKIPS_GLOBAL_HOOKS = pytest.mark.xfail(strict=True, reason=(
+    "documented limit (README, Notes and limits): inline's compiled getter calls a hook-free member's "
+    "forward directly, so global module hooks do not run for the parametrization modules there "
+    "(checking them in every getter would cost inline's first call about 10% more traced Python calls)"))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_a_global_module_hook_that_changes_a_parametrizations_output_is_honoured(mode, compiled):
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto", "inline"])
+def test_a_global_module_hook_that_changes_a_parametrizations_output_is_honoured(mode, compiled, request):
     # Registered before the first call: compiled stock does not notice global hooks registered
-    # after it compiled (torch's guards do not cover them), so neither can compiled inline.
+    # after it compiled (torch's guards do not cover them).
+    if mode == "inline" and compiled:
+        request.applymarker(_INLINE_GETTER_SKIPS_GLOBAL_HOOKS)
     stock, ours = _pair(Doubled, mode)
     x = torch.randn(2, 4)
     handle = nn.modules.module.register_module_forward_hook(

@@ -121,20 +121,15 @@ def inline_property(name: str, signature: tuple) -> property:
     expr = ", ".join(f"self.{key}[{o!r}]" for key, o in zip(original_keys, _originals(signature)))
     for i, (key, forward) in enumerate(zip(member_keys, signature[2])):
         expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
-    stock_call = f"self._modules['parametrizations']._modules[{name!r}]()"
     if signature[3]:  # stock's call of the ParametrizationList, its hooks and all
-        expr = stock_call
+        expr = f"self._modules['parametrizations']._modules[{name!r}]()"
     source = (
         "def get(self):\n"
-        # Global module hooks run at every module call in stock (dynamo guards these dicts).
-        f"    if G[0] or G[1] or G[2] or G[3]:\n"
-        f"        return {stock_call}\n"
         f"    return {expr}\n"
         "def set(self, value):\n"
         f"    self._modules['parametrizations']._modules[{name!r}].right_inverse(value)\n"
     )
     namespace = {f"F{i}": f for i, f in enumerate(signature[2]) if f is not None}
-    namespace["G"] = GLOBAL_HOOKS
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
     return _InlineProperty(run_eagerly_as_frame(namespace["get"]), namespace["set"], name)
 
