@@ -279,3 +279,34 @@ def test_content_check_hashes_host_inputs_in_place_and_compares_others_with_torc
 class _Double(nn.Module):
     def forward(self, w):
         return w * 2
+
+
+class _KeyEncoder(nn.Module):
+    """MoCo-style: a grad call whose forward runs another encoder under no_grad."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.query = nn.Sequential(*[weight_norm(nn.Linear(4, 4)) for _ in range(depth)])
+        self.key = nn.Sequential(*[weight_norm(nn.Linear(4, 4)) for _ in range(depth)])
+
+    def forward(self, x):
+        with torch.no_grad():
+            k = self.key(x)
+        return self.query(x) + k
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_no_grad_region_in_the_forward_is_checked_once_not_at_every_module_called_in_it(mode):
+    # Only a switch to grad mode (or another autocast state) needs values computed again; the
+    # region's state is what the calls nested in it then compare with, so one slow check per
+    # region, not one walk over the sites below every module called inside it.
+    counts = {}
+    for depth in (2, 6):
+        torch.manual_seed(0)
+        stock = _KeyEncoder(depth)
+        ours = paramfold.prepare(copy.deepcopy(stock), mode)
+        x = torch.randn(2, 4)
+        assert torch.equal(ours(x), stock(x))
+        counts[depth] = _python_frames(ours, x)["changed"]
+    # (nn.Module._wrapped_call_impl reads _compiled_call_impl twice: test, then call)
+    assert counts[2] == counts[6] <= 2, counts

@@ -306,7 +306,11 @@ def _nested(module: nn.Module, call: Callable) -> Callable:
     if nested.unchanged(nested.check_of(module)):
         return call
     found = nested.changed(module)
-    return functools.partial(nested.call_changed, module, found, _LOCK, _concurrent, call) if found else call
+    if not found and nested.same_context(nested.local.context):
+        return call
+    # Also where only the grad mode or autocast state changed and no value needs computing
+    # again: the calls nested in this one then compare with the state they run under.
+    return functools.partial(nested.call_changed, module, found, _LOCK, _concurrent, call)
 
 
 # Both run eagerly even when dynamo is active around them: the scope's work must never be traced.

@@ -204,6 +204,11 @@ def call_changed(
     outer = local.context
     if outer is not None:
         local.context = context()
+    if not found:  # the state changed and nothing needs computing again
+        try:
+            return call(*args, **kwargs)
+        finally:
+            local.context = outer
     try:
         with lock:
             for holder, name, swapped in found:
