@@ -445,3 +445,35 @@ def test_a_training_stateful_chain_read_inside_an_autocast_region_is_refused(mod
     with pytest.raises(paramfold.FoldError, match=r"stateful parametrization.*autocast.*mode='inline'"):
         model(torch.randn(2, 4))
     pt.assert_equivalent(SpectralInside().train(), torch.randn(2, 4), "inline", steps=2)
+
+
+# --- a forward that edits the value it read ---------------------------------------------------
+
+
+class EditsItsWeight(nn.Module):
+    """Edits the weight it reads in place: harmless in stock, which computes a fresh one per read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        P.register_parametrization(self.lin, "weight", Doubled())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.lin.weight
+        w.mul_(2)
+        return x @ w.t()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_frozen_value_edited_in_place_by_the_forward_is_computed_again(mode, compiled):
+    # Regression: freeze and auto kept the edited value for the next calls (doubled each call).
+    torch.manual_seed(0)
+    stock = EditsItsWeight().eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = _calls(ours, compiled)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for step in range(3):
+            assert torch.equal(run(x), stock(x)), step
+        assert torch.equal(ours.lin.weight, stock.lin.weight)

@@ -73,7 +73,7 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     full = tuple(d for d in live if d)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
-        tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(),
+        tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(), value._version,
     )
 
 
@@ -131,7 +131,8 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     """Whether every input of ``frozen`` is as it was: same tensor, version, storage address and
     ``requires_grad`` (and, with ``freeze_check="content"``, the same bytes)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
-    if tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast:
+    if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
+            or frozen.value._version != frozen.value_version):
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.

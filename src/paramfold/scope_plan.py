@@ -61,7 +61,8 @@ class Plan:
         "link_dicts", "link_keys", "links", "structure", "structure_tags", "ordered", "order",
         "stateful", "mode_modules", "modes", "flag_tensors", "flags",
         "inputs", "versions", "input_flags", "addresses",
-        "unaddressed", "raw_memory", "raw_digests", "views", "settings_empty", "settings",
+        "unaddressed", "raw_memory", "raw_digests", "views", "settings_empty", "settings", "values",
+        "value_versions",
         "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
@@ -77,7 +78,7 @@ class Plan:
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
         links, ordered, stateful, modes = [], [], [], []
-        flags, watch, raw, views, hoisted, callees, lists = [], [], [], [], [], [], []
+        flags, watch, raw, views, hoisted, callees, lists, kept = [], [], [], [], [], [], [], []
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
@@ -121,6 +122,7 @@ class Plan:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
                     watch.extend(frozen.watch)
+                    kept.append((frozen.value, frozen.value_version))
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
                     empty.update((id(d), d) for d in frozen.settings_empty)
@@ -179,6 +181,8 @@ class Plan:
         plan.raw_memory, digests = _columns(raw, 2)
         plan.raw_digests = list(digests)
         plan.views = tuple(views)
+        plan.values, versions = _columns(kept, 2)
+        plan.value_versions = list(versions)
         plan.settings_empty = tuple(empty.values())
         plan.settings, then = _columns(list(settings.values()), 2)
         plan.settings_then = list(then)
@@ -312,6 +316,8 @@ def holds(plan: Plan) -> bool:
         if list(map(_version, inputs)) != plan.versions or not all(map(is_, map(_plain_requires_grad, inputs), plan.input_flags)):
             return False
         if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
+            return False
+        if list(map(_version, plan.values)) != plan.value_versions:  # edited in place by a forward
             return False
         # freeze.same_settings, written out
         if any(plan.settings_empty) or list(map(tag, plan.settings)) != plan.settings_then:

@@ -43,6 +43,9 @@ class FrozenValue:
     settings_then: list = dataclasses.field(default_factory=list)
     #: The autocast state it was computed under (``compute.autocast_state``).
     autocast: tuple | None = None
+    #: ``value``'s own version counter when it was computed: a forward that edits the value it
+    #: was given in place (stock gives it a fresh tensor at every read) makes it stale.
+    value_version: int = 0
 
 
 @dataclasses.dataclass(eq=False)
