@@ -16,8 +16,9 @@ parametrization modules' own parameters and buffers), in two ways:
 
 and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
 (``member.temperature = 0.5``), their submodules and forward hooks, and global forward hooks,
-each dict compared with a copy taken when the value was computed; and on the autocast state it
-was computed under (a value computed outside ``torch.autocast`` does not serve a call inside it).
+each dict's version tag (:data:`tag`) read when the value was computed; on the autocast state it
+was computed under (a value computed outside ``torch.autocast`` does not serve a call inside
+it); and on its own version counter (a forward may edit the value it reads in place).
 
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
 inside ``torch.inference_mode()`` also serves later calls that record gradients.
