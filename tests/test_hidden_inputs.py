@@ -27,6 +27,15 @@ import paramfold.testing as pt
 ALL_MODES = ["hoist", "inline", "freeze", "auto"]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Every prepared nn.Sequential root compiles the same frame (paramfold's root forward): without
+    # a reset, the tests after dynamo's recompile limit would run their "compiled" calls eagerly.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 class Scaled(nn.Module):
     """A parametrization with plain (non-tensor) settings, as annealed temperatures and LoRA scales are."""
 
