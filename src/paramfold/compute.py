@@ -74,6 +74,7 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
     hooks (the list's own, or global ones): otherwise it is just the members' calls below.
     """
     plist = module._modules["parametrizations"]._modules[name]
+    # has_own_hooks(plist), written out: this runs for every site a call computes.
     if (plist._forward_hooks or plist._forward_pre_hooks or plist._backward_hooks or plist._backward_pre_hooks
             or any(GLOBAL_HOOKS)):
         return plist()

@@ -80,7 +80,9 @@ _local = _Local()
 def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     state = entry.__dict__[STATE_ATTR]
     grad = torch.is_grad_enabled()
-    context = (grad, autocast_state() if _any_autocast() else None)  # what the values are computed under
+    # What the values are computed under: scope_nested.context(), written out (no Python frame
+    # per call while autocast is off).
+    context = (grad, autocast_state() if _any_autocast() else None)
     with _LOCK:
         plan = state.plan
         if plan is not None and plan.grad is grad and holds(plan):

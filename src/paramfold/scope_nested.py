@@ -46,7 +46,7 @@ from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 
-is_grad_enabled = torch.is_grad_enabled
+_grad_enabled = torch.is_grad_enabled
 
 
 
@@ -124,14 +124,14 @@ def snapshot(entry: nn.Module) -> tuple[dict, dict] | None:
 
 def context() -> tuple:
     """What a value computed now is computed under, besides its inputs."""
-    return torch.is_grad_enabled(), autocast_state()
+    return _grad_enabled(), autocast_state()
 
 
 def same_context(then: tuple | None) -> bool:
     """Whether values computed under ``then`` (``local.context``) serve a call made now:
     :func:`context` equal, tested cheaply (autocast's details only where it is on)."""
     return then is None or (
-        then[0] is is_grad_enabled() and (then[1] is None) is not any_autocast()
+        then[0] is _grad_enabled() and (then[1] is None) is not any_autocast()
         and (then[1] is None or autocast_state() == then[1])
     )
 

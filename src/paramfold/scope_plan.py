@@ -61,9 +61,8 @@ class Plan:
         "link_dicts", "link_keys", "links", "structure", "structure_tags", "ordered", "order",
         "stateful", "mode_modules", "modes", "flag_tensors", "flags",
         "inputs", "versions", "input_flags", "addresses",
-        "unaddressed", "raw_memory", "raw_digests", "views", "settings_empty", "settings", "values",
-        "value_versions",
-        "settings_then",
+        "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions",
+        "settings_empty", "settings", "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
     )
@@ -137,8 +136,8 @@ class Plan:
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
                     if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing
                         modes.extend((m, m.training) for m in site.chain)
-                    # compute()'s steps for a flat chain, without its lookups (plan.members pins the
-                    # modules), and each member's forward where a call of it would be just that.
+                    # compute()'s steps for a flat chain, without its lookups (the structure tags
+                    # pin the modules), and each member's forward where a call of it would be just that.
                     chain = None if site.nested else site.chain
                     forwards = None
                     if chain is not None and all(map(_plain_call, chain)):

@@ -268,7 +268,7 @@ def _probe_unknown(
         for module, kind in zip(chain, kinds):
             args = value if isinstance(value, tuple) else (value,)
             state, out, probe = _probe_call(module, args, training=True)
-            if any(state[k]._version != v for k, v in probe.versions.items()) and kind not in _STATELESS_KINDS:
+            if probe.mutated and kind not in _STATELESS_KINDS:
                 stateful = True
             if kind is None:
                 collective = probe.collective
@@ -286,7 +286,8 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
         **{k: v.clone() for k, v in module.named_parameters()},
         **{k: v.clone() for k, v in module.named_buffers()},
     }
-    probe = _Probe({k: v._version for k, v in state.items()})
+    versions = {k: v._version for k, v in state.items()}
+    probe = _Probe()
     was_training = module.training
     try:
         module.train(training)
@@ -298,6 +299,7 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
         out = None
     finally:
         module.train(was_training)
+    probe.mutated = any(state[k]._version != v for k, v in versions.items())
     return state, out, probe
 
 
@@ -310,11 +312,12 @@ class _Probe(TorchDispatchMode):
     one rank it would hang), and notes whether it draws random numbers (any op tagged
     ``nondeterministic_seeded``: dropout, ``bernoulli``, ``randn_like``, ...)."""
 
-    def __init__(self, versions: dict[str, int]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.versions = versions
         self.collective = False
         self.random = False
+        #: Set by :func:`_probe_call`: whether the call changed a clone of the module's own state.
+        self.mutated = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
