@@ -12,13 +12,17 @@ parametrization modules' own parameters and buffers), in two ways:
   ``.detach().numpy()``, DLPack — change the bytes. A host tensor's bytes are hashed in place
   (:data:`digest`, 16 bytes kept per input); a device tensor is compared with a copy. This costs
   one read of the inputs per call (about what a cheap parametrization costs to recompute).
-  ``freeze_check="version"`` trusts identity, address and version alone.
+  ``freeze_check="version"`` reads no bytes: besides identity, address and version it watches
+  each host input's storage for writes (:func:`arm`), which sees ``.data`` writes and every
+  other write made through torch, but not one through memory exported before (a numpy array,
+  DLPack, a raw pointer, another process).
 
 and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
 (``member.temperature = 0.5``), their submodules and forward hooks, and global forward hooks,
 each dict's version tag (:data:`tag`) read when the value was computed; on the autocast state it
 was computed under (a value computed outside ``torch.autocast`` does not serve a call inside
-it); and on its own version counter (a forward may edit the value it reads in place).
+it); and on its own version counter and armed storage (a forward may edit the value it reads in
+place, or through ``.data``).
 
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
 inside ``torch.inference_mode()`` also serves later calls that record gradients.
@@ -35,7 +39,8 @@ from torch import nn
 from paramfold import hooknorms
 from paramfold.compute import GLOBAL_HOOKS, autocast_state, compute
 from paramfold.errors import FoldError, first_few
-from paramfold.state import FrozenValue, SiteState, state_for
+from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for
+from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.sites import Site
 
 
@@ -53,14 +58,18 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
 def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`)."""
     content = site.freeze_check == "content"
-    watch, raw, views = [], [], []
+    watch, raw, views, armed = [], [], [], []
     for d in site.tensor_dicts:
         for key, t in d.items():
             if t is None:
                 continue
             address = _address(t)
             watch.append((d, key, t, t._version, address, t.requires_grad))
-            view = _bytes(t) if content else None
+            if not content:
+                if arm(t):
+                    armed.append(t)
+                continue
+            view = _bytes(t)
             if view is None:
                 continue
             if address and view.device.type == "cpu" and view.is_contiguous():
@@ -70,12 +79,46 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
                 raw.append((memory, digest(memory)))
             else:
                 views.append((view, view.clone(memory_format=torch.contiguous_format)))
+    if arm(value):
+        armed.append(value)
     live = settings(site)
     full = tuple(d for d in live if d)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
         tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(), value._version,
+        tuple(armed),
     )
+
+
+_lazy_clone = getattr(torch, "_lazy_clone", None)
+#: Whether a tensor's storage is still armed by :func:`arm` (no write since), where torch has it.
+is_armed = getattr(torch._C, "_is_cow_tensor", None)
+
+
+def arm(t: torch.Tensor) -> bool:
+    """Arm ``t``'s storage so that any later write to it is seen (:data:`is_armed` turns False);
+    return whether it could be armed.
+
+    It uses torch's copy-on-write storages: lazily cloning a tensor and dropping the clone leaves
+    its storage marked copy-on-write with no other owner. Reads leave the mark; the first write
+    through torch, by any tensor sharing the storage (``p.data.mul_()``, a view, ``set_``,
+    ``untyped_storage()``, an optimizer step), and any hand-out of a writable pointer
+    (``data_ptr()``, ``numpy()``, DLPack, ``torch.save``) take the storage back without copying,
+    which clears it: at worst a value is computed again for nothing. Only plain, unpinned host
+    tensors are armed: memory torch did not allocate (numpy, shared memory) cannot be, and device
+    and pinned memory are left alone, since their allocators look blocks up by the storage's
+    deleter, which arming changes.
+    """
+    if is_armed is None or _lazy_clone is None or type(t) not in PLAIN_TENSOR_TYPES:
+        return False
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_pinned():
+        return False
+    try:
+        with torch.no_grad():
+            _lazy_clone(t.detach())
+    except RuntimeError:  # storage not owned the plain way (numpy, shared memory)
+        return False
+    return is_armed(t)
 
 
 def settings(site: SiteState) -> tuple[dict, ...]:
@@ -130,10 +173,11 @@ tag = _dict_version if _dict_version is not None else dict
 
 def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     """Whether every input of ``frozen`` is as it was: same tensor, version, storage address and
-    ``requires_grad`` (and, with ``freeze_check="content"``, the same bytes)."""
+    ``requires_grad``, each armed storage unwritten (and, with ``freeze_check="content"``, the
+    same bytes)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
-            or frozen.value._version != frozen.value_version):
+            or frozen.value._version != frozen.value_version or not all(map(is_armed, frozen.armed))):
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.
@@ -147,7 +191,7 @@ def same_inputs(watch: tuple[tuple, ...]) -> bool:
         if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad:
             return False
         try:  # inline, not _address(): this runs for every input at every call
-            if t.data_ptr() != address:
+            if (_data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES else t.data_ptr()) != address:
                 return False
         except RuntimeError:  # tensor subclasses without storage (recorded as 0)
             if address:
@@ -226,6 +270,6 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
 
 def _address(t: torch.Tensor) -> int:
     try:
-        return t.data_ptr()
+        return _data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES else t.data_ptr()
     except RuntimeError:  # tensor subclasses without storage
         return 0

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
-from paramfold.freeze import digest, same_inputs, tag
+from paramfold.freeze import digest, is_armed, same_inputs, tag
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_requires_grad as _plain_requires_grad
@@ -61,7 +61,7 @@ class Plan:
         "link_dicts", "link_keys", "links", "structure", "structure_tags", "ordered", "order",
         "stateful", "mode_modules", "modes", "flag_tensors", "flags",
         "inputs", "versions", "input_flags", "addresses",
-        "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions",
+        "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions", "armed",
         "settings_empty", "settings", "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
@@ -77,7 +77,7 @@ class Plan:
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
         links, ordered, stateful, modes = [], [], [], []
-        flags, watch, raw, views, hoisted, callees, lists, kept = [], [], [], [], [], [], [], []
+        flags, watch, raw, views, hoisted, callees, lists, kept, armed = [], [], [], [], [], [], [], [], []
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
@@ -122,6 +122,7 @@ class Plan:
                         return None
                     watch.extend(frozen.watch)
                     kept.append((frozen.value, frozen.value_version))
+                    armed.extend(frozen.armed)
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
                     empty.update((id(d), d) for d in frozen.settings_empty)
@@ -182,6 +183,7 @@ class Plan:
         plan.views = tuple(views)
         plan.values, versions = _columns(kept, 2)
         plan.value_versions = list(versions)
+        plan.armed = tuple(armed)
         plan.settings_empty = tuple(empty.values())
         plan.settings, then = _columns(list(settings.values()), 2)
         plan.settings_then = list(then)
@@ -317,6 +319,8 @@ def holds(plan: Plan) -> bool:
         if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
             return False
         if list(map(_version, plan.values)) != plan.value_versions:  # edited in place by a forward
+            return False
+        if plan.armed and not all(map(is_armed, plan.armed)):  # written without a version bump
             return False
         # freeze.same_settings, written out
         if any(plan.settings_empty) or list(map(tag, plan.settings)) != plan.settings_then:

@@ -46,6 +46,10 @@ class FrozenValue:
     #: ``value``'s own version counter when it was computed: a forward that edits the value it
     #: was given in place (stock gives it a fresh tensor at every read) makes it stale.
     value_version: int = 0
+    #: The value and (``freeze_check="version"``) the inputs whose storages ``freeze.arm``
+    #: watches: each must still be armed, or something wrote to it without a version counter
+    #: seeing it (through ``.data``, ``untyped_storage()``, a numpy array taken since).
+    armed: tuple[torch.Tensor, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,9 +131,11 @@ def distributed(site: SiteState) -> bool:
 PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
 
 # Plain tensors' own accessors, without an attribute lookup per tensor (only for tensors whose
-# type is in PLAIN_TENSOR_TYPES): the version counter, the storage address, requires_grad.
+# type is in PLAIN_TENSOR_TYPES): the version counter, the storage address, requires_grad. The
+# address is read without asking for write access (``const_data_ptr``), which would disarm a
+# storage that freeze.arm watches.
 tensor_version = torch._C.TensorBase._version.__get__
-tensor_data_ptr = torch._C.TensorBase.data_ptr
+tensor_data_ptr = getattr(torch._C.TensorBase, "const_data_ptr", torch._C.TensorBase.data_ptr)
 tensor_requires_grad = torch._C.TensorBase.requires_grad.__get__
 
 

@@ -1,0 +1,196 @@
+"""Writes that no version counter sees, against freeze's two checks.
+
+``p.data.mul_()`` edits ``p``'s storage through another tensor, so ``p._version`` stays put;
+so do writes through ``untyped_storage()`` and through a numpy array. ``freeze_check="content"``
+(the default) reads the bytes; ``"version"`` watches each host input's storage instead
+(``freeze.arm``), and both watch the frozen value's own storage. Each test runs the same writes
+on stock and compares every call with stock's, bitwise (eager, CPU, and compiled with the eager
+backend). Every test failed on the code before the storages were watched, except where it says.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize as P
+from torch.nn.utils.parametrizations import weight_norm
+
+import paramfold
+from paramfold import freeze
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Cast(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.to(torch.bfloat16).to(torch.float32)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 4))
+    P.register_parametrization(model[2], "weight", Cast())
+    return model.eval().requires_grad_(False)
+
+
+def _originals(model: nn.Module) -> list[torch.Tensor]:
+    return [t for name, t in model.named_parameters() if ".original" in name]
+
+
+def _through_data(t: torch.Tensor, step: int) -> None:
+    t.data.mul_(1.0 + step)
+
+
+def _through_storage(t: torch.Tensor, step: int) -> None:
+    alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    alias.add_(0.25 * step)
+
+
+def _through_numpy(t: torch.Tensor, step: int) -> None:
+    t.detach().numpy()[...] *= -1.0
+
+
+def _through_init(t: torch.Tensor, step: int) -> None:
+    nn.init.uniform_(t.data, -step, step)
+
+
+WRITES = [_through_data, _through_storage, _through_numpy, _through_init]
+WRITE_IDS = ["data", "untyped_storage", "numpy", "init-on-data"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("write", WRITES, ids=WRITE_IDS)
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_writes_that_bump_no_version_counter_are_seen(mode, write, check, compiled):
+    # Regression (check="version"): the frozen values kept the weights from before the write.
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(1, 4):
+            assert torch.equal(run(x), stock(x)), step
+            run(x)  # a steady call between the writes
+            for theirs, mine in zip(_originals(stock), _originals(ours)):
+                for t in (theirs, mine):
+                    torch.manual_seed(step)  # init draws
+                    write(t, step)
+        assert torch.equal(run(x), stock(x))
+
+
+def test_a_storage_shared_by_two_originals_is_told_apart_by_address():
+    # `a.data = b.data` hands a the storage b was armed with: still armed, same version, so only
+    # the address (read without disarming) tells. Passed before too; it pins the address check.
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze", freeze_check="version")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ours(x), ours(x)
+        for m in (stock, ours):
+            plist = m[0].parametrizations.weight
+            plist.original1.data = m[2].parametrizations.weight.original.data
+        assert torch.equal(ours(x), stock(x))
+
+
+class EditsItsWeightThroughData(nn.Module):
+    """Edits the weight it reads through ``.data``: harmless in stock, which computes a fresh one per read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        P.register_parametrization(self.lin, "weight", Cast())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.lin.weight
+        w.data.mul_(2)
+        return x @ w.t()
+
+
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_frozen_value_edited_through_data_by_the_forward_is_computed_again(mode, check):
+    # Regression (freeze, auto; both checks): the value doubled at every call.
+    torch.manual_seed(0)
+    stock = EditsItsWeightThroughData().eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for step in range(3):
+            assert torch.equal(ours(x), stock(x)), step
+        assert torch.equal(ours.lin.weight, stock.lin.weight)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("check", ["version", "content"])
+def test_steady_calls_keep_the_storages_armed_and_compute_nothing(backend, check, monkeypatch):
+    # What arming must not cost: reading a frozen value (in compiled code, with any backend)
+    # leaves its storage armed, so steady calls compute no value again.
+    computed = []
+    real = freeze.compute
+    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze", freeze_check=check)
+    run = torch.compile(ours, backend=backend)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = stock(x)
+        run(x), run(x)
+        first = len(computed)
+        assert first == 2  # one per site
+        for _ in range(3):
+            out = run(x)
+        torch.testing.assert_close(out, expected)  # a compiler may reorder the model's own arithmetic
+    assert len(computed) == first
+    armed = [t for site in _frozen(ours) for t in site.armed]
+    if freeze.is_armed is not None:
+        assert len(armed) == (2 + 3 if check == "version" else 2)  # values, and the 3 originals with "version"
+        assert all(map(freeze.is_armed, armed))
+
+
+def _frozen(model: nn.Module):
+    from paramfold.state import STATE_ATTR
+
+    for module in model.modules():
+        state = module.__dict__.get(STATE_ATTR)
+        for site in getattr(state, "sites", {}).values():
+            if site.frozen is not None:
+                yield site.frozen
+
+
+def test_memory_torch_does_not_own_is_not_armed_and_the_content_check_still_reads_it():
+    # An original over a numpy array's memory cannot be armed; a write through the array is seen
+    # by the byte check (the default) only, as README says.
+    array = np.ones((4, 4), dtype=np.float32)
+    stock = nn.Linear(4, 4)
+    with torch.no_grad():
+        stock.weight = nn.Parameter(torch.from_numpy(array), requires_grad=False)
+    P.register_parametrization(stock, "weight", Cast())
+    stock.eval().requires_grad_(False)
+    assert not freeze.arm(stock.parametrizations.weight.original)
+    ours = paramfold.prepare(stock, "freeze")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        before = ours(x)
+        array *= 3.0
+        after = ours(x)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, nn.functional.linear(x, Cast()(torch.from_numpy(array)), stock.bias))
+
+
+def test_device_and_pinned_tensors_are_not_armed():
+    assert not freeze.arm(torch.empty(4, device="meta"))
+    assert not freeze.arm(torch.empty(4).share_memory_())
+    t = torch.randn(4)
+    assert freeze.arm(t) is (freeze.is_armed is not None)
+    t.add_(1)  # the first write takes the storage back
+    assert freeze.is_armed is None or not freeze.is_armed(t)
