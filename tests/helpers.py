@@ -19,6 +19,13 @@ def scale_by_1_5() -> nn.Module:
     return pt.Scale(torch.tensor(1.5))
 
 
+class Doubled(nn.Module):
+    """The simplest parametrization: no tensors or settings of its own, so only its input matters."""
+
+    def forward(self, w):
+        return 2 * w
+
+
 class Skew(nn.Module):
     """A custom parametrization: the skew-symmetric part below the diagonal (square weights)."""
 

@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Doubled
 from torch import nn
 from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import spectral_norm
@@ -47,11 +48,6 @@ class Scaled(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         w = self.inner(w)
         return w * self.alpha if self.training else w * (self.alpha + 1)
-
-
-class Doubled(nn.Module):
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return 2 * w
 
 
 class DropConnect(nn.Module):

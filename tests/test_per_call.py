@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import Doubled
 from torch import nn
 from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import weight_norm
@@ -144,11 +145,6 @@ def test_steady_hoisted_call_costs_per_site_only_the_parametrization_call(grad):
     assert extra[2] - 1 * 4 <= 25, extra
 
 
-class _Twice(nn.Module):
-    def forward(self, x):
-        return x * 2
-
-
 def _call_path_changes():
     """Ways to make a parametrization module's call more than its class's forward, after the plan exists."""
     def forward_hook(m):
@@ -159,7 +155,7 @@ def _call_path_changes():
 
     def global_hook(m):
         return nn.modules.module.register_module_forward_hook(
-            lambda mod, args, out: out - 1 if isinstance(mod, _Twice) else None).remove
+            lambda mod, args, out: out - 1 if isinstance(mod, Doubled) else None).remove
 
     def instance_forward(m):
         m.forward = lambda x: x * 5
@@ -189,7 +185,7 @@ def test_a_hook_or_override_added_to_a_hoisted_chain_after_the_plan_is_honoured_
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         for layer in model:
-            P.register_parametrization(layer, "weight", _Twice())
+            P.register_parametrization(layer, "weight", Doubled())
         return model
 
     stock, ours = build(), paramfold.prepare(build(), mode)
@@ -255,7 +251,7 @@ def test_content_check_hashes_host_inputs_in_place_and_compares_others_with_torc
     torch.manual_seed(0)
     stock = nn.Linear(4, 4).eval().requires_grad_(False)
     stock.weight = nn.Parameter(torch.randn(4, 4).t(), requires_grad=False)  # not contiguous
-    P.register_parametrization(stock, "weight", _Double())
+    P.register_parametrization(stock, "weight", Doubled())
     weight_norm(stock, "bias", dim=None)
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
     x = torch.randn(2, 4)
@@ -274,11 +270,6 @@ def test_content_check_hashes_host_inputs_in_place_and_compares_others_with_torc
         for model in (stock, ours):
             model.parametrizations.bias.original1.detach().numpy()[0] += 1
         assert torch.equal(ours(x), stock(x))
-
-
-class _Double(nn.Module):
-    def forward(self, w):
-        return w * 2
 
 
 class _KeyEncoder(nn.Module):
