@@ -187,9 +187,11 @@ def test_memory_torch_does_not_own_is_not_armed_and_the_content_check_still_read
     assert torch.equal(after, nn.functional.linear(x, Cast()(torch.from_numpy(array)), stock.bias))
 
 
-def test_device_and_pinned_tensors_are_not_armed():
+def test_only_host_memory_torch_allocated_itself_is_armed(tmp_path):
     assert not freeze.arm(torch.empty(4, device="meta"))
     assert not freeze.arm(torch.empty(4).share_memory_())
+    torch.save({"w": torch.randn(4)}, tmp_path / "w.pt")
+    assert not freeze.arm(torch.load(tmp_path / "w.pt", mmap=True, weights_only=True)["w"])
     t = torch.randn(4)
     assert freeze.arm(t) is (freeze.is_armed is not None)
     t.add_(1)  # the first write takes the storage back
