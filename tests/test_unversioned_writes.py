@@ -196,3 +196,25 @@ def test_only_host_memory_torch_allocated_itself_is_armed(tmp_path):
     assert freeze.arm(t) is (freeze.is_armed is not None)
     t.add_(1)  # the first write takes the storage back
     assert freeze.is_armed is None or not freeze.is_armed(t)
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_values_computed_under_vmap_over_stacked_parameters_match_stock(mode):
+    # Regression: marking a frozen value asked vmap's batched tensor whether it was pinned, which
+    # vmap cannot answer (a RuntimeError where stock ran).
+    models = [_model() for _ in range(3)]
+    for i, m in enumerate(models):
+        with torch.no_grad():
+            for t in m.parameters():
+                t.add_(0.1 * i)
+    ours = [paramfold.prepare(copy.deepcopy(m), mode) for m in models]
+    x = torch.randn(3, 4)
+    outs = []
+    for group in (models, ours):
+        params, buffers = torch.func.stack_module_state(group)
+        call = torch.func.vmap(lambda p, b, x: torch.func.functional_call(group[0], (p, b), (x,)), in_dims=(0, 0, None))
+        with torch.no_grad():
+            outs.append(call(params, buffers, x))
+    assert torch.equal(outs[1], outs[0])
+    with torch.no_grad():
+        assert torch.equal(ours[0](x), models[0](x))

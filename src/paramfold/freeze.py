@@ -109,16 +109,21 @@ def arm(t: torch.Tensor) -> bool:
     and pinned memory are left alone, since their allocators look blocks up by the storage's
     deleter, which arming changes.
     """
-    if is_armed is None or _lazy_clone is None or type(t) not in PLAIN_TENSOR_TYPES:
-        return False
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_pinned():
+    if is_armed is None or _lazy_clone is None or type(t) not in PLAIN_TENSOR_TYPES or _wrapped(t):
         return False
     try:
+        if t.device.type != "cpu" or t.layout != torch.strided or t.is_pinned():
+            return False
         with torch.no_grad():
             _lazy_clone(t.detach())
     except RuntimeError:  # storage not owned the plain way (numpy, shared memory)
         return False
     return is_armed(t)
+
+
+#: Whether a tensor is one of torch.func's wrappers (vmap's batched tensors, grad's), whose
+#: storage is not theirs to mark.
+_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def settings(site: SiteState) -> tuple[dict, ...]:
