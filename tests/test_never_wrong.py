@@ -303,12 +303,21 @@ def test_value_computed_under_inference_mode_serves_later_grad_calls(mode):
 # --- 5. activation checkpointing ------------------------------------------------------------
 
 
+_CHECKPOINTED_LAYERS = {
+    "conv": lambda: weight_norm(nn.Conv1d(4, 4, 3, padding=1)),
+    # Linear saves for backward only what the grads it owes need: which tensors depends on
+    # whether the weight requires grad, so a value recomputed without autograd saves fewer.
+    "linear": lambda: weight_norm(nn.Linear(8, 8)),
+    "spectral-eval": lambda: spectral_norm(nn.Linear(8, 8)).eval(),
+}
+
+
 class Checkpointed(nn.Module):
-    def __init__(self, reentrant: bool):
+    def __init__(self, reentrant: bool, layer: str = "conv"):
         super().__init__()
         self.reentrant = reentrant
-        self.c = weight_norm(nn.Conv1d(4, 4, 3, padding=1))
-        self.d = weight_norm(nn.Conv1d(4, 4, 3, padding=1))
+        self.c = _CHECKPOINTED_LAYERS[layer]()
+        self.d = _CHECKPOINTED_LAYERS[layer]()
 
     def forward(self, x):
         y = torch.utils.checkpoint.checkpoint(
@@ -317,22 +326,30 @@ class Checkpointed(nn.Module):
         return self.d(y) + x  # d outside the checkpointed region
 
 
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
+@pytest.mark.parametrize("layer", list(_CHECKPOINTED_LAYERS))
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
-def test_activation_checkpointing_equal_to_stock(mode, reentrant, compiled):
+def test_activation_checkpointing_equal_to_stock(mode, reentrant, compiled, layer, input_grad):
+    # Regression (non-reentrant, eager, hoist and auto, Linear layers): the recomputation read a
+    # value computed without autograd, so Linear saved fewer tensors than in the forward and
+    # torch.utils.checkpoint raised a CheckpointError (transformers' gradient_checkpointing_enable).
+    if reentrant and not input_grad:
+        pytest.skip("a reentrant checkpoint needs an input that requires grad to record anything")
     torch.manual_seed(0)
-    stock = Checkpointed(reentrant)
+    stock = Checkpointed(reentrant, layer)
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
     run = torch.compile(ours, backend="aot_eager") if compiled else ours
-    x = torch.randn(2, 4, 8)
+    x = torch.randn(2, 4, 8) if layer == "conv" else torch.randn(2, 8)
     for _ in range(2):
-        xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+        xs, xo = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
         out_s, out_o = stock(xs), run(xo)
         assert torch.equal(out_s, out_o)
         out_s.square().sum().backward()
         out_o.square().sum().backward()
-        assert torch.equal(xs.grad, xo.grad)
+        if input_grad:
+            assert torch.equal(xs.grad, xo.grad)
         for (n, gs), (_, go) in zip(sorted(grads(stock).items()), sorted(grads(ours).items()), strict=True):
             assert torch.equal(gs, go), n
         for m in (stock, ours):

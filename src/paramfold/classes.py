@@ -214,7 +214,10 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
 
     During the recomputation of a non-reentrant ``torch.utils.checkpoint`` the forward it
     replays read this tensor as a value computed *before* the checkpointed region (the call
-    scope's); the replay must save the same tensors, so the value is computed without autograd.
+    scope's): its gradient flows through the graph that value recorded then, so it is computed
+    again without autograd, as a leaf that requires grad where that value did, and the replay
+    saves the same tensors as the forward (an op such as ``addmm`` saves what its gradients need,
+    which depends on whether the weight requires grad).
     """
     if not parametrized_here(module, name):
         raise AttributeError(name)
@@ -231,7 +234,9 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
                     "Prepare this module with mode='inline' (filter_fn), or call model.eval()."
                 )
             with torch.no_grad():
-                return compute(module, name)
+                value = compute(module, name)
+            # The recomputation runs with grad enabled, as the checkpointed forward did.
+            return value.detach().requires_grad_(chain_needs_grad(site))
     return eager_value(module, name)
 
 
