@@ -164,6 +164,42 @@ def test_parametrizations_swapped_below_the_public_api_are_refused_at_the_next_s
             m(x)
 
 
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("why", ["registered", "unfreezable"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
+def test_a_refused_call_leaves_the_model_as_it_was(mode, why, grad):
+    # Regression: the call computed the first layer's value (advancing its training
+    # spectral_norm's power iteration) before the second layer's change refused it, so a retry
+    # after restore() ran the power iteration once more than stock.
+    torch.manual_seed(0)
+    model = nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 4))
+    P.register_parametrization(model[2], "weight", Skew())
+    if mode == "freeze":  # the spectral_norm in eval (freeze refuses training), Skew still frozen
+        model[0].eval()
+        model.requires_grad_(False)
+    ours = paramfold.prepare(model, mode)
+    x = torch.randn(2, 4)
+    with torch.set_grad_enabled(grad):
+        ours(x)
+    if why == "registered":
+        P.register_parametrization(ours[2], "bias", nn.Tanh())
+    elif mode == "freeze":
+        ours[2].parametrizations.weight.original.requires_grad_(True)
+    else:
+        pytest.skip("only freeze refuses a site it cannot freeze")
+    before = _state(ours)
+    with pytest.raises(paramfold.FoldError), torch.set_grad_enabled(grad):
+        ours(x)
+    after = _state(ours)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
 @pytest.mark.parametrize("leave", [True, False])
 def test_remove_on_prepared_module_is_refused_at_next_call_and_restores_like_stock(leave, mode):

@@ -103,15 +103,24 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
 
 
 def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.Module]:
+    # Everything that refuses a call is checked before any value is computed, so a refused call
+    # leaves the model as it was (no power iteration of an earlier holder has run).
+    for holder in state.holders:
+        hs = holder.__dict__[STATE_ATTR]
+        if hs.sites:
+            _check_unchanged(holder, hs)
+        if hs.users:
+            if not (hs.shareable and _shareable(hs, grad)):
+                raise _concurrent(entry)
+        else:
+            for name, site in hs.sites.items():
+                if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
+                    raise _unfreezable(holder, name)
     claimed: list[nn.Module] = []
     try:
         for holder in state.holders:
             hs = holder.__dict__[STATE_ATTR]
-            if hs.sites:
-                _check_unchanged(holder, hs)
             if hs.users:
-                if not (hs.shareable and _shareable(hs, grad)):
-                    raise _concurrent(entry)
                 hs.users += 1
             else:
                 _install(holder, hs, grad)
@@ -269,15 +278,19 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         return _hoisted(holder, name, site, grad)
     frozen_ok = can_freeze(site)
     if site.mode == "freeze" and not frozen_ok:
-        raise FoldError(
-            f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now a parameter "
-            "of its chain requires grad or its stateful chain is in training mode; frozen values would not "
-            "train. Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
-        )
+        raise _unfreezable(holder, name)
     if frozen_ok:
         return frozen_value(holder, name, site)
     site.frozen = None
     return _hoisted(holder, name, site, grad)
+
+
+def _unfreezable(holder: nn.Module, name: str) -> FoldError:
+    return FoldError(
+        f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now a parameter "
+        "of its chain requires grad or its stateful chain is in training mode; frozen values would not "
+        "train. Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
+    )
 
 
 def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
