@@ -407,6 +407,41 @@ def test_stateful_training_chain_in_non_reentrant_checkpoint_is_refused_loudly()
         out.sum().backward()
 
 
+@pytest.mark.parametrize("entry", ["eager", "torch.compile", "model.compile", "layer.compile"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_parametrize_cached_around_several_calls_equal_to_stock(mode, entry):
+    # Regression: inside one parametrize.cached() block (an SN-GAN discriminator run on real and
+    # fake batches), stock computes each tensor once and reuses it; hoist and auto computed it at
+    # every call (the power iteration ran twice), and inline did in compiled code.
+    torch.manual_seed(0)
+    stock = nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), weight_norm(nn.Linear(4, 4)))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = ours
+    if entry == "torch.compile":
+        run = torch.compile(ours, backend="eager")
+    elif entry == "model.compile":
+        ours.compile(backend="eager")
+    elif entry == "layer.compile":
+        ours[0].compile(backend="eager")
+        ours[2].compile(backend="eager")
+    torch._dynamo.reset()
+    for step in range(2):
+        xs = [torch.randn(3, 4) for _ in range(2)]
+        with P.cached():
+            expected = [stock(x) for x in xs]
+            got = [run(x) for x in xs]
+        for a, b in zip(expected, got):
+            assert torch.equal(a, b), step
+        sum(y.square().sum() for y in expected).backward()
+        sum(y.square().sum() for y in got).backward()
+        for (n, gs), (_, go) in zip(sorted(grads(stock).items()), sorted(grads(ours).items()), strict=True):
+            assert torch.equal(gs, go), (step, n)
+        for (k, a), (_, b) in zip(sorted(stock.state_dict().items()), sorted(ours.state_dict().items()), strict=True):
+            assert torch.equal(a, b), (step, k)
+        for m in (stock, ours):
+            m.zero_grad()
+
+
 # --- 6. threads -----------------------------------------------------------------------------
 
 

@@ -45,11 +45,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from paramfold import hooknorms
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import autocast_state, compute
+from paramfold.compute import autocast_state, compute, eager_value
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
@@ -85,7 +86,7 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     context = (grad, autocast_state() if _any_autocast() else None)
     with _LOCK:
         plan = state.plan
-        if plan is not None and plan.grad is grad and holds(plan):
+        if plan is not None and plan.grad is grad and not parametrize._cache_enabled and holds(plan):
             try:
                 plan.claim()
             except BaseException:
@@ -297,7 +298,9 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
     needs_grad = grad and chain_needs_grad(site)
     if site.subclass and needs_grad:
         return None
-    value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
+    # Inside parametrize.cached(), the value stock's property would return: the one cached for
+    # this module and name by an earlier read or call in the same block, else computed and cached.
+    value = eager_value(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
     if site.subclass is None:
         site.subclass = type(value) not in (torch.Tensor, nn.Parameter)
         if site.subclass and needs_grad:
@@ -347,8 +350,11 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # changed in place against the tensors as they are now.
     eager = _eval_frame_callback() is None and self.__dict__.get("_compiled_call_impl") is None
     nested.local.snapshot = nested.snapshot(self) if eager else None
+    call = _MODULE_CALL
+    if parametrize._cache_enabled and not eager and _computed_where_read(self):
+        call = _call_eagerly
     try:
-        return _MODULE_CALL(self, *args, **kwargs)
+        return call(self, *args, **kwargs)
     finally:
         nested.local.snapshot = snapshot
         _close_scope(previous, claimed)
@@ -358,12 +364,33 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
     if torch.compiler.is_compiling():
         return compiled(*args, **kwargs)
     if _in_scope(module):
+        if parametrize._cache_enabled and _computed_where_read(module):
+            compiled = functools.partial(_call_eagerly, module)
         return _nested(module, compiled)(*args, **kwargs)
     previous, claimed = _open_scope(module)
     try:
+        if parametrize._cache_enabled and _computed_where_read(module):
+            return _call_eagerly(module, *args, **kwargs)
         return compiled(*args, **kwargs)
     finally:
         _close_scope(previous, claimed)
+
+
+def _computed_where_read(entry: nn.Module) -> bool:
+    """Whether some site below ``entry`` has no value in its module's ``__dict__`` in the open
+    scope (inline, or computed in-graph for another reason), so compiled code would compute it."""
+    for holder in entry.__dict__[STATE_ATTR].holders:
+        values = holder.__dict__
+        if any(name not in values for name in values[STATE_ATTR].sites):
+            return True
+    return False
+
+
+#: A call with no compiled code at all, its callees included: inside ``parametrize.cached()``,
+#: stock's compiled code reads the value cached by an earlier call of the block, as stock's eager
+#: property does, where a value computed in paramfold's graph would be computed afresh; so a
+#: prepared model with such values runs the block's calls eagerly, reading through the cache.
+_call_eagerly = torch.compiler.disable(nn.Module._call_impl)
 
 
 def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
