@@ -301,3 +301,58 @@ def test_a_no_grad_region_in_the_forward_is_checked_once_not_at_every_module_cal
         counts[depth] = _python_frames(ours, x)["changed"]
     # (nn.Module._wrapped_call_impl reads _compiled_call_impl twice: test, then call)
     assert counts[2] == counts[6] <= 2, counts
+
+
+def _trainable_seed(layers: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(BenchConfig(layers=layers, width=16)).eval().requires_grad_(True)  # as users leave it
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("check", ["content", "version"])
+def test_auto_freezes_a_trainable_model_for_no_grad_calls(check, compiled, monkeypatch):
+    # Regression: inference the usual way (model.eval() and torch.no_grad(), parameters left
+    # trainable) computed every value at every call under auto, as hoist does.
+    freeze = importlib.import_module("paramfold.freeze")
+    computed = []
+    real = freeze.compute
+    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
+    stock = _trainable_seed()
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto", freeze_check=check)
+    assert all(p.requires_grad for p in ours.parameters())
+    torch._dynamo.reset()
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = make_input(BenchConfig(layers=2, width=16))
+    with torch.no_grad():
+        run(x)
+        first = len(computed)
+        assert first == 4  # once per site
+        for _ in range(3):
+            assert torch.equal(run(x), stock(x))
+    assert len(computed) == first
+    plan = ours.__dict__["_paramfold"].plan  # the steady plan serves them, as it does freeze's
+    assert plan is not None and not plan.grad and len(plan.values) == 4
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_auto_on_a_trainable_model_alternating_no_grad_and_training_steps_equals_stock(compiled):
+    # A frozen value serves no_grad calls only: a grad call between them computes with autograd
+    # (hoisted), and the optimizer step after it makes the next no_grad call compute afresh.
+    stock = _trainable_seed()
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto")
+    torch._dynamo.reset()
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, ours)]
+    x = make_input(BenchConfig(layers=2, width=16))
+    for step in range(3):
+        with torch.no_grad():
+            assert torch.equal(run(x), stock(x)), step
+            assert torch.equal(run(x), stock(x)), step
+        outs = [stock(x), run(x)]
+        assert torch.equal(outs[1], outs[0]), step
+        for out, opt in zip(outs, opts):
+            out.float().square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        for (n, a), (_, b) in zip(sorted(stock.state_dict().items()), sorted(ours.state_dict().items()), strict=True):
+            assert torch.equal(a, b), (step, n)

@@ -236,9 +236,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor | None:
     return t.contiguous().view(torch.uint8) if t.is_contiguous() else None
 
 
-def can_freeze(site: SiteState) -> bool:
-    """A site may be frozen when nothing in its chain needs grad and no stateful chain is training."""
-    if chain_needs_grad(site):
+def can_freeze(site: SiteState, grad: bool = True) -> bool:
+    """A site may be frozen when no stateful chain is training and, for calls that record
+    autograd (``grad``), nothing in its chain needs grad: under ``no_grad`` stock's value has no
+    history either, so a trainable chain's frozen value is stock's value there."""
+    if grad and chain_needs_grad(site):
         return False
     return not site.training_stateful
 

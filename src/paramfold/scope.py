@@ -150,7 +150,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
                 sync_refs(holder, site)
                 continue
             frozen = site.frozen
-            if frozen is not None and mode != "hoist" and not site.training_stateful and unchanged(site, frozen):
+            if frozen is not None and mode != "hoist" and can_freeze(site, grad) and unchanged(site, frozen):
                 value = frozen.value  # the fast path: nothing changed since the last call
             else:
                 value = _value(holder, name, site, grad)
@@ -277,10 +277,11 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         return None
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
-    frozen_ok = can_freeze(site)
-    if site.mode == "freeze" and not frozen_ok:
-        raise _unfreezable(holder, name)
-    if frozen_ok:
+    if site.mode == "freeze":
+        if not can_freeze(site):  # freeze's promise: nothing it serves is trainable
+            raise _unfreezable(holder, name)
+        return frozen_value(holder, name, site)
+    if can_freeze(site, grad):  # auto: frozen where it can be for this call, hoisted otherwise
         return frozen_value(holder, name, site)
     site.frozen = None
     return _hoisted(holder, name, site, grad)
