@@ -72,6 +72,7 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
         ),
         ("quickstart.py", [], "outputs equal: True"),
         ("percall_bench.py", ["--layers", "2", "--rounds", "2", "--calls", "2", "freeze", "hoist"], "x plain"),
+        ("percall_bench.py", ["--layers", "2", "--rounds", "2", "--calls", "2", "--trainable", "auto"], "x plain"),
         ("scope_cost.py", ["--layers", "2", "--width", "16", "--rounds", "2", "--calls", "1"], "plan check"),
         pytest.param("fsdp2_compile.py", ["--blocks", "1", "--repeats", "1"], "first compiled step",
                      marks=pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
