@@ -50,7 +50,7 @@ from torch.nn.utils import parametrize
 from paramfold import hooknorms
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import autocast_state, compute, eager_value
+from paramfold.compute import autocast_state, eager_value
 from paramfold.errors import FoldError
 from paramfold.frames import run_eagerly_as_frame
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
