@@ -218,3 +218,82 @@ def test_values_computed_under_vmap_over_stacked_parameters_match_stock(mode):
     assert torch.equal(outs[1], outs[0])
     with torch.no_grad():
         assert torch.equal(ours[0](x), models[0](x))
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("s", torch.tensor(2.0))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.s
+
+
+def _shared_member() -> tuple[nn.Module, callable]:
+    """One parametrization (with a buffer) registered on two layers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    scale = Scale()
+    P.register_parametrization(model[0], "weight", scale)
+    P.register_parametrization(model[1], "weight", scale)
+    return model, lambda m: m[0].parametrizations.weight[0].s.data.mul_(1.5)
+
+
+def _tied_original() -> tuple[nn.Module, callable]:
+    """The same Parameter as the original of two layers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight
+    P.register_parametrization(model[0], "weight", Cast())
+    P.register_parametrization(model[1], "weight", Cast())
+    return model, lambda m: m[1].parametrizations.weight.original.data.add_(0.5)
+
+
+def _flat_views() -> tuple[nn.Module, callable]:
+    """Originals that are views of one flat buffer (as FSDP1 and Megatron lay them out)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    flat = torch.randn(32)
+    for i, layer in enumerate(model):
+        layer.weight = nn.Parameter(flat[16 * i:16 * (i + 1)].view(4, 4))
+        P.register_parametrization(layer, "weight", Cast())
+    return model, lambda m: m[1].parametrizations.weight.original.data.add_(0.5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("build", [_shared_member, _tied_original, _flat_views], ids=["member", "tied", "views"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_write_to_a_storage_that_several_values_read_is_seen_by_each(mode, build, compiled):
+    # Regression: the first value to see the storage written armed it again, and the others then
+    # found it armed and kept their old values.
+    stock, write = build()
+    stock.eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check="version")
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(3):
+            assert torch.equal(run(x), stock(x)), step
+            write(stock), write(ours)
+        assert torch.equal(run(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_write_to_a_parametrization_two_prepared_models_share_is_seen_by_both(mode):
+    def pair(scale: nn.Module) -> list[nn.Module]:
+        torch.manual_seed(0)
+        models = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)]
+        for m in models:
+            P.register_parametrization(m[0], "weight", scale)
+            m.eval().requires_grad_(False)
+        return models
+
+    stock, ours = pair(Scale()), pair(Scale())
+    ours = [paramfold.prepare(m, mode, freeze_check="version") for m in ours]
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(3):
+            for a, b in zip(ours, stock):
+                assert torch.equal(a(x), b(x)), step
+            for models in (stock, ours):
+                models[0][0].parametrizations.weight[0].s.data.mul_(1.5)

@@ -81,18 +81,29 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
                 views.append((view, view.clone(memory_format=torch.contiguous_format)))
     if arm(value):
         armed.append(value)
+    keys = tuple(map(_storage_key, armed)) if armed else ()
     live = settings(site)
     full = tuple(d for d in live if d)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
         tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(), value._version,
-        tuple(armed),
+        tuple(armed), keys, list(map(_armings.get, keys)),
     )
 
 
 _lazy_clone = getattr(torch, "_lazy_clone", None)
 #: Whether a tensor's storage is still armed by :func:`arm` (no write since), where torch has it.
 is_armed = getattr(torch._C, "_is_cow_tensor", None)
+#: A storage's identity (its StorageImpl's address), read without touching its data.
+_storage_key = getattr(torch._C, "_storage_address", None)
+#: How many times :func:`arm` has armed each storage (by :data:`_storage_key`). One storage may
+#: feed several frozen values (a shared parametrization's buffer, tied weights, views of one flat
+#: buffer, two models): the first to see it disarmed arms it again, so each value records the
+#: count it was computed at, and a later count is a change for the others too.
+_armings: dict[int, int] = {}
+#: Bumped at every arming anywhere: a steady plan built at one count reads no per-storage count
+#: while it holds.
+ARMINGS = [0]
 
 
 def arm(t: torch.Tensor) -> bool:
@@ -109,16 +120,24 @@ def arm(t: torch.Tensor) -> bool:
     and pinned memory are left alone, since their allocators look blocks up by the storage's
     deleter, which arming changes.
     """
-    if is_armed is None or _lazy_clone is None or type(t) not in PLAIN_TENSOR_TYPES or _wrapped(t):
+    if (is_armed is None or _lazy_clone is None or _storage_key is None or type(t) not in PLAIN_TENSOR_TYPES
+            or _wrapped(t)):
         return False
     try:
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_pinned():
             return False
+        if is_armed(t):  # by another value, and unwritten since: its count stands
+            return True
         with torch.no_grad():
             _lazy_clone(t.detach())
     except RuntimeError:  # storage not owned the plain way (numpy, shared memory)
         return False
-    return is_armed(t)
+    if not is_armed(t):
+        return False
+    key = _storage_key(t)
+    _armings[key] = _armings.get(key, 0) + 1
+    ARMINGS[0] += 1
+    return True
 
 
 #: Whether a tensor is one of torch.func's wrappers (vmap's batched tensors, grad's), whose
@@ -182,7 +201,8 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     same bytes)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
-            or frozen.value._version != frozen.value_version or not all(map(is_armed, frozen.armed))):
+            or frozen.value._version != frozen.value_version or not all(map(is_armed, frozen.armed))
+            or list(map(_armings.get, frozen.armed_keys)) != frozen.armed_counts):
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.

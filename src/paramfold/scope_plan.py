@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
-from paramfold.freeze import digest, is_armed, same_inputs, tag
+from paramfold.freeze import ARMINGS, digest, is_armed, same_inputs, tag
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_requires_grad as _plain_requires_grad
@@ -61,7 +61,7 @@ class Plan:
         "link_dicts", "link_keys", "links", "structure", "structure_tags", "ordered", "order",
         "stateful", "mode_modules", "modes", "flag_tensors", "flags",
         "inputs", "versions", "input_flags", "addresses",
-        "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions", "armed",
+        "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions", "armed", "armings",
         "settings_empty", "settings", "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
@@ -183,7 +183,7 @@ class Plan:
         plan.views = tuple(views)
         plan.values, versions = _columns(kept, 2)
         plan.value_versions = list(versions)
-        plan.armed = tuple(armed)
+        plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # the counts the general path just checked
         plan.settings_empty = tuple(empty.values())
         plan.settings, then = _columns(list(settings.values()), 2)
         plan.settings_then = list(then)
@@ -320,7 +320,8 @@ def holds(plan: Plan) -> bool:
             return False
         if list(map(_version, plan.values)) != plan.value_versions:  # edited in place by a forward
             return False
-        if plan.armed and not all(map(is_armed, plan.armed)):  # written without a version bump
+        # Written without a version bump, or armed again since (for another value on the storage).
+        if plan.armings != ARMINGS[0] or (plan.armed and not all(map(is_armed, plan.armed))):
             return False
         # freeze.same_settings, written out
         if any(plan.settings_empty) or list(map(tag, plan.settings)) != plan.settings_then:
