@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib
 import threading
+import warnings
 from unittest import mock
 
 import pytest
@@ -916,3 +917,26 @@ def test_spectral_norm_on_an_rnn_is_refused_by_hoist_where_stock_runs_it_once_pe
                          filter_fn=lambda m, fqn: not isinstance(m, nn.RNNBase))
     pt.assert_equivalent(_tagger(), torch.randn(2, 3, 4), "auto", steps=2)
     pt.assert_equivalent(_tagger(), torch.randn(2, 3, 4), "inline", steps=2)
+
+
+@pytest.mark.parametrize("check", ["content", "version"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_torch_jit_trace_of_a_prepared_model_equals_stocks_trace(mode, check):
+    # Regression (freeze and auto, content check): tracing recorded the byte check's dtype view,
+    # which TorchScript's alias analysis rejects (an internal assert at the traced call).
+    # And a frozen value (kept from a call before) recorded as a constant would not follow the
+    # weights: the trace records the chain's ops instead, as stock's does.
+    stock = _inference(skew_pair())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    x = torch.randn(2, 4)
+    ours(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = [torch.jit.trace(m, (x,)) for m in (stock, ours)]
+    y = torch.randn(5, 4)
+    assert torch.equal(traced[1](y), traced[0](y))
+    with torch.no_grad():
+        for m in (stock, ours):
+            m[0].parametrizations.weight.original.mul_(-2.0)
+    assert torch.equal(traced[1](y), traced[0](y))
+    assert torch.equal(traced[1](y), stock(y))

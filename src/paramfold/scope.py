@@ -63,6 +63,7 @@ from paramfold.state import tensor_version as _version
 
 _MODULE_CALL = nn.Module.__call__
 _grad_enabled = torch.is_grad_enabled
+_tracing_state = torch._C._get_tracing_state
 # Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
 # without it counts as "maybe": nested calls then see swaps only.
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
@@ -86,7 +87,8 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     context = (grad, autocast_state() if _any_autocast() else None)
     with _LOCK:
         plan = state.plan
-        if plan is not None and plan.grad is grad and not parametrize._cache_enabled and holds(plan):
+        if (plan is not None and plan.grad is grad and not parametrize._cache_enabled and _tracing_state() is None
+                and holds(plan)):
             try:
                 plan.claim()
             except BaseException:
@@ -150,7 +152,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
                 sync_refs(holder, site)
                 continue
             frozen = site.frozen
-            if frozen is not None and mode != "hoist" and can_freeze(site, grad) and unchanged(site, frozen):
+            if frozen is not None and mode != "hoist" and _freezable(site, grad) and unchanged(site, frozen):
                 value = frozen.value  # the fast path: nothing changed since the last call
             else:
                 value = _value(holder, name, site, grad)
@@ -277,14 +279,18 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         return None
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
-    if site.mode == "freeze":
-        if not can_freeze(site):  # freeze's promise: nothing it serves is trainable
-            raise _unfreezable(holder, name)
-        return frozen_value(holder, name, site)
-    if can_freeze(site, grad):  # auto: frozen where it can be for this call, hoisted otherwise
+    if site.mode == "freeze" and not can_freeze(site):  # freeze's promise: nothing it serves is trainable
+        raise _unfreezable(holder, name)
+    if _freezable(site, grad):  # auto: frozen where it can be for this call, hoisted otherwise
         return frozen_value(holder, name, site)
     site.frozen = None
     return _hoisted(holder, name, site, grad)
+
+
+def _freezable(site: SiteState, grad: bool) -> bool:
+    # Under torch.jit.trace a frozen value would be recorded as a constant, stale once the weights
+    # change: the trace records the chain's ops, as stock's does.
+    return can_freeze(site, grad) and _tracing_state() is None
 
 
 def _unfreezable(holder: nn.Module, name: str) -> FoldError:
