@@ -1,4 +1,10 @@
-"""Hypothesis profiles, and torchao made skippable when it is installed but cannot work.
+"""Hypothesis profiles, a dynamo reset fixture, and torchao made skippable when it is installed
+but cannot work.
+
+``fresh_dynamo``: every prepared ``nn.Sequential`` root compiles the same frame (paramfold's root
+forward), so without a reset around each test a module's tests after dynamo's recompile limit
+would run their "compiled" calls eagerly. Modules opt in with
+``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``.
 
 Profiles: "ci" (default) has no deadline (first calls of torch ops are slow) and is derandomized
 when CI=true so that CI runs are reproducible; "dev" explores randomly.
@@ -18,6 +24,7 @@ import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -75,3 +82,10 @@ def pytest_report_header(config):  # noqa: ANN001
     if TORCHAO_PROBLEM is not None:
         lines.append(f"{TORCHAO_PROBLEM}: its tests skip")
     return lines
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -140,6 +140,14 @@ def seed_model(n=4, width=64, parametrized=True, seed=0) -> nn.Module:
     return model
 
 
+def assert_same_tensors(expected: dict, actual: dict, at: object = "") -> None:
+    """Same names, and bitwise equal tensors under each (``None`` where ``expected`` has ``None``)."""
+    assert actual.keys() == expected.keys(), at
+    for name, e in expected.items():
+        a = actual[name]
+        assert (a is None and e is None) or (a is not None and e is not None and torch.equal(a, e)), (at, name)
+
+
 def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: p.grad for n, p in model.named_parameters()}
 

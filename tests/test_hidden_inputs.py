@@ -28,13 +28,7 @@ import paramfold.testing as pt
 ALL_MODES = ["hoist", "inline", "freeze", "auto"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    # Every prepared nn.Sequential root compiles the same frame (paramfold's root forward): without
-    # a reset, the tests after dynamo's recompile limit would run their "compiled" calls eagerly.
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # see conftest.py
 
 
 class Scaled(nn.Module):
@@ -456,26 +450,31 @@ def test_a_training_stateful_chain_read_inside_an_autocast_region_is_refused(mod
 
 
 class EditsItsWeight(nn.Module):
-    """Edits the weight it reads in place: harmless in stock, which computes a fresh one per read."""
+    """Edits the weight it reads, in place or through ``.data`` (which bumps no version counter):
+    harmless in stock, which computes a fresh one per read."""
 
-    def __init__(self) -> None:
+    def __init__(self, through_data: bool = False) -> None:
         super().__init__()
+        self.through_data = through_data
         self.lin = nn.Linear(4, 4)
         P.register_parametrization(self.lin, "weight", Doubled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.lin.weight
-        w.mul_(2)
+        (w.data if self.through_data else w).mul_(2)
         return x @ w.t()
 
 
+@pytest.mark.parametrize("check", ["content", "version"])
+@pytest.mark.parametrize("through_data", [False, True], ids=["in-place", "through-data"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_a_frozen_value_edited_in_place_by_the_forward_is_computed_again(mode, compiled):
-    # Regression: freeze and auto kept the edited value for the next calls (doubled each call).
+def test_a_frozen_value_edited_by_the_forward_is_computed_again(mode, compiled, through_data, check):
+    # Regression: freeze and auto kept the edited value for the next calls (doubled each call);
+    # through .data, until the frozen value's storage was marked (tests/test_unversioned_writes.py).
     torch.manual_seed(0)
-    stock = EditsItsWeight().eval().requires_grad_(False)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    stock = EditsItsWeight(through_data).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
     run = _calls(ours, compiled)
     x = torch.randn(2, 4)
     with torch.no_grad():
