@@ -47,7 +47,9 @@ def prepare(
       steps, in-place edits). Refused for sites where an original, or a parameter a
       parametrization owns (LoRA's adapters), requires grad, or whose stateful chain
       (spectral_norm) is training.
-    * ``"auto"``: on every call, freeze what can be frozen and hoist the rest; tensors that
+    * ``"auto"``: on every call, freeze what can be frozen and hoist the rest (under
+      ``no_grad``, trainable chains are frozen too: ``model.eval()`` inference needs no
+      ``requires_grad_(False)``; a call that records autograd hoists them); tensors that
       neither serves exactly (a chain that draws random numbers, spectral_norm on torch's RNN
       modules, which read a weight twice per forward) are computed at every read, as inline.
 
