@@ -524,3 +524,102 @@ def test_lazy_package_keeps_every_public_name_and_submodule():
     assert paramfold.testing.__name__ == "paramfold.testing" and "testing" in dir(paramfold)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         paramfold.nope
+
+
+# -- found by the 2026-12-02 CLI hunt ----------------------------------------------------------
+
+
+def _cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """The CLI as a real process (warnings, pipes and file descriptors as a user gets them)."""
+    return subprocess.run([sys.executable, "-c", "from paramfold.cli import main; main()", *args],
+                          capture_output=True, text=True, env=ENV, timeout=120, **kwargs)
+
+
+def _with_pickle(src: Path, dest: Path, data: bytes) -> Path:
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dest, "w", zipfile.ZIP_STORED) as out:
+        for name in z.namelist():
+            out.writestr(name, data if name.endswith("data.pkl") else z.read(name))
+    return dest
+
+
+def test_a_refused_protocol_4_pickle_is_one_line(tmp_path):
+    # Regression: torch's UserWarning about the pickle protocol (and its source line) came first.
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'w')".encode()
+    data = (b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x08builtins\x8c\x04eval\x93\x8c"
+            + bytes([len(code)]) + code + b"\x85R.")
+    bad = _with_pickle(_wn_checkpoint(tmp_path), tmp_path / "evil.pt", data)
+    res = _cli("audit", str(bad))
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("paramfold audit: error: ") and "refused to unpickle" in res.stderr
+    assert not marker.exists()
+
+
+def test_a_fifo_is_refused_instead_of_read_forever(tmp_path):
+    fifo = tmp_path / "ckpt.pt"
+    os.mkfifo(fifo)
+    res = _cli("audit", str(fifo))  # regression: blocked on open() until a signal
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "not a regular file" in res.stderr, res.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["audit", "--help"]])
+def test_help_and_version_to_a_full_disk_are_one_line(args):
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-c", "from paramfold.cli import main; main()", *args],
+                             stdout=full, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr  # was a traceback
+    assert "No space left on device" in res.stderr
+
+
+def test_an_audit_table_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    # Regression: rich's own broken-pipe exit was reported as "exited early (sys.exit(1))".
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(weight_norm(torch.nn.Linear(8, 8)) for _ in range(200)))
+    torch.save(model.state_dict(), tmp_path / "many.pt")
+    proc = subprocess.Popen([sys.executable, "-c", "from paramfold.cli import main; main()", "audit",
+                             str(tmp_path / "many.pt")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    proc.stdout.read(10)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert err == "" and proc.returncode in (0, 1), (proc.returncode, err)
+
+
+def test_a_model_file_that_exits_at_import_is_a_usage_error(tmp_path):
+    # Regression: its sys.exit(5) became the command's exit code.
+    ckpt = _wn_checkpoint(tmp_path)
+    (tmp_path / "modexit.py").write_text("import sys\nsys.exit(5)\n")
+    res = _run("fold", str(ckpt), str(tmp_path / "out.pt"), "--model", f"{tmp_path / 'modexit.py'}:build")
+    _one_line_error(res, "fold", 2, "cannot import")
+
+
+def test_a_key_safetensors_cannot_hold_is_refused_before_writing(tmp_path):
+    # Regression: a key with a lone surrogate (torch.save keeps it) made an unreadable output.
+    torch.save({"w\ud800": torch.zeros(2)}, tmp_path / "odd.pt")
+    res = _run("fold", str(tmp_path / "odd.pt"), str(tmp_path / "out.safetensors"))
+    _one_line_error(res, "fold", 1, "not valid UTF-8", "write .pt")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_negative_size_in_a_pt_checkpoint_is_corrupt(tmp_path):
+    # Regression: audit accepted it (plain_bytes -4) and fold failed with an "unexpected" error.
+    torch.save({"w": torch.zeros(4)}, tmp_path / "good.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert data.count(b"K\x04\x85") == 1  # the size (4,): BININT1 4, TUPLE1
+    bad = _with_pickle(tmp_path / "good.pt", tmp_path / "neg.pt", data.replace(b"K\x04\x85", b"J\xfc\xff\xff\xff\x85"))
+    res = _run("audit", str(bad))
+    _one_line_error(res, "audit", 1, "corrupt")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_summary_that_cannot_be_printed_does_not_deny_the_written_output(tmp_path):
+    # Regression: "No space left on device ...; nothing was written" with the output in place.
+    ckpt, out = _wn_checkpoint(tmp_path), tmp_path / "plain.safetensors"
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-c", "from paramfold.cli import main; main()", "fold", str(ckpt), str(out)],
+                             stdout=full, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert f"{out} was written whole" in res.stderr and "nothing was written" not in res.stderr
+    assert sorted(load_file(out)) == ["0.bias", "0.weight", "1.bias", "1.weight"]

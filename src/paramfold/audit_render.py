@@ -23,7 +23,9 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
+    from paramfold.output import quiet_when_stdout_closes
+
+    console = console or quiet_when_stdout_closes(Console())
     root = f" (under '{report.root}')" if report.root else ""
     table = Table(title=escape(f"{report.path} [{report.format}]{root}"), title_justify="left")
     table.add_column("module", overflow="fold")

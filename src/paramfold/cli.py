@@ -76,6 +76,8 @@ def _say(command: str, message: str) -> None:
 # What an interrupt leaves behind, after "interrupted by SIGINT; ": nothing, for commands that
 # write files (outputs are atomic), or for recompiles the report of what ran before it.
 _AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
+#: The output a command has completed (renamed into place), for a failure or signal after it.
+_written: list[str] = []
 
 
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
@@ -86,12 +88,15 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     if isinstance(exc, KeyboardInterrupt):
         signame = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
         code = exc.exit_code if isinstance(exc, Interrupted) else 130
-        return code, f"interrupted by {signame}; {_AFTER_INTERRUPT.get(command, 'no output was written')}"
+        after = f"{_written[0]} was written whole before it" if _written else _AFTER_INTERRUPT.get(command, "no output was written")
+        return code, f"interrupted by {signame}; {after}"
     if isinstance(exc, FoldError):
         return getattr(exc, "exit_code", 1), str(exc)
     if isinstance(exc, MemoryError):
         return 1, "out of memory" + (f": {exc}" if str(exc) else "")
     if isinstance(exc, OSError):
+        if _written:  # printing the summary failed (stdout on a full disk): the output is whole
+            return 1, f"{_written[0]} was written whole, then printing its summary failed: {exc.strerror or exc}"
         return 1, describe_os_error(exc)
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else 1
@@ -189,6 +194,11 @@ class _Group(_PlainHelpFlag, TyperGroup):
         except SystemExit as e:  # typer exits by itself on a closed stdout (| head)
             code = e.code if isinstance(e.code, int) else 1
         except BrokenPipeError:
+            code = 1
+        except OSError as e:  # printing help or the version to a full disk
+            from paramfold.output import describe_os_error
+
+            _say("", describe_os_error(e))
             code = 1
         except KeyboardInterrupt as e:  # a signal before or after click's own handling
             code, message = _describe(e)
@@ -445,7 +455,10 @@ def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``)."""
     from paramfold.fold import fold_checkpoint
 
-    typer.echo(fold_checkpoint(path, out, model_factory=model).summary(), err=err)
+    _written.clear()
+    summary = fold_checkpoint(path, out, model_factory=model).summary()
+    _written.append(out)
+    typer.echo(summary, err=err)
 
 
 # --- recompiles ---------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
             module = importlib.import_module(module_name)
     except CheckpointError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() at import: not this command's exit code
         raise CheckpointError(f"--model {spec}: cannot import {module_name}: {type(e).__name__}: {e}", exit_code=2) from None
     factory = getattr(module, attr, None)
     if not callable(factory):

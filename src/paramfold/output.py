@@ -27,6 +27,7 @@ import errno
 import os
 import signal
 import stat
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -247,6 +248,20 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
 
 
 _FULL = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n)}
+
+
+def quiet_when_stdout_closes(console: object) -> object:
+    """``console`` (a ``rich.console.Console`` on stdout), made to end the command quietly when
+    stdout closes early (``| head``): rich's own handler exits with ``SystemExit(1)``, which the
+    CLI would report as an error. Here stdout is pointed at ``os.devnull`` (nothing left to flush
+    at exit) and a ``BrokenPipeError`` ends the command, as a closed stdout does elsewhere."""
+
+    def on_broken_pipe() -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise BrokenPipeError
+
+    console.on_broken_pipe = on_broken_pipe  # type: ignore[attr-defined]
+    return console
 
 
 def describe_os_error(e: OSError) -> str:

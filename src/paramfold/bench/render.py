@@ -158,10 +158,13 @@ def _console(console: Any) -> Any:
     says, else wide enough for the table (nothing wrapped or cut)."""
     from rich.console import Console
 
+    from paramfold.output import quiet_when_stdout_closes
+
     if console is None:
         console = Console()
         if not console.is_terminal and not os.environ.get("COLUMNS"):
             console = Console(width=200)
+        quiet_when_stdout_closes(console)
     return console
 
 

@@ -56,6 +56,7 @@ import pickle
 import re
 import struct
 import sys
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterable, Mapping
@@ -138,7 +139,8 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
         storage_bytes = t.storage.numel * (elem if t.storage.typed else 1)
         span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
         needed = (t.offset + span) * elem if span else 0
-        if storage_bytes != rec.file_size or needed > rec.file_size or t.offset < 0 or min(t.stride, default=0) < 0:
+        if (storage_bytes != rec.file_size or needed > rec.file_size or t.offset < 0 or min(t.stride, default=0) < 0
+                or min(t.shape, default=0) < 0):
             raise CheckpointError(
                 f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
                 f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
@@ -325,17 +327,19 @@ def _explain_refusal(p: Path, name: str) -> None:
 
 def _torch_load(p: Path, **kwargs: Any) -> Any:
     try:
-        return torch.load(p, weights_only=True, **kwargs)
+        with warnings.catch_warnings():  # torch's notes on the pickle (its protocol): not our line
+            warnings.simplefilter("ignore")
+            return torch.load(p, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
         msg = str(e)
         m = re.search(r"GLOBAL ([\w.]+)", msg)
         if m:
             why = f"it references '{m.group(1)}', which could run arbitrary code"
         else:
-            detail = re.search(r"(Unsupported operand[^\n]*|WeightsUnpickler error:[^\n]+)", msg)
+            detail = re.search(r"Unsupported operand[^\n]*", msg) or re.search(r"WeightsUnpickler error:[ \t]*\S[^\n]*", msg)
             why = (
                 "it is not a plain weights-only pickle"
-                + (f" ({detail.group(1).strip()})" if detail else "")
+                + (f" ({detail.group(0).strip()})" if detail else "")
                 + ": either corrupt or it needs code execution"
             )
         raise CheckpointError(

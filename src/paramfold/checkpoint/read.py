@@ -178,6 +178,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError(f"{p}: no such file or folder", exit_code=2)
     if p.is_dir():
         return _open_folder(p)
+    if not p.is_file():  # a FIFO or a device would block or never end
+        raise CheckpointError(f"{p}: not a regular file", exit_code=2)
     name = p.name.lower()
     if name.endswith(".index.json"):
         return _open_index(p)

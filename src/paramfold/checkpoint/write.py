@@ -159,7 +159,11 @@ def _write_safetensors(
             raise CheckpointError(f"'{key}' has dtype {info.dtype_name}, which .safetensors cannot hold; write .pt")
         header[key] = {"dtype": ST_NAMES[info.dtype], "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
         offset += info.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
+    try:  # strict UTF-8: a key with a lone surrogate (torch.save keeps one) would be unreadable
+        blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        bad = next(k for k in header if not _utf8(k))
+        raise CheckpointError(f"key {bad!r} is not valid UTF-8, which .safetensors cannot hold; write .pt") from None
     blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
     f.write(len(blob).to_bytes(8, "little"))
     f.write(blob)
@@ -167,3 +171,11 @@ def _write_safetensors(
         if t.numel():
             f.write(raw_bytes(t))
     return offset
+
+
+def _utf8(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

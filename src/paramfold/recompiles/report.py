@@ -247,10 +247,13 @@ class RecompileReport:
         """Print the tables (to stdout, or to the given ``rich.console.Console``)."""
         from rich.console import Console
 
+        from paramfold.output import quiet_when_stdout_closes
+
         if console is None:
             console = Console()
             if not console.is_terminal and "COLUMNS" not in os.environ:
                 console = Console(width=160)  # a file or pipe: don't squeeze the table to 80
+            quiet_when_stdout_closes(console)
         console.print(self)
 
     def __repr__(self) -> str:
