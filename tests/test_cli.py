@@ -623,3 +623,35 @@ def test_a_summary_that_cannot_be_printed_does_not_deny_the_written_output(tmp_p
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
     assert f"{out} was written whole" in res.stderr and "nothing was written" not in res.stderr
     assert sorted(load_file(out)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+def test_an_empty_input_path_is_a_usage_error_not_the_current_folder(tmp_path, monkeypatch):
+    # Regression: Path("") is ".", so fold read whatever checkpoint the current folder held.
+    _wn_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    res = _run("fold", "", str(tmp_path / "out.safetensors"))
+    _one_line_error(res, "fold", 2, "no input path")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("device", ["meta", "xpu"])
+def test_a_bench_device_other_than_cpu_or_cuda_is_a_usage_error(device):
+    res = _run("bench", "--device", device, "--layers", "2", "--repeats", "1")
+    _one_line_error(res, "bench", 2, "cpu or cuda")  # was exit 1, "(unexpected)", after running
+
+
+def test_a_truncated_deflate_record_is_called_corrupt_not_unexpected(tmp_path):
+    good = _wn_checkpoint(tmp_path)
+    bad = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(good) as z, zipfile.ZipFile(bad, "w") as out:
+        for info in z.infolist():
+            out.writestr(info.filename, z.read(info),
+                         compress_type=zipfile.ZIP_DEFLATED if info.filename.endswith("data.pkl") else zipfile.ZIP_STORED)
+    data = bytearray(bad.read_bytes())
+    name = next(i for i in zipfile.ZipFile(bad).infolist() if i.filename.endswith("data.pkl"))
+    body = name.header_offset + 30 + len(name.filename.encode()) + len(name.extra)
+    data[body:body + 8] = b"\xff" * 8  # the deflate stream's first bytes
+    bad.write_bytes(bytes(data))
+    res = _run("audit", str(bad))
+    _one_line_error(res, "audit", 1, "corrupt")
+    assert "unexpected" not in res.stderr

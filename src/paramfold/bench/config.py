@@ -124,7 +124,10 @@ class BenchConfig:
     def check_device(self) -> None:
         """Raise ``ValueError`` if ``device`` cannot run here (a config read back from JSON may
         come from another machine, so this is checked before running, not on construction)."""
-        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+        kind = torch.device(self.device).type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: the bench runs on cpu or cuda")
+        if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} is not available here (no CUDA device)")
 
     @property

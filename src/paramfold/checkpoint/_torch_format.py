@@ -112,7 +112,8 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
             byteorder = z.read(prefix + "byteorder") if prefix + "byteorder" in z.NameToInfo else b"little"
     except CheckpointError:
         raise
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError, zlib.error) as e:
+        # RuntimeError: an encrypted record; zlib.error: a record whose deflate data is broken
         detail = "the zip archive is incomplete" if "CRC" not in str(e) else first_line(e)
         raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint ({detail})") from None
     if byteorder.decode(errors="replace") != sys.byteorder:

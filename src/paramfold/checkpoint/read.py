@@ -173,6 +173,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         ('pt', 'state_dict', ['lin.weight'], 'float32')
         >>> ckpt.close()
     """
+    if not str(path).strip():  # Path("") is the current folder, which would be read instead
+        raise CheckpointError("no input path given (an empty string)", exit_code=2)
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder", exit_code=2)

@@ -63,6 +63,8 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         module, argv0, rest = None, tokens[0], tokens[1:]
         if not os.path.isfile(argv0):
             raise ScriptError(f"script not found: {argv0}")
+        if not os.access(argv0, os.R_OK):
+            raise ScriptError(f"script not readable (permission denied): {argv0}")
 
     sys.argv = [argv0, *rest]
     if module is None:
