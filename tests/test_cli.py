@@ -655,3 +655,13 @@ def test_a_truncated_deflate_record_is_called_corrupt_not_unexpected(tmp_path):
     res = _run("audit", str(bad))
     _one_line_error(res, "audit", 1, "corrupt")
     assert "unexpected" not in res.stderr
+
+
+def test_a_terminal_escape_sequence_in_a_key_is_shown_not_sent(tmp_path):
+    torch.manual_seed(0)
+    layer = weight_norm(torch.nn.Linear(4, 4))
+    state = {f"evil\x1b[2J.{k}": v for k, v in layer.state_dict().items()}
+    torch.save(state, tmp_path / "ansi.pt")
+    res = _cli("audit", str(tmp_path / "ansi.pt"))
+    assert res.returncode == 0, res.stderr
+    assert "\x1b" not in res.stdout and "\\x1b[2J" in res.stdout, res.stdout

@@ -20,14 +20,13 @@ __all__ = ["human_bytes", "print_report"]
 def print_report(report: AuditReport, console: Console | None = None) -> None:
     """Print ``report`` as a rich table and a summary line."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     from paramfold.output import quiet_when_stdout_closes
 
     console = console or quiet_when_stdout_closes(Console())
     root = f" (under '{report.root}')" if report.root else ""
-    table = Table(title=escape(f"{report.path} [{report.format}]{root}"), title_justify="left")
+    table = Table(title=_shown(f"{report.path} [{report.format}]{root}"), title_justify="left")
     table.add_column("module", overflow="fold")
     table.add_column("tensor")
     table.add_column("kind")
@@ -39,10 +38,10 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
         pieces = [f"{n} {_shape(i)} {i.dtype_name}" for n, i in {**s.originals, **s.state}.items()]
         kind = s.kind + (f" dim={s.params['dim']}" if s.params.get("dim") is not None else "")
         table.add_row(
-            escape(s.module or "(root)"),
-            escape(s.tensor),
+            _shown(s.module or "(root)"),
+            _shown(s.tensor),
             f"[{styles.get(s.kind, 'green')}]{kind}[/]",
-            escape("\n".join(pieces)),
+            "\n".join(map(_shown, pieces)),
             human_bytes(s.originals_bytes + s.state_bytes),
             "?" if s.folded_bytes is None else human_bytes(s.folded_bytes),
         )
@@ -64,6 +63,14 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
         + ("foldable from keys alone" if not refused else f"{refused} need --model to fold"),
         highlight=False,
     )
+
+
+def _shown(text: str) -> str:
+    """``text`` for the table: rich markup escaped, and control characters (a checkpoint's key may
+    hold a terminal escape sequence) written out as escapes instead of sent to the terminal."""
+    from rich.markup import escape
+
+    return escape("".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text))
 
 
 def _shape(i: TensorInfo) -> str:
