@@ -66,11 +66,12 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
 
 
 def _shown(text: str) -> str:
-    """``text`` for the table: rich markup escaped, and control characters (a checkpoint's key may
-    hold a terminal escape sequence) written out as escapes instead of sent to the terminal."""
+    """``text`` for the table: rich markup escaped, control characters written out (``printable``)."""
     from rich.markup import escape
 
-    return escape("".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text))
+    from paramfold.output import printable
+
+    return escape(printable(text))
 
 
 def _shape(i: TensorInfo) -> str:

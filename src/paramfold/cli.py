@@ -68,9 +68,9 @@ def _say(command: str, message: str) -> None:
 
     ``command`` is ``""`` for an error of the root command (no command named, or none yet).
     """
-    text = " ".join(str(message).split())  # one line, whatever the message held
-    # and no terminal control sequence from a file's key or path
-    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+    from paramfold.output import printable
+
+    text = printable(" ".join(str(message).split()))  # one line, whatever the message held
     sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
     sys.stderr.flush()
 

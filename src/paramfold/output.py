@@ -250,6 +250,12 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
 _FULL = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n)}
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters written out as escapes (``\\x1b``): a checkpoint's
+    key or path may hold a terminal escape sequence, which must be shown, not sent."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def quiet_when_stdout_closes(console: object) -> object:
     """``console`` (a ``rich.console.Console`` on stdout), made to end the command quietly when
     stdout closes early (``| head``): rich's own handler exits with ``SystemExit(1)``, which the
