@@ -157,13 +157,11 @@ def _write_safetensors(
     for key, info in specs.items():
         if info.dtype not in ST_NAMES:
             raise CheckpointError(f"'{key}' has dtype {info.dtype_name}, which .safetensors cannot hold; write .pt")
+        if not _utf8(key):  # a lone surrogate (torch.save keeps one) would make the header unreadable
+            raise CheckpointError(f"key {key!r} is not valid UTF-8, which .safetensors cannot hold; write .pt")
         header[key] = {"dtype": ST_NAMES[info.dtype], "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes]}
         offset += info.nbytes
-    try:  # strict UTF-8: a key with a lone surrogate (torch.save keeps one) would be unreadable
-        blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        bad = next(k for k in header if not _utf8(k))
-        raise CheckpointError(f"key {bad!r} is not valid UTF-8, which .safetensors cannot hold; write .pt") from None
+    blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
     f.write(len(blob).to_bytes(8, "little"))
     f.write(blob)
