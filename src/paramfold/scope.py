@@ -279,9 +279,9 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         return None
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
-    if site.mode == "freeze" and not can_freeze(site):  # freeze's promise: nothing it serves is trainable
-        raise _unfreezable(holder, name)
-    if _freezable(site, grad):  # auto: frozen where it can be for this call, hoisted otherwise
+    # freeze's sites are freezable here (_open_holders refused the call otherwise); auto's are
+    # frozen where they can be for this call, hoisted otherwise.
+    if _freezable(site, grad):
         return frozen_value(holder, name, site)
     site.frozen = None
     return _hoisted(holder, name, site, grad)
@@ -357,9 +357,7 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # changed in place against the tensors as they are now.
     eager = _eval_frame_callback() is None and self.__dict__.get("_compiled_call_impl") is None
     nested.local.snapshot = nested.snapshot(self) if eager else None
-    call = _MODULE_CALL
-    if parametrize._cache_enabled and not eager and _computed_where_read(self):
-        call = _call_eagerly
+    call = _call_eagerly if not eager and _through_cache(self) else _MODULE_CALL
     try:
         return call(self, *args, **kwargs)
     finally:
@@ -371,21 +369,24 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
     if torch.compiler.is_compiling():
         return compiled(*args, **kwargs)
     if _in_scope(module):
-        if parametrize._cache_enabled and _computed_where_read(module):
+        if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
         return _nested(module, compiled)(*args, **kwargs)
     previous, claimed = _open_scope(module)
     try:
-        if parametrize._cache_enabled and _computed_where_read(module):
+        if _through_cache(module):
             return _call_eagerly(module, *args, **kwargs)
         return compiled(*args, **kwargs)
     finally:
         _close_scope(previous, claimed)
 
 
-def _computed_where_read(entry: nn.Module) -> bool:
-    """Whether some site below ``entry`` has no value in its module's ``__dict__`` in the open
-    scope (inline, or computed in-graph for another reason), so compiled code would compute it."""
+def _through_cache(entry: nn.Module) -> bool:
+    """Whether ``entry``'s call, inside ``parametrize.cached()``, must run eagerly (see
+    :data:`_call_eagerly`): some site below it has no value in its module's ``__dict__`` in the
+    open scope (inline, or computed in-graph for another reason), so compiled code would compute it."""
+    if not parametrize._cache_enabled:
+        return False
     for holder in entry.__dict__[STATE_ATTR].holders:
         values = holder.__dict__
         if any(name not in values for name in values[STATE_ATTR].sites):
