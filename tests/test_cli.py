@@ -665,3 +665,27 @@ def test_a_terminal_escape_sequence_in_a_key_is_shown_not_sent(tmp_path):
     res = _cli("audit", str(tmp_path / "ansi.pt"))
     assert res.returncode == 0, res.stderr
     assert "\x1b" not in res.stdout and "\\x1b[2J" in res.stdout, res.stdout
+
+
+def test_a_deeply_nested_key_is_described_not_a_recursion_error(tmp_path):
+    # A dict whose only key is a tuple nested 100,000 deep: naming it in the error recursed.
+    data = b"\x80\x02}" + b")" + b"\x85" * 100_000 + b"K\x01s."
+    bad = _with_pickle(_wn_checkpoint(tmp_path), tmp_path / "deep.pt", data)
+    res = _run("audit", str(bad))
+    _one_line_error(res, "audit", 1, "no state dict found", "top-level keys: ((((")
+    assert "unexpected" not in res.stderr and len(res.stderr) < 600
+
+
+@pytest.mark.parametrize("metadata, word", [(["a", "b"], "metadata"), ("text", "metadata"), (3, "metadata"),
+                                           ("DEEP", "RecursionError")])
+def test_an_index_whose_metadata_is_not_a_mapping_is_not_a_valid_index(tmp_path, metadata, word):
+    shard = _wn_checkpoint(tmp_path, "model.safetensors")
+    from safetensors import safe_open
+    with safe_open(str(shard), "pt") as f:
+        weight_map = {k: shard.name for k in f.keys()}
+    index = tmp_path / "model.safetensors.index.json"
+    text = json.dumps({"metadata": metadata, "weight_map": weight_map})
+    index.write_text(text.replace('"DEEP"', "[" * 100_000 + "]" * 100_000))  # deeper than json's recursion limit
+    res = _run("audit", str(index))
+    _one_line_error(res, "audit", 1, "not a valid checkpoint index", word)  # was "(unexpected)"
+    assert "unexpected" not in res.stderr

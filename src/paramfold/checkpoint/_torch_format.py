@@ -54,6 +54,7 @@ import collections
 import io
 import pickle
 import re
+import reprlib
 import struct
 import sys
 import warnings
@@ -361,13 +362,22 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             sub = obj.get(key)
             if _is_state_dict(sub, tensor_type):
                 return dict(sub), key
-        where = f"top-level keys: {', '.join(map(str, list(obj)[:8]))}"
+        where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
         where = f"it holds a {type(obj).__name__}"
     raise CheckpointError(
         f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
     )
+
+
+#: Names a key in an error without recursing into it: a pickle can nest a tuple key 100,000 deep.
+_KEY_REPR = reprlib.Repr()  # keyword arguments need Python 3.12
+_KEY_REPR.maxlevel, _KEY_REPR.maxstring, _KEY_REPR.maxother = 4, 60, 60
+
+
+def _key_name(key: Any) -> str:
+    return key if isinstance(key, str) else _KEY_REPR.repr(key)
 
 
 def _is_state_dict(obj: Any, tensor_type: type = torch.Tensor) -> bool:

@@ -231,7 +231,10 @@ def _open_index(index: Path) -> Checkpoint:
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise TypeError("weight_map must map tensor names to shard file names")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        metadata = doc.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be an object, not {type(metadata).__name__}")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise CheckpointError(f"{index}: not a valid checkpoint index ({type(e).__name__}: {e})") from None
     shards: dict[str, dict[str, Entry]] = {}
     kinds: set[str] = set()
@@ -255,7 +258,7 @@ def _open_index(index: Path) -> Checkpoint:
             raise CheckpointError(f"{index}: the index puts '{key}' in '{shard}', but that shard lacks it")
         entries[key] = shards[shard][key]
     fmt = "sharded-" + ("safetensors" if kinds == {"safetensors"} else "pt" if kinds == {"pt"} else "mixed")
-    metadata = {k: str(v) for k, v in (doc.get("metadata") or {}).items()}
+    metadata = {k: str(v) for k, v in metadata.items()}
     files = [(index.parent / shard).resolve() for shard in dict.fromkeys(weight_map.values())]
     return Checkpoint(index, fmt, entries, metadata=metadata, files=files)
 
