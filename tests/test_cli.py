@@ -689,3 +689,12 @@ def test_an_index_whose_metadata_is_not_a_mapping_is_not_a_valid_index(tmp_path,
     res = _run("audit", str(index))
     _one_line_error(res, "audit", 1, "not a valid checkpoint index", word)  # was "(unexpected)"
     assert "unexpected" not in res.stderr
+
+
+@pytest.mark.parametrize("args, code", [(["audit", "--nope"], 2), (["audit", "missing.pt"], 2), (["audit", "--help"], 0)])
+def test_with_stderr_closed_the_exit_code_still_says_what_happened(tmp_path, args, code):
+    # Python starts with sys.stderr None when fd 2 is closed: writing the error line raised, exit 1.
+    script = 'exec "$0" -c "from paramfold.cli import main; main()" "$@" 2>&-'
+    res = subprocess.run(["sh", "-c", script, sys.executable, *args], capture_output=False, stdout=subprocess.DEVNULL,
+                         env=ENV, cwd=tmp_path, timeout=120)
+    assert res.returncode == code

@@ -71,8 +71,11 @@ def _say(command: str, message: str) -> None:
     from paramfold.output import printable
 
     text = printable(" ".join(str(message).split()))  # one line, whatever the message held
-    sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # stderr closed (None at start-up) or failing: the exit code says it
+        pass
 
 
 # What an interrupt leaves behind, after "interrupted by SIGINT; ": nothing, for commands that
