@@ -698,3 +698,31 @@ def test_with_stderr_closed_the_exit_code_still_says_what_happened(tmp_path, arg
     res = subprocess.run(["sh", "-c", script, sys.executable, *args], capture_output=False, stdout=subprocess.DEVNULL,
                          env=ENV, cwd=tmp_path, timeout=120)
     assert res.returncode == code
+
+
+def test_ctrl_c_while_the_cli_is_imported_is_one_line_and_exit_130(tmp_path):
+    # Regression: an interrupt while typer was being imported printed the import's traceback.
+    # The interrupt is made deterministic: importing typer raises it, as a Ctrl-C there would.
+    code = textwrap.dedent("""
+        import sys
+        class Interrupt:
+            def find_spec(self, name, path=None, target=None):
+                if name == "typer":
+                    raise KeyboardInterrupt
+        sys.meta_path.insert(0, Interrupt())
+        from paramfold.__main__ import main
+        main()
+    """)
+    res = subprocess.run([sys.executable, "-c", code, "audit", "x.pt"], capture_output=True, text=True,
+                         env=ENV, cwd=tmp_path, timeout=120)
+    assert res.returncode == 130, res.stderr
+    assert res.stderr == "paramfold: error: interrupted by SIGINT; no output was written\n"
+    from importlib.metadata import entry_points
+    (script,) = entry_points(group="console_scripts", name="paramfold")
+    assert script.value == "paramfold.__main__:main"  # the installed `paramfold` goes through it
+
+
+def test_python_dash_m_paramfold_is_the_cli():
+    res = subprocess.run([sys.executable, "-m", "paramfold", "--version"], capture_output=True, text=True,
+                         env=ENV, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().startswith("paramfold "), res.stderr
