@@ -726,3 +726,13 @@ def test_python_dash_m_paramfold_is_the_cli():
     res = subprocess.run([sys.executable, "-m", "paramfold", "--version"], capture_output=True, text=True,
                          env=ENV, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().startswith("paramfold "), res.stderr
+
+
+@pytest.mark.parametrize("stem", ["x" * 250, "é" * 125])  # 253 bytes with ".pt": within the 255-byte limit
+def test_an_output_named_near_the_name_length_limit_is_written(tmp_path, stem):
+    # Regression: the temporary file's name (the output's plus ".<random>.partial") was too long.
+    out = tmp_path / f"{stem}.pt"
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
+    assert res.exit_code == 0, res.output
+    assert out.is_file() and not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert set(torch.load(out, weights_only=True)) == {"0.weight", "0.bias", "1.weight", "1.bias"}

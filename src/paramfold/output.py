@@ -211,7 +211,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     parent = out.parent if str(out.parent) else Path(".")
     mode = _new_file_mode(out)
     try:
-        fd, tmp_name = tempfile.mkstemp(dir=parent, prefix=f".{out.name}.", suffix=".partial")
+        fd, tmp_name = tempfile.mkstemp(dir=parent, prefix=_temporary_prefix(out.name, parent), suffix=".partial")
         os.close(fd)
     except OSError as e:
         raise OutputError(f"{out}: cannot create a file in {parent}: {e.strerror}", exit_code=1) from None
@@ -245,6 +245,19 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
         with _signals_blocked():
             tmp.unlink(missing_ok=True)
         raise
+
+
+def _temporary_prefix(name: str, parent: Path) -> str:
+    """``.<name>.``, with ``name`` shortened where the whole temporary name would exceed the
+    folder's limit on a name's bytes (an output named near that limit is a valid output)."""
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    room = name_max - len("..") - 8 - len(".partial")  # 8: the length of mkstemp's random part
+    while name and len(os.fsencode(name)) > room:
+        name = name[:-1]
+    return f".{name}."
 
 
 _FULL = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n)}
