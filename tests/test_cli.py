@@ -736,3 +736,18 @@ def test_an_output_named_near_the_name_length_limit_is_written(tmp_path, stem):
     assert res.exit_code == 0, res.output
     assert out.is_file() and not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
     assert set(torch.load(out, weights_only=True)) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_a_read_only_output_is_refused_like_open_would(tmp_path, monkeypatch):
+    # Regression: a read-only OUT was replaced by the rename. CI runs as root, for whom open()
+    # writes read-only files too, so the test asks as a user would be answered.
+    from paramfold import output
+
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"keep")
+    out.chmod(0o444)
+    real_access = os.access
+    monkeypatch.setattr(output.os, "access", lambda p, mode: False if Path(p) == out else real_access(p, mode))
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
+    _one_line_error(res, "fold", 2, "read-only")
+    assert out.read_bytes() == b"keep"

@@ -154,6 +154,8 @@ def check_output(
         raise OutputError(f"{out}: the output folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{out}: cannot write in {parent}: permission denied")
+    if out.exists() and not os.access(out, os.W_OK):  # as open() for writing would refuse it
+        raise OutputError(f"{out}: is read-only: make it writable (chmod u+w) or write to another file name")
     for src in inputs:
         src = Path(src)
         if _same_file(out, src):
