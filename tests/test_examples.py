@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -92,3 +93,22 @@ def test_example_scripts_run_as_they_are(script, args, expected):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert expected in done.stdout
+
+
+def test_the_prepared_gpu_check_runs_end_to_end(tmp_path):
+    # scripts/gpu_check.sh is run on a lent GPU machine, where nothing can be fixed mid-lease; its
+    # quick CPU mode runs every step of it (four benches, then the tables) on tiny models.
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "PARAMFOLD_CHECK_DEVICE": "cpu", "PARAMFOLD_CHECK_QUICK": "1",
+           "OUT": str(tmp_path)}
+    res = subprocess.run(["bash", str(script)], cwd=script.parent.parent, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr
+    from paramfold.bench.result import BenchResult
+
+    for name in ("seed_eval", "seed_train", "sn_train", "sn_grad"):
+        result = BenchResult.from_dict(json.loads((tmp_path / f"{name}.json").read_text()))
+        assert [v.name for v in result.variants] == ["baseline", "stock", "hoist"], name
+        assert all(v.status == "ok" for v in result.variants), name
+    tables = (tmp_path / "tables.txt").read_text()
+    assert tables.count("│ hoist ") == 4 and "no result" not in tables
