@@ -8,6 +8,8 @@ whose decompositions may reorder arithmetic.
 from __future__ import annotations
 
 import copy
+import functools
+import warnings
 
 import pytest
 import torch
@@ -91,6 +93,47 @@ def test_same_graph_count_and_no_breaks_as_unparametrized(entry, mode):
     if mode == "freeze":
         stock.eval().requires_grad_(False)
     assert torch.equal(out, _run(stock, _x(), train))
+
+
+def _reader(model, x):
+    # A frame dynamo runs eagerly (as it does a user's frame it falls back on), reading a
+    # parametrized tensor outside any call scope too: the frames it calls are compiled one by one.
+    return model(x) + model.layers[0].proj.weight.sum()
+
+
+torch._dynamo.eval_frame.skip_code(_reader.__code__)
+
+
+def _frames_traced(kind, mode, entry):
+    model = build(kind, blocks=True)
+    if mode is not None:
+        paramfold.prepare(model, mode)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if entry == "reader":
+        run = functools.partial(torch.compile(_reader, backend="eager"), model)
+    elif entry == "model":
+        run = torch.compile(model, backend="eager")  # without fullgraph, as most users call it
+    else:
+        run = _compile(model, entry, "eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for train in (True, True, False, False):
+            _run(run, _x(), train)
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return frames, breaks, [str(w.message)[:120] for w in caught]
+
+
+@pytest.mark.parametrize("entry", ["model", "method", "layers", "reader"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_dynamo_traces_no_frame_of_paramfold_s_own(entry, mode):
+    # Regression: frames of paramfold's helpers called from an eagerly run frame (the scope's
+    # cache check, the descriptor's checkpoint test, compute's comprehension) were traced one by
+    # one on the first call, compile time the plain model does not pay; the checkpoint test's
+    # builtin broke its graph with a UserWarning.
+    plain = _frames_traced("plain", None, entry)
+    assert _frames_traced("weight_norm", mode, entry) == plain == (plain[0], 0, [])
 
 
 def test_stock_per_layer_compile_recompiles_per_layer_but_prepared_does_not():

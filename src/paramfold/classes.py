@@ -33,7 +33,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.compute import compute, eager_value, parametrized_here
 from paramfold.errors import FoldError
-from paramfold.frames import run_eagerly_as_frame
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
 from paramfold.state import STATE_ATTR
@@ -302,12 +302,6 @@ def _make_setattr(base: type):
     return __setattr__
 
 
-# Run eagerly when dynamo meets them as frames of their own (a frame it falls back on calls
-# them); inlined into traced code they are traced as usual. torch's own parametrize code is
-# skipped the same way, as a file of torch.
-for _fn in (SiteDescriptor.__get__, _BetweenCalls.__get__, _ForeignSite.__get__, read_outside_scope, compute, eager_value):
-    run_eagerly_as_frame(_fn)
-del _fn
 
 
 # --- type_before_parametrizations -----------------------------------------------------------
@@ -361,3 +355,10 @@ def plain_base(module: nn.Module) -> type:
     if stock is None or stock is cls:
         return parametrize.type_before_parametrizations(module)
     return rebased(cls, stock, stock.__bases__[0])
+
+
+# Run eagerly when dynamo meets them as frames of their own (a frame it falls back on calls
+# them); inlined into traced code they are traced as usual. torch's own parametrize code is
+# skipped the same way, as a file of torch. _root_forward stands in for a torch-defined root's
+# forward, which dynamo is to compile as a frame.
+run_module_eagerly_as_frames(globals(), keep=(_root_forward,))

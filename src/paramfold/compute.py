@@ -20,6 +20,8 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.nn.utils import parametrize
 
+from paramfold.frames import run_module_eagerly_as_frames
+
 
 def original_names(plist: nn.Module) -> list[str]:
     """``["original"]``, or ``["original0", ...]`` when ``right_inverse`` returned several tensors."""
@@ -140,3 +142,7 @@ def autocast_state() -> tuple | None:
     if not any_autocast():
         return None
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

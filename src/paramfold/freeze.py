@@ -39,6 +39,7 @@ from torch import nn
 from paramfold import hooknorms
 from paramfold.compute import GLOBAL_HOOKS, autocast_state, compute
 from paramfold.errors import FoldError, first_few
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.sites import Site
@@ -300,3 +301,7 @@ def _address(t: torch.Tensor) -> int:
         return _data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES else t.data_ptr()
     except RuntimeError:  # tensor subclasses without storage
         return 0
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from paramfold.frames import run_module_eagerly_as_frames
+
 
 def _classes() -> tuple[type, type]:
     from torch.nn.utils.spectral_norm import SpectralNorm
@@ -78,3 +80,7 @@ def attach(module: nn.Module, taken: list[tuple[int, object]], order: tuple[int,
     for key in (*order, *(k for k in list(hooks) if k not in order)):
         if key in hooks:
             hooks.move_to_end(key)
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

@@ -14,7 +14,7 @@ import functools
 from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, eager_value, has_own_hooks, members, original_names, parametrized_here
-from paramfold.frames import run_eagerly_as_frame
+from paramfold.frames import run_eagerly_as_frame, run_module_eagerly_as_frames
 from paramfold.state import SiteState
 
 
@@ -139,3 +139,7 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 run_eagerly_as_frame(_InlineProperty.__get__)
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

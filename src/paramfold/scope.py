@@ -52,7 +52,7 @@ from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
 from paramfold.compute import autocast_state, eager_value
 from paramfold.errors import FoldError
-from paramfold.frames import run_eagerly_as_frame
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
 from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
@@ -446,6 +446,4 @@ compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
 # __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
 # eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
 # forward).
-for _fn in (root_call, _in_scope, _scoped_compiled_call, _get_compiled_call_impl, _set_compiled_call_impl, nested.call_changed):
-    run_eagerly_as_frame(_fn)
-del _fn
+run_module_eagerly_as_frames(globals())

@@ -41,6 +41,7 @@ from torch import nn
 from paramfold import hooknorms
 from paramfold.compute import any_autocast, autocast_state, compute
 from paramfold.errors import FoldError
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -268,3 +269,7 @@ def _refresh(site: SiteState) -> None:
                 snap[0][id(t)], snap[1][id(t)] = _version(t), _data_ptr(t)
             except RuntimeError:
                 pass
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, digest, is_armed, same_inputs, tag
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -337,3 +338,6 @@ def holds(plan: Plan) -> bool:
             return False
     return True
 
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

@@ -12,6 +12,7 @@ from torch import nn
 
 from paramfold import hooknorms
 from paramfold.compute import is_nested, leaf_originals, members
+from paramfold.frames import run_module_eagerly_as_frames
 
 STATE_ATTR = "_paramfold"
 
@@ -221,3 +222,7 @@ class ModuleState:
 
 def state_of(module: nn.Module) -> ModuleState | None:
     return module.__dict__.get(STATE_ATTR)
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())
