@@ -751,3 +751,17 @@ def test_a_read_only_output_is_refused_like_open_would(tmp_path, monkeypatch):
     res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
     _one_line_error(res, "fold", 2, "read-only")
     assert out.read_bytes() == b"keep"
+
+
+def test_an_output_written_by_an_earlier_command_is_not_claimed_by_the_next(tmp_path, monkeypatch):
+    # Regression: after a fold in the same process, any later command stopped by Ctrl-C said
+    # "<the fold's OUT> was written whole before it".
+    out = tmp_path / "folded.safetensors"
+    assert _run("fold", str(_wn_checkpoint(tmp_path)), str(out)).exit_code == 0
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("paramfold.audit.audit_checkpoint", interrupted)
+    res = _run("audit", str(out))
+    _one_line_error(res, "audit", 130, "interrupted by SIGINT; no output was written")

@@ -178,6 +178,7 @@ class _Group(_PlainHelpFlag, TyperGroup):
              standalone_mode: bool = True, **extra: Any) -> Any:
         from paramfold.output import signals_raise
 
+        _written.clear()  # a command called in the same process before this one wrote it, not this one
         try:
             with signals_raise():
                 rv = super().main(args=args, prog_name=prog_name or "paramfold", complete_var=complete_var,
