@@ -62,6 +62,7 @@ from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 
 _MODULE_CALL = nn.Module.__call__
+_global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
 _grad_enabled = torch.is_grad_enabled
 _tracing_state = torch._C._get_tracing_state
 # Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
@@ -97,7 +98,7 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
             claimed = plan
         else:
             claimed = _open_holders(entry, state, grad)
-            state.plan = Plan.build(state.holders, grad, _shareable)
+            state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=_pre_hook_dicts(entry, state))
     previous = (_local.covered, nested.local.context)
     _local.covered = state.covers
     _local.opened = entry
@@ -120,13 +121,14 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.M
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
                     raise _unfreezable(holder, name)
     claimed: list[nn.Module] = []
+    at_read = _changes_originals(entry) or _changes_originals(None)
     try:
         for holder in state.holders:
             hs = holder.__dict__[STATE_ATTR]
             if hs.users:
                 hs.users += 1
             else:
-                _install(holder, hs, grad)
+                _install(holder, hs, grad, at_read or (holder is not entry and _changes_originals(holder)))
             claimed.append(holder)
     except BaseException:
         _release(claimed)
@@ -134,7 +136,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.M
     return claimed
 
 
-def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
+def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = False) -> None:
     values = holder.__dict__
     kept_before = hs.kept
     hs.kept = ()
@@ -150,6 +152,13 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
                 # Nothing to compute here: the getter reads each original from its dict when the
                 # tensor is read, so under FSDP2 after the layer's pre-forward gather, like stock.
                 sync_refs(holder, site)
+                continue
+            if at_read:
+                # A forward pre-hook may change the originals before the forward reads the
+                # tensor: it is computed where it is read, as stock does (the descriptor, in-graph
+                # when compiled; a hook-based norm's own hook stays in and runs as in stock).
+                if site.hook is None:
+                    values.pop(name, None)
                 continue
             frozen = site.frozen
             if frozen is not None and mode != "hoist" and _freezable(site, grad) and unchanged(site, frozen):
@@ -187,6 +196,26 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool) -> None:
     hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
+
+
+def _changes_originals(module: nn.Module | None) -> bool:
+    """Whether calling ``module`` (``None``: any module, through the global hooks) runs a forward
+    pre-hook that may change originals before a parametrized tensor below it is read: any but
+    torch.distributed's (FSDP2's gather, whose tensors are computed where read anyway) and the
+    hook-based norms that the scope serves itself."""
+    hooks = _global_forward_pre_hooks if module is None else module._forward_pre_hooks
+    if not hooks:
+        return False
+    state = None if module is None else module.__dict__.get(STATE_ATTR)
+    served = {site.hook_key for site in state.sites.values() if site.hook is not None} if state is not None else ()
+    return any(key not in served and not getattr(hook, "__module__", "").startswith("torch.distributed.")
+               for key, hook in hooks.items())
+
+
+def _pre_hook_dicts(entry: nn.Module, state: ModuleState) -> tuple[dict, ...]:
+    """The forward pre-hook dicts :func:`_changes_originals` read for a call of ``entry``: a
+    steady plan holds while their keys do."""
+    return (_global_forward_pre_hooks, entry._forward_pre_hooks, *(h._forward_pre_hooks for h in state.holders))
 
 
 def _enter_scope_class(holder: nn.Module, hs: ModuleState) -> None:

@@ -240,7 +240,9 @@ def _valued(entry: nn.Module):
     for holder in entry.__dict__[STATE_ATTR].holders:
         values = holder.__dict__
         for name, site in values[STATE_ATTR].sites.items():
-            if site.mode != "inline" and name in values:  # inline computes where it reads
+            # inline computes where it reads; a hook-based norm whose hook the scope left in
+            # (computed where read, after a forward pre-hook) is stock's own
+            if site.mode != "inline" and name in values and (site.hook is None or site.hook_key not in holder._forward_pre_hooks):
                 yield holder, name, site
 
 

@@ -66,14 +66,18 @@ class Plan:
         "settings_empty", "settings", "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
+        "pre_hooks", "pre_hook_keys",
     )
 
     @classmethod
-    def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], bool]) -> Plan | None:
+    def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], bool],
+              pre_hooks: tuple[dict, ...] = ()) -> Plan | None:
         """The plan of a scope just opened over ``holders`` the general way, or None where some
-        site is not in a steady state (hook-based norms, DTensors, anything recomputed)."""
+        site is not in a steady state (hook-based norms, DTensors, anything recomputed).
+        ``pre_hooks``: the forward pre-hook dicts whose hooks decided that values are installed."""
         plan = cls()
         plan.grad = grad
+        plan.pre_hooks, plan.pre_hook_keys = pre_hooks, list(map(list, pre_hooks))
         plan.autocast = autocast_state()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
@@ -305,6 +309,8 @@ def holds(plan: Plan) -> bool:
         if (plan.autocast is None) is any_autocast() or (plan.autocast is not None and autocast_state() != plan.autocast):
             return False
         if not all(map(is_, map(type, plan.claimed), plan.types)):
+            return False
+        if list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # a pre-hook added or removed
             return False
         if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
             return False
