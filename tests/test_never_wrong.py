@@ -1027,3 +1027,39 @@ def test_same_architecture_models_that_differ_in_hooks_compiled_in_one_process(g
             assert torch.equal(stock(x), torch.compile(ours, backend="eager")(x))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+@pytest.mark.parametrize("kind", ["custom", "weight_norm"])
+def test_a_pruned_original_is_left_stock_and_the_rest_is_prepared(kind, mode):
+    # Regression: torch.nn.utils.prune on a parametrization's original (a pre-hook of the
+    # ParametrizationList computes it from original_orig and original_mask) made find() and
+    # prepare() raise KeyError.
+    import torch.nn.utils.prune as prune
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), weight_norm(nn.Linear(4, 2)))
+        if kind == "custom":
+            P.register_parametrization(model[0], "weight", _Scale())
+        else:
+            weight_norm(model[0])
+        original = "original" if kind == "custom" else "original1"
+        torch.manual_seed(1)
+        prune.random_unstructured(model[0].parametrizations.weight, original, amount=0.5)
+        return model
+
+    stock, ours = build(), build()
+    kinds = {(s.module_path, s.kind) for s in paramfold.find(ours)}
+    assert kinds == {("0", "computed_original"), ("2", "weight_norm")}
+    pruned_class = type(ours[0])
+    paramfold.prepare(ours, mode)
+    assert type(ours[0]) is pruned_class and type(ours[2]) is not type(stock[2])  # stock, prepared
+    opt_s, opt_o = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, ours))
+    for step in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((stock, opt_s), (ours, opt_o)):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()), step)

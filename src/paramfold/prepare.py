@@ -94,9 +94,10 @@ def prepare(
     paths = _module_paths(model)
     sites = [s for s in find(model) if not inside_parametrization(s.module_path)]
     # Communication parametrizations (SimpleFSDP's all-gather) stay stock, in-graph: hoisting
-    # would gather every parameter at the root's call, freezing would keep a stale gather.
-    communicating = {s.module for s in sites if "communication" in s.kind.split("+")}
-    sites = [s for s in sites if s.module not in communicating]
+    # would gather every parameter at the root's call, freezing would keep a stale gather. So
+    # do chains whose original a hook computes at each call (prune on the original).
+    stock = {s.module for s in sites if {"communication", "computed_original"} & set(s.kind.split("+"))}
+    sites = [s for s in sites if s.module not in stock]
     if mode == "inline":
         # A hook-based norm already computes its tensor in-graph, where it is read: inline's
         # semantics. Its hook stays as it is.

@@ -23,6 +23,10 @@ __all__ = ["KINDS", "Site", "find"]
 #: parametrizations on one tensor gets the kinds of its members joined by ``"+"``.
 #: ``"communication"``: a parametrization of DTensor originals (not run by ``find``: it would
 #: issue collectives on one rank), or one found to call a collective (SimpleFSDP's all-gather).
+#: ``"computed_original"``: an original that is not a parameter or buffer of its
+#: ``ParametrizationList`` but computed at each call by a hook (``torch.nn.utils.prune`` applied
+#: to ``parametrizations.<name>.original``); ``originals`` then holds the list's own tensors.
+#: ``prepare`` leaves modules with either kind stock.
 KINDS = (
     "weight_norm",
     "spectral_norm",
@@ -31,6 +35,7 @@ KINDS = (
     "torchao_subclass",
     "cast",
     "communication",
+    "computed_original",
     "custom",
 )
 
@@ -192,6 +197,14 @@ def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]
 def _make_site(path: str, module: nn.Module, name: str) -> Site:
     plist = module.parametrizations[name]
     chain = members(plist)
+    stored = {**plist._parameters, **plist._buffers}
+    if any(n not in stored and not parametrize.is_parametrized(plist, n) for n in original_names(plist)):
+        tensors = {n: t for n, t in stored.items() if t is not None}
+        return Site(
+            module_path=path, tensor_name=name, module=module, chain=chain, originals=tensors,
+            kind="computed_original", requires_grad=any(t.requires_grad for t in tensors.values()),
+            stateful=False, is_buffer=not any(isinstance(t, nn.Parameter) for t in tensors.values()),
+        )
     originals = {p: d[k] for p, d, k in leaf_originals(plist)}
     kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
