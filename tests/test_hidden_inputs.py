@@ -425,6 +425,27 @@ def test_a_module_called_inside_an_enable_grad_region_of_a_no_grad_call_records_
         assert a.grad is None or torch.equal(a.grad, b.grad), name
 
 
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=(
+        "documented limit (README, Notes and limits): inside compiled code, hoist/freeze/auto read the "
+        "values computed when the prepared model's call began, under its grad mode; an enable_grad "
+        "region entered inside the forward of a no_grad call records no gradient to the originals")))
+    for m in ("hoist", "auto")
+] + ["inline"])
+def test_compiled_enable_grad_region_inside_a_no_grad_call(mode):
+    torch.manual_seed(0)
+    stock = GradInside()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = torch.compile(stock, backend="eager")(x)
+        actual = torch.compile(ours, backend="eager")(x)
+    expected.sum().backward()
+    actual.sum().backward()
+    assert ours.b.parametrizations.weight.original.grad is not None
+    assert torch.equal(ours.b.parametrizations.weight.original.grad, stock.b.parametrizations.weight.original.grad)
+
+
 class SpectralInside(nn.Module):
     def __init__(self) -> None:
         super().__init__()
