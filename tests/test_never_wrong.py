@@ -956,14 +956,17 @@ def _pre_hooked(kind: str, where: str, inference: bool) -> nn.Module:
         spectral_norm(model[2])
     else:  # torch's deprecated hook-based norms: a pre-hook of their own computes the weight
         getattr(torch.nn.utils, kind.removesuffix("_hooks"))(model[2])
+    if where == "middle":  # the parametrized layer inside a container that has the hook
+        model[2] = nn.Sequential(model[2])
     # prepend: before a hook-based norm's own hook (after it, stock's backward would fail)
-    (model[2] if where == "holder" else model).register_forward_pre_hook(_max_norm, prepend=True)
+    hooked = {"holder": model[2], "root": model, "middle": model[2]}[where]
+    hooked.register_forward_pre_hook(_max_norm, prepend=True)
     return model.eval().requires_grad_(False) if inference else model
 
 
 @pytest.mark.usefixtures("fresh_dynamo")  # see the test after this one
 @pytest.mark.parametrize("backend", [None, "eager", "aot_eager"])
-@pytest.mark.parametrize("where", ["holder", "root"])
+@pytest.mark.parametrize("where", ["holder", "root", "middle"])
 @pytest.mark.parametrize("kind", ["custom", "weight_norm", "spectral_norm", "weight_norm_hooks", "spectral_norm_hooks"])
 @pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
 def test_a_forward_pre_hook_that_edits_originals_is_seen(mode, kind, where, backend):

@@ -97,8 +97,9 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
                 raise
             claimed = plan
         else:
-            claimed = _open_holders(entry, state, grad)
-            state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=_pre_hook_dicts(entry, state))
+            hooked, pre_hooks = _below_pre_hooks(entry)
+            claimed = _open_holders(entry, state, grad, hooked)
+            state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=pre_hooks)
     previous = (_local.covered, nested.local.context)
     _local.covered = state.covers
     _local.opened = entry
@@ -106,7 +107,7 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     return previous, claimed
 
 
-def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.Module]:
+def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[int]) -> list[nn.Module]:
     # Everything that refuses a call is checked before any value is computed, so a refused call
     # leaves the model as it was (no power iteration of an earlier holder has run).
     for holder in state.holders:
@@ -121,14 +122,13 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool) -> list[nn.M
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
                     raise _unfreezable(holder, name)
     claimed: list[nn.Module] = []
-    at_read = _changes_originals(entry) or _changes_originals(None)
     try:
         for holder in state.holders:
             hs = holder.__dict__[STATE_ATTR]
             if hs.users:
                 hs.users += 1
             else:
-                _install(holder, hs, grad, at_read or (holder is not entry and _changes_originals(holder)))
+                _install(holder, hs, grad, id(holder) in hooked)
             claimed.append(holder)
     except BaseException:
         _release(claimed)
@@ -212,10 +212,23 @@ def _changes_originals(module: nn.Module | None) -> bool:
                for key, hook in hooks.items())
 
 
-def _pre_hook_dicts(entry: nn.Module, state: ModuleState) -> tuple[dict, ...]:
-    """The forward pre-hook dicts :func:`_changes_originals` read for a call of ``entry``: a
-    steady plan holds while their keys do."""
-    return (_global_forward_pre_hooks, entry._forward_pre_hooks, *(h._forward_pre_hooks for h in state.holders))
+def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...]]:
+    """The ids of the modules at or below a module with a forward pre-hook that may change
+    originals (:func:`_changes_originals`; all of them for a global one), in ``entry``'s tree,
+    and every forward pre-hook dict read to find them (a steady plan holds while their keys do)."""
+    hooked: set[int] = set()
+    dicts = [_global_forward_pre_hooks]
+    stack = [(entry, _changes_originals(None))]
+    while stack:
+        module, below = stack.pop()
+        dicts.append(module._forward_pre_hooks)
+        below = below or _changes_originals(module)
+        if below:
+            hooked.add(id(module))
+        for name, child in module._modules.items():
+            if child is not None and name != "parametrizations":  # the chains: computed by the scope
+                stack.append((child, below))
+    return hooked, tuple(dicts)
 
 
 def _enter_scope_class(holder: nn.Module, hs: ModuleState) -> None:
