@@ -5,6 +5,7 @@ Every test compares against stock PyTorch on the same inputs (bitwise in eager o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import threading
@@ -1066,3 +1067,28 @@ def test_a_pruned_original_is_left_stock_and_the_rest_is_prepared(kind, mode):
             model(x).sum().backward()
             opt.step()
         assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()), step)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_registering_and_removing_a_name_again_on_prepared_modules_leaves_the_class_alone(mode):
+    # Regression (PEFT's ParamWrapper registers a parametrization in every forward and removes it
+    # after): the second registration of a name wrote torch's property onto the shared class, so
+    # torch's removal raised KeyError and lost the Parameter, and siblings' reads raised KeyError.
+    def build():
+        model = _inference(skew_pair()) if mode == "freeze" else skew_pair()
+        return nn.Sequential(model[0], model[2], copy.deepcopy(model[2]))  # three modules of one class
+
+    stock, ours = build(), build()
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    for model in (stock, ours):
+        for _ in range(2):
+            for layer in (model[0], model[1]):
+                P.register_parametrization(layer, "bias", nn.Identity())
+            for layer in (model[0], model[1]):
+                P.remove_parametrizations(layer, "bias", leave_parametrized=False)
+    assert all(torch.equal(ours[i].bias, stock[i].bias) for i in range(3))  # the sibling too
+    with torch.no_grad() if mode == "freeze" else contextlib.nullcontext():
+        assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()))

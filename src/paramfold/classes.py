@@ -44,8 +44,14 @@ class _Sealed(type):
     """Metaclass of the shared classes: keeps torch's per-module class edits off them."""
 
     def __setattr__(cls, name: str, value: object) -> None:
-        if cls.__dict__.get("_paramfold_sealed") and isinstance(value, property) and name not in cls.__dict__:
-            # register_parametrization on a prepared module (torch's _inject_property).
+        if cls.__dict__.get("_paramfold_sealed") and isinstance(value, property):
+            # register_parametrization on a prepared module (torch's _inject_property): torch's
+            # property would serve every module of the class. The first time a name comes, a
+            # _ForeignSite computes it for the modules parametrized for it; where the class has a
+            # descriptor of its own for the name already (a second registration, on this module
+            # after a removal or on another), that one stays.
+            if name in cls.__dict__:
+                return
             _evict(cls)
             value = _ForeignSite(name)
         type.__setattr__(cls, name, value)
