@@ -98,7 +98,8 @@ def check_of(entry: nn.Module) -> tuple:
         return check
     dicts, keys, tensors, sized, swapped = [], [], [], [], []
     for holder, name, site in _valued(entry):
-        if not same(inputs(site), site.read_from):
+        if not same(inputs(site), site.read_from) or (
+                site.plist is not None and tuple(site.plist._modules.values()) != site.modules):
             swapped.append((holder, name))
             continue
         for d in site.tensor_dicts:
@@ -107,6 +108,12 @@ def check_of(entry: nn.Module) -> tuple:
                 dicts.append(d)
                 keys.append(key)
         tensors.extend(site.read_from)
+        if site.plist is not None:  # its chain: a member appended, removed or replaced for a call
+            members = site.plist._modules
+            sized.append(members)
+            dicts.extend(members for _ in members)
+            keys.extend(members)
+            tensors.extend(members.values())
     plain = [t for t in tensors if type(t) in PLAIN_TENSOR_TYPES]
     check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain, list(map(id, plain)))
     state.nested_check = check
@@ -159,10 +166,12 @@ def unchanged(check: tuple) -> bool:
     return True
 
 
-def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool]]:
-    """``(holder, name, put back)`` of every site below ``entry`` whose value differs from what
-    stock would compute now: from other tensors (swapped: put back after the call), under another
-    grad mode or autocast state (put back too), or from the same ones changed in place."""
+def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]:
+    """``(holder, name, put back, appended members)`` of every site below ``entry`` whose value
+    differs from what stock would compute now: from other tensors (swapped: put back after the
+    call), under another grad mode or autocast state or with another chain (put back too), or from
+    the same ones changed in place. ``appended members`` (else None): the chain only grew, so the
+    value is the one there with them applied."""
     entry.__dict__[STATE_ATTR].nested_check = None
     snap = local.snapshot
     then, now_context = local.context, context()
@@ -171,8 +180,16 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool]]:
     found = []
     for holder, name, site in _valued(entry):
         now = inputs(site)
-        if not same(now, site.read_from):
-            found.append((holder, name, True))
+        chain = () if site.plist is None else tuple(site.plist._modules.values())
+        if site.plist is not None and chain != site.modules:
+            if same(now, site.read_from) and chain[:len(site.modules)] == site.modules:
+                # Members appended for this call (PEFT's ParamWrapper): applied to the value the
+                # chain as prepared gave, which is what stock's read computes first.
+                found.append((holder, name, True, chain[len(site.modules):]))
+                continue
+            found.append((holder, name, True, None))  # members removed or replaced: computed again
+        elif not same(now, site.read_from):
+            found.append((holder, name, True, None))
         elif autocast_moved or (grad_on and chain_needs_grad(site)):
             if site.training_stateful:
                 raise FoldError(
@@ -183,15 +200,15 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool]]:
                     "Enter the region around the model's call, or prepare this module with mode='inline' "
                     "(filter_fn)."
                 )
-            found.append((holder, name, True))
+            found.append((holder, name, True, None))
         elif snap is not None and _moved(now, snap):
-            found.append((holder, name, False))
+            found.append((holder, name, False, None))
     return found
 
 
 def call_changed(
     entry: nn.Module,
-    found: list[tuple[nn.Module, str, bool]],
+    found: list[tuple[nn.Module, str, bool, tuple | None]],
     lock: Any,
     busy: Callable[[nn.Module], Exception],
     call: Callable,
@@ -212,12 +229,19 @@ def call_changed(
             local.context = outer
     try:
         with lock:
-            for holder, name, swapped in found:
+            for holder, name, swapped, appended in found:
                 hs = holder.__dict__[STATE_ATTR]
                 if hs.users > 1:
                     raise busy(entry)
                 site = hs.sites[name]
-                value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
+                if appended is not None:
+                    value = holder.__dict__[name]
+                    for member in appended:
+                        value = member(value)
+                elif site.hook is None:
+                    value = compute(holder, name)
+                else:
+                    value = hooknorms.compute(holder, site.hook, site.hook_kind)
                 if swapped:
                     put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from))
                 holder.__dict__[name] = value
