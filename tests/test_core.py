@@ -308,6 +308,31 @@ def test_plain_state_dict_loads_strict_into_unparametrized_model():
         assert torch.equal(model(x), plain(x))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated")
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("prepared", [False, True])
+def test_plain_state_dict_folds_the_hook_based_norms(norm, prepared):
+    # Regression: torch's deprecated hook-based norms (which find() reports) kept their
+    # weight_g/weight_v (weight_orig/_u/_v) keys: no 'weight', so strict loading failed.
+    def build_model():
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)]
+        for i in (0, 2):
+            layers[i] = getattr(torch.nn.utils, norm)(layers[i])
+        return torch.nn.Sequential(*layers).eval()
+
+    model = build_model()
+    if prepared:
+        paramfold.prepare(model, "auto")
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    folded = paramfold.plain_state_dict(model)
+    assert list(folded) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    plain.load_state_dict(folded, strict=True)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(plain(x), build_model()(x))
+
+
 def test_lora_adapters_are_never_frozen():
     # The original is frozen but the parametrization owns trainable A and B: freezing the weight
     # would silently stop their gradients.

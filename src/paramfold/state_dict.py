@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold import hooknorms
 from paramfold.compute import compute
 from paramfold.sites import inside_parametrization
 
@@ -14,10 +15,12 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Return ``model``'s state dict with every parametrized tensor materialised.
 
     Keys are those of the unparametrized model (``<module>.<tensor>`` instead of
-    ``<module>.parametrizations.<tensor>.original``, parametrization buffers dropped), values
-    are computed under ``no_grad`` exactly as stock PyTorch computes them (stateful chains are
-    evaluated in their current mode, so put the model in ``eval()`` first for spectral_norm).
-    The result loads with ``strict=True`` into the model class without parametrizations.
+    ``<module>.parametrizations.<tensor>.original``, parametrization buffers dropped; for torch's
+    deprecated hook-based norms, instead of ``<tensor>_g``/``<tensor>_v`` or ``<tensor>_orig``
+    and its ``_u``/``_v``), values are computed under ``no_grad`` exactly as stock PyTorch
+    computes them (stateful chains are evaluated in their current mode, so put the model in
+    ``eval()`` first for spectral_norm). The result loads with ``strict=True`` into the model
+    class without parametrizations.
 
     Example::
 
@@ -30,8 +33,16 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     # Every path, not find()'s deduplicated ones: state_dict() lists a module shared between two
     # places under both.
     by_prefix: dict[str, list[tuple[str, nn.Module, str]]] = {}
+    # A hook-based norm's stored keys -> (the plain key, module, hook, kind).
+    by_hook_key: dict[str, tuple[str, nn.Module, object, str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        if inside_parametrization(path) or not parametrize.is_parametrized(module):
+        if inside_parametrization(path):
+            continue
+        for _, hook, kind in hooknorms.hook_norms(module):
+            fqn = f"{path}.{hook.name}" if path else hook.name
+            stored = [n for n, _, _ in hooknorms.originals(module, hook, kind) + hooknorms.state_tensors(module, hook, kind)]
+            by_hook_key.update((fqn.removesuffix(hook.name) + n, (fqn, module, hook, kind)) for n in stored)
+        if not parametrize.is_parametrized(module):
             continue
         prefix = f"{path}.parametrizations." if path else "parametrizations."
         for name in module.parametrizations:
@@ -39,6 +50,11 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     plain: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, value in model.state_dict().items():
+            if key in by_hook_key:
+                fqn, module, hook, kind = by_hook_key[key]
+                if fqn not in plain:
+                    plain[fqn] = hooknorms.compute(module, hook, kind).detach()
+                continue
             prefix = _parametrizations_prefix(key)
             if prefix not in by_prefix:
                 plain[key] = value
