@@ -66,7 +66,7 @@ class Plan:
         "settings_empty", "settings", "settings_then",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
-        "pre_hooks", "pre_hook_keys",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys",
     )
 
     @classmethod
@@ -77,7 +77,9 @@ class Plan:
         ``pre_hooks``: the forward pre-hook dicts whose hooks decided that values are installed."""
         plan = cls()
         plan.grad = grad
-        plan.pre_hooks, plan.pre_hook_keys = pre_hooks, list(map(list, pre_hooks))
+        plan.pre_hooks_empty = tuple(d for d in pre_hooks if not d)  # the usual case: a truth test each
+        plan.pre_hooks = tuple(d for d in pre_hooks if d)
+        plan.pre_hook_keys = list(map(list, plan.pre_hooks))
         plan.autocast = autocast_state()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
@@ -310,7 +312,7 @@ def holds(plan: Plan) -> bool:
             return False
         if not all(map(is_, map(type, plan.claimed), plan.types)):
             return False
-        if list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # a pre-hook added or removed
+        if any(plan.pre_hooks_empty) or list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # one added or removed
             return False
         if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
             return False
