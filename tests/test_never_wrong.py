@@ -1176,3 +1176,34 @@ def test_a_training_spectral_norm_whose_originals_change_inside_the_forward(mode
     x = torch.randn(2, 4)
     assert torch.equal(ours(x), stock(x))
     assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()))
+
+
+class _Checkpointing(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize("kind", ["custom", "weight_norm"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_tensor_computed_where_read_is_recomputed_with_autograd_by_a_checkpoint(mode, kind, backend):
+    # Regression: below a forward pre-hook the tensor is computed where it is read, inside the
+    # checkpointed region; its recomputation served it detached, as for a value computed before
+    # the region: CheckpointError (weight_norm saved 7 tensors, then 4), or no gradient.
+    torch.manual_seed(0)
+    stock = _Checkpointing(_pre_hooked(kind, "holder", False))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run_stock = torch.compile(stock, backend=backend) if backend else stock
+    run_ours = torch.compile(ours, backend=backend) if backend else ours
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        expected, actual = run_stock(x), run_ours(x)
+        assert torch.equal(expected, actual)
+        expected.sum().backward()
+        actual.sum().backward()
+        assert_same_tensors(grads(stock), grads(ours), step)

@@ -229,7 +229,7 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
         raise AttributeError(name)
     if _in_checkpoint_recomputation():
         site = module.__dict__[STATE_ATTR].sites.get(name)
-        in_graph = site is None or site.mode == "inline" or (site.subclass and chain_needs_grad(site))
+        in_graph = site is None or site.mode == "inline" or site.at_read or (site.subclass and chain_needs_grad(site))
         if not in_graph:
             if site.training_stateful:
                 raise FoldError(

@@ -153,6 +153,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                 # tensor is read, so under FSDP2 after the layer's pre-forward gather, like stock.
                 sync_refs(holder, site)
                 continue
+            site.at_read = at_read
             if at_read:
                 # A forward pre-hook may change the originals before the forward reads the
                 # tensor: it is computed where it is read, as stock does (the descriptor, in-graph
@@ -166,6 +167,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
             else:
                 value = _value(holder, name, site, grad)
                 if value is None:
+                    site.at_read = True
                     values.pop(name, None)
                     continue
             nested.record(site)

@@ -90,6 +90,10 @@ class SiteState:
     #: not carry gradients from a subclass graph input back to the originals it was built from,
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
     subclass: bool | None = None
+    #: Whether the last call scope left this tensor to be computed where it is read (below a
+    #: forward pre-hook, FSDP2-sharded originals, a subclass needing grad): a checkpointed
+    #: region's recomputation then computes it with autograd too, as its forward did.
+    at_read: bool = False
     #: Hook-based norms (``paramfold.hooknorms``): torch's hook object, its kind and its key in
     #: ``module._forward_pre_hooks``.
     hook: Any = None
