@@ -1104,37 +1104,56 @@ class _AddDelta(nn.Module):
 
 
 class _AppendsForOneCall(nn.Module):
-    """PEFT's ParamWrapper: appends a member to a child's chain, calls the child, removes it."""
+    """PEFT's ParamWrapper: appends a member to a child's chain, calls the child (or a container
+    of it; after changing its original in place first), removes the member."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, how: str = "direct") -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.how = how
+        lin = nn.Linear(4, 4)
         if kind == "spectral_norm":
-            spectral_norm(self.lin)
+            spectral_norm(lin)
         else:
-            P.register_parametrization(self.lin, "weight", _Scale())
+            P.register_parametrization(lin, "weight", _Scale())
+        self.box = _Box(lin)
         self.delta = nn.Parameter(torch.full((4, 4), 0.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.box.lin
+        if self.how == "in_place":
+            with torch.no_grad():
+                lin.parametrizations.weight.original.mul_(0.9)
         # unsafe: no consistency read of the weight (stock's would be a read of its own, which
         # advances a training spectral_norm: README, "read several times")
-        P.register_parametrization(self.lin, "weight", _AddDelta(self.delta), unsafe=True)
+        P.register_parametrization(lin, "weight", _AddDelta(self.delta), unsafe=True)
         try:
-            return self.lin(x)
+            return self.box(x) if self.how == "container" else torch.tanh(lin(x))
         finally:
-            del self.lin.parametrizations.weight[-1]
+            del lin.parametrizations.weight[-1]
 
 
-@pytest.mark.parametrize("kind", ["custom", "spectral_norm"])
+class _Box(nn.Module):
+    def __init__(self, lin: nn.Module) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize(("kind", "how"), [("custom", "direct"), ("spectral_norm", "direct"),
+                                           ("custom", "container"), ("spectral_norm", "container"),
+                                           ("custom", "in_place")])
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
-def test_a_member_appended_to_a_chain_for_one_nested_call_is_applied(mode, kind):
+def test_a_member_appended_to_a_chain_for_one_nested_call_is_applied(mode, kind, how):
     # Regression: the value computed at the call's start, without the member, was served to the
     # child's call: output off by the delta, and no gradient reached it. The member is applied to
-    # that value (a training spectral_norm's power iteration runs once, as in stock).
+    # that value (a training spectral_norm's power iteration runs once, as in stock) -- once, also
+    # when a container is called first, and after an in-place change only to a value computed again.
     if mode == "freeze" and kind == "spectral_norm":
         pytest.skip("freeze serves inference: spectral_norm is then in eval mode, covered by custom")
     torch.manual_seed(0)
-    stock = _AppendsForOneCall(kind)
+    stock = _AppendsForOneCall(kind, how)
     if mode == "freeze":
         stock.requires_grad_(False)
     ours = paramfold.prepare(copy.deepcopy(stock), mode)

@@ -82,8 +82,9 @@ def same(now: tuple, then: tuple) -> bool:
 def record(site: SiteState) -> None:
     """Note what a value just put in ``__dict__`` by the scope was computed from."""
     read_from = inputs(site)
-    if not same(read_from, site.read_from):
+    if not same(read_from, site.read_from) or site.read_chain:
         site.read_from = read_from
+        site.read_chain = ()
         Installs.count += 1
 
 
@@ -99,7 +100,7 @@ def check_of(entry: nn.Module) -> tuple:
     dicts, keys, tensors, sized, swapped = [], [], [], [], []
     for holder, name, site in _valued(entry):
         if not same(inputs(site), site.read_from) or (
-                site.plist is not None and tuple(site.plist._modules.values()) != site.modules):
+                site.plist is not None and tuple(site.plist._modules.values()) != (site.read_chain or site.modules)):
             swapped.append((holder, name))
             continue
         for d in site.tensor_dicts:
@@ -180,29 +181,30 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
     found = []
     for holder, name, site in _valued(entry):
         now = inputs(site)
-        chain = () if site.plist is None else tuple(site.plist._modules.values())
-        if site.plist is not None and chain != site.modules:
-            if same(now, site.read_from) and chain[:len(site.modules)] == site.modules:
-                # Members appended for this call (PEFT's ParamWrapper): applied to the value the
-                # chain as prepared gave, which is what stock's read computes first.
-                found.append((holder, name, True, chain[len(site.modules):]))
-                continue
-            found.append((holder, name, True, None))  # members removed or replaced: computed again
-        elif not same(now, site.read_from):
-            found.append((holder, name, True, None))
-        elif autocast_moved or (grad_on and chain_needs_grad(site)):
-            if site.training_stateful:
-                raise FoldError(
-                    f"{type(holder).__name__}.{name}: a stateful parametrization (spectral_norm) in training "
-                    "is read under another grad mode or autocast state than the prepared model's call "
-                    "(a torch.autocast or torch.enable_grad region inside its forward); stock runs the "
-                    "power iteration at that read, a value computed at the call's start already ran it. "
-                    "Enter the region around the model's call, or prepare this module with mode='inline' "
-                    "(filter_fn)."
-                )
-            found.append((holder, name, True, None))
-        elif snap is not None and _moved(now, snap):
-            found.append((holder, name, False, None))
+        served = site.read_chain or site.modules
+        chain = served if site.plist is None else tuple(site.plist._modules.values())
+        swapped = not same(now, site.read_from)
+        context_moved = not swapped and (autocast_moved or (grad_on and chain_needs_grad(site)))
+        moved = not swapped and not context_moved and snap is not None and _moved(now, snap)
+        if chain == served and not (swapped or context_moved or moved):
+            continue
+        if context_moved and site.training_stateful:
+            raise FoldError(
+                f"{type(holder).__name__}.{name}: a stateful parametrization (spectral_norm) in training "
+                "is read under another grad mode or autocast state than the prepared model's call "
+                "(a torch.autocast or torch.enable_grad region inside its forward); stock runs the "
+                "power iteration at that read, a value computed at the call's start already ran it. "
+                "Enter the region around the model's call, or prepare this module with mode='inline' "
+                "(filter_fn)."
+            )
+        if not (swapped or context_moved or moved) and chain[:len(served)] == served:
+            # Only members appended (PEFT's ParamWrapper, for this call): applied to the value
+            # there, which is what stock's read computes first.
+            found.append((holder, name, True, chain[len(served):]))
+        else:
+            # Computed again from the chain and tensors there now. A change in place stays after
+            # the call, so its value does too; calls nested later compare with what it came from.
+            found.append((holder, name, not moved, None))
     return found
 
 
@@ -243,9 +245,12 @@ def call_changed(
                 else:
                     value = hooknorms.compute(holder, site.hook, site.hook_kind)
                 if swapped:
-                    put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from))
+                    put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from, site.read_chain))
                 holder.__dict__[name] = value
                 site.read_from = inputs(site)  # calls nested in this one use the new value
+                if site.plist is not None:
+                    chain = tuple(site.plist._modules.values())
+                    site.read_chain = () if chain == site.modules else chain
                 _refresh(site)
             Installs.count += 1
         return call(*args, **kwargs)
@@ -253,9 +258,10 @@ def call_changed(
         local.context = outer
         if put_back:
             with lock:
-                for values, name, value, site, read_from in reversed(put_back):
+                for values, name, value, site, read_from, read_chain in reversed(put_back):
                     values[name] = value
                     site.read_from = read_from
+                    site.read_chain = read_chain
                     _refresh(site)
                 Installs.count += 1
 

@@ -103,6 +103,9 @@ class SiteState:
     #: module's ``__dict__``: a call nested in that scope compares them, to see originals swapped
     #: inside the forward (``torch.func.functional_call`` of a submodule).
     read_from: tuple = ()
+    #: The chain the value in ``__dict__`` was computed with, where a nested call computed it with
+    #: members appended or removed inside the forward (``scope_nested``); () for ``modules``.
+    read_chain: tuple = ()
 
     @property
     def training_stateful(self) -> bool:
