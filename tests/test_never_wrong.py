@@ -1226,3 +1226,26 @@ def test_a_tensor_computed_where_read_is_recomputed_with_autograd_by_a_checkpoin
         expected.sum().backward()
         actual.sum().backward()
         assert_same_tensors(grads(stock), grads(ours), step)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_pruning_an_original_after_prepare_is_refused_at_the_next_call(mode):
+    # Regression: hoist/freeze/auto raised a bare KeyError ('original'): the check of what changed
+    # since prepare did not see an original taken out of its dict.
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    P.register_parametrization(model[0], "weight", _Scale())
+    stock = copy.deepcopy(model)
+    ours = paramfold.prepare(_inference(model) if mode == "freeze" else model, mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ours(x)  # steady state first
+        torch.manual_seed(1)
+        prune.l1_unstructured(ours[0].parametrizations.weight, "original", amount=0.5)
+        with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+            ours(x)
+        paramfold.restore(ours)
+        prune.l1_unstructured(stock[0].parametrizations.weight, "original", amount=0.5)
+        assert torch.equal(ours(x), stock(x))

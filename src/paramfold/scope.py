@@ -294,6 +294,9 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
         for d, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
             if d.get(key) is not value:
                 changed = True
+        for d, key in site.originals:  # an original taken out of its dict (prune's reparametrization)
+            if key not in d:
+                changed = True
     if names and not changed:
         plists = holder._modules.get("parametrizations")
         changed = plists is None or plists._modules.keys() != set(names)
