@@ -365,3 +365,21 @@ def test_prepared_model_deepcopies_but_refuses_pickle_with_advice(tmp_path):
     paramfold.restore(twin)
     assert classes(twin) == classes_before
     assert torch.equal(twin(x), stock(x))
+
+
+def test_find_runs_an_unknown_chain_on_copies_of_the_originals_too():
+    # Regression: the probe passed the real originals to the first member, so a member whose
+    # pre-hook edits its input in place scaled the model's weights (twice: train and eval probe).
+    class Custom(torch.nn.Module):
+        def forward(self, w):
+            return w + 1
+
+    layer = torch.nn.Linear(4, 4)
+    parametrize.register_parametrization(layer, "weight", Custom())
+    member = layer.parametrizations.weight[0]
+    member.register_forward_pre_hook(lambda module, args: args[0].mul_(0.9))
+    original = layer.parametrizations.weight.original
+    before = (original.detach().clone(), original._version)
+    (site,) = paramfold.find(layer)
+    assert site.kind == "custom"
+    assert torch.equal(original, before[0]) and original._version == before[1]

@@ -277,7 +277,8 @@ def _probe_unknown(
     resolved: list[str] = []
     stateful = random = False
     with torch.no_grad():
-        value: object = tuple(originals.values())
+        # Clones of the originals too: a member (or its pre-hook) may edit its input in place.
+        value: object = tuple(_clone(t) for t in originals.values())
         for module, kind in zip(chain, kinds):
             args = value if isinstance(value, tuple) else (value,)
             state, out, probe = _probe_call(module, args, training=True)
@@ -290,6 +291,13 @@ def _probe_unknown(
             resolved.append(kind)
             value = out
     return resolved, stateful, random
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    try:
+        return t.clone()
+    except Exception:  # a tensor subclass without clone: probed as it is, as before
+        return t
 
 
 def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, object, _Probe]:
