@@ -147,6 +147,12 @@ def check_output(
                 f"{out}: unsupported output format '{out.suffix or out.name}': use {_alternatives(suffixes)}"
             )
     parent = out.parent if str(out.parent) else Path(".")
+    try:
+        os.stat(out)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a component that is a file, a loop of links
+        raise OutputError(f"{out}: cannot be used as an output path: {e.strerror}") from None
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give a file name" + (
             f" ending in {_alternatives(suffixes)}" if suffixes else ""))
