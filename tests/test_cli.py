@@ -767,11 +767,8 @@ def test_an_output_written_by_an_earlier_command_is_not_claimed_by_the_next(tmp_
     _one_line_error(res, "audit", 130, "interrupted by SIGINT; no output was written")
 
 
-@pytest.mark.parametrize("name", ["x" * 300 + ".pt", "file.pt/inside.pt"])
-def test_an_output_path_the_system_refuses_is_a_usage_error(tmp_path, name):
-    # Regression: a name over the 255-byte limit (or a path through a file) exited 1 with the raw
-    # OSError; an output path that cannot be used is exit 2.
-    src = _wn_checkpoint(tmp_path)
-    (tmp_path / "file.pt").write_bytes(b"")
-    res = _run("fold", str(src), str(tmp_path / name))
+def test_an_output_name_over_the_length_limit_is_a_usage_error(tmp_path):
+    # Regression: a name over the 255-byte limit exited 1 with the raw OSError; an output path
+    # that cannot be used is exit 2.
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / ("x" * 300 + ".pt")))
     _one_line_error(res, "fold", 2, "cannot be used as an output path")

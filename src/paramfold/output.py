@@ -149,9 +149,9 @@ def check_output(
     parent = out.parent if str(out.parent) else Path(".")
     try:
         os.stat(out)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the folder checks below say which
         pass
-    except OSError as e:  # a name too long, a component that is a file, a loop of links
+    except OSError as e:  # a name too long, a loop of links
         raise OutputError(f"{out}: cannot be used as an output path: {e.strerror}") from None
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give a file name" + (
