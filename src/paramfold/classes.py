@@ -308,8 +308,6 @@ def _make_setattr(base: type):
     return __setattr__
 
 
-
-
 # --- type_before_parametrizations -----------------------------------------------------------
 
 _stock_type_before = parametrize.type_before_parametrizations

@@ -270,9 +270,10 @@ def _valued(entry: nn.Module):
     for holder in entry.__dict__[STATE_ATTR].holders:
         values = holder.__dict__
         for name, site in values[STATE_ATTR].sites.items():
-            # inline computes where it reads; a hook-based norm whose hook the scope left in
-            # (computed where read, after a forward pre-hook) is stock's own
-            if site.mode != "inline" and name in values and (site.hook is None or site.hook_key not in holder._forward_pre_hooks):
+            # inline computes where it reads, and so does a site the scope left to be computed
+            # where read (below a forward pre-hook: a hook-based norm's hook then stays in and
+            # puts stock's own value in __dict__)
+            if site.mode != "inline" and not site.at_read and name in values:
                 yield holder, name, site
 
 

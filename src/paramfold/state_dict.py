@@ -38,10 +38,10 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for path, module in model.named_modules(remove_duplicate=False):
         if inside_parametrization(path):
             continue
+        at = f"{path}." if path else ""
         for _, hook, kind in hooknorms.hook_norms(module):
-            fqn = f"{path}.{hook.name}" if path else hook.name
-            stored = [n for n, _, _ in hooknorms.originals(module, hook, kind) + hooknorms.state_tensors(module, hook, kind)]
-            by_hook_key.update((fqn.removesuffix(hook.name) + n, (fqn, module, hook, kind)) for n in stored)
+            stored = hooknorms.originals(module, hook, kind) + hooknorms.state_tensors(module, hook, kind)
+            by_hook_key.update((at + n, (at + hook.name, module, hook, kind)) for n, _, _ in stored)
         if not parametrize.is_parametrized(module):
             continue
         prefix = f"{path}.parametrizations." if path else "parametrizations."
