@@ -265,3 +265,120 @@ def test_a_write_to_a_parametrization_two_prepared_models_share_is_seen_by_both(
                 assert torch.equal(a(x), b(x)), step
             for models in (stock, ours):
                 models[0][0].parametrizations.weight[0].s.data.mul_(1.5)
+
+
+def _transposed(t: torch.Tensor) -> None:
+    t.data = t.data.t()
+
+
+def _strided(t: torch.Tensor) -> None:
+    t.data = t.data.as_strided(t.shape, (1, t.shape[0]))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("describe", [_transposed, _strided], ids=["t", "as_strided"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_an_original_re_described_on_the_same_bytes_is_seen(mode, describe, check, compiled):
+    # Regression: `v.data = v.data.t()` keeps the tensor, its version, storage address and
+    # bytes; only its strides change, and the frozen value kept the untransposed weight.
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(2):
+            assert torch.equal(run(x), stock(x)), step
+            run(x)
+            for model in (stock, ours):
+                describe(model[0].parametrizations.weight.original1)
+        assert torch.equal(run(x), stock(x))
+
+
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_originals_shrunk_on_the_same_storage_are_seen(mode, check):
+    # Regression: pruning rows through `.data = t.data[:n]` keeps each tensor's address (its
+    # first rows) and those rows' bytes; the call served the 4-row weight, and failed.
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+        for model in (stock, ours):
+            layer = model[0]
+            for t in (layer.parametrizations.weight.original0, layer.parametrizations.weight.original1, layer.bias):
+                t.data = t.data[:2]
+            model[2].parametrizations.weight.original.data = model[2].parametrizations.weight.original.data[:, :2]
+        assert stock(x).shape == (3, 4)
+        assert torch.equal(ours(x), stock(x))
+
+
+class ScaleByAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.tensor(2.0)  # a plain attribute, not a registered buffer
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.scale
+
+
+def _fill(t: torch.Tensor) -> None:
+    t.fill_(3.0)
+
+
+def _through_data_of_attribute(t: torch.Tensor) -> None:
+    t.data.add_(0.5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("write", [_fill, _through_data_of_attribute, _transposed], ids=["in-place", "data", "t"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_tensor_a_parametrization_holds_as_an_attribute_is_an_input(mode, write, check, compiled):
+    # Regression: the member's __dict__ tag sees the attribute replaced, not the tensor written
+    # in place; the frozen value kept the old scale.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        P.register_parametrization(model[0], "weight", ScaleByAttribute())
+        model[0].parametrizations.weight[0].scale = torch.arange(16.0).reshape(4, 4) / 8 + 1  # not symmetric
+        return model.eval().requires_grad_(False)
+
+    stock = build()
+    ours = paramfold.prepare(build(), mode, freeze_check=check)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(2):
+            assert torch.equal(run(x), stock(x)), step
+            run(x)
+            for model in (stock, ours):
+                write(model[0].parametrizations.weight[0].scale)
+        assert torch.equal(run(x), stock(x))
+
+
+class ReDescribesItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        P.register_parametrization(self.lin, "weight", Cast())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        w = self.lin.weight  # stock: a fresh tensor at every read; freeze: the kept value
+        w.data = w.data.t()
+        return out
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_forward_that_re_describes_the_value_it_read_gets_a_fresh_one_next_call(mode):
+    # Regression: the kept value's version and storage stayed as they were; the next call
+    # served it transposed.
+    torch.manual_seed(0)
+    stock = ReDescribesItsWeight().eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(3):
+            assert torch.equal(ours(x), stock(x)), step

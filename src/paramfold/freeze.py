@@ -1,12 +1,14 @@
 """The freeze strategy: materialise a parametrized tensor once and reuse it until its inputs change.
 
-A frozen value is keyed on every tensor the chain reads (originals, nested originals and the
-parametrization modules' own parameters and buffers), in two ways:
+A frozen value is keyed on every tensor the chain reads (originals, nested originals, the
+parametrization modules' own parameters and buffers, and tensors they hold as plain attributes),
+in two ways:
 
-* identity, storage address and version counter of each. Optimizer
-  steps, ``load_state_dict`` (``copy_``), in-place ops, ``torch.nn.init.*`` on the tensor,
-  ``lerp_``/``torch._foreach_lerp_``, ``assign=True`` loads, ``.data = ...`` and ``.to()`` /
-  ``.half()`` change it;
+* identity, storage address, version counter and description (type, dtype, device, shape,
+  strides, ``requires_grad``: :func:`~paramfold.watch.layout`) of each. Optimizer steps,
+  ``load_state_dict`` (``copy_``), in-place ops, ``torch.nn.init.*`` on the tensor,
+  ``lerp_``/``torch._foreach_lerp_``, ``assign=True`` loads, ``.data = ...`` (``p.data.t()`` on
+  the same bytes included) and ``.to()`` / ``.half()`` change it;
 * with ``freeze_check="content"`` (the default), their bytes, checked at every call: writes
   that bump no version counter — through ``.data`` (``p.data.mul_()``, init code, EMA loops),
   ``.detach().numpy()``, DLPack — change the bytes. A host tensor's bytes are hashed in place
@@ -43,6 +45,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.sites import Site
+from paramfold.watch import layout, tag
 
 
 def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
@@ -60,26 +63,23 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`)."""
     content = site.freeze_check == "content"
     watch, raw, views, armed = [], [], [], []
-    for d in site.tensor_dicts:
-        for key, t in d.items():
-            if t is None:
-                continue
-            address = _address(t)
-            watch.append((d, key, t, t._version, address, t.requires_grad))
-            if not content:
-                if arm(t):
-                    armed.append(t)
-                continue
-            view = _bytes(t)
-            if view is None:
-                continue
-            if address and view.device.type == "cpu" and view.is_contiguous():
-                # The tensor's own bytes, read in place (its storage is kept alive by the tensor,
-                # and its address is checked before each read).
-                memory = (ctypes.c_char * view.nbytes).from_address(address)
-                raw.append((memory, digest(memory)))
-            else:
-                views.append((view, view.clone(memory_format=torch.contiguous_format)))
+    for d, key, t in _inputs(site):
+        address = _address(t)
+        watch.append((d, key, t, t._version, address, layout(t)))
+        if not content:
+            if arm(t):
+                armed.append(t)
+            continue
+        view = _bytes(t)
+        if view is None:
+            continue
+        if address and view.device.type == "cpu" and view.is_contiguous():
+            # The tensor's own bytes, read in place (its storage is kept alive by the tensor,
+            # and its address is checked before each read).
+            memory = (ctypes.c_char * view.nbytes).from_address(address)
+            raw.append((memory, digest(memory)))
+        else:
+            views.append((view, view.clone(memory_format=torch.contiguous_format)))
     if arm(value):
         armed.append(value)
     keys = tuple(map(_storage_key, armed)) if armed else ()
@@ -88,8 +88,25 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
         tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(), value._version,
-        tuple(armed), keys, list(map(_armings.get, keys)),
+        tuple(armed), keys, list(map(_armings.get, keys)), layout(value),
     )
+
+
+def _inputs(site: SiteState):
+    """``(dict, key, tensor)`` of every tensor ``site``'s value is computed from: each entry of
+    its tensor dicts (originals, the members' parameters and buffers), and each tensor held as a
+    plain attribute of a member (``self.scale = torch.tensor(2.0)``), whose in-place edits the
+    member's ``__dict__`` tag does not see."""
+    for d in site.tensor_dicts:
+        for key, t in d.items():
+            if t is not None:
+                yield d, key, t
+    owners = (site.hook,) if site.hook is not None else site.plist.modules()
+    for owner in owners:
+        d = vars(owner)
+        for key, t in d.items():
+            if isinstance(t, torch.Tensor):
+                yield d, key, t
 
 
 _lazy_clone = getattr(torch, "_lazy_clone", None)
@@ -169,40 +186,16 @@ def same_settings(empty: tuple[dict, ...], full: tuple[dict, ...], then: list) -
         return False
 
 
-def _load_dict_version():
-    """torch's reader of a dict's version tag (CPython's ``ma_version_tag``, or a dict watcher's
-    count from Python 3.12), where it behaves as this module relies on, else None."""
-    try:
-        from torch._C._dynamo.guards import dict_version
-    except Exception:  # a torch without dynamo's C guards
-        return None
-    try:
-        probe = nn.Module()
-        tags = [dict_version(probe.__dict__)]
-        for change in (lambda: setattr(probe, "alpha", 1.0), lambda: setattr(probe, "alpha", 2.0),
-                       lambda: delattr(probe, "alpha")):  # added, replaced, removed
-            change()
-            tags.append(dict_version(probe.__dict__))
-        if len(set(tags)) != len(tags) or dict_version(probe.__dict__) != tags[-1]:
-            return None
-    except Exception:
-        return None
-    return dict_version
-
-
-_dict_version = _load_dict_version()
-#: What :func:`same_settings` compares of a dict: its version tag (any write to it changes it),
-#: or, where torch cannot read one, a copy (entries compared by identity, then ``==``).
-tag = _dict_version if _dict_version is not None else dict
 
 
 def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     """Whether every input of ``frozen`` is as it was: same tensor, version, storage address and
-    ``requires_grad``, each armed storage unwritten (and, with ``freeze_check="content"``, the
+    description (:func:`~paramfold.watch.layout`), each armed storage unwritten (and, with ``freeze_check="content"``, the
     same bytes)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
-            or frozen.value._version != frozen.value_version or not all(map(is_armed, frozen.armed))
+            or frozen.value._version != frozen.value_version or layout(frozen.value) != frozen.value_layout
+            or not all(map(is_armed, frozen.armed))
             or list(map(_armings.get, frozen.armed_keys)) != frozen.armed_counts):
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
@@ -212,9 +205,9 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
 
 
 def same_inputs(watch: tuple[tuple, ...]) -> bool:
-    """Whether each ``(dict, key, tensor, version, address, requires_grad)`` still holds."""
-    for d, key, t, version, address, requires_grad in watch:
-        if d.get(key) is not t or t._version != version or t.requires_grad is not requires_grad:
+    """Whether each ``(dict, key, tensor, version, address, layout)`` still holds."""
+    for d, key, t, version, address, described in watch:
+        if d.get(key) is not t or t._version != version or layout(t) != described:
             return False
         try:  # inline, not _address(): this runs for every input at every call
             if (_data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES else t.data_ptr()) != address:

@@ -23,11 +23,11 @@ from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import ARMINGS, digest, is_armed, same_inputs, tag
+from paramfold.freeze import ARMINGS, digest, is_armed, same_inputs
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
-from paramfold.state import tensor_requires_grad as _plain_requires_grad
 from paramfold.state import tensor_version as _version
+from paramfold.watch import Watch, layout, tag
 
 _users = attrgetter("users")
 _kept = attrgetter("kept")
@@ -57,13 +57,13 @@ class Plan:
     """
 
     __slots__ = (
-        "grad", "claimed", "states", "types", "kepts", "installed", "shareable", "ones",
+        "grad", "claimed", "states", "types", "kepts", "installing", "installed", "shareable", "ones",
         "switched", "prepared", "between",
-        "link_dicts", "link_keys", "links", "structure", "structure_tags", "ordered", "order",
+        "link_dicts", "link_keys", "links", "ordered", "order",
         "stateful", "mode_modules", "modes", "flag_tensors", "flags",
-        "inputs", "versions", "input_flags", "addresses",
+        "inputs", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions", "armed", "armings",
-        "settings_empty", "settings", "settings_then",
+        "settings_empty",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys",
@@ -128,7 +128,7 @@ class Plan:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
                     watch.extend(frozen.watch)
-                    kept.append((frozen.value, frozen.value_version))
+                    kept.append((frozen.value, frozen.value_version, frozen.value_layout))
                     armed.extend(frozen.armed)
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
@@ -166,14 +166,14 @@ class Plan:
                 prepared.append(hs.prepared_class)
                 between.append(hs.between_class)
         plan.claimed, plan.states, plan.types, plan.kepts = claimed, tuple(states), tuple(types), tuple(kepts)
-        plan.installed, plan.shareable, plan.ones = tuple(installed), tuple(shares), [1] * len(states)
+        # Released, a holder has nothing installed: only the holders that install values (hoisted
+        # or detached ones, not kept ones) have their names written at each claim.
+        plan.installing, plan.installed = _columns([(hs, names) for hs, names in zip(states, installed) if names], 2)
+        plan.shareable, plan.ones = tuple(shares), [1] * len(states)
         plan.switched, plan.prepared, plan.between = tuple(switched), tuple(prepared), tuple(between)
         plan.link_dicts, plan.link_keys, plan.links = _columns(links, 3)
-        # The tags as the general path, which checked just now that everything is prepare's,
-        # leaves them; the key lists of chains longer than one, their order (a copy's equality
-        # would not see it where tags cannot be read).
-        plan.structure = tuple(structure.values())
-        plan.structure_tags = list(map(tag, plan.structure))
+        # The key lists of chains longer than one, their order (a copy's equality would not see
+        # it where tags cannot be read).
         plan.ordered, plan.order = ordered, list(map(list, ordered))
         plan.stateful = tuple(stateful)
         plan.mode_modules, plan.modes = _columns(modes, 2)
@@ -183,17 +183,27 @@ class Plan:
         for w in watch:
             (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES else unaddressed).append(w)
         plan.unaddressed = tuple(unaddressed)
-        _, _, plan.inputs, versions, addresses, plan.input_flags = _columns(addressed, 6)
+        _, _, plan.inputs, versions, addresses, layouts = _columns(addressed, 6)
         plan.versions, plan.addresses = list(versions), list(addresses)
         plan.raw_memory, digests = _columns(raw, 2)
         plan.raw_digests = list(digests)
         plan.views = tuple(views)
-        plan.values, versions = _columns(kept, 2)
+        plan.values, versions, value_layouts = _columns(kept, 3)
         plan.value_versions = list(versions)
         plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # the counts the general path just checked
         plan.settings_empty = tuple(empty.values())
-        plan.settings, then = _columns(list(settings.values()), 2)
-        plan.settings_then = list(then)
+        # One check per call of every dict's tag and every tensor's description. The frozen
+        # values' settings and inputs hold what they were computed with, which the general path
+        # just found unchanged; the structure as that path leaves it, having checked just now that
+        # everything is prepare's.
+        full, then = _columns(list(settings.values()), 2)
+        try:
+            if (list(map(tag, full)) != list(then) or list(map(layout, plan.inputs)) != list(layouts)
+                    or list(map(layout, plan.values)) != list(value_layouts)):
+                return None
+        except Exception:  # a copy's entry replaced by a tensor, where torch reads no tags
+            return None
+        plan.watch = Watch((*structure.values(), *full), (*plan.inputs, *plan.values))
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
@@ -215,7 +225,7 @@ class Plan:
         _run(map(_set_class, self.switched, repeat("__class__"), self.prepared))
         states = self.states
         _run(map(setattr, states, repeat("users"), self.ones))
-        _run(map(setattr, states, repeat("installed"), self.installed))
+        _run(map(setattr, self.installing, repeat("installed"), self.installed))
         _run(map(setattr, states, repeat("shareable"), self.shareable))
 
     def compute_hoisted(self) -> None:
@@ -280,7 +290,7 @@ class Plan:
         _run(map(dict.pop, self.hoisted_dicts, self.hoisted_names, repeat(None)))
         states = self.states
         _run(map(setattr, states, repeat("users"), repeat(0, len(states))))
-        _run(map(setattr, states, repeat("installed"), repeat((), len(states))))
+        _run(map(setattr, self.installing, repeat("installed"), repeat((), len(self.installing))))
         _run(map(_set_class, self.switched, repeat("__class__"), self.between))
         return True
 
@@ -316,14 +326,14 @@ def holds(plan: Plan) -> bool:
             return False
         if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
             return False
-        if list(map(tag, plan.structure)) != plan.structure_tags or list(map(list, plan.ordered)) != plan.order:
+        if not plan.watch.same() or list(map(list, plan.ordered)) != plan.order:
             return False
         if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):
             return False
         if not all(map(is_, map(_requires_grad, plan.flag_tensors), plan.flags)):
             return False
         inputs = plan.inputs
-        if list(map(_version, inputs)) != plan.versions or not all(map(is_, map(_plain_requires_grad, inputs), plan.input_flags)):
+        if list(map(_version, inputs)) != plan.versions:
             return False
         if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
             return False
@@ -332,8 +342,7 @@ def holds(plan: Plan) -> bool:
         # Written without a version bump, or armed again since (for another value on the storage).
         if plan.armings != ARMINGS[0] or (plan.armed and not all(map(is_armed, plan.armed))):
             return False
-        # freeze.same_settings, written out
-        if any(plan.settings_empty) or list(map(tag, plan.settings)) != plan.settings_then:
+        if any(plan.settings_empty):  # freeze.same_settings' other half
             return False
     # A key gone, a tensor without storage or version now, a setting replaced by a tensor or an
     # array (whose == is elementwise).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,7 +24,8 @@ FREEZE_CHECKS = ("content", "version")
 @dataclasses.dataclass(eq=False)
 class FrozenValue:
     value: torch.Tensor
-    #: Per input: ``(dict, key, tensor, version, storage address, requires_grad)``.
+    #: Per input: ``(dict, key, tensor, version, storage address, description)``, the
+    #: description being ``watch.layout``'s (type, dtype, device, shape, strides, requires_grad).
     watch: tuple[tuple, ...]
     #: ``len()`` of each tensor dict, so an added parameter or buffer counts as a change.
     sizes: tuple[int, ...]
@@ -54,6 +56,8 @@ class FrozenValue:
     #: Their storages' identities and how many times each had been armed (``freeze._armings``).
     armed_keys: tuple[int, ...] = ()
     armed_counts: list = dataclasses.field(default_factory=list)
+    #: ``value``'s description (``watch.layout``): a forward may re-describe it through ``.data``.
+    value_layout: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -141,13 +145,13 @@ def distributed(site: SiteState) -> bool:
 #: The tensor types that are not subclasses: they override none of TensorBase's accessors.
 PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
 
-# Plain tensors' own accessors, without an attribute lookup per tensor (only for tensors whose
-# type is in PLAIN_TENSOR_TYPES): the version counter, the storage address, requires_grad. The
-# address is read without asking for write access (``const_data_ptr``), which would disarm a
-# storage that freeze.arm watches.
-tensor_version = torch._C.TensorBase._version.__get__
+# Plain tensors' accessors, as C callables for map() (only for tensors whose type is in
+# PLAIN_TENSOR_TYPES): the version counter and the storage address. An attrgetter
+# reaches TensorBase's getter through the type's attribute cache, a fifth faster than calling the
+# descriptor's __get__. The address is read without asking for write access
+# (``const_data_ptr``), which would disarm a storage that freeze.arm watches.
+tensor_version = operator.attrgetter("_version")
 tensor_data_ptr = getattr(torch._C.TensorBase, "const_data_ptr", torch._C.TensorBase.data_ptr)
-tensor_requires_grad = torch._C.TensorBase.requires_grad.__get__
 
 
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:

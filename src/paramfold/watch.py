@@ -1,0 +1,182 @@
+"""Whether dicts were written, or tensors re-described, since a moment: one by one or in one pass.
+
+Freshness checks key on every dict a value is found through (a module's ``__dict__``, its
+``_modules``, ``_parameters``, a chain member's attributes): any write to a dict gives it a new
+version tag (CPython's ``ma_version_tag``; torch reads it, or a dict watcher's count from Python
+3.12). They also key on how each input tensor is described — its type, dtype, device, shape,
+strides, ``requires_grad`` — which ``p.data = p.data.t()`` or ``p.data = p.data[:3]`` changes
+without touching its version counter, storage or bytes.
+
+A steady call checks a few hundred dicts and tensors. Read one by one from Python, each costs
+one or more calls into torch; dynamo's guard manager, which checks the same things before every
+compiled call (``DICT_VERSION``, ``TENSOR_MATCH``), reads a whole tuple of them in one C++ pass,
+five to eight times faster. :class:`Watch` uses it where this torch's guard manager behaves as
+relied on (tried once, on probes, at import), and compares from Python otherwise: the answer is
+the same either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paramfold.frames import run_module_eagerly_as_frames
+
+
+def _load_dict_version():
+    """torch's reader of a dict's version tag, where it behaves as this module relies on, else None."""
+    try:
+        from torch._C._dynamo.guards import dict_version
+    except Exception:  # a torch without dynamo's C guards
+        return None
+    try:
+        probe = nn.Module()
+        tags = [dict_version(probe.__dict__)]
+        for change in _DICT_CHANGES:
+            change(probe)
+            tags.append(dict_version(probe.__dict__))
+        if len(set(tags)) != len(tags) or dict_version(probe.__dict__) != tags[-1]:
+            return None
+    except Exception:
+        return None
+    return dict_version
+
+
+#: Writes a tag must see: an entry added, replaced, removed.
+_DICT_CHANGES = (lambda m: setattr(m, "alpha", 1.0), lambda m: setattr(m, "alpha", 2.0),
+                 lambda m: delattr(m, "alpha"))
+
+_dict_version = _load_dict_version()
+#: What a dict is compared by: its version tag, or, where torch cannot read one, a copy (entries
+#: compared by identity, then ``==``).
+tag = _dict_version if _dict_version is not None else dict
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def layout(t: torch.Tensor) -> tuple:
+    """How ``t`` is described, besides its storage and bytes: what a ``.data`` assignment can
+    change without a version bump (the storage offset is in its address, checked apart)."""
+    try:
+        stride = t.stride()
+    except RuntimeError:  # tensor subclasses and layouts without strides
+        stride = None
+    return type(t), t.dtype, t.device, t.shape, stride, t.requires_grad
+
+
+def _guard_manager(dicts: tuple[dict, ...], tensors: tuple[torch.Tensor, ...]) -> Any:
+    """A dynamo ``RootGuardManager`` whose ``check((*dicts, *tensors))`` is True while no dict
+    was written and no tensor re-described (:func:`layout`) since now."""
+    from torch._C._dynamo.guards import RootGuardManager
+    from torch._dynamo.guards import GuardManagerType
+
+    root = RootGuardManager()
+    for i, d in enumerate(dicts):
+        item = root.tuple_getitem_manager(i, f"watched[{i}]", d, GuardManagerType.GUARD_MANAGER)
+        item.add_dict_version_guard(d, [f"watched[{i}] unwritten"], None)
+    for i, t in enumerate(tensors, len(dicts)):
+        item = root.tuple_getitem_manager(i, f"watched[{i}]", t, GuardManagerType.GUARD_MANAGER)
+        item.add_tensor_match_guard(t, list(t.size()), list(t.stride()), f"watched[{i}]",
+                                    [f"watched[{i}] as described"], None, type(t), torch._C._dispatch_keys(t))
+    return root
+
+
+def _tensor_changes() -> tuple:
+    """Re-descriptions :class:`Watch` must see, each as (make a tensor, change it)."""
+    def data(make):
+        return lambda t: setattr(t, "data", make(t.data))
+    square = lambda: nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+    return (
+        (square, data(lambda d: d.t())),
+        (square, data(lambda d: d[:2])),
+        (square, data(lambda d: d.view(torch.int32))),
+        (square, data(lambda d: d.as_strided((4, 4), (1, 4)))),
+        (square, lambda t: t.requires_grad_(True)),
+    )
+
+
+def _guard_manager_works() -> bool:
+    """Whether :func:`_guard_manager` builds and sees each change :data:`_DICT_CHANGES` and
+    :func:`_tensor_changes` make, and nothing else, on probes (torch's private API: checked,
+    not assumed)."""
+    if _dict_version is None:
+        return False
+    try:
+        for change in _DICT_CHANGES:
+            probes = (nn.Module(), nn.Module())
+            for probe in probes:
+                probe.alpha = 0.0
+            watched = tuple(m.__dict__ for m in probes)
+            root = _guard_manager(watched, ())
+            if root.check(watched) is not True:
+                return False
+            change(probes[1])
+            if root.check(watched) is not False or root.check(watched) is not False:
+                return False
+        for make, change in _tensor_changes():
+            tensors = (make(), make())
+            root = _guard_manager((), tensors)
+            if root.check(tensors) is not True:
+                return False
+            change(tensors[1])
+            if root.check(tensors) is not False:
+                return False
+        return True
+    except Exception:
+        return False
+
+
+_USE_GUARD_MANAGER = _guard_manager_works()
+
+
+class Watch:
+    """``dicts``' version tags and ``tensors``' descriptions (:func:`layout`) now; :meth:`same`
+    says whether all are as they were.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> layer = nn.Linear(2, 2)
+    >>> watch = Watch([layer.__dict__, layer._parameters], [layer.weight])
+    >>> watch.same()
+    True
+    >>> layer.weight.data = layer.weight.data.t()
+    >>> watch.same()
+    False
+    """
+
+    __slots__ = ("dicts", "tensors", "tags", "layouts", "others", "other_layouts", "watched", "_root")
+
+    def __init__(self, dicts: Iterable[dict] = (), tensors: Iterable[torch.Tensor] = ()) -> None:
+        tensors = tuple(tensors)
+        self.dicts = tuple(dicts)
+        # Tensor subclasses are described from Python: the probes tried plain tensors only.
+        self.tensors = tuple(t for t in tensors if type(t) in _PLAIN)
+        self.others = tuple(t for t in tensors if type(t) not in _PLAIN)
+        self.watched = (*self.dicts, *self.tensors)
+        self.tags = list(map(tag, self.dicts))
+        self.layouts = list(map(layout, self.tensors))
+        self.other_layouts = list(map(layout, self.others))
+        self._root = None
+        if _USE_GUARD_MANAGER and self.watched:
+            try:
+                self._root = _guard_manager(self.dicts, self.tensors)
+            except Exception:  # something the guards do not take: compare from Python
+                self._root = None
+
+    def same(self) -> bool:
+        """Whether no dict was written and no tensor re-described since (a dict copy compared by
+        ``==`` where torch reads no tags)."""
+        if self.others and list(map(layout, self.others)) != self.other_layouts:
+            return False
+        root = self._root
+        if root is not None:
+            return root.check(self.watched)
+        return list(map(tag, self.dicts)) == self.tags and list(map(layout, self.tensors)) == self.layouts
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

@@ -1,0 +1,93 @@
+"""paramfold.watch: every write to a watched dict and every re-description of a watched tensor is
+seen, the same way through dynamo's guard manager and through the Python comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from paramfold import watch as watch_module
+from paramfold.watch import Watch
+
+
+@pytest.fixture(params=["guard-manager", "python"])
+def path(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(watch_module, "_USE_GUARD_MANAGER", False)
+    return request.param
+
+
+def test_this_torch_checks_through_the_guard_manager():
+    # The steady call's cost depends on it (README, "Freeze is never stale"); a torch whose guard
+    # manager changed falls back to the Python comparison, which this test makes visible.
+    assert watch_module._USE_GUARD_MANAGER
+    assert Watch([{}], [torch.zeros(2)])._root is not None
+
+
+DICT_WRITES = {
+    "add": lambda m: setattr(m, "beta", 1),
+    "replace": lambda m: setattr(m, "alpha", 2.0),
+    "remove": lambda m: delattr(m, "alpha"),
+    "parameter": lambda m: m.register_parameter("alpha2", nn.Parameter(torch.zeros(1))),
+}
+
+
+@pytest.mark.parametrize("write", list(DICT_WRITES.values()), ids=list(DICT_WRITES))
+def test_a_write_to_any_watched_dict_is_seen(path, write):
+    modules = [nn.Module() for _ in range(3)]
+    for m in modules:
+        m.alpha = 1.0
+    watched = Watch([m.__dict__ for m in modules] + [modules[1]._parameters])
+    assert watched.same() and watched.same()
+    write(modules[1])
+    assert not watched.same()
+
+
+def _data(make):
+    def change(t):
+        t.data = make(t.data)
+    return change
+
+
+TENSOR_CHANGES = {
+    "t": _data(lambda d: d.t()),
+    "rows": _data(lambda d: d[:2]),
+    "dtype": _data(lambda d: d.view(torch.int32)),
+    "strides": _data(lambda d: d.as_strided((4, 4), (1, 4))),
+    "requires_grad": lambda t: t.requires_grad_(True),
+    "double": _data(lambda d: d.double()),
+}
+
+
+@pytest.mark.parametrize("change", list(TENSOR_CHANGES.values()), ids=list(TENSOR_CHANGES))
+def test_a_re_described_tensor_is_seen(path, change):
+    tensors = [nn.Parameter(torch.randn(4, 4), requires_grad=False), torch.randn(4, 4), torch.randn(3)]
+    watched = Watch([{}], tensors)
+    assert watched.same()
+    change(tensors[0])
+    assert not watched.same()
+
+
+def test_writes_of_values_and_reads_are_not_changes(path):
+    tensors = [torch.randn(4, 4), nn.Parameter(torch.randn(4))]
+    d = {"k": 1}
+    watched = Watch([d], tensors)
+    with torch.no_grad():
+        tensors[0].mul_(2)  # bytes and versions are other checks' business
+        tensors[1].add_(1)
+    _ = d["k"], tensors[0].sum(), list(d.items())
+    assert watched.same()
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+def test_tensor_subclasses_are_described_from_python(path):
+    sub = torch.randn(4, 4).as_subclass(Tagged)
+    watched = Watch([], [sub, torch.randn(2)])
+    assert watched.others == (sub,) and len(watched.tensors) == 1
+    assert watched.same()
+    sub.data = sub.data.t()
+    assert not watched.same()
