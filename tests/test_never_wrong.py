@@ -1007,6 +1007,44 @@ def test_a_pre_hook_added_after_steady_calls_is_seen(mode):
             assert torch.equal(stock(x), ours(x))
 
 
+def _halve_input(module, args):
+    return (args[0] * 0.5,)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("kind", ["weight_norm_hooks", "spectral_norm_hooks"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
+def test_a_pre_hook_added_to_a_hook_based_norm_after_compiled_calls_is_seen(mode, kind, backend):
+    # Regression (found by the 2026-12-02 entry-point hunt): code compiled while the norm's own
+    # hook was out read the weight left in the module by the last call; with a pre-hook added,
+    # the scope left the norm to its hook and dynamo (no guards on hooks) reused that code: the
+    # output of the call before, or "backward through the graph a second time" with grad.
+    inference = mode == "freeze"
+    stock, ours = _pre_hooked(kind, "holder", inference), _pre_hooked(kind, "holder", inference)
+    for m in (stock, ours):
+        m[2]._forward_pre_hooks.pop(next(k for k, h in m[2]._forward_pre_hooks.items() if h is _max_norm))
+    paramfold.prepare(ours, mode)
+    run_stock, run_ours = torch.compile(stock, backend=backend), torch.compile(ours, backend=backend)
+    for step in range(4):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        with torch.no_grad() if inference else torch.enable_grad():
+            expected, actual = run_stock(x), run_ours(x)
+            assert torch.equal(expected, stock(x) if kind == "weight_norm_hooks" else expected)
+        assert torch.equal(expected, actual), (step, (expected - actual).abs().max())
+        if not inference:
+            expected.sum().backward()
+            actual.sum().backward()
+            assert_same_tensors(grads(stock), grads(ours), step)
+        for m in (stock, ours):
+            with torch.no_grad():
+                for name, p in m[2].named_parameters():
+                    p.mul_(1.25)  # an optimizer step, say
+            if step == 1:
+                m[2].register_forward_pre_hook(_halve_input)
+    assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()))
+
+
 @pytest.mark.parametrize("guard_hooks", [
     pytest.param(False, marks=pytest.mark.xfail(strict=True, reason=(
         "documented limit (README, Notes and limits): dynamo does not guard on module hooks "

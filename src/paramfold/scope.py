@@ -69,6 +69,7 @@ _tracing_state = torch._C._get_tracing_state
 # without it counts as "maybe": nested calls then see swaps only.
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
 _LOCK = threading.RLock()
+_MISSING = object()
 
 
 class _Local(threading.local):
@@ -145,6 +146,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     installed: list[str] = []
     kept: list[str] = []
     hook_keys: list[int] = []
+    left: list[tuple[str, object]] = []
     try:
         for name, site in hs.sites.items():
             mode = site.mode
@@ -157,9 +159,13 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
             if at_read:
                 # A forward pre-hook may change the originals before the forward reads the
                 # tensor: it is computed where it is read, as stock does (the descriptor, in-graph
-                # when compiled; a hook-based norm's own hook stays in and runs as in stock).
-                if site.hook is None:
-                    values.pop(name, None)
+                # when compiled; a hook-based norm's own hook stays in and runs as in stock, and
+                # sets the value again). The value of the last call is taken out meanwhile:
+                # compiled code traced while the hook was out reads it, and would read it stale
+                # (dynamo does not guard on hooks); missing, it is traced again, with the hooks.
+                value = values.pop(name, _MISSING)
+                if site.hook is not None and value is not _MISSING:
+                    left.append((name, value))
                 continue
             frozen = site.frozen
             if frozen is not None and mode != "hoist" and _freezable(site, grad) and unchanged(site, frozen):
@@ -192,10 +198,12 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     except BaseException:
         for name in (*installed, *kept, *kept_before):
             values.pop(name, None)
+        values.update(left)
         raise
     hs.installed = tuple(installed)
     hs.kept = tuple(kept)
     hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
+    hs.left = tuple(left)
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
 
@@ -271,6 +279,10 @@ def _release(claimed: list[nn.Module] | Plan) -> None:
                 if hs.hooks_out:
                     hooknorms.attach(holder, *hs.hooks_out)
                     hs.hooks_out = ()
+                for name, value in hs.left:  # the call ended before the norm's hook set it again
+                    if name not in values:
+                        values[name] = value
+                hs.left = ()
 
 
 def _concurrent(entry: nn.Module) -> FoldError:

@@ -220,6 +220,9 @@ class ModuleState:
     #: Hook-based norms' hooks taken out of ``_forward_pre_hooks`` while values are installed,
     #: and the dict's key order to put them back in (``hooknorms.detach`` / ``attach``).
     hooks_out: tuple = ()
+    #: Hook-based norms' values of the last call, ``(name, value)``, taken out of ``__dict__``
+    #: while their hooks run in a call (``scope._install``), put back if the call ended first.
+    left: tuple = ()
     #: For holders with frozen values: the class the module has between calls (a subclass of
     #: ``prepared_class`` whose data descriptors compute every read like stock), and the names
     #: whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
