@@ -535,11 +535,18 @@ def test_two_training_threads_get_stock_results_or_a_fold_error():
     assert outcomes and all(o in (True, "refused") for o in outcomes)
 
 
+@pytest.mark.parametrize("norm", [weight_norm, torch.nn.utils.weight_norm], ids=["parametrize", "hook-based"])
 @pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
-def test_multithreaded_same_grad_mode_inference_keeps_working(mode):
-    torch.manual_seed(0)
-    stock = _inference(nn.Sequential(*[weight_norm(nn.Linear(16, 16)) for _ in range(4)]))
-    model = paramfold.prepare(copy.deepcopy(stock), mode)
+def test_multithreaded_same_grad_mode_inference_keeps_working(mode, norm):
+    # Regression (hook-based, found by the 2026-12-02 entry-point hunt): a scope open in one
+    # thread has the norms' hooks out, which another thread's call took for a removed norm
+    # (FoldError "parametrizations ... changed").
+    def build():
+        torch.manual_seed(0)  # not deepcopy: torch refuses it for hook-based weight_norm
+        return _inference(nn.Sequential(*[norm(nn.Linear(16, 16)) for _ in range(4)]))
+
+    stock = build()
+    model = paramfold.prepare(build(), mode)
     x = torch.randn(4, 16)
     expected = stock(x)
     results = []

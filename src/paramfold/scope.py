@@ -297,11 +297,12 @@ def _concurrent(entry: nn.Module) -> FoldError:
 def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
     changed = not issubclass(type(holder), hs.prepared_class)  # a wrapper class (fully_shard) is fine
     hooks = holder._forward_pre_hooks
+    taken = dict(hs.hooks_out[0]) if hs.hooks_out else {}  # by a scope open in another thread
     names = []
     for name, site in hs.sites.items():
         if site.hook is None:
             names.append(name)
-        elif hooks.get(site.hook_key) is not site.hook:
+        elif hooks.get(site.hook_key, taken.get(site.hook_key)) is not site.hook:
             changed = True
         for d, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
             if d.get(key) is not value:
