@@ -430,6 +430,23 @@ def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
     ]
 
 
+def test_cli_runs_a_folder_with_a_main_module_as_python_does(tmp_path):
+    # Regression: `python pkgdir` runs pkgdir/__main__.py; the command said "script not found".
+    folder = tmp_path / "pkgdir"
+    folder.mkdir()
+    (folder / "helper.py").write_text("VALUE = 7\n")
+    (folder / "__main__.py").write_text(
+        "import sys\nimport helper\nprint('ran', helper.VALUE, sys.argv[1:])\nsys.exit(4)\n"
+    )
+    code, out, err = _cli(["recompiles", "--", "python", str(folder), "x"])
+    assert code == 4, out + err
+    assert "ran 7 ['x']" in out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, err = _cli(["recompiles", "--", "python", str(empty)])
+    assert (code, out, err) == (2, "", f"paramfold recompiles: error: can't find '__main__' module in {str(empty)!r}\n")
+
+
 def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
     for args, message in (
         (["python"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),

@@ -61,13 +61,16 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         argv0, rest = spec.origin or module, tokens[2:]
     else:
         module, argv0, rest = None, tokens[0], tokens[1:]
-        if not os.path.isfile(argv0):
+        if os.path.isdir(argv0):  # a folder with a __main__.py, as python runs it
+            if not os.path.isfile(os.path.join(argv0, "__main__.py")):
+                raise ScriptError(f"can't find '__main__' module in {argv0!r}")
+        elif not os.path.isfile(argv0):
             raise ScriptError(f"script not found: {argv0}")
         if not os.access(argv0, os.R_OK):
             raise ScriptError(f"script not readable (permission denied): {argv0}")
 
     sys.argv = [argv0, *rest]
-    if module is None:
+    if module is None and not os.path.isdir(argv0):  # runpy puts a folder on sys.path itself
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
     redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     code, interrupted = 0, None
