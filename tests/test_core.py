@@ -247,6 +247,24 @@ def test_seed_cast_model_matches_and_setattr_goes_through_right_inverse():
     assert "weight" not in ours.seq[0].__dict__
 
 
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_assigning_a_parameter_to_a_parametrized_name_is_refused_like_stock(mode):
+    # Regression (found by the 2026-12-02 entry-point hunt): a Parameter went through
+    # right_inverse and overwrote the originals, where stock's register_parameter refuses the name.
+    stock = build("weight_norm").eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, stock.layers[0].in_features)
+    with torch.no_grad():
+        ours(x)
+    for model in (stock, ours):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(KeyError, match="attribute 'weight' already exists"):
+            model.layers[0].weight = torch.nn.Parameter(torch.ones_like(model.layers[0].weight))
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(stock(x), ours(x))
+
+
 def test_parametrize_cached_is_honoured():
     model = paramfold.prepare(build("weight_norm"), "inline")
     with parametrize.cached():

@@ -298,9 +298,11 @@ def _make_setattr(base: type):
     base_setattr = base.__setattr__
 
     def __setattr__(self: nn.Module, name: str, value: object) -> None:
-        # Stock's property setter: assigning to a parametrized tensor goes through right_inverse.
+        # Stock's property setter: assigning to a parametrized tensor goes through right_inverse,
+        # where nn.Module.__setattr__ would reach it: not for a Parameter (register_parameter
+        # refuses the taken name) or a module (registered as a submodule), which it handles first.
         plists = self.__dict__.get("_modules", {}).get("parametrizations")
-        if plists is not None and name in plists._modules:
+        if plists is not None and name in plists._modules and not isinstance(value, (nn.Parameter, nn.Module)):
             plists._modules[name].right_inverse(value)
         else:
             base_setattr(self, name, value)
