@@ -377,6 +377,8 @@ def test_prepared_model_deepcopies_but_refuses_pickle_with_advice(tmp_path):
     paramfold.prepare(ours, "auto")
     with pytest.raises(RuntimeError, match=r"state_dict\(\).*paramfold\.restore"):
         torch.save(ours, tmp_path / "model.pt")
+    with pytest.raises(RuntimeError, match=r"shallow-copied \(copy\.copy\).*copy\.deepcopy works"):
+        copy.copy(ours)
     twin = copy.deepcopy(ours)  # prepared too, like the original
     x = torch.randn(2, 32)
     assert torch.equal(twin(x), stock(x))

@@ -273,9 +273,11 @@ def _root_forward(self: nn.Module, *args, **kwargs):
 
 def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
     raise FoldError(
-        "A model prepared by paramfold cannot be pickled: save its state_dict() (unchanged by "
-        "paramfold), or call paramfold.restore(model) first. Serialization of parametrized "
-        "modules is only supported through state_dict(). See:\n"
+        "A model prepared by paramfold cannot be pickled or shallow-copied (copy.copy), not even "
+        "its modules that stock does not parametrize (a container, a hook-based norm's layer): "
+        "copy.deepcopy works (the copy is prepared too); to save, save its state_dict() "
+        "(unchanged by paramfold), or call paramfold.restore(model) first. Serialization of "
+        "parametrized modules is only supported through state_dict(). See:\n"
         "https://pytorch.org/tutorials/beginner/saving_loading_models.html"
         "#saving-loading-a-general-checkpoint-for-inference-and-or-resuming-training"
     )
