@@ -148,6 +148,31 @@ def test_a_prepared_model_exports_plain_and_stays_prepared():
     assert type(model.pre).__name__ == "ParametrizedConv1d"
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("mode", ["inline", "hoist", "auto"])
+def test_torch_export_of_a_prepared_model_leaves_it_real(mode):
+    # Regression (found by the 2026-12-02 entry-point hunt): torch.export put back copies of
+    # the inline getters' dicts that held its fake tensors; until the next eager call, a
+    # compiled closure calling the model returned a FakeTensor, and deepcopy and
+    # paramfold.export raised "Cannot access data pointer".
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU(), spectral_norm(nn.Linear(4, 4))).eval()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.export.export(ours, (x,))
+        fakes = [k for m in ours.modules() for k, v in vars(m).items()
+                 if any(type(t).__name__ == "FakeTensor" for t in (v.values() if hasattr(v, "values") else [v]))]
+        assert fakes == []
+        closure = torch.compile(lambda x: ours(x) * 2, backend="eager")
+        out = closure(x)
+        assert type(out) is torch.Tensor and torch.equal(out, stock(x) * 2)
+        twin = copy.deepcopy(ours)
+        assert torch.equal(twin(x), stock(x))
+        assert torch.equal(paramfold.export(ours, (x,)).module()(x), stock(x))
+        assert torch.equal(ours(x), stock(x))
+
+
 def test_shared_module_is_folded_once_like_a_tied_plain_model():
     model = build("weight_norm").eval()
     model.layers[2] = model.layers[1]

@@ -20,7 +20,7 @@ from paramfold.state import SiteState
 
 def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:
     """Instance ``__dict__`` keys of a generated getter's inputs: chain members, then the dict
-    holding each original (the getter reads ``self.<key>[<original's name>]``)."""
+    holding each original, in a :class:`DictRef` (the getter reads ``self.<key>.d[<original's name>]``)."""
     return (
         [f"_paramfold_{name}_m{i}" for i in range(len(signature[2]))],
         [f"_paramfold_{name}_{o}" for o in _originals(signature)],
@@ -46,17 +46,30 @@ def install_refs(module: nn.Module, name: str, site: SiteState) -> list[str]:
     member_keys, original_keys = ref_keys(name, chain_signature(module, name))
     for key, member in zip(member_keys, site.chain):
         module.__dict__[key] = member
-    site.original_refs = tuple((key, d, k) for key, (d, k) in zip(original_keys, site.originals))
+    site.original_refs = tuple((key, DictRef(d), k) for key, (d, k) in zip(original_keys, site.originals))
     sync_refs(module, site)
     return member_keys + original_keys
+
+
+class DictRef:
+    """Holds a dict for a generated getter, as an object no pytree flattens: ``torch.export``
+    snapshots every dict- or list-valued module attribute when it begins (the fake tensors it
+    swapped in by then included) and puts back those copies when it ends; the dict itself, so
+    stored, would be left pointing at fake tensors, which compiled code outside a call scope
+    would then read."""
+
+    __slots__ = ("d",)
+
+    def __init__(self, d: dict) -> None:
+        self.d = d
 
 
 def sync_refs(module: nn.Module, site: SiteState) -> None:
     """Point the stored original dicts of a site at the ParametrizationList's (put back if removed)."""
     values = module.__dict__
-    for key, d, _ in site.original_refs:
-        if values.get(key) is not d:
-            values[key] = d
+    for key, ref, _ in site.original_refs:
+        if values.get(key) is not ref:
+            values[key] = ref
 
 
 def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tuple, bool]:
@@ -118,7 +131,7 @@ def inline_property(name: str, signature: tuple) -> property:
     like stock, honouring ``parametrize.cached()``.
     """
     member_keys, original_keys = ref_keys(name, signature)
-    expr = ", ".join(f"self.{key}[{o!r}]" for key, o in zip(original_keys, _originals(signature)))
+    expr = ", ".join(f"self.{key}.d[{o!r}]" for key, o in zip(original_keys, _originals(signature)))
     for i, (key, forward) in enumerate(zip(member_keys, signature[2])):
         expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
     if signature[3]:  # stock's call of the ParametrizationList, its hooks and all

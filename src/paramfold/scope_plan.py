@@ -116,7 +116,7 @@ class Plan:
                     # Computed where it is read, from the dicts its getter keeps in the holder's
                     # __dict__ (pinned by key, as scope's sync_refs puts them); the getter calls
                     # the forwards of members that had no hooks, which must stay so.
-                    links.extend((values, key, d) for key, d, _ in site.original_refs)
+                    links.extend((values, key, ref) for key, ref, _ in site.original_refs)
                     if site.signature is not None:
                         for member, forward in zip(site.chain, site.signature[2]):
                             if forward is not None:

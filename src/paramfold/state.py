@@ -86,8 +86,9 @@ class SiteState:
     nested: bool = False
     freeze_check: str = "content"
     frozen: FrozenValue | None = None
-    #: Inline sites: (instance attribute, dict, key) of each original a generated getter reads.
-    original_refs: tuple[tuple[str, dict, str], ...] = ()
+    #: Inline sites: (instance attribute, ``inline.DictRef`` of the dict, key) of each original a
+    #: generated getter reads.
+    original_refs: tuple[tuple[str, Any, str], ...] = ()
     #: Inline sites: what the generated getter was made for (``inline.chain_signature``).
     signature: tuple | None = None
     #: Whether values are tensor subclasses (known after the first computation). AOTAutograd does
