@@ -1,0 +1,128 @@
+"""Steady per-call work of the seed model, counted in CPU instructions: plain vs paramfold modes.
+
+Wall-clock timings on a shared 2-core VM move by 15% or more between runs; instruction counts do
+not. Each variant runs twice under valgrind's callgrind (same build, compile and warm-up, then
+``--calls`` A and B steady calls: eval, ``no_grad``, ``torch.compile(backend="eager")``, one
+thread), counting only the steady calls (a two-line C shim, built with ``gcc`` against
+valgrind's ``callgrind.h``, switches counting on and off); the difference of the two counts
+divided by B - A is one steady call. Needs ``valgrind`` and ``gcc``; about a minute per variant.
+
+    python examples/percall_instructions.py                        # plain stock freeze freeze:version auto hoist
+    python examples/percall_instructions.py --layers 8 plain freeze:version
+
+Instructions are not time (the matmuls run many per cycle, the per-call checks touch memory the
+forward evicted), so read the ratios as the share of work, next to the timed ratios of
+``examples/percall_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+DEFAULT = ["plain", "stock", "freeze", "freeze:version", "auto", "hoist"]
+
+
+def _calls(variant: str, layers: int, calls: int) -> None:
+    """The measured program: build, compile, warm up, then ``calls`` steady calls."""
+    import gc
+
+    import torch
+
+    import paramfold
+    from paramfold.bench import BenchConfig
+    from paramfold.bench.config import build_model, make_input
+    from paramfold.bench.measure import compile_model, own_code
+    from paramfold.bench.variants import default_variants
+
+    torch.set_num_threads(1)
+    config = BenchConfig(layers=layers)
+    stock = {v.name: v.prepare for v in default_variants()}
+    mode, _, check = variant.partition(":")
+    if variant == "plain":
+        prepare = stock["baseline"]
+    elif variant == "stock":
+        prepare = stock["stock"]
+    else:
+        prepare = lambda m: paramfold.prepare(m, mode, **({"freeze_check": check} if check else {}))  # noqa: E731
+    model = prepare(own_code(build_model(config)))
+    fn = compile_model(model, config)
+    x = make_input(config)
+    shim = ctypes.CDLL(os.environ["PARAMFOLD_CALLGRIND_SHIM"])
+    with torch.no_grad():
+        for _ in range(5):
+            fn(x)
+        gc.collect()
+        gc.disable()
+        shim.start()
+        for _ in range(calls):
+            fn(x)
+        shim.stop()
+
+
+_SHIM = """#include <valgrind/callgrind.h>
+void start(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; }
+void stop(void) { CALLGRIND_DUMP_STATS; CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+def _shim(folder: str) -> str:
+    source, library = os.path.join(folder, "shim.c"), os.path.join(folder, "shim.so")
+    with open(source, "w") as f:
+        f.write(_SHIM)
+    done = subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"could not build the callgrind shim (valgrind's headers?):\n{done.stderr}")
+    return library
+
+
+def _instructions(variant: str, layers: int, calls: int, shim: str) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PARAMFOLD_CALLGRIND_SHIM": shim}
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out",
+               sys.executable, __file__, "--run", variant, "--layers", str(layers), "--calls", str(calls)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        dumps = [f for f in os.listdir(tmp) if f.startswith("out.")]  # the one the shim's stop() wrote
+        if done.returncode != 0 or len(dumps) != 1:
+            raise SystemExit(f"{variant}: the measured run failed:\n{done.stderr[-2000:]}")
+        with open(os.path.join(tmp, dumps[0])) as f:
+            found = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.MULTILINE)
+        if found is None:
+            raise SystemExit(f"{variant}: callgrind wrote no total")
+        return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*", default=DEFAULT)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--calls", default="10,30", help="the two numbers of steady calls, A,B")
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # the measured program itself
+    args = parser.parse_args()
+    if args.run:
+        _calls(args.run, args.layers, int(args.calls))
+        return
+    low, high = map(int, args.calls.split(","))
+    for tool in ("valgrind", "gcc"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"{tool} is not on the PATH (Debian: apt-get install valgrind gcc)")
+    per_call = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        shim = _shim(tmp)
+        for variant in args.variants:
+            per_call[variant] = (_instructions(variant, args.layers, high, shim)
+                                 - _instructions(variant, args.layers, low, shim)) / (high - low)
+    base = per_call.get("plain")
+    for variant, n in per_call.items():
+        ratio = f"  x plain {n / base:5.3f}" if base else ""
+        print(f"{variant:16s} {n:14,.0f} instructions per call{ratio}")
+
+
+if __name__ == "__main__":
+    main()
