@@ -69,18 +69,28 @@ WRITE_IDS = ["data", "untyped_storage", "numpy", "init-on-data"]
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_writes_that_bump_no_version_counter_are_seen(mode, write, check, compiled):
     # Regression (check="version"): the frozen values kept the weights from before the write.
+    def change(model: nn.Module, step: int) -> None:
+        for t in _originals(model):
+            torch.manual_seed(step)  # init draws
+            write(t, step)
+
     stock = _model()
     ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    _each_call_equals_stock(stock, ours, compiled, change, steps=range(1, 4))
+
+
+def _each_call_equals_stock(stock: nn.Module, ours: nn.Module, compiled: bool, change, steps) -> None:
+    """Call both models (``ours`` compiled with the eager backend if ``compiled``) on one input
+    under ``no_grad``, a steady call of ours between, and ``change(model, step)`` both after each
+    step: every output bitwise stock's."""
     run = torch.compile(ours, backend="eager") if compiled else ours
     x = torch.randn(3, 4)
     with torch.no_grad():
-        for step in range(1, 4):
+        for step in steps:
             assert torch.equal(run(x), stock(x)), step
-            run(x)  # a steady call between the writes
-            for theirs, mine in zip(_originals(stock), _originals(ours)):
-                for t in (theirs, mine):
-                    torch.manual_seed(step)  # init draws
-                    write(t, step)
+            run(x)  # a steady call between the changes
+            for model in (stock, ours):
+                change(model, step)
         assert torch.equal(run(x), stock(x))
 
 
@@ -284,15 +294,8 @@ def test_an_original_re_described_on_the_same_bytes_is_seen(mode, describe, chec
     # bytes; only its strides change, and the frozen value kept the untransposed weight.
     stock = _model()
     ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
-    run = torch.compile(ours, backend="eager") if compiled else ours
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        for step in range(2):
-            assert torch.equal(run(x), stock(x)), step
-            run(x)
-            for model in (stock, ours):
-                describe(model[0].parametrizations.weight.original1)
-        assert torch.equal(run(x), stock(x))
+    _each_call_equals_stock(stock, ours, compiled, lambda m, _: describe(m[0].parametrizations.weight.original1),
+                            steps=range(2))
 
 
 @pytest.mark.parametrize("check", ["version", "content"])
@@ -347,15 +350,8 @@ def test_a_tensor_a_parametrization_holds_as_an_attribute_is_an_input(mode, writ
 
     stock = build()
     ours = paramfold.prepare(build(), mode, freeze_check=check)
-    run = torch.compile(ours, backend="eager") if compiled else ours
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        for step in range(2):
-            assert torch.equal(run(x), stock(x)), step
-            run(x)
-            for model in (stock, ours):
-                write(model[0].parametrizations.weight[0].scale)
-        assert torch.equal(run(x), stock(x))
+    _each_call_equals_stock(stock, ours, compiled, lambda m, _: write(m[0].parametrizations.weight[0].scale),
+                            steps=range(2))
 
 
 class ReDescribesItsWeight(nn.Module):

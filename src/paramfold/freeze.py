@@ -186,12 +186,10 @@ def same_settings(empty: tuple[dict, ...], full: tuple[dict, ...], then: list) -
         return False
 
 
-
-
 def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     """Whether every input of ``frozen`` is as it was: same tensor, version, storage address and
-    description (:func:`~paramfold.watch.layout`), each armed storage unwritten (and, with ``freeze_check="content"``, the
-    same bytes)."""
+    description (:func:`~paramfold.watch.layout`), each armed storage unwritten (and, with
+    ``freeze_check="content"``, the same bytes)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
             or frozen.value._version != frozen.value_version or layout(frozen.value) != frozen.value_layout

@@ -280,8 +280,7 @@ def _release(claimed: list[nn.Module] | Plan) -> None:
                     hooknorms.attach(holder, *hs.hooks_out)
                     hs.hooks_out = ()
                 for name, value in hs.left:  # the call ended before the norm's hook set it again
-                    if name not in values:
-                        values[name] = value
+                    values.setdefault(name, value)
                 hs.left = ()
 
 

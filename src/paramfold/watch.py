@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.state import PLAIN_TENSOR_TYPES
 
 
 def _load_dict_version():
@@ -53,9 +54,6 @@ _dict_version = _load_dict_version()
 #: What a dict is compared by: its version tag, or, where torch cannot read one, a copy (entries
 #: compared by identity, then ``==``).
 tag = _dict_version if _dict_version is not None else dict
-
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def layout(t: torch.Tensor) -> tuple:
@@ -154,8 +152,8 @@ class Watch:
         tensors = tuple(tensors)
         self.dicts = tuple(dicts)
         # Tensor subclasses are described from Python: the probes tried plain tensors only.
-        self.tensors = tuple(t for t in tensors if type(t) in _PLAIN)
-        self.others = tuple(t for t in tensors if type(t) not in _PLAIN)
+        self.tensors = tuple(t for t in tensors if type(t) in PLAIN_TENSOR_TYPES)
+        self.others = tuple(t for t in tensors if type(t) not in PLAIN_TENSOR_TYPES)
         self.watched = (*self.dicts, *self.tensors)
         self.tags = list(map(tag, self.dicts))
         self.layouts = list(map(layout, self.tensors))
