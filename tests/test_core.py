@@ -387,6 +387,34 @@ def test_prepared_model_deepcopies_but_refuses_pickle_with_advice(tmp_path):
     assert torch.equal(twin(x), stock(x))
 
 
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_prepared_model_deepcopies_after_steady_calls(mode, grad):
+    # Regression: once calls had built the scope's steady-state plan, deepcopy raised "cannot
+    # pickle 'RootGuardManager'" (the plan's watch, a cache copied with the module's state).
+    if mode == "freeze" and grad:
+        pytest.skip("freeze is inference only")
+    stock = build("weight_norm")
+    if mode == "freeze":
+        stock.requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 32)
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            ours(x)
+        twin = copy.deepcopy(ours)
+        for model in (twin, ours, twin):
+            for _ in range(3):
+                assert torch.equal(model(x), stock(x))
+    with torch.no_grad():  # the copy's weights are its own: an edit there is seen there only
+        next(iter(twin.parameters())).mul_(2)
+    with torch.set_grad_enabled(grad):
+        assert torch.equal(ours(x), stock(x))
+        assert not torch.equal(twin(x), stock(x))
+    paramfold.restore(twin)
+    assert classes(twin) == classes(stock)
+
+
 def test_find_runs_an_unknown_chain_on_copies_of_the_originals_too():
     # Regression: the probe passed the real originals to the first member, so a member whose
     # pre-hook edits its input in place scaled the model's weights (twice: train and eval probe).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import operator
@@ -233,6 +234,20 @@ class ModuleState:
     plan: Any = None
     #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
     nested_check: Any = None
+
+    def __deepcopy__(self, memo: dict) -> ModuleState:
+        """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
+        this module's objects (``plan``, ``nested_check``): the copy's first calls build its own."""
+        replica = copy.copy(self)
+        memo[id(self)] = replica
+        for field in dataclasses.fields(self):
+            value = None if field.name in _CACHES else copy.deepcopy(getattr(self, field.name), memo)
+            setattr(replica, field.name, value)
+        return replica
+
+
+#: ModuleState's fields that hold what a call scope derived from the module, not its state.
+_CACHES = frozenset({"plan", "nested_check"})
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
