@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from torch.nn.utils import parametrize
 from typer.testing import CliRunner
 
@@ -47,14 +48,16 @@ def _stock(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = getattr(audit_models, factory)()
     x = torch.randn(shape)
+    step = 0.1
     if kind == "spectral_norm":  # advance the power iteration, then step the weights past it
         model.train()
         for _ in range(2):
             model(x)
+        step = 1e-3  # an optimizer step's size: the stored vectors still tell the square layer's dim
     with torch.no_grad():
         for p in model.parameters():
             if p.dtype.is_floating_point:
-                p.add_(0.1 * torch.randn_like(p))
+                p.add_(step * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("scale"):
                 b.fill_(0.75)
@@ -502,3 +505,59 @@ def test_large_checkpoints_are_audited_and_folded_without_loading_them(tmp_path)
     del folded
     folded_pt = torch.load(str(big_pt) + ".folded.pt", weights_only=True, mmap=True)
     assert list(folded_pt) == [f"blocks.{i}.weight" for i in range(n)] + ["head.weight"]
+
+
+_SQUARE_SPECTRAL = {
+    # Layers whose weight's first two dims are equal: the shape fits matrix dim 0 and 1.
+    "conv2d": lambda: nn.utils.parametrizations.spectral_norm(nn.Conv2d(8, 8, 3, padding=1)),
+    "conv_transpose2d": lambda: nn.utils.parametrizations.spectral_norm(nn.ConvTranspose2d(8, 8, 3, padding=1)),
+    "linear_dim1": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8), dim=1),
+    "hooks_conv2d": lambda: nn.utils.spectral_norm(nn.Conv2d(8, 8, 3, padding=1)),
+}
+
+
+def _square_input(layer: nn.Module) -> torch.Tensor:
+    return torch.randn(2, 8) if isinstance(layer, nn.Linear) else torch.randn(1, 8, 5, 5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("layer", sorted(_SQUARE_SPECTRAL))
+def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_stale(tmp_path, layer, seed):
+    # Regression: the dim was the candidate whose W_mat^H u came closest to v, so vectors that are
+    # not this weight's last power step (re-initialised after spectral_norm, as GAN code does)
+    # folded a wrong weight with exit 0 for 6 Conv2d(8, 8, 3) of 10.
+    torch.manual_seed(seed)
+    model = _SQUARE_SPECTRAL[layer]()
+    x = _square_input(model)
+    model.train()
+    model(x)  # a training-mode forward: the vectors are this weight's last power step
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3 * torch.randn_like(p))  # about an optimizer step's size
+    model.eval()
+    src = tmp_path / "fresh.pt"
+    torch.save(model.state_dict(), src)
+    out = tmp_path / "fresh.safetensors"
+    fold_checkpoint(src, out)
+    plain = type(model)(**({"in_features": 8, "out_features": 8} if isinstance(model, nn.Linear) else
+                           {"in_channels": 8, "out_channels": 8, "kernel_size": 3, "padding": 1}))
+    plain.load_state_dict(load_file(out), strict=True)
+    with torch.no_grad():
+        want = model(x)  # the hook-based norm computes its weight in this call
+        assert torch.equal(plain.eval()(x), want)
+
+    # Weights replaced after the last power step: the vectors cannot tell dim 0 from dim 1.
+    weight = "weight_orig" if layer.startswith("hooks") else "parametrizations.weight.original"
+    nn.init.orthogonal_(model.get_parameter(weight))
+    stale = tmp_path / "stale.pt"
+    torch.save(model.state_dict(), stale)
+    with pytest.raises(CheckpointError, match=r"cannot fold 'weight' \(spectral_norm\).*dim 0 or 1.*--model"):
+        fold_checkpoint(stale, tmp_path / "stale.safetensors")
+    res = _cli(str(stale), "--fold-out", str(tmp_path / "stale.safetensors"))
+    assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "--model MODULE:FACTORY" in res.stderr
+    assert not (tmp_path / "stale.safetensors").exists()
+    by_model = tmp_path / "by_model.safetensors"
+    assert fold_checkpoint(stale, by_model, model_factory=_SQUARE_SPECTRAL[layer]).via == "model"
+    plain.load_state_dict(load_file(by_model), strict=True)
+    with torch.no_grad():
+        assert torch.equal(plain(x), model(x))

@@ -14,9 +14,10 @@ Recognised from keys (and foldable from the checkpoint alone, ``FOLDABLE_KINDS``
 * ``weight_norm``: ``original0`` (g) and ``original1`` (v); the norm dim is inferred from g's shape.
   The legacy hook API's ``<name>_g``/``<name>_v`` pairs are recognised too.
 * ``spectral_norm``: ``original`` plus ``0._u``/``0._v``; also the legacy hook API's
-  ``<name>_orig``/``_u``/``_v`` triples. Where the matrix dim is ambiguous from shapes (square
-  ConvTranspose weights), the site lists ``dim_candidates`` and the fold resolves it from the stored
-  vectors.
+  ``<name>_orig``/``_u``/``_v`` triples. Where the shape leaves the matrix dim open (the weight's
+  first two dims are equal: ``Conv*(c, c, k)``, ``ConvTranspose*(c, c, k)``, a square ``Linear``),
+  the site lists ``dim_candidates`` and the fold reads it from the stored vectors, or refuses
+  where they cannot tell (``paramfold.fold._resolve_spectral_dim``).
 * ``fake_sparsity``: ``original`` plus ``0.mask``.
 
 Recognised but foldable only with the model (``model_factory``, ``--model``): ``orthogonal``
@@ -313,7 +314,7 @@ def _classify(site: CheckpointSite) -> None:
                 site.folded, site.foldable = w, True
                 site.note = "folded to its eval-mode value from the stored _u/_v"
                 if len(dims) > 1:
-                    site.note += "; the matrix dim is resolved from _u/_v when folding"
+                    site.note += "; the matrix dim is read from _u/_v when folding (refused where they cannot tell)"
                 return
         if snames == {"0.mask"} and state["0.mask"].shape == w.shape:
             site.kind = "fake_sparsity"

@@ -9,9 +9,11 @@ time, so the result is bitwise equal to what the stock model computes:
   of the legacy hook's ``compute_weight``.
 * ``spectral_norm``: its eval-mode value ``W / vdot(u, W_mat @ v)`` from the stored vectors, exactly
   as ``_SpectralNorm.forward`` computes it in eval mode (the legacy hook's
-  ``compute_weight(do_power_iteration=False)`` for legacy keys). An ambiguous matrix dim (square
-  ConvTranspose weights) is resolved from the stored vectors: ``v`` is the normalised
-  ``W_mat^H u`` of the last power step.
+  ``compute_weight(do_power_iteration=False)`` for legacy keys). A matrix dim the shape leaves
+  open (a weight whose first two dims are equal: ``Conv*(c, c, k)``, ``ConvTranspose*(c, c, k)``,
+  a square ``Linear``) is read from the stored vectors, where they are the last power step's for
+  this weight (``v`` is the normalised ``W_mat^H u``), else refused unless every dim gives the
+  same value (see :func:`_resolve_spectral_dim`).
 * ``fake_sparsity``: ``mask * original``.
 
 Every other kind needs the model: with ``model_factory`` (a callable, or ``"MODULE:FACTORY"``
@@ -159,14 +161,18 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
         legacy = site.params.get("api") == LEGACY_SPECTRAL_NORM_API
         name = site.tensor
         w, u, v = (t[f"{name}_orig"], t[f"{name}_u"], t[f"{name}_v"]) if legacy else (t["original"], t["0._u"], t["0._v"])
+
+        def value(dim: int) -> torch.Tensor:
+            if legacy:
+                # torch.nn.utils.spectral_norm's SpectralNorm.compute_weight(do_power_iteration=False)
+                sigma = torch.dot(u, torch.mv(_spectral_weight_mat(w, dim), v))
+                return w / sigma
+            return _spectral_norm_eval(w, u, v, dim)
+
         dim = site.params["dim"]
         if dim is None:
-            dim = _resolve_spectral_dim(w, u, v, site.params["dim_candidates"])
-        if legacy:
-            # torch.nn.utils.spectral_norm's SpectralNorm.compute_weight(do_power_iteration=False)
-            sigma = torch.dot(u, torch.mv(_spectral_weight_mat(w, dim), v))
-            return w / sigma
-        return _spectral_norm_eval(w, u, v, dim)
+            dim = _resolve_spectral_dim(site.key, w, u, v, site.params["dim_candidates"], value)
+        return value(dim)
     raise AssertionError(f"unfoldable kind {site.kind}")
 
 
@@ -186,13 +192,43 @@ def _spectral_norm_eval(weight: torch.Tensor, u: torch.Tensor, v: torch.Tensor, 
     return weight / sigma
 
 
-def _resolve_spectral_dim(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int]) -> int:
-    # The power method ends with v = normalize(W_mat^H u): the right dim reproduces the stored v.
-    def agreement(d: int) -> float:
-        mat = _spectral_weight_mat(w.double(), d)
-        return float(torch.dot(torch.nn.functional.normalize(torch.mv(mat.H, u.double()), dim=0), v.double()))
+#: An ambiguous spectral_norm dim is taken from the stored vectors only on strong evidence. The
+#: power method ends with ``v = normalize(W_mat^H u)``; a vector unrelated to ``W_mat^H u`` has a
+#: cosine of at least ``a`` with it with a chance below ``(1 - a^2)^((n - 1) / 2)`` in ``n``
+#: dimensions. The dim taken must agree with a chance under ``_SURE``; every other, over ``_UNRELATED``.
+_SURE, _UNRELATED = 1e-9, 1e-3
 
-    return max(candidates, key=agreement)
+
+def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int],
+                          value: Callable[[int], torch.Tensor]) -> int:
+    """The matrix dim of a spectral_norm weight whose shape fits several (``candidates``).
+
+    The stored vectors decide where they are the last power step's for this weight (saved after a
+    training-mode forward, or an optimizer step or so later), and where every candidate gives the
+    same value it does not matter; otherwise (weights re-initialised or loaded after the last
+    power step) they cannot tell, and a guess could fold a wrong weight: refused.
+    """
+    n = v.numel()
+
+    def chance(d: int) -> float:
+        x = torch.mv(_spectral_weight_mat(w.double(), d).H, u.double())
+        norms = float(x.norm() * v.double().norm())
+        a = float(torch.dot(x, v.double())) / norms if norms > 0 else 0.0
+        return 1.0 if not a > 0 else max(0.0, 1.0 - a * a) ** ((n - 1) / 2)
+
+    chances = {d: chance(d) for d in candidates}
+    sure = [d for d, c in chances.items() if c <= _SURE]
+    if len(sure) == 1 and all(c >= _UNRELATED for d, c in chances.items() if d != sure[0]):
+        return sure[0]
+    values = [value(d) for d in candidates]
+    if all(torch.equal(values[0], other) for other in values[1:]):
+        return candidates[0]
+    raise CheckpointError(
+        f"cannot fold '{key}' (spectral_norm) from the checkpoint alone: its weight of shape {tuple(w.shape)} "
+        f"fits matrix dim {' or '.join(map(str, candidates))}, and its stored _u/_v do not tell which (they are "
+        "not the last power step's for this weight: it changed after the last training-mode forward); "
+        "pass --model MODULE:FACTORY that builds the parametrized model"
+    )
 
 
 def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], torch.nn.Module] | str) -> FoldResult:
