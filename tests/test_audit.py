@@ -561,3 +561,35 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     plain.load_state_dict(load_file(by_model), strict=True)
     with torch.no_grad():
         assert torch.equal(plain(x), model(x))
+
+
+def test_sharded_checkpoint_in_the_hugging_face_cache_layout_folds(tmp_path):
+    # Regression: every shard was resolved through its link before the "inside the index's
+    # folder" check, so a cache snapshot (each file a link to ../../blobs/<hash>) was refused.
+    stock, x = _stock("weight_norm")
+    sd = {k: v.detach().contiguous() for k, v in stock.state_dict().items()}
+    keys = list(sd)
+    blobs, snapshot = tmp_path / "models--me--tiny" / "blobs", tmp_path / "models--me--tiny" / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    weight_map = {}
+    for i, part in enumerate((keys[::2], keys[1::2])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: sd[k] for k in part}, blobs / f"hash{i}")
+        (snapshot / name).symlink_to(f"../../blobs/hash{i}")
+        weight_map.update(dict.fromkeys(part, name))
+    (blobs / "hashindex").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (snapshot / "model.safetensors.index.json").symlink_to("../../blobs/hashindex")
+
+    assert audit_checkpoint(snapshot).format == "sharded-safetensors"
+    out = tmp_path / "folded.safetensors"
+    fold_checkpoint(snapshot, out)
+    _check_folded(out, stock, x, "weight_norm")
+
+    # A shard named outside the folder is still refused, by its name.
+    for outside in ("../model-00001-of-00002.safetensors", str(snapshot / "model-00001-of-00002.safetensors")):
+        (snapshot / "model.safetensors.index.json").unlink()
+        (snapshot / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {k: outside if v.startswith("model-00001") else v for k, v in weight_map.items()}}))
+        with pytest.raises(CheckpointError, match="lies outside the index's folder"):
+            audit_checkpoint(snapshot)

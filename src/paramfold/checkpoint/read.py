@@ -239,15 +239,18 @@ def _open_index(index: Path) -> Checkpoint:
     shards: dict[str, dict[str, Entry]] = {}
     kinds: set[str] = set()
     for shard in dict.fromkeys(weight_map.values()):
-        sp = (index.parent / shard).resolve()
-        if index.parent.resolve() not in sp.parents:
+        # Named inside the index's folder, checked on the name: a shard may be a link out of it
+        # (Hugging Face's cache links each snapshot's files to blobs named by hash).
+        named = Path(shard)
+        if not shard or named.is_absolute() or ".." in named.parts:
             raise CheckpointError(f"{index}: shard '{shard}' lies outside the index's folder")
+        sp = index.parent / named
         if not sp.is_file():
             raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing")
-        if sp.name.lower().endswith(SAFETENSORS_SUFFIX):
+        if named.name.lower().endswith(SAFETENSORS_SUFFIX):
             shards[shard], _ = _safetensors_entries(sp)
             kinds.add("safetensors")
-        elif sp.name.lower().endswith(PT_SUFFIXES):
+        elif named.name.lower().endswith(PT_SUFFIXES):
             shards[shard], _ = pt_entries(sp)
             kinds.add("pt")
         else:
