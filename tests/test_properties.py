@@ -22,6 +22,7 @@ import torch
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
@@ -275,6 +276,34 @@ def test_hoisted_spectral_norm_on_a_module_called_twice_is_a_documented_differen
     with pytest.raises(AssertionError, match=r"differs from stock.*\(0 ran more than once in the forward.*mode='inline'"):
         pt.assert_equivalent(model, torch.randn(3, 4), "hoist", steps=2)
     pt.assert_equivalent(model, torch.randn(3, 4), "inline", steps=2)
+
+
+class _TiedLM(nn.Module):
+    # The output projection reads the embedding's weight_norm weight a second time, directly.
+    def __init__(self, norm) -> None:
+        super().__init__()
+        self.emb = norm(nn.Embedding(50, 16))
+        self.mix = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.mix(self.emb(ids))), self.emb.weight)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_a_tensor_read_twice_by_a_forward_is_the_documented_difference_not_a_failure(mode):
+    # Regression: the checker counted calls of parametrized modules, not reads of their tensors,
+    # so a tied output projection (read once by the embedding, once directly) was held bitwise
+    # to stock's gradient, which sums after the chain's backward: a correct model failed.
+    for seed in range(3):
+        torch.manual_seed(seed)
+        pt.assert_equivalent(_TiedLM(weight_norm), torch.randint(0, 50, (4, 7)), mode, steps=2)
+    # A stateful chain read twice is the other documented difference, explained by name.
+    torch.manual_seed(0)
+    if mode == "inline":
+        pt.assert_equivalent(_TiedLM(spectral_norm), torch.randint(0, 50, (4, 7)), mode, steps=2)
+    else:
+        with pytest.raises(AssertionError, match=r"\(emb ran more than once in the forward.*mode='inline'"):
+            pt.assert_equivalent(_TiedLM(spectral_norm), torch.randint(0, 50, (4, 7)), mode, steps=2)
 
 
 class _Int8Net(nn.Module):

@@ -8,11 +8,12 @@ Tolerances. In eager mode every comparison is bitwise (``torch.testing.assert_cl
 ``rtol=atol=0`` and ``equal_nan=True``), with one documented exception: gradients of originals
 that autograd sums from several contributions in an order ``prepare`` may change. That is
 
-* a parametrized module *called more than once per forward* (the same instance registered
-  at two places, or called twice by a forward; calls are counted in stock's first step): stock
-  computes its tensor once per call and autograd sums after the chain's backward (``J^T g1 +
-  J^T g2``); hoist, freeze and auto compute it once per forward and sum before it (``J^T (g1 +
-  g2)``);
+* a parametrized module *called more than once per forward*, or whose tensor is read more than
+  once (the same instance registered at two places, called twice by a forward, or its weight
+  read directly besides, as a tied output projection does; calls and reads are counted in each
+  of stock's steps): stock computes its tensor at every read and autograd sums after the
+  chain's backward (``J^T g1 + J^T g2``); hoist, freeze and auto compute it once per forward and
+  sum before it (``J^T (g1 + g2)``);
 * an original *shared by several sites* (tied): hoisted sites are computed when the forward
   starts, in module order, so their backward nodes run in a different order than stock's
   when the forward reads them in another order or only some of them are prepared
@@ -414,13 +415,24 @@ def _compare_step(
 
 @contextlib.contextmanager
 def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
-    """Counts the calls of each parametrized module of ``model`` (by path) in the block."""
+    """Counts, for each parametrized module of ``model`` (by path), how many times the block
+    called it or read one of its parametrized tensors, whichever is more: stock computes a tensor
+    at every read (its ``ParametrizationList`` is called), so a forward that reads a module's
+    weight directly besides calling it (a tied output projection) reads it twice."""
     counts: dict[str, int] = {}
+    seen: dict[object, int] = {}
     handles = []
+
+    def counter(path: str, key: object) -> Callable[..., None]:
+        def count(*_: Any) -> None:
+            seen[key] = seen.get(key, 0) + 1
+            counts[path] = max(counts.get(path, 0), seen[key])
+        return count
+
     for path, module in _parametrized(model):
-        def count(*_: Any, path: str = path) -> None:
-            counts[path] = counts.get(path, 0) + 1
-        handles.append(module.register_forward_pre_hook(count))
+        handles.append(module.register_forward_pre_hook(counter(path, path)))
+        for name, plist in module.parametrizations.items():
+            handles.append(plist.register_forward_pre_hook(counter(path, (path, name))))
     try:
         yield counts
     finally:
