@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -593,3 +594,35 @@ def test_sharded_checkpoint_in_the_hugging_face_cache_layout_folds(tmp_path):
             json.dumps({"weight_map": {k: outside if v.startswith("model-00001") else v for k, v in weight_map.items()}}))
         with pytest.raises(CheckpointError, match="lies outside the index's folder"):
             audit_checkpoint(snapshot)
+
+
+def _unreadable_runner() -> list[str] | None:
+    """A command prefix under which a mode-000 file cannot be read: none needed as a user; as root,
+    setpriv without the capabilities that bypass file permissions. None where neither is possible."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    prefix = [setpriv, "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    return prefix if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0 else None
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_an_unreadable_checkpoint_says_permission_denied_as_a_checkpoint_error(tmp_path, suffix):
+    # Regression: an unreadable .safetensors was "not a valid safetensors file (No such file or
+    # directory)", and the API raised a bare PermissionError for an unreadable .pt.
+    prefix = _unreadable_runner()
+    if prefix is None:
+        pytest.skip("cannot make a file unreadable here (root without setpriv)")
+    stock, _ = _stock("weight_norm")
+    src = _save(stock.state_dict(), suffix.lstrip("."), tmp_path)
+    src.chmod(0)
+    tmp_path.chmod(0o755)
+    api = ("import sys, paramfold\n"
+           "try:\n    paramfold.audit_checkpoint(sys.argv[1])\n"
+           "except paramfold.CheckpointError as e:\n    print('CheckpointError:', e)\n")
+    done = subprocess.run([*prefix, sys.executable, "-c", api, str(src)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"CheckpointError: {src}: Permission denied", done.stderr
+    cli = subprocess.run([*prefix, sys.executable, "-m", "paramfold", "audit", str(src)], capture_output=True, text=True)
+    assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and f"{src}: Permission denied" in cli.stderr, cli.stderr

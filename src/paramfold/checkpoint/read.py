@@ -182,6 +182,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         return _open_folder(p)
     if not p.is_file():  # a FIFO or a device would block or never end
         raise CheckpointError(f"{p}: not a regular file", exit_code=2)
+    _check_readable(p)
     name = p.name.lower()
     if name.endswith(".index.json"):
         return _open_index(p)
@@ -197,6 +198,16 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         "or a folder holding one",
         exit_code=2,
     )
+
+
+def _check_readable(p: Path) -> None:
+    """Say why a file that exists cannot be read (the readers' own messages would call an
+    unreadable safetensors file missing or invalid)."""
+    try:
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"{p}: {e.strerror or e}") from None
 
 
 def _open_folder(folder: Path) -> Checkpoint:
@@ -247,6 +258,7 @@ def _open_index(index: Path) -> Checkpoint:
         sp = index.parent / named
         if not sp.is_file():
             raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing")
+        _check_readable(sp)
         if named.name.lower().endswith(SAFETENSORS_SUFFIX):
             shards[shard], _ = _safetensors_entries(sp)
             kinds.add("safetensors")
