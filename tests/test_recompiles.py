@@ -430,6 +430,53 @@ def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
     ]
 
 
+def test_cli_json_stdout_holds_only_the_report_whatever_the_script_writes(tmp_path):
+    # Regression: only sys.stdout went to stderr, so a child process's output, os.system's and
+    # sys.__stdout__'s came before the JSON on stdout, which then did not parse.
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, subprocess, sys, torch
+        subprocess.run([sys.executable, "-c", "print('from a child process')"], check=True)
+        os.system("echo from os.system")
+        print("from sys.__stdout__", file=sys.__stdout__)
+        print("from print")
+        torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+        """
+    ))
+    done = subprocess.run([sys.executable, "-m", "paramfold", "recompiles", "--json", "--", "python", str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["compiles"] == 1
+    for line in ("from a child process", "from os.system", "from sys.__stdout__", "from print"):
+        assert line in done.stderr
+    # Without --json the script's output stays on stdout, before the report.
+    plain = subprocess.run([sys.executable, "-m", "paramfold", "recompiles", "--", "python", str(script)],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
+    assert plain.returncode == 0 and "from a child process" in plain.stdout and "from print" in plain.stdout
+
+
+def test_cli_gives_the_script_an_absolute_file_as_python_does(tmp_path):
+    # Regression: __file__ was the path as typed, so a script that changes directory and then
+    # finds its data next to itself failed under paramfold recompiles (python makes it absolute).
+    (tmp_path / "data.txt").write_text("42")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "run.py").write_text(textwrap.dedent(
+        """
+        import os, sys
+        print(__file__, sys.argv[0])
+        os.chdir("sub")
+        print(open(os.path.join(os.path.dirname(__file__), "data.txt")).read())
+        """
+    ))
+    want = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert want.returncode == 0 and want.stdout.split() == [str(tmp_path / "run.py"), "run.py", "42"]
+    got = subprocess.run([sys.executable, "-m", "paramfold", "recompiles", "--json", "--", "python", "run.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert want.stdout in got.stderr
+
+
 def test_cli_runs_a_folder_with_a_main_module_as_python_does(tmp_path):
     # Regression: `python pkgdir` runs pkgdir/__main__.py; the command said "script not found".
     folder = tmp_path / "pkgdir"

@@ -2,8 +2,9 @@
 
 The script (or ``-m module``) runs in this process, as ``python`` would run it: its own
 ``sys.argv``, its folder (or the working directory for ``-m``) first on ``sys.path``, its exit status
-kept. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout (the
-script's own prints go to stderr so that stdout stays parseable). What the script prints, its
+kept. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout
+(the script's own output goes to stderr so that stdout stays parseable: its prints, and what
+reaches file descriptor 1, as child processes' output). What the script prints, its
 traceback included, is its own output, except dynamo's multi-line recompile-limit warning: the
 report shows that hit with its cause and fix, and ``--strict`` says it in one error line. What goes
 wrong with the command itself is raised as :class:`ScriptError` (exit code 2), for the command
@@ -12,13 +13,16 @@ line to print in its one format.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib.util
+import io
 import os
 import re
 import runpy
 import sys
 import traceback
+import types
 
 from paramfold.errors import FoldError
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
@@ -72,13 +76,13 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     sys.argv = [argv0, *rest]
     if module is None and not os.path.isdir(argv0):  # runpy puts a folder on sys.path itself
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
-    redirect = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    redirect = _stdout_to_stderr() if as_json else contextlib.nullcontext()
     code, interrupted = 0, None
     try:
         with redirect, recompiles(warn=False, torch_warning=False) as report:
             try:
                 if module is None:
-                    runpy.run_path(argv0, run_name="__main__")
+                    _run_path(argv0)
                 else:
                     runpy.run_module(module, run_name="__main__", alter_sys=True)
             except SystemExit as e:
@@ -103,3 +107,50 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     if code == 0 and strict and report.limit_hit:
         raise RecompileLimitError(limit_message(report))
     return code
+
+
+def _run_path(argv0: str) -> None:
+    """Run the script or folder ``argv0`` as ``python argv0`` does: its ``__file__`` absolute (the
+    working directory joined in front, so that it finds its files after an ``os.chdir``) while
+    ``sys.argv[0]`` stays as typed, which ``runpy.run_path`` sets to the path it is given."""
+    absolute = os.path.join(os.getcwd(), argv0)
+    if os.path.isdir(argv0) or not argv0.endswith(".py"):  # a folder, a zip, a .pyc: runpy's loaders
+        runpy.run_path(absolute, run_name="__main__")
+        return
+    with io.open_code(absolute) as f:
+        code = compile(f.read(), absolute, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=absolute, __cached__=None, __loader__=None, __package__=None,
+                         __spec__=None, __builtins__=builtins)
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main  # as runpy does: pickling what the script defines finds it
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """While the script runs, send what it writes to stdout to stderr: ``sys.stdout``, and file
+    descriptor 1 too (child processes, ``os.system``, ``sys.__stdout__``), so that stdout holds
+    the JSON report alone. Where descriptor 1 cannot be duplicated (closed), Python's only."""
+    try:
+        sys.stdout.flush()
+        if sys.__stdout__ is not None:
+            sys.__stdout__.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            for stream in (sys.__stdout__, sys.stderr):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.flush()  # buffered writes made meanwhile belong to stderr
+            os.dup2(saved, 1)
+            os.close(saved)
