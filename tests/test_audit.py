@@ -290,7 +290,7 @@ def _truncate(path: Path, keep: float) -> None:
     path.write_bytes(data[: int(len(data) * keep)])
 
 
-def _bad_case(case: str, d: Path, src: dict[str, Path]) -> tuple[Path, Path | None, list[str]]:
+def _bad_case(case: str, d: Path, src: dict[str, Path]) -> tuple[Path, Path | str | None, list[str]]:
     """(input, output or None, other options) of a command line that must fail."""
     out = d / "o.pt"
     if case == "missing":
@@ -310,6 +310,8 @@ def _bad_case(case: str, d: Path, src: dict[str, Path]) -> tuple[Path, Path | No
         return d / "missing.pt", d / "o.gguf", []
     if case == "out_is_input":
         return src["pt"], src["pt"], []
+    if case == "out_trailing_slash":  # was written as a file named o.pt
+        return src["pt"], f"{d / 'o.pt'}/", []
     if case == "model_without_out":
         return src["pt"], None, ["--model", "audit_models:custom_net"]
     if case == "model_spec":
@@ -331,6 +333,7 @@ BAD_CASES = [
     ("out_folder_missing", 2, "does not exist"),
     ("out_format", 2, "unsupported output format"),
     ("out_is_input", 2, "refusing to overwrite it"),
+    ("out_trailing_slash", 2, "names a folder (it ends with a slash); give a file name ending in"),
     ("model_without_out", 2, "only applies together with --fold-out"),
     ("model_spec", 2, "expected MODULE:FACTORY"),
     ("model_import", 2, "cannot import"),

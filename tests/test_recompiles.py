@@ -499,6 +499,11 @@ def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
         (["python"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
         (["python", "-m"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
         (["python", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+        # Was "script not found: -c".
+        (["python", "-c", "print(1)"], "python's option -c is not supported here: give a script file "
+                                       "(code for -c put in one) or -m MODULE"),
+        (["python", "-u", "train.py"], "python's option -u is not supported here: give a script file "
+                                       "(code for -c put in one) or -m MODULE"),
     ):
         code, out, err = _cli(["recompiles", "--", *args])
         assert (code, out, err) == (2, "", f"paramfold recompiles: error: {message}\n"), args

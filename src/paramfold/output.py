@@ -140,6 +140,9 @@ def check_output(
         paramfold.output.OutputError: ...x.gguf: unsupported output format '.gguf': use .pt
     """
     out = Path(path)
+    if str(path).endswith(("/", os.sep)):  # Path() drops the slash: "out.pt/" would be written as a file
+        raise OutputError(f"{path}: names a folder (it ends with a slash); give a file name" + (
+            f" ending in {_alternatives(tuple(suffixes))}" if suffixes is not None else ""))
     if suffixes is not None:
         suffixes = tuple(suffixes)
         if not out.name.lower().endswith(suffixes):

@@ -51,6 +51,9 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         tokens = tokens[1:]
     if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
         raise ScriptError(f"nothing to run; usage: {USAGE}")
+    if tokens[0].startswith("-") and tokens[0] != "-m":  # as python reads it: an option, not a script
+        raise ScriptError(f"python's option {tokens[0]} is not supported here: give a script file "
+                          "(code for -c put in one) or -m MODULE")
     old_argv, old_path = sys.argv[:], sys.path[:]
     if tokens[0] == "-m":
         module: str | None = tokens[1]
