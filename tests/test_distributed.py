@@ -278,6 +278,60 @@ def _fsdp_scenarios(rank: int, record) -> None:
         with record.guard(name):
             got = _fsdp_eval(xs, "after", mode, compiled=True)
             record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
+    _unsharded_scenarios(xs, record)
+
+
+def _unsharded_flows():
+    """FSDP2 flows where a layer's parameters are still gathered (plain tensors, not DTensors)
+    when the model is called, each returning every gradient and parameter it ends with."""
+
+    def accumulate(model, xs):  # torchtitan's gradient accumulation: no reduce-scatter, no reshard between
+        for micro in range(2):
+            last = micro == 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            model(xs[micro]).pow(2).mean().backward()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    def kept_gathered(model, xs):  # set_reshard_after_backward(False) every step
+        params = list(model.parameters())
+        model.set_reshard_after_backward(False)
+        opt = torch.optim.SGD(params, lr=0.1)
+        out = []
+        for x in xs[:STEPS]:
+            model(x).pow(2).mean().backward()
+            out += [p.grad.full_tensor() for p in params]
+            opt.step()
+            opt.zero_grad()
+        return out + [p.full_tensor() for p in params]
+
+    def two_forwards(model, xs):  # reshard_after_forward=False: gathered from the first forward on
+        (model(xs[0]).pow(2).mean() + model(xs[1]).abs().mean()).backward()
+        return [p.grad.full_tensor() for p in model.parameters()]
+
+    return {"accumulate": (accumulate, True), "kept_gathered": (kept_gathered, True),
+            "two_forwards": (two_forwards, False)}
+
+
+def _unsharded_scenarios(xs, record) -> None:
+    # Regression: hoist and auto computed such layers' values at the root's call (their originals
+    # were not DTensors then), so their backward ran after FSDP2's reduce-scatter and reshard: it
+    # raised (storage freed) or left the sharded gradients None (the optimizer skipped them).
+    from torch.distributed.fsdp import fully_shard
+
+    def build(mode, reshard_after_forward):
+        model = _model()
+        for layer in model.layers:
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+        return paramfold.prepare(model, mode) if mode else model
+
+    for flow, (run, reshard_after_forward) in _unsharded_flows().items():
+        ref = run(build(None, reshard_after_forward), xs)
+        for mode in ("hoist", "auto"):
+            name = f"fsdp/unsharded/{flow}/{mode}"
+            with record.guard(name):
+                record(name, equal=_equal(run(build(mode, reshard_after_forward), xs), ref))
 
 
 # ----------------------------------------------------------------------------------------- DDP
@@ -523,6 +577,12 @@ def test_fsdp2_prepared_gathers_and_holds_no_more_than_stock(ranks, order, mode)
 def test_fsdp2_eval_outputs_equal_stock(ranks, order, mode):
     rec = _record(ranks, f"fsdp/eval/{order}/{mode}")
     assert rec["outs"] and rec["comm"] == rec["stock_comm"]
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+@pytest.mark.parametrize("flow", sorted(_unsharded_flows()))
+def test_fsdp2_layers_left_gathered_between_calls_train_like_stock(ranks, flow, mode):
+    assert _record(ranks, f"fsdp/unsharded/{flow}/{mode}")["equal"], "gradients or parameters differ from stock FSDP2"
 
 
 @pytest.mark.parametrize("mode", ["freeze", "auto", "inline"])

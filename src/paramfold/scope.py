@@ -211,15 +211,16 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
 def _changes_originals(module: nn.Module | None) -> bool:
     """Whether calling ``module`` (``None``: any module, through the global hooks) runs a forward
     pre-hook that may change originals before a parametrized tensor below it is read: any but
-    torch.distributed's (FSDP2's gather, whose tensors are computed where read anyway) and the
-    hook-based norms that the scope serves itself."""
+    the hook-based norms that the scope serves itself. FSDP2's counts: it swaps in the gathered
+    parameters, and a layer left gathered between calls (``reshard_after_forward=False``,
+    ``set_reshard_after_backward(False)``) has plain tensors there, not DTensors, whose value
+    computed at the root's call would be backpropagated after FSDP2's reduce-scatter."""
     hooks = _global_forward_pre_hooks if module is None else module._forward_pre_hooks
     if not hooks:
         return False
     state = None if module is None else module.__dict__.get(STATE_ATTR)
     served = {site.hook_key for site in state.sites.values() if site.hook is not None} if state is not None else ()
-    return any(key not in served and not getattr(hook, "__module__", "").startswith("torch.distributed.")
-               for key, hook in hooks.items())
+    return any(key not in served for key in hooks)
 
 
 def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...]]:
