@@ -364,3 +364,100 @@ def test_auto_on_a_trainable_model_alternating_no_grad_and_training_steps_equals
             opt.step()
             opt.zero_grad()
         assert_same_tensors(stock.state_dict(), ours.state_dict(), step)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_weights_updated_before_every_call_are_computed_at_every_call_without_fingerprints(mode, compiled, monkeypatch):
+    # Regression (speed): an EMA or target model, or a policy sampled after every optimizer step,
+    # made freeze and auto recompute each value, fingerprint every input (bytes hashed), walk the
+    # general path and build a steady plan (its guard manager too) at every call: 5x stock's call
+    # on the seed. After consecutive calls with changed inputs such a site is computed at every
+    # call as hoist does, through the steady plan; freezing is tried again later.
+    freeze = importlib.import_module("paramfold.freeze")
+    watch = importlib.import_module("paramfold.watch")
+    fingerprints, managers = [], []
+    real_freeze, real_manager = freeze._freeze, watch._guard_manager
+    monkeypatch.setattr(freeze, "_freeze", lambda *a: fingerprints.append(a) or real_freeze(*a))
+    monkeypatch.setattr(watch, "_guard_manager", lambda *a: managers.append(a) or real_manager(*a))
+    stock, _, x = _seed_pair(2)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    torch._dynamo.reset()
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    state = ours.__dict__["_paramfold"]
+    sites = [s for m in ours.modules() if "_paramfold" in m.__dict__ for s in m.__dict__["_paramfold"].sites.values()]
+    with torch.no_grad():
+        for call in range(10):  # the period starts at call 2 and ends after call 9
+            for model in (stock, ours):
+                for p in model.parameters():
+                    p.add_(1e-3)
+            assert torch.equal(run(x), stock(x)), call
+            if call == 2:  # frozen at call 0, changed at calls 1 and 2: computed at every call now
+                assert all(s.frozen is None and s.hoist_until > 0 for s in sites)
+                fingerprinted, built = len(fingerprints), len(managers)
+            if call == 3:
+                plan = state.plan
+        assert len(fingerprints) == fingerprinted  # no input fingerprinted since
+        assert state.plan is plan and plan is not None and len(plan.hoisted) == len(sites)  # the steady plan serves them
+        assert len(managers) <= built + 1
+        # Weights that stop changing are frozen again when the period ends (8 calls).
+        for call in range(12):
+            assert torch.equal(run(x), stock(x)), call
+        assert all(s.frozen is not None for s in sites)
+        assert len(state.plan.values) == len(sites)
+
+
+def test_a_rebuilt_plan_reuses_the_guard_manager_while_its_guards_hold(monkeypatch):
+    # Building dynamo's guard manager costs more than a call of the seed (one accessor per
+    # watched dict and tensor, through Python); a plan rebuilt with the same dicts, unwritten,
+    # and tensors described alike (a frozen value recomputed) keeps the last one.
+    watch = importlib.import_module("paramfold.watch")
+    if not watch._USE_GUARD_MANAGER:
+        pytest.skip("this torch's guard manager is not used (paramfold.watch)")
+    managers = []
+    real = watch._guard_manager
+    monkeypatch.setattr(watch, "_guard_manager", lambda *a: managers.append(a) or real(*a))
+    stock, _, x = _seed_pair(2)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    with torch.no_grad():
+        ours(x)
+        assert len(managers) == 1
+        first = ours.__dict__["_paramfold"].plan
+        for model in (stock, ours):
+            model.seq[0].linear.parametrizations.weight.original.add_(1)
+        assert torch.equal(ours(x), stock(x))
+        again = ours.__dict__["_paramfold"].plan
+        assert again is not first and again.watch._root is first.watch._root and len(managers) == 1
+        assert torch.equal(ours(x), stock(x))  # unchanged (two changed calls in a row would compute at every call)
+        for model in (stock, ours):  # re-described: the guards do not hold, new ones are built
+            linear = model.seq[0].linear.parametrizations.weight
+            linear.original.data = linear.original.data.t().contiguous().t()
+        assert torch.equal(ours(x), stock(x))
+        assert len(managers) == 2 and ours.__dict__["_paramfold"].plan.watch.same()
+
+
+def test_calls_alternating_grad_modes_build_plans_only_now_and_then(monkeypatch):
+    # A rollout under no_grad and a training step with grad, in turn: each call opens the general
+    # way (the other mode's call changed what a plan relies on), so a plan built after it is never
+    # used; building one at every call cost more than the call. Plans are built after 1, 2, 4,
+    # ... such calls, and the plan path is back as soon as calls stop alternating.
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    builds = []
+    real = scope_plan.Plan.build
+    monkeypatch.setattr(scope_plan.Plan, "build", classmethod(lambda cls, *a, **k: builds.append(a) or real(*a, **k)))
+    stock = _trainable_seed()
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto")
+    x = make_input(BenchConfig(layers=2, width=16))
+    for call in range(64):
+        with torch.set_grad_enabled(bool(call % 2)):
+            assert torch.equal(ours(x), stock(x)), call
+    assert len(builds) <= 12  # 64 general calls, 32 of each mode: plans after 1, 2, 4, 8, 16 of them
+    state = ours.__dict__["_paramfold"]
+    with torch.no_grad():
+        for call in range(40):
+            assert torch.equal(ours(x), stock(x)), call
+        assert state.plan is not None and state.plan.used and scope_plan.holds(state.plan)
+        built = len(builds)
+        for _ in range(3):
+            ours(x)
+        assert len(builds) == built

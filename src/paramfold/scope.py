@@ -57,7 +57,7 @@ from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchang
 from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
-from paramfold.state import STATE_ATTR, ModuleState, SiteState, distributed
+from paramfold.state import CALLS, STATE_ATTR, ModuleState, SiteState, distributed
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 
@@ -88,6 +88,7 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     # per call while autocast is off).
     context = (grad, autocast_state() if _any_autocast() else None)
     with _LOCK:
+        CALLS[0] += 1
         plan = state.plan
         if (plan is not None and plan.grad is grad and not parametrize._cache_enabled and _tracing_state() is None
                 and holds(plan)):
@@ -100,12 +101,40 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
         else:
             hooked, pre_hooks = _below_pre_hooks(entry)
             claimed = _open_holders(entry, state, grad, hooked)
-            state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=pre_hooks)
+            _replan(state, grad, pre_hooks)
     previous = (_local.covered, nested.local.context)
     _local.covered = state.covers
     _local.opened = entry
     nested.local.context = context
     return previous, claimed
+
+
+#: The most calls opened the general way between two plans that were never used (``_replan``).
+_LONGEST_WAIT = 64
+
+
+def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...]) -> None:
+    """The entry's plan for its next call, after this one opened the general way.
+
+    It is built from the scope just opened, reusing the guards of the last plan of this grad
+    mode where they hold (each grad mode has its own). Where that last plan never served a call
+    (calls alternate no_grad and grad, a rollout and a training step, or something changes
+    between every two calls), building one at every call would cost more than it saves: the
+    next is built after 1, then 2, 4, ... up to :data:`_LONGEST_WAIT` such calls, and at once
+    after a plan that served one."""
+    last = state.plan
+    if last is None or last.grad is not grad:
+        last, state.spare_plan = state.spare_plan, last
+    if last is not None and not last.used:
+        if state.plan_wait:
+            state.plan_wait -= 1
+            state.plan = last  # its check fails fast, and a plan that holds is exact
+            return
+        state.plan_backoff = min(2 * state.plan_backoff or 1, _LONGEST_WAIT)
+        state.plan_wait = state.plan_backoff
+    else:
+        state.plan_backoff = state.plan_wait = 0
+    state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=pre_hooks, previous=last)
 
 
 def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[int]) -> list[nn.Module]:
@@ -170,6 +199,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
             frozen = site.frozen
             if frozen is not None and mode != "hoist" and _freezable(site, grad) and unchanged(site, frozen):
                 value = frozen.value  # the fast path: nothing changed since the last call
+                site.misses = site.demotions = 0
             else:
                 value = _value(holder, name, site, grad)
                 if value is None:
@@ -342,9 +372,34 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
     # freeze's sites are freezable here (_open_holders refused the call otherwise); auto's are
     # frozen where they can be for this call, hoisted otherwise.
     if _freezable(site, grad):
-        return frozen_value(holder, name, site)
+        if site.hoist_until > CALLS[0]:
+            return _hoisted(holder, name, site, grad)
+        value = frozen_value(holder, name, site)
+        if site.misses >= (1 if site.demotions else _MISSES):
+            _demote(site)
+        return value
     site.frozen = None
     return _hoisted(holder, name, site, grad)
+
+
+#: Consecutive calls that find a frozen value's inputs changed before the site is computed at
+#: every call instead (``_demote``; one, once it was), and for how many calls: the first time,
+#: then four times as many each time, up to the most.
+_MISSES, _FIRST_PERIOD, _LONGEST_PERIOD = 2, 8, 1024
+
+
+def _demote(site: SiteState) -> None:
+    """Compute a freeze or auto site at every call, as hoist does (under the call's grad mode,
+    in which the site is freezable: no autograd history either way), for a while: its inputs changed at the last calls (weights
+    updated between calls: an EMA or target model, a policy sampled after each optimizer step),
+    so freezing it would recompute its value and fingerprint its inputs, bytes included, at
+    every call, for nothing. Then freezing is tried again; a period that ends with the inputs
+    still changing at the next call starts a four times longer one. Exact either way: a value
+    computed at every call is stock's."""
+    site.frozen = None
+    site.misses = 0
+    site.hoist_until = CALLS[0] + min(_FIRST_PERIOD << 2 * site.demotions, _LONGEST_PERIOD)
+    site.demotions += 1
 
 
 def _freezable(site: SiteState, grad: bool) -> bool:

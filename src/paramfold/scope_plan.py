@@ -24,7 +24,7 @@ from torch import nn
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, digest, is_armed, same_inputs
-from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
+from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.watch import Watch, layout, tag
@@ -66,17 +66,19 @@ class Plan:
         "settings_empty",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
-        "pre_hooks_empty", "pre_hooks", "pre_hook_keys",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
     )
 
     @classmethod
     def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], bool],
-              pre_hooks: tuple[dict, ...] = ()) -> Plan | None:
+              pre_hooks: tuple[dict, ...] = (), previous: Plan | None = None) -> Plan | None:
         """The plan of a scope just opened over ``holders`` the general way, or None where some
         site is not in a steady state (hook-based norms, DTensors, anything recomputed).
-        ``pre_hooks``: the forward pre-hook dicts whose hooks decided that values are installed."""
+        ``pre_hooks``: the forward pre-hook dicts whose hooks decided that values are installed;
+        ``previous``: the plan this one replaces, whose watch it reuses where that still holds."""
         plan = cls()
         plan.grad = grad
+        plan.used = False
         plan.pre_hooks_empty = tuple(d for d in pre_hooks if not d)  # the usual case: a truth test each
         plan.pre_hooks = tuple(d for d in pre_hooks if d)
         plan.pre_hook_keys = list(map(list, plan.pre_hooks))
@@ -85,6 +87,8 @@ class Plan:
         switched, prepared, between = [], [], []
         links, ordered, stateful, modes = [], [], [], []
         flags, watch, raw, views, hoisted, callees, lists, kept, armed = [], [], [], [], [], [], [], [], []
+        until: list[int] = []
+        missed: list = []
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
@@ -127,6 +131,8 @@ class Plan:
                 if name in hs.kept:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
+                    if site.misses or site.demotions:
+                        missed.append(site)
                     watch.extend(frozen.watch)
                     kept.append((frozen.value, frozen.value_version, frozen.value_layout))
                     armed.extend(frozen.armed)
@@ -139,10 +145,12 @@ class Plan:
                 elif name in hs.installed and frozen is None and site.subclass is False:
                     # Hoisted: the same choice next call as long as the originals are the same
                     # tensors (so not DTensors: the tensor dicts' tags) and, for auto, nothing
-                    # that decides it changed.
-                    if site.mode == "auto":
+                    # that decides it changed, nor the end of a computed-at-every-call period.
+                    if site.hoist_until > CALLS[0]:  # freeze and auto: computed at every call for now
+                        until.append(site.hoist_until)
+                    if site.mode != "hoist":  # what decides freeze's refusal and auto's choice
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
-                    if site.mode == "auto" or site.stateful:  # training decides auto's choice and sharing
+                    if site.mode != "hoist" or site.stateful:  # training decides them too, and sharing
                         modes.extend((m, m.training) for m in site.chain)
                     # compute()'s steps for a flat chain, without its lookups (the structure tags
                     # pin the modules), and each member's forward where a call of it would be just that.
@@ -203,7 +211,8 @@ class Plan:
                 return None
         except Exception:  # a copy's entry replaced by a tensor, where torch reads no tags
             return None
-        plan.watch = Watch((*structure.values(), *full), (*plan.inputs, *plan.values))
+        plan.watch = Watch((*structure.values(), *full), (*plan.inputs, *plan.values),
+                           previous.watch if previous is not None else None)
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
@@ -212,12 +221,19 @@ class Plan:
         plan.callee_classes = tuple(dict.fromkeys(plan.callee_types))
         plan.callee_paths = list(map(_call_path, plan.callee_classes))
         plan.plists = tuple(lists)
+        plan.until = min(until) if until else None
+        plan.missed = tuple(missed)
         return plan
 
     def claim(self) -> None:
         """Claim every holder (the caller holds the scope lock and has checked :func:`holds`),
         then compute the hoisted values. On an exception the caller releases ``claimed``."""
+        self.used = True
         self.enter()
+        if self.missed:  # their frozen values served a call unchanged: the changes were not in a row
+            for site in self.missed:
+                site.misses = site.demotions = 0
+            self.missed = ()
         self.compute_hoisted()
 
     def enter(self) -> None:
@@ -315,6 +331,8 @@ def holds(plan: Plan) -> bool:
     (:func:`paramfold.scope._check_unchanged`, :func:`paramfold.freeze.unchanged` and the mode
     choices), over flat columns, cheapest first. Runs at every call, under the scope lock."""
     try:
+        if plan.until is not None and CALLS[0] >= plan.until:  # auto tries freezing those sites again
+            return False
         states = plan.states
         if any(map(_users, states)) or not all(map(is_, map(_kept, states), plan.kepts)):
             return False

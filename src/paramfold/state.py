@@ -112,6 +112,12 @@ class SiteState:
     #: The chain the value in ``__dict__`` was computed with, where a nested call computed it with
     #: members appended or removed inside the forward (``scope_nested``); () for ``modules``.
     read_chain: tuple = ()
+    #: auto: how many calls in a row found the frozen value's inputs changed, how many times the
+    #: site was computed at every call for that since its last unchanged call, and the value of
+    #: :data:`CALLS` until which it is (``scope._demote``).
+    misses: int = 0
+    demotions: int = 0
+    hoist_until: int = 0
 
     @property
     def training_stateful(self) -> bool:
@@ -121,6 +127,11 @@ class SiteState:
             if m.training:
                 return True
         return False
+
+
+#: Call scopes opened so far, in every thread (counted under the scope lock): the clock of auto's
+#: computed-at-every-call periods (``SiteState.hoist_until``).
+CALLS = [0]
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -230,14 +241,20 @@ class ModuleState:
     #: whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
     between_class: type | None = None
     kept: tuple[str, ...] = ()
-    #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one.
+    #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one,
+    #: and the last one of the other grad mode, whose guards a plan rebuilt for that mode reuses.
     plan: Any = None
+    spare_plan: Any = None
+    #: For entries: calls to open the general way before building a plan again, and the current
+    #: wait (``scope._replan``).
+    plan_wait: int = 0
+    plan_backoff: int = 0
     #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
     nested_check: Any = None
 
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
-        this module's objects (``plan``, ``nested_check``): the copy's first calls build its own."""
+        this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
         replica = copy.copy(self)
         memo[id(self)] = replica
         for field in dataclasses.fields(self):
@@ -247,7 +264,7 @@ class ModuleState:
 
 
 #: ModuleState's fields that hold what a call scope derived from the module, not its state.
-_CACHES = frozenset({"plan", "nested_check"})
+_CACHES = frozenset({"plan", "spare_plan", "nested_check"})
 
 
 def state_of(module: nn.Module) -> ModuleState | None:

@@ -144,26 +144,45 @@ class Watch:
     >>> layer.weight.data = layer.weight.data.t()
     >>> watch.same()
     False
+
+    ``previous``: a watch whose guards are reused where they hold for these dicts and tensors
+    (the same dicts, unwritten since it was made; tensors described alike), instead of built again.
     """
 
     __slots__ = ("dicts", "tensors", "tags", "layouts", "others", "other_layouts", "watched", "_root")
 
-    def __init__(self, dicts: Iterable[dict] = (), tensors: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, dicts: Iterable[dict] = (), tensors: Iterable[torch.Tensor] = (),
+                 previous: Watch | None = None) -> None:
         tensors = tuple(tensors)
         self.dicts = tuple(dicts)
         # Tensor subclasses are described from Python: the probes tried plain tensors only.
         self.tensors = tuple(t for t in tensors if type(t) in PLAIN_TENSOR_TYPES)
         self.others = tuple(t for t in tensors if type(t) not in PLAIN_TENSOR_TYPES)
         self.watched = (*self.dicts, *self.tensors)
-        self.tags = list(map(tag, self.dicts))
-        self.layouts = list(map(layout, self.tensors))
         self.other_layouts = list(map(layout, self.others))
         self._root = None
+        if previous is not None and previous._fits(self):
+            # The same dicts, unwritten since ``previous`` was made, and tensors described as its
+            # were: its guards hold for these, and building them again would cost more than a
+            # call (dynamo's guard manager is built through Python, one accessor per object).
+            self._root, self.tags, self.layouts = previous._root, previous.tags, previous.layouts
+            return
+        self.tags = list(map(tag, self.dicts))
+        self.layouts = list(map(layout, self.tensors))
         if _USE_GUARD_MANAGER and self.watched:
             try:
                 self._root = _guard_manager(self.dicts, self.tensors)
             except Exception:  # something the guards do not take: compare from Python
                 self._root = None
+
+    def _fits(self, other: Watch) -> bool:
+        """Whether this watch's guards hold for ``other``'s dicts and tensors as they are now."""
+        if self._root is None or len(self.dicts) != len(other.dicts) or len(self.tensors) != len(other.tensors):
+            return False
+        try:
+            return self._root.check(other.watched) is True
+        except Exception:
+            return False
 
     def same(self) -> bool:
         """Whether no dict was written and no tensor re-described since (a dict copy compared by
