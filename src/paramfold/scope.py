@@ -521,6 +521,11 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # nested in a scope and tensors below were swapped or changed since it opened, it answers
     # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
+    if torch.compiler.is_compiling():
+        # Traced, where dynamo inlines a submodule's call through _wrapped_call_impl (one with
+        # hooks): stock's attribute. Reading on would put guards on this scope's bookkeeping
+        # (its nested check, a process-wide count of changed inputs), each change a recompile.
+        return compiled
     if compiled is not None:
         return functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
