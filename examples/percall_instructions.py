@@ -9,6 +9,7 @@ divided by B - A is one steady call. Needs ``valgrind`` and ``gcc``; about a min
 
     python examples/percall_instructions.py                        # plain stock freeze freeze:version auto hoist
     python examples/percall_instructions.py --layers 8 plain freeze:version
+    python examples/percall_instructions.py --scenario update plain stock freeze auto
 
 Instructions are not time (the matmuls run many per cycle, the per-call checks touch memory the
 forward evicted), so read the ratios as the share of work, next to the timed ratios of
@@ -18,6 +19,7 @@ forward evicted), so read the ratios as the share of work, next to the timed rat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -29,8 +31,15 @@ import tempfile
 DEFAULT = ["plain", "stock", "freeze", "freeze:version", "auto", "hoist"]
 
 
-def _calls(variant: str, layers: int, calls: int) -> None:
-    """The measured program: build, compile, warm up, then ``calls`` steady calls."""
+#: What happens between calls: nothing (``steady``); every parameter ``add_(1e-6)`` under
+#: ``no_grad`` before a ``no_grad`` call, as an EMA or target model is updated (``update``);
+#: ``no_grad`` and grad calls in turn, weights unchanged, as rollouts between training steps
+#: (``alternate``; freeze, inference only, makes only ``no_grad`` calls).
+SCENARIOS = ("steady", "update", "alternate")
+
+
+def _calls(variant: str, layers: int, calls: int, scenario: str = "steady") -> None:
+    """The measured program: build, compile, warm up, then ``calls`` calls of ``scenario``."""
     import gc
 
     import torch
@@ -54,15 +63,29 @@ def _calls(variant: str, layers: int, calls: int) -> None:
     model = prepare(own_code(build_model(config)))
     fn = compile_model(model, config)
     x = make_input(config)
-    shim = ctypes.CDLL(os.environ["PARAMFOLD_CALLGRIND_SHIM"])
-    with torch.no_grad():
-        for _ in range(5):
+    params = list(model.parameters())
+    grad_modes = (False, True) if scenario == "alternate" and mode != "freeze" else (False,)
+
+    def call(i: int) -> None:
+        if scenario == "steady":  # inside one no_grad block, below
             fn(x)
+            return
+        if scenario == "update":
+            with torch.no_grad():
+                for p in params:
+                    p.add_(1e-6)
+        with torch.set_grad_enabled(grad_modes[i % len(grad_modes)]):
+            fn(x)
+
+    shim = ctypes.CDLL(os.environ["PARAMFOLD_CALLGRIND_SHIM"])
+    with torch.no_grad() if scenario == "steady" else contextlib.nullcontext():
+        for i in range(5 if scenario == "steady" else 40):  # past compiling, and freeze's first periods
+            call(i)
         gc.collect()
         gc.disable()
         shim.start()
-        for _ in range(calls):
-            fn(x)
+        for i in range(calls):
+            call(i)
         shim.stop()
 
 
@@ -82,11 +105,12 @@ def _shim(folder: str) -> str:
     return library
 
 
-def _instructions(variant: str, layers: int, calls: int, shim: str) -> int:
+def _instructions(variant: str, layers: int, calls: int, shim: str, scenario: str = "steady") -> int:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONHASHSEED": "0", "PARAMFOLD_CALLGRIND_SHIM": shim}
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out",
-               sys.executable, __file__, "--run", variant, "--layers", str(layers), "--calls", str(calls)]
+               sys.executable, __file__, "--run", variant, "--layers", str(layers), "--calls", str(calls),
+               "--scenario", scenario]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         dumps = [f for f in os.listdir(tmp) if f.startswith("out.")]  # the one the shim's stop() wrote
         if done.returncode != 0 or len(dumps) != 1:
@@ -103,10 +127,12 @@ def main() -> None:
     parser.add_argument("variants", nargs="*", default=DEFAULT)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--calls", default="10,30", help="the two numbers of steady calls, A,B")
+    parser.add_argument("--scenario", choices=SCENARIOS, default="steady",
+                        help="what happens between calls (see SCENARIOS in the source)")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # the measured program itself
     args = parser.parse_args()
     if args.run:
-        _calls(args.run, args.layers, int(args.calls))
+        _calls(args.run, args.layers, int(args.calls), args.scenario)
         return
     low, high = map(int, args.calls.split(","))
     for tool in ("valgrind", "gcc"):
@@ -116,8 +142,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shim = _shim(tmp)
         for variant in args.variants:
-            per_call[variant] = (_instructions(variant, args.layers, high, shim)
-                                 - _instructions(variant, args.layers, low, shim)) / (high - low)
+            per_call[variant] = (_instructions(variant, args.layers, high, shim, args.scenario)
+                                 - _instructions(variant, args.layers, low, shim, args.scenario)) / (high - low)
     base = per_call.get("plain")
     for variant, n in per_call.items():
         ratio = f"  x plain {n / base:5.3f}" if base else ""
