@@ -389,13 +389,13 @@ _MISSES, _FIRST_PERIOD, _LONGEST_PERIOD = 2, 8, 1024
 
 
 def _demote(site: SiteState) -> None:
-    """Compute a freeze or auto site at every call, as hoist does (under the call's grad mode,
-    in which the site is freezable: no autograd history either way), for a while: its inputs changed at the last calls (weights
-    updated between calls: an EMA or target model, a policy sampled after each optimizer step),
-    so freezing it would recompute its value and fingerprint its inputs, bytes included, at
-    every call, for nothing. Then freezing is tried again; a period that ends with the inputs
-    still changing at the next call starts a four times longer one. Exact either way: a value
-    computed at every call is stock's."""
+    """Compute a freeze or auto site at every call, as hoist does, for a while (under the call's
+    grad mode, in which the site is freezable: no autograd history either way). Its inputs
+    changed at the last calls (weights updated between calls: an EMA or target model, a policy
+    sampled after each optimizer step), so freezing it would recompute its value and fingerprint
+    its inputs, bytes included, at every call, for nothing. Then freezing is tried again; a
+    period that ends with the inputs still changing at the next call starts a four times longer
+    one. Exact either way: a value computed at every call is stock's."""
     site.frozen = None
     site.misses = 0
     site.hoist_until = CALLS[0] + min(_FIRST_PERIOD << 2 * site.demotions, _LONGEST_PERIOD)

@@ -144,8 +144,8 @@ class Plan:
                         stateful.extend(site.chain)
                 elif name in hs.installed and frozen is None and site.subclass is False:
                     # Hoisted: the same choice next call as long as the originals are the same
-                    # tensors (so not DTensors: the tensor dicts' tags) and, for auto, nothing
-                    # that decides it changed, nor the end of a computed-at-every-call period.
+                    # tensors (so not DTensors: the tensor dicts' tags) and, for freeze and auto,
+                    # nothing that decides it changed, nor a computed-at-every-call period ended.
                     if site.hoist_until > CALLS[0]:  # freeze and auto: computed at every call for now
                         until.append(site.hoist_until)
                     if site.mode != "hoist":  # what decides freeze's refusal and auto's choice
@@ -331,7 +331,7 @@ def holds(plan: Plan) -> bool:
     (:func:`paramfold.scope._check_unchanged`, :func:`paramfold.freeze.unchanged` and the mode
     choices), over flat columns, cheapest first. Runs at every call, under the scope lock."""
     try:
-        if plan.until is not None and CALLS[0] >= plan.until:  # auto tries freezing those sites again
+        if plan.until is not None and CALLS[0] >= plan.until:  # freezing those sites is tried again
             return False
         states = plan.states
         if any(map(_users, states)) or not all(map(is_, map(_kept, states), plan.kepts)):

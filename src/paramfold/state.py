@@ -112,9 +112,9 @@ class SiteState:
     #: The chain the value in ``__dict__`` was computed with, where a nested call computed it with
     #: members appended or removed inside the forward (``scope_nested``); () for ``modules``.
     read_chain: tuple = ()
-    #: auto: how many calls in a row found the frozen value's inputs changed, how many times the
-    #: site was computed at every call for that since its last unchanged call, and the value of
-    #: :data:`CALLS` until which it is (``scope._demote``).
+    #: freeze and auto: how many calls in a row found the frozen value's inputs changed, how many
+    #: times the site was computed at every call for that since its last unchanged call, and the
+    #: value of :data:`CALLS` until which it is (``scope._demote``).
     misses: int = 0
     demotions: int = 0
     hoist_until: int = 0
@@ -129,8 +129,8 @@ class SiteState:
         return False
 
 
-#: Call scopes opened so far, in every thread (counted under the scope lock): the clock of auto's
-#: computed-at-every-call periods (``SiteState.hoist_until``).
+#: Call scopes opened so far, in every thread (counted under the scope lock): the clock of the
+#: periods in which freeze and auto compute a site at every call (``SiteState.hoist_until``).
 CALLS = [0]
 
 
