@@ -512,16 +512,23 @@ def test_large_checkpoints_are_audited_and_folded_without_loading_them(tmp_path)
 
 
 _SQUARE_SPECTRAL = {
-    # Layers whose weight's first two dims are equal: the shape fits matrix dim 0 and 1.
-    "conv2d": lambda: nn.utils.parametrizations.spectral_norm(nn.Conv2d(8, 8, 3, padding=1)),
-    "conv_transpose2d": lambda: nn.utils.parametrizations.spectral_norm(nn.ConvTranspose2d(8, 8, 3, padding=1)),
-    "linear_dim1": lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8), dim=1),
-    "hooks_conv2d": lambda: nn.utils.spectral_norm(nn.Conv2d(8, 8, 3, padding=1)),
+    # Layers whose weight's first two dims are equal: the shape fits matrix dim 0 and 1. Each:
+    # the parametrized layer, the plain one, an input.
+    "conv2d": (lambda: nn.utils.parametrizations.spectral_norm(nn.Conv2d(8, 8, 3, padding=1)),
+               lambda: nn.Conv2d(8, 8, 3, padding=1), (1, 8, 5, 5)),
+    "conv_transpose2d": (lambda: nn.utils.parametrizations.spectral_norm(nn.ConvTranspose2d(8, 8, 3, padding=1)),
+                         lambda: nn.ConvTranspose2d(8, 8, 3, padding=1), (1, 8, 5, 5)),
+    "linear_dim1": (lambda: nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8), dim=1),
+                    lambda: nn.Linear(8, 8), (2, 8)),
+    "hooks_conv2d": (lambda: nn.utils.spectral_norm(nn.Conv2d(8, 8, 3, padding=1)),
+                     lambda: nn.Conv2d(8, 8, 3, padding=1), (1, 8, 5, 5)),
+    # The legacy hook updates u last (the parametrization, v): read the other way round; and
+    # few dimensions (5), where only the last step's own vectors are evidence enough (no step
+    # after it: a 5x5 matrix's wrong dim agrees by chance too often to tell a stepped one).
+    "hooks_conv1d_1x1": (lambda: nn.utils.spectral_norm(nn.Conv1d(5, 5, 1)), lambda: nn.Conv1d(5, 5, 1), (2, 5, 7)),
 }
-
-
-def _square_input(layer: nn.Module) -> torch.Tensor:
-    return torch.randn(2, 8) if isinstance(layer, nn.Linear) else torch.randn(1, 8, 5, 5)
+#: How far the weights are stepped past the last power step before saving.
+_STEP = {"hooks_conv1d_1x1": 0.0}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -530,25 +537,26 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     # Regression: the dim was the candidate whose W_mat^H u came closest to v, so vectors that are
     # not this weight's last power step (re-initialised after spectral_norm, as GAN code does)
     # folded a wrong weight with exit 0 for 6 Conv2d(8, 8, 3) of 10.
+    make, make_plain, shape = _SQUARE_SPECTRAL[layer]
     torch.manual_seed(seed)
-    model = _SQUARE_SPECTRAL[layer]()
-    x = _square_input(model)
+    model = make()
+    x = torch.randn(shape)
     model.train()
-    model(x)  # a training-mode forward: the vectors are this weight's last power step
+    for _ in range(3):
+        model(x)  # training-mode forwards: the vectors are this weight's last power step
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(1e-3 * torch.randn_like(p))  # about an optimizer step's size
+            p.add_(_STEP.get(layer, 1e-3) * torch.randn_like(p))  # about an optimizer step's size
     model.eval()
     src = tmp_path / "fresh.pt"
     torch.save(model.state_dict(), src)
     out = tmp_path / "fresh.safetensors"
     fold_checkpoint(src, out)
-    plain = type(model)(**({"in_features": 8, "out_features": 8} if isinstance(model, nn.Linear) else
-                           {"in_channels": 8, "out_channels": 8, "kernel_size": 3, "padding": 1}))
+    plain = make_plain().eval()
     plain.load_state_dict(load_file(out), strict=True)
     with torch.no_grad():
         want = model(x)  # the hook-based norm computes its weight in this call
-        assert torch.equal(plain.eval()(x), want)
+        assert torch.equal(plain(x), want)
 
     # Weights replaced after the last power step: the vectors cannot tell dim 0 from dim 1.
     weight = "weight_orig" if layer.startswith("hooks") else "parametrizations.weight.original"
@@ -561,7 +569,7 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "--model MODULE:FACTORY" in res.stderr
     assert not (tmp_path / "stale.safetensors").exists()
     by_model = tmp_path / "by_model.safetensors"
-    assert fold_checkpoint(stale, by_model, model_factory=_SQUARE_SPECTRAL[layer]).via == "model"
+    assert fold_checkpoint(stale, by_model, model_factory=make).via == "model"
     plain.load_state_dict(load_file(by_model), strict=True)
     with torch.no_grad():
         assert torch.equal(plain(x), model(x))

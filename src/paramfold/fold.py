@@ -12,8 +12,9 @@ time, so the result is bitwise equal to what the stock model computes:
   ``compute_weight(do_power_iteration=False)`` for legacy keys). A matrix dim the shape leaves
   open (a weight whose first two dims are equal: ``Conv*(c, c, k)``, ``ConvTranspose*(c, c, k)``,
   a square ``Linear``) is read from the stored vectors, where they are the last power step's for
-  this weight (``v`` is the normalised ``W_mat^H u``), else refused unless every dim gives the
-  same value (see :func:`_resolve_spectral_dim`).
+  this weight (``v`` is the normalised ``W_mat^H u``; for the legacy hook, ``u`` the normalised
+  ``W_mat v``), else refused unless every dim gives the same value (see
+  :func:`_resolve_spectral_dim`).
 * ``fake_sparsity``: ``mask * original``.
 
 Every other kind needs the model: with ``model_factory`` (a callable, or ``"MODULE:FACTORY"``
@@ -171,7 +172,7 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
 
         dim = site.params["dim"]
         if dim is None:
-            dim = _resolve_spectral_dim(site.key, w, u, v, site.params["dim_candidates"], value)
+            dim = _resolve_spectral_dim(site.key, w, u, v, site.params["dim_candidates"], value, legacy)
         return value(dim)
     raise AssertionError(f"unfoldable kind {site.kind}")
 
@@ -193,14 +194,16 @@ def _spectral_norm_eval(weight: torch.Tensor, u: torch.Tensor, v: torch.Tensor, 
 
 
 #: An ambiguous spectral_norm dim is taken from the stored vectors only on strong evidence. The
-#: power method ends with ``v = normalize(W_mat^H u)``; a vector unrelated to ``W_mat^H u`` has a
-#: cosine of at least ``a`` with it with a chance below ``(1 - a^2)^((n - 1) / 2)`` in ``n``
-#: dimensions. The dim taken must agree with a chance under ``_SURE``; every other, over ``_UNRELATED``.
+#: power method ends with ``v = normalize(W_mat^H u)`` (torch.nn.utils.parametrizations) or
+#: ``u = normalize(W_mat v)`` (the legacy hook, which updates ``v`` first); a vector unrelated to
+#: the product has a cosine of at least ``a`` with it with a chance below ``(1 - a^2)^((n - 1) / 2)``
+#: in ``n`` dimensions. The dim taken must agree with a chance under ``_SURE``; every other, over
+#: ``_UNRELATED``.
 _SURE, _UNRELATED = 1e-9, 1e-3
 
 
 def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int],
-                          value: Callable[[int], torch.Tensor]) -> int:
+                          value: Callable[[int], torch.Tensor], legacy: bool = False) -> int:
     """The matrix dim of a spectral_norm weight whose shape fits several (``candidates``).
 
     The stored vectors decide where they are the last power step's for this weight (saved after a
@@ -208,12 +211,14 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
     same value it does not matter; otherwise (weights re-initialised or loaded after the last
     power step) they cannot tell, and a guess could fold a wrong weight: refused.
     """
-    n = v.numel()
+    last, given = (u, v) if legacy else (v, u)  # the vector the last step wrote, from the other
+    n = last.numel()
 
     def chance(d: int) -> float:
-        x = torch.mv(_spectral_weight_mat(w.double(), d).H, u.double())
-        norms = float(x.norm() * v.double().norm())
-        a = float(torch.dot(x, v.double())) / norms if norms > 0 else 0.0
+        mat = _spectral_weight_mat(w.double(), d)
+        x = torch.mv(mat if legacy else mat.H, given.double())
+        norms = float(x.norm() * last.double().norm())
+        a = float(torch.dot(x, last.double())) / norms if norms > 0 else 0.0
         return 1.0 if not a > 0 else max(0.0, 1.0 - a * a) ** ((n - 1) / 2)
 
     chances = {d: chance(d) for d in candidates}
