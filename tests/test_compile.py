@@ -279,33 +279,39 @@ def _hooked_pair(mode: str, hook: str) -> tuple[torch.nn.Module, torch.nn.Module
         torch.manual_seed(0)
         model = torch.nn.Sequential(weight_norm(torch.nn.Linear(8, 16)), torch.nn.ReLU(),
                                     weight_norm(torch.nn.Linear(16, 4))).eval()
-        register = model[2].register_forward_hook if hook == "forward" else model[2].register_forward_pre_hook
-        register(lambda *args: None)  # an activation logger, accelerate's or PEFT's hooks
+        if hook != "global":
+            register = model[2].register_forward_hook if hook == "forward" else model[2].register_forward_pre_hook
+            register(lambda *args: None)  # an activation logger, accelerate's or PEFT's hooks
         return model.requires_grad_(mode != "freeze")
 
     return make(), paramfold.prepare(make(), mode)
 
 
-@pytest.mark.parametrize("hook", ["forward", "forward_pre"])
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "global"])
 @pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
 def test_a_hooked_prepared_submodule_compiles_as_often_as_stock(mode, hook):
     # Regression: dynamo traces a hooked submodule's call through _wrapped_call_impl, which read
     # paramfold's _compiled_call_impl property on, putting guards on the scope's bookkeeping: one
     # more graph than stock, then one per load_state_dict(assign=True) or functional_call with
     # new tensors (in any prepared model), up to the recompile limit.
-    counts = []
-    for model in _hooked_pair(mode, hook):
-        torch._dynamo.reset()
-        counter = CompileCounter()
-        compiled = torch.compile(model, backend=counter)
-        outs = []
-        with torch.no_grad():
-            for i in range(6):
-                model.load_state_dict({k: v * (1 + 0.01 * i) for k, v in model.state_dict().items()}, assign=True)
-                outs.append(compiled(torch.randn(3, 8, generator=torch.Generator().manual_seed(i))))
-                params = {k: v + 1 for k, v in model.named_parameters()}
-                outs.append(torch.func.functional_call(compiled, params, (torch.ones(3, 8),)))
-        counts.append((counter.frame_count, outs))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None) if hook == "global" else None
+    try:
+        counts = []
+        for model in _hooked_pair(mode, hook):
+            torch._dynamo.reset()
+            counter = CompileCounter()
+            compiled = torch.compile(model, backend=counter)
+            outs = []
+            with torch.no_grad():
+                for i in range(6):
+                    model.load_state_dict({k: v * (1 + 0.01 * i) for k, v in model.state_dict().items()}, assign=True)
+                    outs.append(compiled(torch.randn(3, 8, generator=torch.Generator().manual_seed(i))))
+                    params = {k: v + 1 for k, v in model.named_parameters()}
+                    outs.append(torch.func.functional_call(compiled, params, (torch.ones(3, 8),)))
+            counts.append((counter.frame_count, outs))
+    finally:
+        if handle is not None:
+            handle.remove()
     (stock_frames, stock_outs), (frames, outs) = counts
     assert frames == stock_frames  # 2: functional_call of a compiled module compiles once more, in stock too
     assert all(torch.equal(a, b) for a, b in zip(outs, stock_outs))

@@ -50,7 +50,7 @@ from torch.nn.utils import parametrize
 from paramfold import hooknorms
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import autocast_state, eager_value
+from paramfold.compute import GLOBAL_HOOKS, autocast_state, eager_value
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
@@ -521,18 +521,20 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # nested in a scope and tensors below were swapped or changed since it opened, it answers
     # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
-    if torch.compiler.is_compiling():
-        # Traced, where dynamo inlines a submodule's call through _wrapped_call_impl (one with
-        # hooks): stock's attribute. Reading on would put guards on this scope's bookkeeping
-        # (its nested check, a process-wide count of changed inputs), each change a recompile.
-        return compiled
     if compiled is not None:
-        return functools.partial(_scoped_compiled_call, self, compiled)
+        return compiled if torch.compiler.is_compiling() else functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
     if id(self) not in local.covered:
         return None
     if local.opened is self:
         local.opened = None
+        return None
+    if (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
+            or any(GLOBAL_HOOKS)) and torch.compiler.is_compiling():
+        # Traced: dynamo inlines the call of a module with hooks through _wrapped_call_impl;
+        # stock's attribute is None. Reading on would put guards on this scope's bookkeeping (its
+        # nested check, a process-wide count of changed inputs), each change a recompile. (Asked
+        # only of modules with hooks: an eager call of one without pays no frame for it.)
         return None
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     context = nested.local.context
