@@ -451,7 +451,7 @@ def test_calls_alternating_grad_modes_build_plans_only_now_and_then(monkeypatch)
     for call in range(64):
         with torch.set_grad_enabled(bool(call % 2)):
             assert torch.equal(ours(x), stock(x)), call
-    assert len(builds) <= 12  # 64 general calls, 32 of each mode: plans after 1, 2, 4, 8, 16 of them
+    assert len(builds) <= 16  # one per call before; now one per mode and computed-at-every-call period
     state = ours.__dict__["_paramfold"]
     with torch.no_grad():
         for call in range(40):
@@ -461,3 +461,44 @@ def test_calls_alternating_grad_modes_build_plans_only_now_and_then(monkeypatch)
         for _ in range(3):
             ours(x)
         assert len(builds) == built
+
+
+@pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen-weights"])
+def test_rollouts_between_training_steps_are_served_by_each_grad_mode_s_plan(trainable, monkeypatch):
+    # RLHF's loop: a rollout under no_grad, then a step with grad (a backward and an optimizer
+    # step when the model trains). Each call used to open the general way: a grad call dropped
+    # the values a no_grad plan keeps (and auto recomputed and fingerprinted them at the next
+    # rollout), a kept tuple made afresh at every call failed the other plan's identity check,
+    # and only the plan of the last call's grad mode was tried. Now a trainable auto site whose
+    # frozen values keep being dropped is computed at every call, and each grad mode's plan
+    # serves its calls.
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    freeze = importlib.import_module("paramfold.freeze")
+    claims, fingerprints = [], []
+    real_claim, real_freeze = scope_plan.Plan.claim, freeze._freeze
+    monkeypatch.setattr(scope_plan.Plan, "claim", lambda self: claims.append(self.grad) or real_claim(self))
+    monkeypatch.setattr(freeze, "_freeze", lambda *a: fingerprints.append(a) or real_freeze(*a))
+    stock = _trainable_seed().requires_grad_(trainable)
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto")
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (stock, ours)] if trainable else []
+    x = make_input(BenchConfig(layers=2, width=16))
+    for step in range(24):
+        if step == 12:
+            claims.clear()
+            fingerprinted = len(fingerprints)
+        with torch.no_grad():
+            assert torch.equal(ours(x), stock(x)), step
+        outs = [stock(x), ours(x)]
+        assert torch.equal(outs[1], outs[0]), step
+        if trainable:
+            for out, opt in zip(outs, opts):
+                out.float().square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+            assert_same_tensors(stock.state_dict(), ours.state_dict(), step)
+    # The last 12 steps: both grad modes' calls through plans, but for the few that try freezing
+    # again at the end of a computed-at-every-call period (trainable) and nothing fingerprinted
+    # (frozen weights: the values frozen once serve both modes).
+    assert claims.count(False) >= 10 and claims.count(True) >= 10, claims
+    if not trainable:
+        assert len(fingerprints) == fingerprinted and len(claims) == 24

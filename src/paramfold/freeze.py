@@ -52,7 +52,8 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
     """Return the materialised ``module.<name>``, recomputing it if its inputs changed."""
     frozen = site.frozen
     if frozen is None or not unchanged(site, frozen):
-        site.misses = 0 if frozen is None else site.misses + 1
+        if frozen is not None:
+            site.misses += 1
         with torch.inference_mode(False), torch.no_grad():
             value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
             # Stateful chains may bump their own buffers while computing; key on the state after.

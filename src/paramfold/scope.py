@@ -90,6 +90,10 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     with _LOCK:
         CALLS[0] += 1
         plan = state.plan
+        if plan is not None and plan.grad is not grad and state.spare_plan is not None:
+            # Calls alternating grad modes: each mode's plan, where it still holds.
+            plan, state.spare_plan = state.spare_plan, plan
+            state.plan = plan
         if (plan is not None and plan.grad is grad and not parametrize._cache_enabled and _tracing_state() is None
                 and holds(plan)):
             try:
@@ -176,6 +180,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     kept: list[str] = []
     hook_keys: list[int] = []
     left: list[tuple[str, object]] = []
+    renewed = False
     try:
         for name, site in hs.sites.items():
             mode = site.mode
@@ -213,6 +218,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
             elif site.frozen is not None and value is site.frozen.value:
                 if values.get(name) is not value:  # an unchanged dict keeps dynamo's guards cheap
                     values[name] = value
+                    renewed = True
                 kept.append(name)
             else:
                 values[name] = value
@@ -231,7 +237,9 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
         values.update(left)
         raise
     hs.installed = tuple(installed)
-    hs.kept = tuple(kept)
+    # The same kept tuple while the same values stay kept: a plan checks it by identity, so the
+    # other grad mode's plan still holds after a call that kept the same values (each builds its own).
+    hs.kept = kept_before if not renewed and tuple(kept) == kept_before else tuple(kept)
     hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
     hs.left = tuple(left)
     hs.users = 1
@@ -378,13 +386,18 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         if site.misses >= (1 if site.demotions else _MISSES):
             _demote(site)
         return value
-    site.frozen = None
+    if site.frozen is not None:
+        # Not for this call (auto with grad on a trainable chain): dropped, and counted as a
+        # frozen value that served no later call, as one whose inputs changed is.
+        site.frozen = None
+        site.misses += 1
     return _hoisted(holder, name, site, grad)
 
 
-#: Consecutive calls that find a frozen value's inputs changed before the site is computed at
-#: every call instead (``_demote``; one, once it was), and for how many calls: the first time,
-#: then four times as many each time, up to the most.
+#: Frozen values in a row that served no later call (their inputs changed, or a grad call of
+#: auto's dropped them) before the site is computed at every call instead (``_demote``; one, once
+#: it was), and for how many calls: the first time, then four times as many each time, up to the
+#: most.
 _MISSES, _FIRST_PERIOD, _LONGEST_PERIOD = 2, 8, 1024
 
 
