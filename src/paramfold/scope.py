@@ -90,12 +90,9 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     with _LOCK:
         CALLS[0] += 1
         plan = state.plan
-        if plan is not None and plan.grad is not grad and state.spare_plan is not None:
-            # Calls alternating grad modes: each mode's plan, where it still holds.
-            plan, state.spare_plan = state.spare_plan, plan
-            state.plan = plan
-        if (plan is not None and plan.grad is grad and not parametrize._cache_enabled and _tracing_state() is None
-                and holds(plan)):
+        if plan is None or plan.grad is not grad:  # written out: no frame on the steady path
+            plan = _plan_of(state, grad)
+        if plan is not None and not parametrize._cache_enabled and _tracing_state() is None and holds(plan):
             try:
                 plan.claim()
             except BaseException:
@@ -105,7 +102,7 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
         else:
             hooked, pre_hooks = _below_pre_hooks(entry)
             claimed = _open_holders(entry, state, grad, hooked)
-            _replan(state, grad, pre_hooks)
+            _replan(state, grad, pre_hooks, plan)
     previous = (_local.covered, nested.local.context)
     _local.covered = state.covers
     _local.opened = entry
@@ -117,22 +114,32 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
 _LONGEST_WAIT = 64
 
 
-def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...]) -> None:
-    """The entry's plan for its next call, after this one opened the general way.
+def _plan_of(state: ModuleState, grad: bool) -> Plan | None:
+    """The entry's last plan of this grad mode, made ``state.plan`` (the other mode's is kept as
+    ``state.spare_plan``: calls alternating grad modes are each served by their own), or None."""
+    plan, spare = state.plan, state.spare_plan
+    if plan is not None and plan.grad is grad:
+        return plan
+    if spare is not None and spare.grad is grad:
+        state.plan, state.spare_plan = spare, plan
+        return spare
+    return None
 
-    It is built from the scope just opened, reusing the guards of the last plan of this grad
-    mode where they hold (each grad mode has its own). Where that last plan never served a call
-    (calls alternate no_grad and grad, a rollout and a training step, or something changes
-    between every two calls), building one at every call would cost more than it saves: the
-    next is built after 1, then 2, 4, ... up to :data:`_LONGEST_WAIT` such calls, and at once
-    after a plan that served one."""
-    last = state.plan
-    if last is None or last.grad is not grad:
-        last, state.spare_plan = state.spare_plan, last
+
+def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: Plan | None) -> None:
+    """The entry's plan for its next call, after this one opened the general way; ``last``: the
+    plan of this grad mode that did not hold (:func:`_plan_of`), or None.
+
+    It is built from the scope just opened, reusing the guards of ``last`` where they hold.
+    Where ``last`` never served a call (calls alternate no_grad and grad, a rollout and a
+    training step, or something changes between every two calls), building one at every call
+    would cost more than it saves: the next is built after 1, then 2, 4, ... up to
+    :data:`_LONGEST_WAIT` such calls, and at once after a plan that served one."""
+    if last is None and state.plan is not None:
+        state.spare_plan = state.plan  # the other grad mode's, kept aside
     if last is not None and not last.used:
         if state.plan_wait:
-            state.plan_wait -= 1
-            state.plan = last  # its check fails fast, and a plan that holds is exact
+            state.plan_wait -= 1  # ``last`` stays: its check fails fast, and a plan that holds is exact
             return
         state.plan_backoff = min(2 * state.plan_backoff or 1, _LONGEST_WAIT)
         state.plan_wait = state.plan_backoff

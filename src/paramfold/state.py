@@ -112,9 +112,10 @@ class SiteState:
     #: The chain the value in ``__dict__`` was computed with, where a nested call computed it with
     #: members appended or removed inside the forward (``scope_nested``); () for ``modules``.
     read_chain: tuple = ()
-    #: freeze and auto: how many calls in a row found the frozen value's inputs changed, how many
-    #: times the site was computed at every call for that since its last unchanged call, and the
-    #: value of :data:`CALLS` until which it is (``scope._demote``).
+    #: freeze and auto: how many frozen values in a row served no later call (their inputs
+    #: changed, or a grad call of auto's dropped them), how many times the site was computed at
+    #: every call for that since a value last served one, and the value of :data:`CALLS` until
+    #: which it is (``scope._demote``).
     misses: int = 0
     demotions: int = 0
     hoist_until: int = 0

@@ -114,8 +114,9 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
 
 def _run_path(argv0: str) -> None:
     """Run the script or folder ``argv0`` as ``python argv0`` does: its ``__file__`` absolute (the
-    working directory joined in front, so that it finds its files after an ``os.chdir``) while
-    ``sys.argv[0]`` stays as typed, which ``runpy.run_path`` sets to the path it is given."""
+    working directory joined in front, so that it finds its files after an ``os.chdir``). For a
+    ``.py`` script ``sys.argv[0]`` stays as typed; runpy, which runs folders, zips and ``.pyc``
+    files here, sets it to the absolute path it is given."""
     absolute = os.path.join(os.getcwd(), argv0)
     if os.path.isdir(argv0) or not argv0.endswith(".py"):  # a folder, a zip, a .pyc: runpy's loaders
         runpy.run_path(absolute, run_name="__main__")
