@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold import compile_leaves as leaves
 from paramfold import hooknorms
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
@@ -70,6 +71,7 @@ _tracing_state = torch._C._get_tracing_state
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
 _LOCK = threading.RLock()
 _MISSING = object()
+_COMPILE_STARTS = leaves.START_CALLBACKS
 
 
 class _Local(threading.local):
@@ -103,10 +105,14 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
             hooked, pre_hooks = _below_pre_hooks(entry)
             claimed = _open_holders(entry, state, grad, hooked)
             _replan(state, grad, pre_hooks, plan)
-    previous = (_local.covered, nested.local.context)
+    claims = leaves.local.claims
+    previous = (_local.covered, nested.local.context, claims)
     _local.covered = state.covers
     _local.opened = entry
     nested.local.context = context
+    leaves.local.claims = (claimed, claims)
+    if grad and leaves.on_compile_start not in _COMPILE_STARTS:
+        leaves.ensure_registered()
     return previous, claimed
 
 
@@ -451,9 +457,12 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
 
 
 def _close(previous: tuple, claimed: list[nn.Module] | Plan) -> None:
-    _local.covered, nested.local.context = previous
+    _local.covered, nested.local.context, leaves.local.claims = previous
     _local.opened = None
+    stranded = leaves.local.swapped and leaves.restore_stranded()
     _release(claimed)
+    if stranded:
+        raise leaves.stranded_error()
 
 
 def _nested(module: nn.Module, call: Callable) -> Callable:

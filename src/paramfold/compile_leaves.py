@@ -1,0 +1,148 @@
+"""Hoisted values look like leaves to dynamo while it compiles, and are the values when code runs.
+
+In grad mode a hoisted value is a non-leaf tensor: it was computed from the originals, and its
+autograd history is how their gradients arrive. Dynamo turns every graph input into a fake
+tensor when it compiles, and for one with an autograd history it fakes one too
+(``MetaConverter._backward_error``, about 0.5 ms per input: ``examples/fake_input_cost.py``),
+which the plain model's Parameters, leaves, do not cost: 1.1x-1.2x the plain model's first
+compiled call on the seed's 64 hoisted inputs.
+
+So while dynamo compiles a frame on a thread, every hoisted value that the scopes open on that
+thread have installed in a module's ``__dict__`` is replaced there by a *stand-in*: the same
+tensor detached, then requiring grad (a leaf on the same storage, with the same dtype, shape,
+strides and ``requires_grad``; one stand-in per value, so inputs that were one tensor stay one).
+Dynamo fakes and guards the stand-ins; their guards (dispatch keys, dtype, device, shape,
+strides, ``requires_grad``) hold for the values too, since none looks at autograd history. The
+values are put back as soon as the frame's code is made (dynamo's bytecode hook, on the same
+thread) or the compile ends without code (its end callback): before any compiled code runs, so
+that code reads the values and the originals' gradients arrive through their histories, exactly
+as before.
+
+Dynamo's compile callbacks run only for the first of overlapping compiles anywhere in the
+process (one counter for all threads): a stand-in is installed only when dynamo itself compiles
+a frame (not a lazily compiled backward, a CUDA graph recording or an export), and where the
+compile still ended without putting a value back — it made no code and another thread's compile
+was running meanwhile, so its end callback ran there — the call that ran on a stand-in is
+refused when its scope closes (:func:`restore_stranded`): its gradients would have stopped at the
+stand-in.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from paramfold.errors import FoldError
+from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.state import STATE_ATTR
+
+_dynamo = torch._dynamo
+_handler = getattr(_dynamo, "callback_handler", None)
+_callback = getattr(_dynamo, "callback", None)
+_DYNAMO = getattr(getattr(_callback, "CallbackTrigger", None), "DYNAMO", None)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+class _Local(threading.local):
+    #: The claims (holders lists, or plans with ``.claimed``) of the scopes open on this thread,
+    #: innermost first: ``(claimed, (outer_claimed, (..., ())))``.
+    claims: tuple = ()
+    #: ``(module, name, value, stand_in)`` for every stand-in installed now on this thread.
+    swapped: list | tuple = ()
+
+
+local = _Local()
+
+
+def ensure_registered() -> None:
+    """Register the compile callbacks (again: ``torch._dynamo.reset()`` clears them). A scope
+    checks ``on_compile_start in START_CALLBACKS`` first, which costs no Python frame."""
+    if _handler is None or _DYNAMO is None:
+        return
+    if on_compile_start not in _handler.start_callbacks:
+        _handler.register_start_callback(on_compile_start)
+    if _on_compile_end not in _handler.end_callbacks:
+        _handler.register_end_callback(_on_compile_end)
+
+
+def on_compile_start(args: object = None) -> None:
+    """Dynamo's compile start callback: install the stand-ins of this thread's open scopes."""
+    if getattr(args, "callback_trigger", None) is not _DYNAMO or _is_exporting():
+        return
+    claims = local.claims
+    if not claims:
+        return
+    swapped = local.swapped = []
+    stand_ins: dict[int, torch.Tensor] = {}
+    while claims:
+        claimed, claims = claims
+        for holder in getattr(claimed, "claimed", claimed):
+            _swap_in(holder, swapped, stand_ins)
+
+
+def _swap_in(holder: nn.Module, swapped: list, stand_ins: dict[int, torch.Tensor]) -> None:
+    values = holder.__dict__
+    for name in values[STATE_ATTR].sites:
+        value = values.get(name)
+        # Plain tensors only (a subclass's detach may not keep its metadata), and no views: a
+        # view's base is part of what dynamo fakes for it.
+        if type(value) is not torch.Tensor or value.grad_fn is None or value._base is not None:
+            continue
+        stand_in = stand_ins.get(id(value))
+        if stand_in is None:
+            stand_in = stand_ins[id(value)] = value.detach().requires_grad_()
+        values[name] = stand_in
+        swapped.append((holder, name, value, stand_in))
+
+
+def _restore() -> None:
+    swapped = local.swapped
+    while swapped:
+        holder, name, value, stand_in = swapped.pop()
+        values = holder.__dict__
+        if values.get(name) is stand_in:
+            values[name] = value
+
+
+def _on_compile_end(args: object = None) -> None:
+    if local.swapped:
+        _restore()
+
+
+def _on_bytecode(code: object, new_code: object) -> None:
+    if local.swapped:
+        _restore()
+
+
+#: The list dynamo keeps its start callbacks in (``reset()`` empties it in place); where this
+#: torch has none, a list that always holds ours, so nothing is registered.
+START_CALLBACKS: list = (
+    _handler.start_callbacks if _handler is not None and _DYNAMO is not None else [on_compile_start]
+)
+
+
+def restore_stranded() -> bool:
+    """Put back the values of stand-ins still installed on this thread as its scope closes;
+    whether there were any: the call then ran on them (see the module docstring)."""
+    if not local.swapped:
+        return False
+    _restore()
+    return True
+
+
+def stranded_error() -> FoldError:
+    return FoldError(
+        "dynamo compiled code for this prepared model's call while another thread was compiling "
+        "(a backward graph or a CUDA graph), and its compile callbacks did not run here: the call "
+        "ran on stand-ins of its hoisted values that carry no gradient to the originals, so it "
+        "was refused. Call it again (the code is compiled now), or compile on one thread."
+    )
+
+
+if hasattr(_dynamo, "convert_frame") and hasattr(_dynamo.convert_frame, "register_bytecode_hook"):
+    # Kept for the process: torch._dynamo.reset() leaves bytecode hooks registered.
+    _dynamo.convert_frame.register_bytecode_hook(_on_bytecode)
+
+run_module_eagerly_as_frames(globals())
