@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import build, classes, grads, seed_model
+from helpers import LoRA, build, classes, grads, seed_model
 from torch.nn.utils import parametrize
 
 import paramfold
@@ -411,6 +411,38 @@ def test_prepared_model_deepcopies_after_steady_calls(mode, grad):
         assert not torch.equal(twin(x), stock(x))
     paramfold.restore(twin)
     assert classes(twin) == classes(stock)
+
+
+class _AutocastInside(torch.nn.Module):
+    """A forward that enters torch.autocast itself (as Accelerate's wrapper does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        parametrize.register_parametrization(self.lin, "weight", LoRA(8, 8))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.lin(x).float()
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_deep_copy_knows_its_own_entries(mode):
+    # Regression: the copy kept the original's entries' ids as the ones its scope covers, so its
+    # nested calls skipped their checks (the forward's autocast region was not seen: outputs off
+    # by 0.125) and a layer.compile()d child of the copy opened a second scope on its claimed
+    # holders ("already being called from another thread").
+    torch.manual_seed(0)
+    stock = _AutocastInside()
+    twin = copy.deepcopy(paramfold.prepare(copy.deepcopy(stock), mode))
+    x = torch.randn(3, 8)
+    assert torch.equal(twin(x), stock(x))
+    twin.lin.compile(backend="eager")
+    stock.lin.compile(backend="eager")
+    twin(x).sum().backward()
+    stock(x).sum().backward()
+    for (name, a), b in zip(grads(twin).items(), grads(stock).values()):
+        assert torch.equal(a, b), name
 
 
 def test_find_runs_an_unknown_chain_on_copies_of_the_originals_too():

@@ -261,6 +261,8 @@ class ModuleState:
         for field in dataclasses.fields(self):
             value = None if field.name in _CACHES else copy.deepcopy(getattr(self, field.name), memo)
             setattr(replica, field.name, value)
+        # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
+        replica.covers = frozenset(id(m) for m in replica.entries)
         return replica
 
 
