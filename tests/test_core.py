@@ -355,7 +355,7 @@ def test_lora_adapters_are_never_frozen():
     # The original is frozen but the parametrization owns trainable A and B: freezing the weight
     # would silently stop their gradients.
     model = build("lora")
-    with pytest.raises(paramfold.FoldError, match="a parameter of the chain requires grad"):
+    with pytest.raises(paramfold.FoldError, match="a tensor of the chain requires grad"):
         paramfold.prepare(model, "freeze")
     stock = build("lora")
     ours = paramfold.prepare(build("lora"), "auto")

@@ -502,3 +502,78 @@ def test_a_frozen_value_edited_by_the_forward_is_computed_again(mode, compiled, 
         for step in range(3):
             assert torch.equal(run(x), stock(x)), step
         assert torch.equal(ours.lin.weight, stock.lin.weight)
+
+
+class _OptionalMask(nn.Module):
+    """A member whose buffer is registered empty (``None``) and set later, as pruning code does."""
+
+    def __init__(self, register: bool):
+        super().__init__()
+        if register:
+            self.register_buffer("mask", None)
+
+    def forward(self, w):
+        mask = getattr(self, "mask", None)
+        return w if mask is None else w * mask
+
+
+@pytest.mark.parametrize("register", [True, False], ids=["None buffer set", "buffer registered later"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("check", ["content", "version"])
+def test_a_member_tensor_set_where_there_was_none_is_seen(mode, check, register):
+    # Regression: only non-empty parameter and buffer dicts, and their tensors, were watched, so
+    # a buffer set where the member had None (or none at all) left the frozen value stale.
+    models = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        P.register_parametrization(layer, "weight", _OptionalMask(register))
+        layer.eval().requires_grad_(False)
+        models.append(paramfold.prepare(layer, mode, freeze_check=check) if prepare else layer)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for steady in range(3):  # up to the steady plan
+            assert torch.equal(models[1](x), models[0](x)), steady
+        for layer in models:
+            layer.parametrizations.weight[0].register_buffer("mask", torch.zeros(4, 4))
+        for after in range(2):
+            assert torch.equal(models[1](x), models[0](x)), after
+
+
+class _LearnableScale(nn.Module):
+    """A learnable scale kept as a buffer or a plain attribute that requires grad (not a Parameter)."""
+
+    def __init__(self, as_buffer: bool):
+        super().__init__()
+        if as_buffer:
+            self.register_buffer("s", torch.tensor(1.5, requires_grad=True))
+        else:
+            self.s = torch.tensor(1.5, requires_grad=True)
+
+    def forward(self, w):
+        return w * self.s
+
+
+@pytest.mark.parametrize("as_buffer", [True, False], ids=["buffer", "attribute"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_chain_tensor_that_requires_grad_gets_its_gradient(mode, as_buffer):
+    # Regression: only originals and the members' Parameters counted as needing grad, so auto
+    # froze the site in a grad call and the scale got no gradient (freeze served it silently).
+    grads = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Linear(3, 3)
+        P.register_parametrization(layer, "weight", _LearnableScale(as_buffer))
+        layer.parametrizations.weight.original.requires_grad_(False)
+        if prepare:
+            paramfold.prepare(layer, mode)
+        for _ in range(3):
+            layer(torch.ones(2, 3)).sum().backward()
+        grads.append(layer.parametrizations.weight[0].s.grad)
+    assert grads[0] is not None and torch.equal(grads[1], grads[0])
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    P.register_parametrization(layer, "weight", _LearnableScale(as_buffer))
+    layer.parametrizations.weight.original.requires_grad_(False)
+    with pytest.raises(paramfold.FoldError, match="a tensor of the chain requires grad"):
+        paramfold.prepare(layer, "freeze")

@@ -177,7 +177,10 @@ def settings(site: SiteState) -> tuple[dict, ...]:
         found = [plist._forward_hooks, plist._forward_pre_hooks]
         for m in plist.modules():
             if m is not plist:
-                found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks]
+                # Its parameter and buffer dicts too, empty or not: a tensor entry set where
+                # there was none (``register_buffer("mask", None)``, then ``member.mask = t``)
+                # is a write there, which the inputs' own checks cannot see.
+                found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks, m._parameters, m._buffers]
     return (*found, *GLOBAL_HOOKS[:2])  # the forward ones: a frozen value is computed without autograd
 
 
@@ -262,15 +265,24 @@ def can_freeze(site: SiteState, grad: bool = True) -> bool:
 
 
 def chain_needs_grad(site: SiteState) -> bool:
-    """Whether any original, or any parameter a parametrization owns, requires grad."""
+    """Whether any tensor the value is computed from requires grad: an original, a parameter a
+    parametrization owns, and also a buffer or a plain tensor attribute of a member (a learnable
+    scale kept as ``self.s = torch.tensor(1.5, requires_grad=True)``), which stock's read gives a
+    gradient as well."""
     # Plain loops: this runs for every frozen site on every call.
-    for d in site.param_dicts:
-        for p in d.values():
-            if p is not None and p.requires_grad:
-                return True
     for d, key in site.originals:
         if d[key].requires_grad:
             return True
+    if site.hook is not None:  # a hook-based norm: its module's other tensors (bias) are not inputs
+        return False
+    for d in site.tensor_dicts:
+        for t in d.values():
+            if t is not None and t.requires_grad:
+                return True
+    for owner in site.plist.modules():
+        for t in vars(owner).values():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
     return False
 
 
@@ -282,7 +294,7 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
         return
     reasons = []
     for s, st in bad:
-        why = "a parameter of the chain requires grad" if chain_needs_grad(st) else "stateful chain in training mode"
+        why = "a tensor of the chain requires grad" if chain_needs_grad(st) else "stateful chain in training mode"
         reasons.append(f"{s.fqn} ({s.kind}: {why})")
     raise FoldError(
         f"cannot freeze {len(bad)} site(s) {when}: {first_few(reasons, 4)}. Freeze is for inference: "

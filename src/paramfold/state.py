@@ -74,11 +74,9 @@ class SiteState:
     modules: tuple[nn.Module, ...]
     #: (dict, key) of each leaf original, so reads see assign=True replacements.
     originals: tuple[tuple[dict, str], ...]
-    #: Every ``_parameters``/``_buffers`` dict of the ParametrizationList and its members.
+    #: Every non-empty ``_parameters``/``_buffers`` dict of the ParametrizationList and its
+    #: members (a hook-based norm's: its module's).
     tensor_dicts: tuple[dict, ...]
-    #: The ``_parameters`` dicts among them: originals *and* parameters the parametrizations own
-    #: (LoRA's A and B), all of which must be frozen before the value may be.
-    param_dicts: tuple[dict, ...]
     #: ``(owner.__dict__, "_parameters" or "_buffers", dict)`` for each of ``tensor_dicts``: the
     #: dicts are read as captured, so a wholesale replacement (``m._parameters = {...}``) must be
     #: caught before a captured one is trusted.
@@ -172,10 +170,9 @@ def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_c
     plist = module._modules["parametrizations"]._modules[name]
     originals = tuple((d, k) for _, d, k in leaf_originals(plist))
     pins = tuple(pin for pin in _dict_pins(plist.modules()) if pin[2])  # the non-empty dicts
-    params = tuple(d for _, attr, d in pins if attr == "_parameters")
     return SiteState(
         mode, stateful, plist, members(plist), tuple(plist._modules.values()), originals,
-        tuple(d for _, _, d in pins), params, dict_pins=pins, nested=is_nested(plist), freeze_check=freeze_check,
+        tuple(d for _, _, d in pins), dict_pins=pins, nested=is_nested(plist), freeze_check=freeze_check,
     )
 
 
@@ -199,7 +196,7 @@ def hook_site_state(module: nn.Module, key: int, hook: object, kind: str, mode: 
     pins = _dict_pins((module,))
     return SiteState(
         mode, kind == "spectral_norm", None, (module,), (), originals,
-        (module._parameters, module._buffers), (), dict_pins=pins, freeze_check=freeze_check,
+        (module._parameters, module._buffers), dict_pins=pins, freeze_check=freeze_check,
         hook=hook, hook_kind=kind, hook_key=key,
     )
 
