@@ -456,6 +456,38 @@ def test_parametrize_cached_around_several_calls_equal_to_stock(mode, entry):
             m.zero_grad()
 
 
+@pytest.mark.parametrize("check", ["content", "version"])
+@pytest.mark.parametrize("entry", ["eager", "torch.compile"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_parametrize_cached_serves_the_blocks_first_value_to_frozen_sites(mode, entry, check):
+    # Regression: inside parametrize.cached(), stock's first read computes a value and every later
+    # call and read of the block gets that one, even after the weights changed; freeze and auto
+    # served their own frozen value instead (recomputed after the change) and never filled the
+    # cache, so calls and reads after an in-place update differed from stock.
+    models = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 4))
+        model.eval().requires_grad_(False)
+        if prepare:
+            paramfold.prepare(model, mode, freeze_check=check)
+        models.append(model)
+    stock, ours = models
+    run = torch.compile(ours, backend="eager") if entry == "torch.compile" else ours
+    torch._dynamo.reset()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):  # a frozen value, kept, and a steady plan
+            assert torch.equal(run(x), stock(x))
+        with P.cached():
+            for step in range(3):
+                assert torch.equal(run(x), stock(x)), step
+                assert torch.equal(ours[0].weight, stock[0].weight), step
+                for model in models:
+                    model[0].parametrizations.weight.original1.add_(0.25)
+        assert torch.equal(run(x), stock(x))  # after the block: the changed weights
+
+
 # --- 6. threads -----------------------------------------------------------------------------
 
 

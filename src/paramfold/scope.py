@@ -215,7 +215,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                     left.append((name, value))
                 continue
             frozen = site.frozen
-            if frozen is not None and mode != "hoist" and _freezable(site, grad) and unchanged(site, frozen):
+            if (frozen is not None and mode != "hoist" and _freezable(site, grad) and not parametrize._cache_enabled
+                    and unchanged(site, frozen)):
                 value = frozen.value  # the fast path: nothing changed since the last call
                 site.misses = site.demotions = 0
             else:
@@ -390,6 +391,20 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         return None
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
+    if parametrize._cache_enabled:
+        # Inside parametrize.cached(): stock's first read in the block computes the value and
+        # every later one (calls and reads between them) gets that one, whatever changed since.
+        key = (id(holder), name)
+        cached = parametrize._cache.get(key)
+        if cached is None:
+            cached = _uncached_value(holder, name, site, grad)
+            if cached is not None:
+                parametrize._cache[key] = cached
+        return cached
+    return _uncached_value(holder, name, site, grad)
+
+
+def _uncached_value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
     # freeze's sites are freezable here (_open_holders refused the call otherwise); auto's are
     # frozen where they can be for this call, hoisted otherwise.
     if _freezable(site, grad):
