@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import Skew, assert_same_tensors, grads
+from helpers import LoRA, Skew, assert_same_tensors, grads
 from torch import nn
 from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
@@ -605,14 +605,65 @@ def test_a_stateful_chain_put_in_training_between_calls_is_no_longer_shared_acro
     with torch.no_grad():
         model(x), model(x)  # steady
         previous, claimed = scope._open(model)
-        assert layer.__dict__["_paramfold"].shareable
+        assert layer.__dict__["_paramfold"].shareable == ()  # under no autocast
         scope._close(previous, claimed)
         model.train()
         previous, claimed = scope._open(model)
         try:
-            assert not layer.__dict__["_paramfold"].shareable
+            assert layer.__dict__["_paramfold"].shareable is None
         finally:
             scope._close(previous, claimed)
+
+
+class _Paused(nn.Module):
+    """A LoRA-style chain (a matmul: autocast computes it in bf16) whose forward waits for a signal."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        P.register_parametrization(self.lin, "weight", LoRA(8, 8))
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        if threading.current_thread() is not threading.main_thread():
+            self.inside.set()
+            assert self.go.wait(30)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+@pytest.mark.parametrize("other", ["autocast", "same"])
+def test_overlapping_no_grad_calls_share_values_only_under_the_same_autocast_state(mode, other):
+    # Regression: a no_grad call overlapping another thread's no_grad call shared that call's
+    # values whatever autocast state each ran under (autocast is thread-local): a call inside
+    # torch.autocast got values computed outside it, or the other way round. Now it shares them
+    # under the same state only, and is refused with a FoldError otherwise.
+    stock, ours = (_Paused().eval().requires_grad_(False) for _ in range(2))
+    ours.load_state_dict(stock.state_dict())
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = stock.lin(x)
+    results = {}
+
+    def first():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            results["first"] = ours(x)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert ours.inside.wait(30)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=other == "same"):
+            if other == "same":
+                assert torch.equal(ours(x), expected)
+            else:
+                with pytest.raises(paramfold.FoldError, match="another thread"):
+                    ours(x)
+    finally:
+        ours.go.set()
+        thread.join(30)
+    assert torch.equal(results["first"], expected)
 
 
 # --- 7. inline never adds graphs ------------------------------------------------------------

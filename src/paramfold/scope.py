@@ -30,7 +30,8 @@ reads them).
 Threads: which entries a scope covers is thread-local; the values themselves live in the modules'
 ``__dict__``, which every thread sees. So a scope *claims* each holder under one lock: the first
 claim installs values, later claims by other threads share them only when both calls run under
-``no_grad`` with no stateful chain training (the values are then the same either way), and any
+``no_grad`` and the same autocast state with no stateful chain training (the values are then the
+same either way), and any
 other overlap — a training call beside another call — is refused with a :class:`FoldError`
 instead of letting one thread's values (and autograd graph) leak into the other's call.
 """
@@ -162,7 +163,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
         if hs.sites:
             _check_unchanged(holder, hs)
         if hs.users:
-            if not (hs.shareable and _shareable(hs, grad)):
+            if hs.shareable is None or hs.shareable != _shareable(hs, grad):
                 raise _concurrent(entry)
         else:
             for name, site in hs.sites.items():
@@ -304,8 +305,13 @@ def _enter_scope_class(holder: nn.Module, hs: ModuleState) -> None:
         object.__setattr__(holder, "__class__", rebased(cls, between, hs.prepared_class))
 
 
-def _shareable(hs: ModuleState, grad: bool) -> bool:
-    return not grad and not any(site.training_stateful for site in hs.sites.values())
+def _shareable(hs: ModuleState, grad: bool) -> tuple | None:
+    """What the values installed now must have been computed under for another thread's call to
+    share them: None where none may (a call recording autograd, or a stateful chain training),
+    else the autocast state (thread-local: one thread's region must not serve another's call)."""
+    if grad or any(site.training_stateful for site in hs.sites.values()):
+        return None
+    return autocast_state() if _any_autocast() else ()
 
 
 def _release(claimed: list[nn.Module] | Plan) -> None:

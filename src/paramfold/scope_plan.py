@@ -70,7 +70,7 @@ class Plan:
     )
 
     @classmethod
-    def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], bool],
+    def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], tuple | None],
               pre_hooks: tuple[dict, ...] = (), previous: Plan | None = None) -> Plan | None:
         """The plan of a scope just opened over ``holders`` the general way, or None where some
         site is not in a steady state (hook-based norms, DTensors, anything recomputed).

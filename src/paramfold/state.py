@@ -224,10 +224,11 @@ class ModuleState:
     #: For entries: ``id()`` of every entry a scope opened here covers.
     covers: frozenset[int] = frozenset()
     #: For holders: how many open call scopes (of any thread) use the values installed now, the
-    #: names installed, and whether another thread's no_grad call may share them.
+    #: names installed, and under what another thread's call may share them (``scope._shareable``:
+    #: None where it may not, else the autocast state they were computed under).
     users: int = 0
     installed: tuple[str, ...] = ()
-    shareable: bool = False
+    shareable: tuple | None = None
     #: Hook-based norms' hooks taken out of ``_forward_pre_hooks`` while values are installed,
     #: and the dict's key order to put them back in (``hooknorms.detach`` / ``attach``).
     hooks_out: tuple = ()
