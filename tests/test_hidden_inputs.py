@@ -577,3 +577,40 @@ def test_a_chain_tensor_that_requires_grad_gets_its_gradient(mode, as_buffer):
     layer.parametrizations.weight.original.requires_grad_(False)
     with pytest.raises(paramfold.FoldError, match="a tensor of the chain requires grad"):
         paramfold.prepare(layer, "freeze")
+
+
+class _RunningPeak(nn.Module):
+    """Updates a buffer at every computation, in eval mode too (a running statistic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("peak", torch.zeros(()))
+
+    def forward(self, w):
+        with torch.no_grad():
+            self.peak.copy_(torch.maximum(self.peak, w.abs().max()) + 1)
+        return w / self.peak
+
+
+def _peaked(prepare: str | None) -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    P.register_parametrization(layer, "weight", _RunningPeak())
+    layer.eval().requires_grad_(False)
+    return paramfold.prepare(layer, prepare) if prepare else layer
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_chain_that_changes_its_state_in_eval_mode_is_computed_at_every_call(mode):
+    # Regression: statefulness was probed in training mode only, so freeze and auto froze a chain
+    # that updates its buffer at every computation in eval mode too: its buffer and the outputs
+    # drifted from stock's from the second call.
+    assert [s.stateful_in_eval for s in paramfold.find(_peaked(None))] == [True]
+    stock, ours = _peaked(None), _peaked(mode)
+    x = torch.ones(1, 3)
+    with torch.no_grad():
+        for call in range(4):
+            assert torch.equal(ours(x), stock(x)), call
+    assert torch.equal(ours.parametrizations.weight[0].peak, stock.parametrizations.weight[0].peak)
+    with pytest.raises(paramfold.FoldError, match="changes its own buffers at every computation"):
+        _peaked("freeze")

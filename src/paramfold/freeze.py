@@ -294,7 +294,9 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
         return
     reasons = []
     for s, st in bad:
-        why = "a tensor of the chain requires grad" if chain_needs_grad(st) else "stateful chain in training mode"
+        why = ("a tensor of the chain requires grad" if chain_needs_grad(st)
+               else "its chain changes its own buffers at every computation" if st.stateful_in_eval
+               else "stateful chain in training mode")
         reasons.append(f"{s.fqn} ({s.kind}: {why})")
     raise FoldError(
         f"cannot freeze {len(bad)} site(s) {when}: {first_few(reasons, 4)}. Freeze is for inference: "

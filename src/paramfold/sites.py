@@ -69,6 +69,8 @@ class Site:
         requires_grad: whether any original requires grad.
         stateful: whether the chain mutates its buffers in forward when training
             (spectral_norm's power iteration, or a custom parametrization found to do so).
+        stateful_in_eval: whether it does so in eval mode too (a custom parametrization that
+            tracks a running statistic at every computation): its value is never frozen.
         is_buffer: whether the originals are buffers rather than parameters.
         tied_with: ``(module_path, tensor_name)`` of the other sites sharing an original tensor.
         nested: the sites of parametrizations registered on this site's own originals
@@ -94,6 +96,7 @@ class Site:
     nested: tuple[Site, ...] = ()
     hook_based: bool = False
     random: bool = False
+    stateful_in_eval: bool = False
 
     @property
     def fqn(self) -> str:
@@ -208,14 +211,14 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     originals = {p: d[k] for p, d, k in leaf_originals(plist)}
     kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
-    random = False
+    random = stateful_in_eval = False
     if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
         kinds = [k or "communication" for k in kinds]
     elif any(k is None for k in kinds):
         with _rng_kept(originals.values()):
             inputs = _computed_originals(plist) if is_nested(plist) else originals
-            kinds, probed_stateful, random = _probe_unknown(chain, inputs, kinds)
-        stateful = stateful or probed_stateful
+            kinds, probed_stateful, stateful_in_eval, random = _probe_unknown(chain, inputs, kinds)
+        stateful = stateful or probed_stateful or stateful_in_eval
     return Site(
         module_path=path,
         tensor_name=name,
@@ -227,6 +230,7 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         stateful=stateful,
         is_buffer=not any(isinstance(t, nn.Parameter) for t in originals.values()),
         random=random,
+        stateful_in_eval=stateful_in_eval,
     )
 
 
@@ -265,17 +269,17 @@ def _probe_unknown(
     chain: tuple[nn.Module, ...],
     originals: dict[str, torch.Tensor],
     kinds: list[str | None],
-) -> tuple[list[str], bool, bool]:
+) -> tuple[list[str], bool, bool, bool]:
     """Run the chain on cloned state to tell casts from custom maps, find buffer mutation and
-    random draws: ``(kinds, stateful, random)``.
+    random draws: ``(kinds, stateful, stateful_in_eval, random)``.
 
     Each module is called through ``torch.func.functional_call`` with clones of its own
     parameters and buffers in training mode, so the real module state never changes, then
-    again in eval mode to see whether it draws random numbers there (the caller puts the
-    generators back).
+    again in eval mode to see whether it mutates its buffers or draws random numbers there too
+    (the caller puts the generators back).
     """
     resolved: list[str] = []
-    stateful = random = False
+    stateful = stateful_in_eval = random = False
     with torch.no_grad():
         # Clones of the originals too: a member (or its pre-hook) may edit its input in place.
         value: object = tuple(_clone(t) for t in originals.values())
@@ -287,10 +291,14 @@ def _probe_unknown(
             if kind is None:
                 collective = probe.collective
                 kind = "communication" if collective else "cast" if not state and _is_cast(args, out) else "custom"
-            random = random or probe.random or (not probe.collective and _probe_call(module, args, training=False)[2].random)
+            if not probe.collective:
+                in_eval = _probe_call(module, args, training=False)[2]
+                random = random or in_eval.random
+                stateful_in_eval = stateful_in_eval or (in_eval.mutated and kind not in _STATELESS_KINDS)
+            random = random or probe.random
             resolved.append(kind)
             value = out
-    return resolved, stateful, random
+    return resolved, stateful, stateful_in_eval, random
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

@@ -117,11 +117,17 @@ class SiteState:
     misses: int = 0
     demotions: int = 0
     hoist_until: int = 0
+    #: Whether the chain changes its state in eval mode too (``Site.stateful_in_eval``).
+    stateful_in_eval: bool = False
 
     @property
     def training_stateful(self) -> bool:
+        """Whether computing the value now changes the chain's state: a stateful chain with a
+        member in training mode, or one that changes it in eval mode too."""
         if not self.stateful:
             return False
+        if self.stateful_in_eval:
+            return True
         for m in self.chain:
             if m.training:
                 return True
@@ -166,13 +172,15 @@ tensor_version = operator.attrgetter("_version")
 tensor_data_ptr = getattr(torch._C.TensorBase, "const_data_ptr", torch._C.TensorBase.data_ptr)
 
 
-def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content") -> SiteState:
+def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content",
+               stateful_in_eval: bool = False) -> SiteState:
     plist = module._modules["parametrizations"]._modules[name]
     originals = tuple((d, k) for _, d, k in leaf_originals(plist))
     pins = tuple(pin for pin in _dict_pins(plist.modules()) if pin[2])  # the non-empty dicts
     return SiteState(
         mode, stateful, plist, members(plist), tuple(plist._modules.values()), originals,
         tuple(d for _, _, d in pins), dict_pins=pins, nested=is_nested(plist), freeze_check=freeze_check,
+        stateful_in_eval=stateful_in_eval,
     )
 
 
@@ -184,7 +192,7 @@ def _dict_pins(modules: Iterable[nn.Module]) -> tuple[tuple[dict, str, dict], ..
 def state_for(site: Any, mode: str, freeze_check: str = "content") -> SiteState:
     """The :class:`SiteState` of a :class:`paramfold.Site` (a parametrization or a hook-based norm)."""
     if not site.hook_based:
-        return site_state(site.module, site.tensor_name, mode, site.stateful, freeze_check)
+        return site_state(site.module, site.tensor_name, mode, site.stateful, freeze_check, site.stateful_in_eval)
     hook = site.chain[0]
     key = next(k for k, h, _ in hooknorms.hook_norms(site.module) if h is hook)
     return hook_site_state(site.module, key, hook, site.kind, mode, freeze_check)
