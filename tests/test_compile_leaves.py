@@ -232,7 +232,7 @@ def test_a_compile_on_another_thread_leaves_this_threads_values_alone():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_a_call_whose_stand_ins_were_stranded_is_refused_and_the_model_is_left_whole(monkeypatch):
+def test_a_call_whose_stand_ins_were_stranded_is_refused_and_the_model_is_left_whole():
     """Dynamo runs its compile callbacks only for the first of overlapping compiles in the process:
     here another thread starts a compile (as a lazily compiled backward does) while this one's
     fails, so this one's end callback runs on that thread, and this frame falls back to eager on
@@ -253,13 +253,13 @@ def test_a_call_whose_stand_ins_were_stranded_is_refused_and_the_model_is_left_w
         assert entered.wait(60)
         raise RuntimeError("this backend fails")
 
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)
     stock, model = build("weight_norm", width=8), paramfold.prepare(build("weight_norm", width=8), "hoist")
     x = torch.randn(2, 8)
     compiled = torch.compile(model, backend=failing_backend)
     try:
-        with pytest.raises(paramfold.FoldError, match="another thread was compiling"):
-            compiled(x)
+        with torch._dynamo.config.patch(suppress_errors=True):
+            with pytest.raises(paramfold.FoldError, match="another thread was compiling"):
+                compiled(x)
     finally:
         leave.set()
     assert _stand_ins_left(model) == []

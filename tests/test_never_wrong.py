@@ -666,6 +666,50 @@ def test_overlapping_no_grad_calls_share_values_only_under_the_same_autocast_sta
     assert torch.equal(results["first"], expected)
 
 
+class _PausedStack(nn.Module):
+    """Three weight_norm layers; the forward waits for a signal when run off the main thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(*[weight_norm(nn.Linear(4, 4)) for _ in range(3)])
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        if threading.current_thread() is not threading.main_thread():
+            self.inside.set()
+            assert self.go.wait(30)
+        return self.seq(x)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_a_layer_called_directly_beside_another_threads_call_claims_its_values(mode, grad):
+    # Regression: a layer of the model called directly (not through the model) while another
+    # thread's no_grad call of the model ran read that call's values from its __dict__: a
+    # training step on the layer got no gradient for its originals, silently. The layer's call
+    # now claims the values as the model's call does: shared under no_grad, else refused.
+    stock, ours = _PausedStack(), _PausedStack()
+    ours.load_state_dict(stock.state_dict())
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    thread = threading.Thread(target=lambda: torch.no_grad()(ours)(x))
+    thread.start()
+    try:
+        assert ours.inside.wait(30)
+        with torch.set_grad_enabled(grad):
+            if grad:
+                with pytest.raises(paramfold.FoldError, match="another thread"):
+                    ours.seq[1](x)
+            else:
+                assert torch.equal(ours.seq[1](x), stock.seq[1](x))
+    finally:
+        ours.go.set()
+        thread.join(30)
+    ours.seq[1](x).sum().backward()  # alone again: trains like stock
+    stock.seq[1](x).sum().backward()
+    assert_same_tensors(grads(stock), grads(ours))
+
+
 # --- 7. inline never adds graphs ------------------------------------------------------------
 
 

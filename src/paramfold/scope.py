@@ -575,6 +575,11 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         return compiled if torch.compiler.is_compiling() else functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
     if id(self) not in local.covered:
+        if self.__dict__[STATE_ATTR].users:
+            # Values another thread's scope installed are in this module's __dict__: this call
+            # claims them as its own entry would (shares them, or is refused), rather than
+            # reading them as they are (without their autograd history, or another autocast's).
+            return functools.partial(_scoped_compiled_call, self, self._call_impl)
         return None
     if local.opened is self:
         local.opened = None
