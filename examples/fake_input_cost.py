@@ -7,7 +7,8 @@ applied under ``FakeTensorMode``, two more dispatched ops per input). The plain 
 Parameters are leaves and skip that. This times ``FakeTensorMode().from_tensor`` alone, on the
 seed's kind of input (a ``(width, width)`` bf16 cast of a float32 leaf), as leaves and as
 non-leaves: the difference, times the number of hoisted inputs, is what a first compiled call in
-grad mode costs more than under ``no_grad``.
+grad mode cost more than under ``no_grad`` before paramfold handed dynamo leaf stand-ins while it
+compiles (``paramfold/compile_leaves.py``).
 
     python examples/fake_input_cost.py                  # 64 inputs, as many as the seed hoists
     python examples/fake_input_cost.py --inputs 512 --rounds 5
