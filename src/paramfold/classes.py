@@ -30,13 +30,15 @@ import threading
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import _disable_current_modes
 
-from paramfold.compute import compute, eager_value, parametrized_here
+from paramfold import scope_nested as nested
+from paramfold.compute import autocast_state, checkpoint_frame, compute, eager_value, parametrized_here
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
-from paramfold.state import STATE_ATTR
+from paramfold.state import STATE_ATTR, SiteState
 from paramfold.scope import compiled_call_impl, root_call
 
 
@@ -216,20 +218,36 @@ class _ForeignSite:
 
 
 def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
-    """The value of a hoist or freeze site read eagerly with no scope open: stock's value.
+    """The value of a hoist or freeze site read eagerly where no value is in ``__dict__``: stock's.
 
-    During the recomputation of a non-reentrant ``torch.utils.checkpoint`` the forward it
-    replays read this tensor as a value computed *before* the checkpointed region (the call
-    scope's): its gradient flows through the graph that value recorded then, so it is computed
-    again without autograd, as a leaf that requires grad where that value did, and the replay
-    saves the same tensors as the forward (an op such as ``addmm`` saves what its gradients need,
-    which depends on whether the weight requires grad).
+    Inside a non-reentrant ``torch.utils.checkpoint`` region, the recomputation (during
+    backward) must do for each read exactly what the forward did, or the region saves other
+    tensors (a ``CheckpointError``, or ``Linear`` saving what its gradients need, which depends on
+    whether the weight requires grad), runs ops the forward never ran (selective checkpointing's
+    cache refuses them), or computes other gradients. A read that reaches this descriptor in the
+    forward computes its value here, with autograd, inside the region (no call scope over the
+    module: a submodule or ``forward`` checkpointed directly; a tensor left to be computed where
+    read; a nested call under another autocast state, grad mode or with swapped originals,
+    ``scope_nested.call_changed``); it is noted on the region's frame (:func:`_read_key`). In the
+    recomputation a read with such a note is computed again the same way; any other read was
+    served, in the forward, a value the call scope computed *before* the region (a plain
+    ``__dict__`` read, its gradient flowing through the graph that value recorded then), so it is
+    computed again without autograd and outside the region's dispatch modes, as a leaf that
+    requires grad where that value did.
     """
     if not parametrized_here(module, name):
         raise AttributeError(name)
-    if _in_checkpoint_recomputation():
+    region = checkpoint_frame()
+    if region is not None:
+        frame, recomputing = region
         site = module.__dict__[STATE_ATTR].sites.get(name)
-        in_graph = site is None or site.mode == "inline" or site.at_read or (site.subclass and chain_needs_grad(site))
+        if not recomputing:
+            if frame is not None:
+                frame.__dict__.setdefault(_READS, set()).add(_read_key(module, name, site))
+            return eager_value(module, name)
+        read_here = frame is not None and _read_key(module, name, site) in frame.__dict__.get(_READS, ())
+        in_graph = read_here or site is None or site.mode == "inline" or site.at_read or (
+            site.subclass and chain_needs_grad(site))
         if not in_graph:
             if site.training_stateful:
                 raise FoldError(
@@ -239,16 +257,31 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
                     "checkpointed region, which a value computed once per call cannot reproduce. "
                     "Prepare this module with mode='inline' (filter_fn), or call model.eval()."
                 )
-            with torch.no_grad():
+            # Outside the region's dispatch modes too: selective checkpointing's cache refuses
+            # ops its forward never ran.
+            with torch.no_grad(), _disable_current_modes():
                 value = compute(module, name)
             # The recomputation runs with grad enabled, as the checkpointed forward did.
             return value.detach().requires_grad_(chain_needs_grad(site))
     return eager_value(module, name)
 
 
-def _in_checkpoint_recomputation() -> bool:
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+#: The attribute of a ``torch.utils.checkpoint`` frame that holds the :func:`_read_key` of every
+#: read its forward computed where it was read.
+_READS = "_paramfold_computed_at_read"
+
+
+def _read_key(module: nn.Module, name: str, site: SiteState | None) -> tuple:
+    """What tells a read in a checkpointed region's recomputation which read of its forward it
+    replays: the tensor, the grad mode and autocast state, and whether the originals and the
+    chain are those the call scope's value was computed from. A read served that value in the
+    forward differs from one computed there (``scope_nested.call_changed`` computes where one of
+    those differs), and the recomputation reads under the same ones as its forward."""
+    if site is None:
+        return (id(module), name)
+    chain = site.plist is None or tuple(site.plist._modules.values()) == (site.read_chain or site.modules)
+    return (id(module), name, torch.is_grad_enabled(), autocast_state(),
+            nested.same(nested.inputs(site), site.read_from), chain)
 
 
 def _forward_is_torchs(base: type) -> bool:

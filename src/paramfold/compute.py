@@ -144,5 +144,43 @@ def autocast_state() -> tuple | None:
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
 
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def checkpoint_frame() -> tuple[object, bool] | None:
+    """``(frame, recomputing)`` of the innermost non-reentrant ``torch.utils.checkpoint`` region
+    this thread runs in, else None: torch's ``_CheckpointFrame`` of the region, and whether this is
+    its recomputation (during backward) rather than its forward.
+
+    Found from the saved-tensor hooks the region pushed: ``_checkpoint_hook``'s pack hook holds
+    the frame in its closure (``frame``), ``_recomputation_hook``'s a weak reference to it
+    (``target_frame_ref``). A region whose frame cannot be found this way gives ``(None, ...)``.
+    """
+    hooks = _top_saved_tensors_hooks(True)
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    qualname = getattr(pack, "__qualname__", "")
+    if "_recomputation_hook" in qualname:
+        recomputing = True
+    elif "_checkpoint_hook" in qualname:
+        recomputing = False
+    else:
+        return None
+    frame = None
+    try:
+        fn = pack
+        while hasattr(fn, "__wrapped__"):  # torch._dynamo.disable's wrapper
+            fn = fn.__wrapped__
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+        if recomputing:
+            frame = cells["target_frame_ref"].cell_contents()
+        else:
+            frame = cells["frame"].cell_contents
+    except (AttributeError, KeyError, TypeError, ValueError):  # another torch's layout
+        frame = None
+    return frame, recomputing
+
+
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
 run_module_eagerly_as_frames(globals())

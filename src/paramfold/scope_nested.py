@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from paramfold import hooknorms
-from paramfold.compute import any_autocast, autocast_state, compute
+from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
@@ -229,6 +229,13 @@ def call_changed(
             return call(*args, **kwargs)
         finally:
             local.context = outer
+    # Inside a non-reentrant torch.utils.checkpoint region, a value computed once here would be
+    # computed with autograd inside the region and served to every read of the call, which the
+    # region's recomputation (no scope open, or one opened inside the region) cannot tell apart
+    # from reads served a value computed before the region. There the value to be put back is
+    # taken out for the call instead: each read computes it like stock, through the descriptor,
+    # which notes it for the recomputation (classes.read_outside_scope).
+    in_region = checkpoint_frame() is not None
     try:
         with lock:
             for holder, name, swapped, appended in found:
@@ -236,6 +243,10 @@ def call_changed(
                 if hs.users > 1:
                     raise busy(entry)
                 site = hs.sites[name]
+                if in_region and swapped and site.hook is None:
+                    put_back.append((holder.__dict__, name, holder.__dict__.pop(name), site, site.read_from,
+                                     site.read_chain))
+                    continue
                 if appended is not None:
                     value = holder.__dict__[name]
                     for member in appended:

@@ -1,0 +1,206 @@
+"""Non-reentrant ``torch.utils.checkpoint`` regions whose forward computes a parametrized tensor
+inside the region, eagerly: outputs, gradients and buffers bitwise equal to stock.
+
+The region's recomputation (during backward) must do for each read what its forward did: compute
+with autograd where the forward computed inside the region, serve the value computed before the
+region where the forward read that one. It decided from the site alone before, so it served a
+detached value where the forward had computed one inside the region (a submodule checkpointed
+directly, with no call scope open; ``torch.autocast`` entered inside the region): torch raised a
+``CheckpointError`` (another number of tensors saved); and under selective checkpointing it ran
+the chain's ops inside the cache's dispatch mode, which refuses ops the forward never ran.
+(Checkpointing inside a prepared model's forward: ``tests/test_never_wrong.py``, section 5.)
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import paramfold
+
+MODES = ["hoist", "auto", "inline"]
+
+LAYERS = {
+    "weight_norm": lambda: weight_norm(nn.Linear(4, 4)),
+    "orthogonal": lambda: orthogonal(nn.Linear(4, 4)),
+    "spectral_norm-eval": lambda: spectral_norm(nn.Linear(4, 4)).eval(),
+}
+
+
+def _steps(model: nn.Module, call, input_grad: bool = True, steps: int = 2) -> list:
+    """Training steps (forward, backward, SGD step): each step's output, input gradient,
+    parameter gradients and state dict."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    found = []
+    for step in range(steps):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step)).requires_grad_(input_grad)
+        y = call(model, x)
+        y.square().sum().backward()
+        found.append((
+            y.detach(),
+            x.grad,
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
+            {k: v.clone() for k, v in model.state_dict().items()},
+        ))
+        opt.step()
+        opt.zero_grad()
+    return found
+
+
+def _assert_bitwise(expected, actual, at: str = "") -> None:
+    if isinstance(expected, dict):
+        assert expected.keys() == actual.keys(), at
+        for key in expected:
+            _assert_bitwise(expected[key], actual[key], f"{at}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), at
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            _assert_bitwise(e, a, f"{at}[{i}]")
+    elif expected is None:
+        assert actual is None, at
+    else:
+        assert actual is not None and expected.dtype == actual.dtype and torch.equal(expected, actual), at
+
+
+def _same_as_stock(stock: nn.Module, mode: str, call, input_grad: bool = True) -> None:
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    expected = _steps(stock, call, input_grad)
+    _assert_bitwise(expected, _steps(ours, call, input_grad))
+
+
+# --- no call scope open: a submodule, or the root's forward, checkpointed directly ------------
+
+
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-grad", "no-input-grad"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_submodule_checkpointed_directly_equal_to_stock(mode, layer, input_grad):
+    # Regression (hoist, auto): its forward computed the tensor with autograd inside the region
+    # (no scope over it), the recomputation served it detached: CheckpointError.
+    torch.manual_seed(0)
+    stock = nn.Sequential(LAYERS[layer](), nn.Tanh())
+    _same_as_stock(stock, mode, lambda m, x: checkpoint(m[0], x, use_reentrant=False), input_grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_roots_forward_checkpointed_directly_equal_to_stock(mode):
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), orthogonal(nn.Linear(4, 4)))
+    _same_as_stock(stock, mode, lambda m, x: checkpoint(m.forward, x, use_reentrant=False))
+
+
+# --- torch.autocast entered inside the region -------------------------------------------------
+
+
+class _AutocastInside(nn.Module):
+    """``lin`` called under a ``torch.autocast`` entered inside the checkpointed region (``reads``
+    times), and for ``mixed`` once before it, in the same region: the forward serves that read the
+    call's value, computed before the region, and computes the tensor inside the region for the
+    others (several reads of the call's value would sum their gradients before the chain's
+    backward: README, Notes and limits)."""
+
+    def __init__(self, mixed: bool, reads: int = 1) -> None:
+        super().__init__()
+        self.mixed = mixed
+        self.reads = reads
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def region(self, t: torch.Tensor) -> torch.Tensor:
+        if self.mixed:
+            t = torch.tanh(self.lin(t))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(self.reads):  # each call of lin reads its weight, as stock does
+                t = self.lin(t)
+        return t.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.region, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("mixed,reads", [(False, 1), (True, 1), (False, 2)], ids=["inside", "mixed", "two-calls"])
+@pytest.mark.parametrize("mode", MODES)
+def test_autocast_inside_a_checkpointed_region_equal_to_stock(mode, mixed, reads):
+    # Regression (hoist, auto): the nested call computed the value again under the region's
+    # autocast, with autograd, inside the region; the recomputation served it detached.
+    torch.manual_seed(0)
+    _same_as_stock(_AutocastInside(mixed, reads), mode, lambda m, x: m(x))
+
+
+# --- selective activation checkpointing -------------------------------------------------------
+
+
+def _policy(ctx, op, *args, **kwargs):  # torchtitan's: save the matmuls, recompute the rest
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(fn, x):
+    return checkpoint(fn, x, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+
+
+class _SelectiveBlock(nn.Module):
+    def __init__(self, autocast: bool) -> None:
+        super().__init__()
+        self.autocast = autocast
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def region(self, t: torch.Tensor) -> torch.Tensor:
+        if self.autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return torch.tanh(self.lin(t)).float()
+        return torch.tanh(self.lin(t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _selective(self.region, x)
+
+
+@pytest.mark.parametrize("where", ["in-forward", "autocast-inside", "submodule-directly"])
+@pytest.mark.parametrize("mode", MODES)
+def test_selective_activation_checkpointing_equal_to_stock(mode, where):
+    # Regression (hoist, auto, in-forward): the recomputation computed the call's value again
+    # inside the cache's dispatch mode, which refused the chain's ops: "_weight_norm_interface
+    # encountered during backward but not found in storage".
+    torch.manual_seed(0)
+    stock = _SelectiveBlock(autocast=where == "autocast-inside")
+    if where == "submodule-directly":
+        _same_as_stock(stock, mode, lambda m, x: _selective(m.lin, x))
+    else:
+        _same_as_stock(stock, mode, lambda m, x: m(x))
+
+
+# --- originals swapped inside the region ------------------------------------------------------
+
+
+class _SwappedInside(nn.Module):
+    """``torch.func.functional_call`` of ``lin`` with another ``original0`` inside the region (the
+    module's own parameter, or one made inside the region, a new tensor at the recomputation)."""
+
+    def __init__(self, fresh: bool) -> None:
+        super().__init__()
+        self.fresh = fresh
+        self.lin = weight_norm(nn.Linear(4, 4))
+        self.g = nn.Parameter(torch.rand(4, 1) + 0.5)
+
+    def region(self, t: torch.Tensor) -> torch.Tensor:
+        g = self.g * 2 if self.fresh else self.g
+        swapped = {"parametrizations.weight.original0": g}
+        return torch.tanh(torch.func.functional_call(self.lin, swapped, (t,), strict=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.region, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["parameter", "made-in-region"])
+@pytest.mark.parametrize("mode", MODES)
+def test_originals_swapped_inside_a_checkpointed_region_equal_to_stock(mode, fresh):
+    # Regression (hoist, auto): as with autocast inside the region, a CheckpointError.
+    torch.manual_seed(0)
+    _same_as_stock(_SwappedInside(fresh), mode, lambda m, x: m(x))
