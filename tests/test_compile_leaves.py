@@ -267,3 +267,89 @@ def test_a_call_whose_stand_ins_were_stranded_is_refused_and_the_model_is_left_w
     assert torch.equal(_step(model, model, x), _step(stock, stock, x))
     for (name, a), b in zip(grads(model).items(), grads(stock).values()):
         assert torch.equal(a, b), name
+
+
+class _Gated(nn.Module):
+    """A frame whose first graph fails to compile (dynamo then runs it eagerly), which reads a
+    parametrized weight itself and then calls a submodule that dynamo compiles on its own."""
+
+    def __init__(self, between):
+        super().__init__()
+        self.lin = torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+        self.gate = _Gate()
+        self.between = torch.compiler.disable(between)
+
+    def forward(self, x):
+        x = x * 2
+        self.between()
+        x = x @ self.lin.weight.t()
+        return self.gate(x)
+
+
+class _Gate(nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+@pytest.mark.parametrize("other_ends", ["before the next compile", "after the call"])
+def test_stand_ins_that_outlived_their_compile_refuse_the_call_even_after_later_compiles(other_ends):
+    """As above, but this thread compiles another frame before the call ends: stand-ins another
+    compile installed are found stranded when that compile starts (its start callback runs: the
+    other thread's compile ended meanwhile) or ends (its bytecode hook), not put back as if
+    nothing had run on them (the eager fallback read one here)."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    entered, leave = threading.Event(), threading.Event()
+    backend_calls = []
+
+    def other_compile():
+        with callback_handler.install_callbacks(CallbackTrigger.LAZY_BACKWARD, "other"):
+            entered.set()
+            assert leave.wait(60)
+
+    thread = threading.Thread(target=other_compile)
+
+    def first_fails(gm, example_inputs):
+        backend_calls.append(gm)
+        if len(backend_calls) == 1:
+            thread.start()
+            assert entered.wait(60)
+            raise RuntimeError("this backend fails once")
+        return gm.forward
+
+    def between():
+        if other_ends == "before the next compile":
+            leave.set()
+            thread.join(60)
+
+    model = paramfold.prepare(_Gated(between), "hoist")
+    compiled = torch.compile(model, backend=first_fails)
+    try:
+        with torch._dynamo.config.patch(suppress_errors=True):
+            with pytest.raises(paramfold.FoldError, match="another thread was compiling"):
+                compiled(torch.randn(2, 4))
+    finally:
+        leave.set()
+        thread.join(60)
+    assert len(backend_calls) >= 2  # the later compile ran inside the refused call
+    assert _stand_ins_left(model) == [] and not compile_leaves.local.stranded
+
+
+@pytest.mark.parametrize("option", ["install_free_tensors", "prepare_freezing"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_options_that_bake_module_tensors_into_the_graph_are_refused(mode, option):
+    """With these dynamo options a module's tensor attributes are copied into the graph: a
+    prepared model's values (stand-ins in grad mode) would stay there at every later call."""
+    grad = mode != "freeze"
+    stock, model = build("weight_norm", width=8), build("weight_norm", width=8)
+    if not grad:
+        stock.requires_grad_(False), model.requires_grad_(False)
+    paramfold.prepare(model, mode)
+    x = torch.randn(2, 8)
+    with torch.set_grad_enabled(grad), torch._dynamo.config.patch(**{option: True}):
+        with pytest.raises(Exception, match="install_free_tensors .or prepare_freezing"):
+            torch.compile(model, backend="eager")(x)
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):  # the option off: as stock
+        assert torch.equal(torch.compile(model, backend="eager")(x), stock(x))
+    assert _stand_ins_left(model) == []

@@ -20,11 +20,16 @@ as before.
 
 Dynamo's compile callbacks run only for the first of overlapping compiles anywhere in the
 process (one counter for all threads): a stand-in is installed only when dynamo itself compiles
-a frame (not a lazily compiled backward, a CUDA graph recording or an export), and where the
-compile still ended without putting a value back — it made no code and another thread's compile
-was running meanwhile, so its end callback ran there — the call that ran on a stand-in is
-refused when its scope closes (:func:`restore_stranded`): its gradients would have stopped at the
-stand-in.
+a frame (not a lazily compiled backward, a CUDA graph recording or an export). Where a compile
+still ended without putting its stand-ins back — it made no code and another thread's compile
+was running meanwhile, so its end callback ran there — they are *stranded*: seen when this
+thread's next compile starts or ends, or as the scope closes, and the call, which may have run
+on them, is refused as its scope closes (:func:`restore_stranded`): its gradients would have
+stopped at a stand-in.
+
+``torch._dynamo.config.install_free_tensors`` and ``prepare_freezing`` make dynamo copy a
+module's tensor attributes into the graph, where a value (a stand-in, or a value of one call)
+would stay: a compile under a scope with either on is refused.
 """
 
 from __future__ import annotations
@@ -49,8 +54,13 @@ class _Local(threading.local):
     #: The claims (holders lists, or plans with ``.claimed``) of the scopes open on this thread,
     #: innermost first: ``(claimed, (outer_claimed, (..., ())))``.
     claims: tuple = ()
-    #: ``(module, name, value, stand_in)`` for every stand-in installed now on this thread.
+    #: ``(module, name, value, stand_in)`` for every stand-in installed now on this thread, and
+    #: the compile that installed them.
     swapped: list | tuple = ()
+    compile_id: object = None
+    #: Whether stand-ins outlived the compile that installed them (code may have run on them):
+    #: the scope that closes next refuses its call.
+    stranded: bool = False
 
 
 local = _Local()
@@ -71,15 +81,35 @@ def on_compile_start(args: object = None) -> None:
     """Dynamo's compile start callback: install the stand-ins of this thread's open scopes."""
     if getattr(args, "callback_trigger", None) is not _DYNAMO or _is_exporting():
         return
+    if local.swapped:  # an earlier compile's, never put back
+        _strand()
     claims = local.claims
     if not claims:
         return
+    if _bakes_module_tensors() and _any_value_installed(claims):
+        raise FoldError(
+            "torch._dynamo.config.install_free_tensors (or prepare_freezing) makes dynamo copy a "
+            "module's tensor attributes into the compiled graph, and the values paramfold puts in "
+            "a prepared model's modules change from call to call: compiled code would keep the "
+            "first. Turn the option off while compiling this model, or paramfold.restore(model)."
+        )
+    local.compile_id = getattr(args, "compile_id", None)
     swapped = local.swapped = []
     stand_ins: dict[int, torch.Tensor] = {}
     while claims:
         claimed, claims = claims
         for holder in getattr(claimed, "claimed", claimed):
             _swap_in(holder, swapped, stand_ins)
+
+
+def _any_value_installed(claims: tuple) -> bool:
+    while claims:
+        claimed, claims = claims
+        for holder in getattr(claimed, "claimed", claimed):
+            values = holder.__dict__
+            if any(isinstance(values.get(name), torch.Tensor) for name in values[STATE_ATTR].sites):
+                return True
+    return False
 
 
 def _swap_in(holder: nn.Module, swapped: list, stand_ins: dict[int, torch.Tensor]) -> None:
@@ -108,12 +138,34 @@ def _restore() -> None:
 
 def _on_compile_end(args: object = None) -> None:
     if local.swapped:
-        _restore()
+        _restore_after(getattr(args, "compile_id", None))
 
 
 def _on_bytecode(code: object, new_code: object) -> None:
     if local.swapped:
+        _restore_after(str(_current_compile_id()))
+
+
+def _restore_after(compile_id: object) -> None:
+    """Put the values back as a compile ends; stand-ins another compile installed outlived it."""
+    if compile_id != local.compile_id:
+        _strand()
+    else:
         _restore()
+
+
+def _strand() -> None:
+    _restore()
+    local.stranded = True
+
+
+def _current_compile_id() -> object:
+    return torch._guards.CompileContext.current_compile_id()
+
+
+def _bakes_module_tensors() -> bool:
+    config = _dynamo.config
+    return bool(getattr(config, "install_free_tensors", False) or getattr(config, "prepare_freezing", False))
 
 
 #: The list dynamo keeps its start callbacks in (``reset()`` empties it in place); where this
@@ -124,12 +176,13 @@ START_CALLBACKS: list = (
 
 
 def restore_stranded() -> bool:
-    """Put back the values of stand-ins still installed on this thread as its scope closes;
-    whether there were any: the call then ran on them (see the module docstring)."""
-    if not local.swapped:
-        return False
+    """As a scope closes with stand-ins still installed on this thread, or some that outlived
+    their compile: put the values back, and whether the call may have run on stand-ins (see the
+    module docstring)."""
+    stranded = local.stranded or bool(local.swapped)
     _restore()
-    return True
+    local.stranded = False
+    return stranded
 
 
 def stranded_error() -> FoldError:

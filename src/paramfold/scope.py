@@ -112,7 +112,7 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     _local.opened = entry
     nested.local.context = context
     leaves.local.claims = (claimed, claims)
-    if grad and leaves.on_compile_start not in _COMPILE_STARTS:
+    if leaves.on_compile_start not in _COMPILE_STARTS:
         leaves.ensure_registered()
     return previous, claimed
 
@@ -480,7 +480,7 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
 def _close(previous: tuple, claimed: list[nn.Module] | Plan) -> None:
     _local.covered, nested.local.context, leaves.local.claims = previous
     _local.opened = None
-    stranded = leaves.local.swapped and leaves.restore_stranded()
+    stranded = (leaves.local.swapped or leaves.local.stranded) and leaves.restore_stranded()
     _release(claimed)
     if stranded:
         raise leaves.stranded_error()
