@@ -147,8 +147,9 @@ def _on_bytecode(code: object, new_code: object) -> None:
 
 
 def _restore_after(compile_id: object) -> None:
-    """Put the values back as a compile ends; stand-ins another compile installed outlived it."""
-    if compile_id != local.compile_id:
+    """Put the values back as a compile ends; stand-ins another compile installed outlived it
+    (where dynamo names its compiles to callbacks)."""
+    if local.compile_id is not None and compile_id != local.compile_id:
         _strand()
     else:
         _restore()
