@@ -35,6 +35,7 @@ would stay: a compile under a scope with either on is refused.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -96,19 +97,22 @@ def on_compile_start(args: object = None) -> None:
     local.compile_id = getattr(args, "compile_id", None)
     swapped = local.swapped = []
     stand_ins: dict[int, torch.Tensor] = {}
+    for holder in _holders(claims):
+        _swap_in(holder, swapped, stand_ins)
+
+
+def _holders(claims: tuple) -> Iterator[nn.Module]:
+    """The holders every scope in ``claims`` (see :class:`_Local`) claimed."""
     while claims:
         claimed, claims = claims
-        for holder in getattr(claimed, "claimed", claimed):
-            _swap_in(holder, swapped, stand_ins)
+        yield from getattr(claimed, "claimed", claimed)
 
 
 def _any_value_installed(claims: tuple) -> bool:
-    while claims:
-        claimed, claims = claims
-        for holder in getattr(claimed, "claimed", claimed):
-            values = holder.__dict__
-            if any(isinstance(values.get(name), torch.Tensor) for name in values[STATE_ATTR].sites):
-                return True
+    for holder in _holders(claims):
+        values = holder.__dict__
+        if any(isinstance(values.get(name), torch.Tensor) for name in values[STATE_ATTR].sites):
+            return True
     return False
 
 
