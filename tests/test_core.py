@@ -461,3 +461,52 @@ def test_find_runs_an_unknown_chain_on_copies_of_the_originals_too():
     (site,) = paramfold.find(layer)
     assert site.kind == "custom"
     assert torch.equal(original, before[0]) and original._version == before[1]
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_restoring_part_of_a_prepared_model_is_refused_and_changes_nothing(mode):
+    # Regression: restore(model.layers[0]) undid that layer's preparation and returned, and the
+    # model's next call failed with KeyError('_paramfold').
+    stock, ours = build("weight_norm"), build("weight_norm")
+    if mode == "freeze":
+        stock.requires_grad_(False), ours.requires_grad_(False)
+    before = classes(ours)
+    paramfold.prepare(ours, mode)
+    prepared_classes = classes(ours)
+    for part in (ours.layers[0], ours.layers):
+        with pytest.raises(paramfold.FoldError, match="restore the model you prepared"):
+            paramfold.restore(part)
+    assert classes(ours) == prepared_classes
+    x = torch.randn(2, 32)
+    assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    assert classes(ours) == before
+
+
+class _RestoresItself(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 4))
+
+    def forward(self, x):
+        paramfold.restore(self)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_restore_during_a_call_is_refused_before_it_changes_anything(mode):
+    # Regression: restore inside the model's own call (or from another thread during one) took
+    # the model apart under the open call scope: the call ended in KeyError('_paramfold'), and
+    # with hoist and auto spectral_norm ran its power iteration twice.
+    torch.manual_seed(0)
+    stock = _RestoresItself()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    prepared_classes = classes(ours)
+    with pytest.raises(paramfold.FoldError, match="Restore it after the call returns"):
+        ours(torch.randn(2, 4))
+    assert classes(ours) == prepared_classes
+    if mode != "inline":  # computed as the call opened: one power iteration, as stock's one read
+        stock.lin(torch.randn(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(stock.state_dict().values(), ours.state_dict().values()))
+    paramfold.restore(ours)
+    assert classes(ours) == classes(stock)

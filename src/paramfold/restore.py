@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.rebase import rebased
 from paramfold.errors import FoldError
+from paramfold.rebase import rebased
+from paramfold.scope import busy, root_call
 from paramfold.state import STATE_ATTR, state_of
 
 
@@ -36,6 +37,17 @@ def restore(model: nn.Module) -> nn.Module:
                     f"{path!r} was prepared (or is part of a prepared model): restore that one."
                 )
         return model
+    if getattr(type(model), "__call__", None) is not root_call:
+        raise FoldError(
+            f"this {type(model).__name__} is part of a model passed to paramfold.prepare, not that "
+            "model itself: restore the model you prepared (restoring part of it would leave the "
+            "rest calling into modules that are no longer prepared)."
+        )
+    if busy(state):
+        raise FoldError(
+            f"this prepared {type(model).__name__} is being called (in this thread or another): "
+            "its values are in its modules until the call ends. Restore it after the call returns."
+        )
     for module in state.entries:
         restore_module(module)
     return model

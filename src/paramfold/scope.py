@@ -343,6 +343,12 @@ def _release(claimed: list[nn.Module] | Plan) -> None:
                 hs.left = ()
 
 
+def busy(state: ModuleState) -> bool:
+    """Whether a call scope (of any thread) holds values in the modules below an entry."""
+    with _LOCK:
+        return any(holder.__dict__[STATE_ATTR].users for holder in state.holders)
+
+
 def _concurrent(entry: nn.Module) -> FoldError:
     return FoldError(
         f"this prepared {type(entry).__name__} is already being called from another thread; "
