@@ -317,6 +317,52 @@ def test_frozen_values_see_optimizer_steps_and_dtype_moves():
     assert torch.equal(ours(x.half()), stock(x.half()))
 
 
+class _Transposed(nn.Module):
+    """A value that is a view of its original (``unsafe``: the shape changes)."""
+
+    def forward(self, w):
+        return w.t()
+
+    def right_inverse(self, w):
+        return w.t()
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("event", ["to", "load_state_dict", "assign"])
+def test_a_kept_view_of_an_original_does_not_block_swapping_it(mode, event):
+    # Regression: a frozen value kept between calls that was a view of its original held that
+    # original (as a view's base), so torch.utils.swap_tensors refused to swap it: with
+    # torch.__future__.set_swap_module_params_on_conversion(True), module.to(), load_state_dict
+    # and an assignment through the parametrization raised RuntimeError where stock works.
+    models = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Linear(3, 2)
+        P.register_parametrization(layer, "weight", _Transposed(), unsafe=True)
+        layer.eval().requires_grad_(False)
+        models.append(paramfold.prepare(layer, mode) if prepare else layer)
+    x = torch.randn(2, 3)
+    new_state = {k: v + 1 for k, v in models[0].state_dict().items()}
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(models[1](x), models[0](x))
+            for layer in models:
+                if event == "to":
+                    layer.to(torch.float64)
+                elif event == "load_state_dict":
+                    layer.load_state_dict(new_state)
+                else:
+                    layer.weight = torch.full((2, 3), 0.5)
+            x = x.to(models[0].bias.dtype)
+            for _ in range(2):
+                assert torch.equal(models[1](x), models[0](x))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
 # --- 4. inference_mode ----------------------------------------------------------------------
 
 

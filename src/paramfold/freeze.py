@@ -56,6 +56,11 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
             site.misses += 1
         with torch.inference_mode(False), torch.no_grad():
             value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
+            if type(value) in PLAIN_TENSOR_TYPES and value._base is not None:
+                # A view of an original (a transpose, w[:]): kept as an alias of its storage only,
+                # since a view holds its base, which torch.utils.swap_tensors (module.to() with
+                # swap_module_params_on_conversion, load_state_dict then) refuses to swap.
+                value = value.detach()
             # Stateful chains may bump their own buffers while computing; key on the state after.
             site.frozen = frozen = _freeze(site, value)
     else:
