@@ -614,3 +614,49 @@ def test_a_chain_that_changes_its_state_in_eval_mode_is_computed_at_every_call(m
     assert torch.equal(ours.parametrizations.weight[0].peak, stock.parametrizations.weight[0].peak)
     with pytest.raises(paramfold.FoldError, match="changes its own buffers at every computation"):
         _peaked("freeze")
+
+
+class _ClassScaled(nn.Module):
+    """Reads a class attribute; a subclass doubles it through its own forward."""
+
+    k = 2.0
+
+    def forward(self, w):
+        return w * self.k
+
+
+class _Doubling(_ClassScaled):
+    def forward(self, w):
+        return 2 * super().forward(w)
+
+
+def _class_change(change: str, member: nn.Module) -> None:
+    if change == "member.__class__":
+        member.__class__ = _Doubling
+    elif change == "class attribute":
+        type(member).k = 3.0
+    else:
+        type(member).forward = lambda self, w: w - self.k
+
+
+@pytest.mark.parametrize("change", ["member.__class__", "class attribute", "class forward"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_members_class_changed_between_calls_is_seen(mode, change):
+    # Regression: a frozen value checked the members' instance dicts only, so a member given
+    # another class, a class attribute set, or a method replaced on the class left it stale.
+    classes = [type("Scaled", (_ClassScaled,), {}) for _ in range(2)]  # one per model: changed apart
+    models = []
+    for cls, prepare in zip(classes, (False, True)):
+        torch.manual_seed(0)
+        layer = nn.Linear(3, 3)
+        P.register_parametrization(layer, "weight", cls())
+        layer.eval().requires_grad_(False)
+        models.append(paramfold.prepare(layer, mode) if prepare else layer)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):  # a kept value, and the steady plan
+            assert torch.equal(models[1](x), models[0](x))
+        for layer in models:
+            _class_change(change, layer.parametrizations.weight[0])
+        for _ in range(2):
+            assert torch.equal(models[1](x), models[0](x))

@@ -33,6 +33,8 @@ inside ``torch.inference_mode()`` also serves later calls that record gradients.
 from __future__ import annotations
 
 import ctypes
+import gc
+from operator import is_
 
 import torch
 import xxhash
@@ -94,10 +96,11 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     keys = tuple(map(_storage_key, armed)) if armed else ()
     live = settings(site)
     full = tuple(d for d in live if d)
+    members = site.chain if site.hook is None else ()
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
         tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(), value._version,
-        tuple(armed), keys, list(map(_armings.get, keys)), layout(value),
+        tuple(armed), keys, list(map(_armings.get, keys)), layout(value), members, tuple(map(type, members)),
     )
 
 
@@ -186,7 +189,19 @@ def settings(site: SiteState) -> tuple[dict, ...]:
                 # there was none (``register_buffer("mask", None)``, then ``member.mask = t``)
                 # is a write there, which the inputs' own checks cannot see.
                 found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks, m._parameters, m._buffers]
+                found += _class_dicts(type(m))
     return (*found, *GLOBAL_HOOKS[:2])  # the forward ones: a frozen value is computed without autograd
+
+
+#: Classes whose attributes a chain member's computation does not read.
+_NOT_READ = frozenset({nn.Module, object})
+
+
+def _class_dicts(cls: type) -> list[dict]:
+    """The dicts behind the ``__dict__`` of ``cls`` and its bases up to ``nn.Module``: a class
+    attribute set (``Scale.k = 3.0``) or a method replaced (``Scale.forward = ...``) there is a
+    write to one of them."""
+    return [gc.get_referents(c.__dict__)[0] for c in cls.__mro__ if c not in _NOT_READ]
 
 
 def same_settings(empty: tuple[dict, ...], full: tuple[dict, ...], then: list) -> bool:
@@ -204,6 +219,7 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     ``freeze_check="content"``, the same bytes)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
+            or not all(map(is_, map(type, frozen.members), frozen.member_types))
             or frozen.value._version != frozen.value_version or layout(frozen.value) != frozen.value_layout
             or not all(map(is_armed, frozen.armed))
             or list(map(_armings.get, frozen.armed_keys)) != frozen.armed_counts):

@@ -60,7 +60,7 @@ class Plan:
         "grad", "claimed", "states", "types", "kepts", "installing", "installed", "shareable", "ones",
         "switched", "prepared", "between",
         "link_dicts", "link_keys", "links", "ordered", "order",
-        "stateful", "mode_modules", "modes", "flag_tensors", "flags",
+        "stateful", "mode_modules", "modes", "typed_modules", "typed", "flag_tensors", "flags",
         "inputs", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions", "armed", "armings",
         "settings_empty",
@@ -85,7 +85,7 @@ class Plan:
         plan.autocast = autocast_state()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
-        links, ordered, stateful, modes = [], [], [], []
+        links, ordered, stateful, modes, typed = [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, lists, kept, armed = [], [], [], [], [], [], [], [], []
         until: list[int] = []
         missed: list = []
@@ -139,6 +139,7 @@ class Plan:
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
                     empty.update((id(d), d) for d in frozen.settings_empty)
+                    typed.extend(zip(frozen.members, frozen.member_types))
                     settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
                         stateful.extend(site.chain)
@@ -185,6 +186,7 @@ class Plan:
         plan.ordered, plan.order = ordered, list(map(list, ordered))
         plan.stateful = tuple(stateful)
         plan.mode_modules, plan.modes = _columns(modes, 2)
+        plan.typed_modules, plan.typed = _columns(typed, 2)
         plan.flag_tensors, plan.flags = _columns(flags, 2)
         # Inputs without a storage address (tensor subclasses) keep same_inputs' own handling.
         addressed, unaddressed = [], []
@@ -339,6 +341,8 @@ def holds(plan: Plan) -> bool:
         if (plan.autocast is None) is any_autocast() or (plan.autocast is not None and autocast_state() != plan.autocast):
             return False
         if not all(map(is_, map(type, plan.claimed), plan.types)):
+            return False
+        if not all(map(is_, map(type, plan.typed_modules), plan.typed)):  # a member's __class__ set
             return False
         if any(plan.pre_hooks_empty) or list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # one added or removed
             return False

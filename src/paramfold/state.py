@@ -38,7 +38,7 @@ class FrozenValue:
     views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     #: What else the value was computed from (``freeze.settings``): every chain member's
     #: ``__dict__`` (its plain attributes: a temperature, a scale, ``training``), ``_modules`` and
-    #: forward hooks, the ``ParametrizationList``'s forward hooks and the global ones (a
+    #: forward hooks, their classes' dicts, the ``ParametrizationList``'s forward hooks and the global ones (a
     #: hook-based norm: its hook's attributes). Those empty just after computing must stay empty
     #: (``settings_empty``); for the others, ``settings_then`` holds what ``freeze.tag`` read of
     #: each then (its version tag, or a copy where versions cannot be read).
@@ -59,6 +59,9 @@ class FrozenValue:
     armed_counts: list = dataclasses.field(default_factory=list)
     #: ``value``'s description (``watch.layout``): a forward may re-describe it through ``.data``.
     value_layout: tuple = ()
+    #: The chain's members and their classes (``member.__class__ = Other`` touches no dict).
+    members: tuple = ()
+    member_types: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)
