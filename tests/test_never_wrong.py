@@ -9,6 +9,7 @@ import contextlib
 import copy
 import importlib
 import threading
+import types
 import warnings
 from unittest import mock
 
@@ -215,6 +216,48 @@ def test_remove_on_prepared_module_is_refused_at_next_call_and_restores_like_sto
     assert torch.equal(m(x), stock(x))
     fresh = paramfold.prepare(skew_pair(), "hoist")
     assert torch.equal(fresh(x), skew_pair()(x))
+
+
+class _Twice(nn.Module):
+    def forward(self, w):
+        return w * 2.0
+
+
+def _with_member(own_forward: bool) -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    P.register_parametrization(layer, "weight", _Twice())
+    if own_forward:
+        member = layer.parametrizations.weight[0]
+        member.forward = types.MethodType(lambda self, w: w * 3.0, member)
+    return layer
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_inline_calls_a_member_with_a_forward_of_its_own_as_stock_does(backend):
+    # Regression: inline's compiled getter called the member class's forward directly, so a
+    # forward set on the instance (libraries patch module.forward so) was skipped in compiled
+    # code: outputs and gradients differed from stock (eager reads were right).
+    torch._dynamo.reset()
+    stock, ours = _with_member(True), paramfold.prepare(_with_member(True), "inline")
+    x = torch.randn(2, 4)
+    expected, got = torch.compile(stock, backend=backend)(x), torch.compile(ours, backend=backend)(x)
+    assert torch.equal(got, expected)
+    expected.sum().backward(), got.sum().backward()
+    assert_same_tensors(grads(stock), grads(ours))
+
+
+def test_inline_refuses_a_forward_set_on_a_member_after_prepare():
+    # A member whose class's forward the getter calls directly, given a forward of its own later:
+    # the getter would skip it; the next call is refused like any other change after prepare.
+    ours = paramfold.prepare(_with_member(False), "inline")
+    x = torch.randn(2, 4)
+    for _ in range(3):  # up to the steady plan
+        ours(x)
+    member = ours.parametrizations.weight[0]
+    member.forward = types.MethodType(lambda self, w: w * 3.0, member)
+    with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+        ours(x)
 
 
 # --- 3. freeze never stale ------------------------------------------------------------------

@@ -189,7 +189,7 @@ def settings(site: SiteState) -> tuple[dict, ...]:
                 # there was none (``register_buffer("mask", None)``, then ``member.mask = t``)
                 # is a write there, which the inputs' own checks cannot see.
                 found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks, m._parameters, m._buffers]
-                found += _class_dicts(type(m))
+                found += class_dicts(type(m))
     return (*found, *GLOBAL_HOOKS[:2])  # the forward ones: a frozen value is computed without autograd
 
 
@@ -197,7 +197,7 @@ def settings(site: SiteState) -> tuple[dict, ...]:
 _NOT_READ = frozenset({nn.Module, object})
 
 
-def _class_dicts(cls: type) -> list[dict]:
+def class_dicts(cls: type) -> list[dict]:
     """The dicts behind the ``__dict__`` of ``cls`` and its bases up to ``nn.Module``: a class
     attribute set (``Scale.k = 3.0``) or a method replaced (``Scale.forward = ...``) there is a
     write to one of them."""

@@ -77,8 +77,9 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
 
     ``(number of originals or None for a single ``original``, the dict holding them, one entry
     per chain member, whether the ``ParametrizationList`` itself is called)``. An entry is the
-    member's ``forward`` function, called directly (dynamo then has no module call to set up),
-    or ``None`` when the member has hooks and must be called as a module, as stock does; a
+    member's class's ``forward`` function, called directly (dynamo then has no module call to
+    set up), or ``None`` when the member has hooks or a ``forward`` of its own (set on the
+    instance) and must be called as a module, as stock does; a
     ``ParametrizationList`` with hooks of its own is called as stock calls it. Modules with
     equal signatures share one getter, and so one class.
     """
@@ -86,18 +87,20 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
     ntensors = None if plist.is_tensor else plist.ntensors
     first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
-    forwards = tuple(None if _has_hooks(m) else type(m).forward for m in members(plist))
+    forwards = tuple(None if _has_hooks(m) or "forward" in vars(m) else type(m).forward for m in members(plist))
     return ntensors, where, forwards, has_own_hooks(plist)
 
 
 def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
     """Whether the getter made for ``signature`` still computes ``module.<name>`` like stock: no
-    hook was added since to a member it calls ``forward`` of directly, or to the
-    ``ParametrizationList`` it does not call."""
+    hook was added since, nor a ``forward`` set, on a member whose class's ``forward`` it calls
+    directly (nor the class's replaced), and no hook on the ``ParametrizationList`` it does not
+    call."""
     plist = module._modules["parametrizations"]._modules[name]
     if not signature[3] and has_own_hooks(plist):
         return False
-    return not any(f is not None and has_own_hooks(m) for m, f in zip(members(plist), signature[2]))
+    return not any(f is not None and (has_own_hooks(m) or "forward" in vars(m) or type(m).forward is not f)
+                   for m, f in zip(members(plist), signature[2]))
 
 
 class _InlineProperty(property):

@@ -23,7 +23,7 @@ from torch import nn
 
 from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import ARMINGS, digest, is_armed, same_inputs
+from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
@@ -125,6 +125,9 @@ class Plan:
                         for member, forward in zip(site.chain, site.signature[2]):
                             if forward is not None:
                                 empty.update((id(d), d) for d in _hooks(vars(member)))
+                                # and no forward of its own set on it since, nor on its class
+                                structure[id(vars(member))] = vars(member)
+                                structure.update((id(d), d) for d in class_dicts(type(member)))
                         if not site.signature[3]:
                             empty.update((id(d), d) for d in _hooks(vars(site.plist)))
                     continue
