@@ -660,3 +660,43 @@ def test_a_members_class_changed_between_calls_is_seen(mode, change):
             _class_change(change, layer.parametrizations.weight[0])
         for _ in range(2):
             assert torch.equal(models[1](x), models[0](x))
+
+
+class _SwitchableNoise(nn.Module):
+    """Weight noise that draws only once switched on (``sigma`` set after prepare)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sigma = 0.0
+
+    def forward(self, w):
+        return w + self.sigma * torch.randn_like(w) if self.sigma else w
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_chain_that_starts_drawing_random_numbers_after_prepare_is_refused_and_leaves_the_stream(mode):
+    # Regression: whether a chain draws random numbers was decided once, when prepare probed it;
+    # switched on later, freeze and auto froze one sample and served it at every call (stock
+    # draws at every read). Freezing now notices the draw, puts the generator back and refuses.
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    P.register_parametrization(layer, "weight", _SwitchableNoise())
+    layer.eval().requires_grad_(False)
+    assert [s.random for s in paramfold.find(layer)] == [False]
+    paramfold.prepare(layer, mode)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        layer(x)
+        layer.parametrizations.weight[0].sigma = 0.1
+        state = torch.get_rng_state()
+        with pytest.raises(paramfold.FoldError, match="drew random numbers"):
+            layer(x)
+        assert torch.equal(torch.get_rng_state(), state)
+        paramfold.restore(layer)
+        assert [s.random for s in paramfold.find(layer)] == [True]
+        paramfold.prepare(layer, "auto")  # now computed at every read, drawing as stock does
+        torch.manual_seed(1)
+        got = layer(x)
+        paramfold.restore(layer)
+        torch.manual_seed(1)
+        assert torch.equal(got, layer(x))

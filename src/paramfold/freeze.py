@@ -57,7 +57,13 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
         if frozen is not None:
             site.misses += 1
         with torch.inference_mode(False), torch.no_grad():
+            generators = _generators(site)
+            before = [g.get_state() for g in generators]
             value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
+            if not all(map(torch.equal, before, (g.get_state() for g in generators))):
+                for g, state in zip(generators, before):
+                    g.set_state(state)
+                raise _random_now(module, name)
             if type(value) in PLAIN_TENSOR_TYPES and value._base is not None:
                 # A view of an original (a transpose, w[:]): kept as an alias of its storage only,
                 # since a view holds its base, which torch.utils.swap_tensors (module.to() with
@@ -68,6 +74,30 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
     else:
         site.misses = site.demotions = 0
     return frozen.value
+
+
+def _generators(site: SiteState) -> list[torch.Generator]:
+    """The generators a chain's random draw would move: the CPU one, and the default one of
+    each accelerator its originals live on."""
+    found = [torch.default_generator]
+    for d, key in site.originals:
+        device = d[key].device
+        if device.type not in ("cpu", "meta"):
+            module = getattr(torch, device.type, None)
+            generators = getattr(module, "default_generators", ())
+            if device.index is not None and device.index < len(generators):
+                found.append(generators[device.index])
+    return found
+
+
+def _random_now(module: nn.Module, name: str) -> FoldError:
+    return FoldError(
+        f"the parametrization of {type(module).__name__}.{name} drew random numbers while its "
+        "value was being frozen, which it did not when paramfold.prepare probed it (a dropout "
+        "probability or noise scale set above 0 since): stock draws at every read, which a frozen "
+        "value cannot. The random streams were put back. Call paramfold.restore(model) and "
+        "prepare it again (mode='auto' then computes it at every read), or use mode='inline'."
+    )
 
 
 def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
