@@ -31,9 +31,10 @@ Threads: which entries a scope covers is thread-local; the values themselves liv
 ``__dict__``, which every thread sees. So a scope *claims* each holder under one lock: the first
 claim installs values, later claims by other threads share them only when both calls run under
 ``no_grad`` and the same autocast state with no stateful chain training (the values are then the
-same either way), and any
-other overlap — a training call beside another call — is refused with a :class:`FoldError`
-instead of letting one thread's values (and autograd graph) leak into the other's call.
+same either way), and any other overlap — a training call beside another call — is refused with
+a :class:`FoldError` instead of letting one thread's values (and autograd graph) leak into the
+other's call. A module below an entry called directly from another thread meanwhile claims them
+the same way (its ``_compiled_call_impl``); a direct read of a value cannot be seen.
 """
 
 from __future__ import annotations
