@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib
 import re
+import threading
 import warnings
 
 import pytest
@@ -677,7 +678,7 @@ class _SwitchableNoise(nn.Module):
 def test_a_chain_that_starts_drawing_random_numbers_after_prepare_is_refused_and_leaves_the_stream(mode):
     # Regression: whether a chain draws random numbers was decided once, when prepare probed it;
     # switched on later, freeze and auto froze one sample and served it at every call (stock
-    # draws at every read). Freezing now notices the draw, puts the generator back and refuses.
+    # draws at every read). Freezing now stops the computation before its first draw and refuses.
     torch.manual_seed(0)
     layer = nn.Linear(3, 3)
     P.register_parametrization(layer, "weight", _SwitchableNoise())
@@ -689,7 +690,7 @@ def test_a_chain_that_starts_drawing_random_numbers_after_prepare_is_refused_and
         layer(x)
         layer.parametrizations.weight[0].sigma = 0.1
         state = torch.get_rng_state()
-        with pytest.raises(paramfold.FoldError, match="drew random numbers"):
+        with pytest.raises(paramfold.FoldError, match="would draw random numbers"):
             layer(x)
         assert torch.equal(torch.get_rng_state(), state)
         paramfold.restore(layer)
@@ -700,3 +701,40 @@ def test_a_chain_that_starts_drawing_random_numbers_after_prepare_is_refused_and
         paramfold.restore(layer)
         torch.manual_seed(1)
         assert torch.equal(got, layer(x))
+
+
+class _WaitsForAnotherThreadsDraw(nn.Module):
+    """Deterministic, but another thread draws from the shared CPU generator while it computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.drawn = []
+
+    def forward(self, w):
+        thread = threading.Thread(target=lambda: self.drawn.append(torch.rand(3)))
+        thread.start()
+        thread.join(30)
+        return w * 2
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_draw_on_another_thread_while_a_value_is_frozen_is_not_the_chains(mode):
+    # Regression (of the change just before this one): freezing compared the shared generators
+    # before and after the computation, so another thread's draw meanwhile refused a deterministic
+    # chain, and putting the state back rewound that thread's random numbers.
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3)
+    P.register_parametrization(layer, "weight", _WaitsForAnotherThreadsDraw())
+    layer.eval().requires_grad_(False)
+    member = layer.parametrizations.weight[0]
+    paramfold.prepare(layer, mode)
+    x = torch.randn(2, 3)
+    member.drawn.clear()  # prepare's probe ran the chain too
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for _ in range(3):
+            layer.parametrizations.weight.original.add_(1e-3)  # a new value to freeze at each call
+            layer(x)
+    torch.manual_seed(7)
+    expected = [torch.rand(3) for _ in member.drawn]
+    assert len(member.drawn) == 3 and all(torch.equal(a, b) for a, b in zip(member.drawn, expected))

@@ -39,6 +39,7 @@ from operator import is_
 import torch
 import xxhash
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold import hooknorms
 from paramfold.compute import GLOBAL_HOOKS, autocast_state, compute
@@ -57,13 +58,11 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
         if frozen is not None:
             site.misses += 1
         with torch.inference_mode(False), torch.no_grad():
-            generators = _generators(site)
-            before = [g.get_state() for g in generators]
-            value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
-            if not all(map(torch.equal, before, (g.get_state() for g in generators))):
-                for g, state in zip(generators, before):
-                    g.set_state(state)
-                raise _random_now(module, name)
+            try:
+                with _NoDraws():
+                    value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
+            except _Draw:
+                raise _random_now(module, name) from None
             if type(value) in PLAIN_TENSOR_TYPES and value._base is not None:
                 # A view of an original (a transpose, w[:]): kept as an alias of its storage only,
                 # since a view holds its base, which torch.utils.swap_tensors (module.to() with
@@ -76,26 +75,27 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
     return frozen.value
 
 
-def _generators(site: SiteState) -> list[torch.Generator]:
-    """The generators a chain's random draw would move: the CPU one, and the default one of
-    each accelerator its originals live on."""
-    found = [torch.default_generator]
-    for d, key in site.originals:
-        device = d[key].device
-        if device.type not in ("cpu", "meta"):
-            module = getattr(torch, device.type, None)
-            generators = getattr(module, "default_generators", ())
-            if device.index is not None and device.index < len(generators):
-                found.append(generators[device.index])
-    return found
+class _Draw(Exception):
+    pass
+
+
+class _NoDraws(TorchDispatchMode):
+    """Stops a computation at its first op that would draw random numbers (tagged
+    ``nondeterministic_seeded``: dropout, ``randn_like``, a draw from a private generator),
+    before it runs: no generator moves. Per thread, like every dispatch mode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise _Draw(func.name())
+        return func(*args, **(kwargs or {}))
 
 
 def _random_now(module: nn.Module, name: str) -> FoldError:
     return FoldError(
-        f"the parametrization of {type(module).__name__}.{name} drew random numbers while its "
-        "value was being frozen, which it did not when paramfold.prepare probed it (a dropout "
-        "probability or noise scale set above 0 since): stock draws at every read, which a frozen "
-        "value cannot. The random streams were put back. Call paramfold.restore(model) and "
+        f"the parametrization of {type(module).__name__}.{name} would draw random numbers to "
+        "compute the value to freeze, which it did not when paramfold.prepare probed it (a "
+        "dropout probability or noise scale set above 0 since): stock draws at every read, which "
+        "a frozen value cannot. It was stopped before drawing. Call paramfold.restore(model) and "
         "prepare it again (mode='auto' then computes it at every read), or use mode='inline'."
     )
 
