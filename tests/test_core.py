@@ -510,3 +510,40 @@ def test_restore_during_a_call_is_refused_before_it_changes_anything(mode):
     assert all(torch.equal(a, b) for a, b in zip(stock.state_dict().values(), ours.state_dict().values()))
     paramfold.restore(ours)
     assert classes(ours) == classes(stock)
+
+
+class _OwnCall(torch.nn.Module):
+    """A model class with its own ``__call__`` around ``nn.Module``'s."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4))
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs) * 2.0
+
+    def forward(self, x):
+        return self.a(x)
+
+
+@pytest.mark.parametrize("entry", ["eager", "torch.compile", "model.compile"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_models_own_call_runs_when_prepared(mode, entry):
+    # Regression: the prepared root's __call__ opened the scope and then called nn.Module's
+    # __call__, skipping the model class's own (outputs halved here, silently).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = _OwnCall()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run_stock, run = stock, ours
+    if entry == "torch.compile":
+        run_stock, run = torch.compile(stock, backend="eager"), torch.compile(ours, backend="eager")
+    elif entry == "model.compile":
+        stock.compile(backend="eager"), ours.compile(backend="eager")
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        expected, got = run_stock(x), run(x)
+        assert torch.equal(got, expected)
+        expected.sum().backward(), got.sum().backward()
+    for (name, a), b in zip(grads(ours).items(), grads(stock).values()):
+        assert torch.equal(a, b), name

@@ -114,6 +114,8 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         namespace["__deepcopy__"] = _default_deepcopy
     if is_root:
         namespace["__call__"] = root_call
+        if base.__call__ is not nn.Module.__call__:  # the model's own __call__ (it calls super's)
+            namespace["_paramfold_call"] = base.__call__
         if _forward_is_torchs(base):
             namespace["forward"] = _root_forward
             namespace["_paramfold_forward"] = base.forward

@@ -520,16 +520,18 @@ def _in_scope(module: nn.Module) -> bool:
 
 
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``__call__`` of a prepared root: opens a scope, then the ordinary ``nn.Module.__call__``."""
+    """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
+    ordinary ``nn.Module.__call__``, or the model's own)."""
+    module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
     if torch.compiler.is_compiling() or _in_scope(self):
-        return _MODULE_CALL(self, *args, **kwargs)
+        return module_call(self, *args, **kwargs)
     previous, claimed = _open_scope(self)
     snapshot = nested.local.snapshot
     # Run eagerly (no dynamo callback, no compiled call): its nested calls will check what
     # changed in place against the tensors as they are now.
     eager = _eval_frame_callback() is None and self.__dict__.get("_compiled_call_impl") is None
     nested.local.snapshot = nested.snapshot(self) if eager else None
-    call = _call_eagerly if not eager and _through_cache(self) else _MODULE_CALL
+    call = _call_eagerly if not eager and _through_cache(self) else module_call
     try:
         return call(self, *args, **kwargs)
     finally:
