@@ -738,3 +738,36 @@ def test_a_draw_on_another_thread_while_a_value_is_frozen_is_not_the_chains(mode
     torch.manual_seed(7)
     expected = [torch.rand(3) for _ in member.drawn]
     assert len(member.drawn) == 3 and all(torch.equal(a, b) for a, b in zip(member.drawn, expected))
+
+
+class _PrivateNoise(nn.Module):
+    """Weight noise drawn from a generator of the chain's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = torch.Generator().manual_seed(1)
+
+    def forward(self, w):
+        return w + 0.1 * torch.randn(w.shape, generator=self.g)
+
+
+def test_find_and_prepare_leave_a_chains_own_generator_alone_and_auto_draws_as_stock():
+    # Regression: the probe put back the default generators only, so find() and prepare() moved
+    # a chain's private generator, and every later draw of auto's at-read value was off stock's.
+    models = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        P.register_parametrization(layer, "weight", _PrivateNoise())
+        layer.requires_grad_(False)
+        g = layer.parametrizations.weight[0].g
+        state = g.get_state()
+        assert [s.random for s in paramfold.find(layer)] == [True]
+        if prepare:
+            paramfold.prepare(layer, "auto")
+        assert torch.equal(g.get_state(), state)
+        models.append(layer)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for call in range(3):
+            assert torch.equal(models[1](x), models[0](x)), call

@@ -351,9 +351,17 @@ class _Probe(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
             raise _Collective(func.name())
+        kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.random = True
-        return func(*args, **(kwargs or {}))
+            generator = kwargs.get("generator")
+            if isinstance(generator, torch.Generator):  # a chain's own: the probe must not move it
+                state = generator.get_state()
+                try:
+                    return func(*args, **kwargs)
+                finally:
+                    generator.set_state(state)
+        return func(*args, **kwargs)
 
 
 def _is_cast(args: tuple, out: object) -> bool:
