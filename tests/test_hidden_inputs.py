@@ -505,6 +505,16 @@ def test_a_frozen_value_edited_by_the_forward_is_computed_again(mode, compiled, 
         assert torch.equal(ours.lin.weight, stock.lin.weight)
 
 
+def _layer_with(member: nn.Module, mode: str | None = None, width: int = 3, **options) -> nn.Module:
+    """A seeded ``Linear(width, width)`` in eval with no grad, its weight parametrized by
+    ``member``; prepared with ``mode`` (and ``options``) when one is given."""
+    torch.manual_seed(0)
+    layer = nn.Linear(width, width)
+    P.register_parametrization(layer, "weight", member)
+    layer.eval().requires_grad_(False)
+    return paramfold.prepare(layer, mode, **options) if mode else layer
+
+
 class _OptionalMask(nn.Module):
     """A member whose buffer is registered empty (``None``) and set later, as pruning code does."""
 
@@ -524,13 +534,8 @@ class _OptionalMask(nn.Module):
 def test_a_member_tensor_set_where_there_was_none_is_seen(mode, check, register):
     # Regression: only non-empty parameter and buffer dicts, and their tensors, were watched, so
     # a buffer set where the member had None (or none at all) left the frozen value stale.
-    models = []
-    for prepare in (False, True):
-        torch.manual_seed(0)
-        layer = nn.Linear(4, 4)
-        P.register_parametrization(layer, "weight", _OptionalMask(register))
-        layer.eval().requires_grad_(False)
-        models.append(paramfold.prepare(layer, mode, freeze_check=check) if prepare else layer)
+    models = [_layer_with(_OptionalMask(register), width=4),
+              _layer_with(_OptionalMask(register), mode, width=4, freeze_check=check)]
     x = torch.randn(2, 4)
     with torch.no_grad():
         for steady in range(3):  # up to the steady plan
@@ -593,12 +598,6 @@ class _RunningPeak(nn.Module):
         return w / self.peak
 
 
-def _peaked(prepare: str | None) -> nn.Module:
-    torch.manual_seed(0)
-    layer = nn.Linear(3, 3)
-    P.register_parametrization(layer, "weight", _RunningPeak())
-    layer.eval().requires_grad_(False)
-    return paramfold.prepare(layer, prepare) if prepare else layer
 
 
 @pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
@@ -606,15 +605,15 @@ def test_a_chain_that_changes_its_state_in_eval_mode_is_computed_at_every_call(m
     # Regression: statefulness was probed in training mode only, so freeze and auto froze a chain
     # that updates its buffer at every computation in eval mode too: its buffer and the outputs
     # drifted from stock's from the second call.
-    assert [s.stateful_in_eval for s in paramfold.find(_peaked(None))] == [True]
-    stock, ours = _peaked(None), _peaked(mode)
+    assert [s.stateful_in_eval for s in paramfold.find(_layer_with(_RunningPeak()))] == [True]
+    stock, ours = _layer_with(_RunningPeak()), _layer_with(_RunningPeak(), mode)
     x = torch.ones(1, 3)
     with torch.no_grad():
         for call in range(4):
             assert torch.equal(ours(x), stock(x)), call
     assert torch.equal(ours.parametrizations.weight[0].peak, stock.parametrizations.weight[0].peak)
     with pytest.raises(paramfold.FoldError, match="changes its own buffers at every computation"):
-        _peaked("freeze")
+        _layer_with(_RunningPeak(), "freeze")
 
 
 class _ClassScaled(nn.Module):
@@ -646,13 +645,7 @@ def test_a_members_class_changed_between_calls_is_seen(mode, change):
     # Regression: a frozen value checked the members' instance dicts only, so a member given
     # another class, a class attribute set, or a method replaced on the class left it stale.
     classes = [type("Scaled", (_ClassScaled,), {}) for _ in range(2)]  # one per model: changed apart
-    models = []
-    for cls, prepare in zip(classes, (False, True)):
-        torch.manual_seed(0)
-        layer = nn.Linear(3, 3)
-        P.register_parametrization(layer, "weight", cls())
-        layer.eval().requires_grad_(False)
-        models.append(paramfold.prepare(layer, mode) if prepare else layer)
+    models = [_layer_with(classes[0]()), _layer_with(classes[1](), mode)]
     x = torch.randn(2, 3)
     with torch.no_grad():
         for _ in range(3):  # a kept value, and the steady plan
@@ -679,10 +672,7 @@ def test_a_chain_that_starts_drawing_random_numbers_after_prepare_is_refused_and
     # Regression: whether a chain draws random numbers was decided once, when prepare probed it;
     # switched on later, freeze and auto froze one sample and served it at every call (stock
     # draws at every read). Freezing now stops the computation before its first draw and refuses.
-    torch.manual_seed(0)
-    layer = nn.Linear(3, 3)
-    P.register_parametrization(layer, "weight", _SwitchableNoise())
-    layer.eval().requires_grad_(False)
+    layer = _layer_with(_SwitchableNoise())
     assert [s.random for s in paramfold.find(layer)] == [False]
     paramfold.prepare(layer, mode)
     x = torch.randn(2, 3)
@@ -722,10 +712,7 @@ def test_a_draw_on_another_thread_while_a_value_is_frozen_is_not_the_chains(mode
     # Regression (of the change just before this one): freezing compared the shared generators
     # before and after the computation, so another thread's draw meanwhile refused a deterministic
     # chain, and putting the state back rewound that thread's random numbers.
-    torch.manual_seed(0)
-    layer = nn.Linear(3, 3)
-    P.register_parametrization(layer, "weight", _WaitsForAnotherThreadsDraw())
-    layer.eval().requires_grad_(False)
+    layer = _layer_with(_WaitsForAnotherThreadsDraw())
     member = layer.parametrizations.weight[0]
     paramfold.prepare(layer, mode)
     x = torch.randn(2, 3)
