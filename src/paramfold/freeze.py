@@ -320,21 +320,12 @@ def chain_needs_grad(site: SiteState) -> bool:
     parametrization owns, and also a buffer or a plain tensor attribute of a member (a learnable
     scale kept as ``self.s = torch.tensor(1.5, requires_grad=True)``), which stock's read gives a
     gradient as well."""
-    # Plain loops: this runs for every frozen site on every call.
     for d, key in site.originals:
         if d[key].requires_grad:
             return True
     if site.hook is not None:  # a hook-based norm: its module's other tensors (bias) are not inputs
         return False
-    for d in site.tensor_dicts:
-        for t in d.values():
-            if t is not None and t.requires_grad:
-                return True
-    for owner in site.plist.modules():
-        for t in vars(owner).values():
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                return True
-    return False
+    return any(t.requires_grad for _, _, t in _inputs(site))
 
 
 def refuse_unfreezable(sites: list[Site], when: str) -> None:
