@@ -315,3 +315,82 @@ def test_a_hooked_prepared_submodule_compiles_as_often_as_stock(mode, hook):
     (stock_frames, stock_outs), (frames, outs) = counts
     assert frames == stock_frames  # 2: functional_call of a compiled module compiles once more, in stock too
     assert all(torch.equal(a, b) for a, b in zip(outs, stock_outs))
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, x):  # never reads self
+        return x * 2
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k
+
+
+def _member_guards(model, x):
+    names = {guard.name for guard in torch._dynamo.explain(model)(x).out_guards}
+    return {n for n in names if "_paramfold_weight_m0" in n}
+
+
+def test_inline_getter_leaves_out_a_member_whose_forward_never_reads_it():
+    # The compile-time proxy of inline's getter: a member whose forward never reads `self` is
+    # given None in its place, so dynamo neither wraps nor guards it (a seed-model cast read costs
+    # about 1/3 less to trace); a member that reads its state is passed, wrapped and guarded.
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    stock = copy.deepcopy(model)
+    for m in (model, stock):
+        parametrize.register_parametrization(m[0], "weight", _Doubled())
+        parametrize.register_parametrization(m[1], "weight", _Scaled(3.0))
+    paramfold.prepare(model, "inline")
+    x = torch.randn(2, 4)
+    guards = _member_guards(model, x)
+    assert guards and all(n.startswith("L['self']._modules['1']") for n in guards)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for k in (3.0, 5.0):  # the guarded member's state still recompiles when it changes
+        model[1].parametrizations.weight[0].k = k
+        stock[1].parametrizations.weight[0].k = k
+        assert torch.equal(compiled(x), stock(x))
+
+
+def test_reads_first_argument_is_conservative():
+    from paramfold.inline import reads_first_argument
+
+    def plain(self, x):
+        return x + 1
+
+    def direct(self, x):
+        return x * self.k
+
+    def closure(self, x):
+        return (lambda: self.k)() * x
+
+    def comprehension(self, xs):
+        return [x * self.k for x in xs]
+
+    def zero_arg_super(self, x):
+        return super().forward(x)  # noqa: F821 (never called)
+
+    def frame(self, x):
+        return locals()["self"]
+
+    def rebinds(self, x):
+        self = x
+        return self
+
+    def star(*args):
+        return args[1]
+
+    assert not reads_first_argument(plain)
+    assert not reads_first_argument(_Doubled.forward)
+    assert not reads_first_argument(torch.nn.Identity.forward)
+    for fn in (direct, closure, comprehension, zero_arg_super, frame, rebinds, star, _Scaled.forward, len,
+               functools.partial(plain, None), torch.no_grad()(plain)):
+        assert reads_first_argument(fn), fn

@@ -9,7 +9,9 @@ results) as :func:`paramfold.compute.compute`. Sites whose originals are themsel
 
 from __future__ import annotations
 
+import dis
 import functools
+import types
 
 from torch import nn
 
@@ -136,7 +138,12 @@ def inline_property(name: str, signature: tuple) -> property:
     member_keys, original_keys = ref_keys(name, signature)
     expr = ", ".join(f"self.{key}.d[{o!r}]" for key, o in zip(original_keys, _originals(signature)))
     for i, (key, forward) in enumerate(zip(member_keys, signature[2])):
-        expr = f"self.{key}({expr})" if forward is None else f"F{i}(self.{key}, {expr})"
+        if forward is None:
+            expr = f"self.{key}({expr})"
+        else:
+            # A forward that never reads its module is given None in its place: dynamo then
+            # neither wraps nor guards the member, most of what a read costs it beyond the ops.
+            expr = f"F{i}({f'self.{key}' if reads_first_argument(forward) else 'None'}, {expr})"
     if signature[3]:  # stock's call of the ParametrizationList, its hooks and all
         expr = f"self._modules['parametrizations']._modules[{name!r}]()"
     source = (
@@ -148,6 +155,46 @@ def inline_property(name: str, signature: tuple) -> property:
     namespace = {f"F{i}": f for i, f in enumerate(signature[2]) if f is not None}
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
     return _InlineProperty(run_eagerly_as_frame(namespace["get"]), namespace["set"], name)
+
+
+#: Names through which a function could reach its first argument without a local read of it:
+#: zero-argument ``super()`` (which takes it from the frame), and frame or namespace introspection.
+_INDIRECT_READS = frozenset({"super", "locals", "vars", "eval", "exec", "_getframe", "currentframe",
+                             "f_locals", "getframeinfo", "stack"})
+
+
+@functools.cache
+def reads_first_argument(fn) -> bool:
+    """Whether plain function ``fn`` may read its first positional parameter (``self``).
+
+    Decided from the bytecode, conservatively: a local or closure access of that name anywhere in
+    ``fn`` or in the functions, lambdas and comprehensions defined in it, or any name in
+    :data:`_INDIRECT_READS`, counts as a read; so does anything but a plain function with a
+    first positional parameter (a decorator's ``*args`` wrapper, a builtin).
+    """
+    if not isinstance(fn, types.FunctionType) or fn.__code__.co_argcount < 1:
+        return True
+    code = fn.__code__
+    first = code.co_varnames[0]
+    if first in code.co_cellvars:  # read by a nested function or comprehension
+        return True
+    for inner in _codes(code):
+        if _INDIRECT_READS.intersection(inner.co_names):
+            return True
+        if inner is code:
+            for ins in dis.get_instructions(inner):
+                arg = ins.argval
+                if ("FAST" in ins.opname or "DEREF" in ins.opname or "CLOSURE" in ins.opname) and (
+                        arg == first or (isinstance(arg, tuple) and first in arg)):
+                    return True
+    return False
+
+
+def _codes(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
 
 
 def _has_hooks(module: nn.Module) -> bool:
