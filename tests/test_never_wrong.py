@@ -260,6 +260,37 @@ def test_inline_refuses_a_forward_set_on_a_member_after_prepare():
         ours(x)
 
 
+
+class _StaticTwice(nn.Module):
+    @staticmethod
+    def forward(w):
+        return w * 2.0
+
+
+class _ClassThrice(nn.Module):
+    @classmethod
+    def forward(cls, w):
+        return w * 3.0
+
+
+@pytest.mark.parametrize("member", [_StaticTwice, _ClassThrice])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_member_whose_forward_is_a_staticmethod_or_classmethod_runs_as_stock(member, mode):
+    # Regression: hoist's and auto's steady path and inline's getter called `type(m).forward(m, x)`
+    # directly, which for a staticmethod or classmethod forward passes one argument too many
+    # (TypeError in compiled calls; inline refused a classmethod's fresh bound method as a change).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4)
+    P.register_parametrization(stock, "weight", member())
+    if mode == "freeze":
+        stock.requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    for i in range(4):  # eager, then compiled, past the steady plan
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        assert torch.equal((ours if i == 0 else compiled)(x), stock(x))
+
 # --- 3. freeze never stale ------------------------------------------------------------------
 
 

@@ -15,6 +15,9 @@ An original may itself be parametrized (a parametrization registered on
 
 from __future__ import annotations
 
+import inspect
+import types
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
@@ -103,6 +106,15 @@ def eager_value(module: nn.Module, name: str) -> torch.Tensor:
     if value is None:
         value = parametrize._cache[key] = compute(module, name)
     return value
+
+
+def forward_function(cls: type) -> types.FunctionType | None:
+    """The function ``cls.forward`` is, where ``cls.forward(module, *args)`` is what an instance's
+    ``module.forward(*args)`` runs: a plain function found along the MRO. ``None`` for a
+    ``staticmethod``, ``classmethod`` or any other descriptor, which must be called through the
+    instance (a call of the module, as stock makes)."""
+    forward = inspect.getattr_static(cls, "forward", None)
+    return forward if isinstance(forward, types.FunctionType) else None
 
 
 def has_own_hooks(module: nn.Module) -> bool:

@@ -15,7 +15,8 @@ import types
 
 from torch import nn
 
-from paramfold.compute import GLOBAL_HOOKS, eager_value, has_own_hooks, members, original_names, parametrized_here
+from paramfold.compute import (GLOBAL_HOOKS, eager_value, forward_function, has_own_hooks, members, original_names,
+                               parametrized_here)
 from paramfold.frames import run_eagerly_as_frame, run_module_eagerly_as_frames
 from paramfold.state import SiteState
 
@@ -80,8 +81,9 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
     ``(number of originals or None for a single ``original``, the dict holding them, one entry
     per chain member, whether the ``ParametrizationList`` itself is called)``. An entry is the
     member's class's ``forward`` function, called directly (dynamo then has no module call to
-    set up), or ``None`` when the member has hooks or a ``forward`` of its own (set on the
-    instance) and must be called as a module, as stock does; a
+    set up), or ``None`` when the member has hooks, a ``forward`` of its own (set on the
+    instance) or a class ``forward`` that is no plain function (a ``staticmethod``), and must be
+    called as a module, as stock does; a
     ``ParametrizationList`` with hooks of its own is called as stock calls it. Modules with
     equal signatures share one getter, and so one class.
     """
@@ -89,7 +91,7 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
     ntensors = None if plist.is_tensor else plist.ntensors
     first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
-    forwards = tuple(None if _has_hooks(m) or "forward" in vars(m) else type(m).forward for m in members(plist))
+    forwards = tuple(None if _has_hooks(m) or "forward" in vars(m) else forward_function(type(m)) for m in members(plist))
     return ntensors, where, forwards, has_own_hooks(plist)
 
 

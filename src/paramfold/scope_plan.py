@@ -21,7 +21,7 @@ from operator import attrgetter, contains, getitem, is_, itemgetter
 import torch
 from torch import nn
 
-from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute
+from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute, forward_function
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -318,13 +318,14 @@ class Plan:
 
 def _plain_call(module: nn.Module) -> bool:
     """Whether ``module``'s class calls like ``nn.Module`` (its ``__call__`` and ``_call_impl`` are
-    torch's, attribute lookup is object's), so that with no hooks a call is a call of its ``forward``."""
+    torch's, attribute lookup is object's), so that with no hooks a call is a call of its
+    ``forward``, a plain function of the class (:func:`~paramfold.compute.forward_function`)."""
     cls = type(module)
     path = _call_path(cls)
     # The hook dicts are read from the instance dict: no class along the MRO may shadow them.
     shadowed = any(name in vars(c) for c in cls.__mro__ for name in _HOOKS)
     return (path[:3] == _MODULE_CALL_PATH and path[4] is object.__getattribute__ and path[5] is None
-            and not shadowed)
+            and not shadowed and forward_function(cls) is not None)
 
 
 def _columns(rows: list[tuple], width: int) -> tuple[tuple, ...]:
