@@ -273,12 +273,21 @@ class _ClassThrice(nn.Module):
         return w * 3.0
 
 
-@pytest.mark.parametrize("member", [_StaticTwice, _ClassThrice])
+class _CallPlusOne(nn.Module):
+    def forward(self, w):
+        return w * 2.0
+
+    def __call__(self, w):
+        return super().__call__(w) + 1.0
+
+
+@pytest.mark.parametrize("member", [_StaticTwice, _ClassThrice, _CallPlusOne])
 @pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
-def test_a_member_whose_forward_is_a_staticmethod_or_classmethod_runs_as_stock(member, mode):
+def test_a_member_with_a_staticmethod_forward_or_its_own_call_runs_as_stock(member, mode):
     # Regression: hoist's and auto's steady path and inline's getter called `type(m).forward(m, x)`
     # directly, which for a staticmethod or classmethod forward passes one argument too many
-    # (TypeError in compiled calls; inline refused a classmethod's fresh bound method as a change).
+    # (TypeError in compiled calls; inline refused a classmethod's fresh bound method as a change),
+    # and inline's getter skipped a member class's own __call__ (a silently different result).
     torch._dynamo.reset()
     torch.manual_seed(0)
     stock = nn.Linear(4, 4)

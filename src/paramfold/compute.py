@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from operator import attrgetter
 
 import torch
 from torch import nn
@@ -108,13 +109,39 @@ def eager_value(module: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
-def forward_function(cls: type) -> types.FunctionType | None:
-    """The function ``cls.forward`` is, where ``cls.forward(module, *args)`` is what an instance's
-    ``module.forward(*args)`` runs: a plain function found along the MRO. ``None`` for a
-    ``staticmethod``, ``classmethod`` or any other descriptor, which must be called through the
-    instance (a call of the module, as stock makes)."""
+#: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``.
+HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
+#: What a module's call resolves through its class (read live, so a class patched later is seen).
+call_path = attrgetter("__call__", "_wrapped_call_impl", "_call_impl", "forward", "__getattribute__",
+                       "_compiled_call_impl")
+_MODULE_CALL_PATH = (nn.Module.__call__, nn.Module._wrapped_call_impl, nn.Module._call_impl)
+
+
+def class_forward(cls: type) -> types.FunctionType | None:
+    """The function a call of a ``cls`` instance with no hooks runs, where that call is exactly
+    ``cls.forward(module, *args)``: ``cls`` calls like ``nn.Module`` (its ``__call__`` and
+    ``_call_impl`` are torch's, attribute lookup is object's, no class shadows the hook dicts)
+    and its ``forward`` is a plain function found along the MRO (not a ``staticmethod`` or
+    ``classmethod``). ``None`` otherwise: the module must be called, as stock calls it."""
+    path = call_path(cls)
+    if path[:3] != _MODULE_CALL_PATH or path[4] is not object.__getattribute__ or path[5] is not None:
+        return None
+    if any(name in vars(c) for c in cls.__mro__ for name in HOOK_DICTS):
+        return None
     forward = inspect.getattr_static(cls, "forward", None)
     return forward if isinstance(forward, types.FunctionType) else None
+
+
+def direct_forward(module: nn.Module) -> types.FunctionType | None:
+    """:func:`class_forward` of ``module``'s class where calling ``module`` now is exactly calling
+    it but for global hooks (``any(GLOBAL_HOOKS)``, the caller's to check): no hooks of its own,
+    and no ``forward``, ``_call_impl`` or compiled call (``module.compile()``) set on the instance."""
+    own = vars(module)
+    if has_own_hooks(module) or "forward" in own or "_call_impl" in own:
+        return None
+    if own.get("_compiled_call_impl") is not None:
+        return None
+    return class_forward(type(module))
 
 
 def has_own_hooks(module: nn.Module) -> bool:

@@ -15,8 +15,7 @@ import types
 
 from torch import nn
 
-from paramfold.compute import (GLOBAL_HOOKS, eager_value, forward_function, has_own_hooks, members, original_names,
-                               parametrized_here)
+from paramfold.compute import GLOBAL_HOOKS, direct_forward, eager_value, has_own_hooks, members, original_names, parametrized_here
 from paramfold.frames import run_eagerly_as_frame, run_module_eagerly_as_frames
 from paramfold.state import SiteState
 
@@ -91,20 +90,21 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
     ntensors = None if plist.is_tensor else plist.ntensors
     first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
-    forwards = tuple(None if _has_hooks(m) or "forward" in vars(m) else forward_function(type(m)) for m in members(plist))
+    forwards = tuple(None if any(GLOBAL_HOOKS) else direct_forward(m) for m in members(plist))
     return ntensors, where, forwards, has_own_hooks(plist)
 
 
 def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
-    """Whether the getter made for ``signature`` still computes ``module.<name>`` like stock: no
-    hook was added since, nor a ``forward`` set, on a member whose class's ``forward`` it calls
-    directly (nor the class's replaced), and no hook on the ``ParametrizationList`` it does not
-    call."""
+    """Whether the getter made for ``signature`` still computes ``module.<name>`` like stock: a
+    call of each member whose class's ``forward`` it calls directly still is just that
+    (:func:`~paramfold.compute.direct_forward`: no hook of its own added since, nor a ``forward``
+    set, nor the class's call path or ``forward`` replaced), and no hook on the
+    ``ParametrizationList`` it does not call. Global hooks added since are a documented limit
+    (README): refusing them would refuse every call under ``FlopCounterMode``."""
     plist = module._modules["parametrizations"]._modules[name]
     if not signature[3] and has_own_hooks(plist):
         return False
-    return not any(f is not None and (has_own_hooks(m) or "forward" in vars(m) or type(m).forward is not f)
-                   for m, f in zip(members(plist), signature[2]))
+    return not any(f is not None and direct_forward(m) is not f for m, f in zip(members(plist), signature[2]))
 
 
 class _InlineProperty(property):
@@ -197,10 +197,6 @@ def _codes(code: types.CodeType):
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             yield from _codes(const)
-
-
-def _has_hooks(module: nn.Module) -> bool:
-    return has_own_hooks(module) or any(GLOBAL_HOOKS)
 
 
 run_eagerly_as_frame(_InlineProperty.__get__)

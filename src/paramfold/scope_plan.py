@@ -21,7 +21,7 @@ from operator import attrgetter, contains, getitem, is_, itemgetter
 import torch
 from torch import nn
 
-from paramfold.compute import GLOBAL_HOOKS, any_autocast, autocast_state, compute, forward_function
+from paramfold.compute import GLOBAL_HOOKS, HOOK_DICTS, any_autocast, autocast_state, call_path, class_forward, compute
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -36,12 +36,8 @@ _requires_grad = attrgetter("requires_grad")
 _set_class = object.__setattr__
 #: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``: all empty (and no
 #: ``_compiled_call_impl`` set there by ``module.compile()``) means a call is a call of ``forward``.
-_HOOKS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
-_hooks = itemgetter(*_HOOKS)
-#: What a module's call resolves through its class (read live, so a class patched later is seen).
-_call_path = attrgetter("__call__", "_wrapped_call_impl", "_call_impl", "forward", "__getattribute__",
-                        "_compiled_call_impl")
-_MODULE_CALL_PATH = (nn.Module.__call__, nn.Module._wrapped_call_impl, nn.Module._call_impl)
+_hooks = itemgetter(*HOOK_DICTS)
+_call_path = call_path
 _tracing_state = torch._C._get_tracing_state
 
 
@@ -317,15 +313,10 @@ class Plan:
 
 
 def _plain_call(module: nn.Module) -> bool:
-    """Whether ``module``'s class calls like ``nn.Module`` (its ``__call__`` and ``_call_impl`` are
-    torch's, attribute lookup is object's), so that with no hooks a call is a call of its
-    ``forward``, a plain function of the class (:func:`~paramfold.compute.forward_function`)."""
-    cls = type(module)
-    path = _call_path(cls)
-    # The hook dicts are read from the instance dict: no class along the MRO may shadow them.
-    shadowed = any(name in vars(c) for c in cls.__mro__ for name in _HOOKS)
-    return (path[:3] == _MODULE_CALL_PATH and path[4] is object.__getattribute__ and path[5] is None
-            and not shadowed and forward_function(cls) is not None)
+    """Whether with no hooks a call of ``module`` is a call of its class's ``forward`` function
+    (:func:`~paramfold.compute.class_forward`); the instance's part is checked live, by
+    :meth:`Plan.plain_calls`."""
+    return class_forward(type(module)) is not None
 
 
 def _columns(rows: list[tuple], width: int) -> tuple[tuple, ...]:
