@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import subprocess
+import sys
 import threading
 import types
 import warnings
@@ -299,6 +301,117 @@ def test_a_member_with_a_staticmethod_forward_or_its_own_call_runs_as_stock(memb
     for i in range(4):  # eager, then compiled, past the steady plan
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
         assert torch.equal((ours if i == 0 else compiled)(x), stock(x))
+
+
+class _Times3(nn.Module):
+    def forward(self, w):
+        return w * 3.0
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_member_whose_class_is_swapped_after_prepare_is_never_served_stale(mode):
+    # Regression: inline's steady plan did not pin the types of the members its getter calls
+    # directly, so after `member.__class__ = Other` compiled calls kept computing Other's
+    # predecessor's forward. inline refuses the change now; the other modes compute it.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4)
+    P.register_parametrization(stock, "weight", _Twice())
+    if mode == "freeze":
+        stock.requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    compiled = torch.compile(ours, backend="eager")
+    x = torch.randn(2, 4)
+    for _ in range(3):  # up to the steady plan
+        assert torch.equal(compiled(x), stock(x))
+    for m in (stock, ours):
+        m.parametrizations.weight[0].__class__ = _Times3
+    if mode == "inline":
+        with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+            compiled(x)
+    else:
+        assert torch.equal(compiled(x), stock(x))
+
+
+class _PlusOneList(P.ParametrizationList):
+    def forward(self):
+        return super().forward() + 1.0
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_parametrization_list_whose_call_does_more_than_its_members_is_called_as_stock_does(mode):
+    # Regression: every mode called the members of a ParametrizationList directly (unless it had
+    # hooks), skipping a subclass's forward, or a patched one: a silently different value.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4)
+    P.register_parametrization(stock, "weight", _Twice())
+    stock.parametrizations.weight.__class__ = _PlusOneList
+    if mode == "freeze":
+        stock.requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    compiled = torch.compile(ours, backend="eager", fullgraph=True)
+    x = torch.randn(2, 4)
+    assert torch.equal(ours(x), stock(x))
+    for _ in range(3):
+        assert torch.equal(compiled(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_fx_symbolic_trace_of_a_prepared_model_records_the_parametrization_as_stock_does(mode):
+    # Regression: torch.fx's tracer patches nn.Module.__call__ to record module calls; paramfold
+    # called the members itself, so fx traced the value as a constant and the GraphModule went
+    # stale after an in-place edit of the original (stock records call_module parametrizations.w).
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return x @ self.w
+
+    torch.manual_seed(0)
+    net = Net()
+    P.register_parametrization(net, "w", _Twice())
+    if mode == "freeze":
+        net.requires_grad_(False)
+    paramfold.prepare(net, mode)
+    gm = torch.fx.symbolic_trace(net)
+    assert "call_module" in {n.op for n in gm.graph.nodes}
+    with torch.no_grad():
+        net.parametrizations.w.original.mul_(3.0)
+    x = torch.randn(2, 4)
+    assert torch.equal(gm(x), net(x))
+
+
+def test_an_nn_module_call_patched_before_paramfold_was_imported_is_honoured(tmp_path):
+    # Regression: paramfold took nn.Module's call path at import as torch's own; one patched
+    # before (a profiler or tracer does so at import) was then skipped by hoist's and auto's
+    # direct calls of a member's forward from the second call on.
+    script = tmp_path / "patched_first.py"
+    script.write_text(
+        "import torch, torch.nn as nn\n"
+        "from torch.nn.utils import parametrize as P\n"
+        "class Sc(nn.Module):\n"
+        "    def forward(self, w):\n"
+        "        return w * 2.0\n"
+        "original = nn.Module.__call__\n"
+        "def patched(self, *a, **k):\n"
+        "    out = original(self, *a, **k)\n"
+        "    return out * 10.0 if isinstance(self, Sc) else out\n"
+        "nn.Module.__call__ = patched\n"
+        "import paramfold, copy\n"
+        "for mode in ('hoist', 'auto', 'inline'):\n"
+        "    torch.manual_seed(0)\n"
+        "    stock = nn.Sequential(nn.Linear(4, 4))\n"
+        "    P.register_parametrization(stock[0], 'weight', Sc())\n"
+        "    ours = paramfold.prepare(copy.deepcopy(stock), mode)\n"
+        "    x = torch.randn(2, 4)\n"
+        "    assert all(torch.equal(ours(x), stock(x)) for _ in range(3)), mode\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 # --- 3. freeze never stale ------------------------------------------------------------------
 

@@ -77,12 +77,14 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
     """Evaluate the parametrization chain of ``module.<name>`` like stock, minus the plumbing.
 
     Stock calls the ``ParametrizationList`` as a module; so does this where that call would run
-    hooks (the list's own, or global ones): otherwise it is just the members' calls below.
+    hooks (the list's own, or global ones) or is more than ``ParametrizationList.forward``
+    (:func:`calls_its_forward`: a subclass, a patched ``nn.Module.__call__`` such as
+    ``torch.fx``'s tracer's): otherwise it is just the members' calls below.
     """
     plist = module._modules["parametrizations"]._modules[name]
     # has_own_hooks(plist), written out: this runs for every site a call computes.
     if (plist._forward_hooks or plist._forward_pre_hooks or plist._backward_hooks or plist._backward_pre_hooks
-            or any(GLOBAL_HOOKS)):
+            or any(GLOBAL_HOOKS) or not calls_its_forward(plist)):
         return plist()
     modules = plist._modules
     if "parametrizations" in modules:  # nested: the list's own properties compute the originals
@@ -114,7 +116,38 @@ HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forw
 #: What a module's call resolves through its class (read live, so a class patched later is seen).
 call_path = attrgetter("__call__", "_wrapped_call_impl", "_call_impl", "forward", "__getattribute__",
                        "_compiled_call_impl")
-_MODULE_CALL_PATH = (nn.Module.__call__, nn.Module._wrapped_call_impl, nn.Module._call_impl)
+
+
+def _torchs(fn: object, name: str) -> bool:
+    """Whether ``fn`` is ``nn.Module``'s own method ``name`` as torch defines it, not a wrapper
+    patched over it (a profiler's, ``torch.fx``'s tracer's), even one patched before paramfold
+    was imported."""
+    return (isinstance(fn, types.FunctionType) and fn.__globals__ is _module_globals.__dict__
+            and fn.__code__.co_name == name)
+
+
+def _calls_like_torch(path: tuple) -> bool:
+    """Whether a class's :data:`call_path` is torch's own ``nn.Module`` call, attribute lookup
+    and no compiled call on the class."""
+    return (_torchs(path[0], "_wrapped_call_impl") and _torchs(path[1], "_wrapped_call_impl")
+            and _torchs(path[2], "_call_impl") and path[4] is object.__getattribute__ and path[5] is None)
+
+
+_PList = parametrize.ParametrizationList
+#: ``ParametrizationList``'s call path where it is torch's own, else None (then every list is
+#: called as a module, as stock calls it).
+_LIST_PATH = call_path(_PList) if (
+    _calls_like_torch(call_path(_PList)) and isinstance(_PList.__dict__.get("forward"), types.FunctionType)
+    and _PList.forward.__globals__ is parametrize.__dict__) else None
+
+
+def calls_its_forward(plist: nn.Module) -> bool:
+    """Whether stock's call of ``plist``, hooks aside, is exactly ``ParametrizationList.forward``
+    (its members called in turn), so that calling the members is the same: no subclass or patch
+    changed its call or ``forward``, and none is set on the instance. Cheap: it runs per computed value."""
+    own = plist.__dict__
+    return (call_path(type(plist)) == _LIST_PATH and "forward" not in own and "_call_impl" not in own
+            and own.get("_compiled_call_impl") is None)
 
 
 def class_forward(cls: type) -> types.FunctionType | None:
@@ -123,8 +156,7 @@ def class_forward(cls: type) -> types.FunctionType | None:
     ``_call_impl`` are torch's, attribute lookup is object's, no class shadows the hook dicts)
     and its ``forward`` is a plain function found along the MRO (not a ``staticmethod`` or
     ``classmethod``). ``None`` otherwise: the module must be called, as stock calls it."""
-    path = call_path(cls)
-    if path[:3] != _MODULE_CALL_PATH or path[4] is not object.__getattribute__ or path[5] is not None:
+    if not _calls_like_torch(call_path(cls)):
         return None
     if any(name in vars(c) for c in cls.__mro__ for name in HOOK_DICTS):
         return None

@@ -15,7 +15,8 @@ import types
 
 from torch import nn
 
-from paramfold.compute import GLOBAL_HOOKS, direct_forward, eager_value, has_own_hooks, members, original_names, parametrized_here
+from paramfold.compute import (GLOBAL_HOOKS, calls_its_forward, direct_forward, eager_value, has_own_hooks, members,
+                               original_names, parametrized_here)
 from paramfold.frames import run_eagerly_as_frame, run_module_eagerly_as_frames
 from paramfold.state import SiteState
 
@@ -83,7 +84,8 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
     set up), or ``None`` when the member has hooks, a ``forward`` of its own (set on the
     instance) or a class ``forward`` that is no plain function (a ``staticmethod``), and must be
     called as a module, as stock does; a
-    ``ParametrizationList`` with hooks of its own is called as stock calls it. Modules with
+    ``ParametrizationList`` with hooks of its own, or whose call is more than its ``forward``
+    (a subclass, a patched ``nn.Module.__call__``), is called as stock calls it. Modules with
     equal signatures share one getter, and so one class.
     """
     plist = module._modules["parametrizations"]._modules[name]
@@ -91,7 +93,7 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
     first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
     forwards = tuple(None if any(GLOBAL_HOOKS) else direct_forward(m) for m in members(plist))
-    return ntensors, where, forwards, has_own_hooks(plist)
+    return ntensors, where, forwards, has_own_hooks(plist) or not calls_its_forward(plist)
 
 
 def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
@@ -99,10 +101,11 @@ def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
     call of each member whose class's ``forward`` it calls directly still is just that
     (:func:`~paramfold.compute.direct_forward`: no hook of its own added since, nor a ``forward``
     set, nor the class's call path or ``forward`` replaced), and no hook on the
-    ``ParametrizationList`` it does not call. Global hooks added since are a documented limit
+    ``ParametrizationList`` it does not call, nor its call made more than its ``forward``
+    (:func:`~paramfold.compute.calls_its_forward`). Global hooks added since are a documented limit
     (README): refusing them would refuse every call under ``FlopCounterMode``."""
     plist = module._modules["parametrizations"]._modules[name]
-    if not signature[3] and has_own_hooks(plist):
+    if not signature[3] and (has_own_hooks(plist) or not calls_its_forward(plist)):
         return False
     return not any(f is not None and direct_forward(m) is not f for m, f in zip(members(plist), signature[2]))
 

@@ -21,7 +21,8 @@ from operator import attrgetter, contains, getitem, is_, itemgetter
 import torch
 from torch import nn
 
-from paramfold.compute import GLOBAL_HOOKS, HOOK_DICTS, any_autocast, autocast_state, call_path, class_forward, compute
+from paramfold.compute import (GLOBAL_HOOKS, HOOK_DICTS, any_autocast, autocast_state, call_path, calls_its_forward,
+                               class_forward, compute)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -61,7 +62,7 @@ class Plan:
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions", "armed", "armings",
         "settings_empty",
         "hoisted", "hoisted_dicts",
-        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "plists", "autocast",
+        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "autocast",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
     )
 
@@ -82,7 +83,7 @@ class Plan:
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, prepared, between = [], [], []
         links, ordered, stateful, modes, typed = [], [], [], [], []
-        flags, watch, raw, views, hoisted, callees, lists, kept, armed = [], [], [], [], [], [], [], [], []
+        flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
         until: list[int] = []
         missed: list = []
         structure: dict[int, dict] = {}
@@ -120,6 +121,7 @@ class Plan:
                     if site.signature is not None:
                         for member, forward in zip(site.chain, site.signature[2]):
                             if forward is not None:
+                                typed.append((member, type(member)))  # nor its __class__ set
                                 empty.update((id(d), d) for d in _hooks(vars(member)))
                                 # and no forward of its own set on it since, nor on its class
                                 structure[id(vars(member))] = vars(member)
@@ -154,13 +156,13 @@ class Plan:
                         modes.extend((m, m.training) for m in site.chain)
                     # compute()'s steps for a flat chain, without its lookups (the structure tags
                     # pin the modules), and each member's forward where a call of it would be just that.
-                    chain = None if site.nested else site.chain
+                    chain = None if site.nested or not calls_its_forward(site.plist) else site.chain
                     forwards = None
                     if chain is not None and all(map(_plain_call, chain)):
                         forwards = tuple(type(m).forward for m in chain)
                         callees.extend(chain)
+                        callees.append(site.plist)  # its call still just its forward, checked live
                     hoisted.append((values, name, holder, site.originals, chain, forwards))
-                    lists.append(site.plist)
                 else:
                     return None
             claimed.append(holder)
@@ -221,7 +223,6 @@ class Plan:
         plan.callee_types = tuple(map(type, callees))
         plan.callee_classes = tuple(dict.fromkeys(plan.callee_types))
         plan.callee_paths = list(map(_call_path, plan.callee_classes))
-        plan.plists = tuple(lists)
         plan.until = min(until) if until else None
         plan.missed = tuple(missed)
         return plan
@@ -251,32 +252,28 @@ class Plan:
         Where :meth:`plain_calls` holds, a chain member's ``forward`` is called directly: with no
         hook, no compiled or instance override and no JIT tracing, ``nn.Module.__call__`` does
         exactly that, through two more Python frames per member (about 3 us each call here).
-        Where hooks would run for a ``ParametrizationList`` (its own, or global ones), each value
-        is computed the way stock calls it (:func:`~paramfold.compute.compute`)."""
+        Otherwise (a hook, its own or global, a patched call, a ``ParametrizationList`` whose call
+        is more than its ``forward``) each value is computed the way stock calls it
+        (:func:`~paramfold.compute.compute`)."""
         direct = bool(self.callees) and self.plain_calls()
-        listed = not direct and (any(GLOBAL_HOOKS) or self.lists_hooked())
         for values, name, holder, originals, chain, forwards in self.hoisted:
-            if chain is None or listed:
+            if chain is None or forwards is None or not direct:
                 values[name] = compute(holder, name)
                 continue
             args = []
             for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
                 args.append(d[key])
-            if direct and forwards is not None:
-                value = forwards[0](chain[0], *args)
-                for i in range(1, len(chain)):
-                    value = forwards[i](chain[i], value)
-            else:
-                value = chain[0](*args)
-                for module in chain[1:]:
-                    value = module(value)
+            value = forwards[0](chain[0], *args)
+            for i in range(1, len(chain)):
+                value = forwards[i](chain[i], value)
             values[name] = value
 
     def plain_calls(self) -> bool:
         """Whether calling each member in ``callees`` is, right now, exactly calling its class's
-        ``forward``: what ``nn.Module._wrapped_call_impl`` and ``_call_impl`` check, read live."""
+        ``forward``: what ``nn.Module._wrapped_call_impl`` and ``_call_impl`` check, read live
+        (the ``ParametrizationList`` of each such chain is among them: no hook on it either)."""
         callees = self.callees
-        if _tracing_state() is not None or any(GLOBAL_HOOKS) or self.lists_hooked():
+        if _tracing_state() is not None or any(GLOBAL_HOOKS):
             return False
         if not all(map(is_, map(type, callees), self.callee_types)):
             return False
@@ -291,13 +288,6 @@ class Plan:
         if any(map(contains, own, repeat("forward"))) or any(map(contains, own, repeat("_call_impl"))):
             return False
         return all(map(is_, map(dict.get, own, repeat("_compiled_call_impl")), repeat(None)))
-
-    def lists_hooked(self) -> bool:
-        """Whether a hoisted site's ``ParametrizationList`` has hooks, which stock's call of it runs."""
-        try:
-            return any(map(any, map(_hooks, map(vars, self.plists))))
-        except KeyError:
-            return True
 
     def release(self) -> bool:
         """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
