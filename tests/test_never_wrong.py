@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers import LoRA, Skew, assert_same_tensors, grads
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
@@ -355,6 +356,25 @@ def test_a_parametrization_list_whose_call_does_more_than_its_members_is_called_
     assert torch.equal(ours(x), stock(x))
     for _ in range(3):
         assert torch.equal(compiled(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_value_computed_in_graph_checks_its_list_only_outside_compiled_code(mode):
+    # Regression: compute()'s check of the list's call (above) ran while dynamo traced a value
+    # computed in-graph (a nested site), and dynamo cannot trace it: a graph break, an error
+    # with fullgraph=True.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4)
+    P.register_parametrization(stock, "weight", _Twice())
+    P.register_parametrization(stock.parametrizations.weight, "original", _Times3())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    counter = CompileCounter()
+    compiled = torch.compile(ours, backend=counter, fullgraph=True)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        assert torch.equal(compiled(x), stock(x))
+    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])

@@ -82,9 +82,11 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
     ``torch.fx``'s tracer's): otherwise it is just the members' calls below.
     """
     plist = module._modules["parametrizations"]._modules[name]
-    # has_own_hooks(plist), written out: this runs for every site a call computes.
+    # has_own_hooks(plist), written out: this runs for every site a call computes. Traced by
+    # dynamo (a value computed in-graph) the list's call is not checked: dynamo cannot trace the
+    # check, and tracing it in plain Python would cost every such read (a documented limit).
     if (plist._forward_hooks or plist._forward_pre_hooks or plist._backward_hooks or plist._backward_pre_hooks
-            or any(GLOBAL_HOOKS) or not calls_its_forward(plist)):
+            or any(GLOBAL_HOOKS) or (not torch.compiler.is_compiling() and not calls_its_forward(plist))):
         return plist()
     modules = plist._modules
     if "parametrizations" in modules:  # nested: the list's own properties compute the originals
