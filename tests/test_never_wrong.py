@@ -264,6 +264,18 @@ def test_inline_refuses_a_forward_set_on_a_member_after_prepare():
 
 
 
+def _linear_pair(member: type[nn.Module], mode: str) -> tuple[nn.Module, nn.Module]:
+    """A Linear whose weight is parametrized by ``member()`` (inference-ready for freeze), and a
+    prepared copy."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4)
+    P.register_parametrization(stock, "weight", member())
+    if mode == "freeze":
+        stock.requires_grad_(False)
+    return stock, paramfold.prepare(copy.deepcopy(stock), mode)
+
+
 class _StaticTwice(nn.Module):
     @staticmethod
     def forward(w):
@@ -291,13 +303,7 @@ def test_a_member_with_a_staticmethod_forward_or_its_own_call_runs_as_stock(memb
     # directly, which for a staticmethod or classmethod forward passes one argument too many
     # (TypeError in compiled calls; inline refused a classmethod's fresh bound method as a change),
     # and inline's getter skipped a member class's own __call__ (a silently different result).
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    stock = nn.Linear(4, 4)
-    P.register_parametrization(stock, "weight", member())
-    if mode == "freeze":
-        stock.requires_grad_(False)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    stock, ours = _linear_pair(member, mode)
     compiled = torch.compile(ours, backend="eager", fullgraph=True)
     for i in range(4):  # eager, then compiled, past the steady plan
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
@@ -314,13 +320,7 @@ def test_a_member_whose_class_is_swapped_after_prepare_is_never_served_stale(mod
     # Regression: inline's steady plan did not pin the types of the members its getter calls
     # directly, so after `member.__class__ = Other` compiled calls kept computing Other's
     # predecessor's forward. inline refuses the change now; the other modes compute it.
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    stock = nn.Linear(4, 4)
-    P.register_parametrization(stock, "weight", _Twice())
-    if mode == "freeze":
-        stock.requires_grad_(False)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    stock, ours = _linear_pair(_Twice, mode)
     compiled = torch.compile(ours, backend="eager")
     x = torch.randn(2, 4)
     for _ in range(3):  # up to the steady plan
@@ -343,13 +343,8 @@ class _PlusOneList(P.ParametrizationList):
 def test_a_parametrization_list_whose_call_does_more_than_its_members_is_called_as_stock_does(mode):
     # Regression: every mode called the members of a ParametrizationList directly (unless it had
     # hooks), skipping a subclass's forward, or a patched one: a silently different value.
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    stock = nn.Linear(4, 4)
-    P.register_parametrization(stock, "weight", _Twice())
+    stock, _ = _linear_pair(_Twice, mode)
     stock.parametrizations.weight.__class__ = _PlusOneList
-    if mode == "freeze":
-        stock.requires_grad_(False)
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
     compiled = torch.compile(ours, backend="eager", fullgraph=True)
     x = torch.randn(2, 4)
