@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import inspect
 import subprocess
 import sys
 import threading
@@ -397,6 +398,34 @@ def test_fx_symbolic_trace_of_a_prepared_model_records_the_parametrization_as_st
         net.parametrizations.w.original.mul_(3.0)
     x = torch.randn(2, 4)
     assert torch.equal(gm(x), net(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("root", ["Linear", "Sequential"])
+def test_a_prepared_root_whose_forward_is_torchs_keeps_its_signature_for_fx_and_inspect(root, mode):
+    # Regression: a root whose forward is torch's own got paramfold's (*args, **kwargs) forward;
+    # fx.symbolic_trace, which reads the root forward's code for its placeholders, raised
+    # TraceError where stock traces, and inspect.signature(model.forward) lost the names.
+    def build():
+        torch.manual_seed(0)
+        net = nn.Linear(4, 4) if root == "Linear" else nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        P.register_parametrization(net if root == "Linear" else net[0], "weight", _Twice())
+        if mode == "freeze":
+            net.requires_grad_(False)
+        return net
+
+    stock, net = build(), build()
+    paramfold.prepare(net, mode)
+    assert inspect.signature(net.forward) == inspect.signature(stock.forward)
+    gm, stock_gm = torch.fx.symbolic_trace(net), torch.fx.symbolic_trace(stock)
+    assert [n.op for n in gm.graph.nodes] == [n.op for n in stock_gm.graph.nodes]
+    x = torch.randn(2, 4)
+    assert torch.equal(gm(x), stock(x))
+    for model in (net, stock):
+        with torch.no_grad():
+            model.get_submodule("" if root == "Linear" else "0").parametrizations.weight.original.mul_(3.0)
+    assert torch.equal(gm(x), stock(x))
+    assert torch.equal(net(x), stock(x))
 
 
 def test_an_nn_module_call_patched_before_paramfold_was_imported_is_honoured(tmp_path):

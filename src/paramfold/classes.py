@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import functools
 import sys
 import threading
+import types
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -117,7 +120,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         if base.__call__ is not nn.Module.__call__:  # the model's own __call__ (it calls super's)
             namespace["_paramfold_call"] = base.__call__
         if _forward_is_torchs(base):
-            namespace["forward"] = _root_forward
+            namespace["forward"] = _root_forward_for(base.forward)
             namespace["_paramfold_forward"] = base.forward
     prefix = "Parametrized" if names else ""
     meta = _Sealed if type(base) is type else type(f"_Sealed{type(base).__name__}", (_Sealed, type(base)), {})
@@ -304,6 +307,15 @@ def _root_forward(self: nn.Module, *args, **kwargs):
     # A frame of paramfold's own for a torch-defined root forward: torch.compile(model) then calls
     # the root's __call__ eagerly (opening the scope) and compiles this frame, as for user modules.
     return type(self)._paramfold_forward(self, *args, **kwargs)
+
+
+def _root_forward_for(forward: Callable) -> types.FunctionType:
+    """:func:`_root_forward` (its code, so dynamo compiles it as that frame) presented as
+    ``forward``: ``__wrapped__`` gives ``inspect.signature`` and ``fx.symbolic_trace`` (which read
+    the unwrapped code for their placeholders) the model's own parameters, as on stock."""
+    fn = types.FunctionType(_root_forward.__code__, _root_forward.__globals__, "forward")
+    functools.update_wrapper(fn, forward, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    return fn
 
 
 def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
