@@ -727,6 +727,39 @@ def test_a_draw_on_another_thread_while_a_value_is_frozen_is_not_the_chains(mode
     assert len(member.drawn) == 3 and all(torch.equal(a, b) for a, b in zip(member.drawn, expected))
 
 
+def test_find_probing_a_chain_does_not_rewind_another_threads_draws():
+    # Regression: find() (so prepare) put the CPU generator's state back after probing a chain,
+    # so numbers another thread drew meanwhile were drawn again after it (repeated, not fresh).
+    # The probe now draws nothing from the user's generators: its drawing ops are served from a
+    # private one, so there is nothing to put back.
+    layer = _layer_with(_WaitsForAnotherThreadsDraw())
+    member = layer.parametrizations.weight[0]
+    member.drawn.clear()  # register_parametrization ran the chain too
+    torch.manual_seed(7)
+    sites = paramfold.find(layer)
+    after = torch.rand(3)
+    assert member.drawn and not sites[0].random
+    torch.manual_seed(7)
+    assert all(torch.equal(a, torch.rand(3)) for a in (*member.drawn, after))
+
+
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+def test_find_probing_a_random_chain_leaves_every_generator_alone(parametrization):
+    # The probe of a chain that draws runs its drawing ops on a private generator: the CPU
+    # stream, and a chain's own generator, move as if find() had not run.
+    model = _model(parametrization)
+    own = _PrivateNoise()
+    P.register_parametrization(model[0], "weight", own)
+    own_state = own.g.get_state()
+    torch.manual_seed(3)
+    sites = {s.fqn: s for s in paramfold.find(model)}
+    drawn = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.rand(3))
+    assert torch.equal(own.g.get_state(), own_state)
+    assert sites["0.weight"].random and sites["2.weight"].random
+
+
 class _PrivateNoise(nn.Module):
     """Weight noise drawn from a generator of the chain's own."""
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold.compute import is_nested, leaf_originals, members, original_names
@@ -215,9 +216,9 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
         kinds = [k or "communication" for k in kinds]
     elif any(k is None for k in kinds):
-        with _rng_kept(originals.values()):
+        with _Probe(stop_at_collectives=False):  # an inner chain's draws come from the probe's own generator
             inputs = _computed_originals(plist) if is_nested(plist) else originals
-            kinds, probed_stateful, stateful_in_eval, random = _probe_unknown(chain, inputs, kinds)
+        kinds, probed_stateful, stateful_in_eval, random = _probe_unknown(chain, inputs, kinds)
         stateful = stateful or probed_stateful or stateful_in_eval
     return Site(
         module_path=path,
@@ -232,23 +233,6 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         random=random,
         stateful_in_eval=stateful_in_eval,
     )
-
-
-@contextlib.contextmanager
-def _rng_kept(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Put back the CPU generator's state, and that of each device ``tensors`` live on, on exit:
-    a probe that draws random numbers must not move the user's random streams."""
-    devices: dict[str, set[int]] = defaultdict(set)
-    for t in tensors:
-        device = t.device
-        if device.type not in ("cpu", "meta"):
-            devices[device.type].add(device.index or 0)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[], device_type="cuda"))  # the CPU generator
-        for device_type, indices in devices.items():
-            with contextlib.suppress(Exception):  # a device torch cannot fork: its probe runs as is
-                stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=device_type))
-        yield
 
 
 def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
@@ -276,7 +260,7 @@ def _probe_unknown(
     Each module is called through ``torch.func.functional_call`` with clones of its own
     parameters and buffers in training mode, so the real module state never changes, then
     again in eval mode to see whether it mutates its buffers or draws random numbers there too
-    (the caller puts the generators back).
+    (its draws come from the probe's own generator: see :class:`_Probe`).
     """
     resolved: list[str] = []
     stateful = stateful_in_eval = random = False
@@ -339,29 +323,67 @@ class _Collective(Exception):
 class _Probe(TorchDispatchMode):
     """What a probe's ops do: it is stopped at its first collective, before it is issued (on
     one rank it would hang), and notes whether it draws random numbers (any op tagged
-    ``nondeterministic_seeded``: dropout, ``bernoulli``, ``randn_like``, ...)."""
+    ``nondeterministic_seeded``: dropout, ``bernoulli``, ``randn_like``, ...).
 
-    def __init__(self) -> None:
+    A drawing op is not run: its results (and the tensors it writes) get numbers from the
+    probe's own generator, shaped as the op's meta kernel says. No generator of the user's (the
+    shared CPU or device ones, a chain's own) moves, so nothing has to be put back, and another
+    thread's draws meanwhile are its own (a state put back afterwards would rewind them).
+    """
+
+    def __init__(self, stop_at_collectives: bool = True) -> None:
         super().__init__()
+        self._stop_at_collectives = stop_at_collectives
         self.collective = False
         self.random = False
         #: Set by :func:`_probe_call`: whether the call changed a clone of the module's own state.
         self.mutated = False
+        self._generator = torch.Generator().manual_seed(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"):
+        collective = func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+        if collective and self._stop_at_collectives:
             raise _Collective(func.name())
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.random = True
-            generator = kwargs.get("generator")
-            if isinstance(generator, torch.Generator):  # a chain's own: the probe must not move it
-                state = generator.get_state()
-                try:
-                    return func(*args, **kwargs)
-                finally:
-                    generator.set_state(state)
+            return self._draw_privately(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _draw_privately(self, func, args: tuple, kwargs: dict):
+        schema = func._schema
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        device = kwargs.get("device") or (tensors[0].device if tensors else torch.get_default_device())
+        meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        if "device" in kwargs:
+            meta_kwargs["device"] = "meta"
+        shapes = func(*meta_args, **meta_kwargs)  # raises where there is no meta kernel: unprobed
+        bound = dict(zip((a.name for a in schema.arguments), args)) | kwargs
+        written = {}
+        for argument in schema.arguments:
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                target = bound.get(argument.name)
+                if isinstance(target, torch.Tensor):
+                    target.copy_(self._numbers(target, target.device))
+                written[frozenset(argument.alias_info.before_set)] = target
+        results = shapes if isinstance(shapes, tuple) else (shapes,)
+        out = []
+        for returned, shape in zip(schema.returns, results):
+            alias = returned.alias_info
+            if alias is not None and frozenset(alias.before_set) in written:
+                out.append(written[frozenset(alias.before_set)])
+            else:
+                out.append(self._numbers(shape, device) if isinstance(shape, torch.Tensor) else shape)
+        return tuple(out) if isinstance(shapes, tuple) else out[0]
+
+    def _numbers(self, like: torch.Tensor, device) -> torch.Tensor:
+        """A tensor shaped, strided and typed as ``like``: the probe's own random numbers, or
+        zeros for integers and booleans (drawn indices, ``randperm``'s, ``multinomial``'s, must
+        stay valid for whatever the chain indexes with them)."""
+        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
+        if not (like.dtype.is_floating_point or like.dtype.is_complex):
+            return out.zero_()
+        return out.copy_(torch.rand(like.shape, generator=self._generator))
 
 
 def _is_cast(args: tuple, out: object) -> bool:
