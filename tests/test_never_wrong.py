@@ -1707,3 +1707,38 @@ def test_pruning_an_original_after_prepare_is_refused_at_the_next_call(mode):
         paramfold.restore(ours)
         prune.l1_unstructured(stock[0].parametrizations.weight, "original", amount=0.5)
         assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("root", [False, True])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_module_built_from_a_prepared_modules_class_works_like_stocks(mode, root):
+    # Regression (PEFT's LoRA for a conv builds its adapters with type(base_layer)(...)): stock
+    # builds a module of the layer's own class, with no parametrizations, which works as the
+    # plain class; paramfold's shared class made one without paramfold's state: KeyError at its
+    # call. Also after a call, where freeze and auto leave the between-calls class.
+    def build():
+        torch.manual_seed(0)
+        conv = weight_norm(nn.Conv1d(3, 4, 3))
+        model = conv if root else nn.Sequential(conv, nn.Tanh())
+        return (_inference(model) if mode == "freeze" else model), conv
+
+    (stock, stock_conv), (ours, ours_conv) = build(), build()
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 3, 5)
+    with torch.no_grad() if mode == "freeze" else contextlib.nullcontext():
+        for model in (stock, ours):
+            model(x)
+        made = []
+        for model, conv in ((stock, stock_conv), (ours, ours_conv)):
+            torch.manual_seed(1)
+            made.append((type(conv)(3, 2, 1, bias=False), type(model)(nn.Linear(5, 5)) if not root else None))
+        (stock_new, stock_seq), (ours_new, ours_seq) = made
+        assert not paramfold.find(ours_new) and isinstance(ours_new, nn.Conv1d)
+        assert torch.equal(ours_new(x), stock_new(x))
+        assert_same_tensors(dict(stock_new.state_dict()), dict(ours_new.state_dict()))
+        if not root:
+            assert torch.equal(ours_seq(torch.ones(1, 5)), stock_seq(torch.ones(1, 5)))
+        assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    assert type(ours_conv).__bases__ == type(stock_conv).__bases__
+    assert torch.equal(ours_new(x), stock_new(x))

@@ -46,7 +46,20 @@ from paramfold.scope import compiled_call_impl, root_call
 
 
 class _Sealed(type):
-    """Metaclass of the shared classes: keeps torch's per-module class edits off them."""
+    """Metaclass of the shared classes: keeps torch's per-module class edits off them, and makes
+    instantiating one build the class it was made from."""
+
+    def __call__(cls, *args, **kwargs):
+        # ``type(module)(...)`` on a prepared module (PEFT's LoRA for a conv builds its adapters
+        # with ``type(base_layer)(...)``): stock builds a module of the module's own class, which
+        # has no parametrizations and so behaves as the class it was made from; paramfold's class
+        # would make one without paramfold's state, which its calls need (KeyError). Build the
+        # class paramfold's was made from (stock's, for a container or an unselected module).
+        # A shared class or its between_class (a class that only derives from one, a wrapper's
+        # from rebased(), is built as usual).
+        if cls.__dict__.get("_paramfold_sealed"):
+            return cls._paramfold_base(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def __setattr__(cls, name: str, value: object) -> None:
         if cls.__dict__.get("_paramfold_sealed") and isinstance(value, property):
@@ -103,6 +116,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
         "_paramfold_names": names,
+        "_paramfold_base": base,
         "_compiled_call_impl": compiled_call_impl,
     }
     for name in names:
