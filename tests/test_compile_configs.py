@@ -54,3 +54,40 @@ def assert_same_state(stock, prepared):
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline", "freeze"])
+@pytest.mark.parametrize("kind", ["weight_norm", "chain"])
+def test_vmap_ensemble_of_prepared_models_in_eval_mode_trains_like_stock(kind, mode):
+    # Regression: torch.func.stack_module_state + vmap(functional_call(base, ...)) over eval-mode
+    # models, gradients wanted for the stacked parameters (an ensemble trained with dropout off):
+    # auto froze the values under no_grad, as vmap's BatchedTensor wrappers report
+    # requires_grad=False over the stacked tensors that require it, so the originals got no
+    # gradient (None; stock's are there). Freeze, which cannot serve that, refuses the call.
+    def ensemble(prepare_mode):
+        models = [build(kind, width=8, depth=2, seed=s).eval() for s in range(3)]
+        for model in models:
+            if prepare_mode == "freeze":
+                model.requires_grad_(False)
+            if prepare_mode is not None:
+                paramfold.prepare(model, prepare_mode)
+        params, buffers = torch.func.stack_module_state(models)
+        params = {k: v.detach().requires_grad_() for k, v in params.items()}
+        return models[0], params, buffers
+
+    x = torch.randn(2, 8)
+    results = []
+    for prepare_mode in (None, mode):
+        base, params, buffers = ensemble(prepare_mode)
+        call = torch.func.vmap(lambda p, b: functional_call(base, (p, b), (x,)), in_dims=(0, 0))
+        if prepare_mode == "freeze":
+            with pytest.raises(paramfold.FoldError, match="requires grad"):
+                call(params, buffers)
+            return
+        out = call(params, buffers)
+        out.sum().backward()
+        results.append({"out": out.detach(), **{k: v.grad for k, v in params.items()}})
+    stock, ours = results
+    assert stock.keys() == ours.keys()
+    for name in stock:
+        assert ours[name] is not None and torch.equal(stock[name], ours[name]), name
