@@ -23,15 +23,17 @@ def _twins(kind: str, mode: str, **kw):
     return stock, prepared
 
 
-@pytest.mark.parametrize("backend", ["aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
 def test_func_grad_over_a_compiled_prepared_model(mode, backend):
-    # Regression: torch.func.grad of functional_call(torch.compile(model)) raised
-    # InternalTorchDynamoError (requires_grad_() inside a functorch transform) with hoist and
-    # auto: the compile-time leaf stand-ins (compile_leaves.py) were made inside the transform,
-    # which refuses requires_grad_() on any tensor. Stock computes the gradients (torch 2.13's
-    # dynamo skips such a frame and runs it eagerly), and so does paramfold now. The prepared
-    # model runs first: once stock's frame is skipped, dynamo would skip the prepared one too.
+    # Regression: torch.func.grad of functional_call(torch.compile(model)) raised with hoist and
+    # auto: InternalTorchDynamoError (requires_grad_() inside a functorch transform: the
+    # compile-time leaf stand-ins of compile_leaves.py), and, with backend="eager", an
+    # AssertionError in dynamo's fake-tensor conversion of a functorch-wrapped non-leaf input (a
+    # hoisted value). Stock computes the gradients (torch 2.13's dynamo skips such a frame, or
+    # with "eager" runs its ops as they are), and so does paramfold now: a call of a compiled
+    # prepared model inside a transform runs eagerly. The prepared model runs first: once
+    # stock's frame is skipped, dynamo would skip the prepared one too.
     stock, prepared = _twins("chain", mode)
     x = torch.randn(3, 8)
     results = []
