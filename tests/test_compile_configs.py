@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import build, grads
+from torch._dynamo.testing import CompileCounter
 from torch.func import functional_call
 
 import paramfold
@@ -93,3 +94,144 @@ def test_vmap_ensemble_of_prepared_models_in_eval_mode_trains_like_stock(kind, m
     assert stock.keys() == ours.keys()
     for name in stock:
         assert ours[name] is not None and torch.equal(stock[name], ours[name]), name
+
+
+def _train_steps(model, run, steps=3, batches=(3, 3, 3)):
+    """Outputs and gradients of ``steps`` SGD steps of ``run`` (the compiled model or a step)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    record = []
+    for step in range(steps):
+        x = torch.randn(batches[step % len(batches)], 8, generator=torch.Generator().manual_seed(step))
+        out = run(x)
+        record.append((out.detach(), grads(model)))
+        opt.step()
+        opt.zero_grad()
+    return record
+
+
+def _assert_same_steps(expected, actual):
+    for (e_out, e_grads), (a_out, a_grads) in zip(expected, actual, strict=True):
+        assert torch.equal(e_out, a_out)
+        assert e_grads.keys() == a_grads.keys()
+        for name in e_grads:
+            assert torch.equal(e_grads[name], a_grads[name]), name
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline"])  # auto in training hoists, as hoist
+def test_compiled_autograd_trains_a_spectral_norm_model_like_stock(mode):
+    # Pins (worked before): torch._dynamo.config.compiled_autograd with the backward inside the
+    # compiled step (FSDP2 recipes): the hoisted values' chains backward through the compiled
+    # autograd graph, spectral_norm's buffers advance as in stock, one capture each.
+    stock, prepared = _twins("spectral_norm", mode)
+    records, captures = [], []
+    for model in (stock, prepared):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+
+        def step(x, model=model):
+            out = model(x)
+            out.sum().backward()
+            return out
+
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            records.append(_train_steps(model, torch.compile(step, backend="eager"), steps=2))
+        captures.append(torch._dynamo.utils.counters["compiled_autograd"]["captures"])
+    _assert_same_steps(*records)
+    assert captures[0] == captures[1] > 0
+    assert_same_state(stock, prepared)
+
+
+class _MomentumInside(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4))
+        self.k = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                pk.mul_(0.5).add_(pq, alpha=0.5)
+        return self.q(x) + self.k(x)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_force_eager_stance_sees_originals_changed_inside_the_forward(mode):
+    # Pins (worked before): under set_stance("force_eager") a torch.compile'd prepared model runs
+    # eagerly although dynamo's callback is set, so its nested calls must still check originals
+    # changed inside the forward (MoCo's momentum update), as eager calls do; compiled calls
+    # cannot (README's documented limit), so the stance switches back and forth.
+    stock = _MomentumInside().eval().requires_grad_(False)
+    prepared = paramfold.prepare(_MomentumInside().eval().requires_grad_(False), mode)
+    compiled_stock = torch.compile(stock, backend="eager")
+    compiled = torch.compile(prepared, backend="eager")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            with torch.compiler.set_stance("force_eager"):
+                assert torch.equal(compiled(x), compiled_stock(x))
+    assert_same_state(stock, prepared)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+@pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic", "automatic"])
+def test_dynamic_batch_sizes_compile_like_stock(mode, how):
+    # Pins (worked before): changing batch sizes under dynamic=True, mark_dynamic or dynamo's
+    # automatic dynamic shapes, in training (spectral_norm's buffers advance): stock's outputs,
+    # gradients and state, and as many graphs as stock; then fail_on_recompile holds for both.
+    stock, prepared = _twins("spectral_norm", mode)
+    records, frames = [], []
+    for model in (stock, prepared):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter, dynamic=True if how == "dynamic=True" else None)
+
+        def run(x, compiled=compiled):
+            if how == "mark_dynamic":
+                torch._dynamo.mark_dynamic(x, 0)
+            out = compiled(x)
+            out.sum().backward()
+            return out
+
+        records.append(_train_steps(model, run, steps=4, batches=(2, 3, 4, 5)))
+        with torch.compiler.set_stance("fail_on_recompile"):
+            records[-1] += _train_steps(model, run, steps=2, batches=(6, 7))
+        frames.append(counter.frame_count)
+    _assert_same_steps(*records)
+    assert frames[0] == frames[1]
+    assert_same_state(stock, prepared)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline"])
+def test_old_nn_module_inlining_sees_weight_updates_without_recompiling(mode):
+    # Pins (worked before): torch._dynamo.config.inline_inbuilt_nn_modules=False (dynamo's older
+    # handling of torch.nn modules, which guards their attributes otherwise), per-layer compile,
+    # weights updated in place and by load_state_dict(assign=True) between no_grad calls: the
+    # values follow (freeze re-materialises), with no more graphs than stock.
+    kind = "chain"
+    stock, prepared = build(kind, width=8, depth=2, blocks=True), build(kind, width=8, depth=2, blocks=True)
+    for model in (stock, prepared):
+        model.eval().requires_grad_(False)
+    paramfold.prepare(prepared, mode)
+    outs, frames = [], []
+    with torch._dynamo.config.patch(inline_inbuilt_nn_modules=False):
+        for model in (stock, prepared):
+            torch._dynamo.reset()
+            counter = CompileCounter()
+            for block in model.layers:
+                block.compile(backend=counter)
+            got = []
+            with torch.no_grad():
+                for step in range(4):
+                    if step == 2:
+                        model.load_state_dict({k: v + 0.25 for k, v in model.state_dict().items()}, assign=True)
+                    else:
+                        for p in model.parameters():
+                            p.add_(0.01)
+                    got.append(model(torch.randn(3, 8, generator=torch.Generator().manual_seed(step))))
+            outs.append(got)
+            frames.append(counter.frame_count)
+    for expected, actual in zip(*outs, strict=True):
+        assert torch.equal(expected, actual)
+    assert frames[1] <= frames[0]
+    assert_same_state(stock, prepared)
