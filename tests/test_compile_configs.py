@@ -97,7 +97,7 @@ def test_vmap_ensemble_of_prepared_models_in_eval_mode_trains_like_stock(kind, m
 
 
 def _train_steps(model, run, steps=3, batches=(3, 3, 3)):
-    """Outputs and gradients of ``steps`` SGD steps of ``run`` (the compiled model or a step)."""
+    """Outputs and gradients of ``steps`` SGD steps; ``run(x)`` runs the forward and backward."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     record = []
     for step in range(steps):
@@ -235,3 +235,35 @@ def test_old_nn_module_inlining_sees_weight_updates_without_recompiling(mode):
         assert torch.equal(expected, actual)
     assert frames[1] <= frames[0]
     assert_same_state(stock, prepared)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "chain"])
+def test_meta_device_init_then_to_empty_and_load_trains_like_stock(kind, mode):
+    # Pins (worked before): built under torch.device("meta"), prepared there (and called once
+    # on meta inputs, as shape inference does), then to_empty(device="cpu") and load_state_dict
+    # from a CPU twin; compiled training steps match stock's doing the same.
+    source = build(kind, width=8, depth=2)
+    records = []
+    models = []
+    for prepare_mode in (None, mode):
+        with torch.device("meta"):
+            model = build(kind, width=8, depth=2)
+        if prepare_mode is not None:
+            paramfold.prepare(model, prepare_mode)
+        with torch.no_grad():
+            model(torch.randn(3, 8, device="meta"))
+        model.to_empty(device="cpu")
+        model.load_state_dict(source.state_dict())
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager")
+
+        def run(x, compiled=compiled):
+            out = compiled(x)
+            out.sum().backward()
+            return out
+
+        records.append(_train_steps(model, run, steps=2))
+        models.append(model)
+    _assert_same_steps(*records)
+    assert_same_state(*models)
