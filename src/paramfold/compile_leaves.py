@@ -49,6 +49,8 @@ _handler = getattr(_dynamo, "callback_handler", None)
 _callback = getattr(_dynamo, "callback", None)
 _DYNAMO = getattr(getattr(_callback, "CallbackTrigger", None), "DYNAMO", None)
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+#: The innermost torch.func transform running (grad, vmap, jacrev, ...), None outside them.
+_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
 
 
 class _Local(threading.local):
@@ -94,6 +96,11 @@ def on_compile_start(args: object = None) -> None:
             "a prepared model's modules change from call to call: compiled code would keep the "
             "first. Turn the option off while compiling this model, or paramfold.restore(model)."
         )
+    if _transform() is not None:
+        # Inside a torch.func transform (grad(functional_call(compiled, ...))): the values are
+        # its wrappers, and it refuses requires_grad_() on any tensor. Dynamo fakes the values
+        # as they are (stock's compile of such a frame is skipped by dynamo itself).
+        return
     local.compile_id = getattr(args, "compile_id", None)
     swapped = local.swapped = []
     stand_ins: dict[int, torch.Tensor] = {}

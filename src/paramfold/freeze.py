@@ -33,6 +33,7 @@ inside ``torch.inference_mode()`` also serves later calls that record gradients.
 from __future__ import annotations
 
 import ctypes
+import operator
 import gc
 from operator import is_
 
@@ -320,12 +321,31 @@ def chain_needs_grad(site: SiteState) -> bool:
     parametrization owns, and also a buffer or a plain tensor attribute of a member (a learnable
     scale kept as ``self.s = torch.tensor(1.5, requires_grad=True)``), which stock's read gives a
     gradient as well."""
+    # Inside a torch.func transform (vmap), its wrappers hide requires_grad: look through them.
+    requires_grad = _attr_requires_grad if _transform() is None else _requires_grad
     for d, key in site.originals:
-        if d[key].requires_grad:
+        if requires_grad(d[key]):
             return True
     if site.hook is not None:  # a hook-based norm: its module's other tensors (bias) are not inputs
         return False
-    return any(t.requires_grad for _, _, t in _inputs(site))
+    return any(requires_grad(t) for _, _, t in _inputs(site))
+
+
+_attr_requires_grad = operator.attrgetter("requires_grad")
+#: The innermost torch.func transform running, None outside them.
+_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
+_unwrap = getattr(torch._C._functorch, "get_unwrapped", None)
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    """Whether ``t`` or a tensor it wraps requires grad: a vmap ``BatchedTensor`` reports
+    ``requires_grad=False`` over one that requires it (``vmap(functional_call(model, stacked
+    params))``), yet autograd records what is computed from it, as stock's read of the value does."""
+    while not t.requires_grad:
+        if _unwrap is None or not _wrapped(t):
+            return False
+        t = _unwrap(t)
+    return True
 
 
 def refuse_unfreezable(sites: list[Site], when: str) -> None:
