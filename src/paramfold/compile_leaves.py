@@ -43,14 +43,13 @@ from torch import nn
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.state import STATE_ATTR
+from paramfold.state import innermost_transform as _transform
 
 _dynamo = torch._dynamo
 _handler = getattr(_dynamo, "callback_handler", None)
 _callback = getattr(_dynamo, "callback", None)
 _DYNAMO = getattr(getattr(_callback, "CallbackTrigger", None), "DYNAMO", None)
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-#: The innermost torch.func transform running (grad, vmap, jacrev, ...), None outside them.
-_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
 
 
 class _Local(threading.local):

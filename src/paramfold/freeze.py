@@ -33,8 +33,8 @@ inside ``torch.inference_mode()`` also serves later calls that record gradients.
 from __future__ import annotations
 
 import ctypes
-import operator
 import gc
+import operator
 from operator import is_
 
 import torch
@@ -47,6 +47,7 @@ from paramfold.compute import GLOBAL_HOOKS, autocast_state, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for
+from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.sites import Site
 from paramfold.watch import layout, tag
@@ -332,8 +333,6 @@ def chain_needs_grad(site: SiteState) -> bool:
 
 
 _attr_requires_grad = operator.attrgetter("requires_grad")
-#: The innermost torch.func transform running, None outside them.
-_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
 _unwrap = getattr(torch._C._functorch, "get_unwrapped", None)
 
 

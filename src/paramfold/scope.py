@@ -61,6 +61,7 @@ from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
 from paramfold.state import CALLS, STATE_ATTR, ModuleState, SiteState, distributed
+from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 
@@ -71,13 +72,6 @@ _tracing_state = torch._C._get_tracing_state
 # Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
 # without it counts as "maybe": nested calls then see swaps only.
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
-#: The innermost torch.func transform running (grad, vmap, jacrev), None outside them. A call of
-#: a compiled prepared model inside one runs eagerly: its hoisted values are then the transform's
-#: wrappers with an autograd history, which dynamo's fake-tensor conversion cannot take
-#: (AssertionError in ``assert_metadata_eq``, torch's bug); stock's frame is skipped by dynamo
-#: there ("Unsupported functorch tracing attempt") except with the "eager" backend, whose graph
-#: runs the ops eagerly.
-_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
 _LOCK = threading.RLock()
 _MISSING = object()
 _COMPILE_STARTS = leaves.START_CALLBACKS
@@ -538,6 +532,9 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # changed in place against the tensors as they are now.
     eager = _eval_frame_callback() is None and self.__dict__.get("_compiled_call_impl") is None
     nested.local.snapshot = nested.snapshot(self) if eager else None
+    # Inside a torch.func transform a compiled call runs eagerly: the hoisted values are then the
+    # transform's wrappers with a history, which dynamo's fake-tensor conversion cannot take
+    # (torch's bug); dynamo skips stock's frame there ("Unsupported functorch tracing attempt").
     call = _call_eagerly if not eager and (_through_cache(self) or _transform() is not None) else module_call
     try:
         return call(self, *args, **kwargs)

@@ -173,6 +173,8 @@ PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
 # (``const_data_ptr``), which would disarm a storage that freeze.arm watches.
 tensor_version = operator.attrgetter("_version")
 tensor_data_ptr = getattr(torch._C.TensorBase, "const_data_ptr", torch._C.TensorBase.data_ptr)
+#: The innermost torch.func transform running (grad, vmap, jacrev, ...), None outside them.
+innermost_transform = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
 
 
 def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_check: str = "content",
