@@ -532,10 +532,7 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # changed in place against the tensors as they are now.
     eager = _eval_frame_callback() is None and self.__dict__.get("_compiled_call_impl") is None
     nested.local.snapshot = nested.snapshot(self) if eager else None
-    # Inside a torch.func transform a compiled call runs eagerly: the hoisted values are then the
-    # transform's wrappers with a history, which dynamo's fake-tensor conversion cannot take
-    # (torch's bug); dynamo skips stock's frame there ("Unsupported functorch tracing attempt").
-    call = _call_eagerly if not eager and (_through_cache(self) or _transform() is not None) else module_call
+    call = _call_eagerly if not eager and _opens_eagerly(self) else module_call
     try:
         return call(self, *args, **kwargs)
     finally:
@@ -552,11 +549,20 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         return _nested(module, compiled)(*args, **kwargs)
     previous, claimed = _open_scope(module)
     try:
-        if _through_cache(module) or _transform() is not None:
+        if _opens_eagerly(module):
             return _call_eagerly(module, *args, **kwargs)
         return compiled(*args, **kwargs)
     finally:
         _close_scope(previous, claimed)
+
+
+def _opens_eagerly(entry: nn.Module) -> bool:
+    """Whether a compiled call of ``entry`` that opens a scope must run eagerly instead: inside
+    ``parametrize.cached()`` (:func:`_through_cache`), or inside a torch.func transform, where the
+    hoisted values are the transform's wrappers with a history, which dynamo's fake-tensor
+    conversion cannot take (torch's bug; dynamo skips stock's frame there, "Unsupported functorch
+    tracing attempt")."""
+    return _through_cache(entry) or _transform() is not None
 
 
 def _through_cache(entry: nn.Module) -> bool:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
