@@ -36,7 +36,7 @@ def _suite(session: nox.Session, version: str) -> None:
         "python", "-c", "import torch; assert torch.__version__.split('+')[0] == %r, torch.__version__"
         % version,
     )
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *session.posargs, env={"CI": "true"})
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--maxprocesses=4", *session.posargs, env={"CI": "true"})
 
 
 for _version in TORCH_VERSIONS:

@@ -415,8 +415,9 @@ def test_cli_sweep_json_plot_and_table(tmp_path):
 
 def test_cli_table_and_plot(tmp_path):  # matplotlib is in the test extra
     out = tmp_path / "ratios.png"
-    res = CliRunner().invoke(
-        app, ["bench", "--layers", "1", "--repeats", "1", "--variant", "stock", "--plot", str(out)]
+    res = CliRunner().invoke(  # on a pipe with no COLUMNS (pytest-xdist's workers set 80): nothing wraps
+        app, ["bench", "--layers", "1", "--repeats", "1", "--variant", "stock", "--plot", str(out)],
+        env={"COLUMNS": None},
     )
     assert res.exit_code == 0, res.output
     assert "baseline" in res.stdout and "x baseline" in res.stdout
