@@ -345,9 +345,21 @@ def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
 
 
 def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy`` of a prepared module, as stock copies the module.
+
+    A module stock parametrizes has a class of torch's with parametrize's ``default_deepcopy``,
+    which copies the instance ``__dict__`` as it is (this function's second half). Any other module
+    (a container, a hook-based norm's layer) stock copies through its class's ``__reduce_ex__``:
+    ``__getstate__``, which drops ``_compiled_call_impl`` (the compiled *bound* ``_call_impl`` that
+    ``module.compile()`` left: kept, the copy's calls would run the original module), and
+    ``__setstate__``. Our class refuses ``__reduce_ex__`` (pickling), so that path is taken here
+    with the object protocol that stock's copy would have used.
+    """
     found = memo.get(id(self))
     if found is not None:
         return found
+    if not parametrize.is_parametrized(self):
+        return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))  # type: ignore[attr-defined]
     replica = self.__new__(type(self))
     memo[id(self)] = replica
     object.__setattr__(replica, "__dict__", copy.deepcopy(self.__dict__, memo))
