@@ -348,6 +348,78 @@ def test_save_pretrained_of_a_prepared_model_matches_stock(mode, tmp_path):
         assert torch.equal(ours(x), expected)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_auto_alternating_training_steps_and_eval_inference_matches_stock(compiled):
+    """A user's loop on a vocoder: an Adam step in train mode, then ``eval()`` + ``no_grad()``
+    inference (auto freezes there), and back; every output and the state as stock's."""
+    model, args = _build(univnet)
+    stock, ours = copy.deepcopy(model), paramfold.prepare(copy.deepcopy(model), "auto")
+    run = torch.compile(ours, backend="aot_eager") if compiled else ours
+    optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (stock, ours)]
+    for step in range(2):
+        outputs = []
+        for module, call, optimizer in zip((stock, ours), (stock, run), optimizers):
+            module.train()
+            call(*args).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            module.eval()
+            with torch.no_grad():
+                outputs.append(call(*args))
+        assert torch.equal(outputs[1], outputs[0]), step
+        assert _state_equal(ours, stock)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto", "freeze"])
+def test_torchao_weight_norm_sparsifier_steps_then_squash_mask(mode):
+    """torchao's WeightNormSparsifier on a model prepared after ``sparsifier.prepare``: training
+    (or frozen inference) with ``sparsifier.step()`` rewriting the masks in place between calls
+    runs like stock; ``squash_mask()`` while prepared removes the parametrizations like stock,
+    the next call is refused (README, "Changing parametrizations while prepared"), and after
+    ``restore`` the model is stock's."""
+    pytest.importorskip("torchao")
+    from torchao.prototype.sparsity.sparsifier.weight_norm_sparsifier import WeightNormSparsifier
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    if mode == "freeze":
+        net.requires_grad_(False)
+    copies, sparsifiers = [copy.deepcopy(net), copy.deepcopy(net)], []
+    for model in copies:
+        sparsifier = WeightNormSparsifier(sparsity_level=0.5, sparse_block_shape=(1, 4), zeros_per_block=2)
+        sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
+        sparsifiers.append(sparsifier)
+    stock, ours = copies
+    paramfold.prepare(ours, mode)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in copies] if mode != "freeze" else None
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        outputs = []
+        for i, model in enumerate(copies):
+            if optimizers:
+                out = model(x)
+                out.square().sum().backward()
+                optimizers[i].step()
+                optimizers[i].zero_grad()
+            else:
+                with torch.no_grad():
+                    out = model(x)
+            outputs.append(out.detach())
+            sparsifiers[i].step()
+        assert torch.equal(outputs[1], outputs[0])
+        assert _state_equal(ours, stock)
+    for sparsifier in sparsifiers:
+        sparsifier.squash_mask()
+    assert _state_equal(ours, stock)
+    with torch.no_grad():
+        expected = stock(x)
+        with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+            ours(x)
+        paramfold.restore(ours)
+        assert not paramfold.find(ours)
+        assert torch.equal(ours(x), expected)
+
+
 # --------------------------------------------------------------------------------------------
 # geotorch's other constraints
 # --------------------------------------------------------------------------------------------
