@@ -210,7 +210,8 @@ def assert_equivalent(
     outside any forward (parametrizations in eval mode) and must equal stock's.
     Finally the prepared copy is restored with :func:`paramfold.restore` and must have exactly
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
-    objects, ``__dict__`` keys), and must still compute the stock outputs.
+    objects, ``__dict__`` keys, bar attributes that stock's own calls set or deleted too, as
+    transformers' ``_output_capturing_hooks_installed``), and must still compute the stock outputs.
 
     Step comparisons are bitwise unless ``atol``/``rtol`` are given (then as in
     ``torch.testing.assert_close``), or compiled (:data:`COMPILE_TOLERANCES`; a backend without a
@@ -239,6 +240,7 @@ def assert_equivalent(
         for param in copy_.parameters():
             param.grad = None
     before = structure(candidate, values=False)
+    stock_before = structure(stock, values=False)
 
     paramfold.prepare(candidate, mode, filter_fn=filter_fn)
     run: Callable[..., Any] = candidate
@@ -306,7 +308,8 @@ def assert_equivalent(
 
     paramfold.restore(candidate)
     try:
-        assert_same_structure(before, structure(candidate, values=False))
+        expected_structure = _with_attributes_set_by_stock(before, stock_before, structure(stock, values=False))
+        assert_same_structure(expected_structure, structure(candidate, values=False))
     except AssertionError as exc:
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
@@ -314,6 +317,22 @@ def assert_equivalent(
         restored = candidate(*args)
         _set_rng_state(rng)
         _compare_outputs(restored, stock(*args), " after restore", _BITWISE)
+
+
+def _with_attributes_set_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
+    """``before`` with the ``__dict__`` keys that stock's own calls added or deleted, module by
+    module (matched by path): a forward that sets an attribute on first use (transformers marks a
+    model ``_output_capturing_hooks_installed`` when it first runs with ``output_hidden_states``)
+    changes the prepared copy the same way, and that is no difference from stock."""
+    old = {row[0]: set(row[3]) for row in stock_before.modules}
+    new = {row[0]: set(row[3]) for row in stock_after.modules}
+    rows = []
+    for row in before.modules:
+        path, keys = row[0], set(row[3])
+        if path in old and path in new:
+            keys = (keys | (new[path] - old[path])) - (old[path] - new[path])
+        rows.append((*row[:3], tuple(sorted(keys)), *row[4:]))
+    return Structure(tuple(rows), before.state)
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
