@@ -1,4 +1,5 @@
-"""Small real parametrized models shared by the core tests.
+"""Small real parametrized models shared by the core tests (and ``Audio``, the wrapper through which
+the third-party model tests call transformers models).
 
 The parametrizations are paramfold.testing's own (``pt.Cast``, ``pt.Scale``) and so is the
 structure snapshot the tests compare (``pt.structure``); what is here is what they lack.
@@ -155,3 +156,15 @@ def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 def classes(model: nn.Module) -> dict[str, type]:
     """The class of every module, by path (prepare swaps them, restore must give each its own back)."""
     return {path: type(module) for path, module in model.named_modules()}
+
+
+class Audio(nn.Module):
+    """A transformers model called the way a user's training step calls it, returning tensors."""
+
+    def __init__(self, model: nn.Module, field: str):
+        super().__init__()
+        self.model = model
+        self.field = field
+
+    def forward(self, x):
+        return getattr(self.model(x), self.field)

@@ -14,20 +14,9 @@ from torch import nn
 
 import paramfold
 import paramfold.testing as pt
+from helpers import Audio
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-
-
-class Audio(nn.Module):
-    """A transformers model called the way a user's training step calls it, returning tensors."""
-
-    def __init__(self, model: nn.Module, field: str):
-        super().__init__()
-        self.model = model
-        self.field = field
-
-    def forward(self, x):
-        return getattr(self.model(x), self.field)
 
 
 def _weight_normed(model: nn.Module) -> nn.Module:
