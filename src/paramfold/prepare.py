@@ -295,6 +295,7 @@ def _plan(
                 inline.append((n, inline_property(n, site.signature)))
         inline = tuple(sorted(inline))
         st.covers = frozenset(id(m) for m in st.entries)
+        st.root = module is model
         st.prepared_class = prepared_class(base, own, module is model, inline)
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
             st.between_class = between_class(st.prepared_class)

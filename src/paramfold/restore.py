@@ -7,7 +7,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.errors import FoldError
 from paramfold.rebase import rebased
-from paramfold.scope import busy, root_call
+from paramfold.scope import busy
 from paramfold.state import STATE_ATTR, state_of
 
 
@@ -37,7 +37,7 @@ def restore(model: nn.Module) -> nn.Module:
                     f"{path!r} was prepared (or is part of a prepared model): restore that one."
                 )
         return model
-    if getattr(type(model), "__call__", None) is not root_call:
+    if not state.root:
         raise FoldError(
             f"this {type(model).__name__} is part of a model passed to paramfold.prepare, not that "
             "model itself: restore the model you prepared (restoring part of it would leave the "

@@ -163,7 +163,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
     for holder in state.holders:
         hs = holder.__dict__[STATE_ATTR]
         if hs.sites:
-            _check_unchanged(holder, hs)
+            _check_unchanged(entry, holder, hs)
         if hs.users:
             if hs.shareable is None or hs.shareable != _shareable(hs, grad):
                 raise _concurrent(entry)
@@ -360,7 +360,7 @@ def _concurrent(entry: nn.Module) -> FoldError:
     )
 
 
-def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
+def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> None:
     changed = not issubclass(type(holder), hs.prepared_class)  # a wrapper class (fully_shard) is fine
     hooks = holder._forward_pre_hooks
     taken = dict(hs.hooks_out[0]) if hs.hooks_out else {}  # by a scope open in another thread
@@ -389,8 +389,11 @@ def _check_unchanged(holder: nn.Module, hs: ModuleState) -> None:
                 changed = True
                 break
     if changed:
+        path = next((p for p, m in entry.named_modules(remove_duplicate=False) if m is holder), None)
+        where = "the model" if path == "" else repr(path) if path is not None else "a module"
         raise FoldError(
-            f"parametrizations of a {hs.original_class.__name__} changed after paramfold.prepare "
+            f"parametrizations of {where} ({type(holder).__name__}, prepared as a "
+            f"{hs.original_class.__name__}) changed after paramfold.prepare "
             "(registered, removed or replaced, a hook-based norm removed, a _parameters/_buffers "
             "dict under them replaced, or, with mode='inline', a hook added to one): call "
             "paramfold.restore(model), change them, then prepare again."

@@ -234,6 +234,9 @@ class ModuleState:
     holders: list[nn.Module] = dataclasses.field(default_factory=list)
     #: For entries: every entry at or below this one.
     entries: list[nn.Module] = dataclasses.field(default_factory=list)
+    #: Whether this is the model passed to ``prepare`` (its class keeps saying so only while
+    #: torch's ``remove_parametrizations`` has not unwrapped it).
+    root: bool = False
     #: For entries: ``id()`` of every entry a scope opened here covers.
     covers: frozenset[int] = frozenset()
     #: For holders: how many open call scopes (of any thread) use the values installed now, the
