@@ -1,5 +1,5 @@
-"""Hypothesis profiles, a dynamo reset fixture, and torchao made skippable when it is installed
-but cannot work.
+"""Hypothesis profiles, a dynamo reset fixture, torchao made skippable when it is installed but
+cannot work, and the longest tests' files collected first (for pytest-xdist's workers).
 
 ``fresh_dynamo``: every prepared ``nn.Sequential`` root compiles the same frame (paramfold's root
 forward), so without a reset around each test a module's tests after dynamo's recompile limit
@@ -75,6 +75,19 @@ if TORCHAO_PROBLEM is not None:
     for _name in [n for n in sys.modules if n == "torchao" or n.startswith("torchao.")]:
         del sys.modules[_name]
     sys.meta_path.insert(0, _Unusable(TORCHAO_PROBLEM))
+
+
+#: Files holding the suite's longest tests (examples run as subprocesses, one under valgrind;
+#: Hypothesis state machines; bench runs; the multi-process tests), run first: under
+#: pytest-xdist the last minutes are otherwise one worker finishing a long test while the others
+#: idle. Order within a file, and of the other files, is unchanged.
+_LONG_FIRST = ("test_examples.py", "test_stateful.py", "test_distributed.py", "test_bench.py",
+               "test_docstrings.py", "test_export.py")
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_report_header(config):  # noqa: ANN001
