@@ -296,7 +296,7 @@ def _plan(
         inline = tuple(sorted(inline))
         st.covers = frozenset(id(m) for m in st.entries)
         st.root = module is model
-        st.prepared_class = prepared_class(base, own, module is model, inline)
+        st.prepared_class = prepared_class(base, own, st.root, inline)
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
             st.between_class = between_class(st.prepared_class)
         planned[module] = (st, st.prepared_class)
