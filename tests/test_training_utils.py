@@ -104,6 +104,17 @@ def _grads(model: nn.Module) -> list:
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def _train_step(model: nn.Module, call, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of ``model`` in training mode, its forward through ``call`` (the
+    model, or a compiled wrapper of it); the output."""
+    model.train()
+    opt.zero_grad()
+    y = call(x)
+    y.square().sum().backward()
+    opt.step()
+    return y
+
+
 # --------------------------------------------------------------------------------------------
 # A deep copy of a model after model.compile()
 # --------------------------------------------------------------------------------------------
@@ -159,11 +170,7 @@ def test_ema_averaged_model_built_after_module_compile(mode):
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
         record = []
         for _ in range(3):
-            model.train()
-            opt.zero_grad()
-            y = model(x)
-            y.square().sum().backward()
-            opt.step()
+            y = _train_step(model, model, opt, x)
             ema.update_parameters(model)
             ema.eval()
             with torch.no_grad():
@@ -193,11 +200,7 @@ def test_averaged_model_ema_of_a_prepared_model(mode, use_buffers, compiled):
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
         record = []
         for _ in range(3):
-            model.train()
-            opt.zero_grad()
-            y = call(x)
-            y.square().sum().backward()
-            opt.step()
+            y = _train_step(model, call, opt, x)
             ema.update_parameters(model)
             ema.eval()
             with torch.no_grad():
@@ -564,11 +567,7 @@ def test_inference_mode_validation_between_training_steps(mode):
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
         record = []
         for _ in range(3):
-            model.train()
-            opt.zero_grad()
-            y = model(x)
-            y.square().sum().backward()
-            opt.step()
+            y = _train_step(model, model, opt, x)
             record.append(y.detach())
             model.eval()
             with torch.inference_mode():
