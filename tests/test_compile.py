@@ -394,3 +394,45 @@ def test_reads_first_argument_is_conservative():
     for fn in (direct, closure, comprehension, zero_arg_super, frame, rebinds, star, _Scaled.forward, len,
                functools.partial(plain, None), torch.no_grad()(plain)):
         assert reads_first_argument(fn), fn
+
+
+def _off_by_one(gm, example_inputs):
+    """A backend whose results differ from eager, so whether compiled code ran shows."""
+    return lambda *args: [out + 1 for out in gm(*args)]
+
+
+class _Halved(torch.nn.Module):  # a class of this test's own: dynamo's marks are per code object
+    def forward(self, w):
+        return w / 2
+
+
+@pytest.mark.parametrize("action", ["find", "hoist", "freeze", "auto"])
+def test_probing_a_compiled_chain_member_leaves_dynamo_compiling_it_everywhere(action):
+    # Regression: find()'s probe and freeze's watch for random draws ran the chain under a
+    # TorchDispatchMode; dynamo skips a frame it meets under one and marks its code object to be
+    # skipped for good, so a member compiled with member.compile() ran eagerly from then on, in
+    # the prepared model and in every other model of the process (here a stock one). paramfold
+    # now runs its watched computations with torch.compile'd code run eagerly, meeting no frame.
+    def build_():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        for layer in model:
+            torch.nn.utils.parametrize.register_parametrization(layer, "weight", _Halved())
+        return model.eval().requires_grad_(False)
+
+    stock, ours = build_(), build_()
+    x = torch.randn(2, 4)
+    eager = stock(x)
+    for model in (stock, ours):
+        model[0].parametrizations.weight[0].compile(backend=_off_by_one)
+    want = stock(x)
+    assert not torch.equal(want, eager)  # the compiled member ran
+    if action == "find":
+        paramfold.find(ours)
+        got = ours(x)
+    else:
+        paramfold.prepare(ours, action)
+        with torch.no_grad():
+            got = ours(x)
+    assert torch.equal(got, want)
+    assert torch.equal(stock(x), want)

@@ -86,6 +86,14 @@ class _NoDraws(TorchDispatchMode):
     ``nondeterministic_seeded``: dropout, ``randn_like``, a draw from a private generator),
     before it runs: no generator moves. Per thread, like every dispatch mode."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo does not compile a frame it meets under a mode without this, and marks its code
+        # to be skipped for good: a member compiled with member.compile() would run eagerly in
+        # every model from then on. With it, compiled code is compiled and run as stock runs it;
+        # its ops are seen where its backend dispatches them one by one (eager, aot_eager).
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags:
             raise _Draw(func.name())

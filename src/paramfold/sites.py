@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -16,6 +17,8 @@ from paramfold.compute import is_nested, leaf_originals, members, original_names
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
 from paramfold.state import is_dtensor
+
+T = TypeVar("T")
 
 __all__ = ["KINDS", "Site", "find"]
 
@@ -215,8 +218,8 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
         kinds = [k or "communication" for k in kinds]
     elif any(k is None for k in kinds):
-        with _Probe(stop_at_collectives=False):  # an inner chain's draws come from the probe's own generator
-            inputs = _computed_originals(plist) if is_nested(plist) else originals
+        # An inner chain's draws come from the probe's own generator.
+        inputs = _run_probed(_Probe(stop_at_collectives=False), _computed_originals, plist) if is_nested(plist) else originals
         kinds, probed_stateful, stateful_in_eval, random = _probe_unknown(chain, inputs, kinds)
         stateful = stateful or probed_stateful or stateful_in_eval
     return Site(
@@ -303,8 +306,7 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
     was_training = module.training
     try:
         module.train(training)
-        with probe:
-            out = torch.func.functional_call(module, state, args)
+        out = _run_probed(probe, torch.func.functional_call, module, state, args)
     except _Collective:
         out, probe.collective = None, True
     except Exception:  # a probe must never break find(); unknown stays "custom"
@@ -313,6 +315,17 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
         module.train(was_training)
     probe.mutated = any(state[k]._version != v for k, v in versions.items())
     return state, out, probe
+
+
+@torch.compiler.disable  # the stance is set outside any compiled region
+def _run_probed(probe: _Probe, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` under ``probe``, with every ``torch.compile``'d function in it run as plain
+    Python (the global ``force_eager`` stance, for the probe's duration) so that the probe sees
+    each op. Dynamo does not compile a frame it meets under a dispatch mode, and marks the frame's
+    code to be skipped for good: a member compiled with ``member.compile()`` would have run
+    eagerly from then on, in every model of the process."""
+    with torch.compiler.set_stance("force_eager"), probe:
+        return fn(*args)
 
 
 class _Collective(Exception):
