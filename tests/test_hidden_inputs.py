@@ -667,14 +667,13 @@ class _SwitchableNoise(nn.Module):
         return w + self.sigma * torch.randn_like(w) if self.sigma else w
 
 
-@pytest.mark.parametrize("mode", ["freeze", "auto"])
-def test_a_chain_that_starts_drawing_random_numbers_after_prepare_is_refused_and_leaves_the_stream(mode):
+def test_freeze_refuses_a_chain_that_starts_drawing_random_numbers_after_prepare_and_leaves_the_stream():
     # Regression: whether a chain draws random numbers was decided once, when prepare probed it;
-    # switched on later, freeze and auto froze one sample and served it at every call (stock
-    # draws at every read). Freezing now stops the computation before its first draw and refuses.
+    # switched on later, freeze froze one sample and served it at every call (stock draws at every
+    # read). It now sees the chain's settings change, probes it again, and refuses.
     layer = _layer_with(_SwitchableNoise())
     assert [s.random for s in paramfold.find(layer)] == [False]
-    paramfold.prepare(layer, mode)
+    paramfold.prepare(layer, "freeze")
     x = torch.randn(2, 3)
     with torch.no_grad():
         layer(x)
@@ -691,6 +690,58 @@ def test_a_chain_that_starts_drawing_random_numbers_after_prepare_is_refused_and
         paramfold.restore(layer)
         torch.manual_seed(1)
         assert torch.equal(got, layer(x))
+
+
+class _CountedSwitchableNoise(_SwitchableNoise):
+    """The same, stateful: a buffer counts the computations (spectral_norm's power iteration
+    moves its buffers the same way), so a value computed twice or a count moved by a check shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, w):
+        self.count.add_(1)
+        return super().forward(w)
+
+
+def _noisy_model(member: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.25), nn.Linear(4, 4))
+    P.register_parametrization(model[2], "weight", member())
+    return model
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("member", [_SwitchableNoise, _CountedSwitchableNoise], ids=["stateless", "counted"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_chain_that_starts_drawing_after_prepare_draws_where_stock_does(mode, member, grad, compiled):
+    # Regression: hoist (and auto in a grad call) computed such a chain once per call before the
+    # forward, drawing its noise before the forward's own Dropout: other numbers than stock's,
+    # silently; auto refused a no_grad call. A change of the chain's settings (sigma set) now has
+    # its chain probed again, as find() does (on copies: no generator or buffer moves), and a
+    # chain that draws is computed where it is read, as stock does, until its settings change
+    # back and a probe finds it deterministic again.
+    stock = _noisy_model(member)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = _calls(ours, compiled)
+    site = ours[2].__dict__["_paramfold"].sites["weight"]
+    x = torch.randn(2, 4)
+    for step, sigma in enumerate([0.0, 0.0, 0.0, 0.1, 0.1, 0.1, 0.0, 0.0, 0.0]):
+        for model in (stock, ours):
+            model[2].parametrizations.weight[0].sigma = sigma
+        outputs, streams = [], []
+        for model in (stock, run):
+            torch.manual_seed(step)
+            with torch.set_grad_enabled(grad):
+                outputs.append(model(x))
+            streams.append(torch.get_rng_state())
+        assert torch.equal(outputs[0], outputs[1]) and torch.equal(*streams), (step, sigma)
+        if member is _CountedSwitchableNoise:
+            assert torch.equal(ours[2].parametrizations.weight[0].count, stock[2].parametrizations.weight[0].count), step
+    # Deterministic again: served by the mode again (hoisted, or frozen by auto's no_grad calls).
+    assert not site.at_read
 
 
 class _WaitsForAnotherThreadsDraw(nn.Module):

@@ -53,8 +53,9 @@ from paramfold.sites import Site
 from paramfold.watch import layout, tag
 
 
-def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
-    """Return the materialised ``module.<name>``, recomputing it if its inputs changed."""
+def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
+    """Return the materialised ``module.<name>``, recomputing it if its inputs changed; None
+    (auto) where the computation would draw random numbers: it is then computed where it is read."""
     frozen = site.frozen
     if frozen is None or not unchanged(site, frozen):
         if frozen is not None:
@@ -64,7 +65,11 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor:
                 with _NoDraws():
                     value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
             except _Draw:
-                raise _random_now(module, name) from None
+                # A setting its watch does not see (paramfold.randomness) switched it on.
+                site.draws = True
+                if site.mode == "freeze":
+                    raise random_now(module, name) from None
+                return None  # auto: computed where it is read, drawing as stock does
             if type(value) in PLAIN_TENSOR_TYPES and value._base is not None:
                 # A view of an original (a transpose, w[:]): kept as an alias of its storage only,
                 # since a view holds its base, which torch.utils.swap_tensors (module.to() with
@@ -100,7 +105,7 @@ class _NoDraws(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _random_now(module: nn.Module, name: str) -> FoldError:
+def random_now(module: nn.Module, name: str) -> FoldError:
     return FoldError(
         f"the parametrization of {type(module).__name__}.{name} would draw random numbers to "
         "compute the value to freeze, which it did not when paramfold.prepare probed it (a "

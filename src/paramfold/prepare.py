@@ -12,6 +12,7 @@ from paramfold.classes import between_class, install_type_before_parametrization
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
+from paramfold.randomness import watch as watch_draws
 from paramfold.restore import restore, restore_module
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for
 from paramfold.sites import Site, find, inside_parametrization
@@ -260,7 +261,9 @@ def _plan(
         hs = state(site.module)
         # auto serves what neither freeze nor hoist can serve exactly the way inline does.
         site_mode = "inline" if mode == "auto" and _read_by_read(site, mode) else mode
-        hs.sites[site.tensor_name] = state_for(site, site_mode, freeze_check)
+        hs.sites[site.tensor_name] = ss = state_for(site, site_mode, freeze_check)
+        if site_mode != "inline":  # inline's getter runs the chain at each read, as stock does
+            ss.draw_watch = watch_draws(ss)
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():

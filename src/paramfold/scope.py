@@ -50,13 +50,13 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
-from paramfold import hooknorms
+from paramfold import hooknorms, randomness
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
 from paramfold.compute import GLOBAL_HOOKS, autocast_state, eager_value
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged
 from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
@@ -404,6 +404,12 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
     if distributed(site):
         # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
         # has gathered the originals, exactly like stock: never gathered early, never frozen.
+        site.frozen = None
+        return None
+    if randomness.recheck(holder, name, site):
+        # Drawing random numbers now: stock draws at each read, in the forward's order.
+        if site.mode == "freeze":
+            raise random_now(holder, name)
         site.frozen = None
         return None
     if site.mode == "hoist":

@@ -154,6 +154,9 @@ class Plan:
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
                     if site.mode != "hoist" or site.stateful:  # training decides them too, and sharing
                         modes.extend((m, m.training) for m in site.chain)
+                    if site.draw_watch is not None:  # a change has the chain probed for draws again
+                        empty.update((id(d), d) for d in site.draw_watch.empty)
+                        settings.update((id(d), (d, then)) for d, then in zip(site.draw_watch.full, site.draw_watch.tags))
                     # compute()'s steps for a flat chain, without its lookups (the structure tags
                     # pin the modules), and each member's forward where a call of it would be just that.
                     chain = None if site.nested or not calls_its_forward(site.plist) else site.chain

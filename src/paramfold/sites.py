@@ -237,6 +237,23 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     )
 
 
+def probed(module: nn.Module) -> bool:
+    """Whether :func:`find` learns what ``module`` does by probing it: a module of a chain that
+    is not one of torch's or torchao's known parametrizations, nor a container."""
+    return (not isinstance(module, (parametrize.ParametrizationList, nn.ModuleDict))
+            and type(module).__name__ not in _KIND_BY_CLASS)
+
+
+def draws_random_numbers(module: nn.Module, name: str) -> bool:
+    """Whether computing ``module.<name>`` now would draw random numbers: its chain, and the chains
+    of its originals that are parametrized themselves, probed as :func:`find` probes them (on
+    copies; no generator of the user's moves)."""
+    if _make_site("", module, name).random:
+        return True
+    plist = module.parametrizations[name]
+    return any(draws_random_numbers(plist, n) for n in original_names(plist) if parametrize.is_parametrized(plist, n))
+
+
 def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
     """The originals of ``plist`` as its chain sees them, a nested one computed on cloned state."""
     values = {}

@@ -122,6 +122,11 @@ class SiteState:
     hoist_until: int = 0
     #: Whether the chain changes its state in eval mode too (``Site.stateful_in_eval``).
     stateful_in_eval: bool = False
+    #: Whether the chain draws random numbers now, though prepare's probe found it did not (a
+    #: noise scale set above 0 since): computed where it is read, as stock does, or refused by
+    #: freeze. ``draw_watch``: its settings when it was last probed (``paramfold.randomness``).
+    draws: bool = False
+    draw_watch: Any = None
 
     @property
     def training_stateful(self) -> bool:
