@@ -102,6 +102,22 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
+def compiling() -> bool:
+    """``torch.compiler.is_compiling()`` for this thread: whether the code asking is being traced
+    (dynamo folds ``is_compiling()`` to True there) or runs inside this thread's own compile or
+    export. Read in eager code, ``is_compiling()`` alone is process-wide (a flag set for any
+    thread's compile session): a call of a prepared model made while another thread compiles
+    would take itself for traced, open no call scope and read that thread's values as they are."""
+    return torch.compiler.is_compiling() and _compiling_here()
+
+
+@torch.compiler.assume_constant_result  # traced: True, folded (dynamo traces it in this thread's compile)
+def _compiling_here() -> bool:
+    guards = torch._guards
+    return (guards.CompileContext.try_get() is not None or guards.TracingContext.try_get() is not None
+            or torch.compiler.is_exporting())
+
+
 def eager_value(module: nn.Module, name: str) -> torch.Tensor:
     """:func:`compute`, honouring ``parametrize.cached()`` exactly like stock's property."""
     if not parametrize._cache_enabled:

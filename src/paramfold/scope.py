@@ -53,7 +53,7 @@ from paramfold import compile_leaves as leaves
 from paramfold import hooknorms
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import GLOBAL_HOOKS, autocast_state, eager_value
+from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, eager_value
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, unchanged
@@ -527,7 +527,7 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
     ordinary ``nn.Module.__call__``, or the model's own)."""
     module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
-    if torch.compiler.is_compiling() or _in_scope(self):
+    if compiling() or _in_scope(self):
         return module_call(self, *args, **kwargs)
     previous, claimed = _open_scope(self)
     snapshot = nested.local.snapshot
@@ -544,7 +544,7 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling():
+    if compiling():
         return compiled(*args, **kwargs)
     if _in_scope(module):
         if _through_cache(module):
@@ -594,7 +594,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:
-        return compiled if torch.compiler.is_compiling() else functools.partial(_scoped_compiled_call, self, compiled)
+        return compiled if compiling() else functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
     if id(self) not in local.covered:
         if self.__dict__[STATE_ATTR].users:
