@@ -119,6 +119,48 @@ def _write(model: nn.Module) -> None:
             p.mul_(0.5).add_(0.125)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["weight_norm", "hook_weight_norm"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist", "inline"])
+def test_a_call_after_a_writer_thread_sees_the_write_while_another_threads_call_is_open(mode, kind, compiled):
+    # Regression: a no_grad call overlapping another thread's no_grad call shared the values that
+    # call had computed when it began, even when a writer (`p.mul_` under no_grad, an optimizer or
+    # EMA thread, hot-swapped weights) had changed the originals since: the later call, which
+    # began after the write, computed with the old weights (freeze, auto and hoist, eager and
+    # compiled). Stock computes each read from the weights as they are. Now the shared values are
+    # computed again where their inputs changed, for both calls.
+    results = []
+    for prepare in (False, True):
+        model = _Paused(kind).eval().requires_grad_(False)
+        if prepare:
+            paramfold.prepare(model, mode)
+        call = torch.compile(model, backend="eager") if compiled else model
+        x = _input()
+        record, first = [], {}
+        with torch.no_grad():
+            record += [call(x), call(x)]  # steady: frozen values kept, a plan built
+        thread = threading.Thread(target=lambda: first.setdefault("y", torch.no_grad()(call)(x)))
+        thread.start()
+        try:
+            assert model.inside.wait(30)  # the other thread's call is open, its values installed
+            _write(model)
+            with torch.no_grad():
+                record.append(call(x))
+        finally:
+            model.go.set()
+            thread.join(30)
+        assert not thread.is_alive()
+        # The call open across the write reads every weight after it, in stock too: here its
+        # nested calls (eager) or the frames dynamo resumes after the pause (compiled) see it.
+        record.append(first["y"])
+        model.inside.clear(), model.go.clear()
+        with torch.no_grad():
+            record += [call(x), call(x)]
+        record.append(model.state_dict())
+        results.append(record)
+    assert_same(*results)
+
+
 @pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
 def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlapping_call(mode):
     # Regression: torch.compiler.is_compiling() read in eager code is process-wide in torch 2.13
@@ -126,9 +168,10 @@ def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlap
     # call is being traced": an eager call made while another thread's call of the model was
     # compiling opened no call scope and read the values that call had installed as they were.
     # A grad call got values computed under the other call's no_grad (no gradient reached the
-    # originals: silently). Now only
+    # originals: silently), a no_grad call after a write got the values from before it. Now only
     # this thread's compile counts: the call claims the values as any overlapping call does
-    # (refused for a grad call, README "Threads"; shared under no_grad).
+    # (refused for a grad call, README "Threads"; shared, computed again where written, under
+    # no_grad).
     entered, leave = threading.Event(), threading.Event()
 
     def pausing_backend(gm, example_inputs):
@@ -149,6 +192,8 @@ def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlap
         if mode != "freeze":
             with pytest.raises(paramfold.FoldError, match="another thread"):
                 ours(x)
+        for model in (stock, ours):
+            _write(model)
         with torch.no_grad():
             assert torch.equal(ours(x), stock(x))
     finally:
