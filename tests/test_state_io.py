@@ -212,6 +212,38 @@ def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlap
         assert torch.equal(compiled(x), stock(x))
 
 
+@pytest.mark.parametrize(("first", "second"), [("inference_mode", "no_grad"), ("no_grad", "inference_mode")])
+@pytest.mark.parametrize("kind", ["weight_norm", "hook_weight_norm"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_overlapping_inference_mode_and_no_grad_calls_from_two_threads(mode, kind, first, second):
+    # Grad mode and inference mode are per thread: a call under inference_mode overlapping one
+    # under no_grad shares its values; outputs, and whether they are inference tensors, as stock.
+    contexts = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
+    results = []
+    for prepare in (False, True):
+        model = _Paused(kind).eval().requires_grad_(mode != "freeze")
+        if prepare:
+            paramfold.prepare(model, mode)
+        x, out = _input(), {}
+
+        def call_first():
+            with contexts[first]():
+                out["first"] = model(x)
+
+        thread = threading.Thread(target=call_first)
+        thread.start()
+        try:
+            assert model.inside.wait(30)
+            with contexts[second]():
+                y = model(x)
+        finally:
+            model.go.set()
+            thread.join(30)
+        assert not thread.is_alive()
+        results.append([(t, t.is_inference(), t.requires_grad) for t in (y, out["first"])])
+    assert_same(*results)
+
+
 # --- torch.distributed.checkpoint --------------------------------------------------------------
 
 
