@@ -596,3 +596,35 @@ def test_share_memory_then_a_child_process_writes_the_weights(written_by_a_child
 @pytest.mark.parametrize("variant", ["freeze/version", "auto/version"])
 def test_share_memory_written_by_a_child_process_with_freeze_check_version(written_by_a_child, variant):
     assert_same(written_by_a_child["stock"], written_by_a_child[variant])
+
+
+def test_reads_while_another_thread_compiles_are_stocks_reads(recwarn):
+    # Regression: a parametrized tensor read eagerly between calls while another thread compiled
+    # (torch.compiler.is_compiling() is process-wide in eager code) was computed as in traced
+    # code, bypassing stock's parametrize.cached(): inside a cached() block a training
+    # spectral_norm read twice ran its power iteration twice (stock: once) and gave two values.
+    entered, leave = threading.Event(), threading.Event()
+
+    def pausing_backend(gm, example_inputs):
+        entered.set()
+        assert leave.wait(30)
+        return gm.forward
+
+    other = torch.compile(lambda t: t * 2, backend=pausing_backend)
+    thread = threading.Thread(target=other, args=(torch.ones(2),))
+    thread.start()
+    results = []
+    try:
+        assert entered.wait(30)
+        for mode in (None, "hoist", "auto", "inline"):
+            model = _net("spectral_norm")
+            if mode is not None:
+                paramfold.prepare(model, mode)
+            with parametrize.cached():
+                reads = [model[0].weight, model[0].weight]
+            results.append([reads, model.state_dict()])
+    finally:
+        leave.set()
+        thread.join(30)
+    for result in results[1:]:
+        assert_same(results[0], result)
