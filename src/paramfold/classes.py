@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import scope_nested as nested
-from paramfold.compute import autocast_state, checkpoint_frame, compute, eager_value, parametrized_here
+from paramfold.compute import autocast_state, checkpoint_frame, compiling_here, compute, eager_value, parametrized_here
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
@@ -157,7 +157,7 @@ class SiteDescriptor:
     def __get__(self, module: nn.Module | None, owner: type | None = None):
         if module is None:
             return self
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and compiling_here():  # traced (not another thread's compile)
             return compute(module, self.name)
         return read_outside_scope(module, self.name)
 
@@ -169,7 +169,7 @@ class _BetweenCalls(SiteDescriptor):
     def __get__(self, module: nn.Module | None, owner: type | None = None):
         if module is None:
             return self
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and compiling_here():  # traced (not another thread's compile)
             return compute(module, self.name)
         if parametrized_here(module, self.name):
             return read_outside_scope(module, self.name)

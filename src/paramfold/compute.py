@@ -86,7 +86,8 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
     # dynamo (a value computed in-graph) the list's call is not checked: dynamo cannot trace the
     # check, and tracing it in plain Python would cost every such read (a documented limit).
     if (plist._forward_hooks or plist._forward_pre_hooks or plist._backward_hooks or plist._backward_pre_hooks
-            or any(GLOBAL_HOOKS) or (not torch.compiler.is_compiling() and not calls_its_forward(plist))):
+            or any(GLOBAL_HOOKS) or (not (torch.compiler.is_compiling() and compiling_here())
+                                     and not calls_its_forward(plist))):
         return plist()
     modules = plist._modules
     if "parametrizations" in modules:  # nested: the list's own properties compute the originals
@@ -100,6 +101,25 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
         value = modules[key](value)
         index += 1
     return value
+
+
+def compiling() -> bool:
+    """``torch.compiler.is_compiling()`` for this thread: whether the code asking is being traced
+    (dynamo folds ``is_compiling()`` to True there) or runs inside this thread's own compile or
+    export. Read in eager code, ``is_compiling()`` alone is process-wide (a flag set for any
+    thread's compile session): a call of a prepared model made while another thread compiles
+    would take itself for traced, open no call scope and read that thread's values as they are."""
+    return torch.compiler.is_compiling() and compiling_here()
+
+
+@torch.compiler.assume_constant_result  # traced: True, folded (dynamo traces it in this thread's compile)
+def compiling_here() -> bool:
+    """Whether this thread is in a compile session or an export (asked only where
+    ``torch.compiler.is_compiling()`` is True: written ``is_compiling() and compiling_here()`` on
+    paths where :func:`compiling`'s own frame would cost every eager call)."""
+    guards = torch._guards
+    return (guards.CompileContext.try_get() is not None or guards.TracingContext.try_get() is not None
+            or torch.compiler.is_exporting())
 
 
 def eager_value(module: nn.Module, name: str) -> torch.Tensor:

@@ -53,7 +53,7 @@ from paramfold import compile_leaves as leaves
 from paramfold import hooknorms, randomness
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import GLOBAL_HOOKS, autocast_state, eager_value
+from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, eager_value
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged
@@ -176,6 +176,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
         for holder in state.holders:
             hs = holder.__dict__[STATE_ATTR]
             if hs.users:
+                _renew_shared(entry, holder, hs, grad)
                 hs.users += 1
             else:
                 _install(holder, hs, grad, id(holder) in hooked)
@@ -261,6 +262,39 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     hs.left = tuple(left)
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
+
+
+def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bool) -> None:
+    """Make the values another thread's open scope installed in ``holder`` those a call beginning
+    now reads, before this call shares them (the caller holds the scope lock and has checked that
+    both calls may share: ``no_grad``, one autocast state, no stateful chain training).
+
+    Their inputs may have been written since they were computed (a writer thread's ``p.copy_()``
+    under ``no_grad``, an optimizer or EMA thread between the calls): each value is computed again
+    where that is so (a frozen value where its inputs changed, a hoisted one always) and put in
+    place of the old one. Under ``no_grad`` and one autocast state that is the value every read
+    computes from now on, in stock, for both calls; the other call's nested module calls see the
+    write themselves (``scope_nested``). Categories stay as they are (``installed`` names are
+    removed when the last call ends, ``kept`` ones stay hidden between calls); the kept tuple is
+    made anew where a value changed, so no plan built on the old ones holds."""
+    values = holder.__dict__
+    renewed = False
+    for name, site in hs.sites.items():
+        if site.mode == "inline" or site.at_read or name not in values:
+            continue
+        value = _value(holder, name, site, grad)
+        if value is None:  # now to be computed where read (sharded originals): not shareable
+            raise _concurrent(entry)
+        if value is not values[name]:
+            values[name] = value
+            nested.record(site)
+            renewed = True
+    if hs.detach_params and not grad:
+        for name, param in holder._parameters.items():
+            if param is not None:
+                values[name] = param.detach()  # a parameter replaced since (assign=True, p.data = t)
+    if renewed and hs.kept:
+        hs.kept = tuple(list(hs.kept))  # the same names in a new tuple: plans check it by identity
 
 
 def _changes_originals(module: nn.Module | None) -> bool:
@@ -533,7 +567,7 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
     ordinary ``nn.Module.__call__``, or the model's own)."""
     module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
-    if torch.compiler.is_compiling() or _in_scope(self):
+    if compiling() or _in_scope(self):
         return module_call(self, *args, **kwargs)
     previous, claimed = _open_scope(self)
     snapshot = nested.local.snapshot
@@ -550,7 +584,7 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
-    if torch.compiler.is_compiling():
+    if compiling():
         return compiled(*args, **kwargs)
     if _in_scope(module):
         if _through_cache(module):
@@ -600,7 +634,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:
-        return compiled if torch.compiler.is_compiling() else functools.partial(_scoped_compiled_call, self, compiled)
+        return compiled if compiling() else functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
     if id(self) not in local.covered:
         if self.__dict__[STATE_ATTR].users:
