@@ -67,3 +67,163 @@ def test_hessian_through_functional_call_with_the_same_dict_twice_equals_stock(m
     for _ in range(2):
         got = hessian(lambda t: functional_call(ours, params[ours], (t,)).sum())(x)
         assert torch.equal(got, hessian(lambda t: functional_call(stock, params[stock], (t,)).sum())(x))
+
+
+def three_kinds() -> nn.Module:
+    """weight_norm (original0/original1), spectral_norm (stateful: _u/_v buffers), orthogonal."""
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Tanh(),
+                         orthogonal(nn.Linear(4, 3)))
+
+
+def _dict(model: nn.Module, what: str, seed: int) -> dict[str, torch.Tensor]:
+    """What functional_call is given: the originals, the computed weight (stock's setattr runs
+    right_inverse), spectral_norm's buffers only, or every entry of the state_dict."""
+    g = torch.Generator().manual_seed(seed)
+    names = {
+        "originals": ["0.parametrizations.weight.original0", "0.parametrizations.weight.original1",
+                      "2.parametrizations.weight.original", "4.parametrizations.weight.original"],
+        "computed": ["0.weight", "2.weight"],
+        "sn_buffers": ["2.parametrizations.weight.0._u", "2.parametrizations.weight.0._v"],
+        "state_dict": list(model.state_dict()),
+    }[what]
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {n: torch.randn((tensors[n] if n in tensors else model.get_submodule(n[0]).weight).shape, generator=g)
+            for n in names}
+
+
+def _assert_same_state(stock: nn.Module, ours: nn.Module) -> None:
+    expected, actual = stock.state_dict(), ours.state_dict()
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def _callers(stock: nn.Module, ours: nn.Module, compiled: bool, strict: bool = False) -> dict:
+    """``functional_call`` of each model, in a function compiled with the eager backend or not."""
+    calls = {}
+    for model in (stock, ours):
+        def call(d, t, model=model):
+            return functional_call(model, d, (t,), strict=strict)
+        calls[model] = torch.compile(call, backend="eager") if compiled else call
+    return calls
+
+
+@pytest.mark.parametrize(("what", "compiled"), [("originals", False), ("sn_buffers", False), ("state_dict", False),
+                                                ("originals", True)])
+@pytest.mark.parametrize("mode", MODES)
+def test_functional_call_in_training_equals_stock(mode, what, compiled):
+    # functional_call with each kind of dict (strict where it names every entry), then a plain
+    # call: outputs, the originals' gradients and the buffers the power iteration moved.
+    stock = three_kinds().train()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    calls = _callers(stock, ours, compiled, strict=what == "state_dict")
+    x = torch.randn(3, 4)
+    for step in range(2):
+        outs = []
+        for model in (stock, ours):
+            y = calls[model](_dict(model, what, seed=step), x) + model(x)
+            y.sum().backward()
+            outs.append(y)
+        assert torch.equal(outs[1], outs[0])
+    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+    _assert_same_state(stock, ours)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode", ["inline", "freeze"])
+def test_functional_call_naming_the_computed_weight_equals_stock(mode, compiled):
+    # A dict naming "0.weight" (the parametrized tensor, not an original): stock's setattr runs
+    # the chain's right_inverse into the originals for the call and back after it (in place, so
+    # under no_grad: with grad, backward raises for stock as for paramfold). The originals after
+    # the round trip, and the values served after it, must be stock's.
+    stock = _inference(three_kinds())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    calls = _callers(stock, ours, compiled)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(2):
+            for model in (stock, ours):
+                model.out = calls[model](_dict(model, "computed", seed=step), x), model(x)
+            assert all(map(torch.equal, ours.out, stock.out))
+    _assert_same_state(stock, ours)
+
+
+@pytest.mark.parametrize(("mode", "compiled"), [("auto", False), ("freeze", False), ("freeze", True)])
+def test_functional_call_with_other_dicts_under_no_grad_never_serves_a_frozen_value(mode, compiled):
+    # A frozen value must follow the dict of each call: a new dict at every call, the model's
+    # own originals between them, and one kept dict edited in place between calls.
+    stock = _inference(three_kinds())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    calls = _callers(stock, ours, compiled)
+    kept = {model: _dict(model, "originals", seed=9) for model in (stock, ours)}
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for seed in range(3):
+            for model in (stock, ours):
+                model.out = (calls[model](_dict(model, "originals", seed), x), model(x), calls[model](kept[model], x))
+                kept[model]["0.parametrizations.weight.original1"].mul_(1.5)
+            assert all(map(torch.equal, ours.out, stock.out))
+    _assert_same_state(stock, ours)
+
+
+# --- model surgery after prepare -----------------------------------------------------------
+
+
+def _new_layer(kind: str) -> nn.Module:
+    torch.manual_seed(1)
+    if kind == "plain":
+        return nn.Linear(4, 4)
+    if kind == "weight_norm":
+        return weight_norm(nn.Linear(4, 4))
+    if kind == "spectral_norm":
+        return spectral_norm(nn.Linear(4, 4))
+    return torch.nn.utils.weight_norm(nn.Linear(4, 4))  # the deprecated hook-based one
+
+
+SURGERIES = {
+    # a parametrized layer replaced (item assignment, set_submodule), a plain one replaced,
+    # a layer added (add_module, append), a layer deleted
+    "replace_parametrized": lambda m, new: m.__setitem__(0, new),
+    "set_submodule_stateful": lambda m, new: m.set_submodule("2", new),
+    "replace_plain": lambda m, new: m.__setitem__(4, new),
+    "add_module": lambda m, new: m.add_module("5", new),
+    "delete_parametrized": lambda m, new: m.__delitem__(2),
+}
+
+
+@pytest.mark.parametrize(("surgery", "kind", "compiled"), [
+    ("replace_parametrized", "weight_norm", False),
+    ("replace_parametrized", "hook_weight_norm", True),
+    ("set_submodule_stateful", "spectral_norm", True),
+    ("replace_plain", "weight_norm", False),
+    ("add_module", "spectral_norm", False),
+    ("delete_parametrized", None, True),
+])
+@pytest.mark.parametrize("mode", MODES)
+def test_surgery_after_prepare_trains_like_stock_and_restores_to_stock(mode, surgery, kind, compiled):
+    # A layer of a prepared (and already called) model replaced, added or deleted, the new one
+    # parametrized or not: the calls after it, eager or compiled, train like stock's, and
+    # restore leaves stock's modules.
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Tanh(),
+                          nn.Linear(4, 4))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    for model in (stock, ours):
+        model(x).sum().backward()
+        SURGERIES[surgery](model, kind and _new_layer(kind))
+    calls = {model: torch.compile(model, backend="eager") if compiled else model for model in (stock, ours)}
+    for _ in range(2):
+        outs = [calls[model](x) for model in (stock, ours)]
+        assert torch.equal(outs[1], outs[0])
+        for y in outs:
+            y.sum().backward()
+    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+    _assert_same_state(stock, ours)
+    paramfold.restore(ours)
+    assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
+    assert all(type(m).__mro__[1:] == type(s).__mro__[1:] for m, s in zip(ours.modules(), stock.modules()))
+    assert torch.equal(ours(x), stock(x))
