@@ -109,9 +109,10 @@ def _callers(stock: nn.Module, ours: nn.Module, compiled: bool, strict: bool = F
     return calls
 
 
-@pytest.mark.parametrize(("what", "compiled"), [("originals", False), ("sn_buffers", False), ("state_dict", False),
-                                                ("originals", True)])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("mode", "what", "compiled"), [
+    *((mode, what, False) for mode in MODES for what in ("originals", "sn_buffers", "state_dict")),
+    ("hoist", "originals", True), ("inline", "sn_buffers", True),
+])
 def test_functional_call_in_training_equals_stock(mode, what, compiled):
     # functional_call with each kind of dict (strict where it names every entry), then a plain
     # call: outputs, the originals' gradients and the buffers the power iteration moved.
@@ -227,3 +228,62 @@ def test_surgery_after_prepare_trains_like_stock_and_restores_to_stock(mode, sur
     assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
     assert all(type(m).__mro__[1:] == type(s).__mro__[1:] for m, s in zip(ours.modules(), stock.modules()))
     assert torch.equal(ours(x), stock(x))
+
+
+# --- other entry points and whole-model tools ------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "entry"), [
+    ("hoist", "two_models_fullgraph"), ("auto", "two_models_fullgraph"), ("inline", "one_layer"), ("auto", "one_layer"),
+])
+def test_other_compiled_entry_points_train_like_stock(mode, entry):
+    # A compiled function (fullgraph=True) that calls two prepared models, and torch.compile of
+    # one stateful layer of a prepared model called between the model's own calls, with
+    # changing batch sizes and an SGD step after each backward.
+    twins = []
+    for seed in (0, 1):
+        stock = three_kinds()
+        torch.manual_seed(seed)
+        stock[4] = orthogonal(nn.Linear(4, 4))
+        twins.append((stock, paramfold.prepare(copy.deepcopy(stock), mode)))
+    (stock_a, ours_a), (stock_b, ours_b) = twins
+    if entry == "two_models_fullgraph":
+        calls = [torch.compile(lambda t, a=a, b=b: b(a(t)), backend="eager", fullgraph=True)
+                 for a, b in ((stock_a, stock_b), (ours_a, ours_b))]
+    else:
+        calls = [lambda t, a=a, layer=torch.compile(a[2], backend="eager"): a(layer(t))
+                 for a in (stock_a, ours_a)]
+    for batch in (3, 5):
+        x = torch.randn(batch, 4)
+        outs = [call(x) for call in calls]
+        assert torch.equal(outs[1], outs[0])
+        for y, models in zip(outs, ((stock_a, stock_b), (ours_a, ours_b))):
+            y.sum().backward()
+            with torch.no_grad():
+                for model in models:
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.sub_(0.1 * p.grad)
+                            p.grad = None
+    _assert_same_state(stock_a, ours_a)
+    _assert_same_state(stock_b, ours_b)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_quantize_dynamic_and_jit_script_refuse_a_prepared_model_as_they_refuse_stock(mode):
+    # Neither converts a parametrized model in stock: quantize_dynamic's Linear.from_float
+    # refuses the ParametrizedLinear class, and TorchScript cannot compile parametrize's code
+    # (nor paramfold's).
+    # A prepared model must not be converted into something else: both raise for it too.
+    stock = _inference(three_kinds())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    with torch.no_grad():
+        ours(torch.randn(2, 4))
+    for model in (stock, ours):
+        with pytest.raises(AssertionError, match="from_float only works for"):
+            torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        # (RuntimeError: a failed script leaves TorchScript's class cache half filled, and a
+        # later attempt in the same process says "Can't redefine method", for stock as well.)
+        with pytest.raises((torch.jit.frontend.NotSupportedError, RuntimeError)):
+            torch.jit.script(model)
+    _assert_same_state(stock, ours)
