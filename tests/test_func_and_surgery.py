@@ -169,6 +169,41 @@ def test_functional_call_with_other_dicts_under_no_grad_never_serves_a_frozen_va
     _assert_same_state(stock, ours)
 
 
+
+@pytest.mark.parametrize("entry", ["region", "functional_call"])
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_compiled_function_calling_the_model_inside_parametrize_cached_reads_the_blocks_value(mode, entry):
+    # Regression: inside parametrize.cached(), stock's first read in the block computes each
+    # value and every later read gets that one, eager or in a compiled function that calls the
+    # model (dynamo traces parametrize's cache lookup), even after the originals changed in
+    # place or were swapped by functional_call. A prepared model called from a compiled function
+    # (traced into the function's graph, no call scope) computed its values afresh in the graph
+    # instead, in every mode: other outputs, and the cache left unfilled for the block's eager
+    # reads after. The in-graph reads now go through the cache like stock's property.
+    stock = _inference(wn_head())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    runs = {}
+    for model in (stock, ours):
+        if entry == "region":
+            runs[model] = torch.compile(lambda t, d, model=model: model(t) * 2, backend="eager")
+        else:
+            runs[model] = torch.compile(lambda t, d, model=model: functional_call(model, d, (t,)), backend="eager")
+    with torch.no_grad():
+        for model in (stock, ours):
+            model(x)
+        with torch.nn.utils.parametrize.cached():
+            for step in range(3):
+                d = {"0.parametrizations.weight.original1": torch.full((4, 4), 0.5 + step)}
+                for model in (stock, ours):
+                    model.out = model(x), runs[model](x, d), model(x)
+                    model[0].parametrizations.weight.original1.add_(0.25)
+                assert all(map(torch.equal, ours.out, stock.out)), step
+            assert torch.equal(ours[0].weight, stock[0].weight)
+        assert torch.equal(ours(x), stock(x))
+    _assert_same_state(stock, ours)
+
+
 # --- model surgery after prepare -----------------------------------------------------------
 
 
