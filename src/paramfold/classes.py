@@ -158,7 +158,10 @@ class SiteDescriptor:
         if module is None:
             return self
         if torch.compiler.is_compiling() and compiling_here():  # traced (not another thread's compile)
-            return compute(module, self.name)
+            # In-graph (no value in ``__dict__``: no call scope open, as for a prepared model
+            # traced into a bigger compiled function): stock's property, which dynamo traces
+            # through ``parametrize.cached()``'s cache as well.
+            return eager_value(module, self.name)
         return read_outside_scope(module, self.name)
 
 
@@ -170,7 +173,7 @@ class _BetweenCalls(SiteDescriptor):
         if module is None:
             return self
         if torch.compiler.is_compiling() and compiling_here():  # traced (not another thread's compile)
-            return compute(module, self.name)
+            return eager_value(module, self.name)
         if parametrized_here(module, self.name):
             return read_outside_scope(module, self.name)
         # The parametrization is gone (torch's remove_parametrizations): a kept value is stale.

@@ -32,6 +32,7 @@ inside ``torch.inference_mode()`` also serves later calls that record gradients.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import operator
@@ -60,7 +61,7 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor 
     if frozen is None or not unchanged(site, frozen):
         if frozen is not None:
             site.misses += 1
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), _outside_transforms(site):
             try:
                 with _NoDraws():
                     value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
@@ -80,6 +81,20 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor 
     else:
         site.misses = site.demotions = 0
     return frozen.value
+
+
+def _outside_transforms(site: SiteState) -> contextlib.AbstractContextManager:
+    """Where a value to freeze is computed inside a torch.func transform (``hessian(f)(x)`` of
+    a model that needs no grad) from plain tensors only: outside the transforms. Inside them
+    torch.func wraps every result for its levels, and a wrapper kept past the transform's end
+    reaches the next one with dead levels (torch's INTERNAL ASSERT ``level <= current_level``);
+    a plain value is what freezing outside the transform gives, and the transforms lift it as a
+    constant, as they do the plain model's parameters. A value computed from the transform's
+    own wrappers (vmap's stacked parameters) is computed inside it: its inputs change with
+    every transform call, so it is never served to another."""
+    if _transform() is None or any(_wrapped(t) for _, _, t in _inputs(site)):
+        return contextlib.nullcontext()
+    return torch._C._DisableFuncTorch()
 
 
 class _Draw(Exception):

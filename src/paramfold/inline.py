@@ -14,6 +14,7 @@ import functools
 import types
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from paramfold.compute import (GLOBAL_HOOKS, calls_its_forward, direct_forward, eager_value, has_own_hooks, members,
                                original_names, parametrized_here)
@@ -153,11 +154,16 @@ def inline_property(name: str, signature: tuple) -> property:
         expr = f"self._modules['parametrizations']._modules[{name!r}]()"
     source = (
         "def get(self):\n"
+        # Inside parametrize.cached(), stock's property (traced by dynamo too) serves the block's
+        # first value of the tensor: so does the getter, through the same cache.
+        "    if P._cache_enabled:\n"
+        f"        return cached_value(self, {name!r})\n"
         f"    return {expr}\n"
         "def set(self, value):\n"
         f"    self._modules['parametrizations']._modules[{name!r}].right_inverse(value)\n"
     )
     namespace = {f"F{i}": f for i, f in enumerate(signature[2]) if f is not None}
+    namespace.update(P=parametrize, cached_value=eager_value)
     exec(compile(source, f"<paramfold inline getter {name}{signature}>", "exec"), namespace)
     return _InlineProperty(run_eagerly_as_frame(namespace["get"]), namespace["set"], name)
 

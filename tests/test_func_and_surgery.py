@@ -1,0 +1,324 @@
+"""torch.func transforms and model surgery around a prepared model, bitwise against stock.
+
+Real code does more to a model than call it: it takes ``torch.func`` transforms of it (Hessians
+of a loss w.r.t. the input, ``functional_call`` with dicts naming the originals, the computed
+weight or spectral_norm's power-iteration buffers), and it edits the model after ``prepare``
+(a layer replaced, added or deleted, a parametrized layer swapped in). Each test runs the same
+steps on a stock twin and compares outputs, gradients and ``state_dict`` bitwise (CPU; compiled
+with the eager backend), or checks that paramfold refuses with a ``FoldError``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, hessian, jacrev
+from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+
+import paramfold
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+MODES = ["hoist", "inline", "auto"]
+
+
+def _inference(model: nn.Module) -> nn.Module:
+    return model.eval().requires_grad_(False)
+
+
+def wn_head() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 1))
+
+
+# --- torch.func transforms -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", ["hessian", "jacrev_jacrev"])
+@pytest.mark.parametrize("mode", ["auto", "freeze"])
+def test_nested_transform_of_an_inference_model_twice_equals_stock(mode, transform):
+    # Regression: freeze (and auto, whose values of a model that needs no grad are frozen)
+    # computed the frozen value inside the transforms, where torch.func wraps every result for
+    # its levels, and kept that wrapper: the next call of the same nested transform met a
+    # wrapper of dead levels and raised torch's INTERNAL ASSERT "level.has_value() && level <=
+    # current_level" (stock computes the Hessian again). A value computed from plain tensors
+    # is now computed outside the transforms: a plain tensor, as frozen outside them.
+    stock = _inference(wn_head())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    make = hessian if transform == "hessian" else (lambda f: jacrev(jacrev(f)))
+    x = torch.randn(4)
+    for _ in range(3):
+        expected = make(lambda t: stock(t).sum())(x)
+        assert torch.equal(make(lambda t: ours(t).sum())(x), expected)
+        assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["auto", "freeze"])
+def test_hessian_through_functional_call_with_the_same_dict_twice_equals_stock(mode):
+    # The same bug through functional_call with a dict of detached originals (a Hessian w.r.t.
+    # the input at fixed weights, as in curvature or influence computations).
+    stock = _inference(wn_head())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(4)
+    params = {m: {k: v.detach() + 0.01 for k, v in m.named_parameters()} for m in (stock, ours)}
+    for _ in range(2):
+        got = hessian(lambda t: functional_call(ours, params[ours], (t,)).sum())(x)
+        assert torch.equal(got, hessian(lambda t: functional_call(stock, params[stock], (t,)).sum())(x))
+
+
+def three_kinds() -> nn.Module:
+    """weight_norm (original0/original1), spectral_norm (stateful: _u/_v buffers), orthogonal."""
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Tanh(),
+                         orthogonal(nn.Linear(4, 3)))
+
+
+def _dict(model: nn.Module, what: str, seed: int) -> dict[str, torch.Tensor]:
+    """What functional_call is given: the originals, the computed weight (stock's setattr runs
+    right_inverse), spectral_norm's buffers only, or every entry of the state_dict."""
+    g = torch.Generator().manual_seed(seed)
+    names = {
+        "originals": ["0.parametrizations.weight.original0", "0.parametrizations.weight.original1",
+                      "2.parametrizations.weight.original", "4.parametrizations.weight.original"],
+        "computed": ["0.weight", "2.weight"],
+        "sn_buffers": ["2.parametrizations.weight.0._u", "2.parametrizations.weight.0._v"],
+        "state_dict": list(model.state_dict()),
+    }[what]
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return {n: torch.randn((tensors[n] if n in tensors else model.get_submodule(n[0]).weight).shape, generator=g)
+            for n in names}
+
+
+def _assert_same_state(stock: nn.Module, ours: nn.Module) -> None:
+    expected, actual = stock.state_dict(), ours.state_dict()
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def _callers(stock: nn.Module, ours: nn.Module, compiled: bool, strict: bool = False) -> dict:
+    """``functional_call`` of each model, in a function compiled with the eager backend or not."""
+    calls = {}
+    for model in (stock, ours):
+        def call(d, t, model=model):
+            return functional_call(model, d, (t,), strict=strict)
+        calls[model] = torch.compile(call, backend="eager") if compiled else call
+    return calls
+
+
+@pytest.mark.parametrize(("mode", "what", "compiled"), [
+    *((mode, what, False) for mode in MODES for what in ("originals", "sn_buffers", "state_dict")),
+    ("hoist", "originals", True), ("inline", "sn_buffers", True),
+])
+def test_functional_call_in_training_equals_stock(mode, what, compiled):
+    # functional_call with each kind of dict (strict where it names every entry), then a plain
+    # call: outputs, the originals' gradients and the buffers the power iteration moved.
+    stock = three_kinds().train()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    calls = _callers(stock, ours, compiled, strict=what == "state_dict")
+    x = torch.randn(3, 4)
+    for step in range(2):
+        outs = []
+        for model in (stock, ours):
+            y = calls[model](_dict(model, what, seed=step), x) + model(x)
+            y.sum().backward()
+            outs.append(y)
+        assert torch.equal(outs[1], outs[0])
+    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+    _assert_same_state(stock, ours)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode", ["inline", "freeze"])
+def test_functional_call_naming_the_computed_weight_equals_stock(mode, compiled):
+    # A dict naming "0.weight" (the parametrized tensor, not an original): stock's setattr runs
+    # the chain's right_inverse into the originals for the call and back after it (in place, so
+    # under no_grad: with grad, backward raises for stock as for paramfold). The originals after
+    # the round trip, and the values served after it, must be stock's.
+    stock = _inference(three_kinds())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    calls = _callers(stock, ours, compiled)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(2):
+            for model in (stock, ours):
+                model.out = calls[model](_dict(model, "computed", seed=step), x), model(x)
+            assert all(map(torch.equal, ours.out, stock.out))
+    _assert_same_state(stock, ours)
+
+
+@pytest.mark.parametrize(("mode", "compiled"), [("auto", False), ("freeze", False), ("freeze", True)])
+def test_functional_call_with_other_dicts_under_no_grad_never_serves_a_frozen_value(mode, compiled):
+    # A frozen value must follow the dict of each call: a new dict at every call, the model's
+    # own originals between them, and one kept dict edited in place between calls.
+    stock = _inference(three_kinds())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    calls = _callers(stock, ours, compiled)
+    kept = {model: _dict(model, "originals", seed=9) for model in (stock, ours)}
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for seed in range(3):
+            for model in (stock, ours):
+                model.out = (calls[model](_dict(model, "originals", seed), x), model(x), calls[model](kept[model], x))
+                kept[model]["0.parametrizations.weight.original1"].mul_(1.5)
+            assert all(map(torch.equal, ours.out, stock.out))
+    _assert_same_state(stock, ours)
+
+
+
+@pytest.mark.parametrize("entry", ["region", "functional_call"])
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_compiled_function_calling_the_model_inside_parametrize_cached_reads_the_blocks_value(mode, entry):
+    # Regression: inside parametrize.cached(), stock's first read in the block computes each
+    # value and every later read gets that one, eager or in a compiled function that calls the
+    # model (dynamo traces parametrize's cache lookup), even after the originals changed in
+    # place or were swapped by functional_call. A prepared model called from a compiled function
+    # (traced into the function's graph, no call scope) computed its values afresh in the graph
+    # instead, in every mode: other outputs, and the cache left unfilled for the block's eager
+    # reads after. The in-graph reads now go through the cache like stock's property.
+    stock = _inference(wn_head())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    runs = {}
+    for model in (stock, ours):
+        if entry == "region":
+            runs[model] = torch.compile(lambda t, d, model=model: model(t) * 2, backend="eager")
+        else:
+            runs[model] = torch.compile(lambda t, d, model=model: functional_call(model, d, (t,)), backend="eager")
+    with torch.no_grad():
+        for model in (stock, ours):
+            model(x)
+        with torch.nn.utils.parametrize.cached():
+            for step in range(3):
+                d = {"0.parametrizations.weight.original1": torch.full((4, 4), 0.5 + step)}
+                for model in (stock, ours):
+                    model.out = model(x), runs[model](x, d), model(x)
+                    model[0].parametrizations.weight.original1.add_(0.25)
+                assert all(map(torch.equal, ours.out, stock.out)), step
+            assert torch.equal(ours[0].weight, stock[0].weight)
+        assert torch.equal(ours(x), stock(x))
+    _assert_same_state(stock, ours)
+
+
+# --- model surgery after prepare -----------------------------------------------------------
+
+
+def _new_layer(kind: str) -> nn.Module:
+    torch.manual_seed(1)
+    if kind == "plain":
+        return nn.Linear(4, 4)
+    if kind == "weight_norm":
+        return weight_norm(nn.Linear(4, 4))
+    if kind == "spectral_norm":
+        return spectral_norm(nn.Linear(4, 4))
+    return torch.nn.utils.weight_norm(nn.Linear(4, 4))  # the deprecated hook-based one
+
+
+SURGERIES = {
+    # a parametrized layer replaced (item assignment, set_submodule), a plain one replaced,
+    # a layer added (add_module, append), a layer deleted
+    "replace_parametrized": lambda m, new: m.__setitem__(0, new),
+    "set_submodule_stateful": lambda m, new: m.set_submodule("2", new),
+    "replace_plain": lambda m, new: m.__setitem__(4, new),
+    "add_module": lambda m, new: m.add_module("5", new),
+    "delete_parametrized": lambda m, new: m.__delitem__(2),
+}
+
+
+@pytest.mark.parametrize(("surgery", "kind", "compiled"), [
+    ("replace_parametrized", "weight_norm", False),
+    ("replace_parametrized", "hook_weight_norm", True),
+    ("set_submodule_stateful", "spectral_norm", True),
+    ("replace_plain", "weight_norm", False),
+    ("add_module", "spectral_norm", False),
+    ("delete_parametrized", None, True),
+])
+@pytest.mark.parametrize("mode", MODES)
+def test_surgery_after_prepare_trains_like_stock_and_restores_to_stock(mode, surgery, kind, compiled):
+    # A layer of a prepared (and already called) model replaced, added or deleted, the new one
+    # parametrized or not: the calls after it, eager or compiled, train like stock's, and
+    # restore leaves stock's modules.
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Tanh(),
+                          nn.Linear(4, 4))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    for model in (stock, ours):
+        model(x).sum().backward()
+        SURGERIES[surgery](model, kind and _new_layer(kind))
+    calls = {model: torch.compile(model, backend="eager") if compiled else model for model in (stock, ours)}
+    for _ in range(2):
+        outs = [calls[model](x) for model in (stock, ours)]
+        assert torch.equal(outs[1], outs[0])
+        for y in outs:
+            y.sum().backward()
+    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+    _assert_same_state(stock, ours)
+    paramfold.restore(ours)
+    assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
+    assert all(type(m).__mro__[1:] == type(s).__mro__[1:] for m, s in zip(ours.modules(), stock.modules()))
+    assert torch.equal(ours(x), stock(x))
+
+
+# --- other entry points and whole-model tools ------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "entry"), [
+    ("hoist", "two_models_fullgraph"), ("auto", "two_models_fullgraph"), ("inline", "one_layer"), ("auto", "one_layer"),
+])
+def test_other_compiled_entry_points_train_like_stock(mode, entry):
+    # A compiled function (fullgraph=True) that calls two prepared models, and torch.compile of
+    # one stateful layer of a prepared model called between the model's own calls, with
+    # changing batch sizes and an SGD step after each backward.
+    twins = []
+    for seed in (0, 1):
+        stock = three_kinds()
+        torch.manual_seed(seed)
+        stock[4] = orthogonal(nn.Linear(4, 4))
+        twins.append((stock, paramfold.prepare(copy.deepcopy(stock), mode)))
+    (stock_a, ours_a), (stock_b, ours_b) = twins
+    if entry == "two_models_fullgraph":
+        calls = [torch.compile(lambda t, a=a, b=b: b(a(t)), backend="eager", fullgraph=True)
+                 for a, b in ((stock_a, stock_b), (ours_a, ours_b))]
+    else:
+        calls = [lambda t, a=a, layer=torch.compile(a[2], backend="eager"): a(layer(t))
+                 for a in (stock_a, ours_a)]
+    for batch in (3, 5):
+        x = torch.randn(batch, 4)
+        outs = [call(x) for call in calls]
+        assert torch.equal(outs[1], outs[0])
+        for y, models in zip(outs, ((stock_a, stock_b), (ours_a, ours_b))):
+            y.sum().backward()
+            with torch.no_grad():
+                for model in models:
+                    for p in model.parameters():
+                        if p.grad is not None:
+                            p.sub_(0.1 * p.grad)
+                            p.grad = None
+    _assert_same_state(stock_a, ours_a)
+    _assert_same_state(stock_b, ours_b)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_quantize_dynamic_and_jit_script_refuse_a_prepared_model_as_they_refuse_stock(mode):
+    # Neither converts a parametrized model in stock: quantize_dynamic's Linear.from_float
+    # refuses the ParametrizedLinear class, and TorchScript cannot compile parametrize's code
+    # (nor paramfold's).
+    # A prepared model must not be converted into something else: both raise for it too.
+    stock = _inference(three_kinds())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    with torch.no_grad():
+        ours(torch.randn(2, 4))
+    for model in (stock, ours):
+        with pytest.raises(AssertionError, match="from_float only works for"):
+            torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        # (RuntimeError: a failed script leaves TorchScript's class cache half filled, and a
+        # later attempt in the same process says "Can't redefine method", for stock as well.)
+        with pytest.raises((torch.jit.frontend.NotSupportedError, RuntimeError)):
+            torch.jit.script(model)
+    _assert_same_state(stock, ours)
