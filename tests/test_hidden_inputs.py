@@ -744,6 +744,29 @@ def test_a_chain_that_starts_drawing_after_prepare_draws_where_stock_does(mode, 
     assert not site.at_read
 
 
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_deep_copy_sees_its_own_chain_start_drawing(mode):
+    # Regression: a deep copy's watch of the chain's settings held copies of the original's dicts,
+    # which nothing writes: the copy (an EMA or reference model made with copy.deepcopy) never
+    # probed its chain again, and hoisted it once per call after its noise was switched on.
+    stock = _noisy_model(_SwitchableNoise)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    for step in range(2):
+        assert _same_step(stock, ours, x, seed=step)
+    stock_copy, our_copy = copy.deepcopy(stock), copy.deepcopy(ours)
+    for step in range(2, 5):
+        if step == 3:
+            for model in (stock_copy, our_copy):
+                model[2].parametrizations.weight[0].sigma = 0.1
+        outputs, streams = [], []
+        for model in (stock_copy, our_copy):
+            torch.manual_seed(step)
+            outputs.append(model(x))
+            streams.append(torch.get_rng_state())
+        assert torch.equal(*outputs) and torch.equal(*streams), step
+
+
 class _WaitsForAnotherThreadsDraw(nn.Module):
     """Deterministic, but another thread draws from the shared CPU generator while it computes."""
 

@@ -54,6 +54,28 @@ class SettingsWatch:
         self.tags = tags
         return True
 
+    def __deepcopy__(self, memo: dict) -> _ProbeAgain:
+        # A copied model's chain has dicts of its own, which copies of these would not follow
+        # (a member is copied through its __getstate__, a new dict): its first call probes again.
+        return PROBE_AGAIN
+
+
+class _ProbeAgain:
+    """The watch of a copied site: nothing seen yet, so the chain is probed at its next check."""
+
+    __slots__ = ()
+    empty = full = ()
+    tags: list = []
+
+    def unchanged(self) -> bool:
+        return False
+
+    def __deepcopy__(self, memo: dict) -> _ProbeAgain:
+        return self
+
+
+PROBE_AGAIN = _ProbeAgain()
+
 
 def watch(site: SiteState) -> SettingsWatch | None:
     """A watch of ``site``'s settings, or None where its chain cannot start drawing: a hook-based
