@@ -181,9 +181,10 @@ _BITWISE = _Tolerance()
 
 def assert_equivalent(
     model: nn.Module,
-    inputs: torch.Tensor | Sequence[Any],
+    inputs: torch.Tensor | Sequence[Any] | Mapping[str, Any],
     mode: str = "auto",
     *,
+    kwargs: Mapping[str, Any] | None = None,
     steps: int = 1,
     compile: Mapping[str, Any] | None = None,
     atol: float | None = None,
@@ -195,13 +196,19 @@ def assert_equivalent(
 
     ``model`` itself is never touched: it is deep-copied twice, one copy stays stock (eager)
     and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
-    is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor or a sequence
-    of positional arguments) under the caller's grad mode, on the same random numbers (the global
+    is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor, a sequence
+    of positional arguments, or a mapping of keyword arguments; ``kwargs`` adds keyword arguments
+    to positional ones) under the caller's grad mode, on the same random numbers (the global
     CPU and CUDA generators are set back to where stock's step began, so dropout draws the same
-    masks); when the stock output requires grad, both run backward on
-    ``sum(o.float().sum() for o in outputs)``. Checked after each step:
-    outputs, the gradient of every parameter (originals included) and of every input that
-    requires grad, every buffer (so
+    masks, and at the end to where they were when the check began). Each run gets its own copy of
+    the inputs (tensors cloned, inside lists, tuples and dicts too; other objects deep-copied
+    where they can be), so a forward that writes into its inputs sees the caller's values every
+    time and the caller's inputs are left as they were. When the stock output requires grad, both
+    run backward on ``sum(o.float().sum() for o in outputs)`` (complex outputs as
+    ``torch.view_as_real``). Checked after each step:
+    outputs (their structure too: containers, dict keys, dataclass fields, ``None`` entries, and
+    numbers and strings beside tensors), the inputs as the forward left them, the gradient of
+    every parameter (originals included) and of every input that requires grad, every buffer (so
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
     Between steps every floating parameter and parametrized buffer is updated in place on both
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
@@ -226,6 +233,7 @@ def assert_equivalent(
 
     Raises:
         AssertionError: naming the first tensor that differs, and the step.
+        ValueError: for a model or inputs on the meta device (no values to compare).
 
     Example::
 
@@ -234,7 +242,42 @@ def assert_equivalent(
         >>> model = torch.nn.Sequential(spectral_norm(torch.nn.Linear(4, 4)), torch.nn.ReLU())
         >>> pt.assert_equivalent(model, torch.randn(3, 4), "hoist", steps=3)
     """
-    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if isinstance(inputs, torch.Tensor):
+        args: _Args = ((inputs,), dict(kwargs or {}))
+    elif isinstance(inputs, Mapping):
+        args = ((), {**inputs, **(kwargs or {})})
+    else:
+        args = (tuple(inputs), dict(kwargs or {}))
+    meta = [t for t in (*model.parameters(), *model.buffers(), *_tensors_in(args)) if t.is_meta]
+    if meta:
+        raise ValueError(
+            "assert_equivalent: the model or its inputs are on the meta device, where tensors hold no "
+            "values, so nothing could be compared; materialize the model on a real device first "
+            "(model.to_empty(device='cpu') and initialize its weights, or build it there) and pass "
+            "inputs on that device"
+        )
+    entry_rng = _rng_state()
+    try:
+        _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, lr)
+    finally:
+        _set_rng_state(entry_rng)
+
+
+#: Positional and keyword arguments of one call.
+_Args = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _assert_equivalent(
+    model: nn.Module,
+    args: _Args,
+    mode: str,
+    steps: int,
+    compile: Mapping[str, Any] | None,
+    atol: float | None,
+    rtol: float | None,
+    filter_fn: Callable[[nn.Module, str], bool] | None,
+    lr: float,
+) -> None:
     stock, candidate = copy.deepcopy(model), copy.deepcopy(model)
     for copy_ in (stock, candidate):
         for param in copy_.parameters():
@@ -314,9 +357,9 @@ def assert_equivalent(
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
         rng = _rng_state()
-        restored = candidate(*args)
+        restored = _step(candidate, args, False).outputs
         _set_rng_state(rng)
-        _compare_outputs(restored, stock(*args), " after restore", _BITWISE)
+        _compare_outputs(restored, _step(stock, args, False).outputs, " after restore", _BITWISE)
 
 
 def _with_attributes_set_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
@@ -347,11 +390,52 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
         torch.cuda.set_rng_state_all(state[1])
 
 
-def _fresh(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Per-copy leaves for inputs that require grad, so each copy's input gradient is its own."""
-    return tuple(
-        a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
-    )
+def _fresh(args: _Args) -> _Args:
+    """Each run's own copy of the arguments: every tensor cloned (a leaf of its own where it
+    requires grad, so each copy's input gradient is its own), inside lists, tuples (named ones
+    too) and dicts as well, one clone per tensor object; other objects deep-copied where they can
+    be, shared where they cannot. So a forward that writes into its inputs sees the caller's
+    values in every run, and leaves the caller's inputs alone."""
+    memo: dict[int, Any] = {}
+
+    def fresh(value: Any) -> Any:
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, torch.Tensor):
+            new = value.detach().clone()
+            if value.requires_grad:
+                new.requires_grad_()
+        elif isinstance(value, (list, tuple)):
+            items = [fresh(v) for v in value]
+            new = type(value)(*items) if hasattr(type(value), "_fields") else type(value)(items)
+        elif type(value) is dict:
+            new = {k: fresh(v) for k, v in value.items()}
+        elif value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            return value
+        else:
+            try:
+                new = copy.deepcopy(value, memo)
+            except Exception:  # noqa: BLE001 - an object that does not copy is shared, as before
+                new = value
+        memo[id(value)] = new
+        return new
+
+    positional, keywords = args
+    return tuple(fresh(a) for a in positional), {k: fresh(v) for k, v in keywords.items()}
+
+
+def _tensors_in(args: _Args) -> Iterator[torch.Tensor]:
+    """The tensors among the arguments (inside lists, tuples, dicts and dataclasses too)."""
+    yield from _flatten(list(args[0]))
+    yield from _flatten(args[1])
+
+
+def _named_inputs(args: _Args) -> Iterator[tuple[str, Any]]:
+    """``("input 0", value)``, ``("input 'x'", value)``: the arguments, by position or keyword."""
+    for i, value in enumerate(args[0]):
+        yield f"input {i}", value
+    for key, value in args[1].items():
+        yield f"input {key!r}", value
 
 
 def _explained(exc: AssertionError, stock: nn.Module, twice: set[str], mode: str) -> AssertionError:
@@ -387,16 +471,16 @@ class _Ran:
     """One copy's step: its arguments (inputs that require grad get a leaf of their own), its
     outputs, and whether it ran backward."""
 
-    args: tuple[Any, ...]
+    args: _Args
     outputs: Any = None
     backward: bool = False
 
 
-def _step(call: Callable[..., Any], args: tuple[Any, ...], backward: bool | None, at: str = "") -> _Ran:
+def _step(call: Callable[..., Any], args: _Args, backward: bool | None, at: str = "") -> _Ran:
     """Run ``call`` on fresh arguments; then backward on its loss if ``backward`` (None: if it
     requires grad, as for stock, whose output decides for the others)."""
     ran = _Ran(_fresh(args))
-    ran.outputs = call(*ran.args)
+    ran.outputs = call(*ran.args[0], **ran.args[1])
     loss = _loss(ran.outputs)
     wants = loss is not None and loss.requires_grad
     if backward and not wants:
@@ -424,9 +508,13 @@ def _compare_step(
     tol = _Tolerance(rtol or factor * eps, 1e-5 if factor else atol or 0.0, factor * eps)
     _compare_outputs(actual.outputs, expected.outputs, at, tol)
     _compare_grads(candidate, stock, cached, at, loose, tol, eps)
-    for i, (a, e) in enumerate(zip(actual.args, expected.args)):
-        if isinstance(e, torch.Tensor) and e.requires_grad:
-            _compare(f"grad of input {i}{at}", a.grad, e.grad, tol)
+    for (name, a), (_, e) in zip(_named_inputs(actual.args), _named_inputs(expected.args)):
+        # as the forward left them (one that writes into its inputs must write the same)
+        _compare_tree(f"{name} after the call", a, e, at, tol)
+        for i, (ta, te) in enumerate(zip(_flatten(a), _flatten(e))):
+            if te.requires_grad and te.is_leaf:
+                where = name if isinstance(e, torch.Tensor) else f"{name} (tensor {i})"
+                _compare(f"grad of {where}{at}", ta.grad, te.grad, tol)
     _compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
     _compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
     return tol
@@ -471,8 +559,12 @@ def _originals_of(model: nn.Module, paths: set[str]) -> set[int]:
 
 
 def _loss(outputs: Any) -> torch.Tensor | None:
-    tensors = [t for t in _flatten(outputs) if t.is_floating_point()]
-    return sum((t.float().sum() for t in tensors[1:]), tensors[0].float().sum()) if tensors else None
+    terms = [
+        (torch.view_as_real(t) if t.is_complex() else t).float().sum()
+        for t in _flatten(outputs)
+        if t.is_floating_point() or t.is_complex()
+    ]
+    return sum(terms[1:], terms[0]) if terms else None
 
 
 def _flatten(value: Any) -> Iterator[torch.Tensor]:
@@ -484,15 +576,59 @@ def _flatten(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _flatten(v)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _flatten(getattr(value, field.name))
 
 
 def _compare_outputs(actual: Any, expected: Any, at: str, tol: _Tolerance) -> None:
-    got, want = list(_flatten(actual)), list(_flatten(expected))
-    if len(got) != len(want):
-        raise AssertionError(f"output has {len(got)} tensors, stock has {len(want)}{at}")
-    for i, (a, e) in enumerate(zip(got, want)):
-        name = "output" if len(want) == 1 else f"output[{i}]"
-        _compare(f"{name}{at}", a, e, tol)
+    _compare_tree("output", actual, expected, at, tol)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
+
+
+def _compare_tree(what: str, actual: Any, expected: Any, at: str, tol: _Tolerance) -> None:
+    """``actual`` against ``expected``, structure included: tensors as :func:`_compare`, within
+    lists, tuples (named ones by field), mappings (keys in order) and dataclasses (by field);
+    Python numbers as float64 tensors (bitwise unless a tolerance applies), ``None``, strings and
+    other plain values by equality, and any other object by its type only."""
+    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+        _compare(f"{what}{at}", actual, expected, tol)
+        return
+    if type(actual) is not type(expected) and not (
+        isinstance(actual, (int, float)) and isinstance(expected, (int, float))
+        and not isinstance(actual, bool) and not isinstance(expected, bool)
+    ):
+        raise AssertionError(f"{what}{at}: prepared gives {_kind(actual)}, stock {_kind(expected)}")
+    if isinstance(expected, Mapping):
+        if list(actual) != list(expected):
+            raise AssertionError(f"{what}{at}: prepared has keys {list(actual)!r}, stock {list(expected)!r}")
+        for key in expected:
+            _compare_tree(f"{what}[{key!r}]", actual[key], expected[key], at, tol)
+    elif isinstance(expected, (list, tuple)):
+        if len(actual) != len(expected):
+            raise AssertionError(f"{what}{at}: prepared has {len(actual)} entries, stock {len(expected)}")
+        fields = getattr(type(expected), "_fields", None)
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _compare_tree(f"{what}.{fields[i]}" if fields else f"{what}[{i}]", a, e, at, tol)
+    elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
+        for field in dataclasses.fields(expected):
+            _compare_tree(f"{what}.{field.name}", getattr(actual, field.name), getattr(expected, field.name), at, tol)
+    elif isinstance(expected, (float, complex)) or (isinstance(expected, int) and not isinstance(expected, bool)
+                                                     and isinstance(actual, float)):
+        _compare(f"{what}{at}", torch.tensor(actual, dtype=torch.complex128 if isinstance(expected, complex)
+                                             else torch.float64),
+                 torch.tensor(expected, dtype=torch.complex128 if isinstance(expected, complex) else torch.float64),
+                 tol)
+    elif expected is None or isinstance(expected, (bool, int, str, bytes, torch.dtype, torch.device, torch.Size)):
+        if actual != expected:
+            raise AssertionError(f"{what}{at}: prepared gives {actual!r}, stock {expected!r}")
 
 
 def _compare(what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, tol: _Tolerance) -> None:

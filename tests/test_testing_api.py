@@ -1,0 +1,267 @@
+"""paramfold.testing.assert_equivalent used the way users call it on their own models.
+
+Why this file exists: ``assert_equivalent`` is the check users put in their own suites, on models
+this project never built: forwards that return dataclasses, tuples with ``None``, strings and
+numbers beside tensors, complex tensors; forwards that take keyword arguments, flags, token ids,
+or write into their inputs; models on the meta device. Its promise is to pass exactly when the
+prepared model behaves like stock, to say what differs when it does not, and to leave the
+caller's model, inputs and global state (random stream, grad mode, default dtype) as they were.
+The models whose forward behaves differently once prepared (``_Marked``: it looks for
+paramfold's state on itself) stand for a real difference the checker must not let pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+import paramfold
+import paramfold.testing as pt
+
+MODES = ("hoist", "inline", "auto")
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+    extra: torch.Tensor | None = None
+
+
+_Pair = collections.namedtuple("_Pair", "y total")
+
+
+class _Marked(nn.Module):
+    """A weight-normed Linear whose forward returns ``kind`` of output; where ``differ`` names it,
+    the prepared copy's output differs from stock's in that one respect."""
+
+    def __init__(self, kind: str, differ: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 4))
+        self.kind, self.differ = kind, differ
+
+    def forward(self, x):
+        changed = self.differ and paramfold.state.STATE_ATTR in self.__dict__
+        y = self.lin(x)
+        kind = self.kind
+        if kind == "dataclass":
+            return _Out(y + (1e-3 if changed else 0.0))
+        if kind == "none_position":
+            return (y, None) if changed else (None, y)
+        if kind == "int":
+            return y, (1 if changed else 0)
+        if kind == "float":
+            return y, float(y.sum()) + (1e-3 if changed else 0.0)
+        if kind == "str":
+            return y, ("prepared" if changed else "stock")
+        if kind == "dict_keys":
+            return {("a" if changed else "b"): y}
+        if kind == "container":
+            return (y,) if changed else [y]
+        if kind == "namedtuple":
+            return _Pair(y, y.sum() + (1e-3 if changed else 0.0))
+        if kind == "complex_grad":
+            # equal values, different gradient: only a backward through the complex output shows it
+            return torch.complex(y, y.detach() if changed else y)
+        raise ValueError(kind)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "kind", ["dataclass", "none_position", "int", "float", "str", "dict_keys", "container", "namedtuple", "complex_grad"]
+)
+def test_a_difference_in_a_structured_output_fails_naming_it(kind, mode):
+    pt.assert_equivalent(_Marked(kind), torch.randn(2, 4), mode, steps=2)  # the same model, unchanged: passes
+    with pytest.raises(AssertionError, match=r"output|grad of 'lin\."):
+        pt.assert_equivalent(_Marked(kind, differ=True), torch.randn(2, 4), mode, steps=2)
+
+
+class _WritesItsInput(nn.Module):
+    """Scales its input in place before using it, as some preprocessing does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x, scale: float = 2.0):
+        x.mul_(scale)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_that_writes_its_input_in_place_is_checked_on_the_callers_inputs_and_leaves_them(mode):
+    x = torch.randn(2, 4)
+    before = x.clone()
+    pt.assert_equivalent(_WritesItsInput(), (x, 3.0), mode, steps=2)
+    assert torch.equal(x, before)  # each copy ran on a copy of the caller's inputs
+
+
+def test_a_forward_that_writes_its_input_differently_when_prepared_fails_naming_the_input():
+    class Differs(_WritesItsInput):
+        def forward(self, x, scale: float = 2.0):
+            x.mul_(scale + (1.0 if paramfold.state.STATE_ATTR in self.__dict__ else 0.0))
+            return self.lin(x.detach() / x.detach())
+
+    with pytest.raises(AssertionError, match=r"input 0 after the call at step 1 differs from stock"):
+        pt.assert_equivalent(Differs(), torch.randn(2, 4), "hoist", steps=2)
+
+
+class _KeywordOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = weight_norm(nn.Embedding(10, 4))
+        self.lin = spectral_norm(nn.Linear(4, 3))
+
+    def forward(self, *, input_ids, attention_mask=None, return_dict: bool = True):
+        h = self.lin(self.emb(input_ids))
+        if attention_mask is not None:
+            h = h * attention_mask[..., None]
+        return {"logits": h} if return_dict else (h,)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keyword_arguments_reach_the_forward_as_keywords(mode):
+    ids, mask = torch.tensor([[1, 2, 3], [4, 5, 9]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    pt.assert_equivalent(_KeywordOnly(), {"input_ids": ids, "attention_mask": mask}, mode, steps=2)
+    pt.assert_equivalent(_KeywordOnly(), (), mode, steps=2, kwargs={"input_ids": ids, "return_dict": False})
+
+
+def test_a_meta_device_model_is_refused_with_what_to_do():
+    model = _Marked("dataclass", differ=True).to("meta")
+    with pytest.raises(ValueError, match=r"meta device.*to_empty"):
+        pt.assert_equivalent(model, torch.randn(2, 4, device="meta"), "hoist")
+
+
+class _Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = spectral_norm(nn.Linear(4, 4))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x)) + 0.1 * torch.randn_like(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_callers_random_stream_and_global_modes_are_left_as_they_were_pass_or_fail(mode):
+    noisy, differs, x = _Noisy(), _Marked("dataclass", differ=True), torch.randn(2, 4)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    dtype, deterministic = torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
+    pt.assert_equivalent(noisy, x, mode, steps=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(AssertionError, match="output"):
+        pt.assert_equivalent(differs, x, mode)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.is_grad_enabled() and torch.get_default_dtype() is dtype
+    assert torch.are_deterministic_algorithms_enabled() is deterministic
+
+
+def _gru() -> nn.Module:
+    torch.manual_seed(0)
+    gru = nn.GRU(3, 4)
+    spectral_norm(gru, "weight_hh_l0")
+    return gru
+
+
+def _frozen_batchnorm() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.BatchNorm1d(4))
+    model[1].eval().requires_grad_(False)
+    return model
+
+
+class _Counting(nn.Module):
+    """Integer and bool buffers beside a parametrized weight; returns numbers and strings too."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = spectral_norm(nn.Linear(4, 4))
+        self.register_buffer("calls", torch.tensor(0))
+        self.register_buffer("mask", torch.tensor([True, False, True, True]))
+
+    def forward(self, x, flag: bool, tag: str):
+        self.calls += 1
+        y = self.lin(x) * self.mask
+        return {"y": y if flag else -y, "n": int(self.calls), "tag": tag, "none": None, "all": [y.sum(), y.mean()]}
+
+
+_LEGIT = {
+    "embedding": (lambda: nn.Sequential(weight_norm(nn.Embedding(10, 4)), nn.Linear(4, 2)),
+                  lambda: (torch.tensor([[1, 2, 3]]),)),
+    "conv2d": (lambda: nn.Sequential(spectral_norm(nn.Conv2d(2, 3, 3)), nn.ReLU()), lambda: (torch.randn(1, 2, 5, 5),)),
+    "conv_transpose1d": (lambda: weight_norm(nn.ConvTranspose1d(2, 3, 3)), lambda: (torch.randn(1, 2, 5),)),
+    "dropout": (lambda: nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Dropout(0.5)), lambda: (torch.randn(3, 4),)),
+    "float64": (lambda: weight_norm(nn.Linear(4, 4)).double(), lambda: (torch.randn(3, 4, dtype=torch.float64),)),
+    "bfloat16": (lambda: weight_norm(nn.Linear(4, 4)).bfloat16(), lambda: (torch.randn(3, 4, dtype=torch.bfloat16),)),
+    "frozen_batchnorm": (_frozen_batchnorm, lambda: (torch.randn(3, 4),)),
+    "buffers_numbers_strings": (_Counting, lambda: (torch.randn(3, 4), False, "tag")),
+    "input_requires_grad": (lambda: weight_norm(nn.Linear(4, 4)), lambda: [torch.randn(3, 4, requires_grad=True)]),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(_LEGIT))
+def test_unusual_but_legitimate_models_pass_and_are_left_untouched(name, mode):
+    build, inputs = _LEGIT[name]
+    torch.manual_seed(0)
+    model, args = build(), inputs()
+    model.train()
+    before = pt.structure(model)
+    flags = [(m.training, [p.requires_grad for p in m.parameters(recurse=False)]) for m in model.modules()]
+    for _ in range(2):  # twice in a row on the same model and inputs
+        pt.assert_equivalent(model, args, mode, steps=2)
+    pt.assert_same_structure(before, pt.structure(model))
+    assert flags == [(m.training, [p.requires_grad for p in m.parameters(recurse=False)]) for m in model.modules()]
+
+
+@pytest.mark.parametrize("mode", ["inline", "auto"])
+def test_spectral_norm_on_a_gru_hidden_weight(mode):
+    pt.assert_equivalent(_gru(), torch.randn(5, 1, 3), mode, steps=2)
+
+
+def test_spectral_norm_on_a_gru_hidden_weight_is_refused_by_hoist_with_the_fix():
+    with pytest.raises(paramfold.FoldError, match="mode='inline'"):
+        pt.assert_equivalent(_gru(), torch.randn(5, 1, 3), "hoist")
+
+
+def test_a_model_without_trainable_parameters_passes_in_every_mode_freeze_included():
+    torch.manual_seed(0)
+    model = nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh()).requires_grad_(False).eval()
+    for mode in (*MODES, "freeze"):
+        pt.assert_equivalent(model, torch.randn(3, 4), mode, steps=2)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_check_does_not_hide_a_real_difference_in_a_structured_output_nor_change_dynamo_config():
+    config = torch._dynamo.config.get_config_copy()
+    with pytest.raises(AssertionError, match=r"output\.y"):
+        pt.assert_equivalent(_Marked("dataclass", differ=True), torch.randn(2, 4), "hoist",
+                             compile={"backend": "aot_eager"})
+    assert torch._dynamo.config.get_config_copy() == config
+
+
+def test_hypothesis_cases_run_through_the_checker_in_a_users_suite():
+    hypothesis = pytest.importorskip("hypothesis")
+
+    @hypothesis.settings(max_examples=4, deadline=None, database=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(pt.cases())
+    def check(case):
+        factory, inputs, flags = case
+        with pt.grad_mode(flags):
+            try:
+                pt.assert_equivalent(factory(), inputs, "hoist", steps=2)
+            except paramfold.FoldError:
+                pass  # a documented refusal, raised before anything changed
+
+    check()
