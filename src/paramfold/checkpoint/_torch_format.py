@@ -20,7 +20,9 @@ one-line ``CheckpointError`` (or, for the last, a failing import), never a silen
   others: uint16/32/64, float8), ``_rebuild_parameter`` / ``_rebuild_parameter_with_state``,
   ``torch._tensor._rebuild_from_type_v2``, persistent ids ``("storage", type, key, location,
   numel)``, plus ``torch.Size``, ``torch.device``, ``collections.OrderedDict`` and
-  ``_codecs.encode``. :class:`_StubUnpickler` answers exactly these (``_SAFE_GLOBALS``) with
+  ``_codecs.encode``. The rebuild functions' last argument, torch's tensor metadata, holds the
+  lazy math bits ``{"conj": True}`` / ``{"neg": True}`` of a saved conjugate or negative view; they
+  are kept (the value is the bytes conjugated or negated) and any other key is refused. :class:`_StubUnpickler` answers exactly these (``_SAFE_GLOBALS``) with
   functions that build stubs. If torch renames one or adds another: the file is refused before
   anything is imported, and :func:`_explain_refusal` asks torch's own weights-only loader (on the
   meta device) what the file holds.
@@ -147,7 +149,7 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
                 f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
                 f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
             )
-        entries[k] = Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec)
+        entries[k] = Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
     return entries, root
 
 
@@ -212,6 +214,24 @@ class _TensorStub:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    # torch's lazy math bits (``torch._utils.get_tensor_metadata``): a conjugate or negative view
+    # was saved as its base's bytes plus the bit; the tensor's value is the bytes conjugated/negated.
+    conj: bool = False
+    neg: bool = False
+
+
+def _math_bits(metadata: Any) -> dict[str, bool]:
+    """The ``metadata`` argument of ``_rebuild_tensor_v2``/``_v3``: ``{"conj": True}``, ``{"neg": True}``.
+
+    Anything else is refused: ignoring a bit torch sets would read a silently different value.
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not set(metadata) <= {"conj", "neg"} or not all(
+        type(v) is bool for v in metadata.values()
+    ):
+        raise ValueError(f"unknown tensor metadata {reprlib.repr(metadata)}")
+    return {k: v for k, v in metadata.items() if v}
 
 
 def _ints(values: Any, what: str) -> tuple[int, ...]:
@@ -225,14 +245,14 @@ def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad
                 metadata: Any = None) -> _TensorStub:
     if not isinstance(storage, _StorageStub) or storage.dtype is None or type(offset) is not int:
         raise ValueError("_rebuild_tensor_v2 got no typed storage")
-    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), storage.dtype)
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), storage.dtype, **_math_bits(metadata))
 
 
 def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
                 dtype: Any, metadata: Any = None) -> _TensorStub:
     if not isinstance(storage, _StorageStub) or not isinstance(dtype, torch.dtype) or type(offset) is not int:
         raise ValueError("_rebuild_tensor_v3 got no storage or dtype")
-    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), dtype)
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), dtype, **_math_bits(metadata))
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> Any:
