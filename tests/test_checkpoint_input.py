@@ -246,6 +246,30 @@ def test_every_dtype_and_view_torch_save_writes_folds_to_torch_loads_values(tmp_
         assert set(got) == set(want) and all(_same(got[k], want[k]) for k in want), suffix
 
 
+# -- shards that are not files ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder"])
+def test_a_shard_that_is_not_a_regular_file_is_called_that_not_missing(tmp_path, kind):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"a": torch.ones(2)}, folder / "s1.safetensors")
+    shard = folder / "s2.safetensors"
+    if kind == "fifo":
+        os.mkfifo(shard)
+    elif kind == "device":
+        os.symlink("/dev/zero", shard)
+    else:
+        shard.mkdir()
+    weight_map = {"a": "s1.safetensors", "b": "s2.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    before = _files(tmp_path)
+    res = _run("fold", folder, tmp_path / "o.pt")
+    _one_line_error(res, "fold", 2, "shard 's2.safetensors'", "not a regular file")
+    assert "missing" not in res.stderr
+    assert _files(tmp_path) == before
+
+
 # -- parametrization layouts under the prefixes real checkpoints carry ------------------------------
 
 

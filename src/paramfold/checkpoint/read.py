@@ -262,8 +262,14 @@ def _open_index(index: Path) -> Checkpoint:
         if not shard or named.is_absolute() or ".." in named.parts:
             raise CheckpointError(f"{index}: shard '{shard}' lies outside the index's folder")
         sp = index.parent / named
-        if not sp.is_file():
-            raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing")
+        if not sp.exists():
+            broken = " (a broken link)" if sp.is_symlink() else ""
+            raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing{broken}")
+        if not sp.is_file():  # a FIFO or a device would block or never end; a folder is no shard
+            raise CheckpointError(
+                f"{index}: shard '{shard}' named by the index is not a regular file (a folder, a FIFO or a device)",
+                exit_code=2,
+            )
         _check_readable(sp)
         if named.name.lower().endswith(SAFETENSORS_SUFFIX):
             shards[shard], _ = _safetensors_entries(sp)
