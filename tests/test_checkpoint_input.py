@@ -390,3 +390,55 @@ def test_folding_with_the_model_is_exact_for_dim_zero_spelled_negative(tmp_path)
     torch.save(m.state_dict(), tmp_path / "m.pt")
     fold_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt", model_factory=build)
     assert _same(torch.load(tmp_path / "o.pt", weights_only=True)["weight"], m.weight.detach())
+
+
+_SIZE1_LAYERS = {
+    "conv1x1_dim3": (lambda: nn.Conv2d(3, 8, 1), 3, [2, 3]),  # v (8, 3, 1, 1): dims 2 and 3 fit
+    "conv1d_1to1_dim1": (lambda: nn.Conv1d(1, 1, 40), 1, [0, 1]),  # v (1, 1, 40): dims 0 and 1 fit
+}
+
+
+def _size1_model(layer: str, hooks: bool, seed: int) -> nn.Module:
+    make, dim, _ = _SIZE1_LAYERS[layer]
+    torch.manual_seed(seed)
+    m = (hook_weight_norm if hooks else weight_norm)(make(), dim=dim)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m.eval()
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["parametrize", "legacy_hook"])
+@pytest.mark.parametrize("layer", sorted(_SIZE1_LAYERS))
+def test_weight_norm_whose_shapes_fit_several_dims_folds_exactly_or_is_refused(tmp_path, layer, hooks):
+    # g is all ones for every size-1 dim of v, so the keys cannot tell those dims apart, and torch
+    # computes them with different kernels (dim 0 and the last fused, others generic) that can
+    # round differently. The fold took the lowest dim: up to 1 ulp off the model's, with exit 0.
+    _, dim, candidates = _SIZE1_LAYERS[layer]
+    seen = set()
+    for seed in range(40):
+        m = _size1_model(layer, hooks, seed)
+        g, v = (m.weight_g, m.weight_v) if hooks else (m.parametrizations.weight.original0, m.parametrizations.weight.original1)
+        with torch.no_grad():
+            agree = all(torch.equal(torch._weight_norm(v, g, d), torch._weight_norm(v, g, dim)) for d in candidates)
+            if hooks:
+                m(torch.randn(1, *((3, 2, 2) if "conv1x1" in layer else (1, 40))))  # the hook computes m.weight
+        if agree in seen:
+            continue
+        seen.add(agree)
+        src, out = tmp_path / f"m{seed}.pt", tmp_path / f"o{seed}.pt"
+        torch.save(m.state_dict(), src)
+        res = _run("fold", src, out)
+        if agree:  # every candidate gives the same bits: folded, equal to the model's
+            assert res.exit_code == 0, res.output
+            assert _same(torch.load(out, weights_only=True)["weight"], m.weight.detach())
+        else:
+            _one_line_error(res, "fold", 1, "fit norm dim", "--model")
+            assert not out.exists()
+            fold_checkpoint(src, out, model_factory=lambda: _size1_model(layer, hooks, seed))
+            assert _same(torch.load(out, weights_only=True)["weight"], m.weight.detach())
+        site = json.loads(_run("audit", src, "--json").stdout)["sites"][0]  # the audit says which dims fit
+        assert site["params"]["dim"] is None and site["params"]["dim_candidates"] == candidates
+        if seen == {True, False}:
+            break
+    assert seen == {True, False}  # both outcomes were exercised
