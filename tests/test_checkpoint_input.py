@@ -442,3 +442,23 @@ def test_weight_norm_whose_shapes_fit_several_dims_folds_exactly_or_is_refused(t
         if seen == {True, False}:
             break
     assert seen == {True, False}  # both outcomes were exercised
+
+
+def test_a_damaged_legacy_non_zip_file_is_called_that_not_a_zip_or_an_index_error(tmp_path):
+    # A legacy (_use_new_zipfile_serialization=False) file cut short makes torch.load raise an empty
+    # EOFError, an IndexError or a RuntimeError, which were said as "the zip archive is
+    # incomplete" (it is no zip) or "cannot read ... (index out of range)".
+    src = tmp_path / "legacy.pt"
+    torch.save({"w": torch.randn(100)}, src, _use_new_zipfile_serialization=False)
+    good = src.read_bytes()
+    bad = tmp_path / "bad.pt"
+    for cut in (5, 50, 200, 300, len(good) // 2, len(good) - 1):
+        bad.write_bytes(good[:cut])
+        with pytest.raises(Exception) as stock:  # stock torch.load fails on it too
+            torch.load(bad, weights_only=True)
+        res = _run("fold", bad, tmp_path / "o.pt")
+        _one_line_error(res, "fold", 1, "truncated or corrupt PyTorch checkpoint (legacy non-zip format")
+        assert "zip archive" not in res.stderr, (cut, type(stock.value), res.stderr)
+    bad.write_bytes(b"")
+    _one_line_error(_run("audit", bad), "audit", 1, "the file is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "legacy.pt"]

@@ -98,9 +98,11 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
     file is loaded whole with ``torch.load(weights_only=True)``.
     """
     with open(p, "rb") as f:
-        is_zip = f.read(4) == b"PK\x03\x04"
-    if not is_zip:
-        obj = _torch_load(p)  # legacy format: no offsets, no checksums; weights_only still applies
+        head = f.read(4)
+    if not head:
+        raise CheckpointError(f"{p}: the file is empty, not a PyTorch checkpoint; re-download or re-save it")
+    if head != b"PK\x03\x04":
+        obj = _torch_load(p, legacy=True)  # legacy format: no offsets, no checksums; weights_only still applies
         sd, root = _find_state_dict(obj, p)
         _plain_only(sd, p)
         return {k: Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
@@ -347,7 +349,12 @@ def _explain_refusal(p: Path, name: str) -> None:
     raise refused
 
 
-def _torch_load(p: Path, **kwargs: Any) -> Any:
+def _torch_load(p: Path, *, legacy: bool = False, **kwargs: Any) -> Any:
+    """``torch.load(p, weights_only=True)``, its failures as one-line ``CheckpointError``.
+
+    ``legacy``: ``p`` is a legacy (non-zip) file, whose damage torch reports as anything from an
+    empty ``EOFError`` to an ``IndexError``; every such failure is called a truncated or corrupt file.
+    """
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle (its protocol): not our line
             warnings.simplefilter("ignore")
@@ -369,6 +376,12 @@ def _torch_load(p: Path, **kwargs: Any) -> Any:
             "If you trust the file, re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
         ) from None
     except Exception as e:
+        if legacy:
+            detail = first_line(e) if str(e).strip() else "it ends early"
+            raise CheckpointError(
+                f"{p}: truncated or corrupt PyTorch checkpoint (legacy non-zip format: {detail}); "
+                "re-download or re-save it"
+            ) from None
         if "central directory" in str(e) or isinstance(e, (EOFError, zipfile.BadZipFile)):
             raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint (the zip archive is incomplete)") from None
         raise CheckpointError(f"{p}: cannot read this PyTorch checkpoint ({first_line(e)})") from None
