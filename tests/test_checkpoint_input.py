@@ -462,3 +462,32 @@ def test_a_damaged_legacy_non_zip_file_is_called_that_not_a_zip_or_an_index_erro
     bad.write_bytes(b"")
     _one_line_error(_run("audit", bad), "audit", 1, "the file is empty")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "legacy.pt"]
+
+
+class _WithExtraState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = weight_norm(nn.Linear(3, 2))
+
+    def get_extra_state(self):
+        return {"version": 2}
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize("nest", [None, "state_dict"])
+def test_a_state_dict_with_non_tensor_entries_is_named_not_called_missing(tmp_path, nest, legacy):
+    # A module's get_extra_state() puts '<module>._extra_state' (any object) in its state dict;
+    # such a file was refused with "no state dict found", though the state dict is right there.
+    sd = _WithExtraState().state_dict()
+    assert "_extra_state" in sd
+    src = tmp_path / "extra.pt"
+    torch.save(sd if nest is None else {"epoch": 2, "best": torch.tensor(0.5), nest: sd}, src,
+               _use_new_zipfile_serialization=not legacy)
+    where = f"its entry '{nest}'" if nest else "its state dict"
+    for args in (["audit", src], ["fold", src, tmp_path / "o.pt"]):
+        _one_line_error(_run(*args), args[0], 1, f"{where} holds 1 non-tensor entry ('_extra_state': dict",
+                        "re-save without them")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extra.pt"]

@@ -395,12 +395,32 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             sub = obj.get(key)
             if _is_state_dict(sub, tensor_type):
                 return dict(sub), key
+        for name, sub in [*((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS), (None, obj)]:
+            _refuse_mixed_state_dict(sub, name, p, tensor_type)
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
         where = f"it holds a {type(obj).__name__}"
     raise CheckpointError(
         f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
+    )
+
+
+def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: type) -> None:
+    """Say so where ``sub`` is a state dict but for some non-tensor entries (a module's
+    ``get_extra_state``, a step counter), rather than that no state dict was found."""
+    if not (isinstance(sub, Mapping) and all(isinstance(k, str) for k in sub)):
+        return
+    others = [k for k, v in sub.items() if not isinstance(v, tensor_type)]
+    if not others or len(others) == len(sub):
+        return
+    where = f"its entry '{name}'" if name else "its state dict"
+    first = others[0]
+    raise CheckpointError(
+        f"{p}: {where} holds {len(others)} non-tensor entr{'y' if len(others) == 1 else 'ies'} "
+        f"('{_key_name(first)}': {type(sub[first]).__name__}{', ...' if len(others) > 1 else ''}; "
+        "a module's get_extra_state() saves one as '<module>._extra_state'); paramfold reads only "
+        "tensors: re-save without them, e.g. {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}"
     )
 
 
