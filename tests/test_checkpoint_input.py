@@ -491,3 +491,30 @@ def test_a_state_dict_with_non_tensor_entries_is_named_not_called_missing(tmp_pa
         _one_line_error(_run(*args), args[0], 1, f"{where} holds 1 non-tensor entry ('_extra_state': dict",
                         "re-save without them")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["extra.pt"]
+
+
+def _half_layouts(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        weight_norm(nn.Conv2d(3, 5, 2).to(dtype)),
+        spectral_norm(nn.ConvTranspose2d(5, 4, 2).to(dtype)),
+        hook_weight_norm(nn.Linear(6, 4).to(dtype)),
+        hook_spectral_norm(nn.Conv2d(4, 3, 2).to(dtype)),
+    )
+    model.train()
+    with torch.no_grad():
+        for _ in range(2):  # advance the power iterations, in this dtype
+            model[1](torch.randn(1, 5, 3, 3, dtype=dtype))
+            model[3](torch.randn(1, 4, 3, 3, dtype=dtype))
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_layouts_fold_to_the_stock_models_values(tmp_path, dtype):
+    src = tmp_path / "half.pt"
+    torch.save(_half_layouts(dtype).state_dict(), src)
+    want = _stock_plain_state_dict(_half_layouts(dtype))
+    res = _run("fold", src, tmp_path / "o.safetensors")
+    assert res.exit_code == 0, res.output
+    got = load_file(tmp_path / "o.safetensors")
+    assert set(got) == set(want) and all(_same(got[k], want[k]) for k in want)
