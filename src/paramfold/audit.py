@@ -11,8 +11,10 @@ prints the report.
 
 Recognised from keys (and foldable from the checkpoint alone, ``FOLDABLE_KINDS``):
 
-* ``weight_norm``: ``original0`` (g) and ``original1`` (v); the norm dim is inferred from g's shape.
-  The legacy hook API's ``<name>_g``/``<name>_v`` pairs are recognised too.
+* ``weight_norm``: ``original0`` (g) and ``original1`` (v); the norm dim is inferred from g's shape
+  (where several dims fit, size-1 dims of v, the site lists ``dim_candidates`` and the fold
+  refuses unless they give the same value). The legacy hook API's
+  ``<name>_g``/``<name>_v`` pairs are recognised too.
 * ``spectral_norm``: ``original`` plus ``0._u``/``0._v``; also the legacy hook API's
   ``<name>_orig``/``_u``/``_v`` triples. Where the shape leaves the matrix dim open (the weight's
   first two dims are equal: ``Conv*(c, c, k)``, ``ConvTranspose*(c, c, k)``, a square ``Linear``),
@@ -298,9 +300,11 @@ def _classify(site: CheckpointSite) -> None:
         return
     if names == {"original0", "original1"} and not state:
         g, v = orig["original0"], orig["original1"]
-        dim = _weight_norm_dim(g.shape, v.shape)
-        if dim is not None and g.dtype.is_floating_point and v.dtype.is_floating_point:
-            site.kind, site.params = "weight_norm", {"dim": dim}
+        params = _weight_norm_params(g.shape, v.shape)
+        if params is not None and g.dtype.is_floating_point and v.dtype.is_floating_point:
+            site.kind, site.params = "weight_norm", params
+            if params["dim"] is None:
+                site.note = _WEIGHT_NORM_DIM_NOTE
             site.folded = TensorInfo(v.shape, torch.promote_types(g.dtype, v.dtype))
             site.foldable = True
             return
@@ -328,20 +332,39 @@ def _classify(site: CheckpointSite) -> None:
     site.note = "not recognised from its keys"
 
 
-def _weight_norm_dim(g: tuple[int, ...], v: tuple[int, ...]) -> int | None:
-    """The ``dim`` of ``torch.norm_except_dim(v, 2, dim)`` that gives a ``g`` of this shape.
+def _weight_norm_dims(g: tuple[int, ...], v: tuple[int, ...]) -> list[int]:
+    """Every ``dim`` of ``torch.norm_except_dim(v, 2, dim)`` that gives a ``g`` of this shape.
 
-    ``dim=None`` is stored by torch as ``-1``, for which ``g`` is a 0-d tensor. Where several dims fit
-    (size-1 dims), the lowest wins, matching torch's default ``dim=0``.
+    ``dim=None`` is stored by torch as ``-1``, for which ``g`` is a 0-d tensor. Several dims fit
+    where ``v`` has several size-1 dims (``g`` is then all ones).
     """
     if len(g) == 0 and len(v) > 0:
-        return -1
+        return [-1]
     if len(g) != len(v):
+        return []
+    return [d for d in range(len(v)) if g[d] == v[d] and all(g[j] == 1 for j in range(len(v)) if j != d)]
+
+
+def _weight_norm_params(g: tuple[int, ...], v: tuple[int, ...]) -> dict[str, Any] | None:
+    """``params`` of a weight_norm site: ``{"dim": d}``, or ``{"dim": None, "dim_candidates": [...]}``.
+
+    Where several dims fit (size-1 dims of ``v``: ``Conv1d(1, 1, k)`` normed over dim 0 or 1, a 1x1
+    conv over dim 2 or 3), torch computes them with different kernels (dim 0 and the last dim fused,
+    the others generic), which may round differently: the fold computes each and refuses unless
+    they agree bitwise (``paramfold.fold._resolve_weight_norm_dim``).
+    """
+    dims = _weight_norm_dims(g, v)
+    if not dims:
         return None
-    for d in range(len(v)):
-        if g[d] == v[d] and all(g[j] == 1 for j in range(len(v)) if j != d):
-            return d
-    return None
+    if len(dims) == 1:
+        return {"dim": dims[0]}
+    return {"dim": None, "dim_candidates": dims}
+
+
+_WEIGHT_NORM_DIM_NOTE = (
+    "the shapes fit several norm dims (size-1 dims), which torch computes with different kernels; "
+    "folded only where they give the same value"
+)
 
 
 def _spectral_dims(w: tuple[int, ...], u: tuple[int, ...], v: tuple[int, ...]) -> list[int]:
@@ -378,8 +401,8 @@ def _legacy_weight_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[Checkp
         if not key.endswith("_g") or key[:-2] + "_v" not in present or key[:-2] in present:
             continue
         g, v = ckpt.info(key), ckpt.info(key[:-2] + "_v")
-        dim = _weight_norm_dim(g.shape, v.shape)
-        if dim is None or not (g.dtype.is_floating_point and v.dtype.is_floating_point):
+        params = _weight_norm_params(g.shape, v.shape)
+        if params is None or not (g.dtype.is_floating_point and v.dtype.is_floating_point):
             continue
         module, _, tensor = key[:-2].rpartition(".")
         site = CheckpointSite(
@@ -387,10 +410,10 @@ def _legacy_weight_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[Checkp
             tensor,
             kind="weight_norm",
             originals={f"{tensor}_g": g, f"{tensor}_v": v},
-            params={"dim": dim, "api": LEGACY_WEIGHT_NORM_API},
+            params={**params, "api": LEGACY_WEIGHT_NORM_API},
             folded=TensorInfo(v.shape, torch.promote_types(g.dtype, v.dtype)),
             foldable=True,
-            note="legacy torch.nn.utils.weight_norm keys",
+            note="legacy torch.nn.utils.weight_norm keys" + ("; " + _WEIGHT_NORM_DIM_NOTE if params["dim"] is None else ""),
             keys={f"{tensor}_g": key, f"{tensor}_v": key[:-2] + "_v"},
         )
         found.append(site)

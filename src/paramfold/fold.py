@@ -6,7 +6,9 @@ the keys. Each recognised stateless kind is computed with the op torch itself us
 time, so the result is bitwise equal to what the stock model computes:
 
 * ``weight_norm``: ``torch._weight_norm(v, g, dim)``, the op of ``parametrizations.weight_norm`` and
-  of the legacy hook's ``compute_weight``.
+  of the legacy hook's ``compute_weight``. Where the shapes fit several dims (size-1 dims of v),
+  which torch computes with kernels that round differently, it is refused unless they all give
+  the same value (see :func:`_resolve_weight_norm_dim`).
 * ``spectral_norm``: its eval-mode value ``W / vdot(u, W_mat @ v)`` from the stored vectors, exactly
   as ``_SpectralNorm.forward`` computes it in eval mode (the legacy hook's
   ``compute_weight(do_power_iteration=False)`` for legacy keys). A matrix dim the shape leaves
@@ -154,7 +156,10 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
         else:
             g, v = t["original0"], t["original1"]
         # parametrizations._WeightNorm.forward (and the legacy hook's compute_weight) call exactly this.
-        return torch._weight_norm(v, g, site.params["dim"])
+        dim = site.params["dim"]
+        if dim is None:
+            dim = _resolve_weight_norm_dim(site.key, v, g, site.params["dim_candidates"])
+        return torch._weight_norm(v, g, dim)
     if site.kind == "fake_sparsity":
         # torchao.prototype.sparsity.sparsifier.utils.FakeSparsity.forward
         return t["0.mask"] * t["original"]
@@ -175,6 +180,25 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
             dim = _resolve_spectral_dim(site.key, w, u, v, site.params["dim_candidates"], value, legacy)
         return value(dim)
     raise AssertionError(f"unfoldable kind {site.kind}")
+
+
+def _resolve_weight_norm_dim(key: str, v: torch.Tensor, g: torch.Tensor, candidates: list[int]) -> int:
+    """The norm dim of a weight_norm site whose shapes fit several dims.
+
+    They are the size-1 dims of ``v`` (``g`` is all ones): mathematically the same value, but
+    ``torch._weight_norm`` computes dim 0 and the last dim with fused kernels and the others with
+    the generic one, which round differently, and the checkpoint does not record the model's dim.
+    Where every candidate gives the same bits it does not matter; otherwise refused.
+    """
+    values = [torch._weight_norm(v, g, d) for d in candidates]
+    if all(torch.equal(values[0], other) for other in values[1:]):
+        return candidates[0]
+    raise CheckpointError(
+        f"cannot fold '{key}' (weight_norm) from the checkpoint alone: its shapes fit norm dim "
+        f"{' or '.join(map(str, candidates))} (size-1 dims), which torch computes with different kernels "
+        "that round differently here, and the checkpoint does not record which the model used; "
+        "pass --model MODULE:FACTORY that builds the parametrized model"
+    )
 
 
 def _spectral_weight_mat(weight: torch.Tensor, dim: int) -> torch.Tensor:

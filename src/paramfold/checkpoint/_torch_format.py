@@ -20,7 +20,9 @@ one-line ``CheckpointError`` (or, for the last, a failing import), never a silen
   others: uint16/32/64, float8), ``_rebuild_parameter`` / ``_rebuild_parameter_with_state``,
   ``torch._tensor._rebuild_from_type_v2``, persistent ids ``("storage", type, key, location,
   numel)``, plus ``torch.Size``, ``torch.device``, ``collections.OrderedDict`` and
-  ``_codecs.encode``. :class:`_StubUnpickler` answers exactly these (``_SAFE_GLOBALS``) with
+  ``_codecs.encode``. The rebuild functions' last argument, torch's tensor metadata, holds the
+  lazy math bits ``{"conj": True}`` / ``{"neg": True}`` of a saved conjugate or negative view; they
+  are kept (the value is the bytes conjugated or negated) and any other key is refused. :class:`_StubUnpickler` answers exactly these (``_SAFE_GLOBALS``) with
   functions that build stubs. If torch renames one or adds another: the file is refused before
   anything is imported, and :func:`_explain_refusal` asks torch's own weights-only loader (on the
   meta device) what the file holds.
@@ -96,9 +98,11 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
     file is loaded whole with ``torch.load(weights_only=True)``.
     """
     with open(p, "rb") as f:
-        is_zip = f.read(4) == b"PK\x03\x04"
-    if not is_zip:
-        obj = _torch_load(p)  # legacy format: no offsets, no checksums; weights_only still applies
+        head = f.read(4)
+    if not head:
+        raise CheckpointError(f"{p}: the file is empty, not a PyTorch checkpoint; re-download or re-save it")
+    if head != b"PK\x03\x04":
+        obj = _torch_load(p, legacy=True)  # legacy format: no offsets, no checksums; weights_only still applies
         sd, root = _find_state_dict(obj, p)
         _plain_only(sd, p)
         return {k: Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
@@ -147,7 +151,7 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
                 f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
                 f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
             )
-        entries[k] = Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec)
+        entries[k] = Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
     return entries, root
 
 
@@ -212,6 +216,24 @@ class _TensorStub:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    # torch's lazy math bits (``torch._utils.get_tensor_metadata``): a conjugate or negative view
+    # was saved as its base's bytes plus the bit; the tensor's value is the bytes conjugated/negated.
+    conj: bool = False
+    neg: bool = False
+
+
+def _math_bits(metadata: Any) -> dict[str, bool]:
+    """The ``metadata`` argument of ``_rebuild_tensor_v2``/``_v3``: ``{"conj": True}``, ``{"neg": True}``.
+
+    Anything else is refused: ignoring a bit torch sets would read a silently different value.
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not set(metadata) <= {"conj", "neg"} or not all(
+        type(v) is bool for v in metadata.values()
+    ):
+        raise ValueError(f"unknown tensor metadata {reprlib.repr(metadata)}")
+    return {k: v for k, v in metadata.items() if v}
 
 
 def _ints(values: Any, what: str) -> tuple[int, ...]:
@@ -225,14 +247,14 @@ def _rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, requires_grad
                 metadata: Any = None) -> _TensorStub:
     if not isinstance(storage, _StorageStub) or storage.dtype is None or type(offset) is not int:
         raise ValueError("_rebuild_tensor_v2 got no typed storage")
-    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), storage.dtype)
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), storage.dtype, **_math_bits(metadata))
 
 
 def _rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any,
                 dtype: Any, metadata: Any = None) -> _TensorStub:
     if not isinstance(storage, _StorageStub) or not isinstance(dtype, torch.dtype) or type(offset) is not int:
         raise ValueError("_rebuild_tensor_v3 got no storage or dtype")
-    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), dtype)
+    return _TensorStub(storage, offset, _ints(size, "size"), _ints(stride, "stride"), dtype, **_math_bits(metadata))
 
 
 def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = None) -> Any:
@@ -327,7 +349,12 @@ def _explain_refusal(p: Path, name: str) -> None:
     raise refused
 
 
-def _torch_load(p: Path, **kwargs: Any) -> Any:
+def _torch_load(p: Path, *, legacy: bool = False, **kwargs: Any) -> Any:
+    """``torch.load(p, weights_only=True)``, its failures as one-line ``CheckpointError``.
+
+    ``legacy``: ``p`` is a legacy (non-zip) file, whose damage torch reports as anything from an
+    empty ``EOFError`` to an ``IndexError``; every such failure is called a truncated or corrupt file.
+    """
     try:
         with warnings.catch_warnings():  # torch's notes on the pickle (its protocol): not our line
             warnings.simplefilter("ignore")
@@ -349,6 +376,12 @@ def _torch_load(p: Path, **kwargs: Any) -> Any:
             "If you trust the file, re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
         ) from None
     except Exception as e:
+        if legacy:
+            detail = first_line(e) if str(e).strip() else "it ends early"
+            raise CheckpointError(
+                f"{p}: truncated or corrupt PyTorch checkpoint (legacy non-zip format: {detail}); "
+                "re-download or re-save it"
+            ) from None
         if "central directory" in str(e) or isinstance(e, (EOFError, zipfile.BadZipFile)):
             raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint (the zip archive is incomplete)") from None
         raise CheckpointError(f"{p}: cannot read this PyTorch checkpoint ({first_line(e)})") from None
@@ -362,12 +395,32 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             sub = obj.get(key)
             if _is_state_dict(sub, tensor_type):
                 return dict(sub), key
+        for name, sub in [*((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS), (None, obj)]:
+            _refuse_mixed_state_dict(sub, name, p, tensor_type)
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
         where = f"it holds a {type(obj).__name__}"
     raise CheckpointError(
         f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
+    )
+
+
+def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: type) -> None:
+    """Say so where ``sub`` is a state dict but for some non-tensor entries (a module's
+    ``get_extra_state``, a step counter), rather than that no state dict was found."""
+    if not (isinstance(sub, Mapping) and all(isinstance(k, str) for k in sub)):
+        return
+    others = [k for k, v in sub.items() if not isinstance(v, tensor_type)]
+    if not others or len(others) == len(sub):
+        return
+    where = f"its entry '{name}'" if name else "its state dict"
+    first = others[0]
+    raise CheckpointError(
+        f"{p}: {where} holds {len(others)} non-tensor entr{'y' if len(others) == 1 else 'ies'} "
+        f"('{_key_name(first)}': {type(sub[first]).__name__}{', ...' if len(others) > 1 else ''}; "
+        "a module's get_extra_state() saves one as '<module>._extra_state'); paramfold reads only "
+        "tensors: re-save without them, e.g. {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}"
     )
 
 

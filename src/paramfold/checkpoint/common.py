@@ -97,6 +97,8 @@ class Entry:
     storage_offset: int = 0  # in elements
     tensor: torch.Tensor | None = None  # already loaded (legacy non-zip files)
     record: zipfile.ZipInfo | None = None  # .pt: the zip record holding the storage (CRC checked)
+    conj: bool = False  # .pt: saved as a conjugate view (the value is the stored bytes conjugated)
+    neg: bool = False  # .pt: saved as a negative view (the value is the stored bytes negated)
 
 
 # safetensors' dtype names (its format spec), for the dtypes this torch has.

@@ -83,8 +83,8 @@ class Checkpoint:
         e = self._entries[key]
         shape, dtype = e.info.shape, e.info.dtype
         if e.tensor is not None:
-            if out is None or out.numel() < e.info.nbytes:
-                return e.tensor.clone(memory_format=torch.contiguous_format)
+            if out is None or out.numel() < e.info.nbytes:  # resolved: a conjugate/negative view's value
+                return e.tensor.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
             view = out[: e.info.nbytes].view(dtype).view(shape)
             return view.copy_(e.tensor)
         stride = e.stride if e.stride is not None else contiguous_stride(shape)
@@ -110,6 +110,12 @@ class Checkpoint:
             raw = raw[first : first + span * elem]
         flat = raw.view(dtype) if numel else torch.empty(0, dtype=dtype)
         result = flat.as_strided(shape, stride)
+        if e.conj or e.neg:  # a saved conjugate/negative view: its value, as torch.load's resolves
+            if e.conj:
+                result = result.conj_physical()
+            if e.neg:
+                result = result.neg()
+            return result.contiguous()
         if not result.is_contiguous():
             return result.contiguous()
         if out is None and raw.untyped_storage().nbytes() != result.nbytes:
@@ -256,8 +262,14 @@ def _open_index(index: Path) -> Checkpoint:
         if not shard or named.is_absolute() or ".." in named.parts:
             raise CheckpointError(f"{index}: shard '{shard}' lies outside the index's folder")
         sp = index.parent / named
-        if not sp.is_file():
-            raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing")
+        if not sp.exists():
+            broken = " (a broken link)" if sp.is_symlink() else ""
+            raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing{broken}")
+        if not sp.is_file():  # a FIFO or a device would block or never end; a folder is no shard
+            raise CheckpointError(
+                f"{index}: shard '{shard}' named by the index is not a regular file (a folder, a FIFO or a device)",
+                exit_code=2,
+            )
         _check_readable(sp)
         if named.name.lower().endswith(SAFETENSORS_SUFFIX):
             shards[shard], _ = _safetensors_entries(sp)

@@ -138,7 +138,8 @@ def _checked(
             raise CheckpointError(f"'{key}' is a {type(t).__name__}; only plain tensors can be streamed")
         if TensorInfo.of(t) != specs[key]:
             raise ValueError(f"write_checkpoint: '{key}' is {TensorInfo.of(t)}, announced {specs[key]}")
-        yield key, t.detach().to("cpu").contiguous()
+        # A conjugate/negative view (lazy math bits) is written as its value, as torch.save would load back.
+        yield key, t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     missing = next(keys, None)
     if missing is not None:
         raise ValueError(f"write_checkpoint: announced tensor '{missing}' was never produced")
