@@ -168,3 +168,37 @@ class Audio(nn.Module):
 
     def forward(self, x):
         return getattr(self.model(x), self.field)
+
+
+class _Scale(nn.Module):
+    def forward(self, w):
+        return w * 1.5
+
+
+class _Shift(nn.Module):
+    def forward(self, w):
+        return w + 0.25
+
+
+def small_net(kind: str) -> nn.Sequential:
+    """A seeded two-layer net with one kind of parametrization: torch's ``weight_norm``,
+    ``spectral_norm``, ``orthogonal``, a custom two-member chain, the hook-based norms, or convs."""
+    torch.manual_seed(0)
+    if kind == "weight_norm":
+        return nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), weight_norm(nn.Linear(6, 3)))
+    if kind == "spectral_norm":
+        return nn.Sequential(spectral_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
+    if kind == "orthogonal":
+        return nn.Sequential(orthogonal(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3))
+    if kind == "custom":
+        layer = nn.Linear(4, 6)
+        parametrize.register_parametrization(layer, "weight", _Scale())
+        parametrize.register_parametrization(layer, "weight", _Shift())
+        return nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
+    if kind == "hook_weight_norm":
+        return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
+    if kind == "hook_spectral_norm":
+        return nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
+    if kind == "conv2d":
+        return nn.Sequential(weight_norm(nn.Conv2d(2, 4, 3)), nn.ReLU(), spectral_norm(nn.Conv2d(4, 2, 3)))
+    raise ValueError(kind)

@@ -23,7 +23,8 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+
+from helpers import small_net
 
 import paramfold
 
@@ -36,42 +37,12 @@ pytestmark = [
 TRAIN_MODES = ["hoist", "inline", "auto"]
 
 
-class _Scale(nn.Module):
-    def forward(self, w):
-        return w * 1.5
-
-
-class _Shift(nn.Module):
-    def forward(self, w):
-        return w + 0.25
-
-
-def _net(kind: str) -> nn.Sequential:
-    torch.manual_seed(0)
-    if kind == "weight_norm":
-        return nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), weight_norm(nn.Linear(6, 3)))
-    if kind == "spectral_norm":
-        return nn.Sequential(spectral_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
-    if kind == "orthogonal":
-        return nn.Sequential(orthogonal(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3))
-    if kind == "custom":
-        layer = nn.Linear(4, 6)
-        parametrize.register_parametrization(layer, "weight", _Scale())
-        parametrize.register_parametrization(layer, "weight", _Shift())
-        return nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
-    if kind == "hook_weight_norm":
-        return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
-    if kind == "hook_spectral_norm":
-        return nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
-    raise ValueError(kind)
-
-
 def _input() -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
 
 
 def _twins(kind: str, mode: str, eval_only: bool = False) -> tuple[nn.Module, nn.Module]:
-    stock, ours = _net(kind), _net(kind)
+    stock, ours = small_net(kind), small_net(kind)
     if eval_only:
         stock.eval().requires_grad_(False), ours.eval().requires_grad_(False)
     return stock, paramfold.prepare(ours, mode)
@@ -107,7 +78,7 @@ class _Paused(nn.Module):
 
     def __init__(self, kind: str):
         super().__init__()
-        self.seq = _net(kind)
+        self.seq = small_net(kind)
         self.inside, self.go = threading.Event(), threading.Event()
 
     def forward(self, x):
@@ -317,13 +288,13 @@ def test_dcp_load_into_a_serving_model_is_seen_by_its_frozen_values(mode, freeze
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    source = _net("weight_norm")
+    source = small_net("weight_norm")
     with torch.no_grad():
         for p in source.parameters():
             p.mul_(0.7).add_(0.01)
     dcp.save(source.state_dict(), checkpoint_id=tmp_path)
-    stock = _net("weight_norm").eval().requires_grad_(False)
-    ours = paramfold.prepare(_net("weight_norm").eval().requires_grad_(False), mode, freeze_check=freeze_check)
+    stock = small_net("weight_norm").eval().requires_grad_(False)
+    ours = paramfold.prepare(small_net("weight_norm").eval().requires_grad_(False), mode, freeze_check=freeze_check)
     x = _input()
     results = []
     for model in (stock, ours):
@@ -376,7 +347,7 @@ def test_state_dict_hooks_strict_false_and_assign_like_stock(mode, kind, before)
     # requires_grad, take the dtype), then calls in float64: as stock.
     results = []
     for prepare in (False, True):
-        model, log = _net(kind), []
+        model, log = small_net(kind), []
         if mode == "freeze":
             model.eval().requires_grad_(False)
         if before:
@@ -419,11 +390,11 @@ def test_state_dict_hooks_strict_false_and_assign_like_stock(mode, kind, before)
 def test_a_folded_state_dict_loaded_into_a_prepared_model_fails_like_stock():
     # The state dict of the same model with its parametrizations removed (weights computed) does
     # not fit a parametrized model: the same RuntimeError as stock's, and nothing changed.
-    folded = _net("weight_norm")
+    folded = small_net("weight_norm")
     for layer in (folded[0], folded[2]):
         parametrize.remove_parametrizations(layer, "weight", leave_parametrized=True)
     errors = []
-    for model in (_net("weight_norm"), paramfold.prepare(_net("weight_norm"), "auto")):
+    for model in (small_net("weight_norm"), paramfold.prepare(small_net("weight_norm"), "auto")):
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(RuntimeError) as error:
             model.load_state_dict(folded.state_dict())
@@ -457,7 +428,7 @@ def test_moves_and_loads_that_swap_tensors_in_place(mode, kind, compiled):
     results = []
     for prepare in (False, True):
         torch._dynamo.reset()
-        model = _net(kind)
+        model = small_net(kind)
         if mode == "freeze":
             model.eval().requires_grad_(False)
         if prepare:
@@ -498,7 +469,7 @@ def test_safetensors_bfloat16_under_autocast_and_to_empty_reinit(mode, kind, tmp
 
     results = []
     for prepare in (False, True):
-        model = _net(kind)
+        model = small_net(kind)
         if mode == "freeze":
             model.eval().requires_grad_(False)
         if prepare:
@@ -565,7 +536,7 @@ def written_by_a_child():
                 "freeze/version": {"freeze_check": "version"}, "auto/version": {"freeze_check": "version"}}
     models, records = {}, {}
     for name, options in variants.items():
-        model = _net(kind).eval().requires_grad_(False)
+        model = small_net(kind).eval().requires_grad_(False)
         if options is not None:
             paramfold.prepare(model, name.split("/")[0], **options)
         models[name] = model
@@ -617,7 +588,7 @@ def test_reads_while_another_thread_compiles_are_stocks_reads(recwarn):
     try:
         assert entered.wait(30)
         for mode in (None, "hoist", "auto", "inline"):
-            model = _net("spectral_norm")
+            model = small_net("spectral_norm")
             if mode is not None:
                 paramfold.prepare(model, mode)
             with parametrize.cached():

@@ -19,8 +19,9 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
+
+from helpers import small_net
 
 import paramfold
 
@@ -29,43 +30,13 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 TRAIN_MODES = ["hoist", "inline", "auto"]
 
 
-class _Scale(nn.Module):
-    def forward(self, w):
-        return w * 1.5
-
-
-class _Shift(nn.Module):
-    def forward(self, w):
-        return w + 0.25
-
-
-def _net(kind: str) -> nn.Sequential:
-    torch.manual_seed(0)
-    if kind == "weight_norm":
-        return nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), weight_norm(nn.Linear(6, 3)))
-    if kind == "spectral_norm":
-        return nn.Sequential(spectral_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
-    if kind == "custom":
-        layer = nn.Linear(4, 6)
-        parametrize.register_parametrization(layer, "weight", _Scale())
-        parametrize.register_parametrization(layer, "weight", _Shift())
-        return nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3))
-    if kind == "hook_weight_norm":
-        return nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
-    if kind == "hook_spectral_norm":
-        return nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
-    if kind == "conv2d":
-        return nn.Sequential(weight_norm(nn.Conv2d(2, 4, 3)), nn.ReLU(), spectral_norm(nn.Conv2d(4, 2, 3)))
-    raise ValueError(kind)
-
-
 def _input(kind: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randn(3, 2, 6, 6, generator=g) if kind == "conv2d" else torch.randn(3, 4, generator=g)
 
 
 def _twins(kind: str, mode: str, *, eval_only: bool = False, **options):
-    stock, prepared = _net(kind), _net(kind)
+    stock, prepared = small_net(kind), small_net(kind)
     if eval_only:
         for model in (stock, prepared):
             model.eval().requires_grad_(False)
@@ -138,7 +109,7 @@ def test_deepcopy_after_module_compile_gives_a_copy_that_runs_its_own_weights(mo
             torch.manual_seed(0)
             model = nn.utils.weight_norm(nn.Linear(4, 3))
         else:
-            model = _net("weight_norm")
+            model = small_net("weight_norm")
             if where == "nested_container":
                 model = nn.Sequential(model)
         if prepare:
@@ -162,7 +133,7 @@ def test_ema_averaged_model_built_after_module_compile(mode):
     x = _input("spectral_norm")
     results = []
     for prepare in (False, True):
-        model = _net("spectral_norm")
+        model = small_net("spectral_norm")
         if prepare:
             paramfold.prepare(model, mode)
         model.compile(backend="eager")
@@ -222,7 +193,7 @@ def test_hand_written_ema_of_a_prepared_eval_copy(mode, freeze_check, update):
     x = _input("weight_norm")
     results = []
     for prepare in (False, True):
-        model = _net("weight_norm")
+        model = small_net("weight_norm")
         ema = copy.deepcopy(model).eval().requires_grad_(False)
         if prepare:
             paramfold.prepare(ema, mode, freeze_check=freeze_check)
@@ -549,7 +520,7 @@ def test_conversions_between_inference_calls(mode, kind, change):
 
 def test_freeze_refuses_originals_made_trainable_again():
     # model.requires_grad_(True) after prepare(mode="freeze"): a FoldError that says what to do.
-    model = paramfold.prepare(_net("weight_norm").eval().requires_grad_(False), "freeze")
+    model = paramfold.prepare(small_net("weight_norm").eval().requires_grad_(False), "freeze")
     with torch.no_grad():
         model(_input("weight_norm"))
     model.requires_grad_(True)
