@@ -7,6 +7,8 @@ structure snapshot the tests compare (``pt.structure``); what is here is what th
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -202,3 +204,19 @@ def small_net(kind: str) -> nn.Sequential:
     if kind == "conv2d":
         return nn.Sequential(weight_norm(nn.Conv2d(2, 4, 3)), nn.ReLU(), spectral_norm(nn.Conv2d(4, 2, 3)))
     raise ValueError(kind)
+
+
+class PausedOffMain(nn.Module):
+    """Runs ``inner``; run off the main thread, its forward first sets ``inside`` and waits for
+    ``go``, so a test can act while another thread's call of the model is open."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        if threading.current_thread() is not threading.main_thread():
+            self.inside.set()
+            assert self.go.wait(30)
+        return self.inner(x)

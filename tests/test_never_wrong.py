@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import LoRA, Skew, assert_same_tensors, grads
+from helpers import LoRA, PausedOffMain, Skew, assert_same_tensors, grads
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 from torch.nn.utils import parametrize as P
@@ -938,20 +938,11 @@ def test_a_stateful_chain_put_in_training_between_calls_is_no_longer_shared_acro
             scope._close(previous, claimed)
 
 
-class _Paused(nn.Module):
-    """A LoRA-style chain (a matmul: autocast computes it in bf16) whose forward waits for a signal."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        P.register_parametrization(self.lin, "weight", LoRA(8, 8))
-        self.inside, self.go = threading.Event(), threading.Event()
-
-    def forward(self, x):
-        if threading.current_thread() is not threading.main_thread():
-            self.inside.set()
-            assert self.go.wait(30)
-        return self.lin(x)
+def _lora_linear() -> nn.Linear:
+    """A LoRA-style chain (a matmul: autocast computes it in bf16)."""
+    lin = nn.Linear(8, 8)
+    P.register_parametrization(lin, "weight", LoRA(8, 8))
+    return lin
 
 
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
@@ -961,12 +952,12 @@ def test_overlapping_no_grad_calls_share_values_only_under_the_same_autocast_sta
     # values whatever autocast state each ran under (autocast is thread-local): a call inside
     # torch.autocast got values computed outside it, or the other way round. Now it shares them
     # under the same state only, and is refused with a FoldError otherwise.
-    stock, ours = (_Paused().eval().requires_grad_(False) for _ in range(2))
+    stock, ours = (PausedOffMain(_lora_linear()).eval().requires_grad_(False) for _ in range(2))
     ours.load_state_dict(stock.state_dict())
     paramfold.prepare(ours, mode)
     x = torch.randn(2, 8)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = stock.lin(x)
+        expected = stock.inner(x)
     results = {}
 
     def first():
@@ -989,21 +980,6 @@ def test_overlapping_no_grad_calls_share_values_only_under_the_same_autocast_sta
     assert torch.equal(results["first"], expected)
 
 
-class _PausedStack(nn.Module):
-    """Three weight_norm layers; the forward waits for a signal when run off the main thread."""
-
-    def __init__(self):
-        super().__init__()
-        self.seq = nn.Sequential(*[weight_norm(nn.Linear(4, 4)) for _ in range(3)])
-        self.inside, self.go = threading.Event(), threading.Event()
-
-    def forward(self, x):
-        if threading.current_thread() is not threading.main_thread():
-            self.inside.set()
-            assert self.go.wait(30)
-        return self.seq(x)
-
-
 @pytest.mark.parametrize("mode", ["hoist", "auto"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 def test_a_layer_called_directly_beside_another_threads_call_claims_its_values(mode, grad):
@@ -1011,7 +987,7 @@ def test_a_layer_called_directly_beside_another_threads_call_claims_its_values(m
     # thread's no_grad call of the model ran read that call's values from its __dict__: a
     # training step on the layer got no gradient for its originals, silently. The layer's call
     # now claims the values as the model's call does: shared under no_grad, else refused.
-    stock, ours = _PausedStack(), _PausedStack()
+    stock, ours = (PausedOffMain(nn.Sequential(*[weight_norm(nn.Linear(4, 4)) for _ in range(3)])) for _ in range(2))
     ours.load_state_dict(stock.state_dict())
     paramfold.prepare(ours, mode)
     x = torch.randn(2, 4)
@@ -1022,14 +998,14 @@ def test_a_layer_called_directly_beside_another_threads_call_claims_its_values(m
         with torch.set_grad_enabled(grad):
             if grad:
                 with pytest.raises(paramfold.FoldError, match="another thread"):
-                    ours.seq[1](x)
+                    ours.inner[1](x)
             else:
-                assert torch.equal(ours.seq[1](x), stock.seq[1](x))
+                assert torch.equal(ours.inner[1](x), stock.inner[1](x))
     finally:
         ours.go.set()
         thread.join(30)
-    ours.seq[1](x).sum().backward()  # alone again: trains like stock
-    stock.seq[1](x).sum().backward()
+    ours.inner[1](x).sum().backward()  # alone again: trains like stock
+    stock.inner[1](x).sum().backward()
     assert_same_tensors(grads(stock), grads(ours))
 
 

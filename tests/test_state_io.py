@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from helpers import small_net
+from helpers import PausedOffMain, small_net
 
 import paramfold
 
@@ -73,21 +73,6 @@ def _grads(model: nn.Module) -> dict:
 # --- threads ---------------------------------------------------------------------------------
 
 
-class _Paused(nn.Module):
-    """A model whose forward, run off the main thread, waits for a signal before reading anything."""
-
-    def __init__(self, kind: str):
-        super().__init__()
-        self.seq = small_net(kind)
-        self.inside, self.go = threading.Event(), threading.Event()
-
-    def forward(self, x):
-        if threading.current_thread() is not threading.main_thread():
-            self.inside.set()
-            assert self.go.wait(30)
-        return self.seq(x)
-
-
 def _write(model: nn.Module) -> None:
     with torch.no_grad():
         for p in model.parameters():
@@ -106,7 +91,7 @@ def test_a_call_after_a_writer_thread_sees_the_write_while_another_threads_call_
     # computed again where their inputs changed, for both calls.
     results = []
     for prepare in (False, True):
-        model = _Paused(kind).eval().requires_grad_(False)
+        model = PausedOffMain(small_net(kind)).eval().requires_grad_(False)
         if prepare:
             paramfold.prepare(model, mode)
         call = torch.compile(model, backend="eager") if compiled else model
@@ -192,7 +177,7 @@ def test_overlapping_inference_mode_and_no_grad_calls_from_two_threads(mode, kin
     contexts = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
     results = []
     for prepare in (False, True):
-        model = _Paused(kind).eval().requires_grad_(mode != "freeze")
+        model = PausedOffMain(small_net(kind)).eval().requires_grad_(mode != "freeze")
         if prepare:
             paramfold.prepare(model, mode)
         x, out = _input(), {}
