@@ -185,9 +185,10 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
 def _resolve_weight_norm_dim(key: str, v: torch.Tensor, g: torch.Tensor, candidates: list[int]) -> int:
     """The norm dim of a weight_norm site whose shapes fit several dims.
 
-    They are the size-1 dims of ``v`` (``g`` is all ones): mathematically the same value, but
-    ``torch._weight_norm`` computes dim 0 and the last dim with fused kernels and the others with
-    the generic one, which round differently, and the checkpoint does not record the model's dim.
+    They are the size-1 dims of ``v`` (``g`` then has only size-1 dims): mathematically the same
+    value, but ``torch._weight_norm`` computes dim 0 and the last dim with fused kernels and the
+    others with the generic one, which round differently, and the checkpoint does not record the
+    model's dim.
     Where every candidate gives the same bits it does not matter; otherwise refused.
     """
     values = [torch._weight_norm(v, g, d) for d in candidates]
