@@ -191,8 +191,7 @@ def _resolve_weight_norm_dim(key: str, v: torch.Tensor, g: torch.Tensor, candida
     model's dim.
     Where every candidate gives the same bits it does not matter; otherwise refused.
     """
-    values = [torch._weight_norm(v, g, d) for d in candidates]
-    if all(torch.equal(values[0], other) for other in values[1:]):
+    if _one_value(candidates, lambda d: torch._weight_norm(v, g, d)):
         return candidates[0]
     raise CheckpointError(
         f"cannot fold '{key}' (weight_norm) from the checkpoint alone: its shapes fit norm dim "
@@ -200,6 +199,13 @@ def _resolve_weight_norm_dim(key: str, v: torch.Tensor, g: torch.Tensor, candida
         "that round differently here, and the checkpoint does not record which the model used; "
         "pass --model MODULE:FACTORY that builds the parametrized model"
     )
+
+
+def _one_value(candidates: list[int], value: Callable[[int], torch.Tensor]) -> bool:
+    """Whether ``value(d)`` is bitwise the same for every candidate dim (then which one the model
+    used does not matter)."""
+    values = [value(d) for d in candidates]
+    return all(torch.equal(values[0], other) for other in values[1:])
 
 
 def _spectral_weight_mat(weight: torch.Tensor, dim: int) -> torch.Tensor:
@@ -250,8 +256,7 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
     sure = [d for d, c in chances.items() if c <= _SURE]
     if len(sure) == 1 and all(c >= _UNRELATED for d, c in chances.items() if d != sure[0]):
         return sure[0]
-    values = [value(d) for d in candidates]
-    if all(torch.equal(values[0], other) for other in values[1:]):
+    if _one_value(candidates, value):
         return candidates[0]
     raise CheckpointError(
         f"cannot fold '{key}' (spectral_norm) from the checkpoint alone: its weight of shape {tuple(w.shape)} "
