@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
+import paramfold
 import paramfold.testing as pt
 
 
@@ -151,6 +152,25 @@ def assert_same_tensors(expected: dict, actual: dict, at: object = "") -> None:
         assert (a is None and e is None) or (a is not None and e is not None and torch.equal(a, e)), (at, name)
 
 
+def assert_same_nested(expected, actual, path: str = "result") -> None:
+    """Bitwise equality of nested lists, tuples and dicts (keys in order) of tensors (same dtype
+    and shape) and plain values (``==``)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert (expected.dtype, expected.shape) == (actual.dtype, actual.shape), path
+        assert torch.equal(expected, actual), path
+    elif isinstance(expected, dict):
+        assert list(expected) == list(actual), path
+        for key in expected:
+            assert_same_nested(expected[key], actual[key], f"{path}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), path
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_same_nested(e, a, f"{path}[{i}]")
+    else:
+        assert expected == actual, path
+
+
 def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: p.grad for n, p in model.named_parameters()}
 
@@ -205,6 +225,16 @@ def small_net(kind: str) -> nn.Sequential:
         return nn.Sequential(weight_norm(nn.Conv2d(2, 4, 3)), nn.ReLU(), spectral_norm(nn.Conv2d(4, 2, 3)))
     raise ValueError(kind)
 
+
+
+def twin_nets(kind: str, mode: str, *, eval_only: bool = False, **options) -> tuple[nn.Module, nn.Module]:
+    """Two :func:`small_net` of ``kind`` (in eval with no grad where ``eval_only``): stock, and
+    prepared with ``mode`` (and ``options``)."""
+    stock, ours = small_net(kind), small_net(kind)
+    if eval_only:
+        for model in (stock, ours):
+            model.eval().requires_grad_(False)
+    return stock, paramfold.prepare(ours, mode, **options)
 
 class PausedOffMain(nn.Module):
     """Runs ``inner``; run off the main thread, its forward first sets ``inside`` and waits for

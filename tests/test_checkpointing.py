@@ -22,6 +22,8 @@ from torch import nn
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from helpers import assert_same_nested
+
 import paramfold
 
 MODES = ["hoist", "auto", "inline"]
@@ -53,25 +55,10 @@ def _steps(model: nn.Module, call, input_grad: bool = True, steps: int = 2) -> l
     return found
 
 
-def _assert_bitwise(expected, actual, at: str = "") -> None:
-    if isinstance(expected, dict):
-        assert expected.keys() == actual.keys(), at
-        for key in expected:
-            _assert_bitwise(expected[key], actual[key], f"{at}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(expected) == len(actual), at
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            _assert_bitwise(e, a, f"{at}[{i}]")
-    elif expected is None:
-        assert actual is None, at
-    else:
-        assert actual is not None and expected.dtype == actual.dtype and torch.equal(expected, actual), at
-
-
 def _same_as_stock(stock: nn.Module, mode: str, call, input_grad: bool = True) -> None:
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
     expected = _steps(stock, call, input_grad)
-    _assert_bitwise(expected, _steps(ours, call, input_grad))
+    assert_same_nested(expected, _steps(ours, call, input_grad))
 
 
 # --- no call scope open: a submodule, or the root's forward, checkpointed directly ------------

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from helpers import PausedOffMain, small_net
+from helpers import PausedOffMain, assert_same_nested, small_net, twin_nets
 
 import paramfold
 
@@ -39,31 +39,6 @@ TRAIN_MODES = ["hoist", "inline", "auto"]
 
 def _input() -> torch.Tensor:
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
-
-
-def _twins(kind: str, mode: str, eval_only: bool = False) -> tuple[nn.Module, nn.Module]:
-    stock, ours = small_net(kind), small_net(kind)
-    if eval_only:
-        stock.eval().requires_grad_(False), ours.eval().requires_grad_(False)
-    return stock, paramfold.prepare(ours, mode)
-
-
-def assert_same(expected, actual, path="result"):
-    """Bitwise equality of nested lists, tuples and dicts of tensors (and plain values)."""
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), path
-        assert (expected.dtype, expected.shape) == (actual.dtype, actual.shape), path
-        assert torch.equal(expected, actual), path
-    elif isinstance(expected, dict):
-        assert list(expected) == list(actual), path
-        for key in expected:
-            assert_same(expected[key], actual[key], f"{path}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(expected) == len(actual), path
-        for i, (e, a) in enumerate(zip(expected, actual)):
-            assert_same(e, a, f"{path}[{i}]")
-    else:
-        assert expected == actual, path
 
 
 def _grads(model: nn.Module) -> dict:
@@ -118,7 +93,7 @@ def test_a_call_after_a_writer_thread_sees_the_write_while_another_threads_call_
             record += [call(x), call(x)]
         record.append(model.state_dict())
         results.append(record)
-    assert_same(*results)
+    assert_same_nested(*results)
 
 
 @pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
@@ -140,7 +115,7 @@ def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlap
             assert leave.wait(30)
         return gm.forward
 
-    stock, ours = _twins("weight_norm", mode, eval_only=mode == "freeze")
+    stock, ours = twin_nets("weight_norm", mode, eval_only=mode == "freeze")
     stock.eval(), ours.eval()
     x = _input()
     compiled = torch.compile(ours, backend=pausing_backend)
@@ -163,7 +138,7 @@ def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlap
     if mode != "freeze":  # alone again: a grad call trains like stock
         for model in (stock, ours):
             model(x).square().sum().backward()
-        assert_same(_grads(stock), _grads(ours))
+        assert_same_nested(_grads(stock), _grads(ours))
     with torch.no_grad():
         assert torch.equal(compiled(x), stock(x))
 
@@ -197,7 +172,7 @@ def test_overlapping_inference_mode_and_no_grad_calls_from_two_threads(mode, kin
             thread.join(30)
         assert not thread.is_alive()
         results.append([(t, t.is_inference(), t.requires_grad) for t in (y, out["first"])])
-    assert_same(*results)
+    assert_same_nested(*results)
 
 
 # --- torch.distributed.checkpoint --------------------------------------------------------------
@@ -260,11 +235,11 @@ def test_dcp_save_load_and_state_dict_helpers_between_training_steps(mode, kind,
     # strict=False: outputs, spectral_norm's _u/_v, Adam's state and eval calls after each load
     # (where auto serves frozen values) bitwise like stock.
     results = []
-    for i, model in enumerate(_twins(kind, mode)):
+    for i, model in enumerate(twin_nets(kind, mode)):
         torch._dynamo.reset()
         call = torch.compile(model, backend="eager") if compiled else model
         results.append(_dcp_run(model, call, tmp_path / str(i)))
-    assert_same(*results)
+    assert_same_nested(*results)
 
 
 @pytest.mark.parametrize("freeze_check", ["content", "version"])
@@ -292,7 +267,7 @@ def test_dcp_load_into_a_serving_model_is_seen_by_its_frozen_values(mode, freeze
             set_model_state_dict(model, {k: v + 0.125 for k, v in full.items()})
             record += [model(x), model.state_dict()]
         results.append(record)
-    assert_same(*results)
+    assert_same_nested(*results)
 
 
 # --- state_dict hooks and load_state_dict ------------------------------------------------------
@@ -369,7 +344,7 @@ def test_state_dict_hooks_strict_false_and_assign_like_stock(mode, kind, before)
             y.sum().backward()
             record += [y, _grads(model)]
         results.append(record + [model.state_dict(), log])
-    assert_same(*results)
+    assert_same_nested(*results)
 
 
 def test_a_folded_state_dict_loaded_into_a_prepared_model_fails_like_stock():
@@ -384,7 +359,7 @@ def test_a_folded_state_dict_loaded_into_a_prepared_model_fails_like_stock():
         with pytest.raises(RuntimeError) as error:
             model.load_state_dict(folded.state_dict())
         errors.append(str(error.value))
-        assert_same(before, model.state_dict())
+        assert_same_nested(before, model.state_dict())
         assert model.load_state_dict(folded.state_dict(), strict=False).unexpected_keys == ["0.weight", "2.weight"]
     assert errors[0] == errors[1]
 
@@ -441,7 +416,7 @@ def test_moves_and_loads_that_swap_tensors_in_place(mode, kind, compiled):
             model.load_state_dict({k: v * 2 for k, v in halved.items()}, assign=True)
             record += [call(x), model.state_dict()]
         results.append(record)
-    assert_same(*results)
+    assert_same_nested(*results)
 
 
 @pytest.mark.parametrize("kind", ["spectral_norm", "hook_weight_norm"])
@@ -493,7 +468,7 @@ def test_safetensors_bfloat16_under_autocast_and_to_empty_reinit(mode, kind, tmp
                     b.normal_()
             record += [model(x), model(x), model.state_dict()]
         results.append(record)
-    assert_same(*results)
+    assert_same_nested(*results)
 
 
 # --- share_memory and a writer process ------------------------------------------------------------
@@ -544,14 +519,14 @@ def written_by_a_child():
 def test_share_memory_then_a_child_process_writes_the_weights(written_by_a_child, variant):
     # model.share_memory(), then another process writes the originals (Hogwild-style): every
     # mode's next calls see it, freeze and auto through their default byte check.
-    assert_same(written_by_a_child["stock"], written_by_a_child[variant])
+    assert_same_nested(written_by_a_child["stock"], written_by_a_child[variant])
 
 
 @pytest.mark.xfail(strict=True, reason="documented limit (README, Notes and limits): with freeze_check='version' a "
                    "write by another process is not seen (shared memory cannot carry the write mark; bytes only)")
 @pytest.mark.parametrize("variant", ["freeze/version", "auto/version"])
 def test_share_memory_written_by_a_child_process_with_freeze_check_version(written_by_a_child, variant):
-    assert_same(written_by_a_child["stock"], written_by_a_child[variant])
+    assert_same_nested(written_by_a_child["stock"], written_by_a_child[variant])
 
 
 def test_reads_while_another_thread_compiles_are_stocks_reads(recwarn):
@@ -583,4 +558,4 @@ def test_reads_while_another_thread_compiles_are_stocks_reads(recwarn):
         leave.set()
         thread.join(30)
     for result in results[1:]:
-        assert_same(results[0], result)
+        assert_same_nested(results[0], result)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
 
-from helpers import small_net
+from helpers import small_net, twin_nets
 
 import paramfold
 
@@ -33,14 +33,6 @@ TRAIN_MODES = ["hoist", "inline", "auto"]
 def _input(kind: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randn(3, 2, 6, 6, generator=g) if kind == "conv2d" else torch.randn(3, 4, generator=g)
-
-
-def _twins(kind: str, mode: str, *, eval_only: bool = False, **options):
-    stock, prepared = small_net(kind), small_net(kind)
-    if eval_only:
-        for model in (stock, prepared):
-            model.eval().requires_grad_(False)
-    return stock, paramfold.prepare(prepared, mode, **options)
 
 
 def _flat(value, out: list) -> list:
@@ -164,7 +156,7 @@ def test_averaged_model_ema_of_a_prepared_model(mode, use_buffers, compiled):
     # (auto freezes there) must see every update; spectral_norm's buffers are averaged too.
     x = _input("spectral_norm")
     results = []
-    for model in _twins("spectral_norm", mode):
+    for model in twin_nets("spectral_norm", mode):
         ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=use_buffers)
         call = torch.compile(model, backend="eager") if compiled else model
         ecall = torch.compile(ema, backend="eager") if compiled else ema
@@ -232,7 +224,7 @@ def test_swa_update_bn_on_a_prepared_model(mode):
     # runs at each batch) to recompute BatchNorm statistics; then eval calls.
     x = _input("spectral_norm")
     results = []
-    for model in _twins("spectral_norm", mode):
+    for model in twin_nets("spectral_norm", mode):
         model.insert(1, nn.BatchNorm1d(6))
         record = []
         for scale in (1.0, 2.0):
@@ -256,7 +248,7 @@ def test_fused_foreach_and_compiled_optimizer_steps_then_eval_calls(mode, optimi
     # step, with the model compiled too); eval calls under no_grad between steps (auto freezes there) must not be stale.
     x = _input("spectral_norm")
     results = []
-    for model in _twins("spectral_norm", mode):
+    for model in twin_nets("spectral_norm", mode):
         call = torch.compile(model, backend="eager") if optimizer == "adam_compiled_step" else model
         params = list(model.parameters())
         if optimizer == "adam_fused":
@@ -292,7 +284,7 @@ def test_autocast_grad_scaler_and_gradient_clipping(mode, kind, compiled):
     # eval calls under no_grad, with and without autocast, between steps.
     x = _input(kind)
     results = []
-    for model in _twins(kind, mode):
+    for model in twin_nets(kind, mode):
         call = torch.compile(model, backend="eager") if compiled else model
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
@@ -326,7 +318,7 @@ def test_optimizer_in_backward_via_post_accumulate_grad_hooks(mode):
     # the originals' gradients arrive"), so gradients are recorded per parameter.
     x = _input("spectral_norm")
     results = []
-    for model in _twins("spectral_norm", mode):
+    for model in twin_nets("spectral_norm", mode):
         params = list(model.parameters())
         opts = {p: torch.optim.SGD([p], lr=0.1) for p in params}
         seen: dict[int, list] = {i: [] for i in range(len(params))}
@@ -366,7 +358,7 @@ def test_backward_hooks_and_kwargs_pre_hook_removed_midway(mode, compiled):
     # steps (the third runs without them).
     x0 = _input("weight_norm")
     results = []
-    for model in _twins("weight_norm", mode):
+    for model in twin_nets("weight_norm", mode):
         log = []
 
         def record_hook(m, grad_input, grad_output):
@@ -406,7 +398,7 @@ def test_activation_checkpointing_of_a_prepared_model(mode, kind, how):
 
     x0 = _input(kind)
     results = []
-    for model in _twins(kind, mode):
+    for model in twin_nets(kind, mode):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         record = []
         for _ in range(2):
@@ -474,7 +466,7 @@ CASES = [("conv2d", change) for change in CHANGES] + [
 @pytest.mark.parametrize("mode", TRAIN_MODES)
 def test_conversions_between_training_steps(mode, kind, change):
     results = []
-    for model in _twins(kind, mode):
+    for model in twin_nets(kind, mode):
         # Compiled for the memory format change (dynamo recompiles for it); eager otherwise.
         call = torch.compile(model, backend="eager") if change == "channels_last" else model
         record = []
@@ -502,7 +494,7 @@ def test_conversions_between_training_steps(mode, kind, change):
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_conversions_between_inference_calls(mode, kind, change):
     results = []
-    for model in _twins(kind, mode, eval_only=True):
+    for model in twin_nets(kind, mode, eval_only=True):
         call = torch.compile(model, backend="eager") if change in ("channels_last", "float64_and_back") else model
         record = []
         for i in range(3):
@@ -534,7 +526,7 @@ def test_inference_mode_validation_between_training_steps(mode):
     # in training mode (spectral_norm's power iteration writes _u/_v there), then training goes on.
     x = _input("spectral_norm")
     results = []
-    for model in _twins("spectral_norm", mode):
+    for model in twin_nets("spectral_norm", mode):
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
         record = []
         for _ in range(3):
