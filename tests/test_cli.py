@@ -336,6 +336,48 @@ def test_full_disk_is_one_line_and_keeps_the_old_output(tmp_path, monkeypatch, s
     assert _listing(tmp_path) == before
 
 
+@pytest.mark.parametrize("command", ["fold", "audit"])
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_an_output_that_is_a_symlink_is_written_through_to_its_target(tmp_path, command, target_exists):
+    # As open(), torch.save and safetensors' save_file write a path that is a link: the link stays
+    # and its target gets the bytes (a relative link is resolved from the link's folder).
+    src = _wn_checkpoint(tmp_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    target = store / "real.safetensors"
+    if target_exists:
+        target.write_bytes(b"previous output")
+    link = tmp_path / "o.safetensors"
+    link.symlink_to(os.path.join("store", "real.safetensors"))
+    args = ("fold", str(src), str(link)) if command == "fold" else ("audit", str(src), "--fold-out", str(link))
+    assert _run(*args).exit_code == 0
+    plain = tmp_path / "plain.safetensors"
+    assert _run("fold", str(src), str(plain)).exit_code == 0
+    assert link.is_symlink() and os.readlink(link) == os.path.join("store", "real.safetensors")
+    assert target.read_bytes() == plain.read_bytes()
+    assert [p.name for p in store.iterdir()] == ["real.safetensors"]  # no temporary file left
+
+
+def test_a_failed_rename_names_the_output_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import errno
+
+    import paramfold.output
+
+    src = _wn_checkpoint(tmp_path)
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"previous output")
+    before = _listing(tmp_path)
+
+    def failing_replace(a, b):  # what rename(2) says on a failing disk: both names, EIO
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(a), None, str(b))
+
+    monkeypatch.setattr(paramfold.output.os, "replace", failing_replace)
+    res = _run("fold", str(src), str(out))
+    _one_line_error(res, "fold", 1, f"{out}: cannot write: Input/output error", "nothing was written")
+    assert ".partial" not in res.stderr  # the temporary file is gone: naming it would mislead
+    assert _listing(tmp_path) == before
+
+
 def test_new_outputs_get_normal_permissions_and_replaced_ones_keep_theirs(tmp_path):
     src = _wn_checkpoint(tmp_path)
     old = os.umask(0o027)

@@ -149,7 +149,8 @@ def check_output(
             raise OutputError(
                 f"{out}: unsupported output format '{out.suffix or out.name}': use {_alternatives(suffixes)}"
             )
-    parent = out.parent if str(out.parent) else Path(".")
+    dest = destination(out)
+    parent = dest.parent if str(dest.parent) else Path(".")
     try:
         os.stat(out)
     except (FileNotFoundError, NotADirectoryError):  # the folder checks below say which
@@ -173,6 +174,16 @@ def check_output(
                 "lost): write to another file name, then rename it yourself"
             )
     return out
+
+
+def destination(out: Path) -> Path:
+    """Where writing ``out`` puts the bytes: the file a symbolic link points to (resolved from the
+    link's folder, through further links), as ``open()``, ``torch.save`` and safetensors' writers
+    follow it; ``out`` itself otherwise. The link is kept."""
+    try:
+        return Path(os.path.realpath(out)) if out.is_symlink() else out
+    except OSError:  # a name too long, say: check_output says why in one line
+        return out
 
 
 def _alternatives(items: tuple[str, ...]) -> str:
@@ -211,7 +222,8 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
-    """A binary file that replaces ``path`` only if the block completes; nothing is left otherwise.
+    """A binary file that replaces ``path`` (a link's target: :func:`destination`) only if the block
+    completes; nothing is left otherwise.
 
     Checks ``path`` with :func:`check_output` first (without suffix or input checks). The
     temporary file is ``.<name>.<random>.partial`` in the same folder (so the rename is atomic).
@@ -219,8 +231,9 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     rename if the rename already happened, else the file is discarded.
     """
     out = check_output(path)
-    parent = out.parent if str(out.parent) else Path(".")
-    mode = _new_file_mode(out)
+    dest = destination(out)  # the temporary file goes beside it, so that the rename is atomic
+    parent = dest.parent if str(dest.parent) else Path(".")
+    mode = _new_file_mode(dest)
     try:
         fd, tmp_name = tempfile.mkstemp(dir=parent, prefix=_temporary_prefix(out.name, parent), suffix=".partial")
         os.close(fd)
@@ -239,18 +252,15 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
         with _signals_blocked():
             pending = _pending_signal()
             if pending is None:
-                os.replace(tmp, out)
+                os.replace(tmp, dest)
         if pending is not None:  # unblocking delivered it already; this is the fallback
             raise Interrupted(pending)
     except OSError as e:
         with _signals_blocked():
             tmp.unlink(missing_ok=True)
-        if e.filename in (None, str(tmp)) and e.errno in _FULL:  # name the output, not the temp file
-            raise OutputError(
-                f"{out}: cannot write: {e.strerror}: free some space or write the output elsewhere; "
-                "nothing was written",
-                exit_code=1,
-            ) from None
+        if e.filename in (None, str(tmp)):  # name the output, not the temporary file (gone now)
+            hint = ": free some space or write the output elsewhere" if e.errno in _FULL else ""
+            raise OutputError(f"{out}: cannot write: {e.strerror or e}{hint}; nothing was written", exit_code=1) from None
         raise
     except BaseException:
         with _signals_blocked():
