@@ -254,30 +254,73 @@ def test_a_change_leaves_the_fast_path_and_the_next_call_takes_it_again():
         assert scope_plan.holds(ours.__dict__["_paramfold"].plan)
 
 
-def test_content_check_hashes_host_inputs_in_place_and_compares_others_with_torch_equal():
+def test_content_check_reads_the_bytes_only_of_inputs_something_outside_torch_may_hold(monkeypatch):
+    # freeze_check="content": an input that is the only tensor on its storage is armed (any later
+    # write through torch, or hand-out of a pointer to its bytes, disarms it), so its bytes are not
+    # read at each call; one that a numpy array (or a view, or a DLPack capsule) already shares is
+    # hashed in place on the host, and compared with a copy where it is not contiguous.
     import ctypes
 
+    freeze = importlib.import_module("paramfold.freeze")
+    scope_plan = importlib.import_module("paramfold.scope_plan")
     torch.manual_seed(0)
     stock = nn.Linear(4, 4).eval().requires_grad_(False)
     stock.weight = nn.Parameter(torch.randn(4, 4).t(), requires_grad=False)  # not contiguous
     P.register_parametrization(stock, "weight", Doubled())
     weight_norm(stock, "bias", dim=None)
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    g, v = ours.parametrizations.bias.original0, ours.parametrizations.bias.original1
+    w = ours.parametrizations.weight.original
+    held_v, held_w = v.detach().numpy(), w.detach()  # made before the values are frozen
+    hashed = []
+    real = freeze.digest
+    for module in (freeze, scope_plan):
+        monkeypatch.setattr(module, "digest", lambda memory: hashed.append(1) or real(memory))
     x = torch.randn(2, 4)
     with torch.no_grad():
         assert torch.equal(ours(x), stock(x))
         frozen = {n: s.frozen for n, s in ours.__dict__["_paramfold"].sites.items()}
-        assert len(frozen["weight"].views) == 1 and not frozen["weight"].raw  # the transposed original
-        assert len(frozen["bias"].raw) == 2 and not frozen["bias"].views  # g and v
-        # hashed where they are: no copy of a host input is kept
-        originals = ours.parametrizations.bias.original0, ours.parametrizations.bias.original1
-        assert [ctypes.addressof(memory) for memory, _ in frozen["bias"].raw] == [t.data_ptr() for t in originals]
-        assert not any(isinstance(part, torch.Tensor) for pair in frozen["bias"].raw for part in pair)
+        assert len(frozen["weight"].views) == 1 and not frozen["weight"].raw  # shared, transposed
+        assert [ctypes.addressof(memory) for memory, _ in frozen["bias"].raw] == [v.data_ptr()]  # in place
+        assert not frozen["bias"].views and any(t is g for t in frozen["bias"].armed)
+        ours(x), ours(x)  # the second one through the steady plan
+        hashed.clear()
+        ours(x), ours(x)
+        assert len(hashed) == 2  # v's bytes, once per call; g's never
+        held_v[0] += 1  # through the array made before freezing
+        stock.parametrizations.bias.original1.detach().numpy()[0] += 1
+        assert torch.equal(ours(x), stock(x))
         for model in (stock, ours):
             model.parametrizations.weight.original.data.add_(1)
         assert torch.equal(ours(x), stock(x))
-        for model in (stock, ours):
-            model.parametrizations.bias.original1.detach().numpy()[0] += 1
+        for model in (stock, ours):  # an array of g made now disarms it
+            model.parametrizations.bias.original0.detach().numpy()[...] *= 2
+        assert torch.equal(ours(x), stock(x))
+
+
+def test_content_check_of_a_model_whose_storages_nothing_else_holds_reads_no_bytes(monkeypatch):
+    # The steady call's cost must not grow with the model's bytes: the seed model's 64 originals
+    # are each the only tensor on their storage, so a steady call arms and checks, and hashes nothing.
+    freeze = importlib.import_module("paramfold.freeze")
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    stock, plain, x = _seed_pair(4)
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    hashed = []
+    real = freeze.digest
+    for module in (freeze, scope_plan):
+        monkeypatch.setattr(module, "digest", lambda memory: hashed.append(1) or real(memory))
+    with torch.no_grad():
+        ours(x), ours(x)
+        plan = ours.__dict__["_paramfold"].plan
+        assert plan is not None and scope_plan.holds(plan)
+        assert plan.raw_memory == () and plan.views == ()
+        hashed.clear()
+        for _ in range(3):
+            assert torch.equal(ours(x), stock(x))
+        assert hashed == []
+        original = ours.seq[0].linear.parametrizations.weight.original
+        original.detach().numpy()[0, 0] += 1  # a pointer handed out now disarms the storage
+        stock.seq[0].linear.parametrizations.weight.original.detach().numpy()[0, 0] += 1
         assert torch.equal(ours(x), stock(x))
 
 

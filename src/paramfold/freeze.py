@@ -9,11 +9,15 @@ in two ways:
   ``load_state_dict`` (``copy_``), in-place ops, ``torch.nn.init.*`` on the tensor,
   ``lerp_``/``torch._foreach_lerp_``, ``assign=True`` loads, ``.data = ...`` (``p.data.t()`` on
   the same bytes included) and ``.to()`` / ``.half()`` change it;
-* with ``freeze_check="content"`` (the default), their bytes, checked at every call: writes
-  that bump no version counter — through ``.data`` (``p.data.mul_()``, init code, EMA loops),
-  ``.detach().numpy()``, DLPack — change the bytes. A host tensor's bytes are hashed in place
-  (:data:`digest`, 16 bytes kept per input); a device tensor is compared with a copy. This costs
-  one read of the inputs per call (about what a cheap parametrization costs to recompute).
+* with ``freeze_check="content"`` (the default), writes that bump no version counter —
+  through ``.data`` (``p.data.mul_()``, init code, EMA loops), ``.detach().numpy()``, DLPack.
+  A host input that is the only tensor on its storage (:func:`unshared`) is watched for writes
+  (:func:`arm`): any write through torch and any later hand-out of a pointer to its bytes
+  (numpy, DLPack, ``data_ptr()``) is seen, with no byte read per call. An input something else
+  already holds (a numpy array or DLPack capsule made before, a view, memory torch did not
+  allocate) has its bytes checked at every call: hashed in place on the host (:data:`digest`,
+  16 bytes kept per input), compared with a copy on a device. Not seen: a write through an
+  address taken earlier as a bare integer, with nothing holding the memory.
   ``freeze_check="version"`` reads no bytes: besides identity, address and version it watches
   each host input's storage for writes (:func:`arm`), which sees ``.data`` writes and every
   other write made through torch, but not one through memory exported before (a numpy array,
@@ -141,6 +145,11 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
             if arm(t):
                 armed.append(t)
             continue
+        if unshared(t) and arm(t):
+            # Nothing outside torch holds its bytes: any later hand-out of a writable pointer to
+            # them (numpy, DLPack, data_ptr()) disarms it as a write through torch does.
+            armed.append(t)
+            continue
         view = _bytes(t)
         if view is None:
             continue
@@ -228,6 +237,25 @@ def arm(t: torch.Tensor) -> bool:
     _armings[key] = _armings.get(key, 0) + 1
     ARMINGS[0] += 1
     return True
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def unshared(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its storage: no view, no ``.data`` alias, and so no
+    numpy array or DLPack capsule made from it before now (each holds a tensor on the storage).
+
+    With ``freeze_check="content"``, an input that is unshared and :func:`arm`-ed needs no byte
+    check: every later way to write its bytes goes through torch or a pointer handed out after
+    now, and either disarms it. Only an address taken earlier as a bare integer (``data_ptr()``
+    kept, then written through ``ctypes``) is not seen; a shared input's bytes are hashed."""
+    if _use_count is None or type(t) not in PLAIN_TENSOR_TYPES:
+        return False
+    try:
+        return _use_count(t.untyped_storage()._cdata) <= 2  # ``t``'s and the storage object's own
+    except Exception:  # no storage (meta, sparse), or a torch whose storages do not say
+        return False
 
 
 #: Whether a tensor is one of torch.func's wrappers (vmap's batched tensors, grad's), whose

@@ -64,10 +64,12 @@ def prepare(
             copies of one architecture share graphs under ``no_grad`` (see
             ``paramfold.recompiles``). Off by default.
         freeze_check: how freeze and auto tell that a frozen value's inputs changed:
-            ``"content"`` (default) also compares their bytes at every call, which sees writes
-            through ``.data``, numpy or DLPack that bump no version counter; ``"version"``
-            trusts identity, storage and version counters alone (no per-call comparison, no
-            copy of the inputs in memory) — use it only if nothing writes the weights that way.
+            ``"content"`` (default) also sees writes through ``.data``, numpy or DLPack that
+            bump no version counter (a write mark on each input no other tensor shares, the
+            bytes of the others checked at every call); ``"version"`` trusts identity, storage,
+            version counters and write marks alone, which miss writes through memory exported
+            before the value was computed (a numpy array, DLPack) — use it only if nothing
+            writes the weights that way.
 
     ``state_dict()`` keys and values are unchanged, :func:`paramfold.restore` undoes
     everything, and if anything fails the model is left exactly as it was.
