@@ -7,8 +7,9 @@ projections, and is driven through ``model.generate`` (greedy, sampling, beam se
 cache, and compiled through transformers' own ``compile_config`` path, with weight changes
 between calls), training steps with labels (HF gradient
 checkpointing, autocast, ``train()``/``eval()`` switches with generation between steps), tied
-embeddings (``tie_weights``, ``resize_token_embeddings`` after ``prepare``) and
-``save_pretrained``/``from_pretrained``. Everything is compared bitwise with the stock model built
+embeddings (``tie_weights``, ``resize_token_embeddings`` after ``prepare``),
+``save_pretrained``/``from_pretrained``, assisted (speculative) decoding and generation under
+``torch.autocast``. Everything is compared bitwise with the stock model built
 from the same seed: tokens, ``output_scores``, losses, gradients and ``state_dict``. Built from
 tiny configs with random weights (no hub access); skipped without transformers.
 """
@@ -141,15 +142,19 @@ def _change(model, how: str, step: int) -> None:
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_generate_after_weight_changes_is_never_stale(mode):
     stock, ours = twins(mode)
-    for how in ("in_place", "data", "load_state_dict", "assign", "dtype"):
-        for step in range(2):
-            kwargs = dict(do_sample=True, top_k=0, max_new_tokens=4)
-            assert_same_nested(generate(stock, **kwargs), generate(ours, **kwargs), f"{how} {step}")
-            for model in (stock, ours):
-                _change(model, how, step)
-                if mode == "freeze":
-                    model.requires_grad_(False)
-        assert_same_state(stock, ours)
+    before = None
+    kwargs = dict(do_sample=True, top_k=0, max_new_tokens=4)
+    for step, how in enumerate(("in_place", "data", "load_state_dict", "assign", "dtype", "dtype", None)):
+        expected = generate(stock, **kwargs)  # after the previous change
+        assert before is None or not torch.equal(before[1][0], expected[1][0]), "the change should show"
+        before = expected
+        assert_same_nested(expected, generate(ours, **kwargs), f"step {step}, before {how}")
+        for model in (stock, ours):
+            if how is not None:
+                _change(model, how, 0 if step == 4 else 1)  # dtype: to bf16, then back
+            if mode == "freeze":
+                model.requires_grad_(False)
+    assert_same_state(stock, ours)
 
 
 # transformers' own path compiles only the decoding steps (a static cache: one shape), the
@@ -380,3 +385,40 @@ def test_save_pretrained_from_pretrained_and_restore_like_stock(mode, tmp_path):
         assert names[0] == names[1]
         assert_same_state(twin, prepared)
         assert_same_nested(generate(twin, do_sample=True, top_k=0), generate(prepared, do_sample=True, top_k=0))
+
+
+def draft(*, eval_only: bool = False) -> torch.nn.Module:
+    """A 1-layer Llama of the same vocabulary with weight_norm on v_proj: an assistant model."""
+    torch.manual_seed(1)
+    config = llama_config()
+    config.num_hidden_layers = 1
+    model = transformers.LlamaForCausalLM(config)
+    weight_norm(model.model.layers[0].self_attn.v_proj)
+    return model.eval().requires_grad_(not eval_only)
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_assisted_and_prompt_lookup_generation_like_stock(mode):
+    # Speculative decoding calls both models on candidate runs of varying lengths.
+    (stock, ours), (stock_draft, our_draft) = twins(mode), twins(mode, draft)
+    prompt = PROMPT[:1]  # transformers' assisted decoding takes one sequence
+    for kwargs in (dict(do_sample=False), dict(do_sample=True, top_k=0)):
+        assert_same_nested(generate(stock, prompt, assistant_model=stock_draft, **kwargs),
+                           generate(ours, prompt, assistant_model=our_draft, **kwargs))
+    lookup = dict(prompt_lookup_num_tokens=2)
+    assert_same_nested(generate(stock, prompt, **lookup), generate(ours, prompt, **lookup))
+    assert_same_state(stock, ours)
+    assert_same_state(stock_draft, our_draft)
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_generate_under_autocast_then_without_like_stock(mode):
+    # Frozen values are keyed on the autocast state: bf16 generation, then fp32, then bf16 again.
+    stock, ours = twins(mode, spectral=True)
+    for enabled in (True, False, True):
+        results = []
+        for model in (stock, ours):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+                results.append(generate(model, do_sample=True, top_k=0, max_new_tokens=3))
+        assert_same_nested(*results, f"autocast {enabled}")
+    assert_same_state(stock, ours)
