@@ -324,6 +324,36 @@ def test_content_check_of_a_model_whose_storages_nothing_else_holds_reads_no_byt
         assert torch.equal(ours(x), stock(x))
 
 
+@pytest.mark.parametrize("check", ["content", "version"])
+def test_the_steady_check_reads_no_version_counter_of_a_write_marked_tensor(check):
+    # Whatever bumps a version counter writes the storage, which clears its write mark: the plan
+    # reads the marks, and version counters only of tensors without one (memory torch did not
+    # allocate: here an original over a numpy array). Each kind of write is still seen.
+    import numpy as np
+
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    stock, plain, x = _seed_pair(3)
+    ours = copy.deepcopy(stock)
+    for model in (stock, ours):
+        foreign = model.seq[1].linear.parametrizations.weight
+        foreign.original = nn.Parameter(torch.from_numpy(np.array(foreign.original.numpy())), requires_grad=False)
+    paramfold.prepare(ours, "freeze", freeze_check=check)
+    with torch.no_grad():
+        ours(x), ours(x)
+        plan = ours.__dict__["_paramfold"].plan
+        assert plan is not None and scope_plan.holds(plan)
+        theirs = ours.seq[1].linear.parametrizations.weight.original
+        assert [t is theirs for t in plan.versioned] == [True] and plan.versioned_values == ()
+        assert len(plan.inputs) == 6 and len(plan.values) == 6
+        for write in (lambda m: m.seq[0].linear.parametrizations.weight.original.add_(1),
+                      lambda m: m.seq[2].linear.parametrizations.bias.original.mul_(2),
+                      lambda m: m.seq[1].linear.parametrizations.weight.original.sub_(1)):
+            for model in (stock, ours):
+                write(model)
+            assert not scope_plan.holds(ours.__dict__["_paramfold"].plan)
+            assert torch.equal(ours(x), stock(x))
+
+
 class _KeyEncoder(nn.Module):
     """MoCo-style: a grad call whose forward runs another encoder under no_grad."""
 

@@ -58,8 +58,9 @@ class Plan:
         "switched", "prepared", "between",
         "link_dicts", "link_keys", "links", "ordered", "order",
         "stateful", "mode_modules", "modes", "typed_modules", "typed", "flag_tensors", "flags",
-        "inputs", "versions", "addresses", "watch",
-        "unaddressed", "raw_memory", "raw_digests", "views", "values", "value_versions", "armed", "armings",
+        "inputs", "versioned", "versions", "addresses", "watch",
+        "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
+        "armed", "armings",
         "settings_empty",
         "hoisted", "hoisted_dicts",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "autocast",
@@ -198,11 +199,18 @@ class Plan:
             (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES else unaddressed).append(w)
         plan.unaddressed = tuple(unaddressed)
         _, _, plan.inputs, versions, addresses, layouts = _columns(addressed, 6)
-        plan.versions, plan.addresses = list(versions), list(addresses)
+        plan.addresses = list(addresses)
+        # A write-marked tensor's version counter needs no reading: whatever bumps it (an in-place
+        # op, copy_, an optimizer step) writes its storage, which clears the mark checked below.
+        marked = set(map(id, armed))
+        plan.versioned, versions = _columns([(t, v) for t, v in zip(plan.inputs, versions) if id(t) not in marked], 2)
+        plan.versions = list(versions)
         plan.raw_memory, digests = _columns(raw, 2)
         plan.raw_digests = list(digests)
         plan.views = tuple(views)
         plan.values, versions, value_layouts = _columns(kept, 3)
+        plan.versioned_values, versions = _columns(
+            [(t, v) for t, v in zip(plan.values, versions) if id(t) not in marked], 2)
         plan.value_versions = list(versions)
         plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # the counts the general path just checked
         plan.settings_empty = tuple(empty.values())
@@ -342,12 +350,11 @@ def holds(plan: Plan) -> bool:
             return False
         if not all(map(is_, map(_requires_grad, plan.flag_tensors), plan.flags)):
             return False
-        inputs = plan.inputs
-        if list(map(_version, inputs)) != plan.versions:
+        if list(map(_version, plan.versioned)) != plan.versions:
             return False
-        if list(map(_data_ptr, inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
+        if list(map(_data_ptr, plan.inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
             return False
-        if list(map(_version, plan.values)) != plan.value_versions:  # edited in place by a forward
+        if list(map(_version, plan.versioned_values)) != plan.value_versions:  # edited in place by a forward
             return False
         # Written without a version bump, or armed again since (for another value on the storage).
         if plan.armings != ARMINGS[0] or (plan.armed and not all(map(is_armed, plan.armed))):
