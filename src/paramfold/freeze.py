@@ -141,14 +141,13 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     for d, key, t in _inputs(site):
         address = _address(t)
         watch.append((d, key, t, t._version, address, layout(t)))
-        if not content:
-            if arm(t):
-                armed.append(t)
-            continue
-        if unshared(t) and arm(t):
-            # Nothing outside torch holds its bytes: any later hand-out of a writable pointer to
-            # them (numpy, DLPack, data_ptr()) disarms it as a write through torch does.
+        # With the content check, an input nothing outside torch holds is marked, not read: any
+        # later hand-out of a writable pointer to its bytes (numpy, DLPack, data_ptr()) disarms it
+        # as a write through torch does.
+        if (not content or unshared(t)) and arm(t):
             armed.append(t)
+            continue
+        if not content:
             continue
         view = _bytes(t)
         if view is None:
