@@ -344,6 +344,27 @@ def test_originals_reinitialised_after_prepare(mode, hook):
     run_twins(reinitialised_after_prepare, mode, hook=hook)
 
 
+def _steps_with_ema(g, g_ema, forward, ema_call, loss, lerp) -> list:
+    """Three Adam steps of ``g`` through ``forward(z)``, each followed by an EMA update of
+    ``g_ema`` (``lerp()`` over the parameters, G's buffers copied) and two eval calls of it: what
+    each step and call gave, for a bitwise comparison with stock's run."""
+    opt = torch.optim.Adam(g.parameters(), 1e-2)
+    torch.manual_seed(1)
+    z_fixed, record = torch.randn(2, 4), []
+    for _ in range(3):
+        opt.zero_grad()
+        out = forward(torch.randn(2, 4))
+        loss(out).backward()
+        opt.step()
+        record += [out.detach(), grads(g), buffers(g)]
+        with torch.no_grad():
+            lerp()
+            for b_ema, b in zip(g_ema.buffers(), g.buffers()):
+                b_ema.copy_(b)
+            record += [ema_call(z_fixed), ema_call(z_fixed), buffers(g_ema)]
+    return record
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize(("mode", "ema_mode"), [("auto", "freeze"), ("hoist", "auto")])
 def test_ema_generator_lerped_over_parameters_and_buffers(mode, ema_mode, compiled):
@@ -364,20 +385,9 @@ def test_ema_generator_lerped_over_parameters_and_buffers(mode, ema_mode, compil
         g_call, ema_call = g, g_ema
         if prepare and compiled:
             g_call, ema_call = torch.compile(g, **EAGER), torch.compile(g_ema, **EAGER)
-        opt = torch.optim.Adam(g.parameters(), 1e-2)
-        torch.manual_seed(1)
-        z_fixed, record = torch.randn(2, 4), []
-        for _ in range(3):
-            opt.zero_grad()
-            out = d(g_call(torch.randn(2, 4)))
-            (-out.mean()).backward()
-            opt.step()
-            record += [out.detach(), grads(g), buffers(g)]
-            with torch.no_grad():
-                torch._foreach_lerp_(list(g_ema.parameters()), list(g.parameters()), 0.01)
-                for b_ema, b in zip(g_ema.buffers(), g.buffers()):
-                    b_ema.copy_(b)
-                record += [ema_call(z_fixed), ema_call(z_fixed), buffers(g_ema)]
+        record = _steps_with_ema(
+            g, g_ema, lambda z: d(g_call(z)), ema_call, loss=lambda out: -out.mean(),
+            lerp=lambda: torch._foreach_lerp_(list(g_ema.parameters()), list(g.parameters()), 0.01))
         results.append([record, torch.get_rng_state(), g_ema.state_dict(), g.state_dict()])
     assert_same_nested(*results)
 
@@ -399,21 +409,11 @@ def test_ema_copy_of_a_generator_with_hook_based_norms(mode):
         g_call, ema_call = g, g_ema
         if prepare:
             g_call, ema_call = torch.compile(g, **EAGER), torch.compile(g_ema, **EAGER)
-        opt = torch.optim.Adam(g.parameters(), 1e-2)
-        torch.manual_seed(1)
-        z_fixed, record = torch.randn(2, 4), []
-        for _ in range(3):
-            opt.zero_grad()
-            out = g_call(torch.randn(2, 4))
-            out.square().mean().backward()
-            opt.step()
-            record += [out.detach(), grads(g), buffers(g)]
-            with torch.no_grad():
-                for p_ema, p in zip(g_ema.parameters(), g.parameters()):
-                    p_ema.lerp_(p, 0.1)
-                for b_ema, b in zip(g_ema.buffers(), g.buffers()):
-                    b_ema.copy_(b)
-                record += [ema_call(z_fixed), ema_call(z_fixed), buffers(g_ema)]
+        def lerp():
+            for p_ema, p in zip(g_ema.parameters(), g.parameters()):
+                p_ema.lerp_(p, 0.1)
+
+        record = _steps_with_ema(g, g_ema, g_call, ema_call, loss=lambda out: out.square().mean(), lerp=lerp)
         results.append([record, torch.get_rng_state(), g_ema.state_dict(), g.state_dict()])
     assert_same_nested(*results)
 
