@@ -225,6 +225,49 @@ def between_class(cls: type) -> type:
     return sub
 
 
+class _ReadOnce(SiteDescriptor):
+    """The descriptor of :func:`read_once_class`: a *data* descriptor whose first read in a call
+    scope takes the value the scope computed out of the instance ``__dict__``; later reads find
+    none there and compute it like stock, each its own power iteration (in-graph when compiled)."""
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None):
+        if module is None:
+            return self
+        value = module.__dict__.pop(self.name, None)
+        if value is not None:
+            return value
+        return SiteDescriptor.__get__(self, module, owner)
+
+    def __set__(self, module: nn.Module, value: object) -> None:
+        module.__dict__[self.name] = value  # as the non-data descriptor lets it be set; read once
+
+    def __delete__(self, module: nn.Module) -> None:
+        if module.__dict__.pop(self.name, _MISSING) is _MISSING:
+            raise AttributeError(self.name)
+
+
+def read_once_class(cls: type, names: frozenset[str]) -> type:
+    """The class a prepared module has inside a call scope while a *stateful* chain of ``names``
+    trains (spectral_norm's power iteration): ``cls`` with a :class:`_ReadOnce` for each.
+
+    Stock computes such a tensor at every read, and every read advances the chain's state. The
+    scope computes it once, before the call; the first read in the call is served that value and
+    each later one (a discriminator scoring the real and the fake batch in one ``forward``, a
+    tied weight) computes afresh, so the state advances once per read as in stock, and a
+    compiled graph traces the chain only for the reads after the first. Modules without such a
+    chain training keep ``cls``, whose values are plain ``__dict__`` reads.
+    """
+    key = ("read_once", cls, names)
+    with _classes_lock:
+        sub = _classes.get(key)
+        if sub is None:
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            namespace.update((n, _ReadOnce(n)) for n in sorted(names))
+            sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
+            type.__setattr__(sub, "_paramfold_sealed", True)
+    return sub
+
+
 class _ForeignSite:
     """Put on a shared class in place of the property torch injected for one module's new site."""
 

@@ -10,15 +10,18 @@ While a call scope is open (hoist or freeze), the scope computes the value with 
 ``compute_weight`` — so results, gradients and spectral_norm's ``weight_u``/``weight_v`` evolution
 are stock's, once per call — stores it as ``module.weight``, and takes the hook out of
 ``module._forward_pre_hooks`` (:func:`detach`): compiled code then sees a module without hooks,
-exactly like the plain model. :func:`attach` puts the very same hook object back at its key, in
-its place among the others, when the scope closes. Outside a scope the hook is where torch put it
+exactly like the plain model. A training spectral_norm's hook is not taken out but stood in for
+by a :class:`ServedOnce` at its key: the module's first call in the scope is served the value,
+each later call (a discriminator scoring two batches in one forward) runs torch's hook, as every
+call does in stock. :func:`attach` puts the very same hook object back at its key, in its place
+among the others, when the scope closes. Outside a scope the hook is where torch put it
 and runs as in stock (a layer called on its own, a bigger compiled region). As in stock,
 ``module.weight`` keeps the last value after a call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -65,11 +68,41 @@ def compute(module: nn.Module, hook: object, kind: str) -> torch.Tensor:
     return hook.compute_weight(module, do_power_iteration=module.training)
 
 
-def detach(module: nn.Module, keys: list[int]) -> tuple[list[tuple[int, object]], tuple[int, ...]]:
-    """Take the hooks at ``keys`` out of ``module._forward_pre_hooks``; returns what :func:`attach` needs."""
+class ServedOnce:
+    """Stands in for a training spectral_norm's hook while a call scope is open: the module's
+    first call is served the value the scope computed (and ran the power iteration for), each
+    later one runs torch's hook, which computes and stores it afresh, as stock's every call does.
+    ``after``: run eagerly after the hook (the scope's check of what changed takes the hook's own
+    buffer updates as they are)."""
+
+    def __init__(self, hook: object, after: Callable[[], None]) -> None:
+        self.hook = hook
+        self.after = after
+        self.served = False
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if not self.served:
+            self.served = True
+            return
+        self.hook(module, args)
+        if not torch.compiler.is_compiling():
+            self.after()
+
+
+def detach(module: nn.Module, keys: list[int], replace: dict[int, object] | None = None,
+           ) -> tuple[list[tuple[int, object]], tuple[int, ...]]:
+    """Take the hooks at ``keys`` out of ``module._forward_pre_hooks``, or put ``replace[key]`` in
+    one's place; returns what :func:`attach` needs."""
     hooks = module._forward_pre_hooks
     order = tuple(hooks)
-    return [(key, hooks.pop(key)) for key in keys], order
+    taken = []
+    for key in keys:
+        if replace and key in replace:
+            taken.append((key, hooks[key]))
+            hooks[key] = replace[key]
+        else:
+            taken.append((key, hooks.pop(key)))
+    return taken, order
 
 
 def attach(module: nn.Module, taken: list[tuple[int, object]], order: tuple[int, ...]) -> None:

@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.classes import between_class, install_type_before_parametrizations, plain_base, prepared_class
+from paramfold.classes import (between_class, install_type_before_parametrizations, plain_base, prepared_class,
+                               read_once_class)
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
@@ -39,8 +40,10 @@ def prepare(
     Modes:
 
     * ``"hoist"``: every call of the model computes each parametrized tensor once, eagerly,
-      before compiled code runs (autograd reaches the originals; spectral_norm's power iteration
-      advances once per call); compiled code reads plain tensors.
+      before compiled code runs (autograd reaches the originals); compiled code reads plain
+      tensors. A stateful chain in training read again in the same call (a discriminator
+      scoring two batches in one forward) is computed afresh at each later read, so
+      spectral_norm's power iteration advances at every read, as in stock.
     * ``"inline"``: tensors are computed inside compiled code through a lean path, so inductor
       can fuse the parametrization math into its consumers.
     * ``"freeze"``: tensors are materialised once (inference) and re-materialised by themselves
@@ -304,5 +307,8 @@ def _plan(
         st.prepared_class = prepared_class(base, own, st.root, inline)
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
             st.between_class = between_class(st.prepared_class)
+        stateful = frozenset(n for n, site in st.sites.items() if site.stateful and site.hook is None and site.mode != "inline")
+        if stateful:
+            st.read_once_class = read_once_class(st.prepared_class, stateful)
         planned[module] = (st, st.prepared_class)
     return planned

@@ -77,8 +77,9 @@ def restore_module(module: nn.Module) -> None:
     # torch's remove_parametrizations may have unwrapped it to the plain class while prepared; a
     # prepare that failed midway may not have switched this module's class yet.
     cls = type(module)
-    if state.between_class is not None and state.between_class in cls.__mro__:
-        cls = rebased(cls, state.between_class, state.prepared_class)
+    for inside_or_between in (state.between_class, state.read_once_class):
+        if inside_or_between is not None and inside_or_between in cls.__mro__:
+            cls = rebased(cls, inside_or_between, state.prepared_class)
     prepared = next((c for c in cls.__mro__ if "_paramfold_names" in vars(c)), None)
     if prepared is not None:
         module.__class__ = rebased(cls, prepared, state.original_class)

@@ -193,9 +193,11 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     hs.kept = ()
     if kept_before:
         _enter_scope_class(holder, hs)
+    unserved = not at_read and not _read_once(holder, hs)
     installed: list[str] = []
     kept: list[str] = []
     hook_keys: list[int] = []
+    replaced: dict[int, object] = {}
     left: list[tuple[str, object]] = []
     renewed = False
     try:
@@ -206,8 +208,10 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                 # tensor is read, so under FSDP2 after the layer's pre-forward gather, like stock.
                 sync_refs(holder, site)
                 continue
-            site.at_read = at_read
-            if at_read:
+            # A stateful chain training where the class cannot serve only the first read its
+            # value (a class of someone else's now): computed at every read, as stock does.
+            site.at_read = at_read or (unserved and site.hook is None and site.training_stateful)
+            if site.at_read:
                 # A forward pre-hook may change the originals before the forward reads the
                 # tensor: it is computed where it is read, as stock does (the descriptor, in-graph
                 # when compiled; a hook-based norm's own hook stays in and runs as in stock, and
@@ -233,6 +237,12 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
             if site.hook is not None:  # hook-based norm: like stock, the value stays; its hook is out meanwhile
                 values[name] = value
                 hook_keys.append(site.hook_key)
+                if site.training_stateful:  # its hook runs again at the module's later calls in this one
+                    once = site.once_hook
+                    if once is None or once.hook is not site.hook:
+                        once = site.once_hook = hooknorms.ServedOnce(site.hook, functools.partial(nested.refresh, site))
+                    once.served = False
+                    replaced[site.hook_key] = once
             elif site.frozen is not None and value is site.frozen.value:
                 if values.get(name) is not value:  # an unchanged dict keeps dynamo's guards cheap
                     values[name] = value
@@ -258,7 +268,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     # The same kept tuple while the same values stay kept: a plan checks it by identity, so the
     # other grad mode's plan still holds after a call that kept the same values (each builds its own).
     hs.kept = kept_before if not renewed and tuple(kept) == kept_before else tuple(kept)
-    hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
+    hs.hooks_out = hooknorms.detach(holder, hook_keys, replaced) if hook_keys else ()
     hs.left = tuple(left)
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
@@ -331,6 +341,25 @@ def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...]]:
     return hooked, tuple(dicts)
 
 
+def _read_once(holder: nn.Module, hs: ModuleState) -> bool:
+    """Give ``holder`` the class of its call scope: its :func:`~paramfold.classes.read_once_class`
+    while a stateful chain of its trains (the first read of such a value takes it, each later read
+    computes afresh, as stock's every read does), else its prepared class. False where a stateful
+    chain trains but the module has a class of someone else's (a wrapper made in a call), which
+    no read-once class serves."""
+    once_class = hs.read_once_class
+    if once_class is None:
+        return True
+    cls = type(holder)
+    training = any(site.hook is None and site.training_stateful for site in hs.sites.values())
+    wanted = once_class if training else hs.prepared_class
+    if cls is not wanted:
+        if cls is not once_class and cls is not hs.prepared_class:
+            return not training
+        object.__setattr__(holder, "__class__", wanted)
+    return True
+
+
 def _enter_scope_class(holder: nn.Module, hs: ModuleState) -> None:
     """Switch a holder whose frozen values were kept from its between-calls class back to the
     prepared class (also inside a wrapper a library made of it meanwhile, FSDP2's fully_shard)."""
@@ -364,6 +393,8 @@ def _release(claimed: list[nn.Module] | Plan) -> None:
                 for name in hs.installed:
                     values.pop(name, None)
                 hs.installed = ()
+                if hs.read_once_class is not None and type(holder) is hs.read_once_class:
+                    object.__setattr__(holder, "__class__", hs.prepared_class)
                 if hs.kept:
                     if type(holder) is hs.prepared_class and hs.between_class is not None:
                         object.__setattr__(holder, "__class__", hs.between_class)
@@ -402,7 +433,7 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
     for name, site in hs.sites.items():
         if site.hook is None:
             names.append(name)
-        elif hooks.get(site.hook_key, taken.get(site.hook_key)) is not site.hook:
+        elif taken.get(site.hook_key, hooks.get(site.hook_key)) is not site.hook:
             changed = True
         for d, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
             if d.get(key) is not value:

@@ -243,9 +243,21 @@ def call_changed(
                 if hs.users > 1:
                     raise busy(entry)
                 site = hs.sites[name]
+                read_once = site.stateful and site.hook is None and type(holder) is hs.read_once_class
+                if read_once and appended is None:
+                    # Read once (training): the reads from now on compute it afresh, from the
+                    # tensors there at each, as stock's do; nothing to put back.
+                    holder.__dict__.pop(name, None)
+                    continue
+                once = site.once_hook
+                if once is not None and holder._forward_pre_hooks.get(site.hook_key) is once:
+                    # A hook-based norm training: the module's calls from now on run its hook,
+                    # as stock's every call does; nothing to put back.
+                    once.served = True
+                    continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder.__dict__, name, holder.__dict__.pop(name), site, site.read_from,
-                                     site.read_chain))
+                                     site.read_chain, None))
                     continue
                 if appended is not None:
                     value = holder.__dict__[name]
@@ -256,24 +268,27 @@ def call_changed(
                 else:
                     value = hooknorms.compute(holder, site.hook, site.hook_kind)
                 if swapped:
-                    put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from, site.read_chain))
+                    # read once: put back only where no read took it (a later read computes afresh)
+                    put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from,
+                                     site.read_chain, value if read_once else None))
                 holder.__dict__[name] = value
                 site.read_from = inputs(site)  # calls nested in this one use the new value
                 if site.plist is not None:
                     chain = tuple(site.plist._modules.values())
                     site.read_chain = () if chain == site.modules else chain
-                _refresh(site)
+                refresh(site)
             Installs.count += 1
         return call(*args, **kwargs)
     finally:
         local.context = outer
         if put_back:
             with lock:
-                for values, name, value, site, read_from, read_chain in reversed(put_back):
-                    values[name] = value
+                for values, name, value, site, read_from, read_chain, unread in reversed(put_back):
+                    if unread is None or values.get(name) is unread:
+                        values[name] = value
                     site.read_from = read_from
                     site.read_chain = read_chain
-                    _refresh(site)
+                    refresh(site)
                 Installs.count += 1
 
 
@@ -301,7 +316,7 @@ def _moved(tensors: tuple, snap: tuple[dict, dict]) -> bool:
     return False
 
 
-def _refresh(site: SiteState) -> None:
+def refresh(site: SiteState) -> None:
     """The snapshot takes this site's tensors as they are now (its value was just computed from
     them; a stateful chain's own buffer updates must not count as a change)."""
     snap = local.snapshot

@@ -55,7 +55,7 @@ class Plan:
 
     __slots__ = (
         "grad", "claimed", "states", "types", "kepts", "installing", "installed", "shareable", "ones",
-        "switched", "prepared", "between",
+        "switched", "inside", "outside",
         "link_dicts", "link_keys", "links", "ordered", "order",
         "stateful", "mode_modules", "modes", "typed_modules", "typed", "flag_tensors", "flags",
         "inputs", "versioned", "versions", "addresses", "watch",
@@ -82,7 +82,7 @@ class Plan:
         plan.pre_hook_keys = list(map(list, plan.pre_hooks))
         plan.autocast = autocast_state()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
-        switched, prepared, between = [], [], []
+        switched, inside, outside = [], [], []
         links, ordered, stateful, modes, typed = [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
         until: list[int] = []
@@ -93,7 +93,9 @@ class Plan:
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
-            if hs.users != 1 or hs.hooks_out or hs.detach_params or type(holder) is not hs.prepared_class:
+            scope_class = type(holder)  # its prepared class, or the read-once one (scope._read_once)
+            if hs.users != 1 or hs.hooks_out or hs.detach_params or (
+                    scope_class is not hs.prepared_class and scope_class is not hs.read_once_class):
                 return None
             if hs.kept and hs.between_class is None:
                 return None
@@ -171,20 +173,21 @@ class Plan:
                     return None
             claimed.append(holder)
             states.append(hs)
-            types.append(hs.between_class if hs.kept else hs.prepared_class)
+            between_calls = hs.between_class if hs.kept else hs.prepared_class
+            types.append(between_calls)
             kepts.append(hs.kept)
             installed.append(hs.installed)
             shares.append(shareable(hs, grad))
-            if hs.kept:
+            if scope_class is not between_calls:
                 switched.append(holder)
-                prepared.append(hs.prepared_class)
-                between.append(hs.between_class)
+                inside.append(scope_class)
+                outside.append(between_calls)
         plan.claimed, plan.states, plan.types, plan.kepts = claimed, tuple(states), tuple(types), tuple(kepts)
         # Released, a holder has nothing installed: only the holders that install values (hoisted
         # or detached ones, not kept ones) have their names written at each claim.
         plan.installing, plan.installed = _columns([(hs, names) for hs, names in zip(states, installed) if names], 2)
         plan.shareable, plan.ones = tuple(shares), [1] * len(states)
-        plan.switched, plan.prepared, plan.between = tuple(switched), tuple(prepared), tuple(between)
+        plan.switched, plan.inside, plan.outside = tuple(switched), tuple(inside), tuple(outside)
         plan.link_dicts, plan.link_keys, plan.links = _columns(links, 3)
         # The key lists of chains longer than one, their order (a copy's equality would not see
         # it where tags cannot be read).
@@ -251,7 +254,7 @@ class Plan:
 
     def enter(self) -> None:
         """:meth:`claim`'s bookkeeping: the holders' classes and claim counts, as the general path leaves them."""
-        _run(map(_set_class, self.switched, repeat("__class__"), self.prepared))
+        _run(map(_set_class, self.switched, repeat("__class__"), self.inside))
         states = self.states
         _run(map(setattr, states, repeat("users"), self.ones))
         _run(map(setattr, self.installing, repeat("installed"), self.installed))
@@ -303,13 +306,13 @@ class Plan:
     def release(self) -> bool:
         """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
         meanwhile (the caller holds the scope lock); False leaves it to the general release."""
-        if list(map(_users, self.states)) != self.ones or not all(map(is_, map(type, self.switched), self.prepared)):
+        if list(map(_users, self.states)) != self.ones or not all(map(is_, map(type, self.switched), self.inside)):
             return False
         _run(map(dict.pop, self.hoisted_dicts, self.hoisted_names, repeat(None)))
         states = self.states
         _run(map(setattr, states, repeat("users"), repeat(0, len(states))))
         _run(map(setattr, self.installing, repeat("installed"), repeat((), len(self.installing))))
-        _run(map(_set_class, self.switched, repeat("__class__"), self.between))
+        _run(map(_set_class, self.switched, repeat("__class__"), self.outside))
         return True
 
 

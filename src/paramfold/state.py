@@ -106,6 +106,9 @@ class SiteState:
     hook: Any = None
     hook_kind: str = ""
     hook_key: int = -1
+    #: A training spectral_norm hook's stand-in while a call scope is open
+    #: (``hooknorms.ServedOnce``): the scope's value serves the module's first call, its hook the others.
+    once_hook: Any = None
     #: Every tensor of ``tensor_dicts`` when a call scope last put this site's value in its
     #: module's ``__dict__``: a call nested in that scope compares them, to see originals swapped
     #: inside the forward (``torch.func.functional_call`` of a submodule).
@@ -261,6 +264,10 @@ class ModuleState:
     #: whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
     between_class: type | None = None
     kept: tuple[str, ...] = ()
+    #: For holders with a stateful chain (not inline): the class it has inside a call scope while
+    #: one trains (``classes.read_once_class``: the first read of its value takes it, later reads
+    #: compute afresh, as stock's every read does).
+    read_once_class: type | None = None
     #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one,
     #: and the last one of the other grad mode, whose guards a plan rebuilt for that mode reuses.
     plan: Any = None

@@ -139,8 +139,8 @@ def models(
     residual. Each tensor gets a random chain (:func:`chains`) or none; with ``dtype="cast"``
     every floating tensor also gets the seed's ``unsafe`` cast to bfloat16, last. Optionally one
     tensor's originals are shared by two same-shaped layers (``tie``), or one layer instance is
-    called twice (``repeat``; never for a stateful chain in training, where stock PyTorch runs
-    the power iteration once per call and paramfold once per forward).
+    called twice (``repeat``; a stateful chain in training then runs its power iteration at
+    each call, in stock and prepared alike).
 
     Example::
 
@@ -210,7 +210,6 @@ def models(
             for i, layer in enumerate(layers)
             if layer.width_in == layer.width_out
             and layer.kind != "embedding"
-            and not (is_training and any(s.recipe.stateful for _, c in layer.chains for s in c))
         ]
         if candidates and draw(st.integers(0, 3)) == 0:
             repeat = draw(st.sampled_from(candidates))

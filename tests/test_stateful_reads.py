@@ -1,0 +1,209 @@
+"""A stateful chain in training (spectral_norm's power iteration) read more than once in one call.
+
+Stock computes a parametrized tensor at every read, and every read of a training spectral_norm
+advances its ``_u``/``_v``; the hook-based ``torch.nn.utils.spectral_norm`` runs its hook at every
+call of the module. hoist and auto compute the value once, before the call: the first read (or
+call) is served that value, each later one computes afresh (``classes.read_once_class``,
+``hooknorms.ServedOnce``), eagerly or in the compiled graph. The common case is a GAN wrapper
+whose one ``forward`` scores the real and the fake batch through the same discriminator
+(HiFi-GAN's and BigVGAN's multi-scale discriminators do). Everything is compared bitwise with
+stock: compiled runs use ``backend="eager"``, the same ops as stock compiled the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm
+
+from helpers import assert_same_nested, grads
+
+import paramfold
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+MODES = ["hoist", "auto"]
+KINDS = ["parametrization", "hook"]
+
+
+def _norm(kind: str):
+    return spectral_norm if kind == "parametrization" else nn.utils.spectral_norm
+
+
+class Discriminator(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        sn = _norm(kind)
+        self.c1 = sn(nn.Conv2d(3, 4, 3, 2, 1))
+        self.c2 = sn(nn.Conv2d(4, 8, 3, 2, 1))
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.c1(x)))
+
+
+class RealAndFake(nn.Module):
+    """One forward scores both batches: each spectral_norm is read twice per call."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.d = Discriminator(kind)
+
+    def forward(self, real, fake):
+        return self.d(real), self.d(fake)
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def _twins(make, mode: str) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    stock = make()
+    return stock, paramfold.prepare(copy.deepcopy(stock), mode)
+
+
+def _steps(model: nn.Module, call, steps: int = 3) -> list:
+    """``steps`` training steps from one random state: outputs, buffers and gradients of each."""
+    torch.manual_seed(1)
+    record = []
+    for _ in range(steps):
+        model.zero_grad()
+        real, fake = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
+        d_real, d_fake = call(real, fake)
+        (d_real.mean() - 2 * d_fake.mean()).backward()
+        record.append([d_real, d_fake, _buffers(model), grads(model)])
+    return record
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile", "module.compile"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_discriminator_called_twice_in_one_forward_advances_at_each_call_like_stock(mode, kind, how):
+    stock, prepared = _twins(lambda: RealAndFake(kind), mode)
+    runs = []
+    for model in (stock, prepared):
+        call = model
+        if how == "torch.compile":
+            call = torch.compile(model, backend="eager")
+        elif how == "module.compile":
+            model.compile(backend="eager")
+        runs.append(_steps(model, call))
+    assert_same_nested(*runs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_compiled_graph_traces_the_chain_only_for_the_reads_after_the_first(mode, kind):
+    """The deterministic proxy of the cost: one frame, no recompile over steps, and fewer ops
+    than stock's graph (which traces both reads' power iterations); called once per forward,
+    no op of the chain at all: the ops of the plain model."""
+    counters = {}
+    for name, make in (("twice", lambda: RealAndFake(kind)), ("once", lambda: Discriminator(kind))):
+        stock, prepared = _twins(make, mode)
+        for label, model in (("stock", stock), ("prepared", prepared)):
+            counter = CompileCounter()
+            compiled = torch.compile(model, backend=counter)
+            for _ in range(3):
+                x = torch.randn(2, 3, 8, 8)
+                out = compiled(x, x) if name == "twice" else compiled(x)
+                sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+            counters[name, label] = (counter.frame_count, counter.op_count)
+        torch._dynamo.reset()
+    plain = Discriminator(kind)
+    for m in plain.modules():
+        if isinstance(m, nn.Conv2d):
+            if parametrize.is_parametrized(m):
+                parametrize.remove_parametrizations(m, "weight")
+            elif hasattr(m, "weight_orig"):
+                nn.utils.remove_spectral_norm(m)
+    counter = CompileCounter()
+    torch.compile(plain, backend=counter)(torch.randn(2, 3, 8, 8))
+    assert counters["once", "prepared"] == (1, counter.op_count)
+    assert counters["twice", "prepared"][0] == counters["twice", "stock"][0] == 1
+    chain_ops = counters["once", "stock"][1] - counter.op_count
+    assert chain_ops > 0
+    # stock traces the chain at both reads; prepared only at the second
+    assert counters["twice", "prepared"][1] == counters["twice", "stock"][1] - chain_ops
+
+
+class ReadsThrice(nn.Module):
+    """A forward that reads its own spectral_norm weight three times, and a parent that reads
+    the layer's weight directly too (a tied projection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = spectral_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        layer = self.layer
+        h = x @ layer.weight.t() + (x @ layer.weight).sum() * layer.weight[0]
+        return layer(h) @ layer.weight
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_read_of_a_training_spectral_norm_advances_it_as_in_stock(mode, compiled):
+    stock, prepared = _twins(ReadsThrice, mode)
+    runs = []
+    for model in (stock, prepared):
+        call = torch.compile(model, backend="eager") if compiled else model
+        torch.manual_seed(1)
+        record = []
+        for _ in range(3):
+            model.zero_grad()
+            out = call(torch.randn(3, 4))
+            out.sum().backward()
+            record.append([out, _buffers(model), grads(model)])
+        # a read between calls computes like stock (and advances it: training)
+        record.append([model.layer.weight, _buffers(model)])
+        runs.append(record)
+    assert_same_nested(*runs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inside_parametrize_cached_every_read_gets_the_one_cached_value_as_in_stock(mode):
+    stock, prepared = _twins(lambda: RealAndFake("parametrization"), mode)
+    runs = []
+    for model in (stock, prepared):
+        torch.manual_seed(1)
+        record = []
+        for _ in range(2):  # a block per step: the cached value's graph is freed by its backward
+            model.zero_grad()
+            with parametrize.cached():
+                d_real, d_fake = model(torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8))
+                (d_real.mean() - 2 * d_fake.mean()).backward()
+            record.append([d_real, d_fake, _buffers(model), grads(model)])
+        runs.append(record)
+    assert_same_nested(*runs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_eval_calls_and_training_calls_alternate_with_the_read_once_class_only_in_training(mode, kind):
+    """eval: frozen (auto) or hoisted values read as plain ``__dict__`` entries, the module's own
+    class between calls; training: every read advances the chain. Classes are back after each."""
+    stock, prepared = _twins(lambda: RealAndFake(kind), mode)
+    runs = []
+    for model in (stock, prepared):
+        classes_before = [type(m) for m in model.modules()]
+        torch.manual_seed(1)
+        record = []
+        for training in (True, False, False, True, True, False):
+            model.train(training)
+            real, fake = torch.randn(2, 3, 8, 8), torch.randn(2, 3, 8, 8)
+            with torch.set_grad_enabled(training):
+                d_real, d_fake = model(real, fake)
+            record.append([d_real, d_fake, _buffers(model)])
+            assert [type(m) for m in model.modules()] == classes_before or model is prepared
+        runs.append(record)
+    assert_same_nested(*runs)
+    # outside a call every prepared layer has its class of between calls, not the read-once one
+    for m in prepared.modules():
+        state = m.__dict__.get("_paramfold")
+        if state is not None and state.read_once_class is not None:
+            assert type(m) is not state.read_once_class
