@@ -207,3 +207,29 @@ def test_eval_calls_and_training_calls_alternate_with_the_read_once_class_only_i
         state = m.__dict__.get("_paramfold")
         if state is not None and state.read_once_class is not None:
             assert type(m) is not state.read_once_class
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_layer_whose_class_someone_else_wrapped_is_computed_at_every_read(kind):
+    """No read-once class serves a module whose class a library wrapped after prepare (as
+    FSDP2's fully_shard does): its training spectral_norm is then computed where read (a
+    hook-based one: its hook stays in), as stock does."""
+    stock, prepared = _twins(lambda: RealAndFake(kind), "auto")
+    layer = prepared.d.c1
+    layer.__class__ = type("Wrapped" + type(layer).__name__, (type(layer),), {})
+    assert_same_nested(_steps(stock, stock), _steps(prepared, prepared))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_restore_after_training_calls_leaves_the_modules_as_stock_has_them(mode, kind):
+    stock, prepared = _twins(lambda: RealAndFake(kind), mode)
+    _steps(stock, stock, steps=2)
+    _steps(prepared, prepared, steps=2)
+    paramfold.restore(prepared)
+    for (path, a), (_, b) in zip(stock.named_modules(), prepared.named_modules(), strict=True):
+        assert type(a) is type(b), path
+        assert sorted(vars(a)) == sorted(vars(b)), path
+        assert list(a._forward_pre_hooks) == list(b._forward_pre_hooks), path
+    x = torch.randn(2, 3, 8, 8)
+    assert_same_nested(stock(x, x), prepared(x, x))

@@ -41,7 +41,7 @@ from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
-from paramfold.state import STATE_ATTR, SiteState
+from paramfold.state import ONCE_ATTR, STATE_ATTR, SiteState
 from paramfold.scope import compiled_call_impl, root_call
 
 
@@ -246,26 +246,49 @@ class _ReadOnce(SiteDescriptor):
             raise AttributeError(self.name)
 
 
-def read_once_class(cls: type, names: frozenset[str]) -> type:
+def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> type:
     """The class a prepared module has inside a call scope while a *stateful* chain of ``names``
-    trains (spectral_norm's power iteration): ``cls`` with a :class:`_ReadOnce` for each.
+    trains (spectral_norm's power iteration): ``cls`` with a :class:`_ReadOnce` for each, and
+    with ``hooked`` (a hook-based spectral_norm) a ``forward`` that first runs the module's
+    ``hooknorms.ServedOnce`` stand-ins.
 
-    Stock computes such a tensor at every read, and every read advances the chain's state. The
-    scope computes it once, before the call; the first read in the call is served that value and
-    each later one (a discriminator scoring the real and the fake batch in one ``forward``, a
-    tied weight) computes afresh, so the state advances once per read as in stock, and a
-    compiled graph traces the chain only for the reads after the first. Modules without such a
-    chain training keep ``cls``, whose values are plain ``__dict__`` reads.
+    Stock computes such a tensor at every read (a hook-based norm: at every call of the module),
+    and each advances the chain's state. The scope computes it once, before the call; the first
+    read (call) in the call is served that value and each later one (a discriminator scoring the
+    real and the fake batch in one ``forward``, a tied weight) computes afresh, so the state
+    advances as in stock, and a compiled graph traces the chain only for the reads after the
+    first. The price is one traced function per read or call, and none while nothing trains:
+    other modules, and these in eval, keep ``cls``, whose values are plain ``__dict__`` reads.
     """
-    key = ("read_once", cls, names)
+    key = ("read_once", cls, names, hooked)
     with _classes_lock:
         sub = _classes.get(key)
         if sub is None:
             namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
             namespace.update((n, _ReadOnce(n)) for n in sorted(names))
+            if hooked:
+                namespace["forward"] = _served_once_forward(cls.forward)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
             type.__setattr__(sub, "_paramfold_sealed", True)
     return sub
+
+
+def _served_once_forward(forward: Callable) -> Callable:
+    """``forward`` run after the module's ``hooknorms.ServedOnce`` stand-ins, where torch's
+    hooks ran before it in stock."""
+
+    def served_once_forward(self: nn.Module, *args, **kwargs):
+        for once in self._paramfold_once:  # hooknorms.ServedOnce's call, written out: a frame less to trace
+            if once.served:
+                once.hook(self, args)
+                if not torch.compiler.is_compiling():
+                    once.after()
+            else:
+                once.served = True
+        return forward(self, *args, **kwargs)
+
+    functools.update_wrapper(served_once_forward, forward, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    return served_once_forward
 
 
 class _ForeignSite:

@@ -10,10 +10,10 @@ While a call scope is open (hoist or freeze), the scope computes the value with 
 ``compute_weight`` — so results, gradients and spectral_norm's ``weight_u``/``weight_v`` evolution
 are stock's, once per call — stores it as ``module.weight``, and takes the hook out of
 ``module._forward_pre_hooks`` (:func:`detach`): compiled code then sees a module without hooks,
-exactly like the plain model. A training spectral_norm's hook is not taken out but stood in for
-by a :class:`ServedOnce` at its key: the module's first call in the scope is served the value,
-each later call (a discriminator scoring two batches in one forward) runs torch's hook, as every
-call does in stock. :func:`attach` puts the very same hook object back at its key, in its place
+exactly like the plain model. While a spectral_norm trains, the module's class for the call has
+a ``forward`` that runs a :class:`ServedOnce` first: the module's first call in the scope is served
+the value, each later call (a discriminator scoring two batches in one forward) runs torch's hook,
+as every call does in stock. :func:`attach` puts the very same hook object back at its key, in its place
 among the others, when the scope closes. Outside a scope the hook is where torch put it
 and runs as in stock (a layer called on its own, a bigger compiled region). As in stock,
 ``module.weight`` keeps the last value after a call.
@@ -69,11 +69,13 @@ def compute(module: nn.Module, hook: object, kind: str) -> torch.Tensor:
 
 
 class ServedOnce:
-    """Stands in for a training spectral_norm's hook while a call scope is open: the module's
-    first call is served the value the scope computed (and ran the power iteration for), each
-    later one runs torch's hook, which computes and stores it afresh, as stock's every call does.
-    ``after``: run eagerly after the hook (the scope's check of what changed takes the hook's own
-    buffer updates as they are)."""
+    """Stands in for a training spectral_norm's hook, taken out while a call scope is open: the
+    read-once class's ``forward`` (``classes.read_once_class``) calls it before the module's own.
+    The module's first call is served the value the scope computed (and ran the power iteration
+    for); each later one runs torch's hook, which computes and stores it afresh, as stock's every
+    call does. ``after``: run eagerly after the hook (the scope's check of what changed takes the
+    hook's own buffer updates as they are). Not a forward pre-hook itself: dynamo traces a module
+    with hooks through all of ``_call_impl``, several times the cost of one more ``forward``."""
 
     def __init__(self, hook: object, after: Callable[[], None]) -> None:
         self.hook = hook
@@ -89,20 +91,11 @@ class ServedOnce:
             self.after()
 
 
-def detach(module: nn.Module, keys: list[int], replace: dict[int, object] | None = None,
-           ) -> tuple[list[tuple[int, object]], tuple[int, ...]]:
-    """Take the hooks at ``keys`` out of ``module._forward_pre_hooks``, or put ``replace[key]`` in
-    one's place; returns what :func:`attach` needs."""
+def detach(module: nn.Module, keys: list[int]) -> tuple[list[tuple[int, object]], tuple[int, ...]]:
+    """Take the hooks at ``keys`` out of ``module._forward_pre_hooks``; returns what :func:`attach` needs."""
     hooks = module._forward_pre_hooks
     order = tuple(hooks)
-    taken = []
-    for key in keys:
-        if replace and key in replace:
-            taken.append((key, hooks[key]))
-            hooks[key] = replace[key]
-        else:
-            taken.append((key, hooks.pop(key)))
-    return taken, order
+    return [(key, hooks.pop(key)) for key in keys], order
 
 
 def attach(module: nn.Module, taken: list[tuple[int, object]], order: tuple[int, ...]) -> None:

@@ -308,7 +308,8 @@ def _plan(
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
             st.between_class = between_class(st.prepared_class)
         stateful = frozenset(n for n, site in st.sites.items() if site.stateful and site.hook is None and site.mode != "inline")
-        if stateful:
-            st.read_once_class = read_once_class(st.prepared_class, stateful)
+        hooked = any(site.stateful and site.hook is not None for site in st.sites.values())
+        if stateful or hooked:
+            st.read_once_class = read_once_class(st.prepared_class, stateful, hooked)
         planned[module] = (st, st.prepared_class)
     return planned

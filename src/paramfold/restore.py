@@ -8,7 +8,7 @@ from torch.nn.utils import parametrize
 from paramfold.errors import FoldError
 from paramfold.rebase import rebased
 from paramfold.scope import busy
-from paramfold.state import STATE_ATTR, state_of
+from paramfold.state import ONCE_ATTR, STATE_ATTR, state_of
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -65,7 +65,7 @@ def restore_module(module: nn.Module) -> None:
     for name, site in state.sites.items():
         if site.hook is None:  # a hook-based norm's value stays, as stock leaves it
             module.__dict__.pop(name, None)
-    for key in state.ref_keys:
+    for key in (*state.ref_keys, ONCE_ATTR):
         module.__dict__.pop(key, None)
     if state.load_hook is not None:
         state.load_hook.remove()

@@ -60,7 +60,7 @@ from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_
 from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
-from paramfold.state import CALLS, STATE_ATTR, ModuleState, SiteState, distributed
+from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, distributed
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
@@ -197,7 +197,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     installed: list[str] = []
     kept: list[str] = []
     hook_keys: list[int] = []
-    replaced: dict[int, object] = {}
+    onces: list[hooknorms.ServedOnce] = []
     left: list[tuple[str, object]] = []
     renewed = False
     try:
@@ -210,7 +210,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                 continue
             # A stateful chain training where the class cannot serve only the first read its
             # value (a class of someone else's now): computed at every read, as stock does.
-            site.at_read = at_read or (unserved and site.hook is None and site.training_stateful)
+            site.at_read = at_read or (unserved and site.training_stateful)
             if site.at_read:
                 # A forward pre-hook may change the originals before the forward reads the
                 # tensor: it is computed where it is read, as stock does (the descriptor, in-graph
@@ -237,12 +237,12 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
             if site.hook is not None:  # hook-based norm: like stock, the value stays; its hook is out meanwhile
                 values[name] = value
                 hook_keys.append(site.hook_key)
-                if site.training_stateful:  # its hook runs again at the module's later calls in this one
+                if site.stateful:  # its hook runs at the module's later calls in this one (read-once class)
                     once = site.once_hook
                     if once is None or once.hook is not site.hook:
                         once = site.once_hook = hooknorms.ServedOnce(site.hook, functools.partial(nested.refresh, site))
                     once.served = False
-                    replaced[site.hook_key] = once
+                    onces.append(once)
             elif site.frozen is not None and value is site.frozen.value:
                 if values.get(name) is not value:  # an unchanged dict keeps dynamo's guards cheap
                     values[name] = value
@@ -268,7 +268,9 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     # The same kept tuple while the same values stay kept: a plan checks it by identity, so the
     # other grad mode's plan still holds after a call that kept the same values (each builds its own).
     hs.kept = kept_before if not renewed and tuple(kept) == kept_before else tuple(kept)
-    hs.hooks_out = hooknorms.detach(holder, hook_keys, replaced) if hook_keys else ()
+    hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
+    if onces and values.get(ONCE_ATTR) != tuple(onces):
+        values[ONCE_ATTR] = tuple(onces)
     hs.left = tuple(left)
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
@@ -351,7 +353,7 @@ def _read_once(holder: nn.Module, hs: ModuleState) -> bool:
     if once_class is None:
         return True
     cls = type(holder)
-    training = any(site.hook is None and site.training_stateful for site in hs.sites.values())
+    training = any(site.training_stateful for site in hs.sites.values())
     wanted = once_class if training else hs.prepared_class
     if cls is not wanted:
         if cls is not once_class and cls is not hs.prepared_class:

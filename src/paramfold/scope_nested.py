@@ -249,11 +249,10 @@ def call_changed(
                     # tensors there at each, as stock's do; nothing to put back.
                     holder.__dict__.pop(name, None)
                     continue
-                once = site.once_hook
-                if once is not None and holder._forward_pre_hooks.get(site.hook_key) is once:
-                    # A hook-based norm training: the module's calls from now on run its hook,
-                    # as stock's every call does; nothing to put back.
-                    once.served = True
+                if site.hook is not None and site.once_hook is not None and type(holder) is hs.read_once_class:
+                    # A hook-based spectral_norm training: the module's calls from now on run its
+                    # hook, as stock's every call does; nothing to put back.
+                    site.once_hook.served = True
                     continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder.__dict__, name, holder.__dict__.pop(name), site, site.read_from,

@@ -17,6 +17,9 @@ from paramfold.compute import is_nested, leaf_originals, members
 from paramfold.frames import run_module_eagerly_as_frames
 
 STATE_ATTR = "_paramfold"
+#: Where a holder with a stateful hook-based norm keeps its ``hooknorms.ServedOnce`` stand-ins
+#: (instance ``__dict__``), for its read-once class's ``forward``.
+ONCE_ATTR = "_paramfold_once"
 
 #: How freeze tells that a frozen value's inputs changed (``prepare(..., freeze_check=...)``).
 FREEZE_CHECKS = ("content", "version")
@@ -106,8 +109,8 @@ class SiteState:
     hook: Any = None
     hook_kind: str = ""
     hook_key: int = -1
-    #: A training spectral_norm hook's stand-in while a call scope is open
-    #: (``hooknorms.ServedOnce``): the scope's value serves the module's first call, its hook the others.
+    #: A stateful hook-based norm's stand-in (``hooknorms.ServedOnce``), which the read-once
+    #: class's ``forward`` runs: the scope's value serves the module's first call, its hook the others.
     once_hook: Any = None
     #: Every tensor of ``tensor_dicts`` when a call scope last put this site's value in its
     #: module's ``__dict__``: a call nested in that scope compares them, to see originals swapped
@@ -264,9 +267,9 @@ class ModuleState:
     #: whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
     between_class: type | None = None
     kept: tuple[str, ...] = ()
-    #: For holders with a stateful chain (not inline): the class it has inside a call scope while
-    #: one trains (``classes.read_once_class``: the first read of its value takes it, later reads
-    #: compute afresh, as stock's every read does).
+    #: For holders with a stateful chain (not inline) or hook-based spectral_norm: the class it has
+    #: inside a call scope while one trains (``classes.read_once_class``: the first read of such a
+    #: value, or call of the module, takes it; later ones compute afresh, as stock's all do).
     read_once_class: type | None = None
     #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one,
     #: and the last one of the other grad mode, whose guards a plan rebuilt for that mode reuses.
