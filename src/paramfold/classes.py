@@ -41,7 +41,7 @@ from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
-from paramfold.state import ONCE_ATTR, STATE_ATTR, SiteState
+from paramfold.state import STATE_ATTR, SiteState
 from paramfold.scope import compiled_call_impl, root_call
 
 
@@ -278,7 +278,9 @@ def _served_once_forward(forward: Callable) -> Callable:
     hooks ran before it in stock."""
 
     def served_once_forward(self: nn.Module, *args, **kwargs):
-        for once in self._paramfold_once:  # hooknorms.ServedOnce's call, written out: a frame less to trace
+        # state.ONCE_ATTR, as an attribute: dynamo traces that for less than a read of __dict__;
+        # hooknorms.ServedOnce's protocol is written out here, a frame less to trace.
+        for once in self._paramfold_once:
             if once.served:
                 once.hook(self, args)
                 if not torch.compiler.is_compiling():

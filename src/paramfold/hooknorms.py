@@ -70,25 +70,17 @@ def compute(module: nn.Module, hook: object, kind: str) -> torch.Tensor:
 
 class ServedOnce:
     """Stands in for a training spectral_norm's hook, taken out while a call scope is open: the
-    read-once class's ``forward`` (``classes.read_once_class``) calls it before the module's own.
-    The module's first call is served the value the scope computed (and ran the power iteration
-    for); each later one runs torch's hook, which computes and stores it afresh, as stock's every
-    call does. ``after``: run eagerly after the hook (the scope's check of what changed takes the
-    hook's own buffer updates as they are). Not a forward pre-hook itself: dynamo traces a module
-    with hooks through all of ``_call_impl``, several times the cost of one more ``forward``."""
+    read-once class's ``forward`` (``classes.read_once_class``) serves the module's first call
+    the value the scope computed (and ran the power iteration for), and marks it ``served``; at
+    each later call it runs torch's ``hook``, which computes and stores it afresh, as stock's every
+    call does, then (eagerly) ``after``: the scope's check of what changed takes the hook's own
+    buffer updates as they are. Not a forward pre-hook: dynamo traces a module with hooks through
+    all of ``_call_impl``, several times the cost of one more ``forward``."""
 
     def __init__(self, hook: object, after: Callable[[], None]) -> None:
         self.hook = hook
         self.after = after
         self.served = False
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        if not self.served:
-            self.served = True
-            return
-        self.hook(module, args)
-        if not torch.compiler.is_compiling():
-            self.after()
 
 
 def detach(module: nn.Module, keys: list[int]) -> tuple[list[tuple[int, object]], tuple[int, ...]]:
