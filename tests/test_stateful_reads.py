@@ -233,3 +233,26 @@ def test_restore_after_training_calls_leaves_the_modules_as_stock_has_them(mode,
         assert list(a._forward_pre_hooks) == list(b._forward_pre_hooks), path
     x = torch.randn(2, 3, 8, 8)
     assert_same_nested(stock(x, x), prepared(x, x))
+
+
+class ScoresFakeUnderAutocast(nn.Module):
+    """The second call of the discriminator runs in a bfloat16 autocast region."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.d = Discriminator(kind)
+
+    def forward(self, real, fake):
+        d_real = self.d(real)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return d_real, self.d(fake).float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_second_call_under_another_autocast_state_computes_there_like_stock(mode, kind):
+    # Regression: the hook-based norm's value stays in __dict__ after the first call, so the
+    # nested call check took the region for a change it could not serve and raised; the
+    # second call runs torch's hook anyway, in the region, as stock's does.
+    stock, prepared = _twins(lambda: ScoresFakeUnderAutocast(kind), mode)
+    assert_same_nested(_steps(stock, stock), _steps(prepared, prepared))

@@ -294,11 +294,14 @@ def call_changed(
 def _valued(entry: nn.Module):
     for holder in entry.__dict__[STATE_ATTR].holders:
         values = holder.__dict__
-        for name, site in values[STATE_ATTR].sites.items():
+        hs = values[STATE_ATTR]
+        for name, site in hs.sites.items():
             # inline computes where it reads, and so does a site the scope left to be computed
             # where read (below a forward pre-hook: a hook-based norm's hook then stays in and
-            # puts stock's own value in __dict__)
-            if site.mode != "inline" and not site.at_read and name in values:
+            # puts stock's own value in __dict__), and a hook-based spectral_norm training whose
+            # value served the module's first call (its later calls run the hook)
+            if site.mode != "inline" and not site.at_read and name in values and not (
+                    site.once_hook is not None and site.once_hook.served and type(holder) is hs.read_once_class):
                 yield holder, name, site
 
 
