@@ -193,7 +193,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     hs.kept = ()
     if kept_before:
         _enter_scope_class(holder, hs)
-    unserved = not at_read and not _read_once(holder, hs)
+    unserved = not at_read and not _switch_read_once_class(holder, hs)
     installed: list[str] = []
     kept: list[str] = []
     hook_keys: list[int] = []
@@ -239,7 +239,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                 hook_keys.append(site.hook_key)
                 if site.stateful:  # its hook runs at the module's later calls in this one (read-once class)
                     once = site.once_hook
-                    if once is None or once.hook is not site.hook:
+                    if once is None:
                         once = site.once_hook = hooknorms.ServedOnce(site.hook, functools.partial(nested.refresh, site))
                     once.served = False
                     onces.append(once)
@@ -343,7 +343,7 @@ def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...]]:
     return hooked, tuple(dicts)
 
 
-def _read_once(holder: nn.Module, hs: ModuleState) -> bool:
+def _switch_read_once_class(holder: nn.Module, hs: ModuleState) -> bool:
     """Give ``holder`` the class of its call scope: its :func:`~paramfold.classes.read_once_class`
     while a stateful chain of its trains (the first read of such a value takes it, each later read
     computes afresh, as stock's every read does), else its prepared class. False where a stateful

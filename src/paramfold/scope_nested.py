@@ -243,16 +243,15 @@ def call_changed(
                 if hs.users > 1:
                     raise busy(entry)
                 site = hs.sites[name]
-                read_once = site.stateful and site.hook is None and type(holder) is hs.read_once_class
-                if read_once and appended is None:
-                    # Read once (training): the reads from now on compute it afresh, from the
-                    # tensors there at each, as stock's do; nothing to put back.
-                    holder.__dict__.pop(name, None)
-                    continue
-                if site.hook is not None and site.once_hook is not None and type(holder) is hs.read_once_class:
-                    # A hook-based spectral_norm training: the module's calls from now on run its
-                    # hook, as stock's every call does; nothing to put back.
+                read_once = site.stateful and type(holder) is hs.read_once_class  # training
+                if read_once and site.hook is not None:
+                    # The module's calls from now on run its hook, as stock's every call does.
                     site.once_hook.served = True
+                    continue
+                if read_once and appended is None:
+                    # The reads from now on compute it afresh, from the tensors there at each, as
+                    # stock's do; nothing to put back.
+                    holder.__dict__.pop(name, None)
                     continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder.__dict__, name, holder.__dict__.pop(name), site, site.read_from,
