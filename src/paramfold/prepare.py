@@ -43,7 +43,8 @@ def prepare(
       before compiled code runs (autograd reaches the originals); compiled code reads plain
       tensors. A stateful chain in training read again in the same call (a discriminator
       scoring two batches in one forward) is computed afresh at each later read, so
-      spectral_norm's power iteration advances at every read, as in stock.
+      spectral_norm's power iteration advances at every read, as in stock (and where the call
+      does not read the tensor, its state is put back: ``paramfold.unread``).
     * ``"inline"``: tensors are computed inside compiled code through a lean path, so inductor
       can fuse the parametrization math into its consumers.
     * ``"freeze"``: tensors are materialised once (inference) and re-materialised by themselves

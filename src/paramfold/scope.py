@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
-from paramfold import hooknorms, randomness
+from paramfold import hooknorms, randomness, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
 from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, eager_value
@@ -228,7 +228,14 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                 value = frozen.value  # the fast path: nothing changed since the last call
                 site.misses = site.demotions = 0
             else:
+                # A training stateful chain's value is served once (read-once class): its state is
+                # put back where the call does not read it (paramfold.unread).
+                keep = site.training_stateful
+                if keep:
+                    unread.take(holder, name, site)
                 value = _value(holder, name, site, grad)
+                if keep:
+                    unread.computed(site, value)
                 if value is None:
                     site.at_read = True
                     values.pop(name, None)
@@ -262,6 +269,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     except BaseException:
         for name in (*installed, *kept, *kept_before):
             values.pop(name, None)
+        for site in hs.sites.values():
+            unread.put_back(site)
         values.update(left)
         raise
     hs.installed = tuple(installed)
@@ -392,6 +401,9 @@ def _release(claimed: list[nn.Module] | Plan) -> None:
             hs.users -= 1
             if not hs.users:
                 values = holder.__dict__
+                for name, site in hs.sites.items():
+                    if site.before is not None:
+                        unread.release(holder, name, site)
                 for name in hs.installed:
                     values.pop(name, None)
                 hs.installed = ()

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramfold import hooknorms
+from paramfold import hooknorms, unread
 from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
@@ -245,13 +245,17 @@ def call_changed(
                 site = hs.sites[name]
                 read_once = site.stateful and type(holder) is hs.read_once_class  # training
                 if read_once and site.hook is not None:
-                    # The module's calls from now on run its hook, as stock's every call does.
+                    # The module's calls from now on run its hook, as stock's every call does,
+                    # from the state before the call's unread computation (paramfold.unread).
+                    if not site.once_hook.served:
+                        unread.put_back(site)
                     site.once_hook.served = True
                     continue
                 if read_once and appended is None:
                     # The reads from now on compute it afresh, from the tensors there at each, as
-                    # stock's do; nothing to put back.
-                    holder.__dict__.pop(name, None)
+                    # stock's do; nothing to put back but the state, where no read took the value.
+                    if holder.__dict__.pop(name, None) is not None:
+                        unread.put_back(site)
                     continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder.__dict__, name, holder.__dict__.pop(name), site, site.read_from,
@@ -281,8 +285,8 @@ def call_changed(
         local.context = outer
         if put_back:
             with lock:
-                for values, name, value, site, read_from, read_chain, unread in reversed(put_back):
-                    if unread is None or values.get(name) is unread:
+                for values, name, value, site, read_from, read_chain, not_read in reversed(put_back):
+                    if not_read is None or values.get(name) is not_read:
                         values[name] = value
                     site.read_from = read_from
                     site.read_chain = read_chain

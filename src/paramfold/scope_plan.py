@@ -24,6 +24,7 @@ from torch import nn
 from paramfold.compute import (GLOBAL_HOOKS, HOOK_DICTS, any_autocast, autocast_state, call_path, calls_its_forward,
                                class_forward, compute)
 from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.unread import Copies, fusable, put_back, state_tensors
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -62,7 +63,8 @@ class Plan:
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
         "armed", "armings",
         "settings_empty",
-        "hoisted", "hoisted_dicts",
+        "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
+        "copied_from", "copied_to",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "autocast",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
     )
@@ -85,6 +87,8 @@ class Plan:
         switched, inside, outside = [], [], []
         links, ordered, stateful, modes, typed = [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
+        copied: list[tuple] = []
+        copied_list: list[torch.Tensor] = []
         until: list[int] = []
         missed: list = []
         structure: dict[int, dict] = {}
@@ -169,6 +173,10 @@ class Plan:
                         callees.extend(chain)
                         callees.append(site.plist)  # its call still just its forward, checked live
                     hoisted.append((values, name, holder, site.originals, chain, forwards))
+                    if site.training_stateful:  # its state is copied, to put back if unread (paramfold.unread)
+                        tensors = state_tensors(holder, site)
+                        copied.append((site, values, name, len(copied_list), len(copied_list) + len(tensors)))
+                        copied_list.extend(tensors)
                 else:
                     return None
             claimed.append(holder)
@@ -233,6 +241,8 @@ class Plan:
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
+        plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to = _columns(copied, 5)
+        plan.copied_tensors, plan.copied_dtypes = copied_list, fusable(copied_list)
         plan.callees = tuple(callees)
         plan.callee_types = tuple(map(type, callees))
         plan.callee_classes = tuple(dict.fromkeys(plan.callee_types))
@@ -270,17 +280,26 @@ class Plan:
         is more than its ``forward``) each value is computed the way stock calls it
         (:func:`~paramfold.compute.compute`)."""
         direct = bool(self.callees) and self.plain_calls()
-        for values, name, holder, originals, chain, forwards in self.hoisted:
-            if chain is None or forwards is None or not direct:
-                values[name] = compute(holder, name)
-                continue
-            args = []
-            for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
-                args.append(d[key])
-            value = forwards[0](chain[0], *args)
-            for i in range(1, len(chain)):
-                value = forwards[i](chain[i], value)
-            values[name] = value
+        copies = None
+        if self.copied_sites:  # training stateful chains: their state now (paramfold.unread)
+            copies = Copies(self.copied_tensors, self.copied_dtypes)
+            _run(map(setattr, self.copied_sites, repeat("before"),
+                     zip(repeat(copies), self.copied_from, self.copied_to, repeat(None), repeat(None))))
+        try:
+            for values, name, holder, originals, chain, forwards in self.hoisted:
+                if chain is None or forwards is None or not direct:
+                    value = compute(holder, name)
+                else:
+                    args = []
+                    for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
+                        args.append(d[key])
+                    value = forwards[0](chain[0], *args)
+                    for i in range(1, len(chain)):
+                        value = forwards[i](chain[i], value)
+                values[name] = value
+        finally:
+            if copies is not None:
+                copies.computed()
 
     def plain_calls(self) -> bool:
         """Whether calling each member in ``callees`` is, right now, exactly calling its class's
@@ -308,6 +327,14 @@ class Plan:
         meanwhile (the caller holds the scope lock); False leaves it to the general release."""
         if list(map(_users, self.states)) != self.ones or not all(map(is_, map(type, self.switched), self.inside)):
             return False
+        if self.copied_sites:
+            # Where no read took a training stateful chain's value, its state as before the call.
+            unread = list(map(contains, self.copied_dicts, self.copied_names))
+            if True in unread:
+                for site, not_read in zip(self.copied_sites, unread):
+                    if not_read:
+                        put_back(site)
+            _run(map(setattr, self.copied_sites, repeat("before"), repeat(None)))
         _run(map(dict.pop, self.hoisted_dicts, self.hoisted_names, repeat(None)))
         states = self.states
         _run(map(setattr, states, repeat("users"), repeat(0, len(states))))

@@ -1,0 +1,155 @@
+"""A training stateful chain's state, put back where a call did not read the value computed for it.
+
+hoist and auto compute a training spectral_norm's value before the call, and computing it runs
+the power iteration (``_u``/``_v``, a hook-based norm's ``weight_u``/``weight_v``, change in
+place). Stock runs it at a read. So where the forward never reads the tensor (a branch that skips
+the layer, an exception raised before it) or drops the value before reading it (a nested call
+that swapped or changed the originals first: ``functional_call`` of the layer, MoCo's momentum
+update, which then computes afresh, ``scope_nested.call_changed``), the state must be as if the
+scope had not computed it. Before computing, the scope copies the buffers the chain may change
+(:class:`Copies`, one ``torch.cat`` for all of a steady plan's); where the value goes unread,
+each buffer that nothing but the scope's computation wrote since is copied back
+(:func:`put_back`). A read takes the value (the read-once class, ``classes.read_once_class``),
+and with it the copy's last use (:func:`release`).
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from paramfold import hooknorms
+from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.state import SiteState
+from paramfold.state import tensor_version as _version
+
+_dtype = attrgetter("dtype")
+
+
+def state_tensors(holder: nn.Module, site: SiteState) -> list[torch.Tensor]:
+    """The tensors computing ``site``'s value may change in place: its members' buffers (a
+    hook-based spectral_norm's ``<name>_u``/``<name>_v``)."""
+    if site.hook is not None:
+        return [d[k] for _, d, k in hooknorms.state_tensors(holder, site.hook, site.hook_kind)]
+    return [b for m in site.chain for b in m._buffers.values() if b is not None]
+
+
+def fusable(tensors: list[torch.Tensor]) -> tuple | None:
+    """The dtypes of ``tensors`` where one ``torch.cat`` copies them all exactly (plain 1-D
+    tensors of one dtype and device, spectral_norm's vectors), else None."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    for t in tensors:
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.dim() != 1 or t.dtype != first.dtype or t.device != first.device:
+            return None
+    return tuple(map(_dtype, tensors))
+
+
+class Copies:
+    """Copies of some sites' state tensors taken before the scope computes their values, and
+    their version counters after (:meth:`computed`)."""
+
+    __slots__ = ("tensors", "copy", "after")
+
+    def __init__(self, tensors: list[torch.Tensor], dtypes: tuple | None = None) -> None:
+        self.tensors = tensors
+        # One op for all where nothing changed their dtypes since ``dtypes`` was taken (through
+        # ``.data``, which no dict tag sees); else one clone each.
+        copy = None
+        if dtypes is not None and tuple(map(_dtype, tensors)) == dtypes:
+            try:
+                copy = torch.cat(tensors)
+            except RuntimeError:  # not 1-D any more
+                pass
+        self.copy = copy if copy is not None else [t.clone() for t in tensors]
+        self.after: list[int] | None = None
+
+    def computed(self) -> None:
+        self.after = list(map(_version, self.tensors))
+
+    def restore(self, lo: int, hi: int) -> None:
+        """Copy back ``tensors[lo:hi]``, each where no one but the computation wrote it since."""
+        tensors, copy, after = self.tensors, self.copy, self.after
+        if after is None:
+            return
+        if type(copy) is list:
+            parts = copy
+        else:
+            sizes = [t.numel() for t in tensors]
+            if sum(sizes) != copy.numel() or any(t.dtype != copy.dtype for t in tensors):
+                return  # re-described through .data meanwhile: nothing exact to put back
+            parts = copy.split(sizes)
+        with torch.no_grad():
+            for i in range(lo, hi):
+                t = tensors[i]
+                if _version(t) == after[i] and t.shape == parts[i].shape:
+                    t.copy_(parts[i])
+
+
+#: ``SiteState.before``: ``(copies, lo, hi, value, cache key)``, one site's part of a
+#: :class:`Copies` (``copies.tensors[lo:hi]``), and where ``parametrize.cached()`` is open the
+#: value computed and its key in the cache. A tuple: a steady plan makes one per site in C.
+
+
+def take(holder: nn.Module, name: str, site: SiteState) -> None:
+    """Before the general path of a scope computes ``site``'s value (a training stateful chain the
+    read-once class serves): a copy of its state, kept on the site. Nothing where the value
+    comes from ``parametrize.cached()``'s cache (no power iteration runs)."""
+    cache_key = None
+    if site.hook is None and parametrize._cache_enabled:
+        cache_key = (id(holder), name)
+        if cache_key in parametrize._cache:
+            site.before = None
+            return
+    tensors = state_tensors(holder, site)
+    site.before = (Copies(tensors, fusable(tensors)), 0, len(tensors), None, cache_key)
+
+
+def computed(site: SiteState, value: torch.Tensor | None) -> None:
+    """After the general path computed ``site``'s value. ``None`` (the value is to be computed
+    where it is read instead): put back at once, that read runs the iteration again."""
+    before = site.before
+    if before is None:
+        return
+    copies, lo, hi, _, key = before
+    copies.computed()
+    site.before = (copies, lo, hi, value, key)
+    if value is None:
+        put_back(site)
+
+
+def put_back(site: SiteState) -> None:
+    """The value ``site`` was computed for the call goes unread: its state as it was before that
+    computation (each tensor nothing else wrote since); inside ``parametrize.cached()`` the value
+    leaves the cache too, so a later read in the block computes it, as stock's first read does."""
+    before = site.before
+    site.before = None
+    if before is None:
+        return
+    copies, lo, hi, value, key = before
+    copies.restore(lo, hi)
+    if key is not None and parametrize._cache_enabled and parametrize._cache.get(key) is value:
+        del parametrize._cache[key]
+
+
+def release(holder: nn.Module, name: str, site: SiteState) -> None:
+    """At the end of the call (before its values leave ``holder``'s ``__dict__``): put back where
+    no read took the value (a hook-based norm: no call of the module was served it)."""
+    if site.before is None:
+        return
+    if site.hook is not None:
+        unread = site.once_hook is not None and not site.once_hook.served
+    else:
+        unread = name in holder.__dict__
+    if unread:
+        put_back(site)
+    else:
+        site.before = None
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

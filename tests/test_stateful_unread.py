@@ -1,0 +1,209 @@
+"""A training stateful chain (spectral_norm's power iteration) whose value a call does not read.
+
+hoist and auto compute a training spectral_norm's value before the call, which runs the power
+iteration; stock runs it at a read. Where the forward skips the layer (a branch, an exception
+raised before it) or changes its originals before calling it (``functional_call`` of the layer,
+MoCo's momentum update), the state must end as stock's: ``_u``/``_v`` (hook-based:
+``weight_u``/``weight_v``) untouched by the unread computation (``paramfold.unread``). Until
+2026-12-03 these advanced once more than in stock (a documented limit). Everything is compared
+bitwise with stock; compiled runs use ``backend="eager"``, the same ops as stock compiled so.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm
+
+from helpers import assert_same_nested, assert_same_tensors, grads
+
+import paramfold
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+MODES = ["hoist", "auto"]
+KINDS = ["parametrization", "hook"]
+HOWS = ["eager", "torch.compile", "module.compile"]
+
+
+def _norm(kind: str):
+    return spectral_norm if kind == "parametrization" else nn.utils.spectral_norm
+
+
+class Branches(nn.Module):
+    """Each call runs one of two spectral_norm layers (a conditional branch, a skipped block)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.a = _norm(kind)(nn.Linear(4, 4))
+        self.b = _norm(kind)(nn.Linear(4, 4))
+        self.use_b = False
+
+    def forward(self, x):
+        return self.b(x) if self.use_b else self.a(x)
+
+
+def _twins(make, mode: str) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    stock = make()
+    return stock, paramfold.prepare(copy.deepcopy(stock), mode)
+
+
+def _runner(model: nn.Module, how: str):
+    if how == "torch.compile":
+        return torch.compile(model, backend="eager")
+    if how == "module.compile":
+        model.compile(backend="eager")
+    return model
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def _steps(model: nn.Module, call, steps: int, before_step=lambda model, step: None) -> list:
+    """``steps`` training steps from one random state: outputs, buffers and gradients of each."""
+    torch.manual_seed(1)
+    record = []
+    for step in range(steps):
+        before_step(model, step)
+        model.zero_grad()
+        out = call(torch.randn(3, 4))
+        out.square().sum().backward()
+        record.append([out, _buffers(model), grads(model)])
+    return record
+
+
+def _use_b_every_other_step(model: nn.Module, step: int) -> None:
+    model.use_b = step % 2 == 1
+
+
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_the_forward_skips_keeps_its_state_as_in_stock(mode, kind, how):
+    stock, prepared = _twins(lambda: Branches(kind), mode)
+    assert_same_nested(*(_steps(m, _runner(m, how), 4, _use_b_every_other_step) for m in (stock, prepared)))
+
+
+class RaisesMidway(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.a = _norm(kind)(nn.Linear(4, 4))
+        self.b = _norm(kind)(nn.Linear(4, 4))
+
+    def forward(self, x):
+        y = self.a(x)
+        if bool(y.sum() > -1e9):  # always: the layer after it is never reached
+            raise ValueError("bad batch")
+        return self.b(y)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_exception_before_a_layer_leaves_its_state_as_in_stock(mode, kind):
+    stock, prepared = _twins(lambda: RaisesMidway(kind), mode)
+    x = torch.randn(3, 4)
+    for model in (stock, prepared):
+        with pytest.raises(ValueError, match="bad batch"):
+            model(x)
+    assert_same_tensors(_buffers(stock), _buffers(prepared))
+
+
+class MomentumInside(nn.Module):
+    """Updates a child's originals in place inside the forward, then calls it (MoCo's key encoder)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = _norm(kind)(nn.Linear(4, 4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            original = self.lin.parametrizations.weight.original if self.kind == "parametrization" else self.lin.weight_orig
+            original.mul_(0.9)
+        return self.lin(x)
+
+
+class SwapsInside(nn.Module):
+    """Runs its child with other weights (``torch.func.functional_call``, meta-learning style)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = _norm(kind)(nn.Linear(4, 4))
+        self.fast = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        key = "parametrizations.weight.original" if self.kind == "parametrization" else "weight_orig"
+        return torch.func.functional_call(self.lin, {key: self.fast}, (x,))
+
+
+@pytest.mark.parametrize("make", [MomentumInside, SwapsInside])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_originals_changed_inside_the_forward_run_the_power_iteration_once_as_in_stock(mode, kind, make):
+    stock, prepared = _twins(lambda: make(kind), mode)
+    assert_same_nested(*(_steps(m, m, 3) for m in (stock, prepared)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inside_parametrize_cached_a_layer_read_by_a_later_call_advances_once_as_in_stock(mode):
+    # The block's first call skips b: the value computed for it leaves the cache with its state
+    # put back, so the second call's read computes it, as stock's first read in the block does.
+    stock, prepared = _twins(lambda: Branches("parametrization"), mode)
+    x = torch.randn(3, 4)
+    outs = []
+    for model in (stock, prepared):
+        with parametrize.cached():
+            model.use_b = False
+            first = model(x)
+            model.use_b = True
+            second = model(x)
+        outs.append([first, second, _buffers(model)])
+    assert_same_nested(*outs)
+
+
+class AutocastInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = spectral_norm(nn.Linear(4, 4))
+        self.b = spectral_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_refused_inside_the_forward_leaves_the_state_as_it_was(mode):
+    # A training spectral_norm read under an autocast region of the forward is refused (stock
+    # runs the power iteration at that read); the values computed at the call's start went unread.
+    torch.manual_seed(0)
+    prepared = paramfold.prepare(AutocastInside(), mode)
+    before = _buffers(prepared)
+    with pytest.raises(paramfold.FoldError, match="stateful"):
+        prepared(torch.randn(3, 4))
+    assert_same_tensors(before, _buffers(prepared))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_state_written_by_someone_else_during_the_call_is_not_put_back(mode, kind):
+    # The copy goes back only over what the scope's own computation wrote: a buffer written since
+    # (here by the forward itself, loading another state) keeps that write, as in stock.
+    class LoadsState(Branches):
+        def forward(self, x):
+            with torch.no_grad():
+                for buffer in self.b.buffers():
+                    buffer.fill_(0.5)
+            return self.a(x)
+
+    stock, prepared = _twins(lambda: LoadsState(kind), mode)
+    x = torch.randn(3, 4)
+    assert torch.equal(stock(x), prepared(x))
+    assert_same_tensors(_buffers(stock), _buffers(prepared))
