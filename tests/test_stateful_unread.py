@@ -207,3 +207,15 @@ def test_a_state_written_by_someone_else_during_the_call_is_not_put_back(mode, k
     x = torch.randn(3, 4)
     assert torch.equal(stock(x), prepared(x))
     assert_same_tensors(_buffers(stock), _buffers(prepared))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_paramfold_testing_checks_a_layer_the_model_holds_but_never_calls(mode):
+    # paramfold.testing's NetSpec.unused (drawn by models()): the checker compares the unused
+    # layer's buffers with stock's too; before paramfold.unread it reported `_u` moved.
+    from paramfold.testing import LayerSpec, NetSpec, Step, assert_equivalent
+
+    chain = (("weight", (Step("spectral_norm"),)),)
+    spec = NetSpec((LayerSpec("linear", 4, 4, chains=chain), LayerSpec("linear", 4, 4, chains=chain)), unused=1)
+    assert [name for name, _ in spec.build().named_children()] == ["net", "unused"]
+    assert_equivalent(spec.build(), spec.inputs(), mode)

@@ -55,7 +55,7 @@ from paramfold.testing.check import (
     grad_mode,
     structure,
 )
-from paramfold.testing.nets import BufferMix, Conv1dBlock, Conv2dBlock, LayerSpec, NetSpec, ResidualNet
+from paramfold.testing.nets import BufferMix, Conv1dBlock, Conv2dBlock, LayerSpec, NetSpec, ResidualNet, WithUnused
 from paramfold.testing.registry import PARAMETRIZATIONS, Cast, HalfSum, Recipe, Scale, Step, TensorSpec, apply_chain
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time they are resolved by __getattr__
@@ -81,6 +81,7 @@ __all__ = [
     "Step",
     "Structure",
     "TensorSpec",
+    "WithUnused",
     "apply_chain",
     "assert_equivalent",
     "assert_same_structure",

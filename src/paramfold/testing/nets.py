@@ -67,6 +67,19 @@ class ResidualNet(nn.Module):
         return h + self.body(h)
 
 
+class WithUnused(nn.Module):
+    """``net(x)``, holding a layer it never calls (``unused``): prepared with the rest, it must
+    not change (a training spectral_norm there must not run its power iteration)."""
+
+    def __init__(self, net: nn.Module, unused: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.unused = unused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """One layer of a :class:`NetSpec`: its kind, sizes and a chain per parametrized tensor."""
@@ -154,6 +167,9 @@ class NetSpec:
     requires_grad: str = "all"  # "all" | "none" | "some"
     training: bool = True
     seed: int = 0
+    #: Index of a layer the model holds but its forward never calls (a GAN container's
+    #: discriminator in the generator's step): the root wraps the rest (:class:`WithUnused`).
+    unused: int | None = None
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -194,10 +210,14 @@ class NetSpec:
         order = list(layers)
         if self.repeat is not None:
             order.insert(self.repeat + 1, layers[self.repeat])
+        if self.unused is not None:
+            order = [layer for layer in order if layer is not layers[self.unused]]
         if self.residual:
             model: nn.Module = ResidualNet(order[0], nn.Sequential(*order[1:]))
         else:
             model = nn.Sequential(*order)
+        if self.unused is not None:
+            model = WithUnused(model, layers[self.unused])
         return model.train(self.training)
 
     def inputs(self) -> tuple[torch.Tensor, ...]:

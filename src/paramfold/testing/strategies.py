@@ -129,6 +129,7 @@ def models(
     names: Sequence[str] | None = None,
     tying: bool = True,
     repeats: bool = True,
+    unused: bool = True,
     training: bool | None = None,
     requires_grad: Sequence[str] = ("all", "all", "none", "some"),
 ) -> NetSpec:
@@ -140,7 +141,8 @@ def models(
     every floating tensor also gets the seed's ``unsafe`` cast to bfloat16, last. Optionally one
     tensor's originals are shared by two same-shaped layers (``tie``), or one layer instance is
     called twice (``repeat``; a stateful chain in training then runs its power iteration at
-    each call, in stock and prepared alike).
+    each call, in stock and prepared alike), or one layer is held but never called (``unused``;
+    its state, a training spectral_norm's, must not move).
 
     Example::
 
@@ -214,6 +216,17 @@ def models(
         if candidates and draw(st.integers(0, 3)) == 0:
             repeat = draw(st.sampled_from(candidates))
 
+    skipped = None
+    if unused and count > 1:
+        candidates = [
+            i
+            for i, layer in enumerate(layers)
+            if layer.width_in == layer.width_out and layer.kind != "embedding" and i != repeat
+            and (tie is None or i not in tie[:2])
+        ]
+        if candidates and draw(st.integers(0, 3)) == 0:
+            skipped = draw(st.sampled_from(candidates))
+
     return NetSpec(
         layers=tuple(layers),
         dtype=dtype,
@@ -223,6 +236,7 @@ def models(
         requires_grad=draw(st.sampled_from(list(requires_grad))),
         training=is_training,
         seed=draw(st.integers(0, 2**16)),
+        unused=skipped,
     )
 
 
@@ -239,7 +253,7 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
     """Hypothesis strategy: ``(model_factory, inputs, flags)`` for a random parametrized model.
 
     ``flags`` holds ``spec`` (the :class:`NetSpec`), ``training``, ``requires_grad``,
-    ``dtype``, ``tied``, ``repeated``, ``grad_enabled`` (whether to run the case with grad
+    ``dtype``, ``tied``, ``repeated``, ``unused``, ``grad_enabled`` (whether to run the case with grad
     mode on; see :func:`grad_mode`) and ``input_requires_grad`` (float inputs then require
     grad, so even frozen models run backward). Keyword options go to :func:`models`.
 
@@ -265,6 +279,7 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
         "dtype": spec.dtype,
         "tied": spec.tie is not None,
         "repeated": spec.repeat is not None,
+        "unused": spec.unused is not None,
         "grad_enabled": draw(st.sampled_from([True, True, True, False])),
         "input_requires_grad": draw(st.sampled_from([False, False, False, True])),
     }
