@@ -24,11 +24,11 @@ from torch import nn
 from paramfold.compute import (GLOBAL_HOOKS, HOOK_DICTS, any_autocast, autocast_state, call_path, calls_its_forward,
                                class_forward, compute)
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.unread import Copies, fusable, put_back, state_tensors
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
+from paramfold.unread import Copies, fusable, put_back, state_tensors
 from paramfold.watch import Watch, layout, tag
 
 _users = attrgetter("users")

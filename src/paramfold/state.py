@@ -112,8 +112,9 @@ class SiteState:
     #: A stateful hook-based norm's stand-in (``hooknorms.ServedOnce``), which the read-once
     #: class's ``forward`` runs: the scope's value serves the module's first call, its hook the others.
     once_hook: Any = None
-    #: While a call scope's value of a training stateful chain is unread: the chain's buffers as
-    #: they were before the scope computed it (``unread.Before``), to put back if no read takes it.
+    #: While a call scope's value of a training stateful chain is unread: where the copy of the
+    #: chain's buffers from before the scope computed it is (``paramfold.unread``), to put back
+    #: if no read takes the value.
     before: Any = None
     #: Every tensor of ``tensor_dicts`` when a call scope last put this site's value in its
     #: module's ``__dict__``: a call nested in that scope compares them, to see originals swapped
