@@ -497,7 +497,9 @@ class _RestoresItself(torch.nn.Module):
 def test_restore_during_a_call_is_refused_before_it_changes_anything(mode):
     # Regression: restore inside the model's own call (or from another thread during one) took
     # the model apart under the open call scope: the call ended in KeyError('_paramfold'), and
-    # with hoist and auto spectral_norm ran its power iteration twice.
+    # with hoist and auto spectral_norm ran its power iteration twice. The value computed as the
+    # call opened went unread: its power iteration is undone (paramfold.unread; until 2026-12-03
+    # it stayed, one step ahead of a model whose call never reached the layer).
     torch.manual_seed(0)
     stock = _RestoresItself()
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
@@ -505,8 +507,6 @@ def test_restore_during_a_call_is_refused_before_it_changes_anything(mode):
     with pytest.raises(paramfold.FoldError, match="Restore it after the call returns"):
         ours(torch.randn(2, 4))
     assert classes(ours) == prepared_classes
-    if mode != "inline":  # computed as the call opened: one power iteration, as stock's one read
-        stock.lin(torch.randn(2, 4))
     assert all(torch.equal(a, b) for a, b in zip(stock.state_dict().values(), ours.state_dict().values()))
     paramfold.restore(ours)
     assert classes(ours) == classes(stock)
