@@ -191,9 +191,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     values = holder.__dict__
     kept_before = hs.kept
     hs.kept = ()
-    if kept_before:
-        _enter_scope_class(holder, hs)
-    unserved = not at_read and not _switch_read_once_class(holder, hs)
+    unserved = not _enter_scope_class(holder, hs, not at_read)
     installed: list[str] = []
     kept: list[str] = []
     hook_keys: list[int] = []
@@ -352,33 +350,24 @@ def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...]]:
     return hooked, tuple(dicts)
 
 
-def _switch_read_once_class(holder: nn.Module, hs: ModuleState) -> bool:
-    """Give ``holder`` the class of its call scope: its :func:`~paramfold.classes.read_once_class`
-    while a stateful chain of its trains (the first read of such a value takes it, each later read
-    computes afresh, as stock's every read does), else its prepared class. False where a stateful
-    chain trains but the module has a class of someone else's (a wrapper made in a call), which
-    no read-once class serves."""
-    once_class = hs.read_once_class
-    if once_class is None:
+def _enter_scope_class(holder: nn.Module, hs: ModuleState, read_once: bool = True) -> bool:
+    """Give ``holder`` its class for the call scope: its prepared class (from the between-calls
+    class its kept frozen values had, also inside a wrapper a library made of it meanwhile,
+    FSDP2's ``fully_shard``), or, with ``read_once`` while a stateful chain of its trains, its
+    :func:`~paramfold.classes.read_once_class` (the first read of such a value takes it, each
+    later read computes afresh, as stock's every read does). False where a stateful chain trains
+    but the module has a class of someone else's (a wrapper), which no read-once class serves."""
+    cls, prepared, between, once = type(holder), hs.prepared_class, hs.between_class, hs.read_once_class
+    training = read_once and once is not None and any(site.training_stateful for site in hs.sites.values())
+    wanted = once if training else prepared
+    if cls is wanted:
         return True
-    cls = type(holder)
-    training = any(site.training_stateful for site in hs.sites.values())
-    wanted = once_class if training else hs.prepared_class
-    if cls is not wanted:
-        if cls is not once_class and cls is not hs.prepared_class:
-            return not training
+    if cls is prepared or cls is between or (cls is once and once is not None):
         object.__setattr__(holder, "__class__", wanted)
-    return True
-
-
-def _enter_scope_class(holder: nn.Module, hs: ModuleState) -> None:
-    """Switch a holder whose frozen values were kept from its between-calls class back to the
-    prepared class (also inside a wrapper a library made of it meanwhile, FSDP2's fully_shard)."""
-    cls, between = type(holder), hs.between_class
-    if cls is between:
-        object.__setattr__(holder, "__class__", hs.prepared_class)
-    elif between is not None and between in cls.__mro__:
-        object.__setattr__(holder, "__class__", rebased(cls, between, hs.prepared_class))
+        return True
+    if between is not None and between in cls.__mro__:
+        object.__setattr__(holder, "__class__", rebased(cls, between, prepared))
+    return not training
 
 
 def _shareable(hs: ModuleState, grad: bool) -> tuple | None:

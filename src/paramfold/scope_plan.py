@@ -97,7 +97,7 @@ class Plan:
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
-            scope_class = type(holder)  # its prepared class, or the read-once one (scope._switch_read_once_class)
+            scope_class = type(holder)  # its prepared class, or the read-once one (scope._enter_scope_class)
             if hs.users != 1 or hs.hooks_out or hs.detach_params or (
                     scope_class is not hs.prepared_class and scope_class is not hs.read_once_class):
                 return None
