@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 MODES = ["hoist", "auto"]
 KINDS = ["parametrization", "hook"]
-HOWS = ["eager", "torch.compile", "module.compile"]
+HOWS = ["eager", "torch.compile", "module.compile", "layer.compile"]
 
 
 def _norm(kind: str):
@@ -58,6 +58,9 @@ def _runner(model: nn.Module, how: str):
         return torch.compile(model, backend="eager")
     if how == "module.compile":
         model.compile(backend="eager")
+    if how == "layer.compile":  # torchtune style: each child compiled, the root eager
+        for child in model.children():
+            child.compile(backend="eager")
     return model
 
 
