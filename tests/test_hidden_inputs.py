@@ -292,28 +292,6 @@ def test_the_checker_holds_auto_to_stock_on_a_random_chain():
     pt.assert_equivalent(_model(Noisy, frozen=False), torch.randn(2, 4), "auto", steps=3)
 
 
-# --- spectral_norm on torch's RNNs (read twice per forward) ---------------------------------
-
-
-class _Tagger(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.rnn = spectral_norm(nn.GRU(4, 4, batch_first=True), "weight_hh_l0")
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(x)[0])
-
-
-def test_auto_serves_spectral_norm_on_an_rnn_at_every_read():
-    torch.manual_seed(0)
-    model = _Tagger().train()
-    ours = paramfold.prepare(copy.deepcopy(model), "auto")
-    assert ours.rnn.__dict__["_paramfold"].sites["weight_hh_l0"].mode == "inline"
-    torch.manual_seed(0)
-    pt.assert_equivalent(_Tagger().train(), torch.randn(2, 3, 4), "auto", steps=2)
-
-
 # --- the grad mode and autocast state a value is computed under -----------------------------
 
 

@@ -55,8 +55,8 @@ def prepare(
     * ``"auto"``: on every call, freeze what can be frozen and hoist the rest (under
       ``no_grad``, trainable chains are frozen too: ``model.eval()`` inference needs no
       ``requires_grad_(False)``; a call that records autograd hoists them); tensors that
-      neither serves exactly (a chain that draws random numbers, spectral_norm on torch's RNN
-      modules, which read a weight twice per forward) are computed at every read, as inline.
+      neither serves exactly (a chain that draws random numbers) are computed at every read,
+      as inline.
 
     Args:
         model: the model you will call (and may compile, whole or per layer).
@@ -216,14 +216,9 @@ def _read_by_read(site: Site, mode: str) -> str | None:
             "and stock draws them at every read, in the forward's order, which a value computed "
             "before the call (hoist) or once for many calls (freeze) cannot reproduce"
         )
-    if mode != "freeze" and site.stateful and isinstance(site.module, nn.RNNBase):
-        # RNNBase._update_flat_weights reads every weight more than once per forward (hasattr,
-        # then getattr): stock runs a stateful chain once per read, a hoisted value once per call.
-        return (
-            f"a stateful parametrization (spectral_norm) on a {type(site.module).__name__}: torch's RNN "
-            "modules read their weights more than once per forward, and in training stock runs the "
-            "power iteration at each read, which a value computed once per call cannot reproduce"
-        )
+    # A stateful chain read several times per forward (torch's RNNs read each weight up to four
+    # times in _update_flat_weights) is served by the read-once class: the first read takes the
+    # hoisted value, each later one computes afresh, as stock's does (classes.read_once_class).
     return None
 
 
