@@ -222,3 +222,24 @@ def test_paramfold_testing_checks_a_layer_the_model_holds_but_never_calls(mode):
     spec = NetSpec((LayerSpec("linear", 4, 4, chains=chain), LayerSpec("linear", 4, 4, chains=chain)), unused=1)
     assert [name for name, _ in spec.build().named_children()] == ["net", "unused"]
     assert_equivalent(spec.build(), spec.inputs(), mode)
+
+
+class CopiesItself(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = spectral_norm(nn.Linear(4, 4))
+        self.copies = []
+
+    def forward(self, x):
+        y = self.a(x)
+        self.copies.append(copy.deepcopy(self.a))  # an EMA model made inside the forward, say
+        return y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_copy_made_inside_the_forward_carries_nothing_of_the_open_call(mode):
+    torch.manual_seed(0)
+    prepared = paramfold.prepare(CopiesItself(), mode)
+    prepared(torch.randn(3, 4))
+    (replica,) = prepared.copies
+    assert all(site.before is None for site in replica.__dict__["_paramfold"].sites.values())

@@ -151,6 +151,16 @@ class SiteState:
                 return True
         return False
 
+    def __deepcopy__(self, memo: dict) -> SiteState:
+        """A copy for a copied module, without what belongs to one open call of this one
+        (``before``: a copy of the model made inside its forward opens its own calls)."""
+        replica = copy.copy(self)
+        memo[id(self)] = replica
+        for field in dataclasses.fields(self):
+            value = None if field.name == "before" else copy.deepcopy(getattr(self, field.name), memo)
+            setattr(replica, field.name, value)
+        return replica
+
 
 #: Call scopes opened so far, in every thread (counted under the scope lock): the clock of the
 #: periods in which freeze and auto compute a site at every call (``SiteState.hoist_until``).
