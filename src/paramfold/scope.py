@@ -391,8 +391,7 @@ def _release(claimed: list[nn.Module] | Plan) -> None:
             if not hs.users:
                 values = holder.__dict__
                 for name, site in hs.sites.items():
-                    if site.before is not None:
-                        unread.release(holder, name, site)
+                    unread.release(holder, name, site)
                 for name in hs.installed:
                     values.pop(name, None)
                 hs.installed = ()

@@ -154,12 +154,7 @@ class SiteState:
     def __deepcopy__(self, memo: dict) -> SiteState:
         """A copy for a copied module, without what belongs to one open call of this one
         (``before``: a copy of the model made inside its forward opens its own calls)."""
-        replica = copy.copy(self)
-        memo[id(self)] = replica
-        for field in dataclasses.fields(self):
-            value = None if field.name == "before" else copy.deepcopy(getattr(self, field.name), memo)
-            setattr(replica, field.name, value)
-        return replica
+        return _copy_fields(self, memo, _OPEN_CALL)
 
 
 #: Call scopes opened so far, in every thread (counted under the scope lock): the clock of the
@@ -299,11 +294,7 @@ class ModuleState:
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
-        replica = copy.copy(self)
-        memo[id(self)] = replica
-        for field in dataclasses.fields(self):
-            value = None if field.name in _CACHES else copy.deepcopy(getattr(self, field.name), memo)
-            setattr(replica, field.name, value)
+        replica = _copy_fields(self, memo, _CACHES)
         # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
         replica.covers = frozenset(id(m) for m in replica.entries)
         return replica
@@ -311,6 +302,18 @@ class ModuleState:
 
 #: ModuleState's fields that hold what a call scope derived from the module, not its state.
 _CACHES = frozenset({"plan", "spare_plan", "nested_check"})
+#: SiteState's field that holds what one open call of its module keeps.
+_OPEN_CALL = frozenset({"before"})
+
+
+def _copy_fields(state: Any, memo: dict, dropped: frozenset[str]) -> Any:
+    """A deep copy of the dataclass ``state`` whose fields named in ``dropped`` are None."""
+    replica = copy.copy(state)
+    memo[id(state)] = replica
+    for field in dataclasses.fields(state):
+        value = None if field.name in dropped else copy.deepcopy(getattr(state, field.name), memo)
+        setattr(replica, field.name, value)
+    return replica
 
 
 def state_of(module: nn.Module) -> ModuleState | None:
