@@ -746,11 +746,11 @@ def test_a_deep_copy_sees_its_own_chain_start_drawing(mode):
 
 
 class _WaitsForAnotherThreadsDraw(nn.Module):
-    """Deterministic, but another thread draws from the shared CPU generator while it computes."""
+    """Deterministic, but another thread draws from the shared CPU generator while it computes.
+    ``drawn`` is the class's, so that the draws of ``find``'s probe, which runs a copy of the
+    member, are seen too."""
 
-    def __init__(self):
-        super().__init__()
-        self.drawn = []
+    drawn: list = []
 
     def forward(self, w):
         thread = threading.Thread(target=lambda: self.drawn.append(torch.rand(3)))

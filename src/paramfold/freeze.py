@@ -126,10 +126,11 @@ class _NoDraws(TorchDispatchMode):
 
 def random_now(module: nn.Module, name: str) -> FoldError:
     return FoldError(
-        f"the parametrization of {type(module).__name__}.{name} would draw random numbers to "
-        "compute the value to freeze, which it did not when paramfold.prepare probed it (a "
-        "dropout probability or noise scale set above 0 since): stock draws at every read, which "
-        "a frozen value cannot. It was stopped before drawing. Call paramfold.restore(model) and "
+        f"the parametrization of {type(module).__name__}.{name} would draw random numbers (or "
+        "change its own attributes) to compute the value to freeze, which it did not when "
+        "paramfold.prepare probed it (a dropout probability or noise scale set above 0 since): "
+        "stock does that at every read, which a frozen value cannot. It was stopped before "
+        "drawing. Call paramfold.restore(model) and "
         "prepare it again (mode='auto' then computes it at every read), or use mode='inline'."
     )
 

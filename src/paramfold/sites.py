@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -84,6 +86,10 @@ class Site:
         random: whether the chain (or a nested chain) draws random numbers when it computes
             the tensor, in training or eval mode (DropConnect, weight noise, sampled Bayesian
             weights): stock then draws at every read, in the forward's order.
+        writes_itself: whether computing the tensor changes the chain's own state outside its
+            parameters and buffers (an attribute set, such as a step counter; a tensor attribute
+            edited in place), or the probe could not tell (a member that cannot be copied):
+            stock changes it at every read.
     """
 
     module_path: str
@@ -100,6 +106,7 @@ class Site:
     hook_based: bool = False
     random: bool = False
     stateful_in_eval: bool = False
+    writes_itself: bool = False
 
     @property
     def fqn(self) -> str:
@@ -214,13 +221,13 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     originals = {p: d[k] for p, d, k in leaf_originals(plist)}
     kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
-    random = stateful_in_eval = False
+    random = stateful_in_eval = writes_itself = False
     if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
         kinds = [k or "communication" for k in kinds]
     elif any(k is None for k in kinds):
         # An inner chain's draws come from the probe's own generator.
         inputs = _run_probed(_Probe(stop_at_collectives=False), _computed_originals, plist) if is_nested(plist) else originals
-        kinds, probed_stateful, stateful_in_eval, random = _probe_unknown(chain, inputs, kinds)
+        kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(chain, inputs, kinds)
         stateful = stateful or probed_stateful or stateful_in_eval
     return Site(
         module_path=path,
@@ -234,6 +241,7 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         is_buffer=not any(isinstance(t, nn.Parameter) for t in originals.values()),
         random=random,
         stateful_in_eval=stateful_in_eval,
+        writes_itself=writes_itself,
     )
 
 
@@ -247,8 +255,10 @@ def probed(module: nn.Module) -> bool:
 def draws_random_numbers(module: nn.Module, name: str) -> bool:
     """Whether computing ``module.<name>`` now would draw random numbers: its chain, and the chains
     of its originals that are parametrized themselves, probed as :func:`find` probes them (on
-    copies; no generator of the user's moves)."""
-    if _make_site("", module, name).random:
+    copies; no generator of the user's moves). A chain that writes its own attributes at each
+    computation counts too: stock repeats that at every read as well."""
+    site = _make_site("", module, name)
+    if site.random or site.writes_itself:
         return True
     plist = module.parametrizations[name]
     return any(draws_random_numbers(plist, n) for n in original_names(plist) if parametrize.is_parametrized(plist, n))
@@ -262,7 +272,7 @@ def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
             if not parametrize.is_parametrized(plist, n):
                 values[n] = getattr(plist, n)
                 continue
-            inner = plist.parametrizations[n]
+            inner = copy.deepcopy(plist.parametrizations[n])  # its calls change nothing of the model's
             state = {k: v.clone() for k, v in (*inner.named_parameters(), *inner.named_buffers())}
             values[n] = torch.func.functional_call(inner, state, ())
     return values
@@ -272,17 +282,18 @@ def _probe_unknown(
     chain: tuple[nn.Module, ...],
     originals: dict[str, torch.Tensor],
     kinds: list[str | None],
-) -> tuple[list[str], bool, bool, bool]:
-    """Run the chain on cloned state to tell casts from custom maps, find buffer mutation and
-    random draws: ``(kinds, stateful, stateful_in_eval, random)``.
+) -> tuple[list[str], bool, bool, bool, bool]:
+    """Run the chain on cloned state to tell casts from custom maps, find buffer mutation, random
+    draws and other writes: ``(kinds, stateful, stateful_in_eval, random, writes_itself)``.
 
-    Each module is called through ``torch.func.functional_call`` with clones of its own
-    parameters and buffers in training mode, so the real module state never changes, then
-    again in eval mode to see whether it mutates its buffers or draws random numbers there too
-    (its draws come from the probe's own generator: see :class:`_Probe`).
+    Each module is called on a copy of itself (:func:`_probe_call`) through
+    ``torch.func.functional_call`` with clones of its own parameters and buffers in training mode,
+    so the real module never changes, then again in eval mode to see whether it mutates its
+    buffers, draws random numbers or writes its attributes there too (its draws come from the
+    probe's own generator: see :class:`_Probe`).
     """
     resolved: list[str] = []
-    stateful = stateful_in_eval = random = False
+    stateful = stateful_in_eval = random = writes_itself = False
     with torch.no_grad():
         # Clones of the originals too: a member (or its pre-hook) may edit its input in place.
         value: object = tuple(_clone(t) for t in originals.values())
@@ -298,10 +309,12 @@ def _probe_unknown(
                 in_eval = _probe_call(module, args, training=False)[2]
                 random = random or in_eval.random
                 stateful_in_eval = stateful_in_eval or (in_eval.mutated and kind not in _STATELESS_KINDS)
+                writes_itself = writes_itself or in_eval.writes_itself
             random = random or probe.random
+            writes_itself = writes_itself or probe.writes_itself
             resolved.append(kind)
             value = out
-    return resolved, stateful, stateful_in_eval, random
+    return resolved, stateful, stateful_in_eval, random, writes_itself
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
@@ -312,25 +325,33 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
 
 
 def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, object, _Probe]:
-    """``module(*args)`` on clones of its own parameters and buffers, in the given mode:
-    ``(the clones, the output or None where it raised, what the probe saw)``."""
+    """``module(*args)`` on a copy of it, with clones of its own parameters and buffers, in the
+    given mode: ``(the clones, the output or None where it raised, what the probe saw)``. The
+    module itself is never called: a call may change its Python attributes (a step counter) or
+    tensors it holds outside its parameters and buffers."""
+    probe = _Probe()
+    try:
+        module = copy.deepcopy(module)
+    except Exception:  # cannot be probed without changing it: served as if it wrote itself
+        probe.writes_itself = True
+        return {}, None, probe
     state = {
         **{k: v.clone() for k, v in module.named_parameters()},
         **{k: v.clone() for k, v in module.named_buffers()},
     }
     versions = {k: v._version for k, v in state.items()}
-    probe = _Probe()
-    was_training = module.training
+    module.train(training)
+    attributes = [(vars(m), dict(vars(m))) for m in module.modules()]
+    tensors = [(t, t._version) for _, then in attributes for t in then.values() if isinstance(t, torch.Tensor)]
     try:
-        module.train(training)
         out = _run_probed(probe, torch.func.functional_call, module, state, args)
     except _Collective:
         out, probe.collective = None, True
     except Exception:  # a probe must never break find(); unknown stays "custom"
         out = None
-    finally:
-        module.train(was_training)
     probe.mutated = any(state[k]._version != v for k, v in versions.items())
+    probe.writes_itself = any(now.keys() != then.keys() or not all(map(operator.is_, now.values(), then.values()))
+                              for now, then in attributes) or any(t._version != v for t, v in tensors)
     return state, out, probe
 
 
@@ -365,8 +386,11 @@ class _Probe(TorchDispatchMode):
         self._stop_at_collectives = stop_at_collectives
         self.collective = False
         self.random = False
-        #: Set by :func:`_probe_call`: whether the call changed a clone of the module's own state.
+        #: Set by :func:`_probe_call`: whether the call changed a clone of the module's own state,
+        #: and whether it changed anything else of the module's (an attribute set, a tensor
+        #: attribute that is not a buffer edited in place).
         self.mutated = False
+        self.writes_itself = False
         self._generator = torch.Generator().manual_seed(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

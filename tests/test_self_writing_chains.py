@@ -1,0 +1,115 @@
+"""Custom parametrizations whose computation writes their own attributes.
+
+A member may keep Python state that its ``forward`` changes at every computation: a step counter
+for an annealing schedule, a running statistic in a plain tensor attribute that is not a
+registered buffer. Stock changes it at every read. ``find``'s probe must not change it at all
+(it runs a copy of each member), and such a chain is served like one that draws random numbers:
+computed at every read (auto, inline), refused by hoist and freeze with the model left as it was.
+Until 2026-12-03 the probe ran the real member (the counter advanced at ``prepare``, and again at
+every call where the counter's write looked like a settings change), and freeze served the first
+call's value for good. Compared bitwise with stock; compiled runs use ``backend="eager"``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from helpers import assert_same_tensors, classes, grads
+
+import paramfold
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class Counted(nn.Module):
+    """A warm-up schedule: the weight scaled by a factor that grows with each computation."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = 0
+
+    def forward(self, w):
+        self.step += 1
+        return w * (1 + 0.01 * self.step)
+
+
+class Running(nn.Module):
+    """A running mean of the weight's scale, kept in a tensor attribute that is not a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.running = torch.ones(())
+
+    def forward(self, w):
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(0.1 * w.abs().mean())
+        return w / self.running
+
+
+MEMBERS = {"counter": Counted, "tensor attribute": Running}
+
+
+def _model(member: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    parametrize.register_parametrization(model[0], "weight", MEMBERS[member]())
+    return model
+
+
+def _member_state(model: nn.Module) -> tuple:
+    member = model[0].parametrizations.weight[0]
+    return getattr(member, "step", None), getattr(member, "running", torch.zeros(())).clone()
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_find_changes_nothing_of_a_member(member):
+    model = _model(member)
+    before = _member_state(model)
+    (site,) = paramfold.find(model)
+    assert site.writes_itself
+    after = _member_state(model)
+    assert before[0] == after[0] and torch.equal(before[1], after[1])
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+def test_hoist_and_freeze_refuse_and_leave_the_model_as_it_was(member, mode):
+    model = _model(member)
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    before, kinds, state = _member_state(model), classes(model), {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(paramfold.FoldError, match="changes its own attributes"):
+        paramfold.prepare(model, mode)
+    after = _member_state(model)
+    assert before[0] == after[0] and torch.equal(before[1], after[1])
+    assert classes(model) == kinds
+    assert_same_tensors(state, model.state_dict())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("member", MEMBERS)
+@pytest.mark.parametrize("mode", ["auto", "inline"])
+def test_served_at_every_read_like_stock(mode, member, grad, compiled):
+    stock, ours = _model(member), _model(member)
+    paramfold.prepare(ours, mode)
+    if not grad:
+        stock.eval(), ours.eval()
+    run = {id(m): (torch.compile(m, backend="eager") if compiled else m) for m in (stock, ours)}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        outs = []
+        for model in (stock, ours):
+            with torch.set_grad_enabled(grad):
+                out = run[id(model)](x)
+                if grad:
+                    out.sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        expected, actual = _member_state(stock), _member_state(ours)
+        assert expected[0] == actual[0] and torch.equal(expected[1], actual[1]), f"step {step}"
+        if grad:
+            assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
