@@ -63,7 +63,7 @@ from paramfold.scope_plan import Plan, holds
 from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, distributed
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
-from paramfold.state import tensor_version as _version
+from paramfold.watch import tag
 
 _MODULE_CALL = nn.Module.__call__
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
@@ -94,6 +94,9 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     context = (grad, autocast_state() if _any_autocast() else None)
     with _LOCK:
         CALLS[0] += 1
+        if nested.Installs.partial:  # a nested check built without a value this call puts back
+            nested.Installs.count += 1
+            nested.Installs.partial = False
         plan = state.plan
         if plan is None or plan.grad is not grad:  # written out: no frame on the steady path
             plan = _plan_of(state, grad)
@@ -694,10 +697,11 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         try:
             if all(map(is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
                 snap, plain, ids = nested.local.snapshot, check[7], check[8]
-                if snap is None or not plain:
+                if snap is None:
                     return None
-                if list(map(snap[0].__getitem__, ids)) == list(map(_version, plain)) and \
-                        list(map(snap[1].__getitem__, ids)) == list(map(_data_ptr, plain)):
+                if (list(map(snap[0].__getitem__, check[11])) == list(map(getattr, check[9], check[10]))
+                        and list(map(snap[1].__getitem__, ids)) == list(map(_data_ptr, plain))
+                        and (not check[12] or list(map(snap[2].__getitem__, check[13])) == list(map(tag, check[12])))):
                     return None
         except (LookupError, RuntimeError):
             pass

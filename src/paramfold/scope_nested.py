@@ -43,18 +43,28 @@ from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, co
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
+from paramfold.sites import probed
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
+from paramfold.watch import tag
 
 _grad_enabled = torch.is_grad_enabled
+
+#: ``changed``'s verdict for a value that from now on is computed at every read, as stock's:
+#: a stateful chain whose mode or settings changed inside the forward.
+AT_READ = "at read"
 
 
 
 class _Local(threading.local):
-    #: ``({id: version}, {id: storage address})`` of the plain tensors below the entry whose
-    #: scope this thread opened eagerly, taken when it opened; None otherwise.
-    snapshot: tuple[dict, dict] | None = None
+    #: What the values below the entry whose scope this thread opened eagerly were computed
+    #: from, taken when it opened (None otherwise): ``(values, {id: storage address}, {id:
+    #: version tag})``, ``values`` holding each plain tensor's version counter (by ``id``) and
+    #: ``requires_grad`` (by :func:`_flag`), and each chain member's training mode (by ``id``; a
+    #: hook-based norm: its module's), the addresses the plain tensors', the tags the custom
+    #: members' ``__dict__``'s.
+    snapshot: tuple[dict, dict, dict] | None = None
     #: ``(grad enabled, compute.autocast_state())`` the values of this thread's open scope were
     #: computed under (:func:`context`); None where no scope is open.
     context: tuple | None = None
@@ -66,9 +76,12 @@ local = _Local()
 class Installs:
     """Counts changes of any site's ``read_from`` (under the scope lock): an entry's
     :func:`check_of` stays valid until the next one. Shared by all models, so one model's change
-    only makes another's check be rebuilt, never trusted wrongly."""
+    only makes another's check be rebuilt, never trusted wrongly. ``partial``: a check was built
+    while some value was out of its module's ``__dict__`` for the rest of a call; it must not
+    serve a later call scope, which puts the value back (the next scope counts one more)."""
 
     count = 0
+    partial = False
 
 
 def inputs(site: SiteState) -> tuple:
@@ -89,16 +102,24 @@ def record(site: SiteState) -> None:
 
 
 def check_of(entry: nn.Module) -> tuple:
-    """``(count, dicts, keys, tensors, sized dicts, sizes, swapped, plain tensors, their ids)``
-    for the sites below ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is
-    tensors[i]`` and the dicts' sizes hold while nothing was swapped since the values were put
-    there."""
+    """``(count, dicts, keys, tensors, sized dicts, sizes, swapped, plain tensors, their ids,
+    objects, attributes, their snapshot keys, custom members' dicts, their ids, the same five for
+    every site below)`` for the sites
+    below ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is tensors[i]`` and the
+    dicts' sizes hold while nothing was swapped since the values were put there; ``getattr(
+    objects[i], attributes[i])`` (the plain tensors' version counters; for ``entry``'s own
+    sites, read only inside its calls, also their ``requires_grad`` and the chain members'
+    training modes) is what the snapshot holds under ``keys[i]``."""
     state = entry.__dict__[STATE_ATTR]
     check = state.nested_check
     if check is not None and check[0] == Installs.count:
         return check
-    dicts, keys, tensors, sized, swapped = [], [], [], [], []
-    for holder, name, site in _valued(entry):
+    dicts, keys, tensors, sized, swapped, missing = [], [], [], [], [], []
+    # Modules whose training mode counts, custom members' dicts, plain tensors whose
+    # requires_grad counts: of entry's own sites, of every site below.
+    own: tuple[list, list, list] = ([], [], [])
+    below: tuple[list, list, list] = ([], [], [])
+    for holder, name, site in _valued(entry, missing):
         if not same(inputs(site), site.read_from) or (
                 site.plist is not None and tuple(site.plist._modules.values()) != (site.read_chain or site.modules)):
             swapped.append((holder, name))
@@ -115,18 +136,54 @@ def check_of(entry: nn.Module) -> tuple:
             dicts.extend(members for _ in members)
             keys.extend(members)
             tensors.extend(members.values())
+        watched = (_moded(holder, site), _settings(site), [t for t in site.read_from if type(t) in PLAIN_TENSOR_TYPES])
+        # Read inside a call of their module only: checked at its calls (the snapshot takes all).
+        for into in (below, own) if holder is entry else (below,):
+            for column, more in zip(into, watched):
+                column.extend(more)
     plain = [t for t in tensors if type(t) in PLAIN_TENSOR_TYPES]
-    check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain, list(map(id, plain)))
+    ids = list(map(id, plain))
+    check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain, ids,
+             *_watched(plain, *own), _watched(plain, *below))
     state.nested_check = check
+    if missing:
+        Installs.partial = True
     return check
 
 
-def snapshot(entry: nn.Module) -> tuple[dict, dict] | None:
-    """Version counters and storage addresses of the plain tensors below ``entry``, now."""
+def _watched(plain: list, modes: list, settings: list, flagged: list) -> tuple:
+    """``(objects, attributes, keys, dicts, their ids)``: see :func:`check_of`."""
+    modes, settings = list(dict.fromkeys(modes)), list({id(d): d for d in settings}.values())
+    flagged = list({id(t): t for t in flagged}.values())
+    objects = [*plain, *flagged, *modes]
+    attributes = ["_version"] * len(plain) + ["requires_grad"] * len(flagged) + ["training"] * len(modes)
+    return objects, attributes, [*map(id, plain), *map(_flag, flagged), *map(id, modes)], settings, list(map(id, settings))
+
+
+def _moded(holder: nn.Module, site: SiteState) -> tuple[nn.Module, ...]:
+    """The modules whose training mode ``site``'s value depends on: its chain's members (a
+    hook-based norm's: its module)."""
+    return site.chain if site.hook is None else (holder,)
+
+
+def _settings(site: SiteState) -> list[dict]:
+    """The ``__dict__`` of each custom member of ``site``'s chain (a temperature, a scale): torch's
+    and torchao's parametrizations keep no setting a forward changes but ``training``."""
+    return [vars(m) for m in site.chain if probed(m)] if site.hook is None else []
+
+
+def _flag(t: torch.Tensor) -> int:
+    """The snapshot's key of ``t.requires_grad`` (its version counter's is ``id(t)``)."""
+    return ~id(t)
+
+
+def snapshot(entry: nn.Module) -> tuple[dict, dict, dict] | None:
+    """What the values below ``entry`` are computed from, now (:attr:`_Local.snapshot`)."""
     check = check_of(entry)
-    plain, ids = check[7], check[8]
+    objects, attributes, keys, settings, ids = check[14]  # every site's below, not only entry's own
     try:
-        return dict(zip(ids, map(_version, plain))), dict(zip(ids, map(_data_ptr, plain)))
+        return (dict(zip(keys, map(getattr, objects, attributes))), dict(zip(check[8], map(_data_ptr, check[7]))),
+                dict(zip(ids, map(tag, settings))))
     except RuntimeError:  # a tensor without storage: only swaps are seen
         return None
 
@@ -156,11 +213,12 @@ def unchanged(check: tuple) -> bool:
         if list(map(len, check[4])) != check[5]:
             return False
         snap = local.snapshot
-        if snap is not None and check[7]:
-            plain, ids = check[7], check[8]
-            if list(map(snap[0].__getitem__, ids)) != list(map(_version, plain)):
+        if snap is not None:
+            if list(map(snap[0].__getitem__, check[11])) != list(map(getattr, check[9], check[10])):
                 return False
-            if list(map(snap[1].__getitem__, ids)) != list(map(_data_ptr, plain)):
+            if list(map(snap[1].__getitem__, check[8])) != list(map(_data_ptr, check[7])):
+                return False
+            if check[12] and list(map(snap[2].__getitem__, check[13])) != list(map(tag, check[12])):
                 return False
     except (LookupError, RuntimeError):  # a key gone, a tensor the snapshot lacks
         return False
@@ -170,9 +228,11 @@ def unchanged(check: tuple) -> bool:
 def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]:
     """``(holder, name, put back, appended members)`` of every site below ``entry`` whose value
     differs from what stock would compute now: from other tensors (swapped: put back after the
-    call), under another grad mode or autocast state or with another chain (put back too), or from
-    the same ones changed in place. ``appended members`` (else None): the chain only grew, so the
-    value is the one there with them applied."""
+    call), under another grad mode, autocast state, training mode, ``requires_grad`` or custom
+    member's settings, or with another chain (put back too), or from the same ones changed in
+    place. ``appended members`` (else None): the chain only grew, so the value is the one there
+    with them applied. ``put back`` is :data:`AT_READ` for a value to be computed at each read
+    from now on."""
     entry.__dict__[STATE_ATTR].nested_check = None
     snap = local.snapshot
     then, now_context = local.context, context()
@@ -184,11 +244,31 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
         served = site.read_chain or site.modules
         chain = served if site.plist is None else tuple(site.plist._modules.values())
         swapped = not same(now, site.read_from)
-        context_moved = not swapped and (autocast_moved or (grad_on and chain_needs_grad(site)))
+        # A module's training mode, a custom member's attribute or an original's requires_grad
+        # changed inside the forward (``D.eval()``, ``requires_grad_(False)`` around a call of
+        # ``D``): stock's reads compute under the new ones.
+        settings_moved = not swapped and snap is not None and not _same_settings_of(holder, site, snap)
+        if settings_moved and site.stateful and type(holder) is not holder.__dict__[STATE_ATTR].read_once_class:
+            # A value computed once would run its state updates once (or not at all) for reads
+            # that each run them in stock: computed at each read from now on. (Read once: the
+            # state as before the call's unread computation, then the same, in call_changed.)
+            if site.hook is not None:
+                raise FoldError(
+                    f"{type(holder).__name__}.{name}: a hook-based stateful norm "
+                    "(torch.nn.utils.spectral_norm) whose module was switched to training, or "
+                    "whose settings changed, inside the prepared model's forward; stock's hook "
+                    "then runs its power iteration at each call of the module, which a value "
+                    "computed at the call's start cannot. Switch modes around the model's call, "
+                    "or prepare this module with mode='inline' (filter_fn)."
+                )
+            found.append((holder, name, AT_READ, None))
+            continue
+        region_moved = not swapped and (autocast_moved or (grad_on and chain_needs_grad(site)))
+        context_moved = region_moved or settings_moved
         moved = not swapped and not context_moved and snap is not None and _moved(now, snap)
         if chain == served and not (swapped or context_moved or moved):
             continue
-        if context_moved and site.training_stateful:
+        if region_moved and site.training_stateful:
             raise FoldError(
                 f"{type(holder).__name__}.{name}: a stateful parametrization (spectral_norm) in training "
                 "is read under another grad mode or autocast state than the prepared model's call "
@@ -243,6 +323,11 @@ def call_changed(
                 if hs.users > 1:
                     raise busy(entry)
                 site = hs.sites[name]
+                if swapped is AT_READ:
+                    holder.__dict__.pop(name, None)
+                    if name in hs.kept:  # not to be served by the next call either without a check
+                        hs.kept = tuple(n for n in hs.kept if n != name)
+                    continue
                 read_once = site.stateful and type(holder) is hs.read_once_class  # training
                 if read_once and site.hook is not None:
                     # The module's calls from now on run its hook, as stock's every call does,
@@ -259,7 +344,7 @@ def call_changed(
                     continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder.__dict__, name, holder.__dict__.pop(name), site, site.read_from,
-                                     site.read_chain, None))
+                                     site.read_chain, None, []))
                     continue
                 if appended is not None:
                     value = holder.__dict__[name]
@@ -269,10 +354,11 @@ def call_changed(
                     value = compute(holder, name)
                 else:
                     value = hooknorms.compute(holder, site.hook, site.hook_kind)
+                settings = _note_settings(holder, site)  # calls nested in this one compare with these
                 if swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from,
-                                     site.read_chain, value if read_once else None))
+                                     site.read_chain, value if read_once else None, settings))
                 holder.__dict__[name] = value
                 site.read_from = inputs(site)  # calls nested in this one use the new value
                 if site.plist is not None:
@@ -285,16 +371,20 @@ def call_changed(
         local.context = outer
         if put_back:
             with lock:
-                for values, name, value, site, read_from, read_chain, not_read in reversed(put_back):
+                for values, name, value, site, read_from, read_chain, not_read, settings in reversed(put_back):
                     if not_read is None or values.get(name) is not_read:
                         values[name] = value
                     site.read_from = read_from
                     site.read_chain = read_chain
                     refresh(site)
+                    _put_settings(settings)
                 Installs.count += 1
 
 
-def _valued(entry: nn.Module):
+def _valued(entry: nn.Module, missing: list | None = None):
+    """The sites below ``entry`` whose values are in their modules' ``__dict__``; ``missing``
+    gets those whose value is not there now but may be in a later call scope (a read-once value
+    taken, one :func:`call_changed` set aside)."""
     for holder in entry.__dict__[STATE_ATTR].holders:
         values = holder.__dict__
         hs = values[STATE_ATTR]
@@ -303,13 +393,46 @@ def _valued(entry: nn.Module):
             # where read (below a forward pre-hook: a hook-based norm's hook then stays in and
             # puts stock's own value in __dict__), and a hook-based spectral_norm training whose
             # value served the module's first call (its later calls run the hook)
-            if site.mode != "inline" and not site.at_read and name in values and not (
+            if site.mode != "inline" and not site.at_read and not (
                     site.once_hook is not None and site.once_hook.served and type(holder) is hs.read_once_class):
-                yield holder, name, site
+                if name in values:
+                    yield holder, name, site
+                elif missing is not None:
+                    missing.append(site)
 
 
-def _moved(tensors: tuple, snap: tuple[dict, dict]) -> bool:
-    versions, addresses = snap
+def _same_settings_of(holder: nn.Module, site: SiteState, snap: tuple) -> bool:
+    """:func:`same_settings` for one site."""
+    try:
+        return (all(snap[0][_flag(t)] is t.requires_grad for t in site.read_from if type(t) in PLAIN_TENSOR_TYPES)
+                and all(snap[0][id(m)] is m.training for m in _moded(holder, site))
+                and all(snap[2][id(d)] == tag(d) for d in _settings(site)))
+    except LookupError:
+        return False
+
+
+def _note_settings(holder: nn.Module, site: SiteState) -> list[tuple[dict, int, object]]:
+    """Take ``site``'s settings as they are now into the snapshot (its value was just computed
+    under them); return what was there, for :func:`_put_settings` to put back."""
+    snap = local.snapshot
+    if snap is None:
+        return []
+    entries = [(snap[0], _flag(t), t.requires_grad) for t in site.read_from if type(t) in PLAIN_TENSOR_TYPES]
+    entries += [(snap[0], id(m), m.training) for m in _moded(holder, site)]
+    entries += [(snap[2], id(d), tag(d)) for d in _settings(site)]
+    then = [(d, key, d.get(key)) for d, key, _ in entries]
+    for d, key, now in entries:
+        d[key] = now
+    return then
+
+
+def _put_settings(then: list[tuple[dict, int, object]]) -> None:
+    for d, key, value in then:
+        d[key] = value
+
+
+def _moved(tensors: tuple, snap: tuple) -> bool:
+    versions, addresses = snap[0], snap[1]
     for t in tensors:
         if type(t) not in PLAIN_TENSOR_TYPES:
             continue
