@@ -814,3 +814,34 @@ def test_an_output_name_over_the_length_limit_is_a_usage_error(tmp_path):
     # that cannot be used is exit 2.
     res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / ("x" * 300 + ".pt")))
     _one_line_error(res, "fold", 2, "cannot be used as an output path")
+
+
+# -- found by the 2026-12 CLI hunt, second round --------------------------------------------------
+
+
+def _saved(path: Path, what: str, **kwargs) -> Path:
+    import warnings
+
+    t = torch.zeros(2)
+    with warnings.catch_warnings():  # TypedStorage is deprecated
+        warnings.simplefilter("ignore")
+        obj = {"tensor": lambda: t, "parameter": lambda: torch.nn.Parameter(t),
+               "untyped": lambda: t.untyped_storage(), "typed": lambda: t.storage(),
+               "mixed": lambda: {"w": t, "s": torch.ones(3).untyped_storage()}}[what]()
+        torch.save(obj, path, **kwargs)
+    return path
+
+
+@pytest.mark.parametrize("what, words", [
+    ("tensor", ["(it holds a Tensor)"]), ("parameter", ["(it holds a Tensor)"]),
+    ("untyped", ["(it holds a UntypedStorage)"]), ("typed", ["(it holds a TypedStorage)"]),
+    ("mixed", ["'s': UntypedStorage"]),
+])
+def test_a_pt_file_without_a_state_dict_names_the_public_type_it_holds(tmp_path, what, words):
+    # Regression: the zip-format reader named its own stub classes ("it holds a _TensorStub").
+    res = _run("audit", str(_saved(tmp_path / "x.pt", what)))
+    _one_line_error(res, "audit", 1, *words)
+    assert "Stub" not in res.stderr
+    if what == "tensor":  # as the legacy-format reader (torch.load) says it
+        legacy = _run("audit", str(_saved(tmp_path / "legacy.pt", what, _use_new_zipfile_serialization=False)))
+        assert legacy.stderr.replace("legacy.pt", "x.pt") == res.stderr
