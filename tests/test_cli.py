@@ -105,8 +105,9 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
 
 def test_help_text_lists_choices_and_real_defaults():
     text = " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
-    assert "<bool>" not in text and "Number of layers [default: 32 for seed, else 16]" in text
-    assert "Layer width [default: 128 for seed and weight_norm, else 64]" in text
+    assert "<bool>" not in text and "Number of layers, 1 to 10000 [default: 32 for seed, else 16]" in text
+    assert "Layer width, 2 to 16384 [default: 128 for seed and weight_norm, else 64]" in text
+    assert "variant, 1 to 1000 (min and median reported). [default: 3]" in text and "each 1 to 10000" in text
     assert all(name in text for name in cli.MODEL_NAMES) and "eager, aot_eager or inductor" in text
     assert "hoist, inline, freeze or auto" in text and "--wide" in text and "-h" in text
     # the defaults the help states are the zoo's, the choices are paramfold.bench's
@@ -115,6 +116,7 @@ def test_help_text_lists_choices_and_real_defaults():
         "spectral_norm_hooks": (16, 64), "orthogonal": (16, 64)}
     assert cli.MODEL_NAMES == tuple(bench.MODELS) and cli.BACKEND_NAMES == bench.BACKENDS
     assert cli.ENTRY_NAMES == bench.ENTRIES and cli.VARIANT_NAMES == bench.VARIANT_NAMES
+    assert cli.BENCH_LIMITS == {k: bench.config.LIMITS[k] for k in cli.BENCH_LIMITS}  # the ranges --help states
     root = " ".join(_run("--help", env={"COLUMNS": "200"}).stdout.split())
     assert "<bool>" not in root and "--version" in root and "--debug" in root
 
@@ -845,3 +847,25 @@ def test_a_pt_file_without_a_state_dict_names_the_public_type_it_holds(tmp_path,
     if what == "tensor":  # as the legacy-format reader (torch.load) says it
         legacy = _run("audit", str(_saved(tmp_path / "legacy.pt", what, _use_new_zipfile_serialization=False)))
         assert legacy.stderr.replace("legacy.pt", "x.pt") == res.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layers", "9" * 23], ["layers must be at most 10000, got 99999999999999999999999"]),
+    (["--width", "9" * 23], ["width must be at most 16384"]),
+    (["--repeats", "1001"], ["repeats must be at most 1000"]),
+    (["--steady-rounds", "9" * 400], ["steady_rounds must be at most 1000", "(400 digits)"]),
+    (["--sweep-layers", "32,99999999999999999999999"], ["--sweep-layers: each layer count must be at most 10000"]),
+    (["--sweep-layers", "32," + "9" * 5000], ["--sweep-layers: each layer count must be at most 10000", "(5000 digits)"]),
+    (["--sweep-layers", "2,0"], ["--sweep-layers: each layer count must be at least 1, got 0"]),
+])
+def test_a_bench_option_out_of_range_is_a_usage_error_before_any_work(monkeypatch, args, words):
+    # Regression: --layers 999... passed validation, every variant failed with an OverflowError and
+    # the command exited 1; --width 999... was a TypeError "(unexpected)".
+    def no_work(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench, "run_bench", no_work)
+    monkeypatch.setattr(bench, "run_sweep", no_work)
+    res = _run("bench", *args)
+    _one_line_error(res, "bench", 2, *words)
+    assert res.stdout == "" and len(res.stderr) < 300

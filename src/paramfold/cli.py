@@ -53,6 +53,14 @@ BACKEND_NAMES = ("eager", "aot_eager", "inductor")
 ENTRY_NAMES = ("model", "method", "layers")
 VARIANT_NAMES = ("baseline", "stock", "hoist", "inline", "freeze", "auto")
 VariantName = Enum("VariantName", {n: n for n in VARIANT_NAMES}, type=str)  # type: ignore[misc]
+# The ranges of bench's integer options, for --help: a copy of paramfold.bench.config.LIMITS (which
+# checks them), test_cli checks the two agree.
+BENCH_LIMITS = {"layers": (1, 10_000), "width": (2, 16_384), "repeats": (1, 1_000), "steady_rounds": (1, 1_000)}
+
+
+def _range(name: str) -> str:
+    low, high = BENCH_LIMITS[name]
+    return f"{low} to {high}"
 
 
 def _debug() -> bool:
@@ -261,10 +269,10 @@ def bench(
         help="The parametrized model of the zoo to measure: seed, weight_norm, spectral_norm, weight_norm_hooks, spectral_norm_hooks (torch's deprecated hook-based norms) or orthogonal."
     ),
     layers: Optional[int] = typer.Option(
-        None, help="Number of layers \\[default: 32 for seed, else 16]."
+        None, help=f"Number of layers, {_range('layers')} \\[default: 32 for seed, else 16]."
     ),
     width: Optional[int] = typer.Option(
-        None, help="Layer width \\[default: 128 for seed and weight_norm, else 64]."
+        None, help=f"Layer width, {_range('width')} \\[default: 128 for seed and weight_norm, else 64]."
     ),
     backend: Literal["eager", "aot_eager", "inductor"] = typer.Option(
         "eager", metavar="NAME", help="The torch.compile backend: eager, aot_eager or inductor."
@@ -282,13 +290,16 @@ def bench(
         False, "--grad", metavar="",
         help="A forward in training mode that records autograd, with no backward (freeze is skipped). Instead of --train.",
     ),
-    repeats: int = typer.Option(3, help="First compiled calls per variant (min and median reported)."),
+    repeats: int = typer.Option(
+        3, help=f"First compiled calls per variant, {_range('repeats')} (min and median reported)."
+    ),
     steady_rounds: int = typer.Option(
-        5, "--steady-rounds", help="Interleaved rounds of 10 steady calls (or training steps) per variant (min and median reported)."
+        5, "--steady-rounds",
+        help=f"Interleaved rounds of 10 steady calls (or training steps) per variant, {_range('steady_rounds')} (min and median reported)."
     ),
     sweep_layers: Optional[str] = typer.Option(
         None, "--sweep-layers", metavar="N,N,...",
-        help="Run once per layer count (e.g. 32,128,512): how the first call and the steady time grow with model size. Instead of --layers.",
+        help=f"Run once per layer count (e.g. 32,128,512; each {_range('layers')}): how the first call and the steady time grow with model size. Instead of --layers.",
     ),
     threads: int = typer.Option(
         1, help="torch.set_num_threads for the run; 0 leaves torch's setting."
