@@ -869,3 +869,17 @@ def test_a_bench_option_out_of_range_is_a_usage_error_before_any_work(monkeypatc
     res = _run("bench", *args)
     _one_line_error(res, "bench", 2, *words)
     assert res.stdout == "" and len(res.stderr) < 300
+
+
+@pytest.mark.parametrize("threads", ["1025", "30000", "100000", "9" * 20])
+def test_bench_threads_beyond_the_ceiling_are_a_usage_error_before_any_work(monkeypatch, threads):
+    # Regression: the value went to torch.set_num_threads: 30000 ended the process in libgomp
+    # (exit 1, no paramfold line), 100000 with a segmentation fault, 9...9 an "(unexpected)" error.
+    def no_work(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench, "run_bench", no_work)
+    monkeypatch.setattr(torch, "set_num_threads", no_work)
+    res = _run("bench", "--threads", threads)
+    _one_line_error(res, "bench", 2, "threads must be at most 1024")
+    assert "1 to 1024; 0 leaves torch's setting" in " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())

@@ -55,7 +55,8 @@ VARIANT_NAMES = ("baseline", "stock", "hoist", "inline", "freeze", "auto")
 VariantName = Enum("VariantName", {n: n for n in VARIANT_NAMES}, type=str)  # type: ignore[misc]
 # The ranges of bench's integer options, for --help: a copy of paramfold.bench.config.LIMITS (which
 # checks them), test_cli checks the two agree.
-BENCH_LIMITS = {"layers": (1, 10_000), "width": (2, 16_384), "repeats": (1, 1_000), "steady_rounds": (1, 1_000)}
+BENCH_LIMITS = {"layers": (1, 10_000), "width": (2, 16_384), "repeats": (1, 1_000), "steady_rounds": (1, 1_000),
+                "threads": (1, 1_024)}
 
 
 def _range(name: str) -> str:
@@ -302,7 +303,7 @@ def bench(
         help=f"Run once per layer count (e.g. 32,128,512; each {_range('layers')}): how the first call and the steady time grow with model size. Instead of --layers.",
     ),
     threads: int = typer.Option(
-        1, help="torch.set_num_threads for the run; 0 leaves torch's setting."
+        1, help=f"torch.set_num_threads for the run, {_range('threads')}; 0 leaves torch's setting."
     ),
     device: str = typer.Option("cpu", help="Where the model runs: cpu, cuda, cuda:1, ..."),
     variant: Optional[list[VariantName]] = typer.Option(  # type: ignore[valid-type]

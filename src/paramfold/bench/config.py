@@ -37,6 +37,11 @@ LIMITS: dict[str, tuple[int, int]] = {
     "steady_rounds": (1, 1_000),
     "steady_calls": (1, 10_000),
     "warmup_calls": (0, 10_000),
+    # A fixed ceiling, not one from this machine's CPU count: a config is also read back from a
+    # saved document (BenchResult.from_dict), perhaps on another machine. It is above the CPUs of
+    # nearly any machine (the bench runs best on 1); far above it OpenMP cannot start the threads
+    # and ends the process itself (30000: libgomp exits; 100000: a segmentation fault).
+    "threads": (1, 1_024),
 }
 
 
@@ -89,7 +94,7 @@ class BenchConfig:
 
     ``variants`` of ``None`` means every variant; ``baseline`` and ``stock`` are always measured
     (ratios are taken to the baseline, outputs are compared to stock).  ``threads`` is set with
-    ``torch.set_num_threads`` for the run (``None``: leave torch's setting); one thread by default
+    ``torch.set_num_threads`` for the run (``None``: leave torch's setting; at most 1024, :data:`LIMITS`); one thread by default
     because compiling is single-threaded, the zoo's matmuls are tiny, and OpenMP threads waiting
     for each other on shared cores turn steady calls of ~1 ms into hundreds of ms.  ``device`` is
     where the model and input live (``"cuda"``: the run synchronises the device around each timed
@@ -137,9 +142,7 @@ class BenchConfig:
             )
         if self.entry not in ENTRIES:
             raise ValueError(f"unknown entry {self.entry!r}; choose one of {', '.join(ENTRIES)}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1, got {self.threads}")
-        for name in LIMITS:  # layers and width: None is the model's default
+        for name in LIMITS:  # layers and width: None is the model's default; threads: torch's setting
             if getattr(self, name) is not None:
                 check_range(name, getattr(self, name))
         if self.variants is not None:
