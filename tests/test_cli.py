@@ -883,3 +883,35 @@ def test_bench_threads_beyond_the_ceiling_are_a_usage_error_before_any_work(monk
     res = _run("bench", "--threads", threads)
     _one_line_error(res, "bench", 2, "threads must be at most 1024")
     assert "1 to 1024; 0 leaves torch's setting" in " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
+
+
+_SIGNAL_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, signal, sys
+    # The last exit function to run (they run in reverse): a signal while the process exits, after
+    # the command has ended, deterministically (it came during torch's teardown in the hunt).
+    atexit.register(signal.raise_signal, getattr(signal, sys.argv.pop(1)))
+    from paramfold.__main__ import main
+    sys.argv = ["paramfold", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_a_signal_while_the_process_exits_after_fold_says_out_was_written_whole(tmp_path, sig, code):
+    # Regression: the default handlers were back before Python's shutdown, so a SIGTERM then
+    # killed the process (exit 143, nothing said) although OUT was in place, whole.
+    src, out = _wn_checkpoint(tmp_path), tmp_path / "plain.safetensors"
+    res = subprocess.run([sys.executable, "-c", _SIGNAL_AT_EXIT, sig.name, "fold", str(src), str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=120, preexec_fn=_hangup_default)
+    assert res.returncode == code, (res.returncode, res.stderr)
+    assert res.stderr == f"paramfold fold: error: interrupted by {sig.name}; {out} was written whole before it\n"
+    assert res.stdout.startswith(f"wrote {out}: ") and sorted(load_file(out)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+def test_a_signal_while_the_process_exits_after_a_failure_adds_no_second_line(tmp_path):
+    res = subprocess.run([sys.executable, "-c", _SIGNAL_AT_EXIT, "SIGTERM", "audit", str(tmp_path / "missing.pt")],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, (res.returncode, res.stderr)
+    assert "missing.pt: no such file or folder" in res.stderr

@@ -33,7 +33,7 @@ import os
 import sys
 from collections.abc import Iterator
 from enum import Enum
-from typing import Any, Callable, Literal, Optional, TypeVar
+from typing import Any, Callable, Literal, NoReturn, Optional, TypeVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -80,6 +80,7 @@ def _say(command: str, message: str) -> None:
     from paramfold.output import printable
 
     text = printable(" ".join(str(message).split()))  # one line, whatever the message held
+    _said[:] = [True]
     try:
         sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
         sys.stderr.flush()
@@ -92,6 +93,10 @@ def _say(command: str, message: str) -> None:
 _AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
 #: The output a command has completed (renamed into place), for a failure or signal after it.
 _written: list[str] = []
+#: The command that ran (its _guarded name), and whether an error line was said: for a signal
+#: after the command has ended.
+_ran: list[str] = []
+_said: list[bool] = []
 
 
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
@@ -127,6 +132,7 @@ def _guarded(command: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            _ran[:] = [command]
             try:
                 return fn(*args, **kwargs)
             except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
@@ -185,13 +191,33 @@ class _Group(_PlainHelpFlag, TyperGroup):
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        """Run the command line; ``end_process=True`` (the console script) also ends the process
+        (:func:`_end_process`) with handled signals still said as documented until the end."""
         from paramfold.output import signals_raise
 
+        end_process = extra.pop("end_process", False)
         _written.clear()  # a command called in the same process before this one wrote it, not this one
+        _ran.clear()
+        _said.clear()
+        with signals_raise():
+            try:
+                code = self._run_command(args, prog_name, complete_var, **extra)
+            except KeyboardInterrupt as e:  # a signal while an error was being said
+                code = _signal_after(e, 0)
+            if standalone_mode and end_process and _ran != ["recompiles"]:
+                try:
+                    _end_process(code)
+                except KeyboardInterrupt as e:  # before _end_process took the signals over
+                    _end_process(_signal_after(e, code))
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+    def _run_command(self, args: Any, prog_name: Optional[str], complete_var: Optional[str], **extra: Any) -> int:
+        """Parse and invoke; every outcome becomes an exit code (and the one error line)."""
         try:
-            with signals_raise():
-                rv = super().main(args=args, prog_name=prog_name or "paramfold", complete_var=complete_var,
-                                  standalone_mode=False, **extra)
+            rv = super().main(args=args, prog_name=prog_name or "paramfold", complete_var=complete_var,
+                              standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
         except click.exceptions.NoArgsIsHelpError as e:
             typer.echo(e.ctx.get_help() if e.ctx else "")
@@ -218,9 +244,55 @@ class _Group(_PlainHelpFlag, TyperGroup):
         except KeyboardInterrupt as e:  # a signal before or after click's own handling
             code, message = _describe(e)
             _say("", message)
-        if standalone_mode:
-            sys.exit(code)
         return code
+
+
+def _signal_after(exc: KeyboardInterrupt, code: int) -> int:
+    """The exit code for a signal once the command has ended with ``code``: said as documented
+    (``...; OUT was written whole before it``), unless an error line was said already (one line)."""
+    if _said:
+        return code
+    command = _ran[0] if _ran else ""
+    new_code, message = _describe(exc, command)
+    _say(command, message)
+    return new_code
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # None, closed or failing
+            stream.flush()
+
+
+def _end_process(code: int) -> NoReturn:
+    """End the process with ``code``, a handled signal said as documented until the very end.
+
+    Python puts the default handlers back when it shuts down, before it tears down the modules
+    (torch's take a few tenths of a second): a SIGTERM then killed the process without a word,
+    exit 143, though the command had ended and OUT was whole. So the exit is done here: other
+    threads are waited for and the ``atexit`` functions run as at a normal exit, with a handled
+    signal now saying ``interrupted by SIGTERM; OUT was written whole before it`` (or ``no output
+    was written``) and exiting with its code, then the process ends with ``os._exit``, without
+    the teardown. ``recompiles`` is not ended this way: the script it ran keeps a normal exit.
+    After a failure (its line said) a signal ends the process with the failure's code.
+    """
+    import atexit
+    import threading
+
+    from paramfold.output import Interrupted, on_signal_instead
+
+    def late(signum: int) -> None:
+        exit_code = _signal_after(Interrupted(signum), code)
+        _flush()
+        os._exit(exit_code)
+
+    on_signal_instead(late)
+    for thread in threading.enumerate():  # as Python's own exit does first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush()
+    os._exit(code)
 
 
 app = typer.Typer(
@@ -514,8 +586,11 @@ def recompiles_command(
     raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
 
 
-def main() -> None:
-    app()
+def main(*, end_process: bool = False) -> None:
+    """The command line. ``end_process`` (the console script and ``python -m paramfold``, through
+    :mod:`paramfold.__main__`): end the process when the command has ended (:func:`_end_process`)
+    rather than raise ``SystemExit``."""
+    app(end_process=end_process)
 
 
 if __name__ == "__main__":

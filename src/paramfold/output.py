@@ -29,13 +29,16 @@ import signal
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 from paramfold.errors import FoldError
 
-__all__ = ["Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "signals_raise"]
+__all__ = [
+    "Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "on_signal_instead",
+    "signals_raise",
+]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
 HANDLED_SIGNALS = tuple(
@@ -67,6 +70,17 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+class _SignalState:
+    """What :func:`signals_raise`'s handler has seen and does (one per process: signals are)."""
+
+    def __init__(self) -> None:
+        #: Called with the signal number instead of raising, once set (:func:`on_signal_instead`).
+        self.instead: Callable[[int], None] | None = None
+
+
+_signals = _SignalState()
+
+
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
     """While active (main thread only), SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`.
@@ -81,8 +95,11 @@ def signals_raise() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: object) -> None:
+        if _signals.instead is not None:
+            _signals.instead(signum)
         raise Interrupted(signum)
 
+    saved, _signals.instead = _signals.instead, None
     old = {}
     for sig in HANDLED_SIGNALS:
         with contextlib.suppress(OSError, ValueError):
@@ -96,6 +113,14 @@ def signals_raise() -> Iterator[None]:
     finally:
         for sig, previous in old.items():
             signal.signal(sig, previous)
+        _signals.instead = saved
+
+
+def on_signal_instead(action: Callable[[int], None] | None) -> None:
+    """From now until :func:`signals_raise` ends, a handled signal calls ``action(signum)`` instead
+    of raising :class:`Interrupted` (where raising can no longer unwind anything, e.g. once a command
+    has ended and the process is exiting: ``action`` should end the process itself)."""
+    _signals.instead = action
 
 
 @contextlib.contextmanager
