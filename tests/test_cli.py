@@ -915,3 +915,67 @@ def test_a_signal_while_the_process_exits_after_a_failure_adds_no_second_line(tm
                          capture_output=True, text=True, env=ENV, timeout=120)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, (res.returncode, res.stderr)
     assert "missing.pt: no such file or folder" in res.stderr
+
+
+_SIGNAL_SWALLOWED_IN_AN_IMPORT = textwrap.dedent(
+    """
+    import signal, sys
+    class Swallow:  # as torch's C code does with the exception of a signal during its import of numpy
+        def find_spec(self, name, path=None, target=None):
+            if name == "numpy":
+                sys.meta_path.remove(self)
+                try:
+                    signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns
+                except BaseException as e:
+                    sys.stderr.write(f"swallowed {type(e).__name__}\\n")
+    sys.meta_path.insert(0, Swallow())
+    from paramfold.__main__ import main
+    sys.argv = ["paramfold", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+def test_a_signal_whose_exception_an_import_swallows_still_interrupts_the_fold(tmp_path):
+    # Regression: a SIGTERM during start-up was raised inside numpy's import, started by torch's
+    # C code, which dropped the exception: the fold ran on, wrote OUT and exited 0.
+    src, out = _wn_checkpoint(tmp_path), tmp_path / "plain.pt"
+    out.write_bytes(b"previous output")
+    res = subprocess.run([sys.executable, "-c", _SIGNAL_SWALLOWED_IN_AN_IMPORT, "fold", str(src), str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 143, (res.returncode, res.stderr)
+    assert res.stderr.splitlines() == ["swallowed Interrupted",
+                                       "paramfold fold: error: interrupted by SIGTERM; no output was written"]
+    assert res.stdout == "" and _listing(tmp_path) == {src.name: src.read_bytes(), out.name: b"previous output"}
+
+
+def test_a_failure_after_a_swallowed_signal_is_said_as_the_interrupt(tmp_path, monkeypatch):
+    # The dropped exception may leave a library half imported (torch: "Numpy is not available"):
+    # what the command then fails with follows from the signal, which is what is said.
+    import paramfold.fold
+
+    def swallowed_then_failed(*args, **kwargs):
+        try:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # the CLI's handler, as a signal runs it
+        except KeyboardInterrupt:
+            pass
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(paramfold.fold, "fold_checkpoint", swallowed_then_failed)
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / "o.pt"))
+    _one_line_error(res, "fold", 143, "interrupted by SIGTERM; no output was written")
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_an_output_is_not_put_in_place_after_a_swallowed_signal(tmp_path):
+    from paramfold.output import Interrupted, atomic_output, signals_raise
+
+    target = tmp_path / "o.bin"
+    with signals_raise(), pytest.raises(Interrupted):
+        with atomic_output(target) as f:
+            f.write(b"data")
+            try:
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            except KeyboardInterrupt:
+                pass  # dropped: the output is still not committed
+    assert list(tmp_path.iterdir()) == []

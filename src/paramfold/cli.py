@@ -132,12 +132,19 @@ def _guarded(command: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from paramfold.output import Interrupted, raise_if_interrupted, signal_arrived
+
             _ran[:] = [command]
             try:
-                return fn(*args, **kwargs)
+                rv = fn(*args, **kwargs)
+                raise_if_interrupted()  # a signal whose exception something caught and dropped
+                return rv
             except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
                 raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
             except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
+                signum = signal_arrived()
+                if signum is not None and not isinstance(exc, KeyboardInterrupt):
+                    exc = Interrupted(signum)  # the failure followed a signal whose exception was dropped
                 code, message = _describe(exc, command)
                 if _debug():
                     import traceback
@@ -409,6 +416,9 @@ def bench(
 
     from paramfold.bench import BenchConfig, run_bench, run_sweep
     from paramfold.bench.config import parse_layer_counts
+    from paramfold.output import raise_if_interrupted
+
+    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
 
     err = Console(stderr=True)
     try:
@@ -505,7 +515,9 @@ def audit(
     from paramfold.audit import audit_checkpoint
     from paramfold.checkpoint import open_checkpoint
     from paramfold.audit_render import print_report
+    from paramfold.output import raise_if_interrupted
 
+    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     with open_checkpoint(path) as ckpt:
         if fold_out is not None:  # refused before the report is printed
             check_output(fold_out, inputs=ckpt.files)
@@ -544,7 +556,9 @@ def fold(
 def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``)."""
     from paramfold.fold import fold_checkpoint
+    from paramfold.output import raise_if_interrupted
 
+    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     _written.clear()
     summary = fold_checkpoint(path, out, model_factory=model).summary()
     _written.append(out)
