@@ -76,11 +76,35 @@ def test_config_validation_names_the_choices():
         (dict(entry="x"), ["'x'", "layers"]),
         (dict(layers=0), ["layers", "at least 1"]),
         (dict(repeats=0), ["repeats"]),
+        (dict(layers=10**23), ["layers", "at most 10000"]),
+        (dict(width=10**23), ["width", "at most 16384"]),
+        (dict(batch=65_537), ["batch", "at most 65536"]),
+        (dict(steady_calls=10**6), ["steady_calls", "at most 10000"]),
+        (dict(warmup_calls=-1), ["warmup_calls", "at least 0"]),
         (dict(variants=("hoist", "fast")), ["'fast'", "freeze"]),
     ]:
         with pytest.raises(ValueError) as info:
             BenchConfig(**kwargs)
         assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_every_integer_setting_has_a_range_that_allows_the_documented_runs():
+    # Regression: only lower bounds were checked; --layers 10**23 failed in every variant (exit 1).
+    from paramfold.bench.config import LIMITS, parse_layer_counts
+
+    for name, (low, high) in LIMITS.items():
+        assert getattr(BenchConfig(**{name: high}), name) == high
+        with pytest.raises(ValueError, match=f"{name} must be at most {high}, got {high + 1}$"):
+            BenchConfig(**{name: high + 1})
+        with pytest.raises(ValueError, match=f"{name} must be at least {low}"):
+            BenchConfig(**{name: low - 1})
+    assert BenchConfig(layers=512).n_layers == 512  # README: --layers 512, --sweep-layers 32,128,512
+    assert parse_layer_counts("32,128,512") == (32, 128, 512) and parse_layer_counts("010") == (10,)
+    for text in ("2,10001", "2," + "9" * 5000, "0"):
+        with pytest.raises(ValueError, match="--sweep-layers: each layer count must be at"):
+            parse_layer_counts(text)
+    with pytest.raises(ValueError, match="separated by commas"):
+        parse_layer_counts("2,\u00b2")  # a digit to isdigit(), not to int()
 
 
 def test_run_bench_eval_structure_proxies_and_outputs():
@@ -440,8 +464,8 @@ def test_cli_table_and_plot(tmp_path):  # matplotlib is in the test extra
         (["--repeats", "0"], "repeats must be at least 1"),
         (["--device", "gpu0"], "unknown device 'gpu0'"),
         (["--steady-rounds", "0"], "steady_rounds must be at least 1"),
-        (["--sweep-layers", "32,x"], "--sweep-layers takes layer counts of at least 1 separated by commas"),
-        (["--sweep-layers", "0,4"], "e.g. 32,128,512; got '0,4'"),
+        (["--sweep-layers", "32,x"], "--sweep-layers takes layer counts separated by commas, e.g. 32,128,512; got '32,x'"),
+        (["--sweep-layers", "0,4"], "--sweep-layers: each layer count must be at least 1, got 0"),
         (["--sweep-layers", "4,4"], "lists a layer count twice"),
         (["--sweep-layers", "2,4", "--layers", "8"], "--sweep-layers replaces --layers"),
         (["--grad", "--train"], "--grad is a forward without backward and --train a whole step"),

@@ -105,8 +105,9 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
 
 def test_help_text_lists_choices_and_real_defaults():
     text = " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
-    assert "<bool>" not in text and "Number of layers [default: 32 for seed, else 16]" in text
-    assert "Layer width [default: 128 for seed and weight_norm, else 64]" in text
+    assert "<bool>" not in text and "Number of layers, 1 to 10000 [default: 32 for seed, else 16]" in text
+    assert "Layer width, 2 to 16384 [default: 128 for seed and weight_norm, else 64]" in text
+    assert "variant, 1 to 1000 (min and median reported). [default: 3]" in text and "each 1 to 10000" in text
     assert all(name in text for name in cli.MODEL_NAMES) and "eager, aot_eager or inductor" in text
     assert "hoist, inline, freeze or auto" in text and "--wide" in text and "-h" in text
     # the defaults the help states are the zoo's, the choices are paramfold.bench's
@@ -115,6 +116,7 @@ def test_help_text_lists_choices_and_real_defaults():
         "spectral_norm_hooks": (16, 64), "orthogonal": (16, 64)}
     assert cli.MODEL_NAMES == tuple(bench.MODELS) and cli.BACKEND_NAMES == bench.BACKENDS
     assert cli.ENTRY_NAMES == bench.ENTRIES and cli.VARIANT_NAMES == bench.VARIANT_NAMES
+    assert cli.BENCH_LIMITS == {k: bench.config.LIMITS[k] for k in cli.BENCH_LIMITS}  # the ranges --help states
     root = " ".join(_run("--help", env={"COLUMNS": "200"}).stdout.split())
     assert "<bool>" not in root and "--version" in root and "--debug" in root
 
@@ -814,3 +816,166 @@ def test_an_output_name_over_the_length_limit_is_a_usage_error(tmp_path):
     # that cannot be used is exit 2.
     res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / ("x" * 300 + ".pt")))
     _one_line_error(res, "fold", 2, "cannot be used as an output path")
+
+
+# -- found by the 2026-12 CLI hunt, second round --------------------------------------------------
+
+
+def _saved(path: Path, what: str, **kwargs) -> Path:
+    import warnings
+
+    t = torch.zeros(2)
+    with warnings.catch_warnings():  # TypedStorage is deprecated
+        warnings.simplefilter("ignore")
+        obj = {"tensor": lambda: t, "parameter": lambda: torch.nn.Parameter(t),
+               "untyped": lambda: t.untyped_storage(), "typed": lambda: t.storage(),
+               "mixed": lambda: {"w": t, "s": torch.ones(3).untyped_storage()}}[what]()
+        torch.save(obj, path, **kwargs)
+    return path
+
+
+@pytest.mark.parametrize("what, words", [
+    ("tensor", ["(it holds a Tensor)"]), ("parameter", ["(it holds a Tensor)"]),
+    ("untyped", ["(it holds a UntypedStorage)"]), ("typed", ["(it holds a TypedStorage)"]),
+    ("mixed", ["'s': UntypedStorage"]),
+])
+def test_a_pt_file_without_a_state_dict_names_the_public_type_it_holds(tmp_path, what, words):
+    # Regression: the zip-format reader named its own stub classes ("it holds a _TensorStub").
+    res = _run("audit", str(_saved(tmp_path / "x.pt", what)))
+    _one_line_error(res, "audit", 1, *words)
+    assert "Stub" not in res.stderr
+    if what == "tensor":  # as the legacy-format reader (torch.load) says it
+        legacy = _run("audit", str(_saved(tmp_path / "legacy.pt", what, _use_new_zipfile_serialization=False)))
+        assert legacy.stderr.replace("legacy.pt", "x.pt") == res.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layers", "9" * 23], ["layers must be at most 10000, got 99999999999999999999999"]),
+    (["--width", "9" * 23], ["width must be at most 16384"]),
+    (["--repeats", "1001"], ["repeats must be at most 1000"]),
+    (["--steady-rounds", "9" * 400], ["steady_rounds must be at most 1000", "(400 digits)"]),
+    (["--sweep-layers", "32,99999999999999999999999"], ["--sweep-layers: each layer count must be at most 10000"]),
+    (["--sweep-layers", "32," + "9" * 5000], ["--sweep-layers: each layer count must be at most 10000", "(5000 digits)"]),
+    (["--sweep-layers", "2,0"], ["--sweep-layers: each layer count must be at least 1, got 0"]),
+])
+def test_a_bench_option_out_of_range_is_a_usage_error_before_any_work(monkeypatch, args, words):
+    # Regression: --layers 999... passed validation, every variant failed with an OverflowError and
+    # the command exited 1; --width 999... was a TypeError "(unexpected)".
+    def no_work(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench, "run_bench", no_work)
+    monkeypatch.setattr(bench, "run_sweep", no_work)
+    res = _run("bench", *args)
+    _one_line_error(res, "bench", 2, *words)
+    assert res.stdout == "" and len(res.stderr) < 300
+
+
+@pytest.mark.parametrize("threads", ["1025", "30000", "100000", "9" * 20])
+def test_bench_threads_beyond_the_ceiling_are_a_usage_error_before_any_work(monkeypatch, threads):
+    # Regression: the value went to torch.set_num_threads: 30000 ended the process in libgomp
+    # (exit 1, no paramfold line), 100000 with a segmentation fault, 9...9 an "(unexpected)" error.
+    def no_work(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench, "run_bench", no_work)
+    monkeypatch.setattr(torch, "set_num_threads", no_work)
+    res = _run("bench", "--threads", threads)
+    _one_line_error(res, "bench", 2, "threads must be at most 1024")
+    assert "1 to 1024; 0 leaves torch's setting" in " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
+
+
+_SIGNAL_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, signal, sys
+    # The last exit function to run (they run in reverse): a signal while the process exits, after
+    # the command has ended, deterministically (it came during torch's teardown in the hunt).
+    atexit.register(signal.raise_signal, getattr(signal, sys.argv.pop(1)))
+    from paramfold.__main__ import main
+    sys.argv = ["paramfold", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_a_signal_while_the_process_exits_after_fold_says_out_was_written_whole(tmp_path, sig, code):
+    # Regression: the default handlers were back before Python's shutdown, so a SIGTERM then
+    # killed the process (exit 143, nothing said) although OUT was in place, whole.
+    src, out = _wn_checkpoint(tmp_path), tmp_path / "plain.safetensors"
+    res = subprocess.run([sys.executable, "-c", _SIGNAL_AT_EXIT, sig.name, "fold", str(src), str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=120, preexec_fn=_hangup_default)
+    assert res.returncode == code, (res.returncode, res.stderr)
+    assert res.stderr == f"paramfold fold: error: interrupted by {sig.name}; {out} was written whole before it\n"
+    assert res.stdout.startswith(f"wrote {out}: ") and sorted(load_file(out)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+def test_a_signal_while_the_process_exits_after_a_failure_adds_no_second_line(tmp_path):
+    res = subprocess.run([sys.executable, "-c", _SIGNAL_AT_EXIT, "SIGTERM", "audit", str(tmp_path / "missing.pt")],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, (res.returncode, res.stderr)
+    assert "missing.pt: no such file or folder" in res.stderr
+
+
+_SIGNAL_SWALLOWED_IN_AN_IMPORT = textwrap.dedent(
+    """
+    import signal, sys
+    class Swallow:  # as torch's C code does with the exception of a signal during its import of numpy
+        def find_spec(self, name, path=None, target=None):
+            if name == "numpy":
+                sys.meta_path.remove(self)
+                try:
+                    signal.raise_signal(signal.SIGTERM)  # its handler runs before this returns
+                except BaseException as e:
+                    sys.stderr.write(f"swallowed {type(e).__name__}\\n")
+    sys.meta_path.insert(0, Swallow())
+    from paramfold.__main__ import main
+    sys.argv = ["paramfold", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+def test_a_signal_whose_exception_an_import_swallows_still_interrupts_the_fold(tmp_path):
+    # Regression: a SIGTERM during start-up was raised inside numpy's import, started by torch's
+    # C code, which dropped the exception: the fold ran on, wrote OUT and exited 0.
+    src, out = _wn_checkpoint(tmp_path), tmp_path / "plain.pt"
+    out.write_bytes(b"previous output")
+    res = subprocess.run([sys.executable, "-c", _SIGNAL_SWALLOWED_IN_AN_IMPORT, "fold", str(src), str(out)],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 143, (res.returncode, res.stderr)
+    assert res.stderr.splitlines() == ["swallowed Interrupted",
+                                       "paramfold fold: error: interrupted by SIGTERM; no output was written"]
+    assert res.stdout == "" and _listing(tmp_path) == {src.name: src.read_bytes(), out.name: b"previous output"}
+
+
+def test_a_failure_after_a_swallowed_signal_is_said_as_the_interrupt(tmp_path, monkeypatch):
+    # The dropped exception may leave a library half imported (torch: "Numpy is not available"):
+    # what the command then fails with follows from the signal, which is what is said.
+    import paramfold.fold
+
+    def swallowed_then_failed(*args, **kwargs):
+        try:
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # the CLI's handler, as a signal runs it
+        except KeyboardInterrupt:
+            pass
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(paramfold.fold, "fold_checkpoint", swallowed_then_failed)
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / "o.pt"))
+    _one_line_error(res, "fold", 143, "interrupted by SIGTERM; no output was written")
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_an_output_is_not_put_in_place_after_a_swallowed_signal(tmp_path):
+    from paramfold.output import Interrupted, atomic_output, signals_raise
+
+    target = tmp_path / "o.bin"
+    with signals_raise(), pytest.raises(Interrupted):
+        with atomic_output(target) as f:
+            f.write(b"data")
+            try:
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            except KeyboardInterrupt:
+                pass  # dropped: the output is still not committed
+    assert list(tmp_path.iterdir()) == []

@@ -19,7 +19,7 @@ def main() -> None:
         except (AttributeError, OSError, ValueError):
             pass
         sys.exit(130)
-    run()
+    run(end_process=True)
 
 
 if __name__ == "__main__":

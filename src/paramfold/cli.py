@@ -33,7 +33,7 @@ import os
 import sys
 from collections.abc import Iterator
 from enum import Enum
-from typing import Any, Callable, Literal, Optional, TypeVar
+from typing import Any, Callable, Literal, NoReturn, Optional, TypeVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -53,6 +53,15 @@ BACKEND_NAMES = ("eager", "aot_eager", "inductor")
 ENTRY_NAMES = ("model", "method", "layers")
 VARIANT_NAMES = ("baseline", "stock", "hoist", "inline", "freeze", "auto")
 VariantName = Enum("VariantName", {n: n for n in VARIANT_NAMES}, type=str)  # type: ignore[misc]
+# The ranges of bench's integer options, for --help: a copy of paramfold.bench.config.LIMITS (which
+# checks them), test_cli checks the two agree.
+BENCH_LIMITS = {"layers": (1, 10_000), "width": (2, 16_384), "repeats": (1, 1_000), "steady_rounds": (1, 1_000),
+                "threads": (1, 1_024)}
+
+
+def _range(name: str) -> str:
+    low, high = BENCH_LIMITS[name]
+    return f"{low} to {high}"
 
 
 def _debug() -> bool:
@@ -71,6 +80,7 @@ def _say(command: str, message: str) -> None:
     from paramfold.output import printable
 
     text = printable(" ".join(str(message).split()))  # one line, whatever the message held
+    _said[:] = [True]
     try:
         sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
         sys.stderr.flush()
@@ -83,6 +93,10 @@ def _say(command: str, message: str) -> None:
 _AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
 #: The output a command has completed (renamed into place), for a failure or signal after it.
 _written: list[str] = []
+#: The command that ran (its _guarded name), and whether an error line was said: for a signal
+#: after the command has ended.
+_ran: list[str] = []
+_said: list[bool] = []
 
 
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
@@ -118,11 +132,19 @@ def _guarded(command: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            from paramfold.output import Interrupted, raise_if_interrupted, signal_arrived
+
+            _ran[:] = [command]
             try:
-                return fn(*args, **kwargs)
+                rv = fn(*args, **kwargs)
+                raise_if_interrupted()  # a signal whose exception something caught and dropped
+                return rv
             except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
                 raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
             except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
+                signum = signal_arrived()
+                if signum is not None and not isinstance(exc, KeyboardInterrupt):
+                    exc = Interrupted(signum)  # the failure followed a signal whose exception was dropped
                 code, message = _describe(exc, command)
                 if _debug():
                     import traceback
@@ -176,13 +198,33 @@ class _Group(_PlainHelpFlag, TyperGroup):
 
     def main(self, args: Any = None, prog_name: Optional[str] = None, complete_var: Optional[str] = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        """Run the command line; ``end_process=True`` (the console script) also ends the process
+        (:func:`_end_process`) with handled signals still said as documented until the end."""
         from paramfold.output import signals_raise
 
+        end_process = extra.pop("end_process", False)
         _written.clear()  # a command called in the same process before this one wrote it, not this one
+        _ran.clear()
+        _said.clear()
+        with signals_raise():
+            try:
+                code = self._run_command(args, prog_name, complete_var, **extra)
+            except KeyboardInterrupt as e:  # a signal while an error was being said
+                code = _signal_after(e, 0)
+            if standalone_mode and end_process and _ran != ["recompiles"]:
+                try:
+                    _end_process(code)
+                except KeyboardInterrupt as e:  # before _end_process took the signals over
+                    _end_process(_signal_after(e, code))
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+    def _run_command(self, args: Any, prog_name: Optional[str], complete_var: Optional[str], **extra: Any) -> int:
+        """Parse and invoke; every outcome becomes an exit code (and the one error line)."""
         try:
-            with signals_raise():
-                rv = super().main(args=args, prog_name=prog_name or "paramfold", complete_var=complete_var,
-                                  standalone_mode=False, **extra)
+            rv = super().main(args=args, prog_name=prog_name or "paramfold", complete_var=complete_var,
+                              standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
         except click.exceptions.NoArgsIsHelpError as e:
             typer.echo(e.ctx.get_help() if e.ctx else "")
@@ -209,9 +251,55 @@ class _Group(_PlainHelpFlag, TyperGroup):
         except KeyboardInterrupt as e:  # a signal before or after click's own handling
             code, message = _describe(e)
             _say("", message)
-        if standalone_mode:
-            sys.exit(code)
         return code
+
+
+def _signal_after(exc: KeyboardInterrupt, code: int) -> int:
+    """The exit code for a signal once the command has ended with ``code``: said as documented
+    (``...; OUT was written whole before it``), unless an error line was said already (one line)."""
+    if _said:
+        return code
+    command = _ran[0] if _ran else ""
+    new_code, message = _describe(exc, command)
+    _say(command, message)
+    return new_code
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # None, closed or failing
+            stream.flush()
+
+
+def _end_process(code: int) -> NoReturn:
+    """End the process with ``code``, a handled signal said as documented until the very end.
+
+    Python puts the default handlers back when it shuts down, before it tears down the modules
+    (torch's take a few tenths of a second): a SIGTERM then killed the process without a word,
+    exit 143, though the command had ended and OUT was whole. So the exit is done here: other
+    threads are waited for and the ``atexit`` functions run as at a normal exit, with a handled
+    signal now saying ``interrupted by SIGTERM; OUT was written whole before it`` (or ``no output
+    was written``) and exiting with its code, then the process ends with ``os._exit``, without
+    the teardown. ``recompiles`` is not ended this way: the script it ran keeps a normal exit.
+    After a failure (its line said) a signal ends the process with the failure's code.
+    """
+    import atexit
+    import threading
+
+    from paramfold.output import Interrupted, on_signal_instead
+
+    def late(signum: int) -> None:
+        exit_code = _signal_after(Interrupted(signum), code)
+        _flush()
+        os._exit(exit_code)
+
+    on_signal_instead(late)
+    for thread in threading.enumerate():  # as Python's own exit does first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush()
+    os._exit(code)
 
 
 app = typer.Typer(
@@ -261,10 +349,10 @@ def bench(
         help="The parametrized model of the zoo to measure: seed, weight_norm, spectral_norm, weight_norm_hooks, spectral_norm_hooks (torch's deprecated hook-based norms) or orthogonal."
     ),
     layers: Optional[int] = typer.Option(
-        None, help="Number of layers \\[default: 32 for seed, else 16]."
+        None, help=f"Number of layers, {_range('layers')} \\[default: 32 for seed, else 16]."
     ),
     width: Optional[int] = typer.Option(
-        None, help="Layer width \\[default: 128 for seed and weight_norm, else 64]."
+        None, help=f"Layer width, {_range('width')} \\[default: 128 for seed and weight_norm, else 64]."
     ),
     backend: Literal["eager", "aot_eager", "inductor"] = typer.Option(
         "eager", metavar="NAME", help="The torch.compile backend: eager, aot_eager or inductor."
@@ -282,16 +370,19 @@ def bench(
         False, "--grad", metavar="",
         help="A forward in training mode that records autograd, with no backward (freeze is skipped). Instead of --train.",
     ),
-    repeats: int = typer.Option(3, help="First compiled calls per variant (min and median reported)."),
+    repeats: int = typer.Option(
+        3, help=f"First compiled calls per variant, {_range('repeats')} (min and median reported)."
+    ),
     steady_rounds: int = typer.Option(
-        5, "--steady-rounds", help="Interleaved rounds of 10 steady calls (or training steps) per variant (min and median reported)."
+        5, "--steady-rounds",
+        help=f"Interleaved rounds of 10 steady calls (or training steps) per variant, {_range('steady_rounds')} (min and median reported)."
     ),
     sweep_layers: Optional[str] = typer.Option(
         None, "--sweep-layers", metavar="N,N,...",
-        help="Run once per layer count (e.g. 32,128,512): how the first call and the steady time grow with model size. Instead of --layers.",
+        help=f"Run once per layer count (e.g. 32,128,512; each {_range('layers')}): how the first call and the steady time grow with model size. Instead of --layers.",
     ),
     threads: int = typer.Option(
-        1, help="torch.set_num_threads for the run; 0 leaves torch's setting."
+        1, help=f"torch.set_num_threads for the run, {_range('threads')}; 0 leaves torch's setting."
     ),
     device: str = typer.Option("cpu", help="Where the model runs: cpu, cuda, cuda:1, ..."),
     variant: Optional[list[VariantName]] = typer.Option(  # type: ignore[valid-type]
@@ -325,6 +416,9 @@ def bench(
 
     from paramfold.bench import BenchConfig, run_bench, run_sweep
     from paramfold.bench.config import parse_layer_counts
+    from paramfold.output import raise_if_interrupted
+
+    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
 
     err = Console(stderr=True)
     try:
@@ -421,7 +515,9 @@ def audit(
     from paramfold.audit import audit_checkpoint
     from paramfold.checkpoint import open_checkpoint
     from paramfold.audit_render import print_report
+    from paramfold.output import raise_if_interrupted
 
+    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     with open_checkpoint(path) as ckpt:
         if fold_out is not None:  # refused before the report is printed
             check_output(fold_out, inputs=ckpt.files)
@@ -460,7 +556,9 @@ def fold(
 def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``)."""
     from paramfold.fold import fold_checkpoint
+    from paramfold.output import raise_if_interrupted
 
+    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     _written.clear()
     summary = fold_checkpoint(path, out, model_factory=model).summary()
     _written.append(out)
@@ -502,8 +600,11 @@ def recompiles_command(
     raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
 
 
-def main() -> None:
-    app()
+def main(*, end_process: bool = False) -> None:
+    """The command line. ``end_process`` (the console script and ``python -m paramfold``, through
+    :mod:`paramfold.__main__`): end the process when the command has ended (:func:`_end_process`)
+    rather than raise ``SystemExit``."""
+    app(end_process=end_process)
 
 
 if __name__ == "__main__":

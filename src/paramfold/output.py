@@ -29,13 +29,16 @@ import signal
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 from paramfold.errors import FoldError
 
-__all__ = ["Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "signals_raise"]
+__all__ = [
+    "Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "on_signal_instead",
+    "raise_if_interrupted", "signal_arrived", "signals_raise",
+]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
 HANDLED_SIGNALS = tuple(
@@ -67,12 +70,30 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+class _SignalState:
+    """What :func:`signals_raise`'s handler has seen and does (one per process: signals are)."""
+
+    def __init__(self) -> None:
+        #: The handled signals that arrived while it was active, in order.
+        self.arrived: list[int] = []
+        #: Called with the signal number instead of raising, once set (:func:`on_signal_instead`).
+        self.instead: Callable[[int], None] | None = None
+
+
+_signals = _SignalState()
+
+
 @contextlib.contextmanager
 def signals_raise() -> Iterator[None]:
     """While active (main thread only), SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`.
 
     The default action of SIGTERM and SIGHUP kills the process on the spot, leaving temporary
     files behind; raised as exceptions they unwind through every ``finally`` and cleanup block.
+
+    A signal is also recorded, so that it cannot be lost where code catches every exception (an
+    import inside a C extension, say, swallows the :class:`Interrupted` raised there):
+    :func:`raise_if_interrupted` raises it again at a safe point, and :func:`atomic_output` never
+    puts an output in place after one.
     """
     import threading
 
@@ -81,8 +102,13 @@ def signals_raise() -> Iterator[None]:
         return
 
     def handler(signum: int, frame: object) -> None:
+        _signals.arrived.append(signum)
+        if _signals.instead is not None:
+            _signals.instead(signum)
         raise Interrupted(signum)
 
+    saved = (_signals.arrived, _signals.instead)
+    _signals.arrived, _signals.instead = [], None
     old = {}
     for sig in HANDLED_SIGNALS:
         with contextlib.suppress(OSError, ValueError):
@@ -96,6 +122,28 @@ def signals_raise() -> Iterator[None]:
     finally:
         for sig, previous in old.items():
             signal.signal(sig, previous)
+        _signals.arrived, _signals.instead = saved
+
+
+def signal_arrived() -> int | None:
+    """The first handled signal that arrived while :func:`signals_raise` is active, if any."""
+    return _signals.arrived[0] if _signals.arrived else None
+
+
+def raise_if_interrupted() -> None:
+    """Raise :class:`Interrupted` if a handled signal arrived while :func:`signals_raise` is active,
+    even one whose exception something caught and dropped: call it at safe points (after imports,
+    before committing an output)."""
+    signum = signal_arrived()
+    if signum is not None:
+        raise Interrupted(signum)
+
+
+def on_signal_instead(action: Callable[[int], None] | None) -> None:
+    """From now until :func:`signals_raise` ends, a handled signal calls ``action(signum)`` instead
+    of raising :class:`Interrupted` (where raising can no longer unwind anything, e.g. once a command
+    has ended and the process is exiting: ``action`` should end the process itself)."""
+    _signals.instead = action
 
 
 @contextlib.contextmanager
@@ -228,8 +276,10 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
     Checks ``path`` with :func:`check_output` first (without suffix or input checks). The
     temporary file is ``.<name>.<random>.partial`` in the same folder (so the rename is atomic).
     A handled signal that arrives while the file is being committed is delivered after the
-    rename if the rename already happened, else the file is discarded.
+    rename if the rename already happened, else the file is discarded; so is the file after a
+    handled signal whose :class:`Interrupted` was caught and dropped (:func:`signals_raise`).
     """
+    raise_if_interrupted()  # no output is begun after a signal, even one whose exception was dropped
     out = check_output(path)
     dest = destination(out)  # the temporary file goes beside it, so that the rename is atomic
     parent = dest.parent if str(dest.parent) else Path(".")
@@ -250,7 +300,7 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
             os.close(fd)
         os.chmod(tmp, mode)
         with _signals_blocked():
-            pending = _pending_signal()
+            pending = _pending_signal() or signal_arrived()  # also one whose exception was dropped
             if pending is None:
                 os.replace(tmp, dest)
         if pending is not None:  # unblocking delivered it already; this is the fallback

@@ -8,6 +8,7 @@ they read a config: the zoo knows nothing of configs, and nothing imports in a c
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,10 +18,46 @@ from torch import nn
 from paramfold.bench.variants import VARIANT_NAMES
 from paramfold.bench.zoo import MODELS, ZooModel
 
-__all__ = ["BACKENDS", "ENTRIES", "PHASES", "BenchConfig", "Phase", "build_model", "make_input", "parse_layer_counts"]
+__all__ = ["BACKENDS", "ENTRIES", "LIMITS", "PHASES", "BenchConfig", "Phase", "build_model", "make_input", "parse_layer_counts"]
 
 BACKENDS = ("eager", "aot_eager", "inductor")
 ENTRIES = ("model", "method", "layers")
+
+#: The range (lowest, highest) of every integer setting of :class:`BenchConfig`, checked on
+#: construction; ``paramfold bench --help`` states those of its options (the CLI holds a copy,
+#: which test_cli checks against this table). The ceilings are practical: far above any run worth
+#: timing (README's largest is ``--layers 512``; one ``width`` x ``width`` float32 weight at the
+#: ceiling is 1 GiB), and low enough that every accepted value builds a model and an input torch
+#: can size, instead of an ``OverflowError`` in every variant after the work has started.
+LIMITS: dict[str, tuple[int, int]] = {
+    "layers": (1, 10_000),
+    "width": (2, 16_384),
+    "batch": (1, 65_536),
+    "repeats": (1, 1_000),
+    "steady_rounds": (1, 1_000),
+    "steady_calls": (1, 10_000),
+    "warmup_calls": (0, 10_000),
+    # A fixed ceiling, not one from this machine's CPU count: a config is also read back from a
+    # saved document (BenchResult.from_dict), perhaps on another machine. It is above the CPUs of
+    # nearly any machine (the bench runs best on 1); far above it OpenMP cannot start the threads
+    # and ends the process itself (30000: libgomp exits; 100000: a segmentation fault).
+    "threads": (1, 1_024),
+}
+
+
+def check_range(name: str, value: int) -> None:
+    """Raise ``ValueError`` (``"<name> must be at least/most ..."``) if ``value`` is outside ``LIMITS[name]``."""
+    low, high = LIMITS[name]
+    if value < low:
+        raise ValueError(f"{name} must be at least {low}, got {_number(value)}")
+    if value > high:
+        raise ValueError(f"{name} must be at most {high}, got {_number(value)}")
+
+
+def _number(value: int | str) -> str:
+    """``value`` for a one-line message: a number of hundreds of digits is shortened."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
 
 
 @dataclass(frozen=True)
@@ -57,7 +94,7 @@ class BenchConfig:
 
     ``variants`` of ``None`` means every variant; ``baseline`` and ``stock`` are always measured
     (ratios are taken to the baseline, outputs are compared to stock).  ``threads`` is set with
-    ``torch.set_num_threads`` for the run (``None``: leave torch's setting); one thread by default
+    ``torch.set_num_threads`` for the run (``None``: leave torch's setting; at most 1024, :data:`LIMITS`); one thread by default
     because compiling is single-threaded, the zoo's matmuls are tiny, and OpenMP threads waiting
     for each other on shared cores turn steady calls of ~1 ms into hundreds of ms.  ``device`` is
     where the model and input live (``"cuda"``: the run synchronises the device around each timed
@@ -105,14 +142,9 @@ class BenchConfig:
             )
         if self.entry not in ENTRIES:
             raise ValueError(f"unknown entry {self.entry!r}; choose one of {', '.join(ENTRIES)}")
-        for name, low in (("layers", 1), ("width", 2), ("threads", 1)):
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise ValueError(f"{name} must be at least {low}, got {value}")
-        for name, low in (("repeats", 1), ("steady_calls", 1), ("warmup_calls", 0), ("batch", 1),
-                          ("steady_rounds", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        for name in LIMITS:  # layers and width: None is the model's default; threads: torch's setting
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name))
         if self.variants is not None:
             unknown = [v for v in self.variants if v not in VARIANT_NAMES]
             if unknown:
@@ -192,12 +224,21 @@ def parse_layer_counts(text: str, layers: int | None = None) -> tuple[int, ...]:
     if layers is not None:
         raise ValueError("--sweep-layers replaces --layers: give one of them")
     words = [w.strip() for w in text.split(",")]
-    if not all(w.isdigit() and int(w) >= 1 for w in words):
+    if not all(w.isascii() and w.isdigit() for w in words):  # isdigit() alone takes '²', which int() refuses
         raise ValueError(
-            f"--sweep-layers takes layer counts of at least 1 separated by commas, "
-            f"e.g. 32,128,512; got {text!r}"
+            f"--sweep-layers takes layer counts separated by commas, e.g. 32,128,512; got {reprlib.repr(text)}"
         )
-    counts = tuple(int(w) for w in words)
+    low, high = LIMITS["layers"]
+    found: list[int] = []
+    for word in words:
+        digits = word.lstrip("0") or "0"
+        # a count longer than the ceiling is too big without int(), which refuses thousands of digits
+        n = int(digits) if len(digits) <= len(str(high)) else high + 1
+        if not low <= n <= high:
+            bound = f"least {low}" if n < low else f"most {high}"
+            raise ValueError(f"--sweep-layers: each layer count must be at {bound}, got {_number(digits)}")
+        found.append(n)
+    counts = tuple(found)
     if len(set(counts)) != len(counts):
         raise ValueError(f"--sweep-layers lists a layer count twice: {text!r}")
     return counts

@@ -206,6 +206,11 @@ class _StorageStub:
     def typed(self) -> bool:
         return self.dtype is not None
 
+    @property
+    def public_name(self) -> str:
+        """The type ``torch.load`` would give (:func:`_type_name`)."""
+        return "TypedStorage" if self.typed else "UntypedStorage"
+
 
 @dataclass(frozen=True)
 class _TensorStub:
@@ -220,6 +225,9 @@ class _TensorStub:
     # was saved as its base's bytes plus the bit; the tensor's value is the bytes conjugated/negated.
     conj: bool = False
     neg: bool = False
+
+    #: The type ``torch.load`` would give (:func:`_type_name`); a Parameter's stub is a Tensor's.
+    public_name = "Tensor"
 
 
 def _math_bits(metadata: Any) -> dict[str, bool]:
@@ -387,6 +395,14 @@ def _torch_load(p: Path, *, legacy: bool = False, **kwargs: Any) -> Any:
         raise CheckpointError(f"{p}: cannot read this PyTorch checkpoint ({first_line(e)})") from None
 
 
+def _type_name(obj: Any) -> str:
+    """The name of ``obj``'s type in a message: a stub of this module is named by the public type it
+    stands for (``Tensor``, not ``_TensorStub``), as ``torch.load`` on a legacy file would show it."""
+    if isinstance(obj, (_TensorStub, _StorageStub)):
+        return obj.public_name
+    return type(obj).__name__
+
+
 def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tuple[dict[str, Any], str | None]:
     if _is_state_dict(obj, tensor_type):
         return dict(obj), None
@@ -399,7 +415,7 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             _refuse_mixed_state_dict(sub, name, p, tensor_type)
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
-        where = f"it holds a {type(obj).__name__}"
+        where = f"it holds a {_type_name(obj)}"
     raise CheckpointError(
         f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
@@ -418,7 +434,7 @@ def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: t
     first = others[0]
     raise CheckpointError(
         f"{p}: {where} holds {len(others)} non-tensor entr{'y' if len(others) == 1 else 'ies'} "
-        f"('{_key_name(first)}': {type(sub[first]).__name__}{', ...' if len(others) > 1 else ''}; "
+        f"('{_key_name(first)}': {_type_name(sub[first])}{', ...' if len(others) > 1 else ''}; "
         "a module's get_extra_state() saves one as '<module>._extra_state'); paramfold reads only "
         "tensors: re-save without them, e.g. {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}"
     )
