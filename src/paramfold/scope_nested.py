@@ -8,18 +8,22 @@ call begins. A forward may then change their inputs before it calls a submodule:
 * change them in place: MoCo's momentum update, ``param_k.data = m * param_k.data + (1 - m) *
   param_q.data``, inside ``forward``, before ``self.key_encoder(x)``;
 * or change what they are computed under: a ``torch.autocast`` region (Accelerate wraps
-  ``forward`` in one; stock's reads inside it compute the chain's matmuls in lower precision), or
-  a ``torch.enable_grad()`` region in a ``no_grad`` call (stock's reads there record gradients).
+  ``forward`` in one; stock's reads inside it compute the chain's matmuls in lower precision), a
+  ``torch.enable_grad()`` region in a ``no_grad`` call (stock's reads there record gradients), or
+  the submodule's settings: ``self.D.eval()``, ``self.D.requires_grad_(False)`` around the call
+  that scores a generator's output, a custom member's attribute set for one call.
 
 Every eager call of an entry reads its ``_compiled_call_impl`` (``scope._get_compiled_call_impl``),
 which checks the entry's :func:`check_of` columns: the tensors below it are the ones its values
 were computed from (always), and, where the scope was opened eagerly, their version counters and
-storage addresses are those of when it opened (:func:`snapshot`); and that the grad mode and
-autocast state are those the values were computed under (``local.context``). Where something
-differs, :func:`call_changed` runs the call with those values computed afresh, as stock computes
-each read: a swapped value, or one computed for another grad mode or autocast state, is put back
-after (the originals come back, the region ends), a value changed in place stays (it is the
-current one for the rest of the call).
+storage addresses are those of when it opened (:func:`snapshot`), as are, for the entry's own
+values (read inside its calls), the originals' ``requires_grad``, the chain members' training
+modes and the custom members' attributes; and that the grad mode and autocast state are those
+the values were computed under (``local.context``). Where something differs, :func:`call_changed`
+runs the call with those values computed afresh, as stock computes each read: a swapped value, or
+one computed for another grad mode, autocast state or settings, is put back after (the originals
+come back, the region ends), a value changed in place stays (it is the current one for the rest
+of the call), and a stateful chain whose settings changed is computed at each read from then on.
 
 Not seen: reads that are not inside a nested module call (a forward reading ``self.k.weight``
 after changing it); in-place edits through ``.data`` (they bump no version counter); and
@@ -54,7 +58,6 @@ _grad_enabled = torch.is_grad_enabled
 #: ``changed``'s verdict for a value that from now on is computed at every read, as stock's:
 #: a stateful chain whose mode or settings changed inside the forward.
 AT_READ = "at read"
-
 
 
 class _Local(threading.local):
@@ -104,9 +107,9 @@ def record(site: SiteState) -> None:
 def check_of(entry: nn.Module) -> tuple:
     """``(count, dicts, keys, tensors, sized dicts, sizes, swapped, plain tensors, their ids,
     objects, attributes, their snapshot keys, custom members' dicts, their ids, the same five for
-    every site below)`` for the sites
-    below ``entry`` whose values are in ``__dict__``: ``dicts[i][keys[i]] is tensors[i]`` and the
-    dicts' sizes hold while nothing was swapped since the values were put there; ``getattr(
+    every site below)`` for the sites below ``entry`` whose values are in ``__dict__``:
+    ``dicts[i][keys[i]] is tensors[i]`` and the dicts' sizes hold while nothing was swapped
+    since the values were put there; ``getattr(
     objects[i], attributes[i])`` (the plain tensors' version counters; for ``entry``'s own
     sites, read only inside its calls, also their ``requires_grad`` and the chain members'
     training modes) is what the snapshot holds under ``keys[i]``."""
@@ -402,7 +405,8 @@ def _valued(entry: nn.Module, missing: list | None = None):
 
 
 def _same_settings_of(holder: nn.Module, site: SiteState, snap: tuple) -> bool:
-    """:func:`same_settings` for one site."""
+    """Whether ``site``'s originals' ``requires_grad``, its modules' training modes and its custom
+    members' attributes are as ``snap`` holds them (:attr:`_Local.snapshot`)."""
     try:
         return (all(snap[0][_flag(t)] is t.requires_grad for t in site.read_from if type(t) in PLAIN_TENSOR_TYPES)
                 and all(snap[0][id(m)] is m.training for m in _moded(holder, site))
@@ -428,7 +432,10 @@ def _note_settings(holder: nn.Module, site: SiteState) -> list[tuple[dict, int, 
 
 def _put_settings(then: list[tuple[dict, int, object]]) -> None:
     for d, key, value in then:
-        d[key] = value
+        if value is None:  # not in the snapshot before
+            d.pop(key, None)
+        else:
+            d[key] = value
 
 
 def _moved(tensors: tuple, snap: tuple) -> bool:
