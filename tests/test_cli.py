@@ -103,6 +103,14 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
     )
 
 
+def test_no_command_prints_the_help_once_and_exits_2():
+    # Regression: the help was printed twice (rich printed it while click built its error, then
+    # the CLI printed the error's help again).
+    res = _run(env={"COLUMNS": "200"})
+    assert res.exit_code == 2
+    assert res.stdout.count("Usage: paramfold") == 1 and "Commands" in res.stdout
+
+
 def test_help_text_lists_choices_and_real_defaults():
     text = " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
     assert "<bool>" not in text and "Number of layers, 1 to 10000 [default: 32 for seed, else 16]" in text

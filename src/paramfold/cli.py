@@ -227,7 +227,11 @@ class _Group(_PlainHelpFlag, TyperGroup):
                               standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
         except click.exceptions.NoArgsIsHelpError as e:
-            typer.echo(e.ctx.get_help() if e.ctx else "")
+            # The help, once: building the error formatted it (rich prints it there and the
+            # message is empty; click's plain formatter returns it as the message).
+            message = e.format_message()
+            if message:
+                typer.echo(message)
             code = 2
         except click.exceptions.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "paramfold"
