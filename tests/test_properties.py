@@ -357,6 +357,35 @@ def test_checker_catches_power_iteration_running_twice():
             pt.assert_equivalent(_spectral_model(), torch.randn(3, 4), "hoist")
 
 
+class _HookedLinear(nn.Linear):
+    """Registers a gradient hook on the weight it reads (at each read: stock's are separate tensors)."""
+
+    def forward(self, x):
+        weight = self.weight
+        if weight.requires_grad:
+            weight.register_hook(lambda g: 2 * g)
+        return nn.functional.linear(x, weight, self.bias)
+
+
+class _CalledTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = weight_norm(_HookedLinear(4, 4))
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_checker_catches_a_gradient_that_equals_the_cached_copys_but_not_stocks(mode):
+    # Regression: gradients of a module called twice were accepted where they equalled stock run
+    # under parametrize.cached(), which shares one value per forward as paramfold does. A hook the
+    # forward registers at each read then scales the shared value twice there too: 2x stock's.
+    torch.manual_seed(0)
+    with pytest.raises(AssertionError, match=r"grad of 'lin\.parametrizations\.weight\.original.*a gradient hook"):
+        pt.assert_equivalent(_CalledTwice(), torch.randn(3, 4), mode)
+
+
 def test_checker_catches_stale_frozen_values():
     freeze, scope = _mod("paramfold.freeze"), _mod("paramfold.scope")
     model = _spectral_model().eval().requires_grad_(False)
