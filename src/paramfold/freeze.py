@@ -24,7 +24,9 @@ in two ways:
   DLPack, a raw pointer, another process).
 
 and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
-(``member.temperature = 0.5``), their submodules and forward hooks, and global forward hooks,
+(``member.temperature = 0.5``), the dicts and plain objects a custom member holds
+(:mod:`paramfold.held`; one holding a list, set or array is not frozen), their submodules and
+forward hooks, and global forward hooks,
 each dict's version tag (:data:`tag`) read when the value was computed; on the autocast state it
 was computed under (a value computed outside ``torch.autocast`` does not serve a call inside
 it); and on its own version counter and armed storage (a forward may edit the value it reads in
@@ -51,10 +53,11 @@ from paramfold import hooknorms
 from paramfold.compute import GLOBAL_HOOKS, autocast_state, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.held import held
 from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
-from paramfold.sites import Site
+from paramfold.sites import Site, probed
 from paramfold.watch import layout, tag
 
 
@@ -188,6 +191,8 @@ def _inputs(site: SiteState):
         for key, t in d.items():
             if isinstance(t, torch.Tensor):
                 yield d, key, t
+        if site.hook is None and probed(owner):
+            yield from held(owner).tensors  # in a dict or object a custom member holds
 
 
 _lazy_clone = getattr(torch, "_lazy_clone", None)
@@ -278,6 +283,8 @@ def settings(site: SiteState) -> tuple[dict, ...]:
                 # is a write there, which the inputs' own checks cannot see.
                 found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks, m._parameters, m._buffers]
                 found += class_dicts(type(m))
+                if probed(m):
+                    found += held(m).dicts  # a config dict or object it holds (paramfold.held)
     return (*found, *GLOBAL_HOOKS[:2])  # the forward ones: a frozen value is computed without autograd
 
 
@@ -370,7 +377,18 @@ def can_freeze(site: SiteState, grad: bool = True) -> bool:
     history either, so a trainable chain's frozen value is stock's value there."""
     if grad and chain_needs_grad(site):
         return False
-    return not site.training_stateful
+    return not site.training_stateful and not unwatched(site)
+
+
+def unwatched(site: SiteState) -> list[str]:
+    """Where ``site``'s custom chain members hold something a frozen value cannot be keyed on (a
+    list, a set, an array, a tensor in a tuple: :mod:`paramfold.held`), as ``"Member.attribute"``.
+    torch's and torchao's own parametrizations are trusted: what they hold (torchao's
+    ``rebuild_stack`` list) is only ever replaced, which their ``__dict__`` tag sees."""
+    if site.hook is not None:
+        return []
+    return [f"{type(m).__name__}.{where}" for m in site.plist.modules() if probed(m)
+            for where, _ in held(m).unwatched]
 
 
 def chain_needs_grad(site: SiteState) -> bool:
@@ -411,9 +429,12 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
         return
     reasons = []
     for s, st in bad:
+        places = unwatched(st)
         why = ("a tensor of the chain requires grad" if chain_needs_grad(st)
                else "its chain changes its own buffers at every computation" if st.stateful_in_eval
-               else "stateful chain in training mode")
+               else "stateful chain in training mode" if st.training_stateful
+               else f"its chain reads {first_few(places, 2)}, whose changes a frozen value cannot watch "
+                    "(keep such settings in a dict, a tuple or a plain object instead of a list, set or array)")
         reasons.append(f"{s.fqn} ({s.kind}: {why})")
     raise FoldError(
         f"cannot freeze {len(bad)} site(s) {when}: {first_few(reasons, 4)}. Freeze is for inference: "

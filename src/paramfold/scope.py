@@ -54,9 +54,9 @@ from paramfold import hooknorms, randomness, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
 from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, eager_value
-from paramfold.errors import FoldError
+from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged, unwatched
 from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
@@ -173,7 +173,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
         else:
             for name, site in hs.sites.items():
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
-                    raise _unfreezable(holder, name)
+                    raise _unfreezable(holder, name, site)
     claimed: list[nn.Module] = []
     try:
         for holder in state.holders:
@@ -542,11 +542,17 @@ def _freezable(site: SiteState, grad: bool) -> bool:
     return can_freeze(site, grad) and _tracing_state() is None
 
 
-def _unfreezable(holder: nn.Module, name: str) -> FoldError:
+def _unfreezable(holder: nn.Module, name: str, site: SiteState) -> FoldError:
+    places = unwatched(site)
+    if places:
+        why = (f"its chain now reads {first_few(places, 2)}, whose changes a frozen value cannot watch "
+               "(a list, set, array or tensor in a tuple: keep such settings in a dict or a plain object)")
+    else:
+        why = ("a parameter of its chain requires grad or its stateful chain is in training mode; "
+               "frozen values would not train")
     return FoldError(
-        f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now a parameter "
-        "of its chain requires grad or its stateful chain is in training mode; frozen values would not "
-        "train. Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
+        f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now {why}. "
+        "Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
     )
 
 

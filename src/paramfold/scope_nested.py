@@ -46,6 +46,7 @@ from paramfold import hooknorms, unread
 from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.held import held
 from paramfold.freeze import chain_needs_grad
 from paramfold.sites import probed
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
@@ -170,9 +171,10 @@ def _moded(holder: nn.Module, site: SiteState) -> tuple[nn.Module, ...]:
 
 
 def _settings(site: SiteState) -> list[dict]:
-    """The ``__dict__`` of each custom member of ``site``'s chain (a temperature, a scale): torch's
-    and torchao's parametrizations keep no setting a forward changes but ``training``."""
-    return [vars(m) for m in site.chain if probed(m)] if site.hook is None else []
+    """The ``__dict__`` of each custom member of ``site``'s chain (a temperature, a scale), and the
+    dicts it holds (:mod:`paramfold.held`): torch's and torchao's parametrizations keep no setting a
+    forward changes but ``training``."""
+    return [d for m in site.chain if probed(m) for d in (vars(m), *held(m).dicts)] if site.hook is None else []
 
 
 def _flag(t: torch.Tensor) -> int:

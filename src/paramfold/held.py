@@ -1,0 +1,165 @@
+"""What a parametrization module holds besides its tensors, submodules and hooks.
+
+A chain may read more than its members' own attributes: a config dict (``self.cfg["scale"]``),
+an object it was given (``self.schedule.temperature``), a list of scales. Stock reads them at
+every computation, so a frozen value must be computed again when any of them changes, and
+``find``'s probe must see a member that changes them itself (a count kept in a list).
+
+Dicts, and the ``__dict__`` of plain objects, have a version tag that any write changes: freeze
+watches them as it watches the members' own attributes, and tensors found in them are inputs like
+any other. Other mutable holders (a list, a set, a numpy array, an object with ``__slots__``, a
+tensor inside a tuple) have no tag, and comparing their contents at every call would cost every
+call: a chain holding one is not frozen (``"auto"`` computes it at each call, ``"freeze"``
+refuses it). Not followed: state reached through a function (its closure, defaults or globals),
+a bound method's object, a class's attributes other than the members' own classes', or a module
+referenced as a plain attribute.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import sys
+import types
+
+import torch
+from torch import nn
+
+#: ``nn.Module``'s own bookkeeping (hook dicts, ``_parameters``, ``_buffers``, ``_modules``, ...):
+#: watched apart where a value depends on it.
+_STANDARD = frozenset(nn.Module().__dict__)
+
+#: Values nothing can change in place, or whose state is not followed (see the module docstring).
+_ATOMS = (
+    type(None), bool, int, float, complex, str, bytes, range, slice, type(Ellipsis), type(NotImplemented),
+    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Generator, enum.Enum, type,
+    types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, re.Pattern,
+    torch.Tensor, nn.Module,
+)
+
+#: How deep and how many held objects are followed; past either, what is left counts as unwatched.
+_DEPTH, _MOST = 4, 256
+
+
+class Held:
+    """What one module holds: ``dicts``, watched by their version tags (held dicts and plain
+    objects' ``__dict__``, besides the module's own); ``tensors``, ``(dict, key, tensor)`` of each
+    tensor entry of those; ``unwatched``, ``(where, object)`` of each holder no tag watches."""
+
+    __slots__ = ("dicts", "tensors", "unwatched")
+
+    def __init__(self) -> None:
+        self.dicts: list[dict] = []
+        self.tensors: list[tuple[dict, object, torch.Tensor]] = []
+        self.unwatched: list[tuple[str, object]] = []
+
+
+def held(module: nn.Module) -> Held:
+    """What ``module``'s plain attributes hold (see :class:`Held`).
+
+    >>> from torch import nn
+    >>> m = nn.Module()
+    >>> m.cfg = {"scale": 2.0}
+    >>> m.scales = [1.0, 2.0]
+    >>> found = held(m)
+    >>> found.dicts == [m.cfg], [where for where, _ in found.unwatched]
+    (True, ['scales'])
+    """
+    found = Held()
+    seen = {id(module.__dict__)}
+    for key, value in vars(module).items():
+        if key not in _STANDARD:
+            _visit(found, seen, value, key, 0)
+    return found
+
+
+def _visit(found: Held, seen: set[int], value: object, where: str, depth: int) -> None:
+    if isinstance(value, _ATOMS) or _numpy_scalar(value) or id(value) in seen:
+        return
+    seen.add(id(value))
+    if depth >= _DEPTH or len(seen) > _MOST:
+        found.unwatched.append((where, value))
+        return
+    if isinstance(value, (tuple, frozenset)):
+        for i, item in enumerate(value):
+            if isinstance(item, torch.Tensor):  # edited in place, no tag sees it
+                found.unwatched.append((f"{where}[{i}]", item))
+            else:
+                _visit(found, seen, item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        _visit_dict(found, seen, value, where, depth, "[{!r}]")
+        return
+    attributes = getattr(value, "__dict__", None)
+    if type(attributes) is dict and not _has_slots(type(value)) and not isinstance(value, (list, set, bytearray)):
+        _visit_dict(found, seen, attributes, where, depth, ".{}")
+        return
+    found.unwatched.append((where, value))
+
+
+def _visit_dict(found: Held, seen: set[int], d: dict, where: str, depth: int, step: str) -> None:
+    found.dicts.append(d)
+    for key, item in d.items():
+        if isinstance(item, torch.Tensor):
+            found.tensors.append((d, key, item))
+        else:
+            _visit(found, seen, item, where + step.format(key), depth + 1)
+
+
+def _numpy_scalar(value: object) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic)
+
+
+def _has_slots(cls: type) -> bool:
+    """Whether instances of ``cls`` keep some state in slots, which no dict tag sees."""
+    return any(s != "__dict__" and s != "__weakref__"
+               for c in cls.__mro__ for s in _slot_names(c))
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    slots = vars(cls).get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def snapshot(module: nn.Module) -> list[tuple[object, object]]:
+    """What ``module`` holds, as ``(holder, contents)`` pairs that :func:`same` compares later:
+    each held dict's entries, each unwatched holder's items where they can be listed (a list's,
+    a set's, an array's bytes), and each held tensor's version counter."""
+    found = held(module)
+    pairs: list[tuple[object, object]] = [(d, dict(d)) for d in found.dicts]
+    pairs += [(t, t._version) for _, _, t in found.tensors]
+    pairs += [(obj, _contents(obj)) for _, obj in found.unwatched]
+    return pairs
+
+
+def same(pairs: list[tuple[object, object]]) -> bool:
+    """Whether everything :func:`snapshot` recorded is as it was (entries by identity)."""
+    for holder, then in pairs:
+        if isinstance(holder, dict):
+            if holder.keys() != then.keys() or not all(holder[k] is v for k, v in then.items()):
+                return False
+        elif isinstance(holder, torch.Tensor) and type(then) is int:
+            if holder._version != then:
+                return False
+        elif _contents(holder) != then:
+            return False
+    return True
+
+
+def _contents(obj: object) -> object:
+    if isinstance(obj, (list, tuple)) or type(obj).__name__ == "deque":
+        return tuple(map(id, obj))
+    if isinstance(obj, (set, frozenset)):
+        return frozenset(map(id, obj))
+    if isinstance(obj, bytearray):
+        return bytes(obj)
+    if isinstance(obj, torch.Tensor):
+        return obj._version
+    tobytes = getattr(obj, "tobytes", None)  # a numpy or array.array array
+    if callable(tobytes):
+        try:
+            return tobytes()
+        except Exception:
+            pass
+    return id(obj)  # nothing to list: a change inside is not seen

@@ -1,0 +1,215 @@
+"""A parametrization that reads what it holds: a config dict, a plain object, a list, a tensor in a
+dict (paramfold.held). Stock reads them at every computation; a frozen value must follow every
+change or not be frozen, and a chain that changes them itself is one that writes itself."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+import paramfold
+
+MODES = ["auto", "freeze", "hoist", "inline"]
+
+
+class _FromDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = {"scale": 1.0, "shift": torch.zeros(())}
+
+    def forward(self, w):
+        return w * self.cfg["scale"] + self.cfg["shift"]
+
+
+class _FromObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = types.SimpleNamespace(inner=types.SimpleNamespace(scale=1.0))
+
+    def forward(self, w):
+        scale = self.cfg.inner.scale
+        return w * (scale[0] if isinstance(scale, list) else scale)
+
+
+class _FromList(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scales = [1.0]
+
+    def forward(self, w):
+        return w * self.scales[0]
+
+
+class _Counts(nn.Module):
+    """Keeps a count of its computations in a list, and scales by it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = [0]
+
+    def forward(self, w):
+        self.count[0] += 1
+        return w * (1.0 + 0.1 * self.count[0])
+
+
+def _edit_dict(p):
+    p.cfg["scale"] += 0.5
+
+
+def _edit_dict_tensor(p):
+    with torch.no_grad():
+        p.cfg["shift"].add_(0.25)
+
+
+def _edit_object(p):
+    p.cfg.inner.scale += 0.5
+
+
+def _edit_list(p):
+    p.scales[0] += 0.5
+
+
+EDITS = {
+    "dict entry": (_FromDict, _edit_dict),
+    "tensor in a dict, in place": (_FromDict, _edit_dict_tensor),
+    "attribute of a held object": (_FromObject, _edit_object),
+    "list item": (_FromList, _edit_list),
+}
+
+
+def _pair(member: type[nn.Module], eval_mode: bool = True):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    parametrize.register_parametrization(model[0], "weight", member())
+    if eval_mode:
+        model.eval().requires_grad_(False)
+    return model, copy.deepcopy(model)
+
+
+def _member(model):
+    return model[0].parametrizations.weight[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("edit", list(EDITS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_held_setting_changed_between_calls_is_followed_like_stock(mode, edit, compiled):
+    member, change = EDITS[edit]
+    stock, prepared = _pair(member)
+    if mode == "freeze" and member is _FromList:
+        with pytest.raises(paramfold.FoldError, match=r"_FromList\.scales"):
+            paramfold.prepare(prepared, mode=mode)
+        assert type(prepared[0]).__name__ == "ParametrizedLinear"  # left as it was
+        return
+    paramfold.prepare(prepared, mode=mode)
+    run_stock, run_prepared = stock, prepared
+    if compiled:
+        torch._dynamo.reset()
+        run_stock = torch.compile(stock, backend="eager")
+        run_prepared = torch.compile(prepared, backend="eager")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(run_prepared(x), run_stock(x))
+            change(_member(stock))
+            change(_member(prepared))
+
+
+@pytest.mark.parametrize("mode", ["auto", "inline"])
+def test_a_chain_that_counts_in_a_list_it_holds_equals_stock_at_every_read(mode):
+    class ReadsTwiceSkipsOnce(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            parametrize.register_parametrization(self.a, "weight", _Counts())
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls % 3 == 0:  # a call that does not read it
+                return self.b(x)
+            return self.a(x) + self.a(x) @ self.a.weight
+
+    torch.manual_seed(0)
+    stock = ReadsTwiceSkipsOnce().eval().requires_grad_(False)
+    prepared = copy.deepcopy(stock)
+    paramfold.prepare(prepared, mode=mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(prepared(x), stock(x))
+            assert prepared.a.parametrizations.weight[0].count == stock.a.parametrizations.weight[0].count
+
+
+def test_find_reports_a_chain_that_appends_to_what_it_holds_and_changes_nothing():
+    stock, prepared = _pair(_Counts)
+    sites = paramfold.find(prepared)
+    assert [s.writes_itself for s in sites] == [True]
+    assert _member(prepared).count == _member(stock).count  # probed on a copy
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+def test_hoist_and_freeze_refuse_a_chain_that_changes_what_it_holds(mode):
+    stock, prepared = _pair(_Counts)
+    with pytest.raises(paramfold.FoldError):
+        paramfold.prepare(prepared, mode=mode)
+    assert _member(prepared).count == _member(stock).count
+
+
+def test_a_list_given_to_a_frozen_chain_after_prepare_refuses_the_next_call_and_auto_follows_it():
+    stock, frozen = _pair(_FromObject)
+    auto = copy.deepcopy(frozen)
+    paramfold.prepare(frozen, mode="freeze")
+    paramfold.prepare(auto, mode="auto")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(frozen(x), stock(x))
+        assert torch.equal(auto(x), stock(x))
+        for model in (stock, frozen, auto):
+            _member(model).cfg.inner = types.SimpleNamespace(scale=[2.0])
+        with pytest.raises(paramfold.FoldError, match=r"cfg\.inner\.scale"):
+            frozen(x)
+        for _ in range(2):
+            assert torch.equal(auto(x), stock(x))
+            for model in (stock, auto):
+                _member(model).cfg.inner.scale[0] += 1.0
+
+
+def test_known_parametrizations_hold_nothing_unwatched():
+    from paramfold.held import held
+
+    layer = nn.Linear(4, 4)
+    for register in (torch.nn.utils.parametrizations.weight_norm, torch.nn.utils.parametrizations.spectral_norm,
+                     torch.nn.utils.parametrizations.orthogonal):
+        layer = nn.Linear(4, 4)
+        register(layer)
+        for m in layer.parametrizations.weight.modules():
+            assert held(m).unwatched == [] and held(m).dicts == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_held_setting_changed_inside_the_forward_reaches_the_next_read_like_stock(mode):
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            parametrize.register_parametrization(self.lin, "weight", _FromDict())
+
+        def forward(self, x):
+            y = self.lin(x)
+            self.lin.parametrizations.weight[0].cfg["scale"] += 1.0
+            return y + self.lin(x)
+
+    torch.manual_seed(0)
+    stock = Outer().eval().requires_grad_(False)
+    prepared = copy.deepcopy(stock)
+    paramfold.prepare(prepared, mode=mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(prepared(x), stock(x))
