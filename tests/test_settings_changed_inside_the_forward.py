@@ -196,3 +196,32 @@ def test_compiled_a_submodule_switched_to_eval_inside_the_forward(mode):
     stock, ours = _twins("training scale", "eval", mode)
     stock, ours = torch.compile(stock, backend="eager"), torch.compile(ours, backend="eager")
     _steps(stock, ours, training=True)
+
+
+class SwapsD(nn.Module):
+    """``functional_call`` of a container of D (other tensors for one call), D called as it is
+    first: the values computed for the swapped call note the swapped tensors' settings, which D's
+    own call, nested in it, compares with."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.d = nn.Sequential(_norm(kind, nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 1))
+
+    def forward(self, x):
+        params = {k: v.detach() * 1.5 for k, v in self.d.named_parameters()}  # the originals' gradients: one path
+        return self.d(x) + torch.func.functional_call(self.d, params, (x,))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "spectral_norm (hook)", "weight_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_container_called_with_swapped_tensors_in_an_eval_forward(mode, kind, grad):
+    # Until 2026-12-03 the settings noted were the replaced tensors' own, so D's call found its
+    # swapped tensors' requires_grad missing, took it for a settings change inside the forward,
+    # and a hook-based spectral_norm in eval was refused ("switched to training") where stock runs.
+    torch.manual_seed(0)
+    stock = SwapsD(kind)
+    torch.manual_seed(0)
+    ours = SwapsD(kind)
+    paramfold.prepare(ours, mode)
+    _steps(stock, ours, training=False, grad=grad)

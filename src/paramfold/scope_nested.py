@@ -357,7 +357,9 @@ def call_changed(
                     value = compute(holder, name)
                 else:
                     value = hooknorms.compute(holder, site.hook, site.hook_kind)
-                settings = _note_settings(holder, site)  # calls nested in this one compare with these
+                # calls nested in this one compare with these: the flags of the tensors the value
+                # was just computed from (swapped ones, where the forward swapped them)
+                settings = _note_settings(holder, site, inputs(site))
                 if swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from,
@@ -415,13 +417,13 @@ def _same_settings_of(holder: nn.Module, site: SiteState, snap: tuple) -> bool:
         return False
 
 
-def _note_settings(holder: nn.Module, site: SiteState) -> list[tuple[dict, int, object]]:
+def _note_settings(holder: nn.Module, site: SiteState, read_from: tuple) -> list[tuple[dict, int, object]]:
     """Take ``site``'s settings as they are now into the snapshot (its value was just computed
-    under them); return what was there, for :func:`_put_settings` to put back."""
+    under them, from ``read_from``); return what was there, for :func:`_put_settings` to put back."""
     snap = local.snapshot
     if snap is None:
         return []
-    entries = [(snap[0], _flag(t), t.requires_grad) for t in site.read_from if type(t) in PLAIN_TENSOR_TYPES]
+    entries = [(snap[0], _flag(t), t.requires_grad) for t in read_from if type(t) in PLAIN_TENSOR_TYPES]
     entries += [(snap[0], id(m), m.training) for m in _moded(holder, site)]
     entries += [(snap[2], id(d), tag(d)) for d in _settings(site)]
     then = [(d, key, d.get(key)) for d, key, _ in entries]
