@@ -225,3 +225,26 @@ def test_a_container_called_with_swapped_tensors_in_an_eval_forward(mode, kind, 
     ours = SwapsD(kind)
     paramfold.prepare(ours, mode)
     _steps(stock, ours, training=False, grad=grad)
+
+
+@pytest.mark.parametrize("flip", ["eval", "requires_grad_(False)"])
+@pytest.mark.parametrize("kind", ["training scale", "weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_inside_parametrize_cached_a_value_the_block_cached_serves_every_later_call(mode, kind, flip):
+    # Stock's reads inside parametrize.cached() return the value the block's first read cached,
+    # whatever the forward switched since; until 2026-12-03 hoist and auto computed it afresh for
+    # the flipped call (the eval scale; no gradient into a D frozen for the call).
+    stock, ours = _twins(kind, flip, mode, reads=2)
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for model in (stock, ours):
+            model.train().zero_grad(set_to_none=True)
+            with parametrize.cached():
+                model.d[0].weight  # the block's first read, outside any call
+                out = model(x)
+                out.sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        assert_same_tensors(stock.state_dict(), ours.state_dict(), at=f"step {step}")
+        assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")

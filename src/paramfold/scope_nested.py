@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from paramfold import hooknorms, unread
 from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute
@@ -242,7 +243,12 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
     autocast_moved = then is not None and then[1] != now_context[1]
     grad_on = then is not None and now_context[0] and not then[0]
     found = []
+    cache = parametrize._cache_enabled
     for holder, name, site in _valued(entry):
+        if cache and site.from_cache and parametrize._cache.get((id(holder), name)) is holder.__dict__[name]:
+            # Inside parametrize.cached(), a value an earlier read or call of the block cached:
+            # stock's reads return it, whatever the forward swapped, edited or switched since.
+            continue
         now = inputs(site)
         served = site.read_chain or site.modules
         chain = served if site.plist is None else tuple(site.plist._modules.values())
