@@ -248,3 +248,14 @@ def test_inside_parametrize_cached_a_value_the_block_cached_serves_every_later_c
         assert torch.equal(outs[0], outs[1]), f"step {step}"
         assert_same_tensors(stock.state_dict(), ours.state_dict(), at=f"step {step}")
         assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "spectral_norm (hook)"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_submodule_in_eval_frozen_inside_the_forward_runs_like_stock(mode, kind, grad):
+    # A stateful chain in eval updates no state: a requires_grad flag changed inside the forward
+    # only computes its value again. Until 2026-12-03 the hook-based spectral_norm was refused
+    # ("switched to training"), and the parametrization computed at every read from then on.
+    stock, ours = _twins(kind, "requires_grad_(False)", mode)
+    _steps(stock, ours, training=False, grad=grad)

@@ -257,9 +257,12 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
         # changed inside the forward (``D.eval()``, ``requires_grad_(False)`` around a call of
         # ``D``): stock's reads compute under the new ones.
         settings_moved = not swapped and snap is not None and not _same_settings_of(holder, site, snap)
-        if settings_moved and site.stateful and type(holder) is not holder.__dict__[STATE_ATTR].read_once_class:
+        if (settings_moved and site.stateful and type(holder) is not holder.__dict__[STATE_ATTR].read_once_class
+                and (site.stateful_in_eval or any(m.training for m in _moded(holder, site)))):
             # A value computed once would run its state updates once (or not at all) for reads
-            # that each run them in stock: computed at each read from now on. (Read once: the
+            # that each run them in stock: computed at each read from now on. (Still in eval,
+            # where only a requires_grad flag or an attribute changed: computed again below,
+            # which updates no state, as stock's reads do not.) (Read once: the
             # state as before the call's unread computation, then the same, in call_changed.)
             if site.hook is not None:
                 raise FoldError(
