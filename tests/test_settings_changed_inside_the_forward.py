@@ -196,3 +196,66 @@ def test_compiled_a_submodule_switched_to_eval_inside_the_forward(mode):
     stock, ours = _twins("training scale", "eval", mode)
     stock, ours = torch.compile(stock, backend="eager"), torch.compile(ours, backend="eager")
     _steps(stock, ours, training=True)
+
+
+class SwapsD(nn.Module):
+    """``functional_call`` of a container of D (other tensors for one call), D called as it is
+    first: the values computed for the swapped call note the swapped tensors' settings, which D's
+    own call, nested in it, compares with."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.d = nn.Sequential(_norm(kind, nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 1))
+
+    def forward(self, x):
+        params = {k: v.detach() * 1.5 for k, v in self.d.named_parameters()}  # the originals' gradients: one path
+        return self.d(x) + torch.func.functional_call(self.d, params, (x,))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "spectral_norm (hook)", "weight_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_container_called_with_swapped_tensors_in_an_eval_forward(mode, kind, grad):
+    # Until 2026-12-03 the settings noted were the replaced tensors' own, so D's call found its
+    # swapped tensors' requires_grad missing, took it for a settings change inside the forward,
+    # and a hook-based spectral_norm in eval was refused ("switched to training") where stock runs.
+    torch.manual_seed(0)
+    stock = SwapsD(kind)
+    torch.manual_seed(0)
+    ours = SwapsD(kind)
+    paramfold.prepare(ours, mode)
+    _steps(stock, ours, training=False, grad=grad)
+
+
+@pytest.mark.parametrize("flip", ["eval", "requires_grad_(False)"])
+@pytest.mark.parametrize("kind", ["training scale", "weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_inside_parametrize_cached_a_value_the_block_cached_serves_every_later_call(mode, kind, flip):
+    # Stock's reads inside parametrize.cached() return the value the block's first read cached,
+    # whatever the forward switched since; until 2026-12-03 hoist and auto computed it afresh for
+    # the flipped call (the eval scale; no gradient into a D frozen for the call).
+    stock, ours = _twins(kind, flip, mode, reads=2)
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for model in (stock, ours):
+            model.train().zero_grad(set_to_none=True)
+            with parametrize.cached():
+                model.d[0].weight  # the block's first read, outside any call
+                out = model(x)
+                out.sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        assert_same_tensors(stock.state_dict(), ours.state_dict(), at=f"step {step}")
+        assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "spectral_norm (hook)"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_submodule_in_eval_frozen_inside_the_forward_runs_like_stock(mode, kind, grad):
+    # A stateful chain in eval updates no state: a requires_grad flag changed inside the forward
+    # only computes its value again. Until 2026-12-03 the hook-based spectral_norm was refused
+    # ("switched to training"), and the parametrization computed at every read from then on.
+    stock, ours = _twins(kind, "requires_grad_(False)", mode)
+    _steps(stock, ours, training=False, grad=grad)

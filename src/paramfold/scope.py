@@ -489,6 +489,7 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         # every later one (calls and reads between them) gets that one, whatever changed since.
         key = (id(holder), name)
         cached = parametrize._cache.get(key)
+        site.from_cache = cached is not None
         if cached is None:
             cached = _uncached_value(holder, name, site, grad)
             if cached is not None:
@@ -562,6 +563,8 @@ def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch
         return None
     # Inside parametrize.cached(), the value stock's property would return: the one cached for
     # this module and name by an earlier read or call in the same block, else computed and cached.
+    if parametrize._cache_enabled:
+        site.from_cache = site.hook is None and (id(holder), name) in parametrize._cache
     value = eager_value(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
     if site.subclass is None:
         site.subclass = type(value) not in (torch.Tensor, nn.Parameter)

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from paramfold import hooknorms, unread
 from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute
@@ -244,7 +245,12 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
     autocast_moved = then is not None and then[1] != now_context[1]
     grad_on = then is not None and now_context[0] and not then[0]
     found = []
+    cache = parametrize._cache_enabled
     for holder, name, site in _valued(entry):
+        if cache and site.from_cache and parametrize._cache.get((id(holder), name)) is holder.__dict__[name]:
+            # Inside parametrize.cached(), a value an earlier read or call of the block cached:
+            # stock's reads return it, whatever the forward swapped, edited or switched since.
+            continue
         now = inputs(site)
         served = site.read_chain or site.modules
         chain = served if site.plist is None else tuple(site.plist._modules.values())
@@ -253,9 +259,12 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
         # changed inside the forward (``D.eval()``, ``requires_grad_(False)`` around a call of
         # ``D``): stock's reads compute under the new ones.
         settings_moved = not swapped and snap is not None and not _same_settings_of(holder, site, snap)
-        if settings_moved and site.stateful and type(holder) is not holder.__dict__[STATE_ATTR].read_once_class:
+        if (settings_moved and site.stateful and type(holder) is not holder.__dict__[STATE_ATTR].read_once_class
+                and (site.stateful_in_eval or any(m.training for m in _moded(holder, site)))):
             # A value computed once would run its state updates once (or not at all) for reads
-            # that each run them in stock: computed at each read from now on. (Read once: the
+            # that each run them in stock: computed at each read from now on. (Still in eval,
+            # where only a requires_grad flag or an attribute changed: computed again below,
+            # which updates no state, as stock's reads do not.) (Read once: the
             # state as before the call's unread computation, then the same, in call_changed.)
             if site.hook is not None:
                 raise FoldError(
@@ -359,7 +368,9 @@ def call_changed(
                     value = compute(holder, name)
                 else:
                     value = hooknorms.compute(holder, site.hook, site.hook_kind)
-                settings = _note_settings(holder, site)  # calls nested in this one compare with these
+                # calls nested in this one compare with these: the flags of the tensors the value
+                # was just computed from (swapped ones, where the forward swapped them)
+                settings = _note_settings(holder, site, inputs(site))
                 if swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from,
@@ -417,13 +428,13 @@ def _same_settings_of(holder: nn.Module, site: SiteState, snap: tuple) -> bool:
         return False
 
 
-def _note_settings(holder: nn.Module, site: SiteState) -> list[tuple[dict, int, object]]:
+def _note_settings(holder: nn.Module, site: SiteState, read_from: tuple) -> list[tuple[dict, int, object]]:
     """Take ``site``'s settings as they are now into the snapshot (its value was just computed
-    under them); return what was there, for :func:`_put_settings` to put back."""
+    under them, from ``read_from``); return what was there, for :func:`_put_settings` to put back."""
     snap = local.snapshot
     if snap is None:
         return []
-    entries = [(snap[0], _flag(t), t.requires_grad) for t in site.read_from if type(t) in PLAIN_TENSOR_TYPES]
+    entries = [(snap[0], _flag(t), t.requires_grad) for t in read_from if type(t) in PLAIN_TENSOR_TYPES]
     entries += [(snap[0], id(m), m.training) for m in _moded(holder, site)]
     entries += [(snap[2], id(d), tag(d)) for d in _settings(site)]
     then = [(d, key, d.get(key)) for d, key, _ in entries]

@@ -116,6 +116,10 @@ class SiteState:
     #: chain's buffers from before the scope computed it is (``paramfold.unread``), to put back
     #: if no read takes the value.
     before: Any = None
+    #: Whether the value the last call scope opened inside ``parametrize.cached()`` installed was
+    #: already in the block's cache (an earlier read or call of the block): stock's reads in that
+    #: call return it whatever the forward changes before them (``scope_nested.changed``).
+    from_cache: bool = False
     #: Every tensor of ``tensor_dicts`` when a call scope last put this site's value in its
     #: module's ``__dict__``: a call nested in that scope compares them, to see originals swapped
     #: inside the forward (``torch.func.functional_call`` of a submodule).
