@@ -637,3 +637,24 @@ def test_an_unreadable_checkpoint_says_permission_denied_as_a_checkpoint_error(t
     assert done.returncode == 0 and done.stdout.strip() == f"CheckpointError: {src}: Permission denied", done.stderr
     cli = subprocess.run([*prefix, sys.executable, "-m", "paramfold", "audit", str(src)], capture_output=True, text=True)
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and f"{src}: Permission denied" in cli.stderr, cli.stderr
+
+
+@pytest.mark.parametrize("with_model", [False, True], ids=["from keys", "with the model"])
+def test_fold_keeps_a_safetensors_inputs_metadata(tmp_path, with_model):
+    # Regression: the folded file's header had {"format": "pt"} only, whatever the input said.
+    from safetensors import safe_open
+
+    stock, _ = _stock("weight_norm")
+    src = tmp_path / "in.safetensors"
+    note = {"format": "pt", "run": "ema-42", "step": "1000"}
+    save_file({k: v.contiguous() for k, v in stock.state_dict().items()}, str(src), metadata=note)
+    out = tmp_path / "folded.safetensors"
+    factory = getattr(audit_models, audit_models.CASES["weight_norm"][0]) if with_model else None
+    fold_checkpoint(src, out, model_factory=factory)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata() == note
+    bare = tmp_path / "bare.safetensors"  # no metadata in: transformers' {"format": "pt"} out
+    save_file({k: v.contiguous() for k, v in stock.state_dict().items()}, str(bare))
+    fold_checkpoint(bare, out, model_factory=factory)
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata() == {"format": "pt"}

@@ -119,7 +119,7 @@ def fold_checkpoint(
             if key in specs:
                 raise CheckpointError(f"the folded checkpoint would hold '{key}' twice (a parametrized and a plain tensor)")
             specs[key] = ckpt.info(key) if site is None else site.folded  # type: ignore[assignment]
-        nbytes = write_checkpoint(out, specs, _stream(ckpt, plan), metadata={"format": "pt"})
+        nbytes = write_checkpoint(out, specs, _stream(ckpt, plan), metadata=_metadata(ckpt))
     return FoldResult(Path(out), len(specs), nbytes, len(report.sites), "keys")
 
 
@@ -291,8 +291,17 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
     sites = sum(
         len(m.parametrizations) for m in model.modules() if torch.nn.utils.parametrize.is_parametrized(m)
     )
-    nbytes = write_state_dict(out, plain)
+    nbytes = write_state_dict(out, plain, metadata=_metadata(ckpt))
     return FoldResult(out, len(plain), nbytes, sites, "model")
+
+
+def _metadata(ckpt: Checkpoint) -> dict[str, str]:
+    """The output's safetensors metadata: a single safetensors input's own (its header's
+    ``__metadata__``: transformers' ``format``, a training run's notes), with ``format`` ``pt``
+    where it has none. A sharded checkpoint's index metadata (``total_size``) describes the
+    shards, not the folded file, and is not carried over."""
+    single = ckpt.format == "safetensors" and ckpt.path.suffix == ".safetensors"
+    return {"format": "pt", **(ckpt.metadata if single else {})}
 
 
 def _plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

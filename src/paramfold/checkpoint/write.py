@@ -74,8 +74,10 @@ def _output(out: Path) -> Any:
     return atomic_output(out)
 
 
-def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor]) -> int:
+def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor], *,
+                     metadata: Mapping[str, str] | None = None) -> int:
     """Atomically write an in-memory state dict (``.safetensors`` or ``.pt``). Returns data bytes.
+    ``metadata``: the safetensors header's ``__metadata__`` (not stored in ``.pt``).
 
     Plain tensors go through ``write_checkpoint``. Tensor subclasses (e.g. torchao's ``Int8Tensor``)
     can only be written to ``.pt``, through ``torch.save``.
@@ -92,7 +94,7 @@ def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torc
     subclassed = [k for k, t in state_dict.items() if type(t) not in (torch.Tensor, torch.nn.Parameter)]
     if not subclassed:
         specs = {k: TensorInfo.of(t) for k, t in state_dict.items()}
-        return write_checkpoint(out, specs, state_dict.items())
+        return write_checkpoint(out, specs, state_dict.items(), metadata=metadata)
     if fmt == "safetensors":
         k = subclassed[0]
         raise CheckpointError(
