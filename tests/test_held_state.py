@@ -5,6 +5,7 @@ change or not be frozen, and a chain that changes them itself is one that writes
 from __future__ import annotations
 
 import copy
+import functools
 import types
 
 import pytest
@@ -57,6 +58,55 @@ class _Counts(nn.Module):
         return w * (1.0 + 0.1 * self.count[0])
 
 
+class _Config(dict):
+    """A dict subclass whose own attributes are settings too (``cfg.scale``)."""
+
+
+class _FromDictSubclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = _Config(shift=0.0)
+        self.cfg.scale = 1.0
+
+    def forward(self, w):
+        return w * self.cfg.scale + self.cfg["shift"]
+
+
+def _scaled(w, cfg):
+    return w * cfg["scale"]
+
+
+class _FromPartial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fn = functools.partial(_scaled, cfg={"scale": 1.0})
+
+    def forward(self, w):
+        return self.fn(w)
+
+
+class _Schedule:
+    def __init__(self, scale):
+        self.scale = scale
+
+    def factor(self):
+        return self.scale
+
+
+class _Doubled(_Schedule):
+    def factor(self):
+        return 2.0 * self.scale
+
+
+class _FromPlainObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.schedule = _Schedule(1.0)
+
+    def forward(self, w):
+        return w * self.schedule.factor()
+
+
 def _edit_dict(p):
     p.cfg["scale"] += 0.5
 
@@ -74,11 +124,31 @@ def _edit_list(p):
     p.scales[0] += 0.5
 
 
+def _edit_dict_subclass_attribute(p):
+    p.cfg.scale += 0.5
+
+
+def _edit_partial_keyword(p):
+    p.fn.keywords["cfg"]["scale"] += 0.5
+
+
+def _replace_object_dict(p):
+    p.schedule.__dict__ = {"scale": p.schedule.scale + 0.5}
+
+
+def _swap_object_class(p):
+    p.schedule.__class__ = _Doubled if type(p.schedule) is _Schedule else _Schedule
+
+
 EDITS = {
     "dict entry": (_FromDict, _edit_dict),
     "tensor in a dict, in place": (_FromDict, _edit_dict_tensor),
     "attribute of a held object": (_FromObject, _edit_object),
     "list item": (_FromList, _edit_list),
+    "attribute of a held dict subclass": (_FromDictSubclass, _edit_dict_subclass_attribute),
+    "keyword dict of a held functools.partial": (_FromPartial, _edit_partial_keyword),
+    "__dict__ of a held object replaced": (_FromPlainObject, _replace_object_dict),
+    "__class__ of a held object set": (_FromPlainObject, _swap_object_class),
 }
 
 
@@ -213,3 +283,20 @@ def test_a_held_setting_changed_inside_the_forward_reaches_the_next_read_like_st
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(prepared(x), stock(x))
+
+
+def test_objects_keeping_state_outside_their_dict_are_unwatched_and_partials_are_followed():
+    import threading
+
+    from paramfold.held import held
+
+    class Error(Exception):
+        pass
+
+    m = nn.Module()
+    m.local, m.error = threading.local(), Error({"scale": 1.0})  # per-thread dicts, args: not in __dict__
+    m.fn = functools.partial(_scaled, cfg={"scale": 1.0})
+    m.ns = types.SimpleNamespace(scale=1.0)
+    found = held(m)
+    assert sorted(where for where, _ in found.unwatched) == ["error", "local"]
+    assert m.fn.keywords["cfg"] in found.dicts and vars(m.ns) in found.dicts

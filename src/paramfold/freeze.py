@@ -169,10 +169,13 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     live = settings(site)
     full = tuple(d for d in live if d)
     members = site.chain if site.hook is None else ()
+    objects = tuple(o for m in members if probed(m) for o in held(m).objects)  # objects a custom member holds
+    members = (*members, *objects)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
         tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(), value._version,
         tuple(armed), keys, list(map(_armings.get, keys)), layout(value), members, tuple(map(type, members)),
+        objects, tuple(map(vars, objects)),
     )
 
 
@@ -315,6 +318,7 @@ def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
             or not all(map(is_, map(type, frozen.members), frozen.member_types))
+            or (frozen.held and not all(map(is_, map(vars, frozen.held), frozen.held_dicts)))
             or frozen.value._version != frozen.value_version or layout(frozen.value) != frozen.value_layout
             or not all(map(is_armed, frozen.armed))
             or list(map(_armings.get, frozen.armed_keys)) != frozen.armed_counts):

@@ -7,8 +7,8 @@ every computation, so a frozen value must be computed again when any of them cha
 
 Dicts, and the ``__dict__`` of plain objects, have a version tag that any write changes: freeze
 watches them as it watches the members' own attributes, and tensors found in them are inputs like
-any other. Other mutable holders (a list, a set, a numpy array, an object with ``__slots__``, a
-tensor inside a tuple) have no tag, and comparing their contents at every call would cost every
+any other. Other mutable holders (a list, a set, a numpy array, an object with ``__slots__`` or
+a base implemented in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would cost every
 call: a chain holding one is not frozen (``"auto"`` computes it at each call, ``"freeze"``
 refuses it). Not followed: state reached through a function (its closure, defaults or globals),
 a bound method's object, a class's attributes other than the members' own classes', or a module
@@ -18,6 +18,7 @@ referenced as a plain attribute.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 import sys
 import types
@@ -44,13 +45,16 @@ _DEPTH, _MOST = 4, 256
 class Held:
     """What one module holds: ``dicts``, watched by their version tags (held dicts and plain
     objects' ``__dict__``, besides the module's own); ``tensors``, ``(dict, key, tensor)`` of each
-    tensor entry of those; ``unwatched``, ``(where, object)`` of each holder no tag watches."""
+    tensor entry of those; ``objects``, each object whose ``__dict__`` is among ``dicts`` (its
+    ``__class__`` set, or its ``__dict__`` replaced, touches no tag); ``unwatched``,
+    ``(where, object)`` of each holder no tag watches."""
 
-    __slots__ = ("dicts", "tensors", "unwatched")
+    __slots__ = ("dicts", "tensors", "objects", "unwatched")
 
     def __init__(self) -> None:
         self.dicts: list[dict] = []
         self.tensors: list[tuple[dict, object, torch.Tensor]] = []
+        self.objects: list[object] = []
         self.unwatched: list[tuple[str, object]] = []
 
 
@@ -89,12 +93,30 @@ def _visit(found: Held, seen: set[int], value: object, where: str, depth: int) -
         return
     if isinstance(value, dict):
         _visit_dict(found, seen, value, where, depth, "[{!r}]")
+        if type(value) is not dict:  # a subclass's own attributes too (``cfg.scale`` of a dict subclass)
+            _visit_attributes(found, seen, value, where, depth)
         return
-    attributes = getattr(value, "__dict__", None)
-    if type(attributes) is dict and not _has_slots(type(value)) and not isinstance(value, (list, set, bytearray)):
-        _visit_dict(found, seen, attributes, where, depth, ".{}")
+    if isinstance(value, functools.partial):  # its arguments, which no __dict__ holds
+        _visit(found, seen, value.args, where + ".args", depth + 1)
+        _visit(found, seen, value.keywords, where + ".keywords", depth + 1)
+        _visit_attributes(found, seen, value, where, depth)
         return
+    if not isinstance(value, (list, set, bytearray)) and _state_in_dict(type(value)):
+        attributes = getattr(value, "__dict__", None)
+        if type(attributes) is dict:
+            found.objects.append(value)
+            _visit_dict(found, seen, attributes, where, depth, ".{}")
+            return
     found.unwatched.append((where, value))
+
+
+def _visit_attributes(found: Held, seen: set[int], value: object, where: str, depth: int) -> None:
+    """The ``__dict__`` of a container (a dict subclass, a ``functools.partial``), if any."""
+    attributes = getattr(value, "__dict__", None)
+    if type(attributes) is dict and attributes is not value and id(attributes) not in seen:
+        seen.add(id(attributes))
+        found.objects.append(value)
+        _visit_dict(found, seen, attributes, where, depth, ".{}")
 
 
 def _visit_dict(found: Held, seen: set[int], d: dict, where: str, depth: int, step: str) -> None:
@@ -109,6 +131,22 @@ def _visit_dict(found: Held, seen: set[int], d: dict, where: str, depth: int, st
 def _numpy_scalar(value: object) -> bool:
     numpy = sys.modules.get("numpy")
     return numpy is not None and isinstance(value, numpy.generic)
+
+
+class _Plain:
+    pass
+
+
+#: The instance size of a class defined in Python with no slots: a larger one has fields that a
+#: base implemented in C keeps outside the ``__dict__`` (an exception's ``args``, a
+#: ``threading.local``'s per-thread dicts, a ``functools.partial``'s arguments).
+_PLAIN_SIZE = _Plain.__basicsize__
+
+
+def _state_in_dict(cls: type) -> bool:
+    """Whether an instance of ``cls`` keeps all its state in its ``__dict__``, so that the
+    dict's tag sees every change: no slots, and no fields of a base implemented in C."""
+    return cls.__basicsize__ <= _PLAIN_SIZE and not _has_slots(cls)
 
 
 def _has_slots(cls: type) -> bool:

@@ -58,7 +58,7 @@ class Plan:
         "grad", "claimed", "states", "types", "kepts", "installing", "installed", "shareable", "ones",
         "switched", "inside", "outside",
         "link_dicts", "link_keys", "links", "ordered", "order",
-        "stateful", "mode_modules", "modes", "typed_modules", "typed", "flag_tensors", "flags",
+        "stateful", "mode_modules", "modes", "typed_modules", "typed", "dicted_objects", "dicted", "flag_tensors", "flags",
         "inputs", "versioned", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
         "armed", "armings",
@@ -85,7 +85,7 @@ class Plan:
         plan.autocast = autocast_state()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, inside, outside = [], [], []
-        links, ordered, stateful, modes, typed = [], [], [], [], []
+        links, ordered, stateful, modes, typed, dicted = [], [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
         copied: list[tuple] = []
         copied_list: list[torch.Tensor] = []
@@ -148,6 +148,7 @@ class Plan:
                     views.extend(frozen.views)
                     empty.update((id(d), d) for d in frozen.settings_empty)
                     typed.extend(zip(frozen.members, frozen.member_types))
+                    dicted.extend(zip(frozen.held, frozen.held_dicts))
                     settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
                         stateful.extend(site.chain)
@@ -203,6 +204,7 @@ class Plan:
         plan.stateful = tuple(stateful)
         plan.mode_modules, plan.modes = _columns(modes, 2)
         plan.typed_modules, plan.typed = _columns(typed, 2)
+        plan.dicted_objects, plan.dicted = _columns(dicted, 2)
         plan.flag_tensors, plan.flags = _columns(flags, 2)
         # Inputs without a storage address (tensor subclasses) keep same_inputs' own handling.
         addressed, unaddressed = [], []
@@ -369,6 +371,8 @@ def holds(plan: Plan) -> bool:
         if not all(map(is_, map(type, plan.claimed), plan.types)):
             return False
         if not all(map(is_, map(type, plan.typed_modules), plan.typed)):  # a member's __class__ set
+            return False
+        if plan.dicted and not all(map(is_, map(vars, plan.dicted_objects), plan.dicted)):  # a held object's __dict__ replaced
             return False
         if any(plan.pre_hooks_empty) or list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # one added or removed
             return False

@@ -62,9 +62,13 @@ class FrozenValue:
     armed_counts: list = dataclasses.field(default_factory=list)
     #: ``value``'s description (``watch.layout``): a forward may re-describe it through ``.data``.
     value_layout: tuple = ()
-    #: The chain's members and their classes (``member.__class__ = Other`` touches no dict).
+    #: The chain's members and their classes (``member.__class__ = Other`` touches no dict), then
+    #: the objects its custom members hold (``paramfold.held``) and theirs.
     members: tuple = ()
     member_types: tuple = ()
+    #: Those held objects and the ``__dict__`` each had (``obj.__dict__ = {...}`` touches no tag).
+    held: tuple = ()
+    held_dicts: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)
