@@ -205,15 +205,10 @@ def test_a_chain_that_counts_in_a_list_it_holds_equals_stock_at_every_read(mode)
                 return self.b(x)
             return self.a(x) + self.a(x) @ self.a.weight
 
-    torch.manual_seed(0)
-    stock = ReadsTwiceSkipsOnce().eval().requires_grad_(False)
-    prepared = copy.deepcopy(stock)
-    paramfold.prepare(prepared, mode=mode)
-    x = torch.randn(2, 4)
-    with torch.no_grad():
-        for _ in range(4):
-            assert torch.equal(prepared(x), stock(x))
-            assert prepared.a.parametrizations.weight[0].count == stock.a.parametrizations.weight[0].count
+    def same_count(stock, prepared):
+        return prepared.a.parametrizations.weight[0].count == stock.a.parametrizations.weight[0].count
+
+    _calls_equal_stock(ReadsTwiceSkipsOnce, mode, calls=4, also=same_count)
 
 
 def test_find_reports_a_chain_that_appends_to_what_it_holds_and_changes_nothing():
@@ -275,14 +270,20 @@ def test_a_held_setting_changed_inside_the_forward_reaches_the_next_read_like_st
             self.lin.parametrizations.weight[0].cfg["scale"] += 1.0
             return y + self.lin(x)
 
+    _calls_equal_stock(Outer, mode, calls=3)
+
+
+def _calls_equal_stock(make, mode, calls, also=lambda stock, prepared: True):
+    """``calls`` eval ``no_grad`` calls of a model from ``make`` and its prepared copy: equal outputs."""
     torch.manual_seed(0)
-    stock = Outer().eval().requires_grad_(False)
+    stock = make().eval().requires_grad_(False)
     prepared = copy.deepcopy(stock)
     paramfold.prepare(prepared, mode=mode)
     x = torch.randn(2, 4)
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(calls):
             assert torch.equal(prepared(x), stock(x))
+            assert also(stock, prepared)
 
 
 def test_objects_keeping_state_outside_their_dict_are_unwatched_and_partials_are_followed():
