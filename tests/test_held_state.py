@@ -301,3 +301,31 @@ def test_objects_keeping_state_outside_their_dict_are_unwatched_and_partials_are
     found = held(m)
     assert sorted(where for where, _ in found.unwatched) == ["error", "local"]
     assert m.fn.keywords["cfg"] in found.dicts and vars(m.ns) in found.dicts
+
+
+class _Thing:
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = v
+
+
+class _Replaces(nn.Module):
+    """Replaces the item of a list it holds: the old item is freed before the new one is made."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = [_Thing(1.0)]
+
+    def forward(self, w):
+        v = self.items[0].v
+        self.items.clear()
+        self.items.append(_Thing(v + 1.0))
+        return w * v
+
+
+def test_find_sees_an_item_replaced_where_the_new_one_may_get_the_freed_ones_address():
+    # Regression: the probe compared the items' ids only, and the new item took the freed one's.
+    stock, prepared = _pair(_Replaces)
+    assert [s.writes_itself for s in paramfold.find(prepared)] == [True]
+    assert _member(prepared).items[0].v == _member(stock).items[0].v

@@ -180,24 +180,28 @@ def same(pairs: list[tuple[object, object]]) -> bool:
         elif isinstance(holder, torch.Tensor) and type(then) is int:
             if holder._version != then:
                 return False
-        elif _contents(holder) != then:
+        elif _contents(holder)[1] != then[1]:
             return False
     return True
 
 
-def _contents(obj: object) -> object:
+def _contents(obj: object) -> tuple[object, object]:
+    """``(what is kept alive, what is compared)`` of an unwatched holder: items are compared by
+    identity, and kept, so that no new item can be given a freed one's id."""
     if isinstance(obj, (list, tuple)) or type(obj).__name__ == "deque":
-        return tuple(map(id, obj))
+        items = tuple(obj)
+        return items, tuple(map(id, items))
     if isinstance(obj, (set, frozenset)):
-        return frozenset(map(id, obj))
+        items = tuple(obj)
+        return items, frozenset(map(id, items))
     if isinstance(obj, bytearray):
-        return bytes(obj)
+        return None, bytes(obj)
     if isinstance(obj, torch.Tensor):
-        return obj._version
+        return None, obj._version
     tobytes = getattr(obj, "tobytes", None)  # a numpy or array.array array
     if callable(tobytes):
         try:
-            return tobytes()
+            return None, tobytes()
         except Exception:
             pass
-    return id(obj)  # nothing to list: a change inside is not seen
+    return obj, id(obj)  # nothing to list: a change inside is not seen
