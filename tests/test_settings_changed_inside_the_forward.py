@@ -259,3 +259,50 @@ def test_a_submodule_in_eval_frozen_inside_the_forward_runs_like_stock(mode, kin
     # ("switched to training"), and the parametrization computed at every read from then on.
     stock, ours = _twins(kind, "requires_grad_(False)", mode)
     _steps(stock, ours, training=False, grad=grad)
+
+
+class FlipsFirst(nn.Module):
+    """D called under ``flip`` first, then as it is."""
+
+    def __init__(self, kind: str, flip: str):
+        super().__init__()
+        self.g = nn.Linear(6, 6)
+        self.d = nn.Sequential(_norm(kind, nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 1))
+        self.flip = FLIPS[flip]
+
+    def forward(self, x):
+        with self.flip(self.d):
+            out = self.d(self.g(x))
+        return out + self.d(x)
+
+
+@pytest.mark.parametrize("order", ["as it is first", "flipped first"])
+@pytest.mark.parametrize("kind, flip", [("training scale", "eval"), ("training scale", "requires_grad_(False)"),
+                                        ("weight_norm", "requires_grad_(False)"), ("temperature", "attribute")])
+@pytest.mark.parametrize("mode", MODES)
+def test_inside_parametrize_cached_the_blocks_first_read_inside_the_call_serves_the_later_ones(mode, kind, flip, order):
+    # Stock caches a tensor at the block's first read, also when that read is inside the model's
+    # call and the forward then changes D's settings and calls it again. Until 2026-12-04 hoist
+    # and auto computed the later call's value afresh (or served the call's first value to a
+    # first read made after a flip).
+    def make():
+        return Step(kind, flip, reads=1, unflipped=True) if order == "as it is first" else FlipsFirst(kind, flip)
+
+    torch.manual_seed(0)
+    stock = make()
+    torch.manual_seed(0)
+    ours = make()
+    paramfold.prepare(ours, mode)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for model in (stock, ours):
+            model.train().zero_grad(set_to_none=True)
+            with parametrize.cached():
+                out = model(x)
+                out = out + model(x)  # a second call in the block: the block's values again
+                out.sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        assert_same_tensors(stock.state_dict(), ours.state_dict(), at=f"step {step}")
+        assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")

@@ -588,8 +588,10 @@ def _nested(module: nn.Module, call: Callable) -> Callable:
     scope skips the check once)."""
     if _local.opened is module:
         _local.opened = None
+        nested.commit(module)
         return call
     if nested.unchanged(nested.check_of(module)):
+        nested.commit(module)
         return call
     found = nested.changed(module)
     if not found and nested.same_context(nested.local.context):
@@ -701,7 +703,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     context = nested.local.context
     check = self.__dict__[STATE_ATTR].nested_check
-    if (check is not None and check[0] == nested.Installs.count and not check[6]
+    if (check is not None and check[0] == nested.Installs.count and not check[6] and not parametrize._cache_enabled
             and context[0] is _grad_enabled() and context[1] is None and not _any_autocast()):
         try:
             if all(map(is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:

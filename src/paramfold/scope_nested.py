@@ -281,6 +281,8 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
         context_moved = region_moved or settings_moved
         moved = not swapped and not context_moved and snap is not None and _moved(now, snap)
         if chain == served and not (swapped or context_moved or moved):
+            if cache and holder is entry:
+                _commit(holder, name, site)
             continue
         if region_moved and site.training_stateful:
             raise FoldError(
@@ -371,7 +373,11 @@ def call_changed(
                 # calls nested in this one compare with these: the flags of the tensors the value
                 # was just computed from (swapped ones, where the forward swapped them)
                 settings = _note_settings(holder, site, inputs(site))
-                if swapped:
+                if parametrize._cache_enabled and holder is entry and site.hook is None and not site.from_cache:
+                    # Inside parametrize.cached(), the module's call is the block's first read of
+                    # the tensor: its value is the block's from now on, as stock's cache keeps it.
+                    _commit(holder, name, site, value)
+                elif swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from,
                                      site.read_chain, value if read_once else None, settings))
@@ -388,6 +394,8 @@ def call_changed(
         if put_back:
             with lock:
                 for values, name, value, site, read_from, read_chain, not_read, settings in reversed(put_back):
+                    if site.from_cache and parametrize._cache_enabled:
+                        continue  # made the block's value by a call nested in this one (_commit)
                     if not_read is None or values.get(name) is not_read:
                         values[name] = value
                     site.read_from = read_from
@@ -395,6 +403,28 @@ def call_changed(
                     refresh(site)
                     _put_settings(settings)
                 Installs.count += 1
+
+
+def commit(entry: nn.Module) -> None:
+    """Inside ``parametrize.cached()``: a call of ``entry`` reads its tensors as they are (nothing
+    changed since the values were computed), so each value it holds is the block's from now on,
+    as stock's cache keeps the value of the block's first read. A later call of ``entry``, after
+    the forward changed its settings or tensors, still reads that one (:func:`changed`)."""
+    if not parametrize._cache_enabled:
+        return
+    for holder, name, site in _valued(entry):
+        if holder is entry:
+            _commit(holder, name, site)
+
+
+def _commit(holder: nn.Module, name: str, site: SiteState, value: torch.Tensor | None = None) -> None:
+    """Make ``holder.<name>``'s value (``value``, else the one there) the block's cached value."""
+    if site.from_cache or site.hook is not None:  # hook-based norms compute at each call, cached() or not
+        return
+    if value is None:
+        value = holder.__dict__[name]
+    parametrize._cache[(id(holder), name)] = value
+    site.from_cache = True
 
 
 def _valued(entry: nn.Module, missing: list | None = None):
