@@ -588,10 +588,12 @@ def _nested(module: nn.Module, call: Callable) -> Callable:
     scope skips the check once)."""
     if _local.opened is module:
         _local.opened = None
-        nested.commit(module)
+        if parametrize._cache_enabled:
+            nested.commit(module)
         return call
     if nested.unchanged(nested.check_of(module)):
-        nested.commit(module)
+        if parametrize._cache_enabled:
+            nested.commit(module)
         return call
     found = nested.changed(module)
     if not found and nested.same_context(nested.local.context):
