@@ -329,3 +329,23 @@ def test_find_sees_an_item_replaced_where_the_new_one_may_get_the_freed_ones_add
     stock, prepared = _pair(_Replaces)
     assert [s.writes_itself for s in paramfold.find(prepared)] == [True]
     assert _member(prepared).items[0].v == _member(stock).items[0].v
+
+
+def test_a_frozen_slotted_dataclass_is_followed_through_its_fields():
+    import dataclasses
+
+    from paramfold.held import held
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Settings:
+        scale: float
+        extra: dict
+        steps: tuple
+
+    m = nn.Module()
+    m.settings = Settings(2.0, {"shift": 1.0}, (1, [2]))
+    found = held(m)
+    assert found.dicts == [m.settings.extra]
+    assert [where for where, _ in found.unwatched] == ["settings.steps[1]"]
+    m.settings = Settings(2.0, {}, (1, 2))
+    assert held(m).unwatched == []

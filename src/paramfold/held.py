@@ -7,8 +7,9 @@ every computation, so a frozen value must be computed again when any of them cha
 
 Dicts, and the ``__dict__`` of plain objects, have a version tag that any write changes: freeze
 watches them as it watches the members' own attributes, and tensors found in them are inputs like
-any other. Other mutable holders (a list, a set, a numpy array, an object with ``__slots__`` or
-a base implemented in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would cost every
+any other; a tuple's items and a frozen dataclass's fields are followed the same way. Other
+mutable holders (a list, a set, a numpy array, an object with ``__slots__`` or a base implemented
+in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would cost every
 call: a chain holding one is not frozen (``"auto"`` computes it at each call, ``"freeze"``
 refuses it). Not followed: state reached through a function (its closure, defaults or globals),
 a bound method's object, a class's attributes other than the members' own classes', or a module
@@ -17,6 +18,7 @@ referenced as a plain attribute.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import re
@@ -85,16 +87,17 @@ def _visit(found: Held, seen: set[int], value: object, where: str, depth: int) -
         found.unwatched.append((where, value))
         return
     if isinstance(value, (tuple, frozenset)):
-        for i, item in enumerate(value):
-            if isinstance(item, torch.Tensor):  # edited in place, no tag sees it
-                found.unwatched.append((f"{where}[{i}]", item))
-            else:
-                _visit(found, seen, item, f"{where}[{i}]", depth + 1)
+        _visit_items(found, seen, ((f"{where}[{i}]", item) for i, item in enumerate(value)), depth)
         return
     if isinstance(value, dict):
         _visit_dict(found, seen, value, where, depth, "[{!r}]")
         if type(value) is not dict:  # a subclass's own attributes too (``cfg.scale`` of a dict subclass)
             _visit_attributes(found, seen, value, where, depth)
+        return
+    if _frozen_dataclass(type(value)) and not hasattr(value, "__dict__"):
+        # Fields that cannot be set (a frozen dataclass with slots): followed as a tuple's items.
+        fields = dataclasses.fields(value)
+        _visit_items(found, seen, ((f"{where}.{f.name}", getattr(value, f.name)) for f in fields), depth)
         return
     if isinstance(value, functools.partial):  # its arguments, which no __dict__ holds
         _visit(found, seen, value.args, where + ".args", depth + 1)
@@ -108,6 +111,15 @@ def _visit(found: Held, seen: set[int], value: object, where: str, depth: int) -
             _visit_dict(found, seen, attributes, where, depth, ".{}")
             return
     found.unwatched.append((where, value))
+
+
+def _visit_items(found: Held, seen: set[int], items, depth: int) -> None:
+    """The ``(where, item)`` of something that cannot change itself (a tuple, a frozen dataclass)."""
+    for where, item in items:
+        if isinstance(item, torch.Tensor):  # edited in place, no tag sees it
+            found.unwatched.append((where, item))
+        else:
+            _visit(found, seen, item, where, depth + 1)
 
 
 def _visit_attributes(found: Held, seen: set[int], value: object, where: str, depth: int) -> None:
@@ -126,6 +138,11 @@ def _visit_dict(found: Held, seen: set[int], d: dict, where: str, depth: int, st
             found.tensors.append((d, key, item))
         else:
             _visit(found, seen, item, where + step.format(key), depth + 1)
+
+
+def _frozen_dataclass(cls: type) -> bool:
+    params = getattr(cls, "__dataclass_params__", None)
+    return params is not None and params.frozen
 
 
 def _numpy_scalar(value: object) -> bool:
