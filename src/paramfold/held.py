@@ -9,9 +9,9 @@ Dicts, and the ``__dict__`` of plain objects, have a version tag that any write 
 watches them as it watches the members' own attributes, and tensors found in them are inputs like
 any other; a tuple's items and a frozen dataclass's fields are followed the same way. Other
 mutable holders (a list, a set, a numpy array, an object with ``__slots__`` or a base implemented
-in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would cost every
-call: a chain holding one is not frozen (``"auto"`` computes it at each call, ``"freeze"``
-refuses it). Not followed: state reached through a function (its closure, defaults or globals),
+in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would
+cost every call: a chain holding one is not frozen (``"auto"`` computes it at each call,
+``"freeze"`` refuses it). Not followed: state reached through a function (its closure, defaults or globals),
 a bound method's object, a class's attributes other than the members' own classes', or a module
 referenced as a plain attribute.
 """
