@@ -391,8 +391,8 @@ def unwatched(site: SiteState) -> list[str]:
     ``rebuild_stack`` list) is only ever replaced, which their ``__dict__`` tag sees."""
     if site.hook is not None:
         return []
-    return [f"{type(m).__name__}.{where}" for m in site.plist.modules() if probed(m)
-            for where, _ in held(m).unwatched]
+    return [f"{type(m).__name__}.{where} (a {type(obj).__name__})" for m in site.plist.modules() if probed(m)
+            for where, obj in held(m).unwatched]
 
 
 def chain_needs_grad(site: SiteState) -> bool:
@@ -432,19 +432,20 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
     if not bad:
         return
     reasons = []
+    held_only = True
     for s, st in bad:
-        places = unwatched(st)
         why = ("a tensor of the chain requires grad" if chain_needs_grad(st)
                else "its chain changes its own buffers at every computation" if st.stateful_in_eval
                else "stateful chain in training mode" if st.training_stateful
-               else f"its chain reads {first_few(places, 2)}, whose changes a frozen value cannot watch "
-                    "(keep such settings in a dict, a tuple or a plain object instead of a list, set or array)")
+               else "")
+        held_only = held_only and not why
+        why = why or f"its chain holds {first_few(unwatched(st), 2)}, whose changes a frozen value cannot watch"
         reasons.append(f"{s.fqn} ({s.kind}: {why})")
-    raise FoldError(
-        f"cannot freeze {len(bad)} site(s) {when}: {first_few(reasons, 4)}. Freeze is for inference: "
-        "call model.eval() and model.requires_grad_(False) first, or use mode='auto' "
-        "(freezes what it can, hoists the rest) or mode='hoist'."
-    )
+    advice = ("Keep such settings in a dict, a tuple or a plain object instead, or use mode='auto' (freezes "
+              "what it can, computes the rest at every call) or mode='hoist'." if held_only else
+              "Freeze is for inference: call model.eval() and model.requires_grad_(False) first, or use "
+              "mode='auto' (freezes what it can, hoists the rest) or mode='hoist'.")
+    raise FoldError(f"cannot freeze {len(bad)} site(s) {when}: {first_few(reasons, 4)}. {advice}")
 
 
 def _address(t: torch.Tensor) -> int:

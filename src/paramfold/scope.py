@@ -546,8 +546,8 @@ def _freezable(site: SiteState, grad: bool) -> bool:
 def _unfreezable(holder: nn.Module, name: str, site: SiteState) -> FoldError:
     places = unwatched(site)
     if places:
-        why = (f"its chain now reads {first_few(places, 2)}, whose changes a frozen value cannot watch "
-               "(a list, set, array or tensor in a tuple: keep such settings in a dict or a plain object)")
+        why = (f"its chain now holds {first_few(places, 2)}, whose changes a frozen value cannot watch "
+               "(keep such settings in a dict, a tuple or a plain object)")
     else:
         why = ("a parameter of its chain requires grad or its stateful chain is in training mode; "
                "frozen values would not train")
