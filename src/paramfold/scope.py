@@ -485,6 +485,11 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
     if parametrize._cache_enabled:
+        if site.hook is not None:
+            # torch's hook-based norms ignore parametrize.cached(): their hook computes the value
+            # at every call of the module, in the block too (spectral_norm's power iteration runs).
+            site.from_cache = False
+            return _uncached_value(holder, name, site, grad)
         # Inside parametrize.cached(): stock's first read in the block computes the value and
         # every later one (calls and reads between them) gets that one, whatever changed since.
         key = (id(holder), name)
