@@ -616,6 +616,10 @@ def _in_scope(module: nn.Module) -> bool:
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
     ordinary ``nn.Module.__call__``, or the model's own)."""
+    if STATE_ATTR not in self.__dict__:
+        # Restored since something bound this method (``torch.compile(model)`` made while it was
+        # prepared holds ``model.__call__``): the call is the restored module's own, as stock's.
+        return type(self).__call__(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
     if compiling() or _in_scope(self):
         return module_call(self, *args, **kwargs)
