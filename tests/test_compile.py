@@ -436,3 +436,37 @@ def test_probing_a_compiled_chain_member_leaves_dynamo_compiling_it_everywhere(a
             got = ours(x)
     assert torch.equal(got, want)
     assert torch.equal(stock(x), want)
+
+
+@pytest.mark.parametrize("root", ["user", "sequential"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline"])
+def test_torch_compile_wrapper_made_while_prepared_calls_the_restored_model_like_stock(mode, root):
+    # torch.compile(model) binds model.__call__ when it is made: the prepared root's. After
+    # paramfold.restore(model) that call raised KeyError('_paramfold'); it now runs the restored
+    # module as stock's wrapper would, and again prepared after a second prepare (found by the
+    # event-sequence fuzzer).
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = weight_norm(torch.nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.a(x).tanh()
+
+    torch.manual_seed(0)
+    stock = Net() if root == "user" else torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 4)))
+    stock.eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    compiled = torch.compile(ours, backend="eager")
+    x = torch.randn(2, 4)
+    assert torch.equal(compiled(x), stock(x))
+    paramfold.restore(ours)
+    assert torch.equal(compiled(x), stock(x))
+    with torch.no_grad():
+        for m in (stock, ours):
+            m.get_submodule("a" if root == "user" else "0").parametrizations.weight.original1.add_(0.5)
+    assert torch.equal(compiled(x), stock(x))
+    paramfold.prepare(ours, mode)
+    assert torch.equal(compiled(x), stock(x))

@@ -132,6 +132,30 @@ def test_functional_call_in_training_equals_stock(mode, what, compiled):
     _assert_same_state(stock, ours)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_deepcopy_after_a_functional_call_with_tensors_that_have_a_history_equals_stock(mode):
+    # functional_call with p + delta in a grad call leaves nothing in stock's model; paramfold
+    # remembered the swapped-in tensors (what the last call's value was computed from), and
+    # copy.deepcopy of the model then raised "Only Tensors created explicitly by the user (graph
+    # leaves) support the deepcopy protocol" (found by the event-sequence fuzzer).
+    stock = three_kinds().train()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    models = []
+    for model in (stock, ours):
+        swapped = {name: p + 0.1 for name, p in model.named_parameters() if "original" in name}
+        functional_call(model, swapped, (x,)).sum().backward()
+        models.append(copy.deepcopy(model))
+    for model in (*models, stock, ours):
+        model.out = model(x)
+        model.out.sum().backward()
+    assert torch.equal(models[1].out, models[0].out) and torch.equal(ours.out, stock.out)
+    for a, b in ((stock, ours), (models[0], models[1])):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(q.grad, p.grad), name
+        _assert_same_state(a, b)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("mode", ["inline", "freeze"])
 def test_functional_call_naming_the_computed_weight_equals_stock(mode, compiled):

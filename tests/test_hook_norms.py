@@ -256,3 +256,28 @@ def test_a_call_where_no_hook_is_detached_opens_and_closes_cleanly(monkeypatch):
         for _ in range(2):
             assert torch.equal(ours(x), stock(x))
     assert ours[0].__dict__["_paramfold"].users == 0
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_parametrize_cached_does_not_cache_a_hook_based_norm(kind, mode):
+    # parametrize.cached() caches parametrizations only: a hook-based norm's hook computes its
+    # weight at every call inside the block too (spectral_norm's power iteration runs each time,
+    # weight_norm follows an edit of weight_g). auto and freeze used to serve the block's first
+    # value from stock's cache (found by the event-sequence fuzzer).
+    train = kind == "spectral_norm" and mode != "freeze"
+    stock, x = build(kind, "linear")
+    ours, _ = build(kind, "linear")
+    for m in (stock, ours):
+        m.train(train).requires_grad_(False)
+    paramfold.prepare(ours, mode)
+    outs = []
+    with torch.no_grad():
+        for m in (stock, ours):
+            with torch.nn.utils.parametrize.cached():
+                first, second = m(x), m(2 * x)
+                (m[0].weight_g if kind == "weight_norm" else m[0].weight_orig).add_(0.5)
+                outs.append((first, second, m(x)))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")

@@ -485,6 +485,11 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
     if parametrize._cache_enabled:
+        if site.hook is not None:
+            # torch's hook-based norms ignore parametrize.cached(): their hook computes the value
+            # at every call of the module, in the block too (spectral_norm's power iteration runs).
+            site.from_cache = False
+            return _uncached_value(holder, name, site, grad)
         # Inside parametrize.cached(): stock's first read in the block computes the value and
         # every later one (calls and reads between them) gets that one, whatever changed since.
         key = (id(holder), name)
@@ -615,6 +620,10 @@ def _in_scope(module: nn.Module) -> bool:
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
     ordinary ``nn.Module.__call__``, or the model's own)."""
+    if STATE_ATTR not in self.__dict__:
+        # Restored since something bound this method (``torch.compile(model)`` made while it was
+        # prepared holds ``model.__call__``): the call is the restored module's own, as stock's.
+        return type(self).__call__(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
     if compiling() or _in_scope(self):
         return module_call(self, *args, **kwargs)

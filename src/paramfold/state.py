@@ -161,7 +161,16 @@ class SiteState:
 
     def __deepcopy__(self, memo: dict) -> SiteState:
         """A copy for a copied module, without what belongs to one open call of this one
-        (``before``: a copy of the model made inside its forward opens its own calls)."""
+        (``before``: a copy of the model made inside its forward opens its own calls).
+
+        ``read_from`` may hold tensors swapped in for the last call (``torch.func.functional_call``
+        with ``p + delta``), which ``copy.deepcopy`` refuses when they have an autograd history:
+        the copy then starts with none, so its nested calls take its inputs for swapped (computed
+        afresh) until its first call scope records its own."""
+        if any(t.grad_fn is not None for t in self.read_from if isinstance(t, torch.Tensor)):
+            replica = _copy_fields(self, memo, _OPEN_CALL | {"read_from"})
+            replica.read_from = ()
+            return replica
         return _copy_fields(self, memo, _OPEN_CALL)
 
 
