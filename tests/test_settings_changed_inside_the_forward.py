@@ -15,6 +15,7 @@ nested calls are traced, not called: a documented limit (the strict xfail at the
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -306,3 +307,39 @@ def test_inside_parametrize_cached_the_blocks_first_read_inside_the_call_serves_
         assert torch.equal(outs[0], outs[1]), f"step {step}"
         assert_same_tensors(stock.state_dict(), ours.state_dict(), at=f"step {step}")
         assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+
+
+class ChangesBeforeItsFirstRead(nn.Module):
+    """Edits D's originals in place, or enters autocast, before calling D."""
+
+    def __init__(self, change: str):
+        super().__init__()
+        self.d = weight_norm(nn.Linear(6, 6))
+        self.change = change
+
+    def forward(self, x):
+        if self.change == "edit":
+            with torch.no_grad():
+                self.d.parametrizations.weight.original1.mul_(0.9).add_(0.01)
+            return self.d(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.d(x).float()
+
+
+@pytest.mark.parametrize("change", ["edit", "autocast"])
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_inside_parametrize_cached_a_first_read_after_a_change_is_the_blocks_value(mode, change):
+    # Until 2026-12-04 the value computed at the call's start (before the edit or the autocast
+    # region) was the block's cached value, which its later calls read; stock's block caches the
+    # first read, made after the change.
+    torch.manual_seed(0)
+    stock = ChangesBeforeItsFirstRead(change).eval().requires_grad_(False)
+    ours = copy.deepcopy(stock)
+    paramfold.prepare(ours, mode)
+    xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    outs = []
+    with torch.no_grad():
+        for model in (stock, ours):
+            with parametrize.cached():
+                outs.append([model(x) for x in xs])
+    assert [torch.equal(a, b) for a, b in zip(*outs)] == [True] * 3
