@@ -124,15 +124,18 @@ def _twins(kind: str, flip: str, mode: str, reads: int = 1, unflipped: bool = Tr
     return stock, ours
 
 
-def _steps(stock: nn.Module, ours: nn.Module, training: bool, grad: bool = True, steps: int = 3) -> None:
+def _steps(stock: nn.Module, ours: nn.Module, training: bool, grad: bool = True, steps: int = 3,
+           block=contextlib.nullcontext, run=lambda model, x: model(x)) -> None:
+    """``steps`` steps of both models (``run(model, x)``, then backward, inside ``block()``):
+    equal outputs, state and gradients after each."""
     stock.train(training), ours.train(training)
     for step in range(steps):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
         outs = []
         for model in (stock, ours):
             model.zero_grad(set_to_none=True)
-            with torch.set_grad_enabled(grad):
-                out = model(x)
+            with torch.set_grad_enabled(grad), block():
+                out = run(model, x)
                 if grad:
                     out.sum().backward()
             outs.append(out.detach())
@@ -235,20 +238,12 @@ def test_inside_parametrize_cached_a_value_the_block_cached_serves_every_later_c
     # Stock's reads inside parametrize.cached() return the value the block's first read cached,
     # whatever the forward switched since; until 2026-12-03 hoist and auto computed it afresh for
     # the flipped call (the eval scale; no gradient into a D frozen for the call).
-    stock, ours = _twins(kind, flip, mode, reads=2)
-    for step in range(2):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-        outs = []
-        for model in (stock, ours):
-            model.train().zero_grad(set_to_none=True)
-            with parametrize.cached():
-                model.d[0].weight  # the block's first read, outside any call
-                out = model(x)
-                out.sum().backward()
-            outs.append(out.detach())
-        assert torch.equal(outs[0], outs[1]), f"step {step}"
-        assert_same_tensors(stock.state_dict(), ours.state_dict(), at=f"step {step}")
-        assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+    def first_read_then_call(model, x):
+        model.d[0].weight  # the block's first read, outside any call
+        return model(x)
+
+    _steps(*_twins(kind, flip, mode, reads=2), training=True, steps=2, block=parametrize.cached,
+           run=first_read_then_call)
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
@@ -294,19 +289,8 @@ def test_inside_parametrize_cached_the_blocks_first_read_inside_the_call_serves_
     torch.manual_seed(0)
     ours = make()
     paramfold.prepare(ours, mode)
-    for step in range(3):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-        outs = []
-        for model in (stock, ours):
-            model.train().zero_grad(set_to_none=True)
-            with parametrize.cached():
-                out = model(x)
-                out = out + model(x)  # a second call in the block: the block's values again
-                out.sum().backward()
-            outs.append(out.detach())
-        assert torch.equal(outs[0], outs[1]), f"step {step}"
-        assert_same_tensors(stock.state_dict(), ours.state_dict(), at=f"step {step}")
-        assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+    # A second call in the block: the block's values again.
+    _steps(stock, ours, training=True, block=parametrize.cached, run=lambda model, x: model(x) + model(x))
 
 
 class ChangesBeforeItsFirstRead(nn.Module):
