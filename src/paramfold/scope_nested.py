@@ -406,12 +406,11 @@ def call_changed(
 
 
 def commit(entry: nn.Module) -> None:
-    """Inside ``parametrize.cached()``: a call of ``entry`` reads its tensors as they are (nothing
-    changed since the values were computed), so each value it holds is the block's from now on,
-    as stock's cache keeps the value of the block's first read. A later call of ``entry``, after
-    the forward changed its settings or tensors, still reads that one (:func:`changed`)."""
-    if not parametrize._cache_enabled:
-        return
+    """Called inside ``parametrize.cached()`` only: a call of ``entry`` reads its tensors as they
+    are (nothing changed since the values were computed), so each value it holds is the block's
+    from now on, as stock's cache keeps the value of the block's first read. A later call of
+    ``entry``, after the forward changed its settings or tensors, still reads that one
+    (:func:`changed`)."""
     for holder, name, site in _valued(entry):
         if holder is entry:
             _commit(holder, name, site)
