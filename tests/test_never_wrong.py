@@ -656,6 +656,45 @@ def test_value_computed_under_inference_mode_serves_later_grad_calls(mode):
     assert torch.equal(xs.grad, xo.grad)
 
 
+class _BufferScale(nn.Module):
+    """A custom parametrization paramfold probes, with a buffer the probe clones."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = 1.5
+        self.register_buffer("s", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, w):
+        return w * self.alpha * self.s
+
+
+@pytest.mark.parametrize("mode", ["auto", "hoist", "freeze", "inline"])
+@pytest.mark.parametrize("when", ["prepare", "settings changed", "deepcopy"])
+def test_chain_probed_inside_inference_mode_like_stock(mode, when):
+    """find's probe clones a member's buffers: inside inference_mode those clones were inference
+    tensors, whose version counter cannot be read (RuntimeError at prepare, or at the first call
+    after a member's settings changed or after a deepcopy, where the chain is probed again)."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).eval().requires_grad_(False)
+    P.register_parametrization(stock[0], "weight", _BufferScale())
+    ours = copy.deepcopy(stock)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        if when == "prepare":
+            paramfold.prepare(ours, mode)
+    if when != "prepare":
+        paramfold.prepare(ours, mode)
+    if when == "deepcopy":
+        ours = copy.deepcopy(ours)
+    for model in (stock, ours):
+        if when == "settings changed":
+            model[0].parametrizations.weight[0].alpha = 2.0
+    with torch.inference_mode():
+        assert torch.equal(ours(x), stock(x))
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+
+
 # --- 5. activation checkpointing ------------------------------------------------------------
 
 

@@ -268,7 +268,7 @@ def draws_random_numbers(module: nn.Module, name: str) -> bool:
 def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
     """The originals of ``plist`` as its chain sees them, a nested one computed on cloned state."""
     values = {}
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         for n in original_names(plist):
             if not parametrize.is_parametrized(plist, n):
                 values[n] = getattr(plist, n)
@@ -295,7 +295,9 @@ def _probe_unknown(
     """
     resolved: list[str] = []
     stateful = stateful_in_eval = random = writes_itself = False
-    with torch.no_grad():
+    # Outside inference_mode too (a call inside it probes a chain again after its settings
+    # changed): the clones must be ordinary tensors, whose version counters show writes.
+    with torch.inference_mode(False), torch.no_grad():
         # Clones of the originals too: a member (or its pre-hook) may edit its input in place.
         value: object = tuple(_clone(t) for t in originals.values())
         for module, kind in zip(chain, kinds):
