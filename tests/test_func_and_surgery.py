@@ -346,3 +346,67 @@ def test_quantize_dynamic_and_jit_script_refuse_a_prepared_model_as_they_refuse_
         with pytest.raises((torch.jit.frontend.NotSupportedError, RuntimeError)):
             torch.jit.script(model)
     _assert_same_state(stock, ours)
+
+
+class _Rescale(nn.Module):
+    """A custom parametrization (probed by find) with a setting and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = 1.5
+        self.register_buffer("s", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, w):
+        return w * self.alpha * self.s.reshape(-1, 1)
+
+
+class _AddOwn(nn.Module):
+    """A custom parametrization owning a parameter (a LoRA-like delta) and a setting."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4, 4))
+        self.k = 1.0
+
+    def forward(self, w):
+        return w + self.b * self.k
+
+
+def _probed_chain(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    if kind == "nested":  # a chain on the weight, and one on its original
+        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Rescale())
+        torch.nn.utils.parametrize.register_parametrization(model[0].parametrizations.weight, "original", _Rescale())
+    else:
+        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _AddOwn())
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode", ["auto", "hoist", "freeze", "inline"])
+@pytest.mark.parametrize("kind, swapped", [
+    ("nested", "0.parametrizations.weight.parametrizations.original.original"),
+    ("owns", "0.parametrizations.weight.0.b"),
+])
+def test_vmap_over_functional_call_after_a_setting_changed_like_stock(mode, kind, swapped):
+    """A changed setting has the chain probed again at the next call; inside vmap the tensors
+    functional_call swapped in are vmap's wrappers, which the probe cannot copy: the nested chain's
+    call raised NotImplementedError ("Cannot access storage of BatchedTensorImpl"), and freeze
+    refused the other as a chain that draws random numbers. The value is computed where it is
+    read for that call, as stock's is, and the chain probed at a later call."""
+    stock, ours = _probed_chain(kind), paramfold.prepare(_probed_chain(kind), mode)
+    x = torch.randn(2, 4)
+    for model in (stock, ours):
+        with torch.no_grad():
+            model(x)
+        for member in model.modules():
+            if isinstance(member, _Rescale):
+                member.alpha = 2.0
+            elif isinstance(member, _AddOwn):
+                member.k = 2.0
+    base = stock.state_dict()[swapped]
+    stacked = torch.stack([base * 0.5, base * 1.5])
+    with torch.no_grad():
+        outs = [torch.vmap(lambda p, m=m: functional_call(m, {swapped: p}, (x,)))(stacked.clone()) for m in (stock, ours)]
+        assert torch.equal(outs[1], outs[0])
+        assert torch.equal(ours(x), stock(x))

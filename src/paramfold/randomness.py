@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from paramfold.freeze import settings
-from paramfold.sites import draws_random_numbers, probed
+from paramfold.sites import CannotProbeNow, draws_random_numbers, probed
 from paramfold.state import SiteState
 from paramfold.watch import tag
 
@@ -85,11 +85,17 @@ def watch(site: SiteState) -> SettingsWatch | None:
     return SettingsWatch(site)
 
 
-def recheck(holder: nn.Module, name: str, site: SiteState) -> bool:
+def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
     """Whether ``holder.<name>`` draws random numbers now, probed again where its settings
-    changed since the last probe (``site.draws`` and ``site.draw_watch`` updated)."""
+    changed since the last probe (``site.draws`` and ``site.draw_watch`` updated); None where it
+    cannot be probed now (:class:`~paramfold.sites.CannotProbeNow`: nothing is updated, so a
+    later call probes it)."""
     if site.draw_watch is not None and not site.draw_watch.unchanged():
-        site.draws = draws_random_numbers(holder, name)
+        try:
+            draws = draws_random_numbers(holder, name)
+        except CannotProbeNow:
+            return None
+        site.draws = draws
         site.draw_watch = SettingsWatch(site)
     return site.draws
 

@@ -476,9 +476,11 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
         # has gathered the originals, exactly like stock: never gathered early, never frozen.
         site.frozen = None
         return None
-    if randomness.recheck(holder, name, site):
-        # Drawing random numbers now: stock draws at each read, in the forward's order.
-        if site.mode == "freeze":
+    draws = randomness.recheck(holder, name, site)
+    if draws or draws is None:
+        # Drawing random numbers now: stock draws at each read, in the forward's order. (None:
+        # not known in this call, inside a torch.func transform: computed at each read too.)
+        if draws and site.mode == "freeze":
             raise random_now(holder, name)
         site.frozen = None
         return None

@@ -19,7 +19,7 @@ from paramfold.compute import is_nested, leaf_originals, members, original_names
 from paramfold.held import same, snapshot
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
-from paramfold.state import is_dtensor
+from paramfold.state import innermost_transform, is_dtensor
 
 T = TypeVar("T")
 
@@ -265,6 +265,21 @@ def draws_random_numbers(module: nn.Module, name: str) -> bool:
     return any(draws_random_numbers(plist, n) for n in original_names(plist) if parametrize.is_parametrized(plist, n))
 
 
+class CannotProbeNow(Exception):
+    """A chain cannot be probed now: inside a ``torch.func`` transform, tensors swapped into it
+    (``vmap(functional_call(model, stacked))``) are the transform's wrappers, which cannot be
+    copied. The caller computes the value where it is read, as stock does, and probes later."""
+
+
+def _deepcopy(module: nn.Module) -> nn.Module:
+    try:
+        return copy.deepcopy(module)
+    except Exception:
+        if innermost_transform() is not None:
+            raise CannotProbeNow from None
+        raise
+
+
 def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
     """The originals of ``plist`` as its chain sees them, a nested one computed on cloned state."""
     values = {}
@@ -273,7 +288,7 @@ def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
             if not parametrize.is_parametrized(plist, n):
                 values[n] = getattr(plist, n)
                 continue
-            inner = copy.deepcopy(plist.parametrizations[n])  # its calls change nothing of the model's
+            inner = _deepcopy(plist.parametrizations[n])  # its calls change nothing of the model's
             state = {k: v.clone() for k, v in (*inner.named_parameters(), *inner.named_buffers())}
             values[n] = torch.func.functional_call(inner, state, ())
     return values
@@ -334,7 +349,9 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
     tensors it holds outside its parameters and buffers."""
     probe = _Probe()
     try:
-        module = copy.deepcopy(module)
+        module = _deepcopy(module)
+    except CannotProbeNow:
+        raise
     except Exception:  # cannot be probed without changing it: served as if it wrote itself
         probe.writes_itself = True
         return {}, None, probe
