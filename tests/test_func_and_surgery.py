@@ -410,3 +410,23 @@ def test_vmap_over_functional_call_after_a_setting_changed_like_stock(mode, kind
         outs = [torch.vmap(lambda p, m=m: functional_call(m, {swapped: p}, (x,)))(stacked.clone()) for m in (stock, ours)]
         assert torch.equal(outs[1], outs[0])
         assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["auto", "hoist", "freeze", "inline"])
+def test_deepcopy_after_vmap_over_functional_call(mode):
+    """A call scope keeps the tensors a value was last computed from (``SiteState.read_from``):
+    after ``vmap(functional_call(...))`` those were vmap's wrappers, which ``copy.deepcopy``
+    refused (NotImplementedError: "Cannot access storage of BatchedTensorImpl"), where stock's
+    model copies. The copy starts without them."""
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    name = "0.parametrizations.weight.original1"
+    stacked = torch.stack([stock.state_dict()[name] * 0.5, stock.state_dict()[name] * 1.5])
+    with torch.no_grad():
+        for model in (stock, ours):
+            torch.vmap(lambda p, m=model: functional_call(m, {name: p}, (x,)))(stacked.clone())
+        stock_copy, our_copy = copy.deepcopy(stock), copy.deepcopy(ours)
+        assert torch.equal(our_copy(x), stock_copy(x))
+        assert torch.equal(ours(x), stock(x))

@@ -61,6 +61,7 @@ from paramfold.inline import still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
 from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, distributed
+from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.watch import tag
@@ -251,7 +252,9 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                         once = site.once_hook = hooknorms.ServedOnce(site.hook, functools.partial(nested.refresh, site))
                     once.served = False
                     onces.append(once)
-            elif site.frozen is not None and value is site.frozen.value:
+            elif site.frozen is not None and value is site.frozen.value and not _functorch_wrapped(value):
+                # (A value computed inside a torch.func transform from its wrappers serves that
+                # call only: installed, so it is taken out when the call ends.)
                 if values.get(name) is not value:  # an unchanged dict keeps dynamo's guards cheap
                     values[name] = value
                     renewed = True

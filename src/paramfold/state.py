@@ -164,15 +164,32 @@ class SiteState:
         (``before``: a copy of the model made inside its forward opens its own calls).
 
         ``read_from`` may hold tensors swapped in for the last call (``torch.func.functional_call``
-        with ``p + delta``), which ``copy.deepcopy`` refuses when they have an autograd history:
-        the copy then starts with none, so its nested calls take its inputs for swapped (computed
-        afresh) until its first call scope records its own."""
-        if any(t.grad_fn is not None for t in self.read_from if isinstance(t, torch.Tensor)):
-            replica = _copy_fields(self, memo, _OPEN_CALL | {"read_from"})
+        with ``p + delta``; inside ``vmap``, its wrappers), which ``copy.deepcopy`` refuses when
+        they have an autograd history or are a ``torch.func`` transform's wrappers: the copy then
+        starts with none, so its nested calls take its inputs for swapped (computed afresh) until
+        its first call scope records its own. A frozen value computed inside a transform from its
+        wrappers (served to that call only) is left out the same way: the copy computes its own."""
+        dropped = _OPEN_CALL
+        if any(map(_uncopyable, self.read_from)):
+            dropped = dropped | {"read_from"}
+        frozen = self.frozen
+        if frozen is not None and (_uncopyable(frozen.value) or any(_uncopyable(w[2]) for w in frozen.watch)):
+            dropped = dropped | {"frozen"}
+        replica = _copy_fields(self, memo, dropped)
+        if "read_from" in dropped:
             replica.read_from = ()
-            return replica
-        return _copy_fields(self, memo, _OPEN_CALL)
+        return replica
 
+
+#: Whether a tensor is a torch.func transform's wrapper (vmap's batched tensor, grad's), which
+#: has no storage of its own to copy.
+functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+
+
+def _uncopyable(t: object) -> bool:
+    """Whether ``copy.deepcopy`` refuses ``t``: a tensor with an autograd history, or a
+    torch.func transform's wrapper."""
+    return isinstance(t, torch.Tensor) and (t.grad_fn is not None or functorch_wrapped(t))
 
 #: Call scopes opened so far, in every thread (counted under the scope lock): the clock of the
 #: periods in which freeze and auto compute a site at every call (``SiteState.hoist_until``).
