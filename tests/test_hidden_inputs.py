@@ -186,6 +186,44 @@ def test_inline_refuses_a_hook_registered_after_prepare_on_what_its_getter_skips
     assert torch.equal(ours(x), stock(x))  # restore gives stock's behaviour back, hook and all
 
 
+class _Half(nn.Module):
+    def forward(self, w):
+        return w * 0.5
+
+
+@pytest.mark.parametrize("where", ["outer member", "inner member", "inner list"])
+def test_inline_refuses_a_hook_registered_after_prepare_on_a_nested_chain(where):
+    """A nested chain (its original parametrized too) is computed in-graph by stock's property,
+    which honours hooks where it is traced; but dynamo does not guard on hooks, and
+    ``model.compile()`` after ``torch.compile(model)`` reaches the same compiled frames through the
+    prepared entry, where stock's compiles again: it ran without the hook. Refused like a hook on
+    what a generated getter skips."""
+    def build():
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        P.register_parametrization(layer, "weight", _Half())
+        P.register_parametrization(layer.parametrizations.weight, "original", _Half())
+        return nn.Sequential(layer, nn.Tanh())
+
+    stock, ours = build(), paramfold.prepare(build(), "inline")
+    x = torch.randn(2, 4)
+
+    def target(m):
+        plist = m[0].parametrizations.weight
+        inner = plist.parametrizations.original
+        return {"outer member": plist[0], "inner member": inner[0], "inner list": inner}[where]
+
+    with torch.no_grad():
+        torch.compile(ours, backend="eager")(x)
+        target(ours).register_forward_hook(lambda mod, args, out: out + 1)
+        ours.compile(backend="eager")
+        with pytest.raises(paramfold.FoldError, match="a hook added to one"):
+            ours(x)
+        paramfold.restore(ours)
+        target(stock).register_forward_hook(lambda mod, args, out: out + 1)
+        assert torch.equal(ours(x), stock(x))
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("where", ["member", "list"])
 @pytest.mark.parametrize("mode", ALL_MODES)

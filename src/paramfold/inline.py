@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import dis
 import functools
+import operator
 import types
 
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.compute import (GLOBAL_HOOKS, calls_its_forward, direct_forward, eager_value, has_own_hooks, members,
-                               original_names, parametrized_here)
+from paramfold.compute import (GLOBAL_HOOKS, HOOK_DICTS, calls_its_forward, direct_forward, eager_value, has_own_hooks,
+                               members, original_names, parametrized_here)
 from paramfold.frames import run_eagerly_as_frame, run_module_eagerly_as_frames
 from paramfold.state import SiteState
+
+
+_hooks = operator.itemgetter(*HOOK_DICTS)
 
 
 def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:
@@ -109,6 +113,16 @@ def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
     if not signature[3] and (has_own_hooks(plist) or not calls_its_forward(plist)):
         return False
     return not any(f is not None and direct_forward(m) is not f for m, f in zip(members(plist), signature[2]))
+
+
+def hook_keys(plist: nn.Module) -> tuple:
+    """The keys of every forward and backward hook dict of each module of ``plist``'s tree, in
+    order: what a nested inline site, computed by stock's property inside compiled code, is
+    prepared with. Dynamo does not guard on hooks, so code compiled before a hook was added would
+    run without it, where a later compile would (``model.compile()`` after ``torch.compile(model)``
+    reaches the same frames through the prepared entry): a change is refused at the next call,
+    as :func:`still_exact` refuses one for the generated getters."""
+    return tuple(tuple(d) for m in plist.modules() for d in _hooks(vars(m)))
 
 
 class _InlineProperty(property):

@@ -12,7 +12,7 @@ from paramfold.classes import (between_class, install_type_before_parametrizatio
                                read_once_class)
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
-from paramfold.inline import chain_signature, inline_property, install_refs, sync_refs
+from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
 from paramfold.randomness import watch as watch_draws
 from paramfold.restore import restore, restore_module
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for
@@ -304,6 +304,8 @@ def _plan(
             if site.mode == "inline" and not site.nested:
                 site.signature = chain_signature(module, n)
                 inline.append((n, inline_property(n, site.signature)))
+            elif site.mode == "inline" and site.hook is None:
+                site.hook_keys = hook_keys(site.plist)
         inline = tuple(sorted(inline))
         st.covers = frozenset(id(m) for m in st.entries)
         st.root = module is model

@@ -57,7 +57,7 @@ from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, eager_val
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged, unwatched
-from paramfold.inline import still_exact, sync_refs
+from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
 from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, distributed
@@ -459,6 +459,9 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
                 changed = True
                 break
             if site.signature is not None and not still_exact(holder, name, site.signature):
+                changed = True
+                break
+            if site.hook_keys is not None and hook_keys(plist) != site.hook_keys:
                 changed = True
                 break
     if changed:

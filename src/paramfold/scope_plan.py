@@ -135,6 +135,10 @@ class Plan:
                                 structure.update((id(d), d) for d in class_dicts(type(member)))
                         if not site.signature[3]:
                             empty.update((id(d), d) for d in _hooks(vars(site.plist)))
+                    elif site.hook_keys is not None:  # nested: no hook on its modules, as at prepare
+                        if any(site.hook_keys):
+                            return None
+                        empty.update((id(d), d) for m in site.plist.modules() for d in _hooks(vars(m)))
                     continue
                 if name in hs.kept:
                     if frozen is None or values.get(name) is not frozen.value:

@@ -100,6 +100,9 @@ class SiteState:
     original_refs: tuple[tuple[str, Any, str], ...] = ()
     #: Inline sites: what the generated getter was made for (``inline.chain_signature``).
     signature: tuple | None = None
+    #: Nested inline sites (computed by stock's property, in-graph): the hooks of every module
+    #: of the chain at ``prepare`` (``inline.hook_keys``), which compiled code does not guard.
+    hook_keys: tuple | None = None
     #: Whether values are tensor subclasses (known after the first computation). AOTAutograd does
     #: not carry gradients from a subclass graph input back to the originals it was built from,
     #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
