@@ -47,6 +47,19 @@ class Split(nn.Module):
         return x / 2, x / 4
 
 
+class RowScale(nn.Module):
+    """A custom parametrization that paramfold probes, with a setting (``alpha``) and a buffer
+    (one factor per row of a 4-row weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = 1.5
+        self.register_buffer("s", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, w):
+        return w * self.alpha * self.s.reshape(-1, 1)
+
+
 class LoRA(nn.Module):
     """Low-rank adaptation as a parametrization: W + B @ A, with A and B owned (and trained) here."""
 

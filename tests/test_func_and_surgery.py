@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from helpers import RowScale
 from torch import nn
 from torch.func import functional_call, hessian, jacrev
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
@@ -348,18 +349,6 @@ def test_quantize_dynamic_and_jit_script_refuse_a_prepared_model_as_they_refuse_
     _assert_same_state(stock, ours)
 
 
-class _Rescale(nn.Module):
-    """A custom parametrization (probed by find) with a setting and a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.alpha = 1.5
-        self.register_buffer("s", torch.linspace(0.5, 1.5, 4))
-
-    def forward(self, w):
-        return w * self.alpha * self.s.reshape(-1, 1)
-
-
 class _AddOwn(nn.Module):
     """A custom parametrization owning a parameter (a LoRA-like delta) and a setting."""
 
@@ -376,8 +365,8 @@ def _probed_chain(kind: str) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     if kind == "nested":  # a chain on the weight, and one on its original
-        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Rescale())
-        torch.nn.utils.parametrize.register_parametrization(model[0].parametrizations.weight, "original", _Rescale())
+        torch.nn.utils.parametrize.register_parametrization(model[0], "weight", RowScale())
+        torch.nn.utils.parametrize.register_parametrization(model[0].parametrizations.weight, "original", RowScale())
     else:
         torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _AddOwn())
     return model.eval().requires_grad_(False)
@@ -400,7 +389,7 @@ def test_vmap_over_functional_call_after_a_setting_changed_like_stock(mode, kind
         with torch.no_grad():
             model(x)
         for member in model.modules():
-            if isinstance(member, _Rescale):
+            if isinstance(member, RowScale):
                 member.alpha = 2.0
             elif isinstance(member, _AddOwn):
                 member.k = 2.0

@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import LoRA, PausedOffMain, Skew, assert_same_tensors, grads
+from helpers import LoRA, PausedOffMain, RowScale, Skew, assert_same_tensors, grads
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 from torch.nn.utils import parametrize as P
@@ -656,18 +656,6 @@ def test_value_computed_under_inference_mode_serves_later_grad_calls(mode):
     assert torch.equal(xs.grad, xo.grad)
 
 
-class _BufferScale(nn.Module):
-    """A custom parametrization paramfold probes, with a buffer the probe clones."""
-
-    def __init__(self):
-        super().__init__()
-        self.alpha = 1.5
-        self.register_buffer("s", torch.linspace(0.5, 1.5, 4))
-
-    def forward(self, w):
-        return w * self.alpha * self.s
-
-
 @pytest.mark.parametrize("mode", ["auto", "hoist", "freeze", "inline"])
 @pytest.mark.parametrize("when", ["prepare", "settings changed", "deepcopy"])
 def test_chain_probed_inside_inference_mode_like_stock(mode, when):
@@ -676,7 +664,7 @@ def test_chain_probed_inside_inference_mode_like_stock(mode, when):
     after a member's settings changed or after a deepcopy, where the chain is probed again)."""
     torch.manual_seed(0)
     stock = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).eval().requires_grad_(False)
-    P.register_parametrization(stock[0], "weight", _BufferScale())
+    P.register_parametrization(stock[0], "weight", RowScale())
     ours = copy.deepcopy(stock)
     x = torch.randn(2, 4)
     with torch.inference_mode():
