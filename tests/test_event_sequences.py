@@ -1,5 +1,8 @@
 """Random sequences of events between and around calls, stock against prepared, bitwise.
 
+The companion of ``tests/test_stateful.py`` (a fixed model; the weight writes freshness depends
+on): here the chains vary, and the events are those around calls that it does not drive.
+
 A Hypothesis state machine builds one small parametrized model twice (stock, and prepared in one
 mode), then applies the same random events to both: calls (eager under ``no_grad`` or with grad,
 ``torch.compile(backend="eager")``, inside ``inference_mode``), optimizer steps, in-place and
