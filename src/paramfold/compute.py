@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import types
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import torch
 from torch import nn
@@ -135,6 +135,8 @@ def eager_value(module: nn.Module, name: str) -> torch.Tensor:
 
 #: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``.
 HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
+#: Those dicts of a module's ``__dict__`` (``hook_dicts(vars(module))``).
+hook_dicts = itemgetter(*HOOK_DICTS)
 #: What a module's call resolves through its class (read live, so a class patched later is seen).
 call_path = attrgetter("__call__", "_wrapped_call_impl", "_call_impl", "forward", "__getattribute__",
                        "_compiled_call_impl")

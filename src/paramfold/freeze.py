@@ -55,6 +55,7 @@ from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
 from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for
+from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.sites import Site, probed
@@ -264,11 +265,6 @@ def unshared(t: torch.Tensor) -> bool:
         return _use_count(t.untyped_storage()._cdata) <= 2  # ``t``'s and the storage object's own
     except Exception:  # no storage (meta, sparse), or a torch whose storages do not say
         return False
-
-
-#: Whether a tensor is one of torch.func's wrappers (vmap's batched tensors, grad's), whose
-#: storage is not theirs to mark.
-_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
 def settings(site: SiteState) -> tuple[dict, ...]:

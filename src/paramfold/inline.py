@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import dis
 import functools
-import operator
 import types
 
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.compute import (GLOBAL_HOOKS, HOOK_DICTS, calls_its_forward, direct_forward, eager_value, has_own_hooks,
-                               members, original_names, parametrized_here)
+from paramfold.compute import (GLOBAL_HOOKS, calls_its_forward, direct_forward, eager_value, has_own_hooks,
+                               hook_dicts, members, original_names, parametrized_here)
 from paramfold.frames import run_eagerly_as_frame, run_module_eagerly_as_frames
 from paramfold.state import SiteState
-
-
-_hooks = operator.itemgetter(*HOOK_DICTS)
 
 
 def ref_keys(name: str, signature: tuple) -> tuple[list[str], list[str]]:
@@ -122,7 +118,7 @@ def hook_keys(plist: nn.Module) -> tuple:
     run without it, where a later compile would (``model.compile()`` after ``torch.compile(model)``
     reaches the same frames through the prepared entry): a change is refused at the next call,
     as :func:`still_exact` refuses one for the generated getters."""
-    return tuple(tuple(d) for m in plist.modules() for d in _hooks(vars(m)))
+    return tuple(tuple(d) for m in plist.modules() for d in hook_dicts(vars(m)))
 
 
 class _InlineProperty(property):

@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from itertools import repeat
-from operator import attrgetter, contains, getitem, is_, itemgetter
+from operator import attrgetter, contains, getitem, is_
 
 import torch
 from torch import nn
 
-from paramfold.compute import (GLOBAL_HOOKS, HOOK_DICTS, any_autocast, autocast_state, call_path, calls_its_forward,
-                               class_forward, compute)
+from paramfold.compute import (GLOBAL_HOOKS, any_autocast, autocast_state, call_path, calls_its_forward,
+                               class_forward, compute, hook_dicts)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -38,7 +38,7 @@ _requires_grad = attrgetter("requires_grad")
 _set_class = object.__setattr__
 #: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``: all empty (and no
 #: ``_compiled_call_impl`` set there by ``module.compile()``) means a call is a call of ``forward``.
-_hooks = itemgetter(*HOOK_DICTS)
+_hooks = hook_dicts
 _call_path = call_path
 _tracing_state = torch._C._get_tracing_state
 

@@ -184,8 +184,8 @@ class SiteState:
         return replica
 
 
-#: Whether a tensor is a torch.func transform's wrapper (vmap's batched tensor, grad's), which
-#: has no storage of its own to copy.
+#: Whether a tensor is one of torch.func's wrappers (vmap's batched tensors, grad's), which have
+#: no storage of their own (to copy, or to mark).
 functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
@@ -193,6 +193,7 @@ def _uncopyable(t: object) -> bool:
     """Whether ``copy.deepcopy`` refuses ``t``: a tensor with an autograd history, or a
     torch.func transform's wrapper."""
     return isinstance(t, torch.Tensor) and (t.grad_fn is not None or functorch_wrapped(t))
+
 
 #: Call scopes opened so far, in every thread (counted under the scope lock): the clock of the
 #: periods in which freeze and auto compute a site at every call (``SiteState.hoist_until``).
