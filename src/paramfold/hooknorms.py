@@ -37,12 +37,13 @@ def _classes() -> tuple[type, type]:
 
 
 def hook_norms(module: nn.Module) -> Iterator[tuple[int, object, str]]:
-    """``(hook key, hook, kind)`` of every hook-based norm on ``module``."""
+    """``(hook key, hook, kind)`` of every hook-based norm on ``module``: torch's own hooks, not a
+    subclass (whose call may do more than ``compute_weight``; it stays a hook and runs as in stock)."""
     weight_norm_cls, spectral_norm_cls = _classes()
     for key, hook in module._forward_pre_hooks.items():
-        if isinstance(hook, weight_norm_cls):
+        if type(hook) is weight_norm_cls:
             yield key, hook, "weight_norm"
-        elif isinstance(hook, spectral_norm_cls):
+        elif type(hook) is spectral_norm_cls:
             yield key, hook, "spectral_norm"
 
 

@@ -46,7 +46,7 @@ KINDS = (
 )
 
 # Recognised by class name so that torch.ao, torchao and torch.nn.utils variants all match
-# without importing torchao.
+# without importing torchao; only where the class is defined in torch or torchao (known_kind).
 _KIND_BY_CLASS = {
     "_WeightNorm": "weight_norm",
     "_SpectralNorm": "spectral_norm",
@@ -56,6 +56,18 @@ _KIND_BY_CLASS = {
 }
 _STATEFUL_KINDS = {"spectral_norm"}
 _STATELESS_KINDS = set(_KIND_BY_CLASS.values()) - _STATEFUL_KINDS
+_KNOWN_PACKAGES = ("torch", "torchao")
+
+
+def known_kind(module: nn.Module) -> str | None:
+    """The kind of ``module`` where it is one of torch's or torchao's parametrizations, else None.
+    A class of the user's own named like one of them (a ``FakeSparsity`` of their repository) is
+    not: what it reads and draws is probed, as for any custom member."""
+    cls = type(module)
+    kind = _KIND_BY_CLASS.get(cls.__name__)
+    if kind is None or cls.__module__.partition(".")[0] not in _KNOWN_PACKAGES:
+        return None
+    return kind
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -220,7 +232,7 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
             stateful=False, is_buffer=not any(isinstance(t, nn.Parameter) for t in tensors.values()),
         )
     originals = {p: d[k] for p, d, k in leaf_originals(plist)}
-    kinds = [_KIND_BY_CLASS.get(type(m).__name__) for m in chain]
+    kinds = [known_kind(m) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
     random = stateful_in_eval = writes_itself = False
     if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
@@ -250,7 +262,7 @@ def probed(module: nn.Module) -> bool:
     """Whether :func:`find` learns what ``module`` does by probing it: a module of a chain that
     is not one of torch's or torchao's known parametrizations, nor a container."""
     return (not isinstance(module, (parametrize.ParametrizationList, nn.ModuleDict))
-            and type(module).__name__ not in _KIND_BY_CLASS)
+            and known_kind(module) is None)
 
 
 def draws_random_numbers(module: nn.Module, name: str) -> bool:
