@@ -28,8 +28,9 @@ Recognised but foldable only with the model (``model_factory``, ``--model``): ``
 ``torchao.utils.unwrap_tensor_subclass``: the subclass type and its metadata live in the model, not
 the file), and everything else, reported as ``custom``. A parametrization without tensors of its own
 (a dtype cast, a 1-D spectral_norm, orthogonal without trivialization) leaves no trace in the keys: a
-chain ``[weight_norm, cast]`` looks like plain weight_norm. If your models stack such
-parametrizations, fold with ``model_factory``.
+chain ``[weight_norm, cast]`` looks like plain weight_norm. Nor do keys say which class saved them:
+a custom parametrization whose tensors are named and shaped like a known kind's is taken for it.
+If your models stack such parametrizations or have such classes, fold with ``model_factory``.
 
 ``fold_checkpoint``, ``FoldResult``, ``load_factory`` and ``print_report`` lived here before the split
 and are still importable from this module (resolved on first use, so that this module does not import
