@@ -23,6 +23,10 @@ import paramfold
 from paramfold.bench import BenchConfig, build_model, make_input, unparametrize
 
 FREEZING = [("freeze", "content"), ("freeze", "version"), ("auto", "content"), ("auto", "version")]
+#: Python frames a steady call may add to the plain model's, whatever the number of sites: the
+#: scope's open and close, the plan's check, and since 2026-12-04 one for what the values must
+#: have been computed under (``compute.computed_under``: settings and modes; 25 before).
+STEADY_FRAMES = 26
 
 
 def _seed_pair(layers: int) -> tuple[nn.Module, nn.Module, torch.Tensor]:
@@ -72,7 +76,7 @@ def test_steady_call_python_work_does_not_grow_with_the_number_of_sites(mode, ch
             seen[layers] = _python_frames(ours, x)
             extra[layers] = sum(seen[layers].values()) - sum(_python_frames(plain, x).values())
     assert extra[2] == extra[8], (extra, seen[8] - seen[2], seen[2] - seen[8])  # a constant, not a walk over sites
-    assert extra[8] <= 25, extra
+    assert extra[8] <= STEADY_FRAMES, extra
 
 
 def _bytecode(fn) -> int:
@@ -132,7 +136,7 @@ def test_steady_compiled_inline_call_has_a_plan_and_constant_python_work():
             extra[layers] = sum(_python_frames(ours, x).values()) - sum(_python_frames(plain, x).values())
         assert prepared.__dict__["_paramfold"].plan is not None
     assert extra[2] == extra[8], extra
-    assert extra[8] <= 25, extra
+    assert extra[8] <= STEADY_FRAMES, extra
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
@@ -151,7 +155,7 @@ def test_steady_hoisted_call_costs_per_site_only_the_parametrization_call(grad):
             extra[layers] = sum(_python_frames(ours, x).values()) - sum(_python_frames(plain, x).values())
     per_site = (extra[8] - extra[2]) / (2 * (8 - 2))
     assert per_site == 1, extra
-    assert extra[2] - 1 * 4 <= 25, extra
+    assert extra[2] - 1 * 4 <= STEADY_FRAMES, extra
 
 
 def _call_path_changes():

@@ -15,14 +15,16 @@ An original may itself be parametrized (a parametrization registered on
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
-from operator import attrgetter, itemgetter
+from operator import attrgetter, call, itemgetter
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.nn.utils import parametrize
+from torch.utils._device import DeviceContext
 
 from paramfold.frames import run_module_eagerly_as_frames
 
@@ -237,6 +239,81 @@ def autocast_state() -> tuple | None:
     if not any_autocast():
         return None
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+
+
+
+def _numerics_getters() -> tuple:
+    """Zero-argument readers of torch's process-wide settings that decide how an op computes (which
+    kernel, in which precision), each where this torch has it."""
+    C = torch._C
+    # torch's C readers where it has them: no Python frame at each call.
+    found = [torch.get_default_dtype, getattr(C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision),
+             torch.get_num_threads, getattr(C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)]
+    names = ["_get_mkldnn_enabled", "_get_mkldnn_deterministic"]
+    pairs = [("generic", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn")]
+    if torch.backends.cuda.is_built():  # without CUDA, its settings decide nothing
+        names += ["_get_cublas_allow_tf32", "_get_cudnn_allow_tf32", "_get_cudnn_enabled", "_get_cudnn_benchmark",
+                  "_get_cudnn_deterministic", "_get_cublas_allow_fp16_reduced_precision_reduction",
+                  "_get_cublas_allow_bf16_reduced_precision_reduction"]
+        pairs += [("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn")]
+    for name in names:
+        getter = getattr(C, name, None)
+        if getter is not None:
+            found.append(getter)
+    precision = getattr(C, "_get_fp32_precision_getter", None)
+    if precision is not None:  # torch >= 2.9: per backend and op (``torch.backends.mkldnn.matmul.fp32_precision``)
+        for backend, op in pairs:
+            try:
+                precision(backend, op)
+            except Exception:  # a pair this torch does not know
+                continue
+            found.append(functools.partial(precision, backend, op))
+    return tuple(found)
+
+
+_NUMERICS = _numerics_getters()
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode_at = torch._C._get_function_stack_at
+
+
+def modes_now() -> object:
+    """None where no torch function or dispatch mode is active on this thread; the devices of the
+    ``torch.device`` contexts where only they are (``torch.set_default_device`` keeps one pushed);
+    else a new object, equal to no other: a mode (``FlopCounterMode``, a user's
+    ``TorchDispatchMode``) may do anything with each op, and stock runs the chain under it at each
+    read, so a value computed under one serves no later read."""
+    n = _function_modes()
+    if not n and not _dispatch_modes():
+        return None
+    if not _dispatch_modes():
+        modes = [_function_mode_at(i) for i in range(n)]
+        if all(type(m) is DeviceContext for m in modes):
+            return tuple(m.device for m in modes)
+    return object()
+
+
+def computed_under() -> tuple:
+    """What a value computed now is computed under, besides its inputs and the grad mode: the
+    autocast state (:func:`autocast_state`), torch's settings that decide how its ops compute
+    (the default dtype, matmul precisions, TF32, deterministic algorithms, the thread count:
+    :data:`_NUMERICS`) and the modes active on this thread (:func:`modes_now`). A frozen value
+    serves a call only where this is equal. (Not read: ``torch.set_flush_denormal``, which torch
+    cannot report.)"""
+    try:
+        numerics = tuple(map(call, _NUMERICS))
+    except Exception:  # torch.get_float32_matmul_precision() raises once old and new APIs were mixed
+        numerics = tuple(map(_read_or_error, _NUMERICS))
+    # Read at every call: no frame of the helpers where autocast is off and no mode is active.
+    return (autocast_state() if any_autocast() else None, numerics,
+            modes_now() if _function_modes() or _dispatch_modes() else None)
+
+
+def _read_or_error(getter) -> object:
+    try:
+        return getter()
+    except Exception as e:  # the others read what it would have said
+        return type(e)
 
 
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks

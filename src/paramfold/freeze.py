@@ -27,9 +27,10 @@ and on what the chain reads besides tensors (:func:`settings`): its members' pla
 (``member.temperature = 0.5``), the dicts and plain objects a custom member holds
 (:mod:`paramfold.held`; one holding a list, set or array is not frozen), their submodules and
 forward hooks, and global forward hooks,
-each dict's version tag (:data:`tag`) read when the value was computed; on the autocast state it
-was computed under (a value computed outside ``torch.autocast`` does not serve a call inside
-it); and on its own version counter and armed storage (a forward may edit the value it reads in
+each dict's version tag (:data:`tag`) read when the value was computed; on what it was computed
+under (:func:`~paramfold.compute.computed_under`: the autocast state, so that a value computed
+outside ``torch.autocast`` does not serve a call inside it; torch's numerics settings, the default
+dtype among them; the modes active, under which no frozen value serves); and on its own version counter and armed storage (a forward may edit the value it reads in
 place, or through ``.data``).
 
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
@@ -50,7 +51,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold import hooknorms
-from paramfold.compute import GLOBAL_HOOKS, autocast_state, compute
+from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
@@ -62,11 +63,12 @@ from paramfold.sites import Site, probed
 from paramfold.watch import layout, tag
 
 
-def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor | None:
-    """Return the materialised ``module.<name>``, recomputing it if its inputs changed; None
-    (auto) where the computation would draw random numbers: it is then computed where it is read."""
+def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) -> torch.Tensor | None:
+    """Return the materialised ``module.<name>``, recomputing it if its inputs changed or it was
+    computed under other settings than ``under`` (:func:`~paramfold.compute.computed_under`, now);
+    None (auto) where the computation would draw random numbers: it is then computed where it is read."""
     frozen = site.frozen
-    if frozen is None or not unchanged(site, frozen):
+    if frozen is None or not unchanged(site, frozen, under):
         if frozen is not None:
             site.misses += 1
         with torch.inference_mode(False), torch.no_grad(), _outside_transforms(site):
@@ -85,7 +87,7 @@ def frozen_value(module: nn.Module, name: str, site: SiteState) -> torch.Tensor 
                 # swap_module_params_on_conversion, load_state_dict then) refuses to swap.
                 value = value.detach()
             # Stateful chains may bump their own buffers while computing; key on the state after.
-            site.frozen = frozen = _freeze(site, value)
+            site.frozen = frozen = _freeze(site, value, under)
     else:
         site.misses = site.demotions = 0
     return frozen.value
@@ -139,7 +141,7 @@ def random_now(module: nn.Module, name: str) -> FoldError:
     )
 
 
-def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
+def _freeze(site: SiteState, value: torch.Tensor, under: tuple) -> FrozenValue:
     """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`)."""
     content = site.freeze_check == "content"
     watch, raw, views, armed = [], [], [], []
@@ -174,7 +176,7 @@ def _freeze(site: SiteState, value: torch.Tensor) -> FrozenValue:
     members = (*members, *objects)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
-        tuple(d for d in live if not d), full, list(map(tag, full)), autocast_state(), value._version,
+        tuple(d for d in live if not d), full, list(map(tag, full)), under, value._version,
         tuple(armed), keys, list(map(_armings.get, keys)), layout(value), members, tuple(map(type, members)),
         objects, tuple(map(vars, objects)),
     )
@@ -307,12 +309,12 @@ def same_settings(empty: tuple[dict, ...], full: tuple[dict, ...], then: list) -
         return False
 
 
-def unchanged(site: SiteState, frozen: FrozenValue) -> bool:
+def unchanged(site: SiteState, frozen: FrozenValue, under: tuple) -> bool:
     """Whether every input of ``frozen`` is as it was: same tensor, version, storage address and
     description (:func:`~paramfold.watch.layout`), each armed storage unwritten (and, with
-    ``freeze_check="content"``, the same bytes)."""
+    ``freeze_check="content"``, the same bytes), and ``under`` what it was computed under."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
-    if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or autocast_state() != frozen.autocast
+    if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or under != frozen.under
             or not all(map(is_, map(type, frozen.members), frozen.member_types))
             or (frozen.held and not all(map(is_, map(vars, frozen.held), frozen.held_dicts)))
             or frozen.value._version != frozen.value_version or layout(frozen.value) != frozen.value_layout

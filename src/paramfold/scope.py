@@ -53,7 +53,7 @@ from paramfold import compile_leaves as leaves
 from paramfold import hooknorms, randomness, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, eager_value
+from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, computed_under, eager_value, modes_now
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged, unwatched
@@ -176,14 +176,15 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
                     raise _unfreezable(holder, name, site)
     claimed: list[nn.Module] = []
+    under = computed_under()  # what frozen values must have been computed under to serve this call
     try:
         for holder in state.holders:
             hs = holder.__dict__[STATE_ATTR]
             if hs.users:
-                _renew_shared(entry, holder, hs, grad)
+                _renew_shared(entry, holder, hs, grad, under)
                 hs.users += 1
             else:
-                _install(holder, hs, grad, id(holder) in hooked)
+                _install(holder, hs, grad, under, id(holder) in hooked)
             claimed.append(holder)
     except BaseException:
         _release(claimed)
@@ -191,7 +192,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
     return claimed
 
 
-def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = False) -> None:
+def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_read: bool = False) -> None:
     values = holder.__dict__
     kept_before = hs.kept
     hs.kept = ()
@@ -226,7 +227,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                 continue
             frozen = site.frozen
             if (frozen is not None and mode != "hoist" and _freezable(site, grad) and not parametrize._cache_enabled
-                    and unchanged(site, frozen)):
+                    and unchanged(site, frozen, under)):
                 value = frozen.value  # the fast path: nothing changed since the last call
                 site.misses = site.demotions = 0
             else:
@@ -235,7 +236,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
                 keep = site.training_stateful
                 if keep:
                     unread.take(holder, name, site)
-                value = _value(holder, name, site, grad)
+                value = _value(holder, name, site, grad, under)
                 if keep:
                     unread.computed(site, value)
                 if value is None:
@@ -289,7 +290,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, at_read: bool = Fal
     hs.shareable = _shareable(hs, grad)
 
 
-def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bool) -> None:
+def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bool, under: tuple) -> None:
     """Make the values another thread's open scope installed in ``holder`` those a call beginning
     now reads, before this call shares them (the caller holds the scope lock and has checked that
     both calls may share: ``no_grad``, one autocast state, no stateful chain training).
@@ -307,7 +308,7 @@ def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bo
     for name, site in hs.sites.items():
         if site.mode == "inline" or site.at_read or name not in values:
             continue
-        value = _value(holder, name, site, grad)
+        value = _value(holder, name, site, grad, under)
         if value is None:  # now to be computed where read (sharded originals): not shareable
             raise _concurrent(entry)
         if value is not values[name]:
@@ -379,10 +380,14 @@ def _enter_scope_class(holder: nn.Module, hs: ModuleState, read_once: bool = Tru
 def _shareable(hs: ModuleState, grad: bool) -> tuple | None:
     """What the values installed now must have been computed under for another thread's call to
     share them: None where none may (a call recording autograd, or a stateful chain training),
-    else the autocast state (thread-local: one thread's region must not serve another's call)."""
+    else the autocast state and the modes active (thread-local: one thread's region must not
+    serve another's call; under a mode other than a ``torch.device`` context, none is shared)."""
     if grad or any(site.training_stateful for site in hs.sites.values()):
         return None
-    return autocast_state() if _any_autocast() else ()
+    modes = modes_now()
+    if modes is None:
+        return autocast_state() if _any_autocast() else ()
+    return autocast_state(), modes
 
 
 def _release(claimed: list[nn.Module] | Plan) -> None:
@@ -476,7 +481,7 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
         )
 
 
-def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
+def _value(holder: nn.Module, name: str, site: SiteState, grad: bool, under: tuple) -> torch.Tensor | None:
     if distributed(site):
         # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
         # has gathered the originals, exactly like stock: never gathered early, never frozen.
@@ -497,27 +502,27 @@ def _value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.T
             # torch's hook-based norms ignore parametrize.cached(): their hook computes the value
             # at every call of the module, in the block too (spectral_norm's power iteration runs).
             site.from_cache = False
-            return _uncached_value(holder, name, site, grad)
+            return _uncached_value(holder, name, site, grad, under)
         # Inside parametrize.cached(): stock's first read in the block computes the value and
         # every later one (calls and reads between them) gets that one, whatever changed since.
         key = (id(holder), name)
         cached = parametrize._cache.get(key)
         site.from_cache = cached is not None
         if cached is None:
-            cached = _uncached_value(holder, name, site, grad)
+            cached = _uncached_value(holder, name, site, grad, under)
             if cached is not None:
                 parametrize._cache[key] = cached
         return cached
-    return _uncached_value(holder, name, site, grad)
+    return _uncached_value(holder, name, site, grad, under)
 
 
-def _uncached_value(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
+def _uncached_value(holder: nn.Module, name: str, site: SiteState, grad: bool, under: tuple) -> torch.Tensor | None:
     # freeze's sites are freezable here (_open_holders refused the call otherwise); auto's are
     # frozen where they can be for this call, hoisted otherwise.
     if _freezable(site, grad):
         if site.hoist_until > CALLS[0]:
             return _hoisted(holder, name, site, grad)
-        value = frozen_value(holder, name, site)
+        value = frozen_value(holder, name, site, under)
         if site.misses >= (1 if site.demotions else _MISSES):
             _demote(site)
         return value

@@ -21,8 +21,8 @@ from operator import attrgetter, contains, getitem, is_
 import torch
 from torch import nn
 
-from paramfold.compute import (GLOBAL_HOOKS, any_autocast, autocast_state, call_path, calls_its_forward,
-                               class_forward, compute, hook_dicts)
+from paramfold.compute import (GLOBAL_HOOKS, call_path, calls_its_forward, class_forward, compute, computed_under,
+                               hook_dicts)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -65,7 +65,7 @@ class Plan:
         "settings_empty",
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to",
-        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "autocast",
+        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "under",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
     )
 
@@ -82,7 +82,7 @@ class Plan:
         plan.pre_hooks_empty = tuple(d for d in pre_hooks if not d)  # the usual case: a truth test each
         plan.pre_hooks = tuple(d for d in pre_hooks if d)
         plan.pre_hook_keys = list(map(list, plan.pre_hooks))
-        plan.autocast = autocast_state()  # the frozen values were just checked against it
+        plan.under = computed_under()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, inside, outside = [], [], []
         links, ordered, stateful, modes, typed, dicted = [], [], [], [], [], []
@@ -370,7 +370,7 @@ def holds(plan: Plan) -> bool:
         states = plan.states
         if any(map(_users, states)) or not all(map(is_, map(_kept, states), plan.kepts)):
             return False
-        if (plan.autocast is None) is any_autocast() or (plan.autocast is not None and autocast_state() != plan.autocast):
+        if computed_under() != plan.under:
             return False
         if not all(map(is_, map(type, plan.claimed), plan.types)):
             return False

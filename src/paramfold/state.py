@@ -48,8 +48,9 @@ class FrozenValue:
     settings_empty: tuple[dict, ...] = ()
     settings: tuple[dict, ...] = ()
     settings_then: list = dataclasses.field(default_factory=list)
-    #: The autocast state it was computed under (``compute.autocast_state``).
-    autocast: tuple | None = None
+    #: What it was computed under besides its inputs: the autocast state, torch's numerics
+    #: settings and the modes active (``compute.computed_under``).
+    under: tuple = ()
     #: ``value``'s own version counter when it was computed: a forward that edits the value it
     #: was given in place (stock gives it a fresh tensor at every read) makes it stale.
     value_version: int = 0
