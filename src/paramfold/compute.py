@@ -241,7 +241,6 @@ def autocast_state() -> tuple | None:
     return tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
 
 
-
 def _numerics_getters() -> tuple:
     """Zero-argument readers of torch's process-wide settings that decide how an op computes (which
     kernel, in which precision), each where this torch has it."""
@@ -283,10 +282,10 @@ def modes_now() -> object:
     else a new object, equal to no other: a mode (``FlopCounterMode``, a user's
     ``TorchDispatchMode``) may do anything with each op, and stock runs the chain under it at each
     read, so a value computed under one serves no later read."""
-    n = _function_modes()
-    if not n and not _dispatch_modes():
+    n, dispatch = _function_modes(), _dispatch_modes()
+    if not n and not dispatch:
         return None
-    if not _dispatch_modes():
+    if not dispatch:
         modes = [_function_mode_at(i) for i in range(n)]
         if all(type(m) is DeviceContext for m in modes):
             return tuple(m.device for m in modes)
@@ -312,7 +311,7 @@ def computed_under() -> tuple:
 def _read_or_error(getter) -> object:
     try:
         return getter()
-    except Exception as e:  # the others read what it would have said
+    except Exception as e:  # the per-backend readers still say what this one would have
         return type(e)
 
 

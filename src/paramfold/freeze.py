@@ -29,9 +29,10 @@ and on what the chain reads besides tensors (:func:`settings`): its members' pla
 forward hooks, and global forward hooks,
 each dict's version tag (:data:`tag`) read when the value was computed; on what it was computed
 under (:func:`~paramfold.compute.computed_under`: the autocast state, so that a value computed
-outside ``torch.autocast`` does not serve a call inside it; torch's numerics settings, the default
-dtype among them; the modes active, under which no frozen value serves); and on its own version counter and armed storage (a forward may edit the value it reads in
-place, or through ``.data``).
+outside ``torch.autocast`` does not serve a call inside it; torch's numerics settings, the
+default dtype among them; the modes active, under which no frozen value serves); and on its own
+version counter and armed storage (a forward may edit the value it reads in place, or through
+``.data``).
 
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
 inside ``torch.inference_mode()`` also serves later calls that record gradients.
