@@ -7,13 +7,15 @@ A Hypothesis state machine builds one small parametrized model twice (stock, and
 mode), then applies the same random events to both: calls (eager under ``no_grad`` or with grad,
 ``torch.compile(backend="eager")``, inside ``inference_mode``), optimizer steps, in-place and
 ``.data`` edits of originals, a member's setting, train/eval, ``requires_grad_``,
-``functional_call`` (also under ``vmap``), ``copy.deepcopy``. After every event the outputs, the
+``functional_call`` (also under ``vmap``), ``copy.deepcopy``, calls under a dispatch mode or
+another default dtype. After every event the outputs, the
 ``state_dict`` and every gradient must be stock's, bitwise; at the end ``restore`` gives stock's
 model back. A refusal (:class:`~paramfold.FoldError`) ends the sequence, and so does an error
 both models raise alike. A longer differential fuzzer of the same kind found the bugs fixed on
 2026-12-04, each with a test of its own; with the fixes reverted, this test's CI examples
 (derandomized) fail for two of them: the probe of a chain inside ``inference_mode`` and inside
-``vmap``. Settings: 60 sequences of up to 15 events, about 11 s.
+``vmap``; with random exploration (``HYPOTHESIS_PROFILE=dev``) ``call_under`` finds the frozen
+value served inside a dispatch mode (fixed the same day: ``tests/test_computed_under.py``). Settings: 60 sequences of up to 15 events, about 11 s.
 
 Not compared: a compiled call after a hook is registered (stock's compiled code does not see it,
 dynamo's documented limit) and a module called twice (gradients differ in the last bit: README,
@@ -22,6 +24,7 @@ Notes and limits); neither is generated.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -33,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import paramfold
 
@@ -61,6 +65,22 @@ def _layer(chain: str) -> nn.Linear:
 def _model(chains: tuple[str, str], seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(_layer(chains[0]), nn.Tanh(), _layer(chains[1]), nn.Tanh())
+
+
+class _HalveProducts(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 0.5 if func is torch.ops.aten.mul.Tensor else out
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class _Ended(Exception):
@@ -152,6 +172,16 @@ class EventSequences(RuleBasedStateMachine):
         def run(i, m):
             with torch.inference_mode():
                 return m(self.x).clone()
+        self._same(run)
+
+    @precondition(lambda self: self.live)
+    @rule(around=st.sampled_from(["dispatch_mode", "float64_default"]), grad=st.booleans())
+    def call_under(self, around, grad):
+        # What stock computes a value under at its read: a mode the caller entered, torch's settings.
+        def run(i, m):
+            context = _HalveProducts() if around == "dispatch_mode" else _default_dtype(torch.float64)
+            with context, torch.set_grad_enabled(grad):
+                return m(self.x).detach()
         self._same(run)
 
     @precondition(lambda self: self.live)
