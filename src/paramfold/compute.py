@@ -253,7 +253,8 @@ def _numerics_getters() -> tuple:
     if torch.backends.cuda.is_built():  # without CUDA, its settings decide nothing
         names += ["_get_cublas_allow_tf32", "_get_cudnn_allow_tf32", "_get_cudnn_enabled", "_get_cudnn_benchmark",
                   "_get_cudnn_deterministic", "_get_cublas_allow_fp16_reduced_precision_reduction",
-                  "_get_cublas_allow_bf16_reduced_precision_reduction"]
+                  "_get_cublas_allow_bf16_reduced_precision_reduction", "_get_cublas_allow_fp16_accumulation",
+                  "_get_blas_preferred_backend", "_get_linalg_preferred_backend"]
         pairs += [("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn")]
     for name in names:
         getter = getattr(C, name, None)
@@ -298,7 +299,7 @@ def computed_under() -> tuple:
     (the default dtype, matmul precisions, TF32, deterministic algorithms, the thread count:
     :data:`_NUMERICS`) and the modes active on this thread (:func:`modes_now`). A frozen value
     serves a call only where this is equal. (Not read: ``torch.set_flush_denormal``, which torch
-    cannot report.)"""
+    cannot report, and ``torch.backends.opt_einsum``'s contraction order.)"""
     try:
         numerics = tuple(map(call, _NUMERICS))
     except Exception:  # torch.get_float32_matmul_precision() raises once old and new APIs were mixed
