@@ -5,7 +5,8 @@ dtype (a chain's ``torch.linspace``), the float32 matmul precision, deterministi
 ``torch.device`` context, a ``TorchFunctionMode`` or ``TorchDispatchMode`` the caller entered
 (``FlopCounterMode`` counts the chain's flops at each call). A frozen value was computed under the
 settings of an earlier call: it serves a call only under the same settings, and none at all under
-a mode other than a ``torch.device`` context. Every test here failed before
+a mode other than a ``torch.device`` context. Eagerly, a mode entered inside the forward, around a
+submodule's call, is seen there too (``scope_nested``). Every test here failed before
 (``compute.computed_under``); each compares with stock, bitwise, eager and compiled (against stock's eager code).
 """
 
@@ -220,3 +221,51 @@ def test_a_default_device_does_not_stop_freezing(mode):
             assert ours.a.__dict__["weight"] is frozen
     finally:
         torch.set_default_device(None)
+
+
+class ModeInside(nn.Module):
+    """Enters ``around`` inside its forward, around its second layer's call."""
+
+    def __init__(self, member: type[nn.Module], around) -> None:
+        super().__init__()
+        self.net = Net(member)
+        self.around = around
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.net.a(x))
+        with self.around():
+            return self.net.b(h)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("around", [AddOneToProducts, HalveProducts], ids=["function-mode", "dispatch-mode"])
+def test_a_mode_entered_inside_the_forward_like_stock_eagerly(around, mode):
+    # Eagerly, a module call nested in the open scope compares the modes active with those its
+    # values were computed under, as it compares the grad mode and autocast state: inside the
+    # region its values are computed again, under the mode, as stock's reads are.
+    torch.manual_seed(0)
+    stock = ModeInside(Gram, around).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        plain = copy.deepcopy(stock)
+        plain.around = contextlib.nullcontext
+        assert not torch.equal(plain(x), stock(x))  # the mode changes the second layer's value
+        for _ in range(3):
+            assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_flop_counter_inside_the_forward_counts_like_stock(mode):
+    torch.manual_seed(0)
+    stock = ModeInside(Gram, lambda: FlopCounterMode(display=False)).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        ours(x), stock(x)
+        counts = []
+        for model in (stock, ours):
+            with FlopCounterMode(display=False) as counter:
+                model(x)
+            counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1]

@@ -272,9 +272,21 @@ def _numerics_getters() -> tuple:
 
 
 _NUMERICS = _numerics_getters()
-_function_modes = torch._C._len_torch_function_stack
-_dispatch_modes = torch._C._len_torch_dispatch_stack
+#: How many torch function and dispatch modes are active on this thread (one C call each).
+function_modes = torch._C._len_torch_function_stack
+dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode_at = torch._C._get_function_stack_at
+_dispatch_mode_at = torch._C._get_dispatch_stack_at
+
+
+def mode_stack() -> tuple | None:
+    """The torch function and dispatch modes active on this thread, outermost first, or None:
+    compared by identity, whether a call nested in a scope runs under the modes its values were
+    computed under (:mod:`paramfold.scope_nested`)."""
+    n, dispatch = function_modes(), dispatch_modes()
+    if not n and not dispatch:
+        return None
+    return (*map(_function_mode_at, range(n)), None, *map(_dispatch_mode_at, range(dispatch)))
 
 
 def modes_now() -> object:
@@ -283,7 +295,7 @@ def modes_now() -> object:
     else a new object, equal to no other: a mode (``FlopCounterMode``, a user's
     ``TorchDispatchMode``) may do anything with each op, and stock runs the chain under it at each
     read, so a value computed under one serves no later read."""
-    n, dispatch = _function_modes(), _dispatch_modes()
+    n, dispatch = function_modes(), dispatch_modes()
     if not n and not dispatch:
         return None
     if not dispatch:
@@ -306,7 +318,7 @@ def computed_under() -> tuple:
         numerics = tuple(map(_read_or_error, _NUMERICS))
     # Read at every call: no frame of the helpers where autocast is off and no mode is active.
     return (autocast_state() if any_autocast() else None, numerics,
-            modes_now() if _function_modes() or _dispatch_modes() else None)
+            modes_now() if function_modes() or dispatch_modes() else None)
 
 
 def _read_or_error(getter) -> object:

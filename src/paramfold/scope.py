@@ -53,7 +53,9 @@ from paramfold import compile_leaves as leaves
 from paramfold import hooknorms, randomness, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, computed_under, eager_value, modes_now
+from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, computed_under, eager_value, mode_stack, modes_now
+from paramfold.compute import dispatch_modes as _dispatch_modes
+from paramfold.compute import function_modes as _function_modes
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged, unwatched
@@ -92,7 +94,8 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     grad = torch.is_grad_enabled()
     # What the values are computed under: scope_nested.context(), written out (no Python frame
     # per call while autocast is off).
-    context = (grad, autocast_state() if _any_autocast() else None)
+    context = (grad, autocast_state() if _any_autocast() else None,
+               mode_stack() if _function_modes() or _dispatch_modes() else None)
     with _LOCK:
         CALLS[0] += 1
         if nested.Installs.partial:  # a nested check built without a value this call puts back
@@ -728,7 +731,8 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     context = nested.local.context
     check = self.__dict__[STATE_ATTR].nested_check
     if (check is not None and check[0] == nested.Installs.count and not check[6] and not parametrize._cache_enabled
-            and context[0] is _grad_enabled() and context[1] is None and not _any_autocast()):
+            and context[0] is _grad_enabled() and context[1] is None and not _any_autocast()
+            and context[2] is None and not _function_modes() and not _dispatch_modes()):
         try:
             if all(map(is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
                 snap, plain, ids = nested.local.snapshot, check[7], check[8]

@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import hooknorms, unread
-from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute
+from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute, dispatch_modes, function_modes, mode_stack
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
@@ -70,8 +70,8 @@ class _Local(threading.local):
     #: hook-based norm: its module's), the addresses the plain tensors', the tags the custom
     #: members' ``__dict__``'s.
     snapshot: tuple[dict, dict, dict] | None = None
-    #: ``(grad enabled, compute.autocast_state())`` the values of this thread's open scope were
-    #: computed under (:func:`context`); None where no scope is open.
+    #: ``(grad enabled, compute.autocast_state(), compute.mode_stack())`` the values of this
+    #: thread's open scope were computed under (:func:`context`); None where no scope is open.
     context: tuple | None = None
 
 
@@ -195,8 +195,10 @@ def snapshot(entry: nn.Module) -> tuple[dict, dict, dict] | None:
 
 
 def context() -> tuple:
-    """What a value computed now is computed under, besides its inputs."""
-    return _grad_enabled(), autocast_state()
+    """What a value computed now is computed under, besides its inputs (torch's numerics
+    settings are not compared at nested calls: set one inside a forward and the values were
+    computed under the call's)."""
+    return _grad_enabled(), autocast_state(), mode_stack()
 
 
 def same_context(then: tuple | None) -> bool:
@@ -205,6 +207,7 @@ def same_context(then: tuple | None) -> bool:
     return then is None or (
         then[0] is _grad_enabled() and (then[1] is None) is not any_autocast()
         and (then[1] is None or autocast_state() == then[1])
+        and (not function_modes() and not dispatch_modes() if then[2] is None else mode_stack() == then[2])
     )
 
 
@@ -242,7 +245,8 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
     entry.__dict__[STATE_ATTR].nested_check = None
     snap = local.snapshot
     then, now_context = local.context, context()
-    autocast_moved = then is not None and then[1] != now_context[1]
+    # Another autocast state, or another mode (a TorchDispatchMode entered inside the forward).
+    autocast_moved = then is not None and (then[1] != now_context[1] or then[2] != now_context[2])
     grad_on = then is not None and now_context[0] and not then[0]
     found = []
     cache = parametrize._cache_enabled
@@ -287,8 +291,8 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
         if region_moved and site.training_stateful:
             raise FoldError(
                 f"{type(holder).__name__}.{name}: a stateful parametrization (spectral_norm) in training "
-                "is read under another grad mode or autocast state than the prepared model's call "
-                "(a torch.autocast or torch.enable_grad region inside its forward); stock runs the "
+                "is read under another grad mode, autocast state or torch mode than the prepared model's "
+                "call (a torch.autocast, torch.enable_grad or mode region inside its forward); stock runs the "
                 "power iteration at that read, a value computed at the call's start already ran it. "
                 "Enter the region around the model's call, or prepare this module with mode='inline' "
                 "(filter_fn)."
