@@ -7,12 +7,14 @@ structure snapshot the tests compare (``pt.structure``); what is here is what th
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import paramfold
 import paramfold.testing as pt
@@ -263,3 +265,22 @@ class PausedOffMain(nn.Module):
             self.inside.set()
             assert self.go.wait(30)
         return self.inner(x)
+
+
+class HalveProducts(TorchDispatchMode):
+    """A mode that changes values: every ``aten.mul.Tensor`` and ``aten.div.Tensor`` result halved."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 0.5 if func in (torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor) else out
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """``torch.set_default_dtype(dtype)`` for the block."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize as P
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import paramfold
+from helpers import HalveProducts, default_dtype
 from paramfold.compute import computed_under
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # see conftest.py
@@ -70,22 +70,6 @@ class AddOneToProducts(TorchFunctionMode):
         return out + 1 if func in (torch.Tensor.div, torch.div) else out
 
 
-class HalveProducts(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        return out * 0.5 if func is torch.ops.aten.div.Tensor else out
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def _same_calls(stock, ours, around, x):
     """The calls before, inside and after ``around``, compared bitwise."""
     with torch.no_grad():
@@ -130,17 +114,22 @@ def test_a_mode_entered_around_a_call_like_stock(around, mode, compiled):
     _same_calls(stock, ours, around, x)
 
 
-@pytest.mark.parametrize("mode", ALL_MODES)
-def test_flop_counter_around_a_call_counts_the_chains_like_stock(mode):
-    stock, ours = twins(Gram, mode, compiled=False)
+def _flops(stock: nn.Module, ours: nn.Module) -> list[int]:
+    """The flops a FlopCounterMode around a call counts for each model, after one call each."""
     x = torch.randn(3, 8)
+    counts = []
     with torch.no_grad():
         ours(x), stock(x)
-        counts = []
         for model in (stock, ours):
             with FlopCounterMode(display=False) as counter:
                 model(x)
             counts.append(counter.get_total_flops())
+    return counts
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_flop_counter_around_a_call_counts_the_chains_like_stock(mode):
+    counts = _flops(*twins(Gram, mode, compiled=False))
     assert counts[0] == counts[1] > 2 * 3 * 8 * 8 * 2
 
 
@@ -259,13 +248,5 @@ def test_a_mode_entered_inside_the_forward_like_stock_eagerly(around, mode):
 def test_flop_counter_inside_the_forward_counts_like_stock(mode):
     torch.manual_seed(0)
     stock = ModeInside(Gram, lambda: FlopCounterMode(display=False)).eval().requires_grad_(False)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
-    x = torch.randn(3, 8)
-    with torch.no_grad():
-        ours(x), stock(x)
-        counts = []
-        for model in (stock, ours):
-            with FlopCounterMode(display=False) as counter:
-                model(x)
-            counts.append(counter.get_total_flops())
+    counts = _flops(stock, paramfold.prepare(copy.deepcopy(stock), mode))
     assert counts[0] == counts[1]

@@ -24,19 +24,17 @@ Notes and limits); neither is generated.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
-from helpers import LoRA, RowScale
+from helpers import HalveProducts, LoRA, RowScale, default_dtype
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import paramfold
 
@@ -65,22 +63,6 @@ def _layer(chain: str) -> nn.Linear:
 def _model(chains: tuple[str, str], seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(_layer(chains[0]), nn.Tanh(), _layer(chains[1]), nn.Tanh())
-
-
-class _HalveProducts(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        return out * 0.5 if func is torch.ops.aten.mul.Tensor else out
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 class _Ended(Exception):
@@ -179,7 +161,7 @@ class EventSequences(RuleBasedStateMachine):
     def call_under(self, around, grad):
         # What stock computes a value under at its read: a mode the caller entered, torch's settings.
         def run(i, m):
-            context = _HalveProducts() if around == "dispatch_mode" else _default_dtype(torch.float64)
+            context = HalveProducts() if around == "dispatch_mode" else default_dtype(torch.float64)
             with context, torch.set_grad_enabled(grad):
                 return m(self.x).detach()
         self._same(run)
