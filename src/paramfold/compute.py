@@ -295,13 +295,11 @@ def modes_now() -> object:
     else a new object, equal to no other: a mode (``FlopCounterMode``, a user's
     ``TorchDispatchMode``) may do anything with each op, and stock runs the chain under it at each
     read, so a value computed under one serves no later read."""
-    n, dispatch = function_modes(), dispatch_modes()
-    if not n and not dispatch:
+    stack = mode_stack()
+    if stack is None:
         return None
-    if not dispatch:
-        modes = [_function_mode_at(i) for i in range(n)]
-        if all(type(m) is DeviceContext for m in modes):
-            return tuple(m.device for m in modes)
+    if stack[-1] is None and all(type(m) is DeviceContext for m in stack[:-1]):  # no dispatch mode
+        return tuple(m.device for m in stack[:-1])
     return object()
 
 
