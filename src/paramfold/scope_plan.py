@@ -65,7 +65,7 @@ class Plan:
         "settings_empty",
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to",
-        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "under",
+        "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
     )
 
@@ -201,6 +201,22 @@ class Plan:
         plan.installing, plan.installed = _columns([(hs, names) for hs, names in zip(states, installed) if names], 2)
         plan.shareable, plan.ones = tuple(shares), [1] * len(states)
         plan.switched, plan.inside, plan.outside = tuple(switched), tuple(inside), tuple(outside)
+        plan.callees = tuple(callees)
+        plan.callee_types = tuple(map(type, callees))
+        plan.callee_classes = tuple(dict.fromkeys(plan.callee_types))
+        plan.callee_paths = list(map(_call_path, plan.callee_classes))
+        # What makes a callee's call more than its forward on the instance (a hook, a forward or
+        # compiled call set on it, its __class__ set) is decided now and kept by the checks every
+        # call makes anyway: its __dict__'s tag, its hook dicts empty, its type. Only what is
+        # read from the class or process (call paths, global hooks, JIT tracing) is read live.
+        plan.direct = bool(callees) and _plain_instances(plan.callees, plan.callee_types)
+        if plan.direct:
+            for callee in plan.callees:
+                own = vars(callee)
+                if id(own) not in settings:
+                    structure[id(own)] = own
+                empty.update((id(d), d) for d in _hooks(own))
+            typed.extend(zip(plan.callees, plan.callee_types))
         plan.link_dicts, plan.link_keys, plan.links = _columns(links, 3)
         # The key lists of chains longer than one, their order (a copy's equality would not see
         # it where tags cannot be read).
@@ -249,10 +265,6 @@ class Plan:
         plan.hoisted_names = tuple(h[1] for h in hoisted)
         plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to = _columns(copied, 5)
         plan.copied_tensors, plan.copied_dtypes = copied_list, fusable(copied_list)
-        plan.callees = tuple(callees)
-        plan.callee_types = tuple(map(type, callees))
-        plan.callee_classes = tuple(dict.fromkeys(plan.callee_types))
-        plan.callee_paths = list(map(_call_path, plan.callee_classes))
         plan.until = min(until) if until else None
         plan.missed = tuple(missed)
         return plan
@@ -285,7 +297,7 @@ class Plan:
         Otherwise (a hook, its own or global, a patched call, a ``ParametrizationList`` whose call
         is more than its ``forward``) each value is computed the way stock calls it
         (:func:`~paramfold.compute.compute`)."""
-        direct = bool(self.callees) and self.plain_calls()
+        direct = self.direct and self.plain_calls()
         copies = None
         if self.copied_sites:  # training stateful chains: their state now (paramfold.unread)
             copies = Copies(self.copied_tensors, self.copied_dtypes)
@@ -309,24 +321,13 @@ class Plan:
 
     def plain_calls(self) -> bool:
         """Whether calling each member in ``callees`` is, right now, exactly calling its class's
-        ``forward``: what ``nn.Module._wrapped_call_impl`` and ``_call_impl`` check, read live
-        (the ``ParametrizationList`` of each such chain is among them: no hook on it either)."""
-        callees = self.callees
+        ``forward``: what ``nn.Module._wrapped_call_impl`` and ``_call_impl`` check. The
+        instances' part was found so when the plan was built (``direct``), and :func:`holds` has
+        just found it unchanged; this reads the rest live: JIT tracing, global hooks and each
+        class's call path (a patched ``nn.Module.__call__``, a class ``forward`` replaced)."""
         if _tracing_state() is not None or any(GLOBAL_HOOKS):
             return False
-        if not all(map(is_, map(type, callees), self.callee_types)):
-            return False
-        if list(map(_call_path, self.callee_classes)) != self.callee_paths:
-            return False
-        own = list(map(vars, callees))
-        try:
-            if any(map(any, map(_hooks, own))):
-                return False
-        except KeyError:  # a module whose __init__ did not run
-            return False
-        if any(map(contains, own, repeat("forward"))) or any(map(contains, own, repeat("_call_impl"))):
-            return False
-        return all(map(is_, map(dict.get, own, repeat("_compiled_call_impl")), repeat(None)))
+        return list(map(_call_path, self.callee_classes)) == self.callee_paths
 
     def release(self) -> bool:
         """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
@@ -349,10 +350,28 @@ class Plan:
         return True
 
 
+def _plain_instances(callees: tuple[nn.Module, ...], types: tuple[type, ...]) -> bool:
+    """Whether nothing set on each of ``callees`` makes its call more than its class's
+    ``forward``: no hook of its own, no ``forward``, ``_call_impl`` or compiled call
+    (``module.compile()``) in its ``__dict__`` (the ``ParametrizationList`` of each chain is
+    among them: no hook on it either)."""
+    if not all(map(is_, map(type, callees), types)):
+        return False
+    own = list(map(vars, callees))
+    try:
+        if any(map(any, map(_hooks, own))):
+            return False
+    except KeyError:  # a module whose __init__ did not run
+        return False
+    if any(map(contains, own, repeat("forward"))) or any(map(contains, own, repeat("_call_impl"))):
+        return False
+    return all(map(is_, map(dict.get, own, repeat("_compiled_call_impl")), repeat(None)))
+
+
 def _plain_call(module: nn.Module) -> bool:
     """Whether with no hooks a call of ``module`` is a call of its class's ``forward`` function
-    (:func:`~paramfold.compute.class_forward`); the instance's part is checked live, by
-    :meth:`Plan.plain_calls`."""
+    (:func:`~paramfold.compute.class_forward`); the instance's part is :func:`_plain_instances`,
+    the class's as it is now :meth:`Plan.plain_calls`."""
     return class_forward(type(module)) is not None
 
 
