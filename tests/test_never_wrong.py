@@ -1862,3 +1862,79 @@ def test_a_subclass_of_torchs_weight_norm_hook_runs_like_stock(mode):
         for _ in range(2):
             assert torch.equal(ours(x), stock(x))
     assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()))
+
+
+class _TiedEmbedding(nn.Module):
+    """An embedding whose table is read again after its lookup in the same forward (a tied head)."""
+
+    def __init__(self, table: nn.Module) -> None:
+        super().__init__()
+        self.emb = table
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        e = self.emb(idx) if isinstance(self.emb, nn.Embedding) else self.emb(idx).unsqueeze(1)
+        return e @ self.emb.weight.T
+
+
+def _tables():
+    return {"embedding": lambda: nn.Embedding(10, 4, max_norm=1.0),
+            "embedding_bag": lambda: nn.EmbeddingBag(10, 4, max_norm=1.0, mode="sum")}
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+@pytest.mark.parametrize("table", [*sorted(_tables()), "embedding_hook_based"])
+def test_an_embedding_with_max_norm_read_again_in_the_forward_like_stock(table, mode, training, backend):
+    # F.embedding(..., max_norm=) renormalises the rows it looks up in the weight it is given, in
+    # place. Stock computes a fresh weight at each read, so the table read after the lookup is the
+    # unrenormalised one; a value served once per call would have the looked-up rows renormalised.
+    # (torch's hook-based weight_norm computes the weight once per call of the module: the read
+    # after it sees the renormalised rows in stock too.)
+    if mode == "freeze" and training:
+        pytest.skip("freeze serves inference")
+
+    def build():
+        torch.manual_seed(0)
+        if table == "embedding_hook_based":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model = _TiedEmbedding(torch.nn.utils.weight_norm(_tables()["embedding"]()))
+            model.emb.weight_v.data.mul_(3)
+        else:
+            model = _TiedEmbedding(weight_norm(_tables()[table]()))
+            model.emb.parametrizations.weight.original1.data.mul_(3)  # rows of norm 3: renormalised to 1
+        return model.train(training).requires_grad_(training)
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    run_stock, run_ours = stock, ours
+    if backend is not None:
+        torch._dynamo.reset()
+        run_stock, run_ours = torch.compile(stock, backend=backend), torch.compile(ours, backend=backend)
+    idx = torch.tensor([[1, 2, 3], [3, 4, 5]])
+    with torch.set_grad_enabled(training):
+        for _ in range(3):
+            want, got = run_stock(idx), run_ours(idx)
+            assert torch.equal(got, want)
+            if training:
+                want.sum().backward(), got.sum().backward()
+                assert_same_tensors(grads(stock), grads(ours))
+    assert_same_tensors(stock.state_dict(), ours.state_dict())
+
+
+def test_max_norm_set_on_a_prepared_embedding_between_calls_is_seen():
+    def build():
+        torch.manual_seed(0)
+        model = _TiedEmbedding(weight_norm(nn.Embedding(10, 4)))
+        model.emb.parametrizations.weight.original1.data.mul_(3)
+        return model.eval().requires_grad_(False)
+
+    stock, ours = build(), paramfold.prepare(build(), "freeze")
+    idx = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for _ in range(3):  # into the steady plan
+            assert torch.equal(ours(idx), stock(idx))
+        for model in (stock, ours):
+            model.emb.max_norm = 1.0
+        for _ in range(2):
+            assert torch.equal(ours(idx), stock(idx))

@@ -105,6 +105,18 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
+#: torch's modules whose ``forward`` renormalises rows of the ``weight`` it is given, in place,
+#: where ``max_norm`` is set (``F.embedding`` and ``F.embedding_bag`` call ``torch.embedding_renorm_``).
+RENORMING = (nn.Embedding, nn.EmbeddingBag)
+
+
+def renorms_its_weight(module: nn.Module) -> bool:
+    """Whether a call of ``module`` edits the ``weight`` it reads in place (:data:`RENORMING` with
+    ``max_norm`` set). Stock computes a fresh weight at every read, so a read after the call (a
+    tied head's ``self.emb.weight``) sees no renormalised row; a value served once per call would."""
+    return isinstance(module, RENORMING) and getattr(module, "max_norm", None) is not None
+
+
 def compiling() -> bool:
     """``torch.compiler.is_compiling()`` for this thread: whether the code asking is being traced
     (dynamo folds ``is_compiling()`` to True there) or runs inside this thread's own compile or

@@ -53,7 +53,8 @@ from paramfold import compile_leaves as leaves
 from paramfold import hooknorms, randomness, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import GLOBAL_HOOKS, autocast_state, compiling, computed_under, eager_value, mode_stack, modes_now
+from paramfold.compute import (GLOBAL_HOOKS, autocast_state, compiling, computed_under, eager_value, mode_stack, modes_now,
+                               renorms_its_weight)
 from paramfold.compute import dispatch_modes as _dispatch_modes
 from paramfold.compute import function_modes as _function_modes
 from paramfold.errors import FoldError, first_few
@@ -215,8 +216,10 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 sync_refs(holder, site)
                 continue
             # A stateful chain training where the class cannot serve only the first read its
-            # value (a class of someone else's now): computed at every read, as stock does.
-            site.at_read = at_read or (unserved and site.training_stateful)
+            # value (a class of someone else's now), and a weight its module's call edits in
+            # place (an embedding's max_norm): computed at every read, as stock does.
+            site.at_read = (at_read or (unserved and site.training_stateful)
+                            or (name == "weight" and site.hook is None and renorms_its_weight(holder)))
             if site.at_read:
                 # A forward pre-hook may change the originals before the forward reads the
                 # tensor: it is computed where it is read, as stock does (the descriptor, in-graph

@@ -21,7 +21,7 @@ from operator import attrgetter, contains, getitem, is_
 import torch
 from torch import nn
 
-from paramfold.compute import (GLOBAL_HOOKS, call_path, calls_its_forward, class_forward, compute, computed_under,
+from paramfold.compute import (GLOBAL_HOOKS, RENORMING, call_path, calls_its_forward, class_forward, compute, computed_under,
                                hook_dicts)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
@@ -36,6 +36,7 @@ _kept = attrgetter("kept")
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
 _set_class = object.__setattr__
+_UNSET = object()
 #: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``: all empty (and no
 #: ``_compiled_call_impl`` set there by ``module.compile()``) means a call is a call of ``forward``.
 _hooks = hook_dicts
@@ -110,6 +111,10 @@ class Plan:
             # tag (any write changes it): the holder's own __dict__, which the scope writes
             # values to, and the chain members' (hoist reads their attributes live) by the key.
             links.append((values, "_modules", holder._modules))
+            if isinstance(holder, RENORMING):  # its weight served only while no max_norm is set
+                if values.get("max_norm", _UNSET) is not None:
+                    return None
+                links.append((values, "max_norm", None))
             structure.update((id(d), d) for d in (holder._modules, plists.__dict__, plists._modules))
             for name, site in hs.sites.items():
                 if site.hook is not None:
