@@ -10,6 +10,7 @@ divided by B - A is one steady call. Needs ``valgrind`` and ``gcc``; about a min
     python examples/percall_instructions.py                        # plain stock freeze freeze:version auto hoist
     python examples/percall_instructions.py --layers 8 plain freeze:version
     python examples/percall_instructions.py --scenario update plain stock freeze auto
+    python examples/percall_instructions.py --uncompiled plain stock auto   # eager calls, no torch.compile
 
 Instructions are not time (the matmuls run many per cycle, the per-call checks touch memory the
 forward evicted), so read the ratios as the share of work, next to the timed ratios of
@@ -38,7 +39,7 @@ DEFAULT = ["plain", "stock", "freeze", "freeze:version", "auto", "hoist"]
 SCENARIOS = ("steady", "update", "alternate")
 
 
-def _calls(variant: str, layers: int, calls: int, scenario: str = "steady") -> None:
+def _calls(variant: str, layers: int, calls: int, scenario: str = "steady", uncompiled: bool = False) -> None:
     """The measured program: build, compile, warm up, then ``calls`` calls of ``scenario``."""
     import gc
 
@@ -61,7 +62,7 @@ def _calls(variant: str, layers: int, calls: int, scenario: str = "steady") -> N
     else:
         prepare = lambda m: paramfold.prepare(m, mode, **({"freeze_check": check} if check else {}))  # noqa: E731
     model = prepare(own_code(build_model(config)))
-    fn = compile_model(model, config)
+    fn = model if uncompiled else compile_model(model, config)
     x = make_input(config)
     params = list(model.parameters())
     grad_modes = (False, True) if scenario == "alternate" and mode != "freeze" else (False,)
@@ -105,12 +106,13 @@ def _shim(folder: str) -> str:
     return library
 
 
-def _instructions(variant: str, layers: int, calls: int, shim: str, scenario: str = "steady") -> int:
+def _instructions(variant: str, layers: int, calls: int, shim: str, scenario: str = "steady",
+                  uncompiled: bool = False) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONHASHSEED": "0", "PARAMFOLD_CALLGRIND_SHIM": shim}
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out",
                sys.executable, __file__, "--run", variant, "--layers", str(layers), "--calls", str(calls),
-               "--scenario", scenario]
+               "--scenario", scenario, *(["--uncompiled"] if uncompiled else [])]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         dumps = [f for f in os.listdir(tmp) if f.startswith("out.")]  # the one the shim's stop() wrote
         if done.returncode != 0 or len(dumps) != 1:
@@ -129,10 +131,11 @@ def main() -> None:
     parser.add_argument("--calls", default="10,30", help="the two numbers of steady calls, A,B")
     parser.add_argument("--scenario", choices=SCENARIOS, default="steady",
                         help="what happens between calls (see SCENARIOS in the source)")
+    parser.add_argument("--uncompiled", action="store_true", help="call the models eagerly, without torch.compile")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # the measured program itself
     args = parser.parse_args()
     if args.run:
-        _calls(args.run, args.layers, int(args.calls), args.scenario)
+        _calls(args.run, args.layers, int(args.calls), args.scenario, args.uncompiled)
         return
     low, high = map(int, args.calls.split(","))
     for tool in ("valgrind", "gcc"):
@@ -142,8 +145,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shim = _shim(tmp)
         for variant in args.variants:
-            per_call[variant] = (_instructions(variant, args.layers, high, shim, args.scenario)
-                                 - _instructions(variant, args.layers, low, shim, args.scenario)) / (high - low)
+            counts = [_instructions(variant, args.layers, n, shim, args.scenario, args.uncompiled) for n in (high, low)]
+            per_call[variant] = (counts[0] - counts[1]) / (high - low)
     base = per_call.get("plain")
     for variant, n in per_call.items():
         ratio = f"  x plain {n / base:5.3f}" if base else ""
