@@ -214,7 +214,7 @@ class Plan:
         # compiled call set on it, its __class__ set) is decided now and kept by the checks every
         # call makes anyway: its __dict__'s tag, its hook dicts empty, its type. Only what is
         # read from the class or process (call paths, global hooks, JIT tracing) is read live.
-        plan.direct = bool(callees) and _plain_instances(plan.callees, plan.callee_types)
+        plan.direct = bool(callees) and _plain_instances(plan.callees)
         if plan.direct:
             for callee in plan.callees:
                 own = vars(callee)
@@ -355,13 +355,11 @@ class Plan:
         return True
 
 
-def _plain_instances(callees: tuple[nn.Module, ...], types: tuple[type, ...]) -> bool:
+def _plain_instances(callees: tuple[nn.Module, ...]) -> bool:
     """Whether nothing set on each of ``callees`` makes its call more than its class's
     ``forward``: no hook of its own, no ``forward``, ``_call_impl`` or compiled call
     (``module.compile()``) in its ``__dict__`` (the ``ParametrizationList`` of each chain is
     among them: no hook on it either)."""
-    if not all(map(is_, map(type, callees), types)):
-        return False
     own = list(map(vars, callees))
     try:
         if any(map(any, map(_hooks, own))):
