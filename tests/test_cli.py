@@ -368,6 +368,30 @@ def test_an_output_that_is_a_symlink_is_written_through_to_its_target(tmp_path, 
     assert [p.name for p in store.iterdir()] == ["real.safetensors"]  # no temporary file left
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link to a fifo", "device", "link to a device"])
+def test_an_output_that_is_not_a_regular_file_is_refused_not_replaced(tmp_path, kind):
+    # Regression: the temporary file was renamed over the FIFO or device node (through a link too),
+    # so `ln -s /dev/null out.pt` run as root would have replaced /dev/null.
+    node = tmp_path / "node"
+    if kind.endswith("fifo"):
+        os.mkfifo(node)
+    elif os.geteuid() == 0:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a private twin of /dev/null
+    else:
+        pytest.skip("making a device node needs root")
+    out = node.rename(tmp_path / "o.pt") if not kind.startswith("link") else tmp_path / "o.pt"
+    if kind.startswith("link"):
+        out.symlink_to("node")
+    src = _wn_checkpoint(tmp_path)
+    for args, command in [(("fold", str(src), str(out)), "fold"), (("audit", str(src), "--fold-out", str(out)), "audit")]:
+        res = _run(*args)
+        _one_line_error(res, command, 2, "not a regular file", "refusing to replace it")
+        assert res.stdout == ""  # refused before the report
+    target = tmp_path / ("node" if kind.startswith("link") else "o.pt")
+    assert not stat.S_ISREG(target.stat().st_mode)
+    assert {p.name for p in tmp_path.iterdir()} == {"o.pt", "wn.pt", target.name}  # no temporary file left
+
+
 def test_a_failed_rename_names_the_output_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
     import errno
 

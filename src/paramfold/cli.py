@@ -10,7 +10,8 @@ commands raise, and :func:`_guarded` turns the exception into that line and one 
       not fit together), the environment (disk full, permission denied, out of memory), a bench
       variant that failed, or an unexpected error
 2     the command line: an unknown option or value, a missing input, an unsupported format, an
-      output path that cannot be used (missing folder, read-only, the input itself), nothing to run
+      output path that cannot be used (missing folder, read-only, a FIFO or device, the input
+      itself), nothing to run
 3     ``recompiles --strict``: a function hit dynamo's recompile limit
 129   interrupted by SIGHUP, 130 by SIGINT (Ctrl-C), 143 by SIGTERM (``timeout``, schedulers)
 ===== ==========================================================================================

@@ -200,14 +200,21 @@ def check_output(
     dest = destination(out)
     parent = dest.parent if str(dest.parent) else Path(".")
     try:
-        os.stat(out)
+        mode = os.stat(out).st_mode  # through links: the file the rename would replace
     except (FileNotFoundError, NotADirectoryError):  # the folder checks below say which
-        pass
+        mode = None
     except OSError as e:  # a name too long, a loop of links
         raise OutputError(f"{out}: cannot be used as an output path: {e.strerror}") from None
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give a file name" + (
             f" ending in {_alternatives(suffixes)}" if suffixes else ""))
+    if mode is not None and not stat.S_ISREG(mode):
+        # open() would write into a FIFO or a device; the rename would replace the node itself.
+        where = f"{out}: links to {dest}, which" if dest != out else f"{out}:"
+        raise OutputError(
+            f"{where} is not a regular file (a FIFO, a device or a socket): refusing to replace it; "
+            "give the name of a regular file"
+        )
     if not parent.is_dir():
         raise OutputError(f"{out}: the output folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
