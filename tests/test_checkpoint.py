@@ -91,6 +91,27 @@ def test_nested_training_checkpoint_and_sharded_folder(tmp_path):
         open_checkpoint(folder)
 
 
+def test_a_tensor_a_shard_holds_but_the_index_omits_is_read_as_loaders_read_it(tmp_path):
+    # Regression: it was dropped from the audit and the fold without a word, where transformers'
+    # from_pretrained (and load_sharded_checkpoint) load every tensor of every shard.
+    sd = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3), "b.weight": torch.randn(2, 3)}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"a.weight": sd["a.weight"], "a.bias": sd["a.bias"]}, folder / "s1.safetensors")
+    save_file({"b.weight": sd["b.weight"]}, folder / "s2.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a.weight": "s1.safetensors", "b.weight": "s2.safetensors"}}))
+    with open_checkpoint(folder) as ckpt:
+        assert ckpt.keys() == ["a.weight", "b.weight", "a.bias"]
+        assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+    save_file({"b.weight": sd["b.weight"], "a.bias": sd["a.bias"]}, folder / "s2.safetensors")
+    with pytest.raises(CheckpointError, match="'a.bias', which the index does not list, is in two shards, "
+                       "'s1.safetensors' and 's2.safetensors'") as info:
+        open_checkpoint(folder)
+    assert info.value.exit_code == 1
+
+
 @pytest.mark.parametrize(
     "make, match, code",
     [
