@@ -659,7 +659,32 @@ def test_an_audit_table_into_a_pipe_closed_early_ends_quietly(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
-    assert err == "" and proc.returncode in (0, 1), (proc.returncode, err)
+    assert err == "" and proc.returncode == 0, (proc.returncode, err)
+
+
+@pytest.mark.parametrize("args, writes", [
+    (["--version"], False), (["audit", "{src}"], False), (["audit", "{src}", "--json"], False),
+    (["fold", "{src}", "{out}"], True), (["audit", "{src}", "--fold-out", "{out}"], True),
+    (["recompiles", "--", "python", "{script}"], False),
+])
+def test_a_stdout_closed_before_anything_is_printed_ends_quietly_with_the_commands_own_code(tmp_path, args, writes):
+    # Regression: exit 1 without a word (or 0, as the reader's timing fell), and `audit --fold-out`
+    # stopped at its report, so OUT was never written. A pipe whose reader is gone at the start
+    # makes every write fail, deterministically.
+    src, out, script = _wn_checkpoint(tmp_path), tmp_path / "plain.pt", tmp_path / "s.py"
+    script.write_text("x = 1\n")  # what it prints would be its own: a BrokenPipeError, as under python
+    argv = [a.format(src=src, out=out, script=script) for a in args]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([sys.executable, "-m", "paramfold", *argv], stdout=write, stderr=subprocess.PIPE,
+                             text=True, env=ENV, timeout=120)
+    finally:
+        os.close(write)
+    assert (res.returncode, res.stderr) == (0, ""), (res.returncode, res.stderr)
+    assert out.exists() == writes
+    if writes:
+        assert sorted(torch.load(out, weights_only=True)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
 
 
 def test_a_model_file_that_exits_at_import_is_a_usage_error(tmp_path):

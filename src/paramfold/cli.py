@@ -17,7 +17,9 @@ commands raise, and :func:`_guarded` turns the exception into that line and one 
 ===== ==========================================================================================
 
 ``recompiles -- python script.py`` otherwise exits with the script's own status; what the script
-prints, its traceback included, is its own output. Outputs are written whole or not at all
+prints, its traceback included, is its own output. A stdout closed early (``| head``) is no
+failure: the command runs to its end with what it prints dropped
+(:func:`paramfold.output.stdout_quiet_when_closed`), and exits with its own code. Outputs are written whole or not at all
 (:mod:`paramfold.output`): after a failure or a signal no partial or temporary file is left and a
 pre-existing output file is unchanged. ``--debug`` (before the command: ``paramfold --debug audit
 ...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
@@ -140,8 +142,8 @@ def _guarded(command: str) -> Callable[[F], F]:
                 rv = fn(*args, **kwargs)
                 raise_if_interrupted()  # a signal whose exception something caught and dropped
                 return rv
-            except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
-                raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
+            except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+                raise  # usage errors: one line from _Group.main
             except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
                 signum = signal_arrived()
                 if signum is not None and not isinstance(exc, KeyboardInterrupt):
@@ -201,13 +203,13 @@ class _Group(_PlainHelpFlag, TyperGroup):
              standalone_mode: bool = True, **extra: Any) -> Any:
         """Run the command line; ``end_process=True`` (the console script) also ends the process
         (:func:`_end_process`) with handled signals still said as documented until the end."""
-        from paramfold.output import signals_raise
+        from paramfold.output import signals_raise, stdout_quiet_when_closed
 
         end_process = extra.pop("end_process", False)
         _written.clear()  # a command called in the same process before this one wrote it, not this one
         _ran.clear()
         _said.clear()
-        with signals_raise():
+        with signals_raise(), stdout_quiet_when_closed():
             try:
                 code = self._run_command(args, prog_name, complete_var, **extra)
             except KeyboardInterrupt as e:  # a signal while an error was being said
@@ -244,10 +246,8 @@ class _Group(_PlainHelpFlag, TyperGroup):
         except typer.Abort:
             _say("", "aborted")
             code = 1
-        except SystemExit as e:  # typer exits by itself on a closed stdout (| head)
+        except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
-        except BrokenPipeError:
-            code = 1
         except OSError as e:  # printing help or the version to a full disk
             from paramfold.output import describe_os_error
 

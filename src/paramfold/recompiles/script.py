@@ -25,6 +25,7 @@ import traceback
 import types
 
 from paramfold.errors import FoldError
+from paramfold.output import given_stdout
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
 
 __all__ = ["ScriptError", "run_script"]
@@ -82,7 +83,8 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     redirect = _stdout_to_stderr() if as_json else contextlib.nullcontext()
     code, interrupted = 0, None
     try:
-        with redirect, recompiles(warn=False, torch_warning=False) as report:
+        # The script meets a closed stdout as under python (its BrokenPipeError is its own).
+        with given_stdout(), redirect, recompiles(warn=False, torch_warning=False) as report:
             try:
                 if module is None:
                     _run_path(argv0)
