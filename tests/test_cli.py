@@ -687,6 +687,24 @@ def test_a_stdout_closed_before_anything_is_printed_ends_quietly_with_the_comman
         assert sorted(torch.load(out, weights_only=True)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
 
 
+def test_audit_json_with_a_model_that_prints_keeps_stdout_one_json_document(tmp_path):
+    # Regression: the factory's prints came after the JSON document on stdout.
+    ckpt = _wn_checkpoint(tmp_path)
+    (tmp_path / "build.py").write_text(textwrap.dedent("""
+        import os, torch
+        from torch.nn.utils.parametrizations import weight_norm
+        def build():
+            print("building model...")
+            os.write(1, b"from descriptor 1\\n")
+            return torch.nn.Sequential(weight_norm(torch.nn.Linear(64, 64)), weight_norm(torch.nn.Linear(64, 4)))
+        """))
+    out = tmp_path / "plain.pt"
+    res = _cli("audit", str(ckpt), "--json", "--fold-out", str(out), "--model", f"{tmp_path / 'build.py'}:build")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["summary"]["sites"] == 2
+    assert "building model...\nfrom descriptor 1\n" in res.stderr and f"wrote {out}" in res.stderr
+
+
 def test_a_model_file_that_exits_at_import_is_a_usage_error(tmp_path):
     # Regression: its sys.exit(5) became the command's exit code.
     ckpt = _wn_checkpoint(tmp_path)

@@ -559,13 +559,15 @@ def fold(
 
 
 def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
-    """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``)."""
+    """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``:
+    after ``audit --json``, where stdout holds the JSON document alone, so do ``--model``'s prints)."""
     from paramfold.fold import fold_checkpoint
-    from paramfold.output import raise_if_interrupted
+    from paramfold.output import raise_if_interrupted, stdout_to_stderr
 
     raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     _written.clear()
-    summary = fold_checkpoint(path, out, model_factory=model).summary()
+    with stdout_to_stderr() if err else contextlib.nullcontext():
+        summary = fold_checkpoint(path, out, model_factory=model).summary()
     _written.append(out)
     typer.echo(summary, err=err)
 

@@ -40,6 +40,7 @@ from paramfold.errors import FoldError
 __all__ = [
     "Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "on_signal_instead",
     "given_stdout", "raise_if_interrupted", "signal_arrived", "signals_raise", "stdout_quiet_when_closed",
+    "stdout_to_stderr",
 ]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
@@ -441,6 +442,32 @@ def given_stdout() -> Iterator[None]:
     finally:
         _flush_quietly(sys.stdout)  # what the script left buffered comes before what follows it
         sys.stdout = quiet
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """While active, send what user code (``recompiles``' script, ``--model``'s factory) writes to
+    stdout to stderr: ``sys.stdout``, and file descriptor 1 too (child processes, ``os.system``,
+    ``sys.__stdout__``), so that stdout holds a JSON document alone. Where descriptor 1 cannot be
+    duplicated (closed), Python's only."""
+    try:
+        sys.stdout.flush()
+        if sys.__stdout__ is not None:
+            sys.__stdout__.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            for stream in (sys.__stdout__, sys.stderr):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.flush()  # buffered writes made meanwhile belong to stderr
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def quiet_when_stdout_closes(console: object) -> object:

@@ -25,7 +25,7 @@ import traceback
 import types
 
 from paramfold.errors import FoldError
-from paramfold.output import given_stdout
+from paramfold.output import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
 
 __all__ = ["ScriptError", "run_script"]
@@ -80,7 +80,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     sys.argv = [argv0, *rest]
     if module is None and not os.path.isdir(argv0):  # runpy puts a folder on sys.path itself
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
-    redirect = _stdout_to_stderr() if as_json else contextlib.nullcontext()
+    redirect = stdout_to_stderr() if as_json else contextlib.nullcontext()
     code, interrupted = 0, None
     try:
         # The script meets a closed stdout as under python (its BrokenPipeError is its own).
@@ -135,28 +135,3 @@ def _run_path(argv0: str) -> None:
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr():
-    """While the script runs, send what it writes to stdout to stderr: ``sys.stdout``, and file
-    descriptor 1 too (child processes, ``os.system``, ``sys.__stdout__``), so that stdout holds
-    the JSON report alone. Where descriptor 1 cannot be duplicated (closed), Python's only."""
-    try:
-        sys.stdout.flush()
-        if sys.__stdout__ is not None:
-            sys.__stdout__.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    except (OSError, ValueError):
-        saved = None
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        if saved is not None:
-            for stream in (sys.__stdout__, sys.stderr):
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    stream.flush()  # buffered writes made meanwhile belong to stderr
-            os.dup2(saved, 1)
-            os.close(saved)
