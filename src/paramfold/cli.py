@@ -12,7 +12,8 @@ commands raise, and :func:`_guarded` turns the exception into that line and one 
 2     the command line: an unknown option or value, a missing input, an unsupported format, an
       output path that cannot be used (missing folder, read-only, a FIFO or device, the input
       itself), nothing to run
-3     ``recompiles --strict``: a function hit dynamo's recompile limit
+3     ``recompiles --strict``: a function hit dynamo's recompile limit (a failed script's own
+      status wins, the hit still said)
 129   interrupted by SIGHUP, 130 by SIGINT (Ctrl-C), 143 by SIGTERM (``timeout``, schedulers)
 ===== ==========================================================================================
 
@@ -595,7 +596,8 @@ def recompiles_command(
         help="Print the report as JSON on stdout (the script's own prints go to stderr).",
     ),
     strict: bool = typer.Option(
-        False, "--strict", metavar="", help="Exit with code 3 if any function hit the recompile limit."
+        False, "--strict", metavar="",
+        help="Exit with code 3 if any function hit the recompile limit (a failed script's own code wins; the hit is still said).",
     ),
 ) -> None:
     """Run a Python script and report every torch.compile recompile: cause, category and fix.

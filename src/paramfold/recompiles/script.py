@@ -42,9 +42,10 @@ class ScriptError(FoldError):
 def run_script(command: list[str], *, as_json: bool = False, strict: bool = False) -> int:
     """Run ``[python] SCRIPT [ARGS]`` or ``[python] -m MODULE [ARGS]``, print the report, return its exit code.
 
-    The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if the script
-    succeeded but a function hit the recompile limit, raises :class:`RecompileLimitError` (exit
-    code 3) after the report is printed. A Ctrl-C or a handled signal in the script is raised again
+    The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if a function hit
+    the recompile limit, raises :class:`RecompileLimitError` after the report is printed, with exit
+    code 3 where the script succeeded, else with the script's own code (the failure it reports
+    comes first). A Ctrl-C or a handled signal in the script is raised again
     after the report of what ran before it.
     """
     tokens = list(command)
@@ -109,8 +110,12 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         report.print()
     if interrupted is not None:
         raise interrupted
-    if code == 0 and strict and report.limit_hit:
-        raise RecompileLimitError(limit_message(report))
+    if strict and report.limit_hit:
+        if code == 0:
+            raise RecompileLimitError(limit_message(report))
+        error = RecompileLimitError(f"{limit_message(report)} (the script itself exited with {code}: its status is kept)")
+        error.exit_code = code  # said all the same: a log that shows only stderr learns of the hit
+        raise error
     return code
 
 
