@@ -254,6 +254,24 @@ def test_tensor_declaring_more_bytes_than_its_record_is_refused_before_allocatin
     assert _listing(tmp_path) == before
 
 
+def test_a_view_expanding_a_few_stored_bytes_into_a_huge_tensor_is_refused_small_ones_fold(tmp_path):
+    # Regression: a 1 KiB file with a stride-0 [8192, 8192] view made a 256 MiB output (and a
+    # [10**6, 10**6] one an "out of memory"): it passed the record-size check, then was materialised.
+    torch.save({"mask": torch.ones(1).expand(8192, 8192)}, tmp_path / "zip.pt")
+    torch.save({"w": torch.ones(1).expand(10**6, 10**6)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    before = _listing(tmp_path)
+    for name, words in (("zip.pt", ["'mask' [8192, 8192] float32", "expands 4 stored bytes to 268435456"]),
+                        ("legacy.pt", ["'w' [1000000, 1000000] float32", "expands 4 stored bytes to 4000000000000"])):
+        res = _run("fold", str(tmp_path / name), str(tmp_path / "o.safetensors"))
+        _one_line_error(res, "fold", 1, *words, "more than 64 MiB")
+    assert _listing(tmp_path) == before
+    small = {"mask": torch.ones(1).expand(64, 64), "win": torch.arange(10.0).as_strided((9, 2), (1, 1))}
+    torch.save(small, tmp_path / "small.pt")
+    assert _run("fold", str(tmp_path / "small.pt"), str(tmp_path / "o.safetensors")).exit_code == 0
+    got = load_file(tmp_path / "o.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in small.items())
+
+
 def test_hand_edited_dtypes_that_torch_cannot_combine_are_one_line(tmp_path):
     torch.manual_seed(0)
     wn = weight_norm(torch.nn.Linear(8, 4)).state_dict()

@@ -10,7 +10,8 @@ every byte it reads where the format allows:
   touching tensor data. This is the same on every torch version. A tensor's bytes are read on
   ``read(key)`` from its ``data/<key>`` record, whose CRC-32 (stored in the zip) is checked: a
   flipped byte is an error, never a silently different weight. A tensor that needs more bytes than
-  its record holds is refused when the file is opened. Legacy (non-zip) files have no checksum:
+  its record holds is refused when the file is opened, and so is a view whose value is more than
+  ``EXPANSION_ALLOWANCE`` (64 MiB) larger than its storage (a stride-0 expansion of a few bytes). Legacy (non-zip) files have no checksum:
   they are read with ``torch.load(weights_only=True)`` in memory.
 * ``.safetensors``: ``safetensors.safe_open`` validates the header (offsets within the file,
   contiguous, consistent with shapes and dtypes) and gives keys, shapes, dtypes and metadata; data

@@ -105,6 +105,8 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
         obj = _torch_load(p, legacy=True)  # legacy format: no offsets, no checksums; weights_only still applies
         sd, root = _find_state_dict(obj, p)
         _plain_only(sd, p)
+        for k, t in sd.items():
+            _check_expansion(p, k, TensorInfo.of(t), t.untyped_storage().nbytes())
         return {k: Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
     try:  # the zip's central directory sits at its end: a truncated file has none
         with zipfile.ZipFile(p) as z:
@@ -151,8 +153,26 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
                 f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
                 f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
             )
-        entries[k] = Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
+        info = TensorInfo(t.shape, t.dtype)
+        _check_expansion(p, k, info, rec.file_size)
+        entries[k] = Entry(info, p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
     return entries, root
+
+
+#: How many bytes more than its storage holds a tensor's value may have (an expanded view: a
+#: stride-0 dim, overlapping strides). Read, it is materialised, and written, it takes that much;
+#: beyond this a tiny file could make any amount of memory and output.
+EXPANSION_ALLOWANCE = 64 << 20
+
+
+def _check_expansion(p: Path, key: str, info: TensorInfo, stored: int) -> None:
+    if info.nbytes > stored + EXPANSION_ALLOWANCE:
+        raise CheckpointError(
+            f"{p}: tensor '{key}' {list(info.shape)} {info.dtype_name} is a view that expands {stored} stored "
+            f"bytes to {info.nbytes} (a stride-0 or overlapping view); paramfold materialises every tensor and "
+            f"refuses more than {EXPANSION_ALLOWANCE >> 20} MiB of such growth: save it with .contiguous() "
+            "if that size is meant, or save its unexpanded base"
+        )
 
 
 def _plain_only(sd: dict[str, torch.Tensor], p: Path) -> dict[str, torch.Tensor]:
