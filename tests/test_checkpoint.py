@@ -171,6 +171,19 @@ def test_legacy_non_zip_pt_and_sharded_bin_index(tmp_path):
         assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
 
 
+def test_a_legacy_pt_saved_from_a_gpu_is_read_to_the_cpu(tmp_path, monkeypatch):
+    # Regression: without CUDA it was "truncated or corrupt ...; re-download or re-save it".
+    import torch.serialization
+
+    sd = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(2, 3)}
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")  # what a GPU tensor records
+        torch.save(sd, tmp_path / "gpu.pt", _use_new_zipfile_serialization=False)
+    with open_checkpoint(tmp_path / "gpu.pt") as ckpt:
+        got = {k: ckpt.read(k) for k in ckpt.keys()}
+    assert got.keys() == sd.keys() and all(t.device.type == "cpu" and torch.equal(t, sd[k]) for k, t in got.items())
+
+
 def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):
     pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_

@@ -12,7 +12,7 @@ every byte it reads where the format allows:
   flipped byte is an error, never a silently different weight. A tensor that needs more bytes than
   its record holds is refused when the file is opened, and so is a view whose value is more than
   ``EXPANSION_ALLOWANCE`` (64 MiB) larger than its storage (a stride-0 expansion of a few bytes). Legacy (non-zip) files have no checksum:
-  they are read with ``torch.load(weights_only=True)`` in memory.
+  they are read with ``torch.load(weights_only=True, map_location="cpu")`` in memory.
 * ``.safetensors``: ``safetensors.safe_open`` validates the header (offsets within the file,
   contiguous, consistent with shapes and dtypes) and gives keys, shapes, dtypes and metadata; data
   is read by positioned reads at the header's offsets (not through a memory map, so a streamed

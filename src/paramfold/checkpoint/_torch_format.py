@@ -95,14 +95,16 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
 
     A zip archive is read without ``torch.load``: its directory, then ``data.pkl`` through
     :class:`_StubUnpickler`; each tensor is checked to fit in its storage record. A legacy (non-zip)
-    file is loaded whole with ``torch.load(weights_only=True)``.
+    file is loaded whole with ``torch.load(weights_only=True)``, to the CPU.
     """
     with open(p, "rb") as f:
         head = f.read(4)
     if not head:
         raise CheckpointError(f"{p}: the file is empty, not a PyTorch checkpoint; re-download or re-save it")
     if head != b"PK\x03\x04":
-        obj = _torch_load(p, legacy=True)  # legacy format: no offsets, no checksums; weights_only still applies
+        # Legacy format: no offsets, no checksums; weights_only still applies. Tensors saved from a
+        # GPU are read to the CPU, as every tensor paramfold reads is (else: "corrupt" without CUDA).
+        obj = _torch_load(p, legacy=True, map_location="cpu")
         sd, root = _find_state_dict(obj, p)
         _plain_only(sd, p)
         for k, t in sd.items():
