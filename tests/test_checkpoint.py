@@ -184,6 +184,14 @@ def test_a_legacy_pt_saved_from_a_gpu_is_read_to_the_cpu(tmp_path, monkeypatch):
     assert got.keys() == sd.keys() and all(t.device.type == "cpu" and torch.equal(t, sd[k]) for k, t in got.items())
 
 
+@pytest.mark.parametrize("saved, root", [({}, None), ({"model": {}, "epoch": 3}, "model")])
+def test_an_empty_pt_state_dict_has_no_tensors_like_an_empty_safetensors(tmp_path, saved, root):
+    # Regression: "no state dict found (top-level keys: )" for a model without parameters.
+    torch.save(saved, tmp_path / "empty.pt")
+    with open_checkpoint(tmp_path / "empty.pt") as ckpt:
+        assert (ckpt.keys(), ckpt.root) == ([], root)
+
+
 def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):
     pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_

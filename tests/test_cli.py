@@ -138,6 +138,15 @@ def test_help_text_lists_choices_and_real_defaults():
         (["bench", "--nope"], "bench", ["No such option: --nope"]),
         (["audit"], "audit", ["Missing argument 'PATH'"]),
         (["frobnicate"], "", ["No such command 'frobnicate'"]),
+        # Regressions: "paramfold: error: ... (see paramfold --help)", though a command was named
+        (["audit", "--json=1", "x.pt"], "audit", ["Option '--json' does not take a value", "see paramfold audit --help"]),
+        (["--debug", "recompiles", "--strict=yes", "--", "python", "s.py"], "recompiles",
+         ["does not take a value", "see paramfold recompiles --help"]),
+        # Regression: "unsupported output format of '.'"
+        (["fold", "x.pt", ""], "fold", ["no output path given (an empty string)"]),
+        # Regression: blamed on python ("python's option --jsno is not supported here")
+        (["recompiles", "--jsno", "--", "python", "s.py"], "recompiles",
+         ["unknown option --jsno: paramfold recompiles takes --json and --strict before --"]),
     ],
 )
 def test_usage_errors_are_one_line(args, command, words):

@@ -238,7 +238,7 @@ class _Group(_PlainHelpFlag, TyperGroup):
                 typer.echo(message)
             code = 2
         except click.exceptions.UsageError as e:
-            where = e.ctx.command_path if e.ctx is not None else "paramfold"
+            where = e.ctx.command_path if e.ctx is not None else self._command_named(args)
             _say(where.partition(" ")[2], f"{e.format_message()} (see {where} --help)")
             code = 2
         except click.exceptions.ClickException as e:
@@ -258,6 +258,17 @@ class _Group(_PlainHelpFlag, TyperGroup):
             code, message = _describe(e)
             _say("", message)
         return code
+
+
+    def _command_named(self, args: Any) -> str:
+        """``paramfold <command>`` for the command the arguments name (after any root options),
+        for a usage error raised without a context (``--json=1``: an option given a value)."""
+        for arg in sys.argv[1:] if args is None else args:
+            if arg in self.commands:
+                return f"paramfold {arg}"
+            if not arg.startswith("-"):
+                break
+        return "paramfold"
 
 
 def _signal_after(exc: KeyboardInterrupt, code: int) -> int:

@@ -190,6 +190,8 @@ def check_output(
         ...
         paramfold.output.OutputError: ...x.gguf: unsupported output format '.gguf': use .pt
     """
+    if not str(path).strip():  # Path("") is the current folder
+        raise OutputError("no output path given (an empty string)")
     out = Path(path)
     if str(path).endswith(("/", os.sep)):  # Path() drops the slash: "out.pt/" would be written as a file
         raise OutputError(f"{path}: names a folder (it ends with a slash); give a file name" + (

@@ -435,6 +435,9 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
                 return dict(sub), key
         for name, sub in [*((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS), (None, obj)]:
             _refuse_mixed_state_dict(sub, name, p, tensor_type)
+        for name, sub in [(None, obj), *((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS)]:
+            if isinstance(sub, Mapping) and not sub:  # a model without parameters: no tensors, as in safetensors
+                return {}, name
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
         where = f"it holds a {_type_name(obj)}"

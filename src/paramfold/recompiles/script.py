@@ -49,6 +49,9 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     after the report of what ran before it.
     """
     tokens = list(command)
+    if tokens and tokens[0].startswith("-") and tokens[0] != "-m":  # a mistyped option of ours, before --
+        raise ScriptError(f"unknown option {tokens[0]}: paramfold recompiles takes --json and --strict before --; "
+                          "after it, a script file or -m MODULE (python's own options are not supported)")
     if tokens and (tokens[0] == sys.executable or re.fullmatch(r"python[\d.]*(\.exe)?", os.path.basename(tokens[0]))):
         tokens = tokens[1:]
     if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
