@@ -658,6 +658,14 @@ def test_a_refused_protocol_4_pickle_is_one_line(tmp_path):
     assert not marker.exists()
 
 
+def test_a_refused_protocol_0_pickle_names_what_it_references(tmp_path):
+    # Regression: torch's "Unsupported operand 83" (protocol 0's STRING) was said instead.
+    bad = _with_pickle(_wn_checkpoint(tmp_path), tmp_path / "inst.pt", b"(S'true'\nios\nsystem\n.")
+    res = _cli("audit", str(bad))
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert "refused to unpickle: it references 'os.system'" in res.stderr and "operand" not in res.stderr
+
+
 def test_a_fifo_is_refused_instead_of_read_forever(tmp_path):
     fifo = tmp_path / "ckpt.pt"
     os.mkfifo(fifo)

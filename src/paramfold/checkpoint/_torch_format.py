@@ -369,10 +369,11 @@ def _explain_refusal(p: Path, name: str) -> None:
     try:
         obj = _torch_load(p, map_location="meta")
     except CheckpointError as e:
-        if "refused to unpickle" in str(e):
+        if "refused to unpickle: it references" in str(e):
             raise
-        # torch could not even build it on the meta device (torch 2.15: sparse tensors): say what
-        # paramfold refused, not torch's side error.
+        # torch could not even build it on the meta device (torch 2.15: sparse tensors), or refused
+        # it without naming what it references (an opcode it lacks, such as protocol 0's STRING):
+        # say what paramfold refused, not torch's side error.
         raise refused from None
     sd, _ = _find_state_dict(obj, p)
     _plain_only(sd, p)
