@@ -236,6 +236,28 @@ def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kin
         _check_folded(st_out, stock, x, kind)
 
 
+def test_a_site_whose_fold_depends_on_the_tensors_values_is_said_so_not_promised(tmp_path):
+    # Regression: "foldable from keys alone" for a square spectral_norm whose stale _u/_v then made
+    # the fold refuse. foldable/foldable_without_model keep their meaning; decided_by_data is added.
+    torch.manual_seed(0)
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    model = nn.Sequential(spectral_norm(nn.Linear(4, 4)), spectral_norm(nn.Linear(4, 3)))
+    model(torch.randn(2, 4))
+    with torch.no_grad():  # weights loaded after the last training-mode forward: stale vectors
+        model[0].parametrizations.weight.original.copy_(torch.randn(4, 4))
+    src = tmp_path / "stale.pt"
+    torch.save(model.state_dict(), src)
+    doc = json.loads(_cli(str(src), "--json").stdout)
+    assert [(s["module"], s["foldable"], s["decided_by_data"]) for s in doc["sites"]] == [("0", True, True), ("1", True, False)]
+    assert doc["summary"]["foldable_without_model"] is True and doc["summary"]["decided_by_data"] == 1
+    footer = " ".join(_cli(str(src)).stdout.split())
+    assert footer.endswith("foldable from keys alone if the stored tensors settle the dim of 1 site "
+                           "(fold reads them and otherwise refuses: then pass --model)"), footer
+    with pytest.raises(CheckpointError, match="its stored _u/_v do not tell which"):
+        fold_checkpoint(src, tmp_path / "plain.pt")
+
+
 def test_table_output_names_every_site_and_summarises(tmp_path):
     stock, _ = _stock("spectral_norm")
     src = _save(stock.state_dict(), "nested", tmp_path)

@@ -91,6 +91,27 @@ def test_nested_training_checkpoint_and_sharded_folder(tmp_path):
         open_checkpoint(folder)
 
 
+def test_a_tensor_a_shard_holds_but_the_index_omits_is_read_as_loaders_read_it(tmp_path):
+    # Regression: it was dropped from the audit and the fold without a word, where transformers'
+    # from_pretrained (and load_sharded_checkpoint) load every tensor of every shard.
+    sd = {"a.weight": torch.randn(3, 4), "a.bias": torch.randn(3), "b.weight": torch.randn(2, 3)}
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"a.weight": sd["a.weight"], "a.bias": sd["a.bias"]}, folder / "s1.safetensors")
+    save_file({"b.weight": sd["b.weight"]}, folder / "s2.safetensors")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a.weight": "s1.safetensors", "b.weight": "s2.safetensors"}}))
+    with open_checkpoint(folder) as ckpt:
+        assert ckpt.keys() == ["a.weight", "b.weight", "a.bias"]
+        assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+    save_file({"b.weight": sd["b.weight"], "a.bias": sd["a.bias"]}, folder / "s2.safetensors")
+    with pytest.raises(CheckpointError, match="'a.bias', which the index does not list, is in two shards, "
+                       "'s1.safetensors' and 's2.safetensors'") as info:
+        open_checkpoint(folder)
+    assert info.value.exit_code == 1
+
+
 @pytest.mark.parametrize(
     "make, match, code",
     [
@@ -148,6 +169,27 @@ def test_legacy_non_zip_pt_and_sharded_bin_index(tmp_path):
     with open_checkpoint(folder) as ckpt:
         assert ckpt.format == "sharded-pt"
         assert all(torch.equal(ckpt.read(k), sd[k]) for k in sd)
+
+
+def test_a_legacy_pt_saved_from_a_gpu_is_read_to_the_cpu(tmp_path, monkeypatch):
+    # Regression: without CUDA it was "truncated or corrupt ...; re-download or re-save it".
+    import torch.serialization
+
+    sd = {"a.weight": torch.randn(3, 4), "b.weight": torch.randn(2, 3)}
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")  # what a GPU tensor records
+        torch.save(sd, tmp_path / "gpu.pt", _use_new_zipfile_serialization=False)
+    with open_checkpoint(tmp_path / "gpu.pt") as ckpt:
+        got = {k: ckpt.read(k) for k in ckpt.keys()}
+    assert got.keys() == sd.keys() and all(t.device.type == "cpu" and torch.equal(t, sd[k]) for k, t in got.items())
+
+
+@pytest.mark.parametrize("saved, root", [({}, None), ({"model": {}, "epoch": 3}, "model")])
+def test_an_empty_pt_state_dict_has_no_tensors_like_an_empty_safetensors(tmp_path, saved, root):
+    # Regression: "no state dict found (top-level keys: )" for a model without parameters.
+    torch.save(saved, tmp_path / "empty.pt")
+    with open_checkpoint(tmp_path / "empty.pt") as ckpt:
+        assert (ckpt.keys(), ckpt.root) == ([], root)
 
 
 def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):

@@ -138,6 +138,15 @@ def test_help_text_lists_choices_and_real_defaults():
         (["bench", "--nope"], "bench", ["No such option: --nope"]),
         (["audit"], "audit", ["Missing argument 'PATH'"]),
         (["frobnicate"], "", ["No such command 'frobnicate'"]),
+        # Regressions: "paramfold: error: ... (see paramfold --help)", though a command was named
+        (["audit", "--json=1", "x.pt"], "audit", ["Option '--json' does not take a value", "see paramfold audit --help"]),
+        (["--debug", "recompiles", "--strict=yes", "--", "python", "s.py"], "recompiles",
+         ["does not take a value", "see paramfold recompiles --help"]),
+        # Regression: "unsupported output format of '.'"
+        (["fold", "x.pt", ""], "fold", ["no output path given (an empty string)"]),
+        # Regression: blamed on python ("python's option --jsno is not supported here")
+        (["recompiles", "--jsno", "--", "python", "s.py"], "recompiles",
+         ["unknown option --jsno: paramfold recompiles takes --json and --strict before --"]),
     ],
 )
 def test_usage_errors_are_one_line(args, command, words):
@@ -254,6 +263,24 @@ def test_tensor_declaring_more_bytes_than_its_record_is_refused_before_allocatin
     assert _listing(tmp_path) == before
 
 
+def test_a_view_expanding_a_few_stored_bytes_into_a_huge_tensor_is_refused_small_ones_fold(tmp_path):
+    # Regression: a 1 KiB file with a stride-0 [8192, 8192] view made a 256 MiB output (and a
+    # [10**6, 10**6] one an "out of memory"): it passed the record-size check, then was materialised.
+    torch.save({"mask": torch.ones(1).expand(8192, 8192)}, tmp_path / "zip.pt")
+    torch.save({"w": torch.ones(1).expand(10**6, 10**6)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    before = _listing(tmp_path)
+    for name, words in (("zip.pt", ["'mask' [8192, 8192] float32", "expands 4 stored bytes to 268435456"]),
+                        ("legacy.pt", ["'w' [1000000, 1000000] float32", "expands 4 stored bytes to 4000000000000"])):
+        res = _run("fold", str(tmp_path / name), str(tmp_path / "o.safetensors"))
+        _one_line_error(res, "fold", 1, *words, "more than 64 MiB")
+    assert _listing(tmp_path) == before
+    small = {"mask": torch.ones(1).expand(64, 64), "win": torch.arange(10.0).as_strided((9, 2), (1, 1))}
+    torch.save(small, tmp_path / "small.pt")
+    assert _run("fold", str(tmp_path / "small.pt"), str(tmp_path / "o.safetensors")).exit_code == 0
+    got = load_file(tmp_path / "o.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in small.items())
+
+
 def test_hand_edited_dtypes_that_torch_cannot_combine_are_one_line(tmp_path):
     torch.manual_seed(0)
     wn = weight_norm(torch.nn.Linear(8, 4)).state_dict()
@@ -366,6 +393,30 @@ def test_an_output_that_is_a_symlink_is_written_through_to_its_target(tmp_path, 
     assert link.is_symlink() and os.readlink(link) == os.path.join("store", "real.safetensors")
     assert target.read_bytes() == plain.read_bytes()
     assert [p.name for p in store.iterdir()] == ["real.safetensors"]  # no temporary file left
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to a fifo", "device", "link to a device"])
+def test_an_output_that_is_not_a_regular_file_is_refused_not_replaced(tmp_path, kind):
+    # Regression: the temporary file was renamed over the FIFO or device node (through a link too),
+    # so `ln -s /dev/null out.pt` run as root would have replaced /dev/null.
+    node = tmp_path / "node"
+    if kind.endswith("fifo"):
+        os.mkfifo(node)
+    elif os.geteuid() == 0:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a private twin of /dev/null
+    else:
+        pytest.skip("making a device node needs root")
+    out = node.rename(tmp_path / "o.pt") if not kind.startswith("link") else tmp_path / "o.pt"
+    if kind.startswith("link"):
+        out.symlink_to("node")
+    src = _wn_checkpoint(tmp_path)
+    for args, command in [(("fold", str(src), str(out)), "fold"), (("audit", str(src), "--fold-out", str(out)), "audit")]:
+        res = _run(*args)
+        _one_line_error(res, command, 2, "not a regular file", "refusing to replace it")
+        assert res.stdout == ""  # refused before the report
+    target = tmp_path / ("node" if kind.startswith("link") else "o.pt")
+    assert not stat.S_ISREG(target.stat().st_mode)
+    assert {p.name for p in tmp_path.iterdir()} == {"o.pt", "wn.pt", target.name}  # no temporary file left
 
 
 def test_a_failed_rename_names_the_output_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
@@ -607,6 +658,14 @@ def test_a_refused_protocol_4_pickle_is_one_line(tmp_path):
     assert not marker.exists()
 
 
+def test_a_refused_protocol_0_pickle_names_what_it_references(tmp_path):
+    # Regression: torch's "Unsupported operand 83" (protocol 0's STRING) was said instead.
+    bad = _with_pickle(_wn_checkpoint(tmp_path), tmp_path / "inst.pt", b"(S'true'\nios\nsystem\n.")
+    res = _cli("audit", str(bad))
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert "refused to unpickle: it references 'os.system'" in res.stderr and "operand" not in res.stderr
+
+
 def test_a_fifo_is_refused_instead_of_read_forever(tmp_path):
     fifo = tmp_path / "ckpt.pt"
     os.mkfifo(fifo)
@@ -635,7 +694,50 @@ def test_an_audit_table_into_a_pipe_closed_early_ends_quietly(tmp_path):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
-    assert err == "" and proc.returncode in (0, 1), (proc.returncode, err)
+    assert err == "" and proc.returncode == 0, (proc.returncode, err)
+
+
+@pytest.mark.parametrize("args, writes", [
+    (["--version"], False), (["audit", "{src}"], False), (["audit", "{src}", "--json"], False),
+    (["fold", "{src}", "{out}"], True), (["audit", "{src}", "--fold-out", "{out}"], True),
+    (["recompiles", "--", "python", "{script}"], False),
+])
+def test_a_stdout_closed_before_anything_is_printed_ends_quietly_with_the_commands_own_code(tmp_path, args, writes):
+    # Regression: exit 1 without a word (or 0, as the reader's timing fell), and `audit --fold-out`
+    # stopped at its report, so OUT was never written. A pipe whose reader is gone at the start
+    # makes every write fail, deterministically.
+    src, out, script = _wn_checkpoint(tmp_path), tmp_path / "plain.pt", tmp_path / "s.py"
+    script.write_text("x = 1\n")  # what it prints would be its own: a BrokenPipeError, as under python
+    argv = [a.format(src=src, out=out, script=script) for a in args]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([sys.executable, "-m", "paramfold", *argv], stdout=write, stderr=subprocess.PIPE,
+                             text=True, env=ENV, timeout=120)
+    finally:
+        os.close(write)
+    assert (res.returncode, res.stderr) == (0, ""), (res.returncode, res.stderr)
+    assert out.exists() == writes
+    if writes:
+        assert sorted(torch.load(out, weights_only=True)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+def test_audit_json_with_a_model_that_prints_keeps_stdout_one_json_document(tmp_path):
+    # Regression: the factory's prints came after the JSON document on stdout.
+    ckpt = _wn_checkpoint(tmp_path)
+    (tmp_path / "build.py").write_text(textwrap.dedent("""
+        import os, torch
+        from torch.nn.utils.parametrizations import weight_norm
+        def build():
+            print("building model...")
+            os.write(1, b"from descriptor 1\\n")
+            return torch.nn.Sequential(weight_norm(torch.nn.Linear(64, 64)), weight_norm(torch.nn.Linear(64, 4)))
+        """))
+    out = tmp_path / "plain.pt"
+    res = _cli("audit", str(ckpt), "--json", "--fold-out", str(out), "--model", f"{tmp_path / 'build.py'}:build")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["summary"]["sites"] == 2
+    assert "building model...\nfrom descriptor 1\n" in res.stderr and f"wrote {out}" in res.stderr
 
 
 def test_a_model_file_that_exits_at_import_is_a_usage_error(tmp_path):

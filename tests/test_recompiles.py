@@ -539,6 +539,25 @@ def test_cli_strict_exits_3_after_the_report_and_says_why(tmp_path):
     assert strict.stderr.count("\n") == 1 and f"torch._dynamo.config.{LIMIT}=1" in strict.stderr
 
 
+def test_cli_strict_still_says_the_limit_hit_when_the_script_fails_and_keeps_its_status(tmp_path):
+    # Regression: a script that hit the limit and then exited 5 got no --strict line at all.
+    script = tmp_path / "hits_then_fails.py"
+    script.write_text(textwrap.dedent(
+        f"""
+        import sys, torch
+        torch._dynamo.config.{LIMIT} = 1
+        f = torch.compile(lambda x: x + 1, backend="eager")
+        f(torch.ones(3))
+        f(torch.ones(3, dtype=torch.float64))
+        sys.exit(5)
+        """))
+    command = [sys.executable, "-m", "paramfold.cli", "recompiles", "--strict", "--", "python", str(script)]
+    res = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
+    assert res.returncode == 5 and "RECOMPILE LIMIT HIT" in res.stdout
+    assert res.stderr.startswith("paramfold recompiles: error: recompile limit hit: torch stopped compiling ")
+    assert res.stderr.count("\n") == 1 and res.stderr.endswith("(the script itself exited with 5: its status is kept)\n")
+
+
 def test_recompiles_leaves_dynamos_limit_warning_to_torchs_handlers_unless_told_not_to(caplog):
     f = torch.compile(lambda x: x - 1, backend="eager")
     limit = getattr(torch._dynamo.config, LIMIT)

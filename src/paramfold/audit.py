@@ -123,6 +123,13 @@ class CheckpointSite:
         return f"{self.module}.{self.tensor}" if self.module else self.tensor
 
     @property
+    def decided_by_data(self) -> bool:
+        """Foldable from the keys only if the tensors' values settle what the shapes leave open
+        (``dim_candidates``): the fold reads them and refuses, saying to pass ``--model``, where they
+        cannot tell."""
+        return self.foldable and "dim_candidates" in self.params
+
+    @property
     def originals_bytes(self) -> int:
         return sum(i.nbytes for i in self.originals.values())
 
@@ -145,6 +152,7 @@ class CheckpointSite:
             "folded": None if self.folded is None else self.folded.to_dict(),
             "bytes": {"originals": self.originals_bytes, "state": self.state_bytes, "folded": self.folded_bytes},
             "foldable": self.foldable,
+            "decided_by_data": self.decided_by_data,
             "note": self.note,
         }
 
@@ -187,6 +195,7 @@ class AuditReport:
                 "state_bytes": sum(s.state_bytes for s in self.sites),
                 "folded_bytes": sum(s.folded_bytes or 0 for s in self.sites),
                 "foldable_without_model": not self.refused,
+                "decided_by_data": sum(s.decided_by_data for s in self.sites),
             },
         }
 
@@ -448,7 +457,8 @@ def _legacy_spectral_norm_sites(ckpt: Checkpoint, plain: list[str]) -> list[Chec
                 params=params,
                 folded=w,
                 foldable=True,
-                note="legacy torch.nn.utils.spectral_norm keys, folded to its eval-mode value",
+                note="legacy torch.nn.utils.spectral_norm keys, folded to its eval-mode value" + (
+                    "; the matrix dim is read from _u/_v when folding (refused where they cannot tell)" if len(dims) > 1 else ""),
                 keys={f"{tensor}_orig": key, f"{tensor}_u": base + "_u", f"{tensor}_v": base + "_v"},
             )
         )

@@ -52,6 +52,7 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
     folded = sum(s.folded_bytes or 0 for s in report.sites)
     unknown = sum(s.folded_bytes is None for s in report.sites)
     refused = len(report.refused)
+    by_data = sum(s.decided_by_data for s in report.sites)
     n = len(report.sites)
     if unknown == n and n:
         folded_text = "?"
@@ -60,7 +61,9 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
     console.print(
         f"{n} parametrized site{'' if n == 1 else 's'} ({kinds}); stored {human_bytes(stored)} -> folded "
         f"{folded_text}; {report.plain_tensors} plain tensors ({human_bytes(report.plain_bytes)}); "
-        + ("foldable from keys alone" if not refused else f"{refused} need --model to fold"),
+        + (f"{refused} need --model to fold" if refused else "foldable from keys alone" + (
+            f" if the stored tensors settle the dim of {by_data} site{'' if by_data == 1 else 's'} "
+            "(fold reads them and otherwise refuses: then pass --model)" if by_data else "")),
         highlight=False,
     )
 

@@ -10,13 +10,17 @@ commands raise, and :func:`_guarded` turns the exception into that line and one 
       not fit together), the environment (disk full, permission denied, out of memory), a bench
       variant that failed, or an unexpected error
 2     the command line: an unknown option or value, a missing input, an unsupported format, an
-      output path that cannot be used (missing folder, read-only, the input itself), nothing to run
-3     ``recompiles --strict``: a function hit dynamo's recompile limit
+      output path that cannot be used (missing folder, read-only, a FIFO or device, the input
+      itself), nothing to run
+3     ``recompiles --strict``: a function hit dynamo's recompile limit (a failed script's own
+      status wins, the hit still said)
 129   interrupted by SIGHUP, 130 by SIGINT (Ctrl-C), 143 by SIGTERM (``timeout``, schedulers)
 ===== ==========================================================================================
 
 ``recompiles -- python script.py`` otherwise exits with the script's own status; what the script
-prints, its traceback included, is its own output. Outputs are written whole or not at all
+prints, its traceback included, is its own output. A stdout closed early (``| head``) is no
+failure: the command runs to its end with what it prints dropped
+(:func:`paramfold.output.stdout_quiet_when_closed`), and exits with its own code. Outputs are written whole or not at all
 (:mod:`paramfold.output`): after a failure or a signal no partial or temporary file is left and a
 pre-existing output file is unchanged. ``--debug`` (before the command: ``paramfold --debug audit
 ...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
@@ -139,8 +143,8 @@ def _guarded(command: str) -> Callable[[F], F]:
                 rv = fn(*args, **kwargs)
                 raise_if_interrupted()  # a signal whose exception something caught and dropped
                 return rv
-            except (typer.Exit, typer.Abort, click.exceptions.ClickException, BrokenPipeError):
-                raise  # usage errors: one line from _Group.main; a closed stdout (| head): quiet
+            except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+                raise  # usage errors: one line from _Group.main
             except BaseException as exc:  # noqa: BLE001 - the CLI's one exit point for failures
                 signum = signal_arrived()
                 if signum is not None and not isinstance(exc, KeyboardInterrupt):
@@ -200,13 +204,13 @@ class _Group(_PlainHelpFlag, TyperGroup):
              standalone_mode: bool = True, **extra: Any) -> Any:
         """Run the command line; ``end_process=True`` (the console script) also ends the process
         (:func:`_end_process`) with handled signals still said as documented until the end."""
-        from paramfold.output import signals_raise
+        from paramfold.output import signals_raise, stdout_quiet_when_closed
 
         end_process = extra.pop("end_process", False)
         _written.clear()  # a command called in the same process before this one wrote it, not this one
         _ran.clear()
         _said.clear()
-        with signals_raise():
+        with signals_raise(), stdout_quiet_when_closed():
             try:
                 code = self._run_command(args, prog_name, complete_var, **extra)
             except KeyboardInterrupt as e:  # a signal while an error was being said
@@ -234,7 +238,7 @@ class _Group(_PlainHelpFlag, TyperGroup):
                 typer.echo(message)
             code = 2
         except click.exceptions.UsageError as e:
-            where = e.ctx.command_path if e.ctx is not None else "paramfold"
+            where = e.ctx.command_path if e.ctx is not None else self._command_named(args)
             _say(where.partition(" ")[2], f"{e.format_message()} (see {where} --help)")
             code = 2
         except click.exceptions.ClickException as e:
@@ -243,10 +247,8 @@ class _Group(_PlainHelpFlag, TyperGroup):
         except typer.Abort:
             _say("", "aborted")
             code = 1
-        except SystemExit as e:  # typer exits by itself on a closed stdout (| head)
+        except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
-        except BrokenPipeError:
-            code = 1
         except OSError as e:  # printing help or the version to a full disk
             from paramfold.output import describe_os_error
 
@@ -256,6 +258,17 @@ class _Group(_PlainHelpFlag, TyperGroup):
             code, message = _describe(e)
             _say("", message)
         return code
+
+
+    def _command_named(self, args: Any) -> str:
+        """``paramfold <command>`` for the command the arguments name (after any root options),
+        for a usage error raised without a context (``--json=1``: an option given a value)."""
+        for arg in sys.argv[1:] if args is None else args:
+            if arg in self.commands:
+                return f"paramfold {arg}"
+            if not arg.startswith("-"):
+                break
+        return "paramfold"
 
 
 def _signal_after(exc: KeyboardInterrupt, code: int) -> int:
@@ -558,13 +571,15 @@ def fold(
 
 
 def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
-    """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``)."""
+    """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``:
+    after ``audit --json``, where stdout holds the JSON document alone, so do ``--model``'s prints)."""
     from paramfold.fold import fold_checkpoint
-    from paramfold.output import raise_if_interrupted
+    from paramfold.output import raise_if_interrupted, stdout_to_stderr
 
     raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     _written.clear()
-    summary = fold_checkpoint(path, out, model_factory=model).summary()
+    with stdout_to_stderr() if err else contextlib.nullcontext():
+        summary = fold_checkpoint(path, out, model_factory=model).summary()
     _written.append(out)
     typer.echo(summary, err=err)
 
@@ -592,7 +607,8 @@ def recompiles_command(
         help="Print the report as JSON on stdout (the script's own prints go to stderr).",
     ),
     strict: bool = typer.Option(
-        False, "--strict", metavar="", help="Exit with code 3 if any function hit the recompile limit."
+        False, "--strict", metavar="",
+        help="Exit with code 3 if any function hit the recompile limit (a failed script's own code wins; the hit is still said).",
     ),
 ) -> None:
     """Run a Python script and report every torch.compile recompile: cause, category and fix.

@@ -1,4 +1,5 @@
-"""Output files that appear whole or not at all, and signals that unwind instead of killing.
+"""Output files that appear whole or not at all, signals that unwind instead of killing, and a
+stdout closed early (``| head``) that drops what is printed instead of failing the command.
 
 Every file paramfold writes (folded checkpoints, bench plots) goes through :func:`atomic_output`:
 the data goes to a hidden temporary file beside the target, which is flushed, fsynced, given
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import signal
 import stat
@@ -37,7 +39,8 @@ from paramfold.errors import FoldError
 
 __all__ = [
     "Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "on_signal_instead",
-    "raise_if_interrupted", "signal_arrived", "signals_raise",
+    "given_stdout", "raise_if_interrupted", "signal_arrived", "signals_raise", "stdout_quiet_when_closed",
+    "stdout_to_stderr",
 ]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
@@ -187,6 +190,8 @@ def check_output(
         ...
         paramfold.output.OutputError: ...x.gguf: unsupported output format '.gguf': use .pt
     """
+    if not str(path).strip():  # Path("") is the current folder
+        raise OutputError("no output path given (an empty string)")
     out = Path(path)
     if str(path).endswith(("/", os.sep)):  # Path() drops the slash: "out.pt/" would be written as a file
         raise OutputError(f"{path}: names a folder (it ends with a slash); give a file name" + (
@@ -200,14 +205,21 @@ def check_output(
     dest = destination(out)
     parent = dest.parent if str(dest.parent) else Path(".")
     try:
-        os.stat(out)
+        mode = os.stat(out).st_mode  # through links: the file the rename would replace
     except (FileNotFoundError, NotADirectoryError):  # the folder checks below say which
-        pass
+        mode = None
     except OSError as e:  # a name too long, a loop of links
         raise OutputError(f"{out}: cannot be used as an output path: {e.strerror}") from None
     if out.is_dir():
         raise OutputError(f"{out}: is a folder; give a file name" + (
             f" ending in {_alternatives(suffixes)}" if suffixes else ""))
+    if mode is not None and not stat.S_ISREG(mode):
+        # open() would write into a FIFO or a device; the rename would replace the node itself.
+        where = f"{out}: links to {dest}, which" if dest != out else f"{out}:"
+        raise OutputError(
+            f"{where} is not a regular file (a FIFO, a device or a socket): refusing to replace it; "
+            "give the name of a regular file"
+        )
     if not parent.is_dir():
         raise OutputError(f"{out}: the output folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -338,6 +350,126 @@ def printable(text: str) -> str:
     """``text`` with its control characters written out as escapes (``\\x1b``): a checkpoint's
     key or path may hold a terminal escape sequence, which must be shown, not sent."""
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+class _QuietWhenClosed(io.RawIOBase):
+    """File descriptor ``fd`` for writing, where a reader that has gone (``EPIPE``) points ``fd`` at
+    ``os.devnull`` and the write counts as done: what is left to print is dropped, nothing raises."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        try:
+            return os.write(self._fd, data)
+        except BrokenPipeError:
+            _discard(self._fd)
+            return len(memoryview(data))
+
+
+def _discard(fd: int) -> None:
+    """Point ``fd`` at ``os.devnull``: later writes to it, and Python's flush at exit, succeed."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _flush_quietly(stream: IO[str]) -> None:
+    """Flush ``stream``; where its reader has gone, drop what it holds (see :class:`_QuietWhenClosed`)."""
+    for _ in range(2):
+        try:
+            stream.flush()
+            return
+        except BrokenPipeError:
+            _discard(stream.fileno())  # the buffer keeps the bytes; the second flush sends them nowhere
+        except (AttributeError, OSError, ValueError):  # closed, or failing otherwise: for its writer to say
+            return
+
+
+_given_stdout: list[IO[str]] = []
+
+
+@contextlib.contextmanager
+def stdout_quiet_when_closed() -> Iterator[None]:
+    """While active, a stdout whose reader has gone (``paramfold audit big.pt | head``) drops what is
+    printed instead of raising: the command runs to its end, writes its output whole and exits with
+    its own code. (The stream ``sys.stdout`` was is put back at the end; it is flushed first, so
+    that nothing printed before comes after.) A stdout without a file descriptor (a test's) is left
+    as it is."""
+    given = sys.stdout
+    try:
+        fd = given.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    _flush_quietly(given)
+    sys.stdout = io.TextIOWrapper(
+        io.BufferedWriter(_QuietWhenClosed(fd)), encoding=given.encoding, errors=given.errors,
+        line_buffering=given.line_buffering,
+    )
+    _given_stdout.append(given)
+    try:
+        yield
+    finally:
+        _given_stdout.pop()
+        _flush_quietly(sys.stdout)
+        sys.stdout = given
+
+
+@contextlib.contextmanager
+def given_stdout() -> Iterator[None]:
+    """Inside :func:`stdout_quiet_when_closed`, the stream ``sys.stdout`` was before it, for code that
+    must meet a closed stdout as ``python`` would (``paramfold recompiles``' script, whose
+    ``BrokenPipeError`` is its own)."""
+    if not _given_stdout:
+        yield
+        return
+    quiet = sys.stdout
+    _flush_quietly(quiet)
+    sys.stdout = _given_stdout[-1]
+    try:
+        yield
+    finally:
+        _flush_quietly(sys.stdout)  # what the script left buffered comes before what follows it
+        sys.stdout = quiet
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """While active, send what user code (``recompiles``' script, ``--model``'s factory) writes to
+    stdout to stderr: ``sys.stdout``, and file descriptor 1 too (child processes, ``os.system``,
+    ``sys.__stdout__``), so that stdout holds a JSON document alone. Where descriptor 1 cannot be
+    duplicated (closed), Python's only."""
+    try:
+        sys.stdout.flush()
+        if sys.__stdout__ is not None:
+            sys.__stdout__.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, ValueError):
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            for stream in (sys.__stdout__, sys.stderr):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.flush()  # buffered writes made meanwhile belong to stderr
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def quiet_when_stdout_closes(console: object) -> object:

@@ -10,14 +10,16 @@ every byte it reads where the format allows:
   touching tensor data. This is the same on every torch version. A tensor's bytes are read on
   ``read(key)`` from its ``data/<key>`` record, whose CRC-32 (stored in the zip) is checked: a
   flipped byte is an error, never a silently different weight. A tensor that needs more bytes than
-  its record holds is refused when the file is opened. Legacy (non-zip) files have no checksum:
-  they are read with ``torch.load(weights_only=True)`` in memory.
+  its record holds is refused when the file is opened, and so is a view whose value is more than
+  ``EXPANSION_ALLOWANCE`` (64 MiB) larger than its storage (a stride-0 expansion of a few bytes). Legacy (non-zip) files have no checksum:
+  they are read with ``torch.load(weights_only=True, map_location="cpu")`` in memory.
 * ``.safetensors``: ``safetensors.safe_open`` validates the header (offsets within the file,
   contiguous, consistent with shapes and dtypes) and gives keys, shapes, dtypes and metadata; data
   is read by positioned reads at the header's offsets (not through a memory map, so a streamed
   pass over a large file does not pile up resident pages). The format has no checksum.
 * A Hugging Face style folder (``*.safetensors.index.json`` or ``*.bin.index.json``), or the index
-  file itself: every key is read from the shard that the index names.
+  file itself: every key is read from the shard that the index names, and every tensor of those
+  shards that the index does not list too, as loaders read every tensor of every shard.
 * A training checkpoint (a dict with a nested ``state_dict``, ``model`` or ``model_state_dict``) is
   read from that entry.
 

@@ -95,16 +95,20 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
 
     A zip archive is read without ``torch.load``: its directory, then ``data.pkl`` through
     :class:`_StubUnpickler`; each tensor is checked to fit in its storage record. A legacy (non-zip)
-    file is loaded whole with ``torch.load(weights_only=True)``.
+    file is loaded whole with ``torch.load(weights_only=True)``, to the CPU.
     """
     with open(p, "rb") as f:
         head = f.read(4)
     if not head:
         raise CheckpointError(f"{p}: the file is empty, not a PyTorch checkpoint; re-download or re-save it")
     if head != b"PK\x03\x04":
-        obj = _torch_load(p, legacy=True)  # legacy format: no offsets, no checksums; weights_only still applies
+        # Legacy format: no offsets, no checksums; weights_only still applies. Tensors saved from a
+        # GPU are read to the CPU, as every tensor paramfold reads is (else: "corrupt" without CUDA).
+        obj = _torch_load(p, legacy=True, map_location="cpu")
         sd, root = _find_state_dict(obj, p)
         _plain_only(sd, p)
+        for k, t in sd.items():
+            _check_expansion(p, k, TensorInfo.of(t), t.untyped_storage().nbytes())
         return {k: Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
     try:  # the zip's central directory sits at its end: a truncated file has none
         with zipfile.ZipFile(p) as z:
@@ -151,8 +155,26 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
                 f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
                 f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
             )
-        entries[k] = Entry(TensorInfo(t.shape, t.dtype), p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
+        info = TensorInfo(t.shape, t.dtype)
+        _check_expansion(p, k, info, rec.file_size)
+        entries[k] = Entry(info, p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
     return entries, root
+
+
+#: How many bytes more than its storage holds a tensor's value may have (an expanded view: a
+#: stride-0 dim, overlapping strides). Read, it is materialised, and written, it takes that much;
+#: beyond this a tiny file could make any amount of memory and output.
+EXPANSION_ALLOWANCE = 64 << 20
+
+
+def _check_expansion(p: Path, key: str, info: TensorInfo, stored: int) -> None:
+    if info.nbytes > stored + EXPANSION_ALLOWANCE:
+        raise CheckpointError(
+            f"{p}: tensor '{key}' {list(info.shape)} {info.dtype_name} is a view that expands {stored} stored "
+            f"bytes to {info.nbytes} (a stride-0 or overlapping view); paramfold materialises every tensor and "
+            f"refuses more than {EXPANSION_ALLOWANCE >> 20} MiB of such growth: save it with .contiguous() "
+            "if that size is meant, or save its unexpanded base"
+        )
 
 
 def _plain_only(sd: dict[str, torch.Tensor], p: Path) -> dict[str, torch.Tensor]:
@@ -347,10 +369,11 @@ def _explain_refusal(p: Path, name: str) -> None:
     try:
         obj = _torch_load(p, map_location="meta")
     except CheckpointError as e:
-        if "refused to unpickle" in str(e):
+        if "refused to unpickle: it references" in str(e):
             raise
-        # torch could not even build it on the meta device (torch 2.15: sparse tensors): say what
-        # paramfold refused, not torch's side error.
+        # torch could not even build it on the meta device (torch 2.15: sparse tensors), or refused
+        # it without naming what it references (an opcode it lacks, such as protocol 0's STRING):
+        # say what paramfold refused, not torch's side error.
         raise refused from None
     sd, _ = _find_state_dict(obj, p)
     _plain_only(sd, p)
@@ -413,6 +436,9 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
                 return dict(sub), key
         for name, sub in [*((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS), (None, obj)]:
             _refuse_mixed_state_dict(sub, name, p, tensor_type)
+        for name, sub in [(None, obj), *((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS)]:
+            if isinstance(sub, Mapping) and not sub:  # a model without parameters: no tensors, as in safetensors
+                return {}, name
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
         where = f"it holds a {_type_name(obj)}"

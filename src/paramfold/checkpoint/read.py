@@ -284,6 +284,21 @@ def _open_index(index: Path) -> Checkpoint:
         if key not in shards[shard]:
             raise CheckpointError(f"{index}: the index puts '{key}' in '{shard}', but that shard lacks it")
         entries[key] = shards[shard][key]
+    # Loaders read every tensor of every shard the index names (transformers' from_pretrained and
+    # load_sharded_checkpoint), whether the index lists it or not: so is an unlisted one here.
+    unlisted: dict[str, str] = {}
+    for shard, held in shards.items():
+        for key, entry in held.items():
+            if key in weight_map:
+                continue
+            if key in unlisted:
+                raise CheckpointError(
+                    f"{index}: tensor '{key}', which the index does not list, is in two shards, "
+                    f"'{unlisted[key]}' and '{shard}': loaders would take whichever they read last; "
+                    "list it in the index's weight_map under the shard to use"
+                )
+            unlisted[key] = shard
+            entries[key] = entry
     fmt = "sharded-" + ("safetensors" if kinds == {"safetensors"} else "pt" if kinds == {"pt"} else "mixed")
     metadata = {k: str(v) for k, v in metadata.items()}
     files = [(index.parent / shard).resolve() for shard in dict.fromkeys(weight_map.values())]

@@ -25,6 +25,7 @@ import traceback
 import types
 
 from paramfold.errors import FoldError
+from paramfold.output import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
 
 __all__ = ["ScriptError", "run_script"]
@@ -41,12 +42,16 @@ class ScriptError(FoldError):
 def run_script(command: list[str], *, as_json: bool = False, strict: bool = False) -> int:
     """Run ``[python] SCRIPT [ARGS]`` or ``[python] -m MODULE [ARGS]``, print the report, return its exit code.
 
-    The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if the script
-    succeeded but a function hit the recompile limit, raises :class:`RecompileLimitError` (exit
-    code 3) after the report is printed. A Ctrl-C or a handled signal in the script is raised again
+    The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if a function hit
+    the recompile limit, raises :class:`RecompileLimitError` after the report is printed, with exit
+    code 3 where the script succeeded, else with the script's own code (the failure it reports
+    comes first). A Ctrl-C or a handled signal in the script is raised again
     after the report of what ran before it.
     """
     tokens = list(command)
+    if tokens and tokens[0].startswith("-") and tokens[0] != "-m":  # a mistyped option of ours, before --
+        raise ScriptError(f"unknown option {tokens[0]}: paramfold recompiles takes --json and --strict before --; "
+                          "after it, a script file or -m MODULE (python's own options are not supported)")
     if tokens and (tokens[0] == sys.executable or re.fullmatch(r"python[\d.]*(\.exe)?", os.path.basename(tokens[0]))):
         tokens = tokens[1:]
     if not tokens or (tokens[0] == "-m" and len(tokens) < 2):
@@ -79,10 +84,11 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     sys.argv = [argv0, *rest]
     if module is None and not os.path.isdir(argv0):  # runpy puts a folder on sys.path itself
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
-    redirect = _stdout_to_stderr() if as_json else contextlib.nullcontext()
+    redirect = stdout_to_stderr() if as_json else contextlib.nullcontext()
     code, interrupted = 0, None
     try:
-        with redirect, recompiles(warn=False, torch_warning=False) as report:
+        # The script meets a closed stdout as under python (its BrokenPipeError is its own).
+        with given_stdout(), redirect, recompiles(warn=False, torch_warning=False) as report:
             try:
                 if module is None:
                     _run_path(argv0)
@@ -107,8 +113,12 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         report.print()
     if interrupted is not None:
         raise interrupted
-    if code == 0 and strict and report.limit_hit:
-        raise RecompileLimitError(limit_message(report))
+    if strict and report.limit_hit:
+        if code == 0:
+            raise RecompileLimitError(limit_message(report))
+        error = RecompileLimitError(f"{limit_message(report)} (the script itself exited with {code}: its status is kept)")
+        error.exit_code = code  # said all the same: a log that shows only stderr learns of the hit
+        raise error
     return code
 
 
@@ -133,28 +143,3 @@ def _run_path(argv0: str) -> None:
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr():
-    """While the script runs, send what it writes to stdout to stderr: ``sys.stdout``, and file
-    descriptor 1 too (child processes, ``os.system``, ``sys.__stdout__``), so that stdout holds
-    the JSON report alone. Where descriptor 1 cannot be duplicated (closed), Python's only."""
-    try:
-        sys.stdout.flush()
-        if sys.__stdout__ is not None:
-            sys.__stdout__.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    except (OSError, ValueError):
-        saved = None
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        if saved is not None:
-            for stream in (sys.__stdout__, sys.stderr):
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    stream.flush()  # buffered writes made meanwhile belong to stderr
-            os.dup2(saved, 1)
-            os.close(saved)
