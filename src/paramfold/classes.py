@@ -42,7 +42,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
 from paramfold.state import STATE_ATTR, SiteState
-from paramfold.scope import compiled_call_impl, root_call
+from paramfold.scope import call_values, compiled_call_impl, copied_between_calls, root_call
 
 
 class _Sealed(type):
@@ -429,14 +429,21 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     found = memo.get(id(self))
     if found is not None:
         return found
+    call_only = call_values(self)  # values a call open now installed: not the module's own
     if not parametrize.is_parametrized(self):
-        return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))  # type: ignore[attr-defined]
-    replica = self.__new__(type(self))
-    memo[id(self)] = replica
-    object.__setattr__(replica, "__dict__", copy.deepcopy(self.__dict__, memo))
-    for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
-        if hasattr(self, slot):
-            setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
+        rv = object.__reduce_ex__(self, 4)
+        if call_only and isinstance(rv[2], dict):
+            rv = (rv[0], rv[1], {k: v for k, v in rv[2].items() if k not in call_only}, *rv[3:])
+        replica = copy._reconstruct(self, memo, *rv)  # type: ignore[attr-defined]
+    else:
+        replica = self.__new__(type(self))
+        memo[id(self)] = replica
+        own = {k: v for k, v in self.__dict__.items() if k not in call_only} if call_only else self.__dict__
+        object.__setattr__(replica, "__dict__", copy.deepcopy(own, memo))
+        for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
+            if hasattr(self, slot):
+                setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
+    copied_between_calls(self, replica)
     return replica
 
 

@@ -406,27 +406,64 @@ def _release(claimed: list[nn.Module] | Plan) -> None:
             hs = holder.__dict__[STATE_ATTR]
             hs.users -= 1
             if not hs.users:
-                values = holder.__dict__
-                for name, site in hs.sites.items():
-                    unread.release(holder, name, site)
-                for name in hs.installed:
-                    values.pop(name, None)
-                hs.installed = ()
-                if hs.read_once_class is not None and type(holder) is hs.read_once_class:
-                    object.__setattr__(holder, "__class__", hs.prepared_class)
-                if hs.kept:
-                    if type(holder) is hs.prepared_class and hs.between_class is not None:
-                        object.__setattr__(holder, "__class__", hs.between_class)
-                    else:  # a class of someone else's now: nothing would hide kept values
-                        for name in hs.kept:
-                            values.pop(name, None)
-                        hs.kept = ()
-                if hs.hooks_out:
-                    hooknorms.attach(holder, *hs.hooks_out)
-                    hs.hooks_out = ()
-                for name, value in hs.left:  # the call ended before the norm's hook set it again
-                    values.setdefault(name, value)
-                hs.left = ()
+                _unclaimed(holder, hs)
+
+
+def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
+    """``holder`` as between calls, once no call scope uses its values: they leave its
+    ``__dict__`` (kept frozen values stay, hidden by its between-calls class), hook-based norms'
+    hooks go back."""
+    values = holder.__dict__
+    for name, site in hs.sites.items():
+        unread.release(holder, name, site)
+    for name in hs.installed:
+        values.pop(name, None)
+    hs.installed = ()
+    if hs.read_once_class is not None and type(holder) is hs.read_once_class:
+        object.__setattr__(holder, "__class__", hs.prepared_class)
+    if hs.kept:
+        if type(holder) is hs.prepared_class and hs.between_class is not None:
+            object.__setattr__(holder, "__class__", hs.between_class)
+        else:  # a class of someone else's now: nothing would hide kept values
+            for name in hs.kept:
+                values.pop(name, None)
+            hs.kept = ()
+    if hs.hooks_out:
+        hooknorms.attach(holder, *hs.hooks_out)
+        hs.hooks_out = ()
+    for name, value in hs.left:  # the call ended before the norm's hook set it again
+        values.setdefault(name, value)
+    hs.left = ()
+
+
+def call_values(module: nn.Module) -> tuple[str, ...]:
+    """The names in ``module.__dict__`` whose values an open call scope installed (not stock's
+    attributes: a copy of the module leaves them out, see :func:`copied_between_calls`)."""
+    hs = module.__dict__.get(STATE_ATTR)
+    return hs.installed if hs is not None and hs.users else ()
+
+
+def copied_between_calls(module: nn.Module, replica: nn.Module) -> None:
+    """Give ``replica``, a copy of ``module`` made while a call scope held it (``copy.deepcopy``
+    inside its forward, or in another thread during a call), the state a copy made between calls
+    has, as stock's copy is an ordinary model wherever it is made: unclaimed (its calls and
+    ``restore`` are not refused as concurrent), its hooks back, its between-calls class, without
+    the call's values, and a training stateful chain whose value is unread yet with its state
+    from before the scope computed that value (stock has run no power iteration for it yet)."""
+    hs = replica.__dict__.get(STATE_ATTR)
+    if hs is None or not hs.users:
+        return
+    with _LOCK:
+        for name, site in module.__dict__[STATE_ATTR].sites.items():
+            state = unread.as_before(module, name, site)
+            if state is not None:
+                with torch.no_grad():
+                    for t, then in zip(unread.state_tensors(replica, hs.sites[name]), state):
+                        if then is not None:
+                            t.copy_(then)
+        hs.users = 0
+        hs.shareable = None
+        _unclaimed(replica, hs)
 
 
 def busy(state: ModuleState) -> bool:

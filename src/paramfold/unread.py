@@ -122,6 +122,31 @@ def computed(site: SiteState, value: torch.Tensor | None) -> None:
         put_back(site)
 
 
+def as_before(holder: nn.Module, name: str, site: SiteState) -> list[torch.Tensor | None] | None:
+    """Where ``site``'s value is unread now (:func:`release` would put its state back): for each
+    state tensor, what :func:`put_back` would leave in it (None: one it would leave as it is);
+    else None. For a copy of ``holder`` made now, which must hold the state as stock's has it."""
+    before = site.before
+    if before is None:
+        return None
+    unread = (site.once_hook is not None and not site.once_hook.served) if site.hook is not None else name in holder.__dict__
+    if not unread:
+        return None
+    copies, lo, hi, _, _ = before
+    tensors, copy, after = copies.tensors, copies.copy, copies.after
+    if after is None:
+        return None
+    if type(copy) is list:
+        parts = copy
+    else:
+        sizes = [t.numel() for t in tensors]
+        if sum(sizes) != copy.numel() or any(t.dtype != copy.dtype for t in tensors):
+            return None
+        parts = copy.split(sizes)
+    return [parts[i] if _version(tensors[i]) == after[i] and tensors[i].shape == parts[i].shape else None
+            for i in range(lo, hi)]
+
+
 def put_back(site: SiteState) -> None:
     """The value ``site`` was computed for the call goes unread: its state as it was before that
     computation (each tensor nothing else wrote since); inside ``parametrize.cached()`` the value
