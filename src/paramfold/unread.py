@@ -71,23 +71,28 @@ class Copies:
     def computed(self) -> None:
         self.after = list(map(_version, self.tensors))
 
-    def restore(self, lo: int, hi: int) -> None:
-        """Copy back ``tensors[lo:hi]``, each where no one but the computation wrote it since."""
+    def put_back_parts(self, lo: int, hi: int) -> list[torch.Tensor | None]:
+        """For ``tensors[lo:hi]``, what :meth:`restore` copies back into each: its copy where no
+        one but the computation wrote it since, else None (left as it is)."""
         tensors, copy, after = self.tensors, self.copy, self.after
         if after is None:
-            return
+            return [None] * (hi - lo)
         if type(copy) is list:
             parts = copy
         else:
             sizes = [t.numel() for t in tensors]
             if sum(sizes) != copy.numel() or any(t.dtype != copy.dtype for t in tensors):
-                return  # re-described through .data meanwhile: nothing exact to put back
+                return [None] * (hi - lo)  # re-described through .data meanwhile: nothing exact to put back
             parts = copy.split(sizes)
+        return [parts[i] if _version(tensors[i]) == after[i] and tensors[i].shape == parts[i].shape else None
+                for i in range(lo, hi)]
+
+    def restore(self, lo: int, hi: int) -> None:
+        """Copy back ``tensors[lo:hi]``, each where no one but the computation wrote it since."""
         with torch.no_grad():
-            for i in range(lo, hi):
-                t = tensors[i]
-                if _version(t) == after[i] and t.shape == parts[i].shape:
-                    t.copy_(parts[i])
+            for t, part in zip(self.tensors[lo:hi], self.put_back_parts(lo, hi)):
+                if part is not None:
+                    t.copy_(part)
 
 
 #: ``SiteState.before``: ``(copies, lo, hi, value, cache key)``, one site's part of a
@@ -127,24 +132,10 @@ def as_before(holder: nn.Module, name: str, site: SiteState) -> list[torch.Tenso
     state tensor, what :func:`put_back` would leave in it (None: one it would leave as it is);
     else None. For a copy of ``holder`` made now, which must hold the state as stock's has it."""
     before = site.before
-    if before is None:
-        return None
-    unread = (site.once_hook is not None and not site.once_hook.served) if site.hook is not None else name in holder.__dict__
-    if not unread:
+    if before is None or not _unread(holder, name, site):
         return None
     copies, lo, hi, _, _ = before
-    tensors, copy, after = copies.tensors, copies.copy, copies.after
-    if after is None:
-        return None
-    if type(copy) is list:
-        parts = copy
-    else:
-        sizes = [t.numel() for t in tensors]
-        if sum(sizes) != copy.numel() or any(t.dtype != copy.dtype for t in tensors):
-            return None
-        parts = copy.split(sizes)
-    return [parts[i] if _version(tensors[i]) == after[i] and tensors[i].shape == parts[i].shape else None
-            for i in range(lo, hi)]
+    return copies.put_back_parts(lo, hi)
 
 
 def put_back(site: SiteState) -> None:
@@ -166,14 +157,18 @@ def release(holder: nn.Module, name: str, site: SiteState) -> None:
     no read took the value (a hook-based norm: no call of the module was served it)."""
     if site.before is None:
         return
-    if site.hook is not None:
-        unread = site.once_hook is not None and not site.once_hook.served
-    else:
-        unread = name in holder.__dict__
-    if unread:
+    if _unread(holder, name, site):
         put_back(site)
     else:
         site.before = None
+
+
+def _unread(holder: nn.Module, name: str, site: SiteState) -> bool:
+    """Whether no read took the value the scope computed for ``site`` (a hook-based norm: no call
+    of the module was served it)."""
+    if site.hook is not None:
+        return site.once_hook is not None and not site.once_hook.served
+    return name in holder.__dict__
 
 
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
