@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -513,9 +514,42 @@ _SLOW_FOLD = textwrap.dedent(
 
 
 def _hangup_default() -> None:
-    # Under nohup (a CI runner may start the suite that way) SIGHUP is inherited as ignored, and
-    # paramfold then keeps ignoring it on purpose; this test is about a real hangup.
+    # Under nohup (a CI runner may start the suite that way) SIGHUP is inherited as ignored, and a
+    # suite started in the background of a script SIGINT; paramfold then keeps ignoring them on
+    # purpose. These tests are about signals that arrive.
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_a_signal_ignored_by_whoever_started_paramfold_stays_ignored(tmp_path, sig):
+    # `paramfold fold big.pt out.pt &` in a non-interactive script starts with SIGINT ignored,
+    # nohup with SIGHUP: a Ctrl-C meant for the script's foreground job must not end the fold.
+    src = _wn_checkpoint(tmp_path)
+    out = tmp_path / "o.pt"
+
+    def ignored() -> None:
+        _hangup_default()
+        signal.signal(sig, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_FOLD, "audit", str(src), "--fold-out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=ignored)
+    try:
+        for line in proc.stderr:
+            if line == "READY\n":
+                break
+        else:
+            pytest.fail(f"the fold never started: {proc.communicate()}")
+        proc.send_signal(sig)
+        time.sleep(0.5)
+        assert proc.poll() is None, "the ignored signal ended the fold"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 143, (proc.returncode, stderr)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_signals_mid_fold_leave_no_partial_file_and_the_old_output(tmp_path):

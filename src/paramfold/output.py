@@ -116,8 +116,10 @@ def signals_raise() -> Iterator[None]:
     for sig in HANDLED_SIGNALS:
         with contextlib.suppress(OSError, ValueError):
             previous = signal.getsignal(sig)
-            if sig != signal.SIGINT and previous is signal.SIG_IGN:
-                continue  # nohup: keep ignoring SIGHUP
+            if previous is signal.SIG_IGN:
+                # Ignored by whoever started us (nohup's SIGHUP, a background job's SIGINT in a
+                # non-interactive shell): kept ignored, as Python itself keeps an ignored SIGINT.
+                continue
             old[sig] = previous
             signal.signal(sig, handler)
     try:
