@@ -559,3 +559,36 @@ def test_reads_while_another_thread_compiles_are_stocks_reads(recwarn):
         thread.join(30)
     for result in results[1:]:
         assert_same_nested(results[0], result)
+
+
+@pytest.mark.parametrize("mode", ["inline", "auto"])
+def test_a_call_while_another_thread_traces_with_fx_runs_like_stocks(mode):
+    # torch.fx's tracer patches nn.Module.__call__ for every thread while it traces (AOTAutograd's
+    # first compile of a model in some thread). An inline model took that for a change of its
+    # ParametrizationLists' call that its compiled getters would not follow, and refused every
+    # call made meanwhile with "parametrizations ... changed" (stock's calls run).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def traced(t):
+        entered.set()  # inside make_fx's trace: nn.Module.__call__ is patched now
+        assert leave.wait(30)
+        return t * 2
+
+    stock, ours = twin_nets("weight_norm", mode)
+    x = _input()
+    thread = threading.Thread(target=lambda: make_fx(traced)(torch.randn(2)))
+    thread.start()
+    try:
+        assert entered.wait(30)
+        assert nn.Module.__call__ is not nn.Module._wrapped_call_impl  # the tracer's patch
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(ours(x), stock(x))
+    finally:
+        leave.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))

@@ -179,22 +179,39 @@ _LIST_PATH = call_path(_PList) if (
     and _PList.forward.__globals__ is parametrize.__dict__) else None
 
 
-def calls_its_forward(plist: nn.Module) -> bool:
+def _through_fx(path: tuple) -> tuple:
+    """``path`` (a :data:`call_path`) with torch.fx's tracer wrapper of ``nn.Module.__call__``
+    replaced by the function it wraps. The tracer patches ``nn.Module.__call__`` for every thread
+    while it traces (AOTAutograd's first compile in any thread), so a call in another thread
+    meanwhile runs through it; for make_fx's tracer that is the wrapped call itself."""
+    call = path[0]
+    wrapped = getattr(call, "__wrapped__", None)
+    if (wrapped is None or not isinstance(call, types.FunctionType) or call.__code__.co_name != "module_call_wrapper"
+            or call.__globals__.get("__name__") != "torch.fx._symbolic_trace"):  # (functools.wraps copied the rest)
+        return path
+    return (wrapped, *path[1:])
+
+
+def calls_its_forward(plist: nn.Module, through_fx: bool = False) -> bool:
     """Whether stock's call of ``plist``, hooks aside, is exactly ``ParametrizationList.forward``
     (its members called in turn), so that calling the members is the same: no subclass or patch
-    changed its call or ``forward``, and none is set on the instance. Cheap: it runs per computed value."""
+    changed its call or ``forward``, and none is set on the instance. Cheap: it runs per computed
+    value. ``through_fx``: torch.fx's tracer's patch of the call is taken for torch's own (:func:`_through_fx`)."""
     own = plist.__dict__
-    return (call_path(type(plist)) == _LIST_PATH and "forward" not in own and "_call_impl" not in own
-            and own.get("_compiled_call_impl") is None)
+    path = call_path(type(plist))
+    return ((path if not through_fx else _through_fx(path)) == _LIST_PATH and "forward" not in own
+            and "_call_impl" not in own and own.get("_compiled_call_impl") is None)
 
 
-def class_forward(cls: type) -> types.FunctionType | None:
+def class_forward(cls: type, through_fx: bool = False) -> types.FunctionType | None:
     """The function a call of a ``cls`` instance with no hooks runs, where that call is exactly
     ``cls.forward(module, *args)``: ``cls`` calls like ``nn.Module`` (its ``__call__`` and
     ``_call_impl`` are torch's, attribute lookup is object's, no class shadows the hook dicts)
     and its ``forward`` is a plain function found along the MRO (not a ``staticmethod`` or
-    ``classmethod``). ``None`` otherwise: the module must be called, as stock calls it."""
-    if not _calls_like_torch(call_path(cls)):
+    ``classmethod``). ``None`` otherwise: the module must be called, as stock calls it.
+    ``through_fx``: as :func:`calls_its_forward`'s."""
+    path = call_path(cls)
+    if not _calls_like_torch(path if not through_fx else _through_fx(path)):
         return None
     if any(name in vars(c) for c in cls.__mro__ for name in HOOK_DICTS):
         return None
@@ -202,16 +219,17 @@ def class_forward(cls: type) -> types.FunctionType | None:
     return forward if isinstance(forward, types.FunctionType) else None
 
 
-def direct_forward(module: nn.Module) -> types.FunctionType | None:
+def direct_forward(module: nn.Module, through_fx: bool = False) -> types.FunctionType | None:
     """:func:`class_forward` of ``module``'s class where calling ``module`` now is exactly calling
     it but for global hooks (``any(GLOBAL_HOOKS)``, the caller's to check): no hooks of its own,
-    and no ``forward``, ``_call_impl`` or compiled call (``module.compile()``) set on the instance."""
+    and no ``forward``, ``_call_impl`` or compiled call (``module.compile()``) set on the instance.
+    ``through_fx``: as :func:`calls_its_forward`'s."""
     own = vars(module)
     if has_own_hooks(module) or "forward" in own or "_call_impl" in own:
         return None
     if own.get("_compiled_call_impl") is not None:
         return None
-    return class_forward(type(module))
+    return class_forward(type(module), through_fx)
 
 
 def has_own_hooks(module: nn.Module) -> bool:

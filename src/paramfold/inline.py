@@ -106,9 +106,13 @@ def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
     (:func:`~paramfold.compute.calls_its_forward`). Global hooks added since are a documented limit
     (README): refusing them would refuse every call under ``FlopCounterMode``."""
     plist = module._modules["parametrizations"]._modules[name]
-    if not signature[3] and (has_own_hooks(plist) or not calls_its_forward(plist)):
+    # torch.fx's tracer patches nn.Module.__call__ for every thread while it traces (AOTAutograd's
+    # first compile in another thread): a call made meanwhile is computed like stock's eagerly,
+    # and compiled getters read nothing of it, as stock's compiled code does not.
+    if not signature[3] and (has_own_hooks(plist) or not calls_its_forward(plist, through_fx=True)):
         return False
-    return not any(f is not None and direct_forward(m) is not f for m, f in zip(members(plist), signature[2]))
+    return not any(f is not None and direct_forward(m, through_fx=True) is not f
+                   for m, f in zip(members(plist), signature[2]))
 
 
 def hook_keys(plist: nn.Module) -> tuple:
