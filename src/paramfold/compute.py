@@ -224,12 +224,16 @@ def direct_forward(module: nn.Module, through_fx: bool = False) -> types.Functio
     it but for global hooks (``any(GLOBAL_HOOKS)``, the caller's to check): no hooks of its own,
     and no ``forward``, ``_call_impl`` or compiled call (``module.compile()``) set on the instance.
     ``through_fx``: as :func:`calls_its_forward`'s."""
+    return None if overrides_its_call(module) else class_forward(type(module), through_fx)
+
+
+def overrides_its_call(module: nn.Module) -> bool:
+    """Whether something set on ``module`` itself makes its call more than its class's: a hook of
+    its own, a ``forward`` or ``_call_impl`` in its ``__dict__``, or a compiled call
+    (``module.compile()``)."""
     own = vars(module)
-    if has_own_hooks(module) or "forward" in own or "_call_impl" in own:
-        return None
-    if own.get("_compiled_call_impl") is not None:
-        return None
-    return class_forward(type(module), through_fx)
+    return (has_own_hooks(module) or "forward" in own or "_call_impl" in own
+            or own.get("_compiled_call_impl") is not None)
 
 
 def has_own_hooks(module: nn.Module) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from paramfold.compute import (GLOBAL_HOOKS, RENORMING, call_path, calls_its_forward, class_forward, compute, computed_under,
-                               hook_dicts)
+                               hook_dicts, overrides_its_call)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -214,7 +214,7 @@ class Plan:
         # compiled call set on it, its __class__ set) is decided now and kept by the checks every
         # call makes anyway: its __dict__'s tag, its hook dicts empty, its type. Only what is
         # read from the class or process (call paths, global hooks, JIT tracing) is read live.
-        plan.direct = bool(callees) and _plain_instances(plan.callees)
+        plan.direct = bool(callees) and not any(map(overrides_its_call, plan.callees))
         if plan.direct:
             for callee in plan.callees:
                 own = vars(callee)
@@ -355,26 +355,10 @@ class Plan:
         return True
 
 
-def _plain_instances(callees: tuple[nn.Module, ...]) -> bool:
-    """Whether nothing set on each of ``callees`` makes its call more than its class's
-    ``forward``: no hook of its own, no ``forward``, ``_call_impl`` or compiled call
-    (``module.compile()``) in its ``__dict__`` (the ``ParametrizationList`` of each chain is
-    among them: no hook on it either)."""
-    own = list(map(vars, callees))
-    try:
-        if any(map(any, map(_hooks, own))):
-            return False
-    except KeyError:  # a module whose __init__ did not run
-        return False
-    if any(map(contains, own, repeat("forward"))) or any(map(contains, own, repeat("_call_impl"))):
-        return False
-    return all(map(is_, map(dict.get, own, repeat("_compiled_call_impl")), repeat(None)))
-
-
 def _plain_call(module: nn.Module) -> bool:
     """Whether with no hooks a call of ``module`` is a call of its class's ``forward`` function
-    (:func:`~paramfold.compute.class_forward`); the instance's part is :func:`_plain_instances`,
-    the class's as it is now :meth:`Plan.plain_calls`."""
+    (:func:`~paramfold.compute.class_forward`); the instance's part is
+    :func:`~paramfold.compute.overrides_its_call`, the class's as it is now :meth:`Plan.plain_calls`."""
     return class_forward(type(module)) is not None
 
 
