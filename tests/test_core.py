@@ -85,12 +85,12 @@ def test_auto_switches_between_freeze_and_hoist_as_requires_grad_changes():
     x = torch.randn(3, 32)
     assert torch.equal(stock(x), ours(x))
     frozen = _count_computes(lambda: ours(x), "paramfold.freeze")
-    hoisted = _count_computes(lambda: ours(x), "paramfold.scope", "eager_value")
+    hoisted = _count_computes(lambda: ours(x), "paramfold.site_values", "eager_value")
     assert frozen.calls == 0 and hoisted.calls == 0  # frozen: served without computing
     stock.requires_grad_(True)
     ours.requires_grad_(True)
     out_s = stock(x)
-    hoisted = _count_computes(lambda: ours(x), "paramfold.scope", "eager_value")
+    hoisted = _count_computes(lambda: ours(x), "paramfold.site_values", "eager_value")
     assert hoisted.calls == 3  # now hoisted: computed once per site per call, with autograd
     out_o = hoisted.result
     assert out_o.requires_grad

@@ -244,6 +244,7 @@ def test_a_call_where_no_hook_is_detached_opens_and_closes_cleanly(monkeypatch):
     import importlib
 
     scope = importlib.import_module("paramfold.scope")
+    site_values = importlib.import_module("paramfold.site_values")
 
     def build() -> nn.Module:
         torch.manual_seed(0)
@@ -251,6 +252,7 @@ def test_a_call_where_no_hook_is_detached_opens_and_closes_cleanly(monkeypatch):
 
     stock, ours = build(), paramfold.prepare(build(), "auto")
     monkeypatch.setattr(scope, "distributed", lambda site: True)
+    monkeypatch.setattr(site_values, "distributed", lambda site: True)
     x = torch.randn(2, 4)
     with torch.no_grad():
         for _ in range(2):

@@ -50,20 +50,20 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
-from paramfold import hooknorms, randomness, unread
+from paramfold import hooknorms, site_values, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import (GLOBAL_HOOKS, autocast_state, compiling, computed_under, eager_value, mode_stack, modes_now,
+from paramfold.compute import (GLOBAL_HOOKS, autocast_state, compiling, computed_under, mode_stack, modes_now,
                                renorms_its_weight)
 from paramfold.compute import dispatch_modes as _dispatch_modes
 from paramfold.compute import function_modes as _function_modes
-from paramfold.errors import FoldError, first_few
+from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unchanged, unwatched
+from paramfold.freeze import can_freeze, unchanged
 from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
-from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, distributed
+from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, distributed
 from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -178,7 +178,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
         else:
             for name, site in hs.sites.items():
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
-                    raise _unfreezable(holder, name, site)
+                    raise site_values.unfreezable(holder, name, site)
     claimed: list[nn.Module] = []
     under = computed_under()  # what frozen values must have been computed under to serve this call
     try:
@@ -232,7 +232,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                     left.append((name, value))
                 continue
             frozen = site.frozen
-            if (frozen is not None and mode != "hoist" and _freezable(site, grad) and not parametrize._cache_enabled
+            if (frozen is not None and mode != "hoist" and site_values.freezable(site, grad) and not parametrize._cache_enabled
                     and unchanged(site, frozen, under)):
                 value = frozen.value  # the fast path: nothing changed since the last call
                 site.misses = site.demotions = 0
@@ -242,7 +242,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 keep = site.training_stateful
                 if keep:
                     unread.take(holder, name, site)
-                value = _value(holder, name, site, grad, under)
+                value = site_values.for_call(holder, name, site, grad, under)
                 if keep:
                     unread.computed(site, value)
                 if value is None:
@@ -314,7 +314,7 @@ def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bo
     for name, site in hs.sites.items():
         if site.mode == "inline" or site.at_read or name not in values:
             continue
-        value = _value(holder, name, site, grad, under)
+        value = site_values.for_call(holder, name, site, grad, under)
         if value is None:  # now to be computed where read (sharded originals): not shareable
             raise _concurrent(entry)
         if value is not values[name]:
@@ -522,116 +522,6 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             "dict under them replaced, or, with mode='inline', a hook added to one): call "
             "paramfold.restore(model), change them, then prepare again."
         )
-
-
-def _value(holder: nn.Module, name: str, site: SiteState, grad: bool, under: tuple) -> torch.Tensor | None:
-    if distributed(site):
-        # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
-        # has gathered the originals, exactly like stock: never gathered early, never frozen.
-        site.frozen = None
-        return None
-    draws = randomness.recheck(holder, name, site)
-    if draws or draws is None:
-        # Drawing random numbers now: stock draws at each read, in the forward's order. (None:
-        # not known in this call, inside a torch.func transform: computed at each read too.)
-        if draws and site.mode == "freeze":
-            raise random_now(holder, name)
-        site.frozen = None
-        return None
-    if site.mode == "hoist":
-        return _hoisted(holder, name, site, grad)
-    if parametrize._cache_enabled:
-        if site.hook is not None:
-            # torch's hook-based norms ignore parametrize.cached(): their hook computes the value
-            # at every call of the module, in the block too (spectral_norm's power iteration runs).
-            site.from_cache = False
-            return _uncached_value(holder, name, site, grad, under)
-        # Inside parametrize.cached(): stock's first read in the block computes the value and
-        # every later one (calls and reads between them) gets that one, whatever changed since.
-        key = (id(holder), name)
-        cached = parametrize._cache.get(key)
-        site.from_cache = cached is not None
-        if cached is None:
-            cached = _uncached_value(holder, name, site, grad, under)
-            if cached is not None:
-                parametrize._cache[key] = cached
-        return cached
-    return _uncached_value(holder, name, site, grad, under)
-
-
-def _uncached_value(holder: nn.Module, name: str, site: SiteState, grad: bool, under: tuple) -> torch.Tensor | None:
-    # freeze's sites are freezable here (_open_holders refused the call otherwise); auto's are
-    # frozen where they can be for this call, hoisted otherwise.
-    if _freezable(site, grad):
-        if site.hoist_until > CALLS[0]:
-            return _hoisted(holder, name, site, grad)
-        value = frozen_value(holder, name, site, under)
-        if site.misses >= (1 if site.demotions else _MISSES):
-            _demote(site)
-        return value
-    if site.frozen is not None:
-        # Not for this call (auto with grad on a trainable chain): dropped, and counted as a
-        # frozen value that served no later call, as one whose inputs changed is.
-        site.frozen = None
-        site.misses += 1
-    return _hoisted(holder, name, site, grad)
-
-
-#: Frozen values in a row that served no later call (their inputs changed, or a grad call of
-#: auto's dropped them) before the site is computed at every call instead (``_demote``; one, once
-#: it was), and for how many calls: the first time, then four times as many each time, up to the
-#: most.
-_MISSES, _FIRST_PERIOD, _LONGEST_PERIOD = 2, 8, 1024
-
-
-def _demote(site: SiteState) -> None:
-    """Compute a freeze or auto site at every call, as hoist does, for a while (under the call's
-    grad mode, in which the site is freezable: no autograd history either way). Its inputs
-    changed at the last calls (weights updated between calls: an EMA or target model, a policy
-    sampled after each optimizer step), so freezing it would recompute its value and fingerprint
-    its inputs, bytes included, at every call, for nothing. Then freezing is tried again; a
-    period that ends with the inputs still changing at the next call starts a four times longer
-    one. Exact either way: a value computed at every call is stock's."""
-    site.frozen = None
-    site.misses = 0
-    site.hoist_until = CALLS[0] + min(_FIRST_PERIOD << 2 * site.demotions, _LONGEST_PERIOD)
-    site.demotions += 1
-
-
-def _freezable(site: SiteState, grad: bool) -> bool:
-    # Under torch.jit.trace a frozen value would be recorded as a constant, stale once the weights
-    # change: the trace records the chain's ops, as stock's does.
-    return can_freeze(site, grad) and _tracing_state() is None
-
-
-def _unfreezable(holder: nn.Module, name: str, site: SiteState) -> FoldError:
-    places = unwatched(site)
-    if places:
-        why = (f"its chain now holds {first_few(places, 2)}, whose changes a frozen value cannot watch "
-               "(keep such settings in a dict, a tuple or a plain object)")
-    else:
-        why = ("a parameter of its chain requires grad or its stateful chain is in training mode; "
-               "frozen values would not train")
-    return FoldError(
-        f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now {why}. "
-        "Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
-    )
-
-
-def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
-    needs_grad = grad and chain_needs_grad(site)
-    if site.subclass and needs_grad:
-        return None
-    # Inside parametrize.cached(), the value stock's property would return: the one cached for
-    # this module and name by an earlier read or call in the same block, else computed and cached.
-    if parametrize._cache_enabled:
-        site.from_cache = site.hook is None and (id(holder), name) in parametrize._cache
-    value = eager_value(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
-    if site.subclass is None:
-        site.subclass = type(value) not in (torch.Tensor, nn.Parameter)
-        if site.subclass and needs_grad:
-            return None
-    return value
 
 
 def _close(previous: tuple, claimed: list[nn.Module] | Plan) -> None:

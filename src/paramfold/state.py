@@ -138,7 +138,7 @@ class SiteState:
     #: freeze and auto: how many frozen values in a row served no later call (their inputs
     #: changed, or a grad call of auto's dropped them), how many times the site was computed at
     #: every call for that since a value last served one, and the value of :data:`CALLS` until
-    #: which it is (``scope._demote``).
+    #: which it is (``site_values._demote``).
     misses: int = 0
     demotions: int = 0
     hoist_until: int = 0

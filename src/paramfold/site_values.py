@@ -1,0 +1,137 @@
+"""Which value each site gets for a call: frozen, hoisted, or none (computed where it is read).
+
+A call scope (:mod:`paramfold.scope`) asks this module for every site below the entry. The choice
+follows the site's mode and what holds right now: FSDP2-managed and random-drawing chains are
+computed at each read like stock, inside ``parametrize.cached()`` the block's cached value is
+stock's, a freeze or auto site is frozen while it can be (:func:`freezable`), and a site whose
+frozen values keep going stale is hoisted for a while instead (:func:`_demote`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from paramfold import hooknorms, randomness
+from paramfold.compute import eager_value
+from paramfold.errors import FoldError, first_few
+from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unwatched
+from paramfold.state import CALLS, SiteState, distributed
+
+_tracing_state = torch._C._get_tracing_state
+
+
+def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: tuple) -> torch.Tensor | None:
+    if distributed(site):
+        # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
+        # has gathered the originals, exactly like stock: never gathered early, never frozen.
+        site.frozen = None
+        return None
+    draws = randomness.recheck(holder, name, site)
+    if draws or draws is None:
+        # Drawing random numbers now: stock draws at each read, in the forward's order. (None:
+        # not known in this call, inside a torch.func transform: computed at each read too.)
+        if draws and site.mode == "freeze":
+            raise random_now(holder, name)
+        site.frozen = None
+        return None
+    if site.mode == "hoist":
+        return _hoisted(holder, name, site, grad)
+    if parametrize._cache_enabled:
+        if site.hook is not None:
+            # torch's hook-based norms ignore parametrize.cached(): their hook computes the value
+            # at every call of the module, in the block too (spectral_norm's power iteration runs).
+            site.from_cache = False
+            return _uncached(holder, name, site, grad, under)
+        # Inside parametrize.cached(): stock's first read in the block computes the value and
+        # every later one (calls and reads between them) gets that one, whatever changed since.
+        key = (id(holder), name)
+        cached = parametrize._cache.get(key)
+        site.from_cache = cached is not None
+        if cached is None:
+            cached = _uncached(holder, name, site, grad, under)
+            if cached is not None:
+                parametrize._cache[key] = cached
+        return cached
+    return _uncached(holder, name, site, grad, under)
+
+
+def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: tuple) -> torch.Tensor | None:
+    # freeze's sites are freezable here (_open_holders refused the call otherwise); auto's are
+    # frozen where they can be for this call, hoisted otherwise.
+    if freezable(site, grad):
+        if site.hoist_until > CALLS[0]:
+            return _hoisted(holder, name, site, grad)
+        value = frozen_value(holder, name, site, under)
+        if site.misses >= (1 if site.demotions else _MISSES):
+            _demote(site)
+        return value
+    if site.frozen is not None:
+        # Not for this call (auto with grad on a trainable chain): dropped, and counted as a
+        # frozen value that served no later call, as one whose inputs changed is.
+        site.frozen = None
+        site.misses += 1
+    return _hoisted(holder, name, site, grad)
+
+
+#: Frozen values in a row that served no later call (their inputs changed, or a grad call of
+#: auto's dropped them) before the site is computed at every call instead (``_demote``; one, once
+#: it was), and for how many calls: the first time, then four times as many each time, up to the
+#: most.
+_MISSES, _FIRST_PERIOD, _LONGEST_PERIOD = 2, 8, 1024
+
+
+def _demote(site: SiteState) -> None:
+    """Compute a freeze or auto site at every call, as hoist does, for a while (under the call's
+    grad mode, in which the site is freezable: no autograd history either way). Its inputs
+    changed at the last calls (weights updated between calls: an EMA or target model, a policy
+    sampled after each optimizer step), so freezing it would recompute its value and fingerprint
+    its inputs, bytes included, at every call, for nothing. Then freezing is tried again; a
+    period that ends with the inputs still changing at the next call starts a four times longer
+    one. Exact either way: a value computed at every call is stock's."""
+    site.frozen = None
+    site.misses = 0
+    site.hoist_until = CALLS[0] + min(_FIRST_PERIOD << 2 * site.demotions, _LONGEST_PERIOD)
+    site.demotions += 1
+
+
+def freezable(site: SiteState, grad: bool) -> bool:
+    # Under torch.jit.trace a frozen value would be recorded as a constant, stale once the weights
+    # change: the trace records the chain's ops, as stock's does.
+    return can_freeze(site, grad) and _tracing_state() is None
+
+
+def unfreezable(holder: nn.Module, name: str, site: SiteState) -> FoldError:
+    places = unwatched(site)
+    if places:
+        why = (f"its chain now holds {first_few(places, 2)}, whose changes a frozen value cannot watch "
+               "(keep such settings in a dict, a tuple or a plain object)")
+    else:
+        why = ("a parameter of its chain requires grad or its stateful chain is in training mode; "
+               "frozen values would not train")
+    return FoldError(
+        f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now {why}. "
+        "Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
+    )
+
+
+def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
+    needs_grad = grad and chain_needs_grad(site)
+    if site.subclass and needs_grad:
+        return None
+    # Inside parametrize.cached(), the value stock's property would return: the one cached for
+    # this module and name by an earlier read or call in the same block, else computed and cached.
+    if parametrize._cache_enabled:
+        site.from_cache = site.hook is None and (id(holder), name) in parametrize._cache
+    value = eager_value(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
+    if site.subclass is None:
+        site.subclass = type(value) not in (torch.Tensor, nn.Parameter)
+        if site.subclass and needs_grad:
+            return None
+    return value
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())
