@@ -363,6 +363,79 @@ def _ddp_scenarios(rank: int, record) -> None:
         record("ddp/stock/aot_eager", losses=_equal(losses, ref_losses), params=_equal(params, ref_params))
 
 
+class _Wrapping(nn.Module):
+    """A model of the user's own around a DDP-wrapped module."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _spectral_model(hooked: bool) -> nn.Module:
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    (torch.nn.utils.spectral_norm if hooked else spectral_norm)(model[0])
+    return model
+
+
+def _ddp_buffer_scenarios(rank: int, record) -> None:
+    """DDP broadcasts rank 0's buffers (spectral_norm's ``_u``/``_v``) at the start of its forward,
+    in place and without a version bump: values must be computed from them after that, as
+    stock's are, whichever order prepare and DDP come in and whichever module is prepared."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(10 + rank)
+    xs = [torch.randn(4, 6, generator=g) for _ in range(STEPS)]
+    drift = 0.3 * torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
+
+    def run(hooked, order, mode, compiled, train=True):
+        model = _spectral_model(hooked).train(train)
+        if not train:
+            model[0].requires_grad_(False)  # what freeze serves; DDP needs some parameter to train
+        if order == "before" and mode:
+            paramfold.prepare(model, mode)
+        ddp = DDP(model)
+        root = _Wrapping(ddp) if order == "inside" else ddp
+        if order in ("after", "inside") and mode:
+            paramfold.prepare(root, mode)
+        if rank == 0:  # rank 0's buffers move on alone: the ranks' _u/_v differ until DDP broadcasts
+            with torch.no_grad():
+                for buffer, step in zip(model.buffers(), drift):
+                    buffer.add_(step[: buffer.numel()].view_as(buffer))
+        fn = torch.compile(root, backend="aot_eager") if compiled else root
+        if not train:
+            with torch.no_grad():
+                return [fn(x) for x in xs], _full(model), {n: b.clone() for n, b in model.named_buffers()}
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        losses, _ = _train(fn, ddp, opt, xs, STEPS)
+        if mode and order != "before":
+            paramfold.restore(root)
+        return losses, _full(model), {n: b.clone() for n, b in model.named_buffers()}
+
+    for hooked in (False, True):
+        kind = "hook" if hooked else "param"
+        ref = run(hooked, None, None, False)
+        for order in ("before", "after", "inside"):
+            for mode in ("hoist", "auto", "inline"):
+                for compiled in (False, True):
+                    name = f"ddp-buffers/{kind}/{order}/{mode}/{'aot_eager' if compiled else 'eager'}"
+                    with record.guard(name):
+                        got = run(hooked, order, mode, compiled)
+                        record(name, losses=_equal(got[0], ref[0]), params=_equal(got[1], ref[1]), buffers=_equal(got[2], ref[2]))
+        ref = run(hooked, None, None, False, train=False)
+        for order in ("before", "after", "inside"):
+            for mode in ("freeze", "auto"):
+                name = f"ddp-buffers/{kind}/{order}/{mode}/eval"
+                with record.guard(name):
+                    got = run(hooked, order, mode, False, train=False)
+                    record(name, outputs=_equal(got[0], ref[0]), buffers=_equal(got[2], ref[2]))
+
+
 # --------------------------------------------------------------------- communication parametrization
 
 
@@ -489,7 +562,8 @@ def _worker(rank: int, port: int, out_dir: str, groups: list[str]) -> None:
     try:
         for group in groups:
             start = time.perf_counter()
-            {"fsdp": _fsdp_scenarios, "ddp": _ddp_scenarios, "comm": _communication_scenarios}[group](rank, record)
+            {"fsdp": _fsdp_scenarios, "ddp": _ddp_scenarios, "ddp-buffers": _ddp_buffer_scenarios,
+             "comm": _communication_scenarios}[group](rank, record)
             timings[group] = round(time.perf_counter() - start, 2)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
@@ -526,7 +600,7 @@ def launch(groups: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return launch(["fsdp", "ddp", "comm"])
+    return launch(["fsdp", "ddp", "ddp-buffers", "comm"])
 
 
 def _record(ranks: list[dict], name: str) -> dict:
@@ -606,6 +680,26 @@ def test_stock_ddp_compiled_trains_like_stock_ddp_eager(ranks):
     # What stock does today (torch 2.13, CPU, aot_eager): the same results as eager.
     rec = _record(ranks, "ddp/stock/aot_eager")
     assert rec["losses"] and rec["params"]
+
+
+@pytest.mark.parametrize("compiled", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+@pytest.mark.parametrize("order", ["before", "after", "inside"])
+@pytest.mark.parametrize("kind", ["param", "hook"])
+def test_ddp_broadcast_buffers_are_read_after_the_broadcast_like_stock(ranks, kind, order, mode, compiled):
+    # Rank 1's spectral_norm _u/_v differ from rank 0's until DDP's forward broadcasts them.
+    # With prepare(DDP(model)) the values used to be computed at DDP's call, before the
+    # broadcast: rank 1 trained from its own stale _u (outputs off by 0.1 with the hook).
+    rec = _record(ranks, f"ddp-buffers/{kind}/{order}/{mode}/{compiled}")
+    assert rec["losses"] and rec["params"] and rec["buffers"], rec
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("order", ["before", "after", "inside"])
+@pytest.mark.parametrize("kind", ["param", "hook"])
+def test_ddp_broadcast_buffers_reach_frozen_values_like_stock(ranks, kind, order, mode):
+    rec = _record(ranks, f"ddp-buffers/{kind}/{order}/{mode}/eval")
+    assert rec["outputs"] and rec["buffers"], rec
 
 
 def test_communication_parametrization_is_found_with_its_own_kind(ranks):

@@ -15,7 +15,7 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
 from paramfold.randomness import watch as watch_draws
 from paramfold.restore import restore, restore_module
-from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for
+from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for, syncs_before_forward
 from paramfold.sites import Site, find, inside_parametrization
 
 MODES = ("auto", "hoist", "inline", "freeze")
@@ -240,11 +240,11 @@ def _refuse_read_by_read(site: Site, mode: str) -> None:
         )
 
 
-def _ancestors(path: str) -> list[str]:
-    if not path:
-        return [""]
-    parts = path.split(".")
-    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+def _ancestors(path: str, top: str = "") -> list[str]:
+    """``path`` and the paths above it, up to ``top`` (the call root's path)."""
+    parts = path.split(".") if path else []
+    found = [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return [p for p in found if not top or p == top or p.startswith(top + ".")]
 
 
 def _plan(
@@ -280,12 +280,13 @@ def _plan(
                 state(module).detach_params = True
                 holder_paths.setdefault(module, path)
 
-    for holder, path in holder_paths.items():
-        for ancestor_path in _ancestors(path):
-            state(paths[ancestor_path]).holders.append(holder)
     path_of = {module: path for path, module in paths.items()}
+    top = _call_root(model)
+    for holder, path in holder_paths.items():
+        for ancestor_path in _ancestors(path, path_of[top]):
+            state(paths[ancestor_path]).holders.append(holder)
     for module in list(states):
-        for ancestor_path in _ancestors(path_of[module]):
+        for ancestor_path in _ancestors(path_of[module], path_of[top]):
             states[paths[ancestor_path]].entries.append(module)
 
     planned = {}
@@ -309,7 +310,7 @@ def _plan(
         inline = tuple(sorted(inline))
         st.covers = frozenset(id(m) for m in st.entries)
         st.root = module is model
-        st.prepared_class = prepared_class(base, own, st.root, inline)
+        st.prepared_class = prepared_class(base, own, module is top, inline)
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
             st.between_class = between_class(st.prepared_class)
         stateful = frozenset(n for n, site in st.sites.items() if site.stateful and site.hook is None and site.mode != "inline")
@@ -317,4 +318,18 @@ def _plan(
         if stateful or hooked:
             st.read_once_class = read_once_class(st.prepared_class, stateful, hooked)
         planned[module] = (st, st.prepared_class)
+    if top is not model and top in states:
+        # The wrapper keeps its class and opens no scope: restore(model) and busy checks find
+        # the wrapped module's entries and holders through it.
+        outer = ModuleState(original_class=type(model), root=True, prepared_class=type(model))
+        outer.entries, outer.holders = [model, *states[top].entries], states[top].holders
+        planned[model] = (outer, type(model))
     return planned
+
+
+def _call_root(model: nn.Module) -> nn.Module:
+    """The module whose call opens the call scope: ``model``, or the module a DDP wrapper wraps
+    (:func:`~paramfold.state.syncs_before_forward`), called once DDP has broadcast its buffers."""
+    while syncs_before_forward(model) and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model

@@ -63,7 +63,7 @@ from paramfold.freeze import can_freeze, unchanged
 from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
-from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, distributed
+from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, distributed, syncs_before_forward
 from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -335,7 +335,10 @@ def _changes_originals(module: nn.Module | None) -> bool:
     the hook-based norms that the scope serves itself. FSDP2's counts: it swaps in the gathered
     parameters, and a layer left gathered between calls (``reshard_after_forward=False``,
     ``set_reshard_after_backward(False)``) has plain tensors there, not DTensors, whose value
-    computed at the root's call would be backpropagated after FSDP2's reduce-scatter."""
+    computed at the root's call would be backpropagated after FSDP2's reduce-scatter. So does a
+    DDP wrapper's forward (:func:`~paramfold.state.syncs_before_forward`) below the entry."""
+    if module is not None and syncs_before_forward(module):
+        return True
     hooks = _global_forward_pre_hooks if module is None else module._forward_pre_hooks
     if not hooks:
         return False

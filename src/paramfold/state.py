@@ -222,6 +222,16 @@ def distributed(site: SiteState) -> bool:
     return False
 
 
+def syncs_before_forward(module: nn.Module) -> bool:
+    """Whether ``module`` is a wrapper whose forward writes into the wrapped module's tensors before
+    calling it: DDP broadcasts rank 0's buffers (spectral_norm's ``_u``/``_v``) in place, with no
+    version bump, at the start of every forward. Values below it are computed after that."""
+    return isinstance(module, _SYNCING_WRAPPERS)
+
+
+_SYNCING_WRAPPERS = tuple(c for c in (getattr(torch.nn.parallel, "DistributedDataParallel", None),) if c is not None)
+
+
 #: The tensor types that are not subclasses: they override none of TensorBase's accessors.
 PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
 
