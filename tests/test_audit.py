@@ -680,3 +680,25 @@ def test_fold_keeps_a_safetensors_inputs_metadata(tmp_path, with_model):
     fold_checkpoint(bare, out, model_factory=factory)
     with safe_open(str(out), "pt") as f:
         assert f.metadata() == {"format": "pt"}
+
+
+def _hook_and_parametrized_norms() -> nn.Module:
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning):  # torch deprecates the hook-based weight_norm
+        hooked = torch.nn.utils.weight_norm(nn.Conv1d(4, 6, 3))
+    return nn.Sequential(hooked, torch.nn.utils.spectral_norm(nn.Conv1d(6, 4, 3)),
+                         torch.nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 2, 1)))
+
+
+def test_fold_with_the_model_counts_hook_based_norms_as_sites(tmp_path):
+    # Regression: --model counted only parametrizations: "0 parametrized sites materialised by the
+    # model" for torch's hook-based weight_norm/spectral_norm, which the keys-only fold counts.
+    model = _hook_and_parametrized_norms()
+    model(torch.randn(2, 4, 9))
+    torch.save(model.state_dict(), tmp_path / "hooks.pt")
+    by_keys = fold_checkpoint(tmp_path / "hooks.pt", tmp_path / "keys.safetensors")
+    by_model = fold_checkpoint(tmp_path / "hooks.pt", tmp_path / "model.safetensors", _hook_and_parametrized_norms)
+    assert (by_keys.sites, by_model.sites) == (3, 3)
+    assert by_model.summary().endswith("3 parametrized sites materialised by the model")
+    keys, model_out = load_file(tmp_path / "keys.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert keys.keys() == model_out.keys() and all(torch.equal(keys[k], model_out[k]) for k in keys)

@@ -112,6 +112,69 @@ def test_a_tensor_a_shard_holds_but_the_index_omits_is_read_as_loaders_read_it(t
     assert info.value.exit_code == 1
 
 
+def _hf_file(folder, name: str, value: float) -> None:
+    """``name`` in ``folder`` holding ``w`` filled with ``value``: a single file, or an index and its shard."""
+    w = {"w": torch.full((2,), value)}
+    if name.endswith(".index.json"):
+        shard = name.replace(".index.json", "").replace(".", "-00001-of-00001.", 1)
+        (save_file(w, folder / shard) if shard.endswith(".safetensors") else torch.save(w, folder / shard))
+        (folder / name).write_text(json.dumps({"weight_map": {"w": shard}}))
+    else:
+        save_file(w, folder / name) if name.endswith(".safetensors") else torch.save(w, folder / name)
+
+
+@pytest.mark.parametrize(
+    "present, read",
+    [
+        # transformers' from_pretrained on a folder (modeling_utils._get_resolved_checkpoint_files):
+        # model.safetensors, its index, pytorch_model.bin, its index: the first present, whatever else
+        # the folder holds. save_pretrained leaves the index of a sharded save beside a later
+        # unsharded one, and model.safetensors beside a later sharded save.
+        (["model.safetensors", "model.safetensors.index.json"], "model.safetensors"),
+        (["model.safetensors.index.json", "pytorch_model.bin"], "model.safetensors.index.json"),
+        (["pytorch_model.bin", "pytorch_model.bin.index.json"], "pytorch_model.bin"),
+        (["pytorch_model.bin.index.json", "other.safetensors"], "pytorch_model.bin.index.json"),
+        (["pytorch_model.bin", "other.safetensors"], "pytorch_model.bin"),
+        (["model.safetensors", "model.fp16.safetensors"], "model.safetensors"),
+        (["model.safetensors.index.json", "model.fp16.safetensors.index.json"], "model.safetensors.index.json"),
+    ],
+)
+def test_a_folder_is_read_in_transformers_order(tmp_path, present, read):
+    # Regression: any *.safetensors.index.json came first, then any single file: a folder holding
+    # model.safetensors and an index folded the shards, another checkpoint than transformers loads.
+    for i, name in enumerate(present):
+        _hf_file(tmp_path, name, float(i))
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.path.name == read
+        assert torch.equal(ckpt.read("w"), torch.full((2,), float(present.index(read))))
+
+
+def test_a_stale_index_beside_model_safetensors_is_not_read(tmp_path):
+    # save_pretrained sharded, then unsharded: it deletes the shards, keeps the index.
+    _hf_file(tmp_path, "model.safetensors.index.json", 0.0)
+    (tmp_path / "model-00001-of-00001.safetensors").unlink()
+    _hf_file(tmp_path, "model.safetensors", 1.0)
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.path.name == "model.safetensors" and torch.equal(ckpt.read("w"), torch.ones(2))
+
+
+def test_a_folder_config_naming_its_weights_file_is_read_as_transformers_reads_it(tmp_path):
+    # config.json's transformers_weights names the file from_pretrained loads, before any other.
+    _hf_file(tmp_path, "model.safetensors", 0.0)
+    _hf_file(tmp_path, "quant.safetensors", 1.0)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x", "transformers_weights": "quant.safetensors"}))
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.path.name == "quant.safetensors" and torch.equal(ckpt.read("w"), torch.ones(2))
+    for named, match in [("gone.safetensors", "names 'gone.safetensors', which is missing"),
+                         ("../model.safetensors", "not a file name inside the folder")]:
+        (tmp_path / "config.json").write_text(json.dumps({"transformers_weights": named}))
+        with pytest.raises(CheckpointError, match=match):
+            open_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "x"}))  # no such entry: the usual order
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.path.name == "model.safetensors"
+
+
 @pytest.mark.parametrize(
     "make, match, code",
     [

@@ -287,12 +287,10 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
         ) from None
     del state
     model.eval()
-    plain = _plain_state_dict(model)
-    sites = sum(
-        len(m.parametrizations) for m in model.modules() if torch.nn.utils.parametrize.is_parametrized(m)
-    )
+    plain, computed = _plain_state_dict(model)
     nbytes = write_state_dict(out, plain, metadata=_metadata(ckpt))
-    return FoldResult(out, len(plain), nbytes, sites, "model")
+    # The tensors computed, as the keys-only fold counts its sites: torch's hook-based norms too.
+    return FoldResult(out, len(plain), nbytes, len(computed), "model")
 
 
 def _metadata(ckpt: Checkpoint) -> dict[str, str]:
@@ -304,11 +302,12 @@ def _metadata(ckpt: Checkpoint) -> dict[str, str]:
     return {"format": "pt", **(ckpt.metadata if single else {})}
 
 
-def _plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict the unparametrized model would have: paramfold's freeze materialisation.
+def _plain_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The state dict the unparametrized model would have (paramfold's freeze materialisation),
+    and its keys that were computed (the sites).
 
     Call it in eval mode: a stateful parametrization (spectral_norm) would otherwise step its state.
     """
-    from paramfold.state_dict import plain_state_dict
+    from paramfold.state_dict import materialised
 
-    return plain_state_dict(model)
+    return materialised(model)

@@ -30,6 +30,12 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         >>> sorted(sd)
         ['bias', 'weight']
     """
+    return materialised(model)[0]
+
+
+def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``plain_state_dict(model)`` and the keys of it that were computed: one per parametrized
+    tensor and per hook-based norm (listed under every path a shared module has, as its keys are)."""
     # Every path, not find()'s deduplicated ones: state_dict() lists a module shared between two
     # places under both.
     by_prefix: dict[str, list[tuple[str, nn.Module, str]]] = {}
@@ -48,12 +54,14 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         for name in module.parametrizations:
             by_prefix.setdefault(prefix, []).append((f"{path}.{name}" if path else name, module, name))
     plain: dict[str, torch.Tensor] = {}
+    computed: list[str] = []
     with torch.no_grad():
         for key, value in model.state_dict().items():
             if key in by_hook_key:
                 fqn, module, hook, kind = by_hook_key[key]
                 if fqn not in plain:
                     plain[fqn] = hooknorms.compute(module, hook, kind).detach()
+                    computed.append(fqn)
                 continue
             prefix = _parametrizations_prefix(key)
             if prefix not in by_prefix:
@@ -64,7 +72,8 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                     value = compute(module, name)
                     # Under no_grad only an identity chain hands back the original itself.
                     plain[fqn] = value.detach() if value.requires_grad else value
-    return plain
+                    computed.append(fqn)
+    return plain, computed
 
 
 def _parametrizations_prefix(key: str) -> str | None:

@@ -17,8 +17,9 @@ every byte it reads where the format allows:
   contiguous, consistent with shapes and dtypes) and gives keys, shapes, dtypes and metadata; data
   is read by positioned reads at the header's offsets (not through a memory map, so a streamed
   pass over a large file does not pile up resident pages). The format has no checksum.
-* A Hugging Face style folder (``*.safetensors.index.json`` or ``*.bin.index.json``), or the index
-  file itself: every key is read from the shard that the index names, and every tensor of those
+* A Hugging Face style folder (the file transformers' ``from_pretrained`` would load: see
+  ``read._HF_WEIGHTS_NAMES``; else the folder's one index or one checkpoint file), or an index
+  (``*.safetensors.index.json`` or ``*.bin.index.json``) itself: every key is read from the shard that the index names, and every tensor of those
   shards that the index does not list too, as loaders read every tensor of every shard.
 * A training checkpoint (a dict with a nested ``state_dict``, ``model`` or ``model_state_dict``) is
   read from that entry.

@@ -216,7 +216,22 @@ def _check_readable(p: Path) -> None:
         raise CheckpointError(f"{p}: {e.strerror or e}") from None
 
 
+#: The files transformers' ``from_pretrained`` loads from a folder, in its order
+#: (``modeling_utils._get_resolved_checkpoint_files``, no variant): the first present is read,
+#: whatever else the folder holds. ``save_pretrained`` leaves such pairs: the index of a sharded
+#: save beside a later unsharded one (its shards deleted), ``model.safetensors`` beside a later
+#: sharded save.
+_HF_WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
 def _open_folder(folder: Path) -> Checkpoint:
+    named = _config_weights(folder)
+    if named is not None:
+        return open_checkpoint(named)
+    for name in _HF_WEIGHTS_NAMES:
+        if (folder / name).is_file():
+            return open_checkpoint(folder / name)
+    # No name transformers looks for: the one index, else the one checkpoint file, the folder holds.
     indexes = sorted(folder.glob("*.safetensors.index.json")) or sorted(
         q for q in folder.glob("*.index.json") if q.name.lower().endswith(tuple(f"{s}.index.json" for s in PT_SUFFIXES))
     )
@@ -240,6 +255,26 @@ def _open_folder(folder: Path) -> Checkpoint:
     raise CheckpointError(
         f"{folder}: several checkpoint files and no index ({names}, ...): pass one file", exit_code=2
     )
+
+
+def _config_weights(folder: Path) -> Path | None:
+    """The file ``config.json``'s ``transformers_weights`` names, which ``from_pretrained`` loads
+    before any other; None where the folder's config names none (or is not one transformers reads)."""
+    config = folder / "config.json"
+    try:
+        named = json.loads(config.read_text()).get("transformers_weights") if config.is_file() else None
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(named, str):
+        return None
+    if not named or Path(named).is_absolute() or ".." in Path(named).parts:
+        raise CheckpointError(f"{config}: transformers_weights '{named}' is not a file name inside the folder")
+    if not (folder / named).is_file():
+        raise CheckpointError(
+            f"{config}: transformers_weights names '{named}', which is missing: transformers would load "
+            "that file; restore it, or remove the entry"
+        )
+    return folder / named
 
 
 def _open_index(index: Path) -> Checkpoint:
