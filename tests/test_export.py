@@ -239,6 +239,69 @@ def test_hook_based_spectral_norm_in_training_mode_is_refused():
         paramfold.export(model, (torch.randn(2, 4, 16),))
 
 
+def test_hook_based_spectral_norm_refusal_names_the_tensor_and_filter_fn():
+    model = _legacy_model().train()
+    with pytest.raises(paramfold.FoldError, match=r"2\.weight \(hook-based spectral_norm\).*filter_fn"):
+        paramfold.export(model, (torch.randn(2, 4, 16),))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_filter_fn_leaves_excluded_hook_based_norms_stock(train):
+    # filter_fn used to be asked about parametrizations only: an excluded hook-based norm was
+    # folded anyway, and an excluded training spectral_norm refused.
+    model = _legacy_model().train(train)
+    x = torch.randn(2, 4, 16)
+    asked = []
+
+    def keep_stock(module, fqn):
+        asked.append(fqn)
+        return fqn != "2"
+
+    plain = folded_copy(model, filter_fn=keep_stock)
+    assert sorted(asked) == ["0", "2"]
+    assert sorted(n for n, _ in plain.named_parameters()) == ["0.bias", "0.weight", "2.bias", "2.weight_orig"]
+    assert len(plain[0]._forward_pre_hooks) == 0 and len(plain[2]._forward_pre_hooks) == 1
+    stock = _legacy_model().train(train)
+    assert torch.equal(plain(x), stock(x))
+    if train:  # the excluded layer's power iteration runs in the copy as in stock
+        assert torch.equal(plain[2].weight_u, stock[2].weight_u)
+    else:
+        ep = paramfold.export(model, (x,), filter_fn=keep_stock)
+        assert "2.weight_orig" in ep.state_dict and "0.weight" in ep.state_dict
+        assert torch.equal(ep.module()(x), model(x))
+
+
+@pytest.mark.parametrize("mode", [None, "hoist", "auto", "freeze", "inline"])
+@pytest.mark.parametrize("norm", ["hook_spectral_norm", "weight_norm"])
+def test_a_folded_copy_saves_whole_and_deep_copies(mode, norm):
+    # A prepared model's copy kept paramfold's read-once hooks on a hook-based spectral_norm layer
+    # (torch.save failed, deepcopy after a grad call too); the weight_norm parametrization's
+    # load-time hook, a local function of torch's, made torch.save fail on any folded copy.
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    if norm == "weight_norm":
+        weight_norm(model[2])
+    else:
+        nn.utils.spectral_norm(model[2])
+    model.eval()
+    x = torch.randn(2, 4)
+    if mode == "freeze":
+        model.requires_grad_(False)
+    if mode is not None:
+        paramfold.prepare(model, mode)
+    model(x)
+    plain = folded_copy(model)
+    assert [k for m in plain.modules() for k in vars(m) if "paramfold" in k] == []
+    buffer = io.BytesIO()
+    torch.save(plain, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(x), model(x))
+    assert torch.equal(copy.deepcopy(plain)(x), model(x))
+
+
 def test_spectral_norm_in_training_mode_is_refused_and_nothing_moves():
     model = build("spectral_norm").train()
     before = pt.structure(model)

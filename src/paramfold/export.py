@@ -27,7 +27,7 @@ from torch.nn.utils import parametrize
 from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
 from paramfold.hooknorms import hook_norms
-from paramfold.state import STATE_ATTR, is_dtensor, state_of
+from paramfold.state import STATE_ATTR, installed_keys, is_dtensor, state_of
 from paramfold.sites import Site, find, inside_parametrization
 
 __all__ = ["export", "folded_copy"]
@@ -121,13 +121,8 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
                 values[key] = _checked_value(site)
             folded.append((site, values[key]))
 
-    legacy = _hook_based_norms(model)
+    legacy = _hook_based_norms(model, filter_fn)
     memo = _sharing_memo(model, {s.module for s in sites})
-    for module, hook in legacy:
-        # The tensor the pre-hook last wrote is a non-leaf, which deepcopy refuses; the copy drops it.
-        computed = module.__dict__.get(hook.name)
-        if isinstance(computed, torch.Tensor):
-            memo[id(computed)] = computed
     replica = copy.deepcopy(model, memo)
     _strip_prepared(model, memo)
     _fold_hook_based_norms(legacy, memo)
@@ -143,11 +138,15 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
 
 
 def _selected(filter_fn: FilterFn, site: Site) -> bool:
+    return _module_selected(filter_fn, site.module, site.module_path)
+
+
+def _module_selected(filter_fn: FilterFn, module: nn.Module, fqn: str) -> bool:
     try:
-        return bool(filter_fn(site.module, site.module_path))
+        return bool(filter_fn(module, fqn))
     except Exception as exc:
         raise FoldError(
-            f"filter_fn raised {type(exc).__name__}: {exc} (on module {site.module_path!r}); nothing "
+            f"filter_fn raised {type(exc).__name__}: {exc} (on module {fqn!r}); nothing "
             "was exported. filter_fn is called as filter_fn(module, fqn) and must return a bool."
         ) from exc
 
@@ -185,17 +184,28 @@ def _checked_value(site: Site) -> torch.Tensor:
     return value
 
 
-def _hook_based_norms(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+def _hook_based_norms(model: nn.Module, filter_fn: FilterFn | None) -> list[tuple[nn.Module, Any]]:
     """torch's deprecated hook-based ``weight_norm`` / ``spectral_norm`` (still common in vocoders
-    and GANs): a forward pre-hook recomputes the tensor, which export would trace on every call."""
-    found = [(module, hook, kind) for module in model.modules() for _, hook, kind in hook_norms(module)]
-    training = [type(m).__name__ for m, _, kind in found if kind == "spectral_norm" and m.training]
+    and GANs) on the modules ``filter_fn`` selects: a forward pre-hook recomputes the tensor, which
+    export would trace on every call."""
+    found = [(path, module, hook, kind) for path, module in model.named_modules() if not inside_parametrization(path)
+             for _, hook, kind in hook_norms(module)]
+    if filter_fn is not None:
+        chosen = {path: _module_selected(filter_fn, module, path) for path, module, _, _ in found}  # once per module
+        found = [entry for entry in found if chosen[entry[0]]]
+    training = [f"{_fqn(path, hook.name)} (hook-based spectral_norm)" for path, m, hook, kind in found
+                if kind == "spectral_norm" and m.training]
     if training:
         raise FoldError(
             f"cannot export {first_few(training, 3)} folded: torch.nn.utils.spectral_norm in training "
-            "mode runs a power iteration on every call. Call model.eval() first."
+            "mode runs a power iteration on every call. Call model.eval() first, or exclude these "
+            "modules with filter_fn to export them stock."
         )
-    return [(module, hook) for module, hook, _ in found]
+    return [(module, hook) for _, module, hook, _ in found]
+
+
+def _fqn(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, Any]) -> None:
@@ -224,6 +234,12 @@ def _sharing_memo(model: nn.Module, folded_modules: set[nn.Module]) -> dict[int,
         state = state_of(module)
         if state is not None:
             memo[id(state)] = state
+        for _, hook, _ in hook_norms(module):
+            # The tensor a hook-based norm's pre-hook last wrote is a non-leaf, which deepcopy
+            # refuses: a folded copy drops it, a stock one (filter_fn) computes its own at each call.
+            computed = module.__dict__.get(hook.name)
+            if isinstance(computed, torch.Tensor):
+                memo[id(computed)] = computed
     return memo
 
 
@@ -236,8 +252,7 @@ def _strip_prepared(model: nn.Module, memo: dict[int, Any]) -> None:
         replica = memo[id(module)]
         values = replica.__dict__
         values.pop(STATE_ATTR)
-        parametrized = [n for n, site in state.sites.items() if site.hook is None]
-        for name in (*parametrized, *state.ref_keys, *(state.detach_params and module._parameters or ())):
+        for name in installed_keys(module, state):
             values.pop(name, None)
         if state.load_hook is not None:
             replica._load_state_dict_post_hooks.pop(state.load_hook.id, None)
@@ -258,6 +273,11 @@ def _fold_into(module: nn.Module, named: dict[str, torch.Tensor]) -> None:
     base = parametrize.type_before_parametrizations(module)
     # The copy still points at the original's ModuleDict (shared by the memo): only the copy drops it.
     del module._modules["parametrizations"]
+    # torch's weight_norm parametrization renames old weight_g/weight_v keys to its originals'
+    # at load time, through a local function (which pickle cannot save): nothing to rename to now.
+    for key, hook in list(module._load_state_dict_pre_hooks.items()):
+        if getattr(getattr(hook, "hook", hook), "__qualname__", "").endswith("weight_norm.<locals>._weight_norm_compat_hook"):
+            del module._load_state_dict_pre_hooks[key]
     module.__class__ = base
     for name, tensor in named.items():
         if isinstance(tensor, nn.Parameter):

@@ -8,7 +8,7 @@ from torch.nn.utils import parametrize
 from paramfold.errors import FoldError
 from paramfold.rebase import rebased
 from paramfold.scope import busy
-from paramfold.state import ONCE_ATTR, STATE_ATTR, state_of
+from paramfold.state import STATE_ATTR, installed_keys, state_of
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -62,16 +62,10 @@ def restore_module(module: nn.Module) -> None:
     state = module.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return
-    for name, site in state.sites.items():
-        if site.hook is None:  # a hook-based norm's value stays, as stock leaves it
-            module.__dict__.pop(name, None)
-    for key in (*state.ref_keys, ONCE_ATTR):
+    for key in installed_keys(module, state):
         module.__dict__.pop(key, None)
     if state.load_hook is not None:
         state.load_hook.remove()
-    if state.detach_params:
-        for name in module._parameters:
-            module.__dict__.pop(name, None)
     # A library may have wrapped the prepared class since (FSDP2's fully_shard after prepare makes
     # FSDP<Prepared>(FSDPModule, <Prepared>)): keep its wrapper, put the original class back inside.
     # torch's remove_parametrizations may have unwrapped it to the plain class while prepared; a

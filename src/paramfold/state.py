@@ -369,5 +369,16 @@ def state_of(module: nn.Module) -> ModuleState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
+def installed_keys(module: nn.Module, state: ModuleState) -> list[str]:
+    """The keys paramfold may have written into a prepared ``module``'s ``__dict__`` besides its
+    state: its sites' values (not a hook-based norm's tensor, which stock keeps there too),
+    inline's inputs, the read-once hooks, and detached parameters."""
+    keys = [name for name, site in state.sites.items() if site.hook is None]
+    keys += [*state.ref_keys, ONCE_ATTR]
+    if state.detach_params:
+        keys += list(module._parameters)
+    return keys
+
+
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
 run_module_eagerly_as_frames(globals())
