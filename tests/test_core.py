@@ -58,7 +58,8 @@ def test_freeze_refuses_trainable_and_training_stateful_and_changes_nothing():
         paramfold.prepare(sn, "freeze")
     paramfold.prepare(sn.eval(), "freeze")  # eval form is stateless: allowed
     sn.train()
-    with pytest.raises(paramfold.FoldError, match="mode='freeze' but now"):
+    # Named by its path below the model called, so the user can tell which layer it means.
+    with pytest.raises(paramfold.FoldError, match=r"^layers\.0\.weight \(ParametrizedLinear\) was prepared with mode='freeze' but now"):
         sn(torch.randn(2, 32))
 
 

@@ -178,7 +178,8 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
         else:
             for name, site in hs.sites.items():
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
-                    raise site_values.unfreezable(holder, name, site)
+                    path = next((p for p, m in entry.named_modules() if m is holder), None)
+                    raise site_values.unfreezable(holder, name, site, path)
     claimed: list[nn.Module] = []
     under = computed_under()  # what frozen values must have been computed under to serve this call
     try:

@@ -103,7 +103,8 @@ def freezable(site: SiteState, grad: bool) -> bool:
     return can_freeze(site, grad) and _tracing_state() is None
 
 
-def unfreezable(holder: nn.Module, name: str, site: SiteState) -> FoldError:
+def unfreezable(holder: nn.Module, name: str, site: SiteState, path: str | None = None) -> FoldError:
+    """The refusal of a call that freeze cannot serve; ``path``: the holder's, below the entry called."""
     places = unwatched(site)
     if places:
         why = (f"its chain now holds {first_few(places, 2)}, whose changes a frozen value cannot watch "
@@ -111,8 +112,9 @@ def unfreezable(holder: nn.Module, name: str, site: SiteState) -> FoldError:
     else:
         why = ("a parameter of its chain requires grad or its stateful chain is in training mode; "
                "frozen values would not train")
+    where = f"{path}.{name} ({type(holder).__name__})" if path else f"{type(holder).__name__}.{name}"
     return FoldError(
-        f"{type(holder).__name__}.{name} was prepared with mode='freeze' but now {why}. "
+        f"{where} was prepared with mode='freeze' but now {why}. "
         "Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."
     )
 
