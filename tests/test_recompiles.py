@@ -82,7 +82,9 @@ def test_shape_size_change_and_automatic_dynamic():
     assert "size mismatch at index 1" in g.guard and (g.tensor, g.dim) == ("x", 1)
     assert "mark_unbacked(x, 1)" in g.fix  # size 1: specialised unless marked unbacked
     assert all(g.category == "shape" and g.dim == 1 for g in to_nine.failed_guards)
-    assert "torch._dynamo.mark_dynamic(x, 1)" in to_nine.failed_guards[0].fix
+    by_graph = {g.cached_compile_id: g.fix for g in to_nine.failed_guards}
+    assert "torch._dynamo.mark_dynamic(x, 1)" in by_graph["0/0"]  # the graph made for 8
+    assert "mark_unbacked(x, 1)" in by_graph["0/1"]  # the graph made for 1 serves size 1 only
     # torch's automatic dynamic kicked in (torch < 2.6 logs no create_symbol event)
     assert to_nine.dynamic == (["x.size()[1]"] if GRAPH_BREAKS_REPORTED else [])
     ours = sorted(g.reason for r in report.records for g in r.failed_guards)
@@ -96,6 +98,27 @@ def test_shape_size_change_and_automatic_dynamic():
     symbolic = [g for g in report.records[-1].failed_guards if ".size()[1]" in g.guard]
     assert symbolic and all(g.category == "shape" and g.dim == 1 for g in symbolic)
     assert "mark_unbacked(x, 1)" in symbolic[0].fix
+
+
+def test_graph_made_for_size_1_gets_the_fix_that_removes_its_recompile():
+    # Regression: "expected 1, actual 2" got the mark_dynamic fix, which changes nothing (dynamo
+    # specialises sizes 0 and 1 even on a dim marked dynamic); mark_unbacked is what works.
+    graphs = {}
+    for mark in (None, torch._dynamo.mark_dynamic, torch._dynamo.decorators.mark_unbacked):
+        torch._dynamo.reset()
+        cf = _compile(lambda x: x * 2)
+        with recompiles() as report:
+            for n in (1, 2):
+                x = torch.ones(n, 3)
+                if mark is not None and n == 1:
+                    mark(x, 0)
+                cf(x)
+        graphs[mark] = report.graphs_total
+        if mark is None:
+            (g,) = report.records[1].failed_guards
+            assert "expected 1, actual 2" in g.guard and (g.category, g.tensor, g.dim) == ("shape", "x", 0)
+            assert "mark_unbacked(x, 0)" in g.fix and "mark_dynamic" not in g.fix
+    assert graphs == {None: 2, torch._dynamo.mark_dynamic: 2, torch._dynamo.decorators.mark_unbacked: 1}
 
 
 def test_requires_grad_frozen_vs_trainable_under_no_grad():

@@ -54,8 +54,9 @@ FIXES: dict[str, str] = {
         "dynamic=True); torch makes the dim dynamic by itself only after it changed once"
     ),
     "shape:size01": (
-        "expected: sizes 0 and 1 are specialised; torch._dynamo.decorators.mark_unbacked({tensor}, "
-        "{dim}) before the call lets one graph serve them too"
+        "expected: sizes 0 and 1 are specialised, even on a dim marked dynamic; "
+        "torch._dynamo.decorators.mark_unbacked({tensor}, {dim}) before the first call lets one "
+        "graph serve them too"
     ),
     "shape:symbolic": (
         "a shape relation the graph assumed no longer holds ({guard}); mark the dims involved with "
@@ -199,7 +200,10 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         f = m.groupdict()
         if _is_param(f["tensor"]):
             return "shape", "parameter", f
-        if f["what"] == "size" and int(f["actual"]) in (0, 1):
+        # A backed size of 0 or 1 becomes a constant (ShapeEnv.create_symbol's specialize_zero_one,
+        # marked dynamic or not): a graph made for one serves no other size, nor one made for
+        # other sizes 0 or 1. Only an unbacked dim escapes that.
+        if f["what"] == "size" and (int(f["actual"]) in (0, 1) or int(f["expected"]) in (0, 1)):
             return "shape", "size01", f
         if f["what"] == "stride":
             return "shape", "symbolic", {"tensor": f["tensor"], "dim": f["dim"]}
