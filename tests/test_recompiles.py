@@ -121,6 +121,27 @@ def test_graph_made_for_size_1_gets_the_fix_that_removes_its_recompile():
     assert graphs == {None: 2, torch._dynamo.mark_dynamic: 2, torch._dynamo.decorators.mark_unbacked: 1}
 
 
+def test_dim_marking_added_after_the_first_call():
+    # Regression: classed "other" with "keep it constant, or pass it as a tensor".
+    for mark_first in (False, True):
+        torch._dynamo.reset()
+        cf = _compile(lambda x: x * 2)
+        with recompiles() as report:
+            # same shape (else the size guard fails first), the second input marked dynamic
+            for call, n in enumerate((3, 5) if mark_first else (3, 3)):
+                x = torch.randn(n, 4)
+                if mark_first or call == 1:
+                    torch._dynamo.mark_dynamic(x, 0)
+                cf(x)
+        if mark_first:  # the fix followed: one graph serves both sizes
+            assert report.graphs_total == 1 and report.recompiles == []
+            continue
+        (g,) = report.records[1].failed_guards
+        assert g.category == "shape" and report.records[1].cause == "shape"
+        assert "torch._dynamo.mark_dynamic" in g.fix and "before the first call" in g.fix
+        assert "keep it constant" not in g.fix
+
+
 def test_requires_grad_frozen_vs_trainable_under_no_grad():
     torch.manual_seed(0)
     trainable, frozen = Block(), Block()

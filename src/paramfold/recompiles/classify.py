@@ -19,6 +19,11 @@ every version of the nox matrix; README's version table). What differs between t
   ``___check_type_id`` are the Python code parts of ID_MATCH / TYPE_MATCH; "GuardAccessor: Not a",
   "got deallocated" and "Cache line invalidated" come from the guard manager
   (``torch/_dynamo/guards.py``), all present in 2.5 to 2.15.
+* an input marked with ``torch._dynamo.mark_dynamic`` & co. when the graph's was not (or marked
+  otherwise): 2.13 words it ``_has_dynamo_dim_marking is present on runtime tensor but was absent
+  at compile time`` or ``_dynamo_dynamic_indices not a subset: ...`` (C++, naming no tensor), older
+  torch as the Python code part ``hasattr(x, '_dynamo_dynamic_indices') == False``; both name a
+  ``_dynamo_*_indices`` attribute or ``_has_dynamo_dim_marking``.
 * a symbolic-shape guard is the shape expression itself (``2 <= x.size()[1]``, with
   "0/1 specialization" in its comment from 2.6 on).
 
@@ -61,6 +66,11 @@ FIXES: dict[str, str] = {
     "shape:symbolic": (
         "a shape relation the graph assumed no longer holds ({guard}); mark the dims involved with "
         "torch._dynamo.mark_dynamic, or keep the relation stable"
+    ),
+    "shape:marking": (
+        "the input's dim marks (torch._dynamo.mark_dynamic / maybe_mark_dynamic / mark_static / "
+        "mark_unbacked) differ from those of the call the graph was made for ({guard}): mark it "
+        "the same way on every call, starting before the first call"
     ),
     "shape:parameter": (
         "parameter/buffer {tensor} changed shape; torch._dynamo.config."
@@ -132,6 +142,8 @@ _DTYPE = re.compile(
 )
 _DISPATCH = re.compile(r"^tensor '(?P<tensor>.+)' dispatch key set mismatch\.")
 _DEVICE = re.compile(r"device (index )?mismatch", re.IGNORECASE)
+_DIM_MARKING = re.compile(r"_has_dynamo_dim_marking|_dynamo_\w*_indices\b")
+_MARKED_TENSOR = re.compile(r"hasattr\((?P<tensor>[^,]+), '_dynamo_")
 _SYM_SIZE = re.compile(r"(?P<tensor>[\w.\[\]'\"]+?)\.size\(\)\[(?P<dim>\d+)\]")
 _SYM_STRIDE = re.compile(r"\.(size|stride)\(\)\[\d+\]|\.storage_offset\(\)")
 _TRAINING = re.compile(r"(?P<source>[\w.\[\]'\"]+)\.training\b")
@@ -208,6 +220,9 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         if f["what"] == "stride":
             return "shape", "symbolic", {"tensor": f["tensor"], "dim": f["dim"]}
         return "shape", None, f
+    if _DIM_MARKING.search(expr):
+        m = _MARKED_TENSOR.search(expr)
+        return "shape", "marking", {"tensor": m["tensor"].strip()} if m else {}
     if m := _RANK_MISMATCH.match(expr):
         return "shape", "symbolic", m.groupdict()
     if _SYM_STRIDE.search(expr):
