@@ -243,6 +243,46 @@ def test_object_identity_id_match_and_type_match():
     assert "m is a different object" in recs[1].failed_guards[0].fix
 
 
+class _NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+def test_stock_parametrize_classes_get_the_prepare_fix():
+    # Regression: every stock parametrized module has a class of its own, so same-architecture
+    # blocks compiled one by one recompile on ___check_type_id; the fix said "reuse one object".
+    import paramfold
+
+    for prepare in (False, True):
+        torch._dynamo.reset()
+        blocks = nn.ModuleList(_NormedBlock() for _ in range(3))
+        if prepare:
+            paramfold.prepare(blocks)
+        for b in blocks:
+            b.compile(backend="eager")
+        with recompiles() as report, torch.no_grad():
+            for b in blocks:
+                b(torch.randn(2, 4))
+        if prepare:  # the fix followed: one class, one graph
+            assert report.graphs_total == 1 and report.recompiles == []
+            continue
+        assert [r.cause for r in report.recompiles] == ["id/object identity"] * 2
+        g = report.recompiles[0].failed_guards[0]
+        assert g.guard.startswith("___check_type_id(self._modules['proj'],")
+        assert "paramfold.prepare" in g.fix and "ParametrizedLinear" in g.fix
+
+
+def test_a_class_named_parametrized_elsewhere_keeps_the_identity_fix():
+    from paramfold.recompiles.classify import classify
+
+    g = classify("0/0: ___check_type_id(m, 123), type=<class 'mylib.ParametrizedThing'>")
+    assert g.category == "id/object identity" and "paramfold.prepare" not in g.fix
+
+
 def test_other_python_constant():
     def f(x, n):
         return x * n

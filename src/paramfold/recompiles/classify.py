@@ -24,6 +24,10 @@ every version of the nox matrix; README's version table). What differs between t
   at compile time`` or ``_dynamo_dynamic_indices not a subset: ...`` (C++, naming no tensor), older
   torch as the Python code part ``hasattr(x, '_dynamo_dynamic_indices') == False``; both name a
   ``_dynamo_*_indices`` attribute or ``_has_dynamo_dim_marking``.
+* a ``___check_type_id`` guard names the class it wanted, ``type=<class '...'>`` (2.13; where torch
+  leaves that out, it gets the generic identity fix): a class of torch's parametrize
+  (``torch.nn.utils.parametrize.Parametrized<Cls>``, one per parametrized module) gets the
+  ``paramfold.prepare`` fix.
 * a symbolic-shape guard is the shape expression itself (``2 <= x.size()[1]``, with
   "0/1 specialization" in its comment from 2.6 on).
 
@@ -51,8 +55,8 @@ CATEGORIES = (
 )
 
 # The one table of fix texts. Keys are a category, optionally ":variant". Placeholders are filled
-# from the failed guard: {tensor} {dim} {expected} {actual} {source} {state} {guard} {function}
-# {limit_type} {limit}.
+# from the failed guard: {tensor} {dim} {expected} {actual} {source} {cls} {state} {guard}
+# {function} {limit_type} {limit}.
 FIXES: dict[str, str] = {
     "shape": (
         "torch._dynamo.mark_dynamic({tensor}, {dim}) before the first call (or compile with "
@@ -107,6 +111,12 @@ FIXES: dict[str, str] = {
         "function or closure, module of another class): reuse one object, or pass the varying "
         "value as a tensor"
     ),
+    "id/object identity:parametrize": (
+        "{source} is a module of another class ({cls}): torch's parametrize "
+        "(register_parametrization, weight_norm, spectral_norm, ...) gives every parametrized "
+        "module a class of its own, so modules of one architecture recompile one after another; "
+        "paramfold.prepare(model) before compiling gives them one class per architecture"
+    ),
     "limit hit": (
         "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
         "it EAGER from now on: remove the causes above, or raise torch._dynamo.config.{limit_type}"
@@ -148,6 +158,8 @@ _SYM_SIZE = re.compile(r"(?P<tensor>[\w.\[\]'\"]+?)\.size\(\)\[(?P<dim>\d+)\]")
 _SYM_STRIDE = re.compile(r"\.(size|stride)\(\)\[\d+\]|\.storage_offset\(\)")
 _TRAINING = re.compile(r"(?P<source>[\w.\[\]'\"]+)\.training\b")
 _OBJ_ID = re.compile(r"___check_(obj|type)_id\((?P<source>[^,]+),")
+# The class torch.nn.utils.parametrize._inject_new_class makes for each parametrized module.
+_PARAMETRIZED_TYPE = re.compile(r"type=<class 'torch\.nn\.utils\.parametrize\.(?P<cls>Parametrized\w*)'>")
 _GLOBAL_STATE = "GLOBAL_STATE changed:"
 _IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line invalidated")
 _COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
@@ -241,7 +253,10 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
     if m := _TRAINING.search(expr):
         return "training", None, m.groupdict()
     if m := _OBJ_ID.search(expr):
-        return "id/object identity", None, {"source": m["source"].strip()}
+        source = m["source"].strip()
+        if m[1] == "type" and (p := _PARAMETRIZED_TYPE.search(expr)):
+            return "id/object identity", "parametrize", {"source": source, "cls": p["cls"]}
+        return "id/object identity", None, {"source": source}
     if any(t in expr for t in _IDENTITY_MARKERS):
         source = expr.rsplit(" on ", 1)[-1] if " on " in expr else expr
         return "id/object identity", None, {"source": source}
