@@ -27,6 +27,7 @@ from paramfold.recompiles import (
     limit_config,
     recompiles,
 )
+from paramfold.recompiles.report import short_path
 
 
 @pytest.fixture(autouse=True)
@@ -458,6 +459,27 @@ def test_torch_modules_compiled_one_by_one_share_one_limit():
     assert "share ONE recompile limit" in hit.fix and "compile the parent model once" in hit.fix
     text = " ".join(_text(report).split())
     assert "all of them count against one recompile limit" in text and "RECOMPILE LIMIT HIT" in text
+
+
+def test_torch_compile_of_torch_nn_modules_names_their_forward_and_says_they_share_one_limit():
+    # Regression: torch.compile(nn.Sequential(...)) was labelled with the module's multi-line repr
+    # (and no line); and the limit fix spoke of layer.compile() on torch >= 2.14 only.
+    models = [nn.Sequential(nn.Linear(4 + i, 4), nn.ReLU()) for i in range(3)]
+    compiled = [torch.compile(m, backend="eager") for m in models]
+    with torch._dynamo.config.patch(**{LIMIT: 2}), recompiles(warn=False) as report:
+        for i, cm in enumerate(compiled):
+            cm(torch.ones(2, 4 + i))
+    forward = nn.Sequential.forward.__code__
+    (loc,) = report.graphs_per_function()
+    assert loc == f"Sequential.forward ({short_path(forward.co_filename)}:{forward.co_firstlineno})"
+    assert [r.kind for r in report.records] == ["first compile", "recompile", "limit hit"]
+    assert all(r.shared_code == "torch._dynamo.external_utils.wrap_inline" for r in report.records)
+    (fn,) = json.loads(report.to_json())["functions"]
+    assert (fn["function"], fn["filename"], fn["lineno"]) == ("Sequential.forward", forward.co_filename, forward.co_firstlineno)
+    fix = report.limit_hits[0].fix
+    assert "torch.compile(module)" in fix and "ONE recompile limit" in fix
+    assert "layer.compile()" not in fix and "2.14" not in fix
+    assert "Sequential(" not in _text(report)
 
 
 def _cli(args: list[str]) -> tuple[int, str, str]:

@@ -129,6 +129,21 @@ FIXES: dict[str, str] = {
         "compile the parent model once instead of each layer, or raise "
         "torch._dynamo.config.{limit_type}"
     ),
+    "limit hit:shared_module": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. torch.compile(module) of a module whose forward is torch's own "
+        "(nn.Sequential, nn.Linear, ...) runs it through one shared wrapper code object "
+        "(torch._dynamo.external_utils.wrap_inline), so every module compiled that way, of any "
+        "class, shares ONE recompile limit: compile the parent model that calls them once "
+        "instead of each, or raise torch._dynamo.config.{limit_type}"
+    ),
+    "limit hit:shared_callable": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. torch.compile runs it through one shared wrapper code object "
+        "(torch._dynamo.external_utils.wrap_inline), as it does every callable it cannot trace "
+        "as a frame of its own, so all of them share ONE recompile limit: compile the function "
+        "that calls it instead, or raise torch._dynamo.config.{limit_type}"
+    ),
     "other": (
         "a Python value the compiled code depends on changed ({guard}): keep it constant, or pass "
         "it as a tensor"
