@@ -27,6 +27,7 @@ from paramfold.recompiles import (
     limit_config,
     recompiles,
 )
+from paramfold.recompiles.report import short_path
 
 
 @pytest.fixture(autouse=True)
@@ -82,7 +83,9 @@ def test_shape_size_change_and_automatic_dynamic():
     assert "size mismatch at index 1" in g.guard and (g.tensor, g.dim) == ("x", 1)
     assert "mark_unbacked(x, 1)" in g.fix  # size 1: specialised unless marked unbacked
     assert all(g.category == "shape" and g.dim == 1 for g in to_nine.failed_guards)
-    assert "torch._dynamo.mark_dynamic(x, 1)" in to_nine.failed_guards[0].fix
+    by_graph = {g.cached_compile_id: g.fix for g in to_nine.failed_guards}
+    assert "torch._dynamo.mark_dynamic(x, 1)" in by_graph["0/0"]  # the graph made for 8
+    assert "mark_unbacked(x, 1)" in by_graph["0/1"]  # the graph made for 1 serves size 1 only
     # torch's automatic dynamic kicked in (torch < 2.6 logs no create_symbol event)
     assert to_nine.dynamic == (["x.size()[1]"] if GRAPH_BREAKS_REPORTED else [])
     ours = sorted(g.reason for r in report.records for g in r.failed_guards)
@@ -96,6 +99,48 @@ def test_shape_size_change_and_automatic_dynamic():
     symbolic = [g for g in report.records[-1].failed_guards if ".size()[1]" in g.guard]
     assert symbolic and all(g.category == "shape" and g.dim == 1 for g in symbolic)
     assert "mark_unbacked(x, 1)" in symbolic[0].fix
+
+
+def test_graph_made_for_size_1_gets_the_fix_that_removes_its_recompile():
+    # Regression: "expected 1, actual 2" got the mark_dynamic fix, which changes nothing (dynamo
+    # specialises sizes 0 and 1 even on a dim marked dynamic); mark_unbacked is what works.
+    graphs = {}
+    for mark in (None, torch._dynamo.mark_dynamic, torch._dynamo.decorators.mark_unbacked):
+        torch._dynamo.reset()
+        cf = _compile(lambda x: x * 2)
+        with recompiles() as report:
+            for n in (1, 2):
+                x = torch.ones(n, 3)
+                if mark is not None and n == 1:
+                    mark(x, 0)
+                cf(x)
+        graphs[mark] = report.graphs_total
+        if mark is None:
+            (g,) = report.records[1].failed_guards
+            assert "expected 1, actual 2" in g.guard and (g.category, g.tensor, g.dim) == ("shape", "x", 0)
+            assert "mark_unbacked(x, 0)" in g.fix and "mark_dynamic" not in g.fix
+    assert graphs == {None: 2, torch._dynamo.mark_dynamic: 2, torch._dynamo.decorators.mark_unbacked: 1}
+
+
+def test_dim_marking_added_after_the_first_call():
+    # Regression: classed "other" with "keep it constant, or pass it as a tensor".
+    for mark_first in (False, True):
+        torch._dynamo.reset()
+        cf = _compile(lambda x: x * 2)
+        with recompiles() as report:
+            # same shape (else the size guard fails first), the second input marked dynamic
+            for call, n in enumerate((3, 5) if mark_first else (3, 3)):
+                x = torch.randn(n, 4)
+                if mark_first or call == 1:
+                    torch._dynamo.mark_dynamic(x, 0)
+                cf(x)
+        if mark_first:  # the fix followed: one graph serves both sizes
+            assert report.graphs_total == 1 and report.recompiles == []
+            continue
+        (g,) = report.records[1].failed_guards
+        assert g.category == "shape" and report.records[1].cause == "shape"
+        assert "torch._dynamo.mark_dynamic" in g.fix and "before the first call" in g.fix
+        assert "keep it constant" not in g.fix
 
 
 def test_requires_grad_frozen_vs_trainable_under_no_grad():
@@ -197,6 +242,46 @@ def test_object_identity_id_match_and_type_match():
     assert "___check_type_id(m," in recs[1].failed_guards[0].guard
     assert recs[1].failed_guards[0].tensor == "m"
     assert "m is a different object" in recs[1].failed_guards[0].fix
+
+
+class _NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+def test_stock_parametrize_classes_get_the_prepare_fix():
+    # Regression: every stock parametrized module has a class of its own, so same-architecture
+    # blocks compiled one by one recompile on ___check_type_id; the fix said "reuse one object".
+    import paramfold
+
+    for prepare in (False, True):
+        torch._dynamo.reset()
+        blocks = nn.ModuleList(_NormedBlock() for _ in range(3))
+        if prepare:
+            paramfold.prepare(blocks)
+        for b in blocks:
+            b.compile(backend="eager")
+        with recompiles() as report, torch.no_grad():
+            for b in blocks:
+                b(torch.randn(2, 4))
+        if prepare:  # the fix followed: one class, one graph
+            assert report.graphs_total == 1 and report.recompiles == []
+            continue
+        assert [r.cause for r in report.recompiles] == ["id/object identity"] * 2
+        g = report.recompiles[0].failed_guards[0]
+        assert g.guard.startswith("___check_type_id(self._modules['proj'],")
+        assert "paramfold.prepare" in g.fix and "ParametrizedLinear" in g.fix
+
+
+def test_a_class_named_parametrized_elsewhere_keeps_the_identity_fix():
+    from paramfold.recompiles.classify import classify
+
+    g = classify("0/0: ___check_type_id(m, 123), type=<class 'mylib.ParametrizedThing'>")
+    assert g.category == "id/object identity" and "paramfold.prepare" not in g.fix
 
 
 def test_other_python_constant():
@@ -374,6 +459,27 @@ def test_torch_modules_compiled_one_by_one_share_one_limit():
     assert "share ONE recompile limit" in hit.fix and "compile the parent model once" in hit.fix
     text = " ".join(_text(report).split())
     assert "all of them count against one recompile limit" in text and "RECOMPILE LIMIT HIT" in text
+
+
+def test_torch_compile_of_torch_nn_modules_names_their_forward_and_says_they_share_one_limit():
+    # Regression: torch.compile(nn.Sequential(...)) was labelled with the module's multi-line repr
+    # (and no line); and the limit fix spoke of layer.compile() on torch >= 2.14 only.
+    models = [nn.Sequential(nn.Linear(4 + i, 4), nn.ReLU()) for i in range(3)]
+    compiled = [torch.compile(m, backend="eager") for m in models]
+    with torch._dynamo.config.patch(**{LIMIT: 2}), recompiles(warn=False) as report:
+        for i, cm in enumerate(compiled):
+            cm(torch.ones(2, 4 + i))
+    forward = nn.Sequential.forward.__code__
+    (loc,) = report.graphs_per_function()
+    assert loc == f"Sequential.forward ({short_path(forward.co_filename)}:{forward.co_firstlineno})"
+    assert [r.kind for r in report.records] == ["first compile", "recompile", "limit hit"]
+    assert all(r.shared_code == "torch._dynamo.external_utils.wrap_inline" for r in report.records)
+    (fn,) = json.loads(report.to_json())["functions"]
+    assert (fn["function"], fn["filename"], fn["lineno"]) == ("Sequential.forward", forward.co_filename, forward.co_firstlineno)
+    fix = report.limit_hits[0].fix
+    assert "torch.compile(module)" in fix and "ONE recompile limit" in fix
+    assert "layer.compile()" not in fix and "2.14" not in fix
+    assert "Sequential(" not in _text(report)
 
 
 def _cli(args: list[str]) -> tuple[int, str, str]:

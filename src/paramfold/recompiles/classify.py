@@ -19,6 +19,15 @@ every version of the nox matrix; README's version table). What differs between t
   ``___check_type_id`` are the Python code parts of ID_MATCH / TYPE_MATCH; "GuardAccessor: Not a",
   "got deallocated" and "Cache line invalidated" come from the guard manager
   (``torch/_dynamo/guards.py``), all present in 2.5 to 2.15.
+* an input marked with ``torch._dynamo.mark_dynamic`` & co. when the graph's was not (or marked
+  otherwise): 2.13 words it ``_has_dynamo_dim_marking is present on runtime tensor but was absent
+  at compile time`` or ``_dynamo_dynamic_indices not a subset: ...`` (C++, naming no tensor), older
+  torch as the Python code part ``hasattr(x, '_dynamo_dynamic_indices') == False``; both name a
+  ``_dynamo_*_indices`` attribute or ``_has_dynamo_dim_marking``.
+* a ``___check_type_id`` guard names the class it wanted, ``type=<class '...'>`` (2.13; where torch
+  leaves that out, it gets the generic identity fix): a class of torch's parametrize
+  (``torch.nn.utils.parametrize.Parametrized<Cls>``, one per parametrized module) gets the
+  ``paramfold.prepare`` fix.
 * a symbolic-shape guard is the shape expression itself (``2 <= x.size()[1]``, with
   "0/1 specialization" in its comment from 2.6 on).
 
@@ -46,20 +55,26 @@ CATEGORIES = (
 )
 
 # The one table of fix texts. Keys are a category, optionally ":variant". Placeholders are filled
-# from the failed guard: {tensor} {dim} {expected} {actual} {source} {state} {guard} {function}
-# {limit_type} {limit}.
+# from the failed guard: {tensor} {dim} {expected} {actual} {source} {cls} {state} {guard}
+# {function} {limit_type} {limit}.
 FIXES: dict[str, str] = {
     "shape": (
         "torch._dynamo.mark_dynamic({tensor}, {dim}) before the first call (or compile with "
         "dynamic=True); torch makes the dim dynamic by itself only after it changed once"
     ),
     "shape:size01": (
-        "expected: sizes 0 and 1 are specialised; torch._dynamo.decorators.mark_unbacked({tensor}, "
-        "{dim}) before the call lets one graph serve them too"
+        "expected: sizes 0 and 1 are specialised, even on a dim marked dynamic; "
+        "torch._dynamo.decorators.mark_unbacked({tensor}, {dim}) before the first call lets one "
+        "graph serve them too"
     ),
     "shape:symbolic": (
         "a shape relation the graph assumed no longer holds ({guard}); mark the dims involved with "
         "torch._dynamo.mark_dynamic, or keep the relation stable"
+    ),
+    "shape:marking": (
+        "the input's dim marks (torch._dynamo.mark_dynamic / maybe_mark_dynamic / mark_static / "
+        "mark_unbacked) differ from those of the call the graph was made for ({guard}): mark it "
+        "the same way on every call, starting before the first call"
     ),
     "shape:parameter": (
         "parameter/buffer {tensor} changed shape; torch._dynamo.config."
@@ -96,6 +111,12 @@ FIXES: dict[str, str] = {
         "function or closure, module of another class): reuse one object, or pass the varying "
         "value as a tensor"
     ),
+    "id/object identity:parametrize": (
+        "{source} is a module of another class ({cls}): torch's parametrize "
+        "(register_parametrization, weight_norm, spectral_norm, ...) gives every parametrized "
+        "module a class of its own, so modules of one architecture recompile one after another; "
+        "paramfold.prepare(model) before compiling gives them one class per architecture"
+    ),
     "limit hit": (
         "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
         "it EAGER from now on: remove the causes above, or raise torch._dynamo.config.{limit_type}"
@@ -107,6 +128,21 @@ FIXES: dict[str, str] = {
         "(torch._dynamo.external_utils.wrap_inline), so all such layers share ONE recompile limit: "
         "compile the parent model once instead of each layer, or raise "
         "torch._dynamo.config.{limit_type}"
+    ),
+    "limit hit:shared_module": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. torch.compile(module) of a module whose forward is torch's own "
+        "(nn.Sequential, nn.Linear, ...) runs it through one shared wrapper code object "
+        "(torch._dynamo.external_utils.wrap_inline), so every module compiled that way, of any "
+        "class, shares ONE recompile limit: compile the parent model that calls them once "
+        "instead of each, or raise torch._dynamo.config.{limit_type}"
+    ),
+    "limit hit:shared_callable": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. torch.compile runs it through one shared wrapper code object "
+        "(torch._dynamo.external_utils.wrap_inline), as it does every callable it cannot trace "
+        "as a frame of its own, so all of them share ONE recompile limit: compile the function "
+        "that calls it instead, or raise torch._dynamo.config.{limit_type}"
     ),
     "other": (
         "a Python value the compiled code depends on changed ({guard}): keep it constant, or pass "
@@ -131,10 +167,14 @@ _DTYPE = re.compile(
 )
 _DISPATCH = re.compile(r"^tensor '(?P<tensor>.+)' dispatch key set mismatch\.")
 _DEVICE = re.compile(r"device (index )?mismatch", re.IGNORECASE)
+_DIM_MARKING = re.compile(r"_has_dynamo_dim_marking|_dynamo_\w*_indices\b")
+_MARKED_TENSOR = re.compile(r"hasattr\((?P<tensor>[^,]+), '_dynamo_")
 _SYM_SIZE = re.compile(r"(?P<tensor>[\w.\[\]'\"]+?)\.size\(\)\[(?P<dim>\d+)\]")
 _SYM_STRIDE = re.compile(r"\.(size|stride)\(\)\[\d+\]|\.storage_offset\(\)")
 _TRAINING = re.compile(r"(?P<source>[\w.\[\]'\"]+)\.training\b")
 _OBJ_ID = re.compile(r"___check_(obj|type)_id\((?P<source>[^,]+),")
+# The class torch.nn.utils.parametrize._inject_new_class makes for each parametrized module.
+_PARAMETRIZED_TYPE = re.compile(r"type=<class 'torch\.nn\.utils\.parametrize\.(?P<cls>Parametrized\w*)'>")
 _GLOBAL_STATE = "GLOBAL_STATE changed:"
 _IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line invalidated")
 _COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
@@ -199,11 +239,17 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         f = m.groupdict()
         if _is_param(f["tensor"]):
             return "shape", "parameter", f
-        if f["what"] == "size" and int(f["actual"]) in (0, 1):
+        # A backed size of 0 or 1 becomes a constant (ShapeEnv.create_symbol's specialize_zero_one,
+        # marked dynamic or not): a graph made for one serves no other size, nor one made for
+        # other sizes 0 or 1. Only an unbacked dim escapes that.
+        if f["what"] == "size" and (int(f["actual"]) in (0, 1) or int(f["expected"]) in (0, 1)):
             return "shape", "size01", f
         if f["what"] == "stride":
             return "shape", "symbolic", {"tensor": f["tensor"], "dim": f["dim"]}
         return "shape", None, f
+    if _DIM_MARKING.search(expr):
+        m = _MARKED_TENSOR.search(expr)
+        return "shape", "marking", {"tensor": m["tensor"].strip()} if m else {}
     if m := _RANK_MISMATCH.match(expr):
         return "shape", "symbolic", m.groupdict()
     if _SYM_STRIDE.search(expr):
@@ -222,7 +268,10 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
     if m := _TRAINING.search(expr):
         return "training", None, m.groupdict()
     if m := _OBJ_ID.search(expr):
-        return "id/object identity", None, {"source": m["source"].strip()}
+        source = m["source"].strip()
+        if m[1] == "type" and (p := _PARAMETRIZED_TYPE.search(expr)):
+            return "id/object identity", "parametrize", {"source": source, "cls": p["cls"]}
+        return "id/object identity", None, {"source": source}
     if any(t in expr for t in _IDENTITY_MARKERS):
         source = expr.rsplit(" on ", 1)[-1] if " on " in expr else expr
         return "id/object identity", None, {"source": source}

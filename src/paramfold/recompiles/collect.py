@@ -23,6 +23,10 @@ What depends on the torch version (each read from that version's source):
   ``create_symbol``; the report says so instead of showing 0 / none. A limit hit on 2.5 shows only
   in dynamo's own warning (no compile metrics for a refused compile): keep torch._dynamo's
   warnings on there. The graph-break message reads "Reason:" on 2.6, "Graph Break Reason:" from 2.7.
+* ``torch.compile(m)`` of a module whose forward is torch's own (``nn.Sequential``, ``nn.Linear``)
+  wraps the module itself in ``wrap_inline`` (read in 2.13): every module compiled that way, of
+  whatever class, compiles ``inner`` and shares its recompile limit; the report names
+  ``type(m).forward`` (``Sequential.forward``).
 * from 2.14, ``layer.compile()`` on a torch.nn module (whose forward dynamo would skip) wraps its
   ``_call_impl`` in ``torch._dynamo.external_utils.wrap_inline``: every such layer compiles one
   shared code object, ``inner``. The report names the module's own forward (``Linear.forward``)
@@ -197,7 +201,7 @@ class _Pending:
     breaks: list[str] = dataclasses.field(default_factory=list)
     limit: tuple[str, int, str] | None = None  # (limit_type, value, "'name' (file:line)")
     recompile: bool = False  # a recompile_reasons artifact arrived (torch logs one per recompile)
-    target: tuple[str, str, int | None] | None = None  # the callable behind torch's wrap_inline
+    target: _Target | None = None  # the callable behind torch's wrap_inline
 
 
 class _Collector:
@@ -205,7 +209,8 @@ class _Collector:
         self.report = report
         self.pending: dict[tuple[Any, Any, Any], _Pending] = {}
         self.frames: dict[tuple[Any, Any], tuple[str, str, int | None]] = {}
-        self.shared: set[tuple[Any, Any]] = set()  # frames whose code is torch's wrap_inline
+        # frames whose code is torch's wrap_inline -> the fix key for a limit hit there
+        self.shared: dict[tuple[Any, Any], str] = {}
 
     def on_trace(self, metadata: dict[str, Any], payload: str | None) -> None:
         name = next(iter(metadata))
@@ -257,7 +262,8 @@ class _Collector:
         frame = key[:2]
         name, filename, lineno = m.get("co_name"), m.get("co_filename"), m.get("co_firstlineno")
         if p.target is not None:
-            name, filename, lineno = p.target
+            name, filename, lineno = p.target.name, p.target.filename, p.target.lineno
+            self.shared[frame] = p.target.limit_fix
         if name is None and p.limit is not None and (fm := _FUNC_INFO.match(p.limit[2])):
             name, filename, lineno = fm["name"], fm["file"], int(fm["line"])
         if name is None and frame in self.frames:
@@ -274,9 +280,7 @@ class _Collector:
             kind = "recompile"
         else:
             kind = "first compile"
-        shared = p.target is not None or frame in self.shared
-        if shared:
-            self.shared.add(frame)
+        shared = frame in self.shared
         record = CompileRecord(
             compile_id=m.get("compile_id") or _format_key(key),
             function=name or "?",
@@ -303,7 +307,7 @@ class _Collector:
             record.limit_type = limit_type
             record.limit = p.limit[1] if p.limit else getattr(config, limit_type, None)
             record.fix = fix_text(
-                "limit hit:shared" if shared else "limit hit",
+                self.shared[frame] if shared else "limit hit",
                 function=record.location, limit=record.limit, limit_type=limit_type,
             )
         self.report.records.append(record)
@@ -321,7 +325,17 @@ class _Collector:
 _WRAP_INLINE = "torch._dynamo.external_utils.wrap_inline"
 
 
-def _wrapped_target() -> tuple[str, str, int | None] | None:
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """What a compile of ``wrap_inline``'s shared ``inner`` really compiles, and how it got there."""
+
+    name: str
+    filename: str
+    lineno: int | None
+    limit_fix: str  # the FIXES key for a limit hit, by how the callable was compiled
+
+
+def _wrapped_target() -> _Target | None:
     """The callable behind ``wrap_inline`` when dynamo is compiling that wrapper, else None.
 
     ``wrap_inline(fn)`` returns ``inner``, one code object for every wrapped ``fn``; its closure
@@ -343,18 +357,25 @@ def _wrapped_target() -> tuple[str, str, int | None] | None:
     return None
 
 
-def _describe_callable(fn: Any) -> tuple[str, str, int | None]:
-    """``(qualified name, file, first line)`` of what a wrapped ``fn`` runs."""
+def _describe_callable(fn: Any) -> _Target:
+    """Name, file and first line of what a wrapped ``fn`` runs, and the limit fix for its entry."""
     owner = getattr(fn, "__self__", None)
-    if getattr(fn, "__name__", "") in ("_call_impl", "_wrapped_call_impl") and isinstance(
+    if isinstance(fn, torch.nn.Module):
+        # torch.compile(m) where m's forward is torch's own (nn.Sequential, nn.Linear, ...):
+        # OptimizedModule wraps the module itself (seen in torch 2.13's OptimizedModule._initialize).
+        fn, limit_fix = type(fn).forward, "limit hit:shared_module"
+    elif getattr(fn, "__name__", "") in ("_call_impl", "_wrapped_call_impl") and isinstance(
         owner, torch.nn.Module
     ):
-        fn = type(owner).forward  # what Module._call_impl runs
+        # layer.compile() on a torch.nn module, torch >= 2.14: what Module._call_impl runs
+        fn, limit_fix = type(owner).forward, "limit hit:shared"
+    else:
+        limit_fix = "limit hit:shared_callable"
     code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     if code is None:
-        return name, getattr(fn, "__module__", None) or "?", None
-    return name, code.co_filename, code.co_firstlineno
+        return _Target(name, getattr(fn, "__module__", None) or "?", None, limit_fix)
+    return _Target(name, code.co_filename, code.co_firstlineno, limit_fix)
 
 
 class _TraceHandler(logging.Handler):
