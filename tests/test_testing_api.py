@@ -367,3 +367,24 @@ def test_a_freshly_built_hook_based_norm_model_is_checked(mode):
     pt.assert_equivalent(model, x, mode, steps=2)
     pt.assert_equivalent(model, x, mode, steps=2, compile={"backend": "aot_eager"})
 
+
+_SCHEDULE = [0]
+
+
+class _Schedule(nn.Module):
+    """Reads and advances a module-level counter: stock itself gives another output at each run."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        _SCHEDULE[0] += 1
+        return self.lin(x) * _SCHEDULE[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_that_stock_does_not_reproduce_is_reported_as_such(mode):
+    with pytest.raises(AssertionError, match=r"not reproducible.*stock run twice"):
+        pt.assert_equivalent(_Schedule(), torch.randn(2, 4), mode)

@@ -200,8 +200,9 @@ def assert_equivalent(
 ) -> None:
     """Assert that ``paramfold.prepare(model, mode)`` changes nothing observable, then undo it.
 
-    ``model`` itself is never touched: it is deep-copied twice, one copy stays stock (eager)
-    and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
+    ``model`` itself is never touched: it is deep-copied (a tensor a module keeps as a plain
+    attribute with a history, as the ``module.weight`` a hook-based ``weight_norm`` last wrote, is
+    copied detached): one copy stays stock (eager) and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
     is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor, a sequence
     of positional arguments, or a mapping of keyword arguments; ``kwargs`` adds keyword arguments
     to positional ones) under the caller's grad mode, on the same random numbers (the global
@@ -212,15 +213,22 @@ def assert_equivalent(
     time and the caller's inputs are left as they were. When the stock output requires grad, both
     run backward on ``sum(o.float().sum() for o in outputs)`` (complex outputs as
     ``torch.view_as_real``). Checked after each step:
-    outputs (their structure too: containers, dict keys, dataclass fields, ``None`` entries, and
-    numbers and strings beside tensors), the inputs as the forward left them, the gradient of
+    outputs (their structure too: containers, dict keys, dataclass fields, other objects'
+    attributes (``vars()``, ``__slots__``), ``None`` entries, and numbers and strings beside
+    tensors; an object with neither attributes nor ``==`` is refused), the inputs as the forward left them, the gradient of
     every parameter (originals included) and of every input that requires grad, every buffer (so
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
     Between steps every floating parameter and parametrized buffer is updated in place on both
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
     and rate ``lr``, or a 1% shrink where there is none), so stale hoisted or frozen values
-    would show; before each step every parametrized tensor is also read as an attribute
-    outside any forward (parametrizations in eval mode) and must equal stock's.
+    would show; before each step and after the last every parametrized tensor is also read as an
+    attribute outside any forward (parametrizations in eval mode) and must equal stock's, and so
+    must the ``module.weight`` a hook-based ``weight_norm``/``spectral_norm`` keeps (in stock the
+    value of the layer's last call: a layer a call skips keeps it, where hoist and auto compute it
+    for the call, README "Notes and limits", and the check reports that).
+    On the first step a third copy runs stock's forward once more and must give stock's outputs
+    (within ``atol``/``rtol`` where given): a model that does not reproduce itself from run to
+    run (a global counter, Python's random) fails saying so, not as a difference of paramfold's.
     Finally the prepared copy is restored with :func:`paramfold.restore` and must have exactly
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
     objects, ``__dict__`` keys, bar attributes that stock's own calls set or deleted too, as
@@ -238,8 +246,10 @@ def assert_equivalent(
     ``torch._dynamo.reset()`` between unrelated checks yourself.
 
     Raises:
-        AssertionError: naming the first tensor that differs, and the step.
-        ValueError: for a model or inputs on the meta device (no values to compare).
+        AssertionError: naming the first tensor that differs, and the step; or saying that stock
+            does not reproduce itself.
+        TypeError: for an output object it cannot walk or compare (no attributes, no ``==``).
+        ValueError: for a model or inputs on the meta device (no values to compare), or ``steps < 1``.
 
     Example::
 
@@ -314,6 +324,9 @@ def _assert_equivalent(
     loose = _reordered_originals(candidate) if mode != "inline" else set()
     spare = _deepcopy(stock) if mode != "inline" else None
     cached: nn.Module | None = None
+    # Stock run once more on the first step's inputs (a forward only): a model whose forward
+    # reads something that changes from run to run would otherwise be blamed on paramfold.
+    twin: nn.Module | None = _deepcopy(stock)
 
     tol = _BITWISE
     for step in range(steps):
@@ -331,6 +344,10 @@ def _assert_equivalent(
         with _calls(stock) as calls:
             expected = _step(stock, args, None)
         after = _rng_state()
+        if twin is not None:
+            _set_rng_state(rng)
+            _check_reproducible(_step(twin, args, False).outputs, expected.outputs, _Tolerance(rtol or 0.0, atol or 0.0))
+            twin = None
         twice = {path for path, n in calls.items() if n > 1}
         if mode != "inline":
             loose |= _originals_of(candidate, twice)
@@ -369,6 +386,19 @@ def _assert_equivalent(
         restored = _step(candidate, args, False).outputs
         _set_rng_state(rng)
         _compare_outputs(restored, _step(stock, args, False).outputs, " after restore", _BITWISE)
+
+
+def _check_reproducible(again: Any, first: Any, tol: _Tolerance) -> None:
+    """Stock's second run of the first step gave ``again`` where its first gave ``first``."""
+    try:
+        _compare_tree("output", again, first, "", tol)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"the model is not reproducible, so assert_equivalent cannot judge paramfold on it: stock run twice from "
+            f"the same state on the same inputs and random numbers gives another output ({exc}); its forward reads "
+            "something else that changes from run to run (a global counter, Python's or NumPy's random, a "
+            "nondeterministic kernel: see torch.use_deterministic_algorithms)"
+        ) from None
 
 
 def _with_attributes_set_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
