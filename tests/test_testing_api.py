@@ -388,3 +388,13 @@ class _Schedule(nn.Module):
 def test_a_model_that_stock_does_not_reproduce_is_reported_as_such(mode):
     with pytest.raises(AssertionError, match=r"not reproducible.*stock run twice"):
         pt.assert_equivalent(_Schedule(), torch.randn(2, 4), mode)
+
+
+def test_inputs_holding_objects_it_cannot_walk_are_still_accepted():
+    class TakesAGenerator(_Marked):
+        def forward(self, x, generator=None, opts=None):
+            return self.lin(x) + torch.rand(x.shape, generator=generator) * opts.scale
+
+    options = __import__("types").SimpleNamespace(scale=0.5, token=object())
+    pt.assert_equivalent(TakesAGenerator("dataclass"), (torch.randn(2, 4),), "hoist", steps=2,
+                         kwargs={"generator": torch.Generator().manual_seed(1), "opts": options})

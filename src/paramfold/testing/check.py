@@ -544,7 +544,7 @@ def _compare_step(
     _compare_grads(candidate, stock, cached, at, loose, tol, eps)
     for (name, a), (_, e) in zip(_named_inputs(actual.args), _named_inputs(expected.args)):
         # as the forward left them (one that writes into its inputs must write the same)
-        _compare_tree(f"{name} after the call", a, e, at, tol)
+        _compare_tree(f"{name} after the call", a, e, at, tol, strict=False)
         for i, (ta, te) in enumerate(zip(_flatten(a), _flatten(e))):
             if te.requires_grad and te.is_leaf:
                 where = name if isinstance(e, torch.Tensor) else f"{name} (tensor {i})"
@@ -666,15 +666,17 @@ def _kind(value: Any) -> str:
 
 
 def _compare_tree(
-    what: str, actual: Any, expected: Any, at: str, tol: _Tolerance, seen: set[int] | None = None
+    what: str, actual: Any, expected: Any, at: str, tol: _Tolerance, seen: set[int] | None = None,
+    strict: bool = True,
 ) -> None:
     """``actual`` against ``expected``, structure included: tensors as :func:`_compare`, within
     lists, tuples (named ones by field), mappings (keys in order), dataclasses (by field) and
     other objects by their attributes (``vars()`` and ``__slots__``); Python numbers as float64
     tensors (bitwise unless a tolerance applies), ``None``, strings, enums and other plain values
     by equality; functions, classes and modules by their type only. An object with no attributes
-    to walk is compared by its type's ``==`` where that gives a truth value, and refused with a
-    TypeError otherwise (it could hide tensors)."""
+    to walk is compared by its type's ``==`` where that gives a truth value, and otherwise, where
+    ``strict`` (outputs), refused with a TypeError (it could hide tensors); by its type only where
+    not (inputs, which the caller made)."""
     if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
         _compare(f"{what}{at}", actual, expected, tol)
         return
@@ -693,17 +695,17 @@ def _compare_tree(
         if list(actual) != list(expected):
             raise AssertionError(f"{what}{at}: prepared has keys {list(actual)!r}, stock {list(expected)!r}")
         for key in expected:
-            _compare_tree(f"{what}[{key!r}]", actual[key], expected[key], at, tol, seen)
+            _compare_tree(f"{what}[{key!r}]", actual[key], expected[key], at, tol, seen, strict)
     elif isinstance(expected, (list, tuple)):
         if len(actual) != len(expected):
             raise AssertionError(f"{what}{at}: prepared has {len(actual)} entries, stock {len(expected)}")
         fields = getattr(type(expected), "_fields", None)
         for i, (a, e) in enumerate(zip(actual, expected)):
-            _compare_tree(f"{what}.{fields[i]}" if fields else f"{what}[{i}]", a, e, at, tol, seen)
+            _compare_tree(f"{what}.{fields[i]}" if fields else f"{what}[{i}]", a, e, at, tol, seen, strict)
     elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
         for field in dataclasses.fields(expected):
             _compare_tree(f"{what}.{field.name}", getattr(actual, field.name), getattr(expected, field.name), at, tol,
-                          seen)
+                          seen, strict)
     elif isinstance(expected, (float, complex)) or (isinstance(expected, int) and not isinstance(expected, bool)
                                                      and isinstance(actual, float)):
         _compare(f"{what}{at}", torch.tensor(actual, dtype=torch.complex128 if isinstance(expected, complex)
@@ -720,7 +722,7 @@ def _compare_tree(
         if list(theirs) != list(attributes):
             raise AssertionError(f"{what}{at}: prepared has attributes {list(theirs)!r}, stock {list(attributes)!r}")
         for name, e in attributes.items():
-            _compare_tree(f"{what}.{name}", theirs[name], e, at, tol, seen)
+            _compare_tree(f"{what}.{name}", theirs[name], e, at, tol, seen, strict)
     elif actual is not expected:
         same = None
         if type(expected).__eq__ is not object.__eq__:
@@ -730,7 +732,7 @@ def _compare_tree(
                 pass
         if same is False:
             raise AssertionError(f"{what}{at}: prepared gives {actual!r}, stock {expected!r}")
-        if same is None:
+        if same is None and strict:
             raise TypeError(
                 f"assert_equivalent cannot compare {what}{at}: {_kind(expected)} is no tensor, container, dataclass "
                 "or object with attributes (vars() or __slots__), and its == gives no truth value, so a difference "
