@@ -339,20 +339,20 @@ def _spectral_model() -> nn.Module:
 
 
 def test_checker_catches_a_hoist_that_drops_autograd():
-    scope, compute = _mod("paramfold.scope"), _mod("paramfold.compute").eager_value
-    with mock.patch.object(scope, "eager_value", lambda m, n: compute(m, n).detach()):
+    values, compute = _mod("paramfold.site_values"), _mod("paramfold.compute").eager_value
+    with mock.patch.object(values, "eager_value", lambda m, n: compute(m, n).detach()):
         with pytest.raises(AssertionError, match=r"grad of '0\.parametrizations\.weight\.original'"):
             pt.assert_equivalent(_spectral_model(), torch.randn(3, 4), "hoist")
 
 
 def test_checker_catches_power_iteration_running_twice():
-    scope, compute = _mod("paramfold.scope"), _mod("paramfold.compute").eager_value
+    values, compute = _mod("paramfold.site_values"), _mod("paramfold.compute").eager_value
 
     def twice(module, name):
         compute(module, name)
         return compute(module, name)
 
-    with mock.patch.object(scope, "eager_value", twice):
+    with mock.patch.object(values, "eager_value", twice):
         with pytest.raises(AssertionError, match=r"(output|buffer '0\.parametrizations\.weight\.0\._u').*differs"):
             pt.assert_equivalent(_spectral_model(), torch.randn(3, 4), "hoist")
 

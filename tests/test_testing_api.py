@@ -262,3 +262,139 @@ def test_hypothesis_cases_run_through_the_checker_in_a_users_suite():
                 pass  # a documented refusal, raised before anything changed
 
     check()
+
+
+class _PlainBox:
+    def __init__(self, y):
+        self.y = y
+
+
+class _Slotted:
+    __slots__ = ("y",)
+
+    def __init__(self, y):
+        self.y = y
+
+
+_WRAPS = {"namespace": lambda y: __import__("types").SimpleNamespace(y=y), "plain": _PlainBox, "slots": _Slotted}
+
+
+class _WrapsIn(_Marked):
+    """Returns its output inside a plain object (not a container nor a dataclass)."""
+
+    def __init__(self, wrap: str, differ: bool = False):
+        super().__init__("dataclass", differ)
+        self.wrap = wrap
+
+    def forward(self, x):
+        return _WRAPS[self.wrap](super().forward(x).y)
+
+
+@pytest.mark.parametrize("wrap", list(_WRAPS))
+def test_tensors_inside_a_plain_object_output_are_compared_by_its_attributes(wrap):
+    pt.assert_equivalent(_WrapsIn(wrap), torch.randn(2, 4), "hoist", steps=2)
+    with pytest.raises(AssertionError, match=r"output\.y at step 1 differs"):
+        pt.assert_equivalent(_WrapsIn(wrap, differ=True), torch.randn(2, 4), "hoist", steps=2)
+
+
+def test_a_plain_object_output_enters_the_backward():
+    class GradOnly(_Marked):
+        def forward(self, x):
+            y = self.lin(x)
+            changed = paramfold.state.STATE_ATTR in self.__dict__
+            # equal values, another gradient: only the backward through the object's tensor shows it
+            return _PlainBox(y * 2 - y.detach() if changed else y)
+
+    with pytest.raises(AssertionError, match=r"grad of 'lin\."):
+        pt.assert_equivalent(GradOnly("dataclass"), torch.randn(2, 4), "hoist")
+
+
+def test_an_output_object_whose_contents_cannot_be_walked_is_refused():
+    class Opaque(_Marked):
+        def forward(self, x):
+            return self.lin(x), torch.Generator()
+
+    with pytest.raises(TypeError, match=r"cannot compare output\[1\]: a torch\._C\.Generator"):
+        pt.assert_equivalent(Opaque("dataclass"), torch.randn(2, 4), "hoist")
+
+
+def test_fewer_than_one_step_is_refused():
+    for steps in (0, -1):
+        with pytest.raises(ValueError, match=r"steps=.*pass steps=1 or more"):
+            pt.assert_equivalent(_Marked("dataclass", differ=True), torch.randn(2, 4), "hoist", steps=steps)
+
+
+def _hooked(*layers: nn.Module) -> list[nn.Module]:
+    return [torch.nn.utils.weight_norm(layer) for layer in layers]
+
+
+class _Branch(nn.Module):
+    """Calls one of two hook-based weight_norm layers per call, in turn: the layer a call skips
+    keeps, in stock, its last call's ``weight``; hoist computes it at each call (README)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _hooked(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.register_buffer("n", torch.tensor(0))
+
+    def forward(self, x):
+        self.n += 1
+        return self.a(x) if int(self.n) % 2 else self.b(x)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_hook_based_norms_weight_attribute_is_compared_outside_forward(mode):
+    model, x = _Branch(), torch.randn(3, 4)
+    with torch.no_grad():
+        model.a(x), model.b(x)
+    # step 2 calls b only: stock's a.weight stays step 1's, the prepared copy's is step 2's
+    with pytest.raises(AssertionError, match=r"a\.weight \(hook-based weight_norm\) read outside forward after step 2 differs"):
+        pt.assert_equivalent(model, x, mode, steps=2)
+    pt.assert_equivalent(model, x, "inline", steps=3)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_a_freshly_built_hook_based_norm_model_is_checked(mode):
+    # The pre-hook leaves module.weight with a history, which torch's deepcopy refuses.
+    torch.manual_seed(0)
+    model = nn.Sequential(_hooked(nn.Linear(4, 4))[0], nn.Tanh(), torch.nn.utils.spectral_norm(nn.Linear(4, 2)))
+    x = torch.randn(3, 4)
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    model(x)
+    assert model[0].weight.grad_fn is not None or mode == "freeze"
+    pt.assert_equivalent(model, x, mode, steps=2)
+    pt.assert_equivalent(model, x, mode, steps=2, compile={"backend": "aot_eager"})
+
+
+_SCHEDULE = [0]
+
+
+class _Schedule(nn.Module):
+    """Reads and advances a module-level counter: stock itself gives another output at each run."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        _SCHEDULE[0] += 1
+        return self.lin(x) * _SCHEDULE[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_that_stock_does_not_reproduce_is_reported_as_such(mode):
+    with pytest.raises(AssertionError, match=r"not reproducible.*stock run twice"):
+        pt.assert_equivalent(_Schedule(), torch.randn(2, 4), mode)
+
+
+def test_inputs_holding_objects_it_cannot_walk_are_still_accepted():
+    class TakesAGenerator(_Marked):
+        def forward(self, x, generator=None, opts=None):
+            return self.lin(x) + torch.rand(x.shape, generator=generator) * opts.scale
+
+    options = __import__("types").SimpleNamespace(scale=0.5, token=object())
+    pt.assert_equivalent(TakesAGenerator("dataclass"), (torch.randn(2, 4),), "hoist", steps=2,
+                         kwargs={"generator": torch.Generator().manual_seed(1), "opts": options})

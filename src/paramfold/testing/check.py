@@ -35,7 +35,9 @@ a step that does not match eager stock is held to stock compiled the same way, r
 state: some modules take another path when compiled (``nn.MultiheadAttention``'s fused eval fast
 path runs only eagerly), so stock itself differs there. The check then goes on from that stock's
 state. Only where torch cannot deep-copy the stock model mid-run (an LSTM keeps computed weights
-in ``_flat_weights``) is the eager comparison the only one.
+in ``_flat_weights``) is the eager comparison the only one. (A tensor a module keeps as a plain
+attribute with a history, the ``module.weight`` a hook-based ``weight_norm`` last wrote, is
+copied detached, with its values.)
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import enum
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +56,7 @@ from torch.nn.utils import parametrize
 
 import paramfold
 from paramfold.compute import original_names
+from paramfold.hooknorms import hook_norms
 from paramfold.sites import inside_parametrization
 
 __all__ = ["COMPILE_TOLERANCES", "Structure", "assert_equivalent", "assert_same_structure", "grad_mode", "structure"]
@@ -195,8 +200,9 @@ def assert_equivalent(
 ) -> None:
     """Assert that ``paramfold.prepare(model, mode)`` changes nothing observable, then undo it.
 
-    ``model`` itself is never touched: it is deep-copied twice, one copy stays stock (eager)
-    and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
+    ``model`` itself is never touched: it is deep-copied (a tensor a module keeps as a plain
+    attribute with a history, as the ``module.weight`` a hook-based ``weight_norm`` last wrote, is
+    copied detached): one copy stays stock (eager) and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
     is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor, a sequence
     of positional arguments, or a mapping of keyword arguments; ``kwargs`` adds keyword arguments
     to positional ones) under the caller's grad mode, on the same random numbers (the global
@@ -207,15 +213,22 @@ def assert_equivalent(
     time and the caller's inputs are left as they were. When the stock output requires grad, both
     run backward on ``sum(o.float().sum() for o in outputs)`` (complex outputs as
     ``torch.view_as_real``). Checked after each step:
-    outputs (their structure too: containers, dict keys, dataclass fields, ``None`` entries, and
-    numbers and strings beside tensors), the inputs as the forward left them, the gradient of
+    outputs (their structure too: containers, dict keys, dataclass fields, other objects'
+    attributes (``vars()``, ``__slots__``), ``None`` entries, and numbers and strings beside
+    tensors; an object with neither attributes nor ``==`` is refused), the inputs as the forward left them, the gradient of
     every parameter (originals included) and of every input that requires grad, every buffer (so
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
     Between steps every floating parameter and parametrized buffer is updated in place on both
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
     and rate ``lr``, or a 1% shrink where there is none), so stale hoisted or frozen values
-    would show; before each step every parametrized tensor is also read as an attribute
-    outside any forward (parametrizations in eval mode) and must equal stock's.
+    would show; before each step and after the last every parametrized tensor is also read as an
+    attribute outside any forward (parametrizations in eval mode) and must equal stock's, and so
+    must the ``module.weight`` a hook-based ``weight_norm``/``spectral_norm`` keeps (in stock the
+    value of the layer's last call: a layer a call skips keeps it, where hoist and auto compute it
+    for the call, README "Notes and limits", and the check reports that).
+    On the first step a third copy runs stock's forward once more and must give stock's outputs
+    (within ``atol``/``rtol`` where given): a model that does not reproduce itself from run to
+    run (a global counter, Python's random) fails saying so, not as a difference of paramfold's.
     Finally the prepared copy is restored with :func:`paramfold.restore` and must have exactly
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
     objects, ``__dict__`` keys, bar attributes that stock's own calls set or deleted too, as
@@ -233,8 +246,10 @@ def assert_equivalent(
     ``torch._dynamo.reset()`` between unrelated checks yourself.
 
     Raises:
-        AssertionError: naming the first tensor that differs, and the step.
-        ValueError: for a model or inputs on the meta device (no values to compare).
+        AssertionError: naming the first tensor that differs, and the step; or saying that stock
+            does not reproduce itself.
+        TypeError: for an output object it cannot walk or compare (no attributes, no ``==``).
+        ValueError: for a model or inputs on the meta device (no values to compare), or ``steps < 1``.
 
     Example::
 
@@ -243,6 +258,8 @@ def assert_equivalent(
         >>> model = torch.nn.Sequential(spectral_norm(torch.nn.Linear(4, 4)), torch.nn.ReLU())
         >>> pt.assert_equivalent(model, torch.randn(3, 4), "hoist", steps=3)
     """
+    if steps < 1:
+        raise ValueError(f"assert_equivalent: steps={steps} runs nothing, so nothing would be compared; pass steps=1 or more")
     if isinstance(inputs, torch.Tensor):
         args: _Args = ((inputs,), dict(kwargs or {}))
     elif isinstance(inputs, Mapping):
@@ -279,7 +296,7 @@ def _assert_equivalent(
     filter_fn: Callable[[nn.Module, str], bool] | None,
     lr: float,
 ) -> None:
-    stock, candidate = copy.deepcopy(model), copy.deepcopy(model)
+    stock, candidate = _deepcopy(model), _deepcopy(model)
     for copy_ in (stock, candidate):
         for param in copy_.parameters():
             param.grad = None
@@ -305,8 +322,11 @@ def _assert_equivalent(
     # hoist and freeze) to compare them with first: see the module docstring. Modules called
     # more than once per forward are counted in stock's first step, before the copy runs.
     loose = _reordered_originals(candidate) if mode != "inline" else set()
-    spare = copy.deepcopy(stock) if mode != "inline" else None
+    spare = _deepcopy(stock) if mode != "inline" else None
     cached: nn.Module | None = None
+    # Stock run once more on the first step's inputs (a forward only): a model whose forward
+    # reads something that changes from run to run would otherwise be blamed on paramfold.
+    twin: nn.Module | None = _deepcopy(stock)
 
     tol = _BITWISE
     for step in range(steps):
@@ -324,6 +344,10 @@ def _assert_equivalent(
         with _calls(stock) as calls:
             expected = _step(stock, args, None)
         after = _rng_state()
+        if twin is not None:
+            _set_rng_state(rng)
+            _check_reproducible(_step(twin, args, False).outputs, expected.outputs, _Tolerance(rtol or 0.0, atol or 0.0))
+            twin = None
         twice = {path for path, n in calls.items() if n > 1}
         if mode != "inline":
             loose |= _originals_of(candidate, twice)
@@ -349,6 +373,7 @@ def _assert_equivalent(
                 raise AssertionError(f"{exc}, and from stock compiled the same way") from None
             stock = at_start
         _set_rng_state(after)
+    _compare_reads(candidate, stock, f" after step {steps}", tol)
 
     paramfold.restore(candidate)
     try:
@@ -361,6 +386,19 @@ def _assert_equivalent(
         restored = _step(candidate, args, False).outputs
         _set_rng_state(rng)
         _compare_outputs(restored, _step(stock, args, False).outputs, " after restore", _BITWISE)
+
+
+def _check_reproducible(again: Any, first: Any, tol: _Tolerance) -> None:
+    """Stock's second run of the first step gave ``again`` where its first gave ``first``."""
+    try:
+        _compare_tree("output", again, first, "", tol)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"the model is not reproducible, so assert_equivalent cannot judge paramfold on it: stock run twice from "
+            f"the same state on the same inputs and random numbers gives another output ({exc}); its forward reads "
+            "something else that changes from run to run (a global counter, Python's or NumPy's random, a "
+            "nondeterministic kernel: see torch.use_deterministic_algorithms)"
+        ) from None
 
 
 def _with_attributes_set_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
@@ -444,9 +482,22 @@ def _copy_or_none(model: nn.Module) -> nn.Module | None:
     computed tensor across calls, as an LSTM's ``_flat_weights`` after a training step, or any
     other state that does not copy): the step is then held to eager stock only."""
     try:
-        return copy.deepcopy(model)
+        return _deepcopy(model)
     except Exception:  # noqa: BLE001 - the fallback is optional; the eager comparison stands
         return None
+
+
+def _deepcopy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, where a tensor a module keeps as a plain attribute with a history
+    (the ``module.weight`` torch's hook-based ``weight_norm``/``spectral_norm`` pre-hook last
+    wrote), which deepcopy refuses, is copied detached: the same values, as ``paramfold.export``'s
+    copies hold it; the hook computes it afresh at the module's next call anyway."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in module.__dict__.values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(model, memo)
 
 
 @dataclasses.dataclass
@@ -493,7 +544,7 @@ def _compare_step(
     _compare_grads(candidate, stock, cached, at, loose, tol, eps)
     for (name, a), (_, e) in zip(_named_inputs(actual.args), _named_inputs(expected.args)):
         # as the forward left them (one that writes into its inputs must write the same)
-        _compare_tree(f"{name} after the call", a, e, at, tol)
+        _compare_tree(f"{name} after the call", a, e, at, tol, strict=False)
         for i, (ta, te) in enumerate(zip(_flatten(a), _flatten(e))):
             if te.requires_grad and te.is_leaf:
                 where = name if isinstance(e, torch.Tensor) else f"{name} (tensor {i})"
@@ -550,18 +601,56 @@ def _loss(outputs: Any) -> torch.Tensor | None:
     return sum(terms[1:], terms[0]) if terms else None
 
 
-def _flatten(value: Any) -> Iterator[torch.Tensor]:
+def _flatten(value: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, walked as :func:`_compare_tree` walks it."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, Mapping):
+        return
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, Mapping):
         for v in value.values():
-            yield from _flatten(v)
+            yield from _flatten(v, seen)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _flatten(v)
+            yield from _flatten(v, seen)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
-            yield from _flatten(getattr(value, field.name))
+            yield from _flatten(getattr(value, field.name), seen)
+    elif (attributes := _attributes(value)) is not None:
+        for v in attributes.values():
+            yield from _flatten(v, seen)
+
+
+#: Objects compared by their type only: code, classes and modules, not values (a module's tensors
+#: are compared as the model's parameters, buffers and state dict).
+_BY_TYPE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, nn.Module)
+
+#: Plain values, compared by equality.
+_PLAIN = (type(None), bool, int, str, bytes, enum.Enum, torch.dtype, torch.device, torch.Size)
+
+
+def _attributes(value: Any) -> dict[str, Any] | None:
+    """A plain object's attributes (``vars()`` and ``__slots__``, as a dataclass's fields), or
+    None for a value that is not such an object or has neither (a C type's instance)."""
+    if isinstance(value, (torch.Tensor, Mapping, list, tuple, float, complex, *_PLAIN, *_BY_TYPE)):
+        return None
+    slots = [
+        name
+        for cls in type(value).__mro__
+        for name in ((cls.__dict__.get("__slots__") or ()) if not isinstance(cls.__dict__.get("__slots__"), str)
+                     else (cls.__dict__["__slots__"],))
+        if name not in ("__dict__", "__weakref__")
+    ]
+    if not slots and not hasattr(value, "__dict__"):
+        return None
+    found = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for name in slots:
+        if hasattr(value, name):
+            found.setdefault(name, getattr(value, name))
+    return found
 
 
 def _compare_outputs(actual: Any, expected: Any, at: str, tol: _Tolerance) -> None:
@@ -576,14 +665,27 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
-def _compare_tree(what: str, actual: Any, expected: Any, at: str, tol: _Tolerance) -> None:
+def _compare_tree(
+    what: str, actual: Any, expected: Any, at: str, tol: _Tolerance, seen: set[int] | None = None,
+    strict: bool = True,
+) -> None:
     """``actual`` against ``expected``, structure included: tensors as :func:`_compare`, within
-    lists, tuples (named ones by field), mappings (keys in order) and dataclasses (by field);
-    Python numbers as float64 tensors (bitwise unless a tolerance applies), ``None``, strings and
-    other plain values by equality, and any other object by its type only."""
+    lists, tuples (named ones by field), mappings (keys in order), dataclasses (by field) and
+    other objects by their attributes (``vars()`` and ``__slots__``); Python numbers as float64
+    tensors (bitwise unless a tolerance applies), ``None``, strings, enums and other plain values
+    by equality; functions, classes and modules by their type only. An object with no attributes
+    to walk is compared by its type's ``==`` where that gives a truth value, and otherwise, where
+    ``strict`` (outputs), refused with a TypeError (it could hide tensors); by its type only where
+    not (inputs, which the caller made)."""
     if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
         _compare(f"{what}{at}", actual, expected, tol)
         return
+    if isinstance(expected, nn.Module):
+        return  # compared as the model's own parameters, buffers and state dict
+    seen = set() if seen is None else seen
+    if id(expected) in seen:
+        return
+    seen.add(id(expected))
     if type(actual) is not type(expected) and not (
         isinstance(actual, (int, float)) and isinstance(expected, (int, float))
         and not isinstance(actual, bool) and not isinstance(expected, bool)
@@ -593,25 +695,49 @@ def _compare_tree(what: str, actual: Any, expected: Any, at: str, tol: _Toleranc
         if list(actual) != list(expected):
             raise AssertionError(f"{what}{at}: prepared has keys {list(actual)!r}, stock {list(expected)!r}")
         for key in expected:
-            _compare_tree(f"{what}[{key!r}]", actual[key], expected[key], at, tol)
+            _compare_tree(f"{what}[{key!r}]", actual[key], expected[key], at, tol, seen, strict)
     elif isinstance(expected, (list, tuple)):
         if len(actual) != len(expected):
             raise AssertionError(f"{what}{at}: prepared has {len(actual)} entries, stock {len(expected)}")
         fields = getattr(type(expected), "_fields", None)
         for i, (a, e) in enumerate(zip(actual, expected)):
-            _compare_tree(f"{what}.{fields[i]}" if fields else f"{what}[{i}]", a, e, at, tol)
+            _compare_tree(f"{what}.{fields[i]}" if fields else f"{what}[{i}]", a, e, at, tol, seen, strict)
     elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
         for field in dataclasses.fields(expected):
-            _compare_tree(f"{what}.{field.name}", getattr(actual, field.name), getattr(expected, field.name), at, tol)
+            _compare_tree(f"{what}.{field.name}", getattr(actual, field.name), getattr(expected, field.name), at, tol,
+                          seen, strict)
     elif isinstance(expected, (float, complex)) or (isinstance(expected, int) and not isinstance(expected, bool)
                                                      and isinstance(actual, float)):
         _compare(f"{what}{at}", torch.tensor(actual, dtype=torch.complex128 if isinstance(expected, complex)
                                              else torch.float64),
                  torch.tensor(expected, dtype=torch.complex128 if isinstance(expected, complex) else torch.float64),
                  tol)
-    elif expected is None or isinstance(expected, (bool, int, str, bytes, torch.dtype, torch.device, torch.Size)):
+    elif isinstance(expected, _PLAIN):
         if actual != expected:
             raise AssertionError(f"{what}{at}: prepared gives {actual!r}, stock {expected!r}")
+    elif isinstance(expected, _BY_TYPE):
+        pass
+    elif (attributes := _attributes(expected)) is not None:
+        theirs = _attributes(actual) or {}
+        if list(theirs) != list(attributes):
+            raise AssertionError(f"{what}{at}: prepared has attributes {list(theirs)!r}, stock {list(attributes)!r}")
+        for name, e in attributes.items():
+            _compare_tree(f"{what}.{name}", theirs[name], e, at, tol, seen, strict)
+    elif actual is not expected:
+        same = None
+        if type(expected).__eq__ is not object.__eq__:
+            try:
+                same = bool(actual == expected)
+            except Exception:  # noqa: BLE001 - no truth value (an array): refused below
+                pass
+        if same is False:
+            raise AssertionError(f"{what}{at}: prepared gives {actual!r}, stock {expected!r}")
+        if same is None and strict:
+            raise TypeError(
+                f"assert_equivalent cannot compare {what}{at}: {_kind(expected)} is no tensor, container, dataclass "
+                "or object with attributes (vars() or __slots__), and its == gives no truth value, so a difference "
+                "in it could not be seen; return its tensors (or a comparable value) instead"
+            )
 
 
 def _compare(what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, tol: _Tolerance) -> None:
@@ -661,7 +787,8 @@ def _compare_dicts(
 
 
 def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolerance) -> None:
-    """Every parametrized tensor read as an attribute, outside any forward, equals stock's.
+    """Every parametrized tensor read as an attribute, outside any forward, equals stock's, and
+    so does the ``module.weight`` that a hook-based ``weight_norm``/``spectral_norm`` last wrote.
 
     Read with the parametrizations in eval mode, so spectral_norm's power iteration does not
     advance (and the two copies stay in step); their training flags are put back after. Each
@@ -682,6 +809,15 @@ def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolera
                     _set_rng_state(rng)
                     _compare(f"{where} read outside forward{at}", ours, getattr(s, name), tol)
                     _set_rng_state(rng)
+        for path, module in stock.named_modules():
+            if inside_parametrization(path):
+                continue
+            for _, hook, kind in hook_norms(module):
+                # A plain attribute torch's pre-hook writes at each call of the module.
+                where = f"{path}.{hook.name}" if path else hook.name
+                where = f"{where} (hook-based {kind})"
+                ours = getattr(candidate.get_submodule(path), hook.name, None)
+                _compare(f"{where} read outside forward{at}", ours, getattr(module, hook.name, None), tol)
     finally:
         _set_rng_state(rng)
         for m, training in flags:

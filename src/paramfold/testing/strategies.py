@@ -61,7 +61,10 @@ def chains(
     """Hypothesis strategy: a chain of compatible parametrizations for one tensor.
 
     Respects each :class:`Recipe`'s ``supports`` and ``position``; no name appears twice.
-    ``names`` restricts the registry (default: every available entry).
+    ``names`` restricts the registry (default: every available entry). The default includes
+    ``"cast"``, which may end a float32 tensor's chain and makes it bfloat16: a layer with such a
+    chain fails on float32 inputs (:func:`models` and :func:`cases` build inputs to match). Pass
+    ``names=[n for n in PARAMETRIZATIONS if n != "cast"]`` to keep your dtype.
 
     Example::
 
