@@ -283,3 +283,26 @@ def test_parametrize_cached_does_not_cache_a_hook_based_norm(kind, mode):
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
     _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline"])
+def test_a_hook_reading_unregistered_tensors_stays_stock(mode):
+    # FSDP1 with use_orig_params=False leaves weight_g/weight_v as plain attributes, which torch's
+    # hook reads as well: find() and prepare() raised a bare KeyError('weight_g').
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3))
+        for name in ("weight_g", "weight_v"):
+            setattr(model[0], name, model[0]._parameters.pop(name).detach().clone())
+        return model.eval().requires_grad_(mode != "freeze")
+
+    stock, ours = build(), build()
+    assert paramfold.find(ours) == []
+    paramfold.prepare(ours, mode)
+    x = torch.randn(3, 4)
+    assert torch.equal(ours(x), stock(x))
+    assert len(ours[0]._forward_pre_hooks) == 1

@@ -38,13 +38,15 @@ def _classes() -> tuple[type, type]:
 
 def hook_norms(module: nn.Module) -> Iterator[tuple[int, object, str]]:
     """``(hook key, hook, kind)`` of every hook-based norm on ``module``: torch's own hooks, not a
-    subclass (whose call may do more than ``compute_weight``; it stays a hook and runs as in stock)."""
+    subclass (whose call may do more than ``compute_weight``), and only where the tensors it reads
+    are the module's registered parameters and buffers, as torch registers them (FSDP1 with
+    ``use_orig_params=False`` leaves plain attributes there, set by its forward). Any other stays a
+    hook and runs as in stock."""
     weight_norm_cls, spectral_norm_cls = _classes()
     for key, hook in module._forward_pre_hooks.items():
-        if type(hook) is weight_norm_cls:
-            yield key, hook, "weight_norm"
-        elif type(hook) is spectral_norm_cls:
-            yield key, hook, "spectral_norm"
+        kind = "weight_norm" if type(hook) is weight_norm_cls else "spectral_norm" if type(hook) is spectral_norm_cls else None
+        if kind is not None and all(k in d for _, d, k in (*originals(module, hook, kind), *state_tensors(module, hook, kind))):
+            yield key, hook, kind
 
 
 def originals(module: nn.Module, hook: object, kind: str) -> list[tuple[str, dict, str]]:
