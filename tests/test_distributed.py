@@ -436,6 +436,49 @@ def _ddp_buffer_scenarios(rank: int, record) -> None:
                     record(name, outputs=_equal(got[0], ref[0]), buffers=_equal(got[2], ref[2]))
 
 
+def _fsdp1_scenarios(rank: int, record) -> None:
+    """FSDP1 gathers the parameters in its forward (flat shards between calls): values below it are
+    computed after that, whether FSDP1 wraps the root (``prepare(FSDP(model))``) or each layer."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.nn.utils.parametrizations import orthogonal
+
+    xs = _inputs(rank)
+
+    def build(kind):
+        model = _model()
+        if kind == "orthogonal":
+            for layer in model.layers:
+                parametrize.remove_parametrizations(layer.proj, "weight")
+                orthogonal(layer.proj)
+        return model
+
+    def run(kind, wrap, order, mode):
+        model = build(kind)
+        if order == "before" and mode:
+            paramfold.prepare(model, mode)
+        policy = ModuleWrapPolicy({Layer}) if wrap == "layers" else None
+        fsdp = FSDP(model, use_orig_params=True, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+        if order == "after" and mode:
+            paramfold.prepare(fsdp, mode)
+        opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+        losses, _ = _train(fsdp, fsdp, opt, xs, STEPS)
+        with torch.no_grad():
+            losses.append(fsdp(xs[STEPS]).pow(2).mean())
+        if mode and order == "after":
+            paramfold.restore(fsdp)
+        return losses
+
+    for kind in ("weight_norm", "orthogonal"):
+        for wrap in ("root", "layers"):
+            ref = run(kind, wrap, None, None)
+            for order in ("before", "after"):
+                for mode in ("hoist", "auto", "inline"):
+                    name = f"fsdp1/{kind}/{wrap}/{order}/{mode}"
+                    with record.guard(name):
+                        record(name, losses=_equal(run(kind, wrap, order, mode), ref))
+
+
 # --------------------------------------------------------------------- communication parametrization
 
 
@@ -563,7 +606,7 @@ def _worker(rank: int, port: int, out_dir: str, groups: list[str]) -> None:
         for group in groups:
             start = time.perf_counter()
             {"fsdp": _fsdp_scenarios, "ddp": _ddp_scenarios, "ddp-buffers": _ddp_buffer_scenarios,
-             "comm": _communication_scenarios}[group](rank, record)
+             "fsdp1": _fsdp1_scenarios, "comm": _communication_scenarios}[group](rank, record)
             timings[group] = round(time.perf_counter() - start, 2)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
@@ -600,7 +643,7 @@ def launch(groups: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return launch(["fsdp", "ddp", "ddp-buffers", "comm"])
+    return launch(["fsdp", "ddp", "ddp-buffers", "fsdp1", "comm"])
 
 
 def _record(ranks: list[dict], name: str) -> dict:
@@ -700,6 +743,17 @@ def test_ddp_broadcast_buffers_are_read_after_the_broadcast_like_stock(ranks, ki
 def test_ddp_broadcast_buffers_reach_frozen_values_like_stock(ranks, kind, order, mode):
     rec = _record(ranks, f"ddp-buffers/{kind}/{order}/{mode}/eval")
     assert rec["outputs"] and rec["buffers"], rec
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("wrap", ["root", "layers"])
+@pytest.mark.parametrize("kind", ["weight_norm", "orthogonal"])
+def test_fsdp1_values_are_computed_after_its_gather_like_stock(ranks, kind, wrap, order, mode):
+    # prepare(FSDP(model)) computed values at FSDP1's call, from its flat shards: orthogonal
+    # raised IndexError, weight_norm's kernel read out of bounds (a crash, or heap corruption).
+    rec = _record(ranks, f"fsdp1/{kind}/{wrap}/{order}/{mode}")
+    assert rec["losses"], rec
 
 
 def test_communication_parametrization_is_found_with_its_own_kind(ranks):

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import functools
 import operator
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -225,11 +226,17 @@ def distributed(site: SiteState) -> bool:
 def syncs_before_forward(module: nn.Module) -> bool:
     """Whether ``module`` is a wrapper whose forward writes into the wrapped module's tensors before
     calling it: DDP broadcasts rank 0's buffers (spectral_norm's ``_u``/``_v``) in place, with no
-    version bump, at the start of every forward. Values below it are computed after that."""
-    return isinstance(module, _SYNCING_WRAPPERS)
+    version bump, at the start of every forward; FSDP1 (``FullyShardedDataParallel``) gathers the
+    parameters its forward reads (flat shards between calls). Values below it are computed after that."""
+    if isinstance(module, _DDP):
+        return True
+    # FSDP1 is looked up only once torch has imported it: no instance exists before.
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    cls = getattr(fsdp, "FullyShardedDataParallel", None)
+    return cls is not None and isinstance(module, cls)
 
 
-_SYNCING_WRAPPERS = tuple(c for c in (getattr(torch.nn.parallel, "DistributedDataParallel", None),) if c is not None)
+_DDP = tuple(c for c in (getattr(torch.nn.parallel, "DistributedDataParallel", None),) if c is not None)
 
 
 #: The tensor types that are not subclasses: they override none of TensorBase's accessors.
