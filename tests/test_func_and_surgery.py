@@ -419,3 +419,19 @@ def test_deepcopy_after_vmap_over_functional_call(mode):
         stock_copy, our_copy = copy.deepcopy(stock), copy.deepcopy(ours)
         assert torch.equal(our_copy(x), stock_copy(x))
         assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_originals_taken_out_of_their_dicts_are_refused_naming_the_fsdp1_order(mode):
+    # FSDP1 with use_orig_params=False, applied after prepare, moves the originals out of
+    # _parameters: the refusal says to prepare the wrapper instead.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh())
+    paramfold.prepare(model, mode)
+    plist = model[0].parametrizations.weight
+    for name in ("original0", "original1"):
+        setattr(plist, name, plist._parameters.pop(name).detach().clone())
+    with pytest.raises(paramfold.FoldError, match=r"changed after paramfold\.prepare.*FSDP1 with use_orig_params=False.*prepare again"):
+        model(torch.randn(2, 4))

@@ -523,8 +523,10 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             f"parametrizations of {where} ({type(holder).__name__}, prepared as a "
             f"{hs.original_class.__name__}) changed after paramfold.prepare "
             "(registered, removed or replaced, a hook-based norm removed, a _parameters/_buffers "
-            "dict under them replaced, or, with mode='inline', a hook added to one): call "
-            "paramfold.restore(model), change them, then prepare again."
+            "dict under them replaced, their originals taken out by a wrapper that flattens "
+            "parameters such as FSDP1 with use_orig_params=False, or, with mode='inline', a hook "
+            "added to one): call paramfold.restore(model), change or wrap it, then prepare again "
+            "(the wrapper, for FSDP1)."
         )
 
 
