@@ -398,3 +398,24 @@ def test_inputs_holding_objects_it_cannot_walk_are_still_accepted():
     options = __import__("types").SimpleNamespace(scale=0.5, token=object())
     pt.assert_equivalent(TakesAGenerator("dataclass"), (torch.randn(2, 4),), "hoist", steps=2,
                          kwargs={"generator": torch.Generator().manual_seed(1), "opts": options})
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_a_checkpointed_layer_is_checked_where_paramfold_is_exact(mode, reentrant):
+    # The call counter counted the region's recomputation during backward as a second call, took
+    # the originals for summed twice and ran a stock copy under parametrize.cached(), which a
+    # non-reentrant checkpoint cannot run: a CheckpointError instead of a verdict.
+    from torch.nn.utils.parametrizations import weight_norm
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = weight_norm(nn.Linear(4, 4))
+
+        def forward(self, x):
+            return checkpoint(self.layer, x, use_reentrant=reentrant)
+
+    torch.manual_seed(0)
+    pt.assert_equivalent(Checkpointed(), torch.randn(2, 4, requires_grad=reentrant), mode, steps=2)

@@ -559,13 +559,16 @@ def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
     """Counts, for each parametrized module of ``model`` (by path), how many times the block
     called it or read one of its parametrized tensors, whichever is more: stock computes a tensor
     at every read (its ``ParametrizationList`` is called), so a forward that reads a module's
-    weight directly besides calling it (a tied output projection) reads it twice."""
+    weight directly besides calling it (a tied output projection) reads it twice. Calls during
+    backward (a checkpointed region's recomputation) are not counted: they replay the forward's."""
     counts: dict[str, int] = {}
     seen: dict[object, int] = {}
     handles = []
 
     def counter(path: str, key: object) -> Callable[..., None]:
         def count(*_: Any) -> None:
+            if _in_backward():
+                return
             seen[key] = seen.get(key, 0) + 1
             counts[path] = max(counts.get(path, 0), seen[key])
         return count
@@ -579,6 +582,12 @@ def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward in this thread."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _originals_of(model: nn.Module, paths: set[str]) -> set[int]:
