@@ -419,3 +419,37 @@ def test_a_checkpointed_layer_is_checked_where_paramfold_is_exact(mode, reentran
 
     torch.manual_seed(0)
     pt.assert_equivalent(Checkpointed(), torch.randn(2, 4, requires_grad=reentrant), mode, steps=2)
+
+
+class _DrawsFromPythonAndNumpy(nn.Module):
+    """Masks drawn from Python's ``random`` and NumPy's global generator, as transformers'
+    SpecAugment (``_compute_mask_indices``) draws its time masks from ``np.random``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(8, 8))
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        keep = torch.from_numpy((np.random.rand(8) > 0.3).astype("float32"))
+        return self.lin(x) * keep * random.random()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_drawing_from_python_and_numpy_random_is_checked_and_their_streams_left_alone(mode):
+    # Only torch's generators were replayed: such a model was reported as not reproducible, and
+    # the check moved the caller's Python and NumPy streams on.
+    import random
+
+    import numpy as np
+
+    random.seed(3)
+    np.random.seed(3)
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    pt.assert_equivalent(_DrawsFromPythonAndNumpy(), torch.randn(2, 8), mode, steps=2)
+    assert random.getstate() == python_state
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_state))

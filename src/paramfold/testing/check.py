@@ -46,6 +46,8 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import random
+import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -417,16 +419,23 @@ def _with_attributes_set_by_stock(before: Structure, stock_before: Structure, st
     return Structure(tuple(rows), before.state)
 
 
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """The global generators' states: the CPU one, and CUDA's where CUDA is in use."""
+def _rng_state() -> tuple[Any, ...]:
+    """The global generators' states: torch's CPU one, CUDA's where CUDA is in use, Python's
+    ``random`` and NumPy's legacy one (``np.random.*``, which transformers' SpecAugment masks draw
+    from) where NumPy is imported."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state() if numpy is not None else None
 
 
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+def _set_rng_state(state: tuple[Any, ...]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
+    random.setstate(state[2])
+    numpy = sys.modules.get("numpy")
+    if state[3] is not None and numpy is not None:
+        numpy.random.set_state(state[3])
 
 
 def _fresh(args: _Args) -> _Args:
