@@ -207,9 +207,10 @@ def assert_equivalent(
     copied detached): one copy stays stock (eager) and one is prepared (and compiled with ``torch.compile(copy, **compile)`` when ``compile``
     is given). For each of ``steps`` steps both copies run ``inputs`` (a tensor, a sequence
     of positional arguments, or a mapping of keyword arguments; ``kwargs`` adds keyword arguments
-    to positional ones) under the caller's grad mode, on the same random numbers (the global
-    CPU and CUDA generators are set back to where stock's step began, so dropout draws the same
-    masks, and at the end to where they were when the check began). Each run gets its own copy of
+    to positional ones) under the caller's grad mode, on the same random numbers (torch's global
+    CPU and CUDA generators, Python's ``random`` and NumPy's ``np.random`` are set back to where
+    stock's step began, so dropout draws the same masks, and at the end to where they were when
+    the check began). Each run gets its own copy of
     the inputs (tensors cloned, inside lists, tuples and dicts too; other objects deep-copied
     where they can be), so a forward that writes into its inputs sees the caller's values every
     time and the caller's inputs are left as they were. When the stock output requires grad, both
@@ -230,7 +231,7 @@ def assert_equivalent(
     for the call, README "Notes and limits", and the check reports that).
     On the first step a third copy runs stock's forward once more and must give stock's outputs
     (within ``atol``/``rtol`` where given): a model that does not reproduce itself from run to
-    run (a global counter, Python's random) fails saying so, not as a difference of paramfold's.
+    run (a global counter, a generator of its own) fails saying so, not as a difference of paramfold's.
     Finally the prepared copy is restored with :func:`paramfold.restore` and must have exactly
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
     objects, ``__dict__`` keys, bar attributes that stock's own calls set or deleted too, as
@@ -398,7 +399,7 @@ def _check_reproducible(again: Any, first: Any, tol: _Tolerance) -> None:
         raise AssertionError(
             f"the model is not reproducible, so assert_equivalent cannot judge paramfold on it: stock run twice from "
             f"the same state on the same inputs and random numbers gives another output ({exc}); its forward reads "
-            "something else that changes from run to run (a global counter, Python's or NumPy's random, a "
+            "something else that changes from run to run (a global counter, a random generator of its own, a "
             "nondeterministic kernel: see torch.use_deterministic_algorithms)"
         ) from None
 
