@@ -328,8 +328,9 @@ def _plan(
 
 
 def _call_root(model: nn.Module) -> nn.Module:
-    """The module whose call opens the call scope: ``model``, or the module a DDP wrapper wraps
-    (:func:`~paramfold.state.syncs_before_forward`), called once DDP has broadcast its buffers."""
+    """The module whose call opens the call scope: ``model``, or the module a DDP or FSDP1 wrapper
+    wraps (:func:`~paramfold.state.syncs_before_forward`), called once the wrapper has broadcast
+    its buffers or gathered its parameters."""
     while syncs_before_forward(model) and isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model

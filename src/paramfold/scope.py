@@ -337,7 +337,7 @@ def _changes_originals(module: nn.Module | None) -> bool:
     parameters, and a layer left gathered between calls (``reshard_after_forward=False``,
     ``set_reshard_after_backward(False)``) has plain tensors there, not DTensors, whose value
     computed at the root's call would be backpropagated after FSDP2's reduce-scatter. So does a
-    DDP wrapper's forward (:func:`~paramfold.state.syncs_before_forward`) below the entry."""
+    DDP or FSDP1 wrapper's forward (:func:`~paramfold.state.syncs_before_forward`) below the entry."""
     if module is not None and syncs_before_forward(module):
         return True
     hooks = _global_forward_pre_hooks if module is None else module._forward_pre_hooks
