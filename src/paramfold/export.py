@@ -101,10 +101,12 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
         >>> plain.bias is model.bias
         True
     """
-    # Hook-based norms are folded by torch's own remove_* below (_hook_based_norms).
-    sites = [s for s in find(model) if not inside_parametrization(s.module_path) and not s.hook_based]
+    found = [s for s in find(model) if not inside_parametrization(s.module_path)]
     if filter_fn is not None:
-        sites = [s for s in sites if _selected(filter_fn, s)]
+        chosen = {s.module: _selected(filter_fn, s) for s in found}  # once per module
+        found = [s for s in found if chosen[s.module]]
+    # Hook-based norms are folded by torch's own remove_* below (_hook_based_norms).
+    sites = [s for s in found if not s.hook_based]
     # torchao's unwrap_tensor_subclass exists to make quantized weights exportable: the program
     # rebuilds the subclass from its plain components, which is exact. Such modules stay as they are.
     kept = {s.module for s in sites if "torchao_subclass" in s.kind.split("+")}
@@ -121,7 +123,7 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
                 values[key] = _checked_value(site)
             folded.append((site, values[key]))
 
-    legacy = _hook_based_norms(model, filter_fn)
+    legacy = _hook_based_norms([s for s in found if s.hook_based])
     memo = _sharing_memo(model, {s.module for s in sites})
     replica = copy.deepcopy(model, memo)
     _strip_prepared(model, memo)
@@ -138,15 +140,11 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
 
 
 def _selected(filter_fn: FilterFn, site: Site) -> bool:
-    return _module_selected(filter_fn, site.module, site.module_path)
-
-
-def _module_selected(filter_fn: FilterFn, module: nn.Module, fqn: str) -> bool:
     try:
-        return bool(filter_fn(module, fqn))
+        return bool(filter_fn(site.module, site.module_path))
     except Exception as exc:
         raise FoldError(
-            f"filter_fn raised {type(exc).__name__}: {exc} (on module {fqn!r}); nothing "
+            f"filter_fn raised {type(exc).__name__}: {exc} (on module {site.module_path!r}); nothing "
             "was exported. filter_fn is called as filter_fn(module, fqn) and must return a bool."
         ) from exc
 
@@ -184,28 +182,18 @@ def _checked_value(site: Site) -> torch.Tensor:
     return value
 
 
-def _hook_based_norms(model: nn.Module, filter_fn: FilterFn | None) -> list[tuple[nn.Module, Any]]:
-    """torch's deprecated hook-based ``weight_norm`` / ``spectral_norm`` (still common in vocoders
-    and GANs) on the modules ``filter_fn`` selects: a forward pre-hook recomputes the tensor, which
-    export would trace on every call."""
-    found = [(path, module, hook, kind) for path, module in model.named_modules() if not inside_parametrization(path)
-             for _, hook, kind in hook_norms(module)]
-    if filter_fn is not None:
-        chosen = {path: _module_selected(filter_fn, module, path) for path, module, _, _ in found}  # once per module
-        found = [entry for entry in found if chosen[entry[0]]]
-    training = [f"{_fqn(path, hook.name)} (hook-based spectral_norm)" for path, m, hook, kind in found
-                if kind == "spectral_norm" and m.training]
+def _hook_based_norms(sites: list[Site]) -> list[tuple[nn.Module, Any]]:
+    """The module and hook of each of torch's deprecated hook-based ``weight_norm`` /
+    ``spectral_norm`` sites (still common in vocoders and GANs) to fold: a forward pre-hook
+    recomputes the tensor, which export would trace on every call."""
+    training = [f"{s.fqn} (hook-based spectral_norm)" for s in sites if s.stateful and s.training]
     if training:
         raise FoldError(
             f"cannot export {first_few(training, 3)} folded: torch.nn.utils.spectral_norm in training "
             "mode runs a power iteration on every call. Call model.eval() first, or exclude these "
             "modules with filter_fn to export them stock."
         )
-    return [(module, hook) for _, module, hook, _ in found]
-
-
-def _fqn(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
+    return [(s.module, s.chain[0]) for s in sites]
 
 
 def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, Any]) -> None:
