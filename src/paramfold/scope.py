@@ -178,8 +178,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
         else:
             for name, site in hs.sites.items():
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
-                    path = next((p for p, m in entry.named_modules() if m is holder), None)
-                    raise site_values.unfreezable(holder, name, site, path)
+                    raise site_values.unfreezable(holder, name, site, _path_below(entry, holder))
     claimed: list[nn.Module] = []
     under = computed_under()  # what frozen values must have been computed under to serve this call
     try:
@@ -517,7 +516,7 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
                 changed = True
                 break
     if changed:
-        path = next((p for p, m in entry.named_modules(remove_duplicate=False) if m is holder), None)
+        path = _path_below(entry, holder)
         where = "the model" if path == "" else repr(path) if path is not None else "a module"
         raise FoldError(
             f"parametrizations of {where} ({type(holder).__name__}, prepared as a "
@@ -528,6 +527,11 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             "added to one): call paramfold.restore(model), change or wrap it, then prepare again "
             "(the wrapper, for FSDP1)."
         )
+
+
+def _path_below(entry: nn.Module, module: nn.Module) -> str | None:
+    """``module``'s path below ``entry`` (its first, if it has several), for an error message."""
+    return next((p for p, m in entry.named_modules(remove_duplicate=False) if m is module), None)
 
 
 def _close(previous: tuple, claimed: list[nn.Module] | Plan) -> None:
