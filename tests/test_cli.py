@@ -133,8 +133,9 @@ def test_help_text_lists_choices_and_real_defaults():
 @pytest.mark.parametrize(
     "args, command, words",
     [
-        (["bench", "--model", "resnet"], "bench", ["'resnet' is not one of", "orthogonal"]),
-        (["bench", "--variant", "fast"], "bench", ["'fast' is not one of", "freeze"]),
+        (["bench", "--model", "resnet"], "bench", ["Invalid value for '--model': 'resnet' is not one of", "orthogonal"]),
+        # Regression: "Invalid value for '--variant': Value error, 'fast' is not one of ..."
+        (["bench", "--variant", "fast"], "bench", ["Invalid value for '--variant': 'fast' is not one of", "freeze"]),
         (["bench", "--layers", "many"], "bench", ["Invalid value for '--layers'", "integer"]),
         (["bench", "--nope"], "bench", ["No such option: --nope"]),
         (["audit"], "audit", ["Missing argument 'PATH'"]),
@@ -1001,6 +1002,8 @@ def test_a_pt_file_without_a_state_dict_names_the_public_type_it_holds(tmp_path,
     (["--sweep-layers", "32,99999999999999999999999"], ["--sweep-layers: each layer count must be at most 10000"]),
     (["--sweep-layers", "32," + "9" * 5000], ["--sweep-layers: each layer count must be at most 10000", "(5000 digits)"]),
     (["--sweep-layers", "2,0"], ["--sweep-layers: each layer count must be at least 1, got 0"]),
+    # Regression: --wide was ignored with --sweep-layers (the sweep's tables have no wide form)
+    (["--sweep-layers", "2,3", "--wide"], ["--wide shows one run's columns; with --sweep-layers, --json"]),
 ])
 def test_a_bench_option_out_of_range_is_a_usage_error_before_any_work(monkeypatch, args, words):
     # Regression: --layers 999... passed validation, every variant failed with an OverflowError and

@@ -239,7 +239,9 @@ class _Group(_PlainHelpFlag, TyperGroup):
             code = 2
         except click.exceptions.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else self._command_named(args)
-            _say(where.partition(" ")[2], f"{e.format_message()} (see {where} --help)")
+            # typer's choice coercion words a bad choice as "Value error, 'x' is not one of ...".
+            message = e.format_message().replace(": Value error, ", ": ")
+            _say(where.partition(" ")[2], f"{message} (see {where} --help)")
             code = 2
         except click.exceptions.ClickException as e:
             _say("", e.format_message())
@@ -409,7 +411,7 @@ def bench(
     ),
     wide: bool = typer.Option(
         False, "--wide", metavar="",
-        help="Show every column (CPU time, steady ms, prepare time, notes) in the table; it needs ~150 columns (not with --sweep-layers).",
+        help="Show every column (CPU time, steady ms, prepare time, notes) in the table; it needs ~150 columns. Not with --sweep-layers.",
     ),
     as_json: bool = typer.Option(False, "--json", metavar="", help="Print a JSON document with every sample."),
     plot: Optional[str] = typer.Option(
@@ -446,6 +448,8 @@ def bench(
         )
         config.check_device()
         sizes = None if sweep_layers is None else parse_layer_counts(sweep_layers, layers)
+        if sizes and wide:
+            raise ValueError("--wide shows one run's columns; with --sweep-layers, --json gives every sample")
     except ValueError as exc:
         _say("bench", str(exc))
         raise typer.Exit(2) from None
