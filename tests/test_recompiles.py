@@ -472,6 +472,8 @@ def test_torch_compile_of_torch_nn_modules_names_their_forward_and_says_they_sha
     forward = nn.Sequential.forward.__code__
     (loc,) = report.graphs_per_function()
     assert loc == f"Sequential.forward ({short_path(forward.co_filename)}:{forward.co_firstlineno})"
+    # Regression: torch's files were shown by their absolute site-packages path
+    assert short_path(forward.co_filename) == os.path.join("torch", "nn", "modules", "container.py")
     assert [r.kind for r in report.records] == ["first compile", "recompile", "limit hit"]
     assert all(r.shared_code == "torch._dynamo.external_utils.wrap_inline" for r in report.records)
     (fn,) = json.loads(report.to_json())["functions"]
@@ -713,3 +715,15 @@ def test_the_package_keeps_every_name_and_the_function_keeps_its_name():
     assert paramfold.recompiles is package.recompiles and callable(paramfold.recompiles)
     assert issubclass(RecompileLimitError, RuntimeError) and RecompileLimitError.exit_code == 3
     assert package.GRAPH_BREAKS_REPORTED is GRAPH_BREAKS_REPORTED
+
+
+def test_short_path_names_package_files_as_imported_and_local_files_relative(tmp_path, monkeypatch):
+    import torch.nn.modules.linear as linear
+
+    assert short_path(linear.__file__) == os.path.join("torch", "nn", "modules", "linear.py")
+    assert short_path(json.__file__) == "json" + os.sep + "__init__.py"  # the standard library
+    script = tmp_path / "sub" / "train.py"
+    monkeypatch.chdir(tmp_path)
+    assert short_path(str(script)) == os.path.join("sub", "train.py")
+    elsewhere = tmp_path.parent / "other.py"
+    assert short_path(str(elsewhere)) == str(elsewhere)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections import Counter
 from typing import Any
 
@@ -264,9 +265,32 @@ class RecompileReport:
 
 
 def short_path(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it, else as it is."""
+    """A file of an installed package or the standard library as imported
+    (``torch/nn/modules/container.py``, also from a venv inside the working directory); else
+    relative to the working directory when it lies below it; else as it is."""
+    real = os.path.realpath(path)
+    for root in _import_roots():
+        rel = _below(real, root)
+        if rel is not None:
+            return rel
+    rel = _below(path, os.getcwd())
+    return path if rel is None else rel
+
+
+def _below(path: str, root: str) -> str | None:
     try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
+        rel = os.path.relpath(path, root)
+    except ValueError:  # another drive
+        return None
+    return None if rel == os.curdir or rel.startswith(os.pardir) else rel
+
+
+def _import_roots() -> list[str]:
+    """The directories of ``sys.path`` that hold installed packages and the standard library,
+    deepest first (a venv's site-packages lies below the stdlib's prefix on some layouts)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = {os.path.realpath(paths[k]) for k in ("purelib", "platlib", "stdlib", "platstdlib") if k in paths}
+    roots |= {os.path.realpath(p) for p in sys.path if p and os.path.basename(p) in ("site-packages", "dist-packages")}
+    return sorted(roots, key=len, reverse=True)
