@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, float]]]:
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
     rows = []
-    print(f"| model | stock min / median (µs) | paramfold min / median (µs) | median speed-up |")
+    print("| model | stock min / median (µs) | paramfold min / median (µs) | median speed-up |")
     print("|---|---|---|---|")
     for name, make in models().items():
         if opts.models not in name:

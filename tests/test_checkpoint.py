@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import paramfold
 from paramfold.checkpoint import CheckpointError, TensorInfo, open_checkpoint, write_checkpoint, write_state_dict
 
 

@@ -30,7 +30,7 @@ from torch.nn.utils import weight_norm as hook_weight_norm
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 from typer.testing import CliRunner
 
-from paramfold.checkpoint import CheckpointError, open_checkpoint, write_state_dict
+from paramfold.checkpoint import open_checkpoint, write_state_dict
 from paramfold.cli import app
 from paramfold.fold import fold_checkpoint
 

@@ -296,7 +296,8 @@ def test_content_check_reads_the_bytes_only_of_inputs_something_outside_torch_ma
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
     g, v = ours.parametrizations.bias.original0, ours.parametrizations.bias.original1
     w = ours.parametrizations.weight.original
-    held_v, held_w = v.detach().numpy(), w.detach()  # made before the values are frozen
+    held_v, held_w = v.detach().numpy(), w.detach()  # made before the values are frozen, kept alive to the end
+    assert held_w.data_ptr() == w.data_ptr()
     hashed = []
     real = freeze.digest
     for module in (freeze, scope_plan):
