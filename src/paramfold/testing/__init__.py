@@ -34,8 +34,9 @@ and with Hypothesis::
 
 The layout says what needs what: :mod:`~paramfold.testing.registry` (the parametrizations),
 :mod:`~paramfold.testing.nets` (the models, as data), :mod:`~paramfold.testing.check` (the
-checker; its module docstring states the tolerances) and :mod:`~paramfold.testing.strategies`
-(Hypothesis, drawing from the first two). Everything is importable from here. Only the
+checker; its module docstring states the tolerances), :mod:`~paramfold.testing.compare` (how
+results are compared), :mod:`~paramfold.testing.structure` (snapshots of a model's objects) and
+:mod:`~paramfold.testing.strategies` (Hypothesis, drawing from the registry and the nets). Everything is importable from here. Only the
 strategies need Hypothesis (``pip install "paramfold[testing]"``): they are imported on first
 use, so the checker and the registry work without it, and ``pt.cases`` without it raises an
 ImportError that says what to install.
@@ -47,16 +48,10 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from paramfold.testing.check import (
-    COMPILE_TOLERANCES,
-    Structure,
-    assert_equivalent,
-    assert_same_structure,
-    grad_mode,
-    structure,
-)
+from paramfold.testing.check import COMPILE_TOLERANCES, assert_equivalent, grad_mode
 from paramfold.testing.nets import BufferMix, Conv1dBlock, Conv2dBlock, LayerSpec, NetSpec, ResidualNet, WithUnused
 from paramfold.testing.registry import PARAMETRIZATIONS, Cast, HalfSum, Recipe, Scale, Step, TensorSpec, apply_chain
+from paramfold.testing.structure import Structure, assert_same_structure, structure
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time they are resolved by __getattr__
     from paramfold.testing.strategies import Case, cases, chains, models

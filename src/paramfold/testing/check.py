@@ -1,8 +1,9 @@
-"""The checker: run a model stock and prepared side by side, and snapshot its structure.
+"""The checker: run a model stock and prepared side by side (:func:`assert_equivalent`).
 
 Why a module of its own: it is what a test suite calls (:func:`assert_equivalent`,
-:func:`structure`, :func:`assert_same_structure`, :func:`grad_mode`), on any model, drawn by
-:mod:`paramfold.testing.strategies` or built by hand, and it needs no Hypothesis.
+:func:`grad_mode`), on any model, drawn by :mod:`paramfold.testing.strategies` or built by hand,
+and it needs no Hypothesis. How two results are compared is :mod:`paramfold.testing.compare`;
+the structure snapshots it takes around ``restore`` are :mod:`paramfold.testing.structure`.
 
 Tolerances. In eager mode every comparison is bitwise (``torch.testing.assert_close`` with
 ``rtol=atol=0`` and ``equal_nan=True``), with one documented exception: gradients of originals
@@ -45,10 +46,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import enum
 import random
 import sys
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -60,8 +59,19 @@ import paramfold
 from paramfold.compute import original_names
 from paramfold.hooknorms import hook_norms
 from paramfold.sites import inside_parametrization
+from paramfold.testing.compare import (
+    BITWISE,
+    Tolerance,
+    compare,
+    compare_dicts,
+    compare_outputs,
+    compare_tree,
+    largest,
+    tensors_of,
+)
+from paramfold.testing.structure import Structure, assert_same_structure, structure
 
-__all__ = ["COMPILE_TOLERANCES", "Structure", "assert_equivalent", "assert_same_structure", "grad_mode", "structure"]
+__all__ = ["COMPILE_TOLERANCES", "assert_equivalent", "grad_mode"]
 
 
 def grad_mode(flags: Mapping[str, Any]) -> contextlib.AbstractContextManager:
@@ -76,78 +86,6 @@ def grad_mode(flags: Mapping[str, Any]) -> contextlib.AbstractContextManager:
         False
     """
     return torch.enable_grad() if flags.get("grad_enabled", True) else torch.no_grad()
-
-
-# --------------------------------------------------------------------------------------------
-# Structure snapshots
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Structure:
-    """A snapshot of a model's object structure (and, optionally, its state dict values).
-
-    ``modules`` lists, for every module reached by ``named_modules(remove_duplicate=False)``
-    (parametrization modules included): its path, object id, class object, ``__dict__`` keys,
-    and the ids and ``requires_grad`` of its own parameters and buffers.
-    """
-
-    modules: tuple[tuple[Any, ...], ...]
-    state: dict[str, torch.Tensor] | None
-
-
-#: ``__dict__`` entries that are not paramfold's business: ``torch.compile(module)`` marks the
-#: module it wraps.
-_IGNORED_KEYS = frozenset({"_is_torch_compile"})
-
-
-def structure(model: nn.Module, *, values: bool = True) -> Structure:
-    """Snapshot ``model`` for :func:`assert_same_structure`; ``values`` also copies its state dict.
-
-    Example::
-
-        >>> import torch, paramfold
-        >>> from paramfold.testing import structure, assert_same_structure
-        >>> from torch.nn.utils.parametrizations import weight_norm
-        >>> model = weight_norm(torch.nn.Linear(2, 2))
-        >>> before = structure(model)
-        >>> _ = paramfold.restore(paramfold.prepare(model, "hoist"))
-        >>> assert_same_structure(before, structure(model))
-    """
-    rows = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        params = tuple((n, id(p), p is not None and p.requires_grad) for n, p in module._parameters.items())
-        buffers = tuple((n, id(b)) for n, b in module._buffers.items())
-        keys = tuple(sorted(k for k in module.__dict__ if k not in _IGNORED_KEYS))
-        rows.append((path, id(module), type(module), keys, params, buffers))
-    state = None
-    if values:
-        state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-    return Structure(tuple(rows), state)
-
-
-def assert_same_structure(before: Structure, after: Structure) -> None:
-    """Fail with a readable message unless two :func:`structure` snapshots agree.
-
-    State values are compared (bitwise) only when both snapshots carry them.
-    """
-    if len(before.modules) != len(after.modules):
-        raise AssertionError(f"module count changed: {len(before.modules)} -> {len(after.modules)}")
-    fields = ("path", "module object", "class", "__dict__ keys", "parameters", "buffers")
-    for old, new in zip(before.modules, after.modules):
-        for field, a, b in zip(fields, old, new):
-            if a == b:
-                continue
-            where = old[0] or "<root>"
-            if field == "class":
-                change = f"{a.__module__}.{a.__qualname__} (id {id(a)}) -> {b.__module__}.{b.__qualname__} (id {id(b)})"
-            elif field == "__dict__ keys":
-                change = f"added {sorted(set(b) - set(a))}, removed {sorted(set(a) - set(b))}"
-            else:
-                change = f"{a!r} -> {b!r}"
-            raise AssertionError(f"module {where!r}: {field} changed: {change}")
-    if before.state is not None and after.state is not None:
-        _compare_dicts("", "state_dict", before.state, after.state, _BITWISE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,21 +108,6 @@ def assert_same_structure(before: Structure, after: Structure) -> None:
 COMPILE_TOLERANCES: dict[str, float] = {"eager": 0.0, "aot_eager": 0.0, "inductor": 16.0}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tolerance:
-    """``|actual - expected| <= atol + of_max * max|expected| + rtol * |expected|``, elementwise."""
-
-    rtol: float = 0.0
-    atol: float = 0.0
-    of_max: float = 0.0
-
-    def describe(self) -> str:
-        if not (self.rtol or self.atol or self.of_max):
-            return "bitwise"
-        return f"rtol={self.rtol:.3g}, atol={self.atol:.3g} + {self.of_max:.3g} * max|stock|"
-
-
-_BITWISE = _Tolerance()
 
 
 def assert_equivalent(
@@ -319,7 +242,7 @@ def _assert_equivalent(
                     f"{', '.join(COMPILE_TOLERANCES)}): pass atol= and/or rtol= for it"
                 )
             factor = COMPILE_TOLERANCES[backend]
-    _compare_dicts(" after prepare", "state_dict", candidate.state_dict(), stock.state_dict(), _BITWISE)
+    compare_dicts(" after prepare", "state_dict", candidate.state_dict(), stock.state_dict(), BITWISE)
     # Originals whose gradient sums several contributions in an order prepare may change, and
     # a stock copy run under parametrize.cached() (one value per tensor per forward, like
     # hoist and freeze) to compare them with first: see the module docstring. Modules called
@@ -331,7 +254,7 @@ def _assert_equivalent(
     # reads something that changes from run to run would otherwise be blamed on paramfold.
     twin: nn.Module | None = _deepcopy(stock)
 
-    tol = _BITWISE
+    tol = BITWISE
     for step in range(steps):
         if step:
             _update(stock, [candidate] + ([cached] if cached is not None else []), lr)
@@ -349,7 +272,7 @@ def _assert_equivalent(
         after = _rng_state()
         if twin is not None:
             _set_rng_state(rng)
-            _check_reproducible(_step(twin, args, False).outputs, expected.outputs, _Tolerance(rtol or 0.0, atol or 0.0))
+            _check_reproducible(_step(twin, args, False).outputs, expected.outputs, Tolerance(rtol or 0.0, atol or 0.0))
             twin = None
         twice = {path for path, n in calls.items() if n > 1}
         if mode != "inline":
@@ -388,13 +311,13 @@ def _assert_equivalent(
         rng = _rng_state()
         restored = _step(candidate, args, False).outputs
         _set_rng_state(rng)
-        _compare_outputs(restored, _step(stock, args, False).outputs, " after restore", _BITWISE)
+        compare_outputs(restored, _step(stock, args, False).outputs, " after restore", BITWISE)
 
 
-def _check_reproducible(again: Any, first: Any, tol: _Tolerance) -> None:
+def _check_reproducible(again: Any, first: Any, tol: Tolerance) -> None:
     """Stock's second run of the first step gave ``again`` where its first gave ``first``."""
     try:
-        _compare_tree("output", again, first, "", tol)
+        compare_tree("output", again, first, "", tol)
     except AssertionError as exc:
         raise AssertionError(
             f"the model is not reproducible, so assert_equivalent cannot judge paramfold on it: stock run twice from "
@@ -475,8 +398,8 @@ def _fresh(args: _Args) -> _Args:
 
 def _tensors_in(args: _Args) -> Iterator[torch.Tensor]:
     """The tensors among the arguments (inside lists, tuples, dicts and dataclasses too)."""
-    yield from _flatten(list(args[0]))
-    yield from _flatten(args[1])
+    yield from tensors_of(list(args[0]))
+    yield from tensors_of(args[1])
 
 
 def _named_inputs(args: _Args) -> Iterator[tuple[str, Any]]:
@@ -546,21 +469,21 @@ def _compare_step(
     factor: float,
     rtol: float | None,
     atol: float | None,
-) -> _Tolerance:
+) -> Tolerance:
     """Everything one step leaves, prepared against stock; returns the step's tolerance."""
     eps = torch.finfo(_lowest_precision(stock, expected.outputs)).eps
-    tol = _Tolerance(rtol or factor * eps, 1e-5 if factor else atol or 0.0, factor * eps)
-    _compare_outputs(actual.outputs, expected.outputs, at, tol)
+    tol = Tolerance(rtol or factor * eps, 1e-5 if factor else atol or 0.0, factor * eps)
+    compare_outputs(actual.outputs, expected.outputs, at, tol)
     _compare_grads(candidate, stock, cached, at, loose, tol, eps)
     for (name, a), (_, e) in zip(_named_inputs(actual.args), _named_inputs(expected.args)):
         # as the forward left them (one that writes into its inputs must write the same)
-        _compare_tree(f"{name} after the call", a, e, at, tol, strict=False)
-        for i, (ta, te) in enumerate(zip(_flatten(a), _flatten(e))):
+        compare_tree(f"{name} after the call", a, e, at, tol, strict=False)
+        for i, (ta, te) in enumerate(zip(tensors_of(a), tensors_of(e))):
             if te.requires_grad and te.is_leaf:
                 where = name if isinstance(e, torch.Tensor) else f"{name} (tensor {i})"
-                _compare(f"grad of {where}{at}", ta.grad, te.grad, tol)
-    _compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
-    _compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
+                compare(f"grad of {where}{at}", ta.grad, te.grad, tol)
+    compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
+    compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
     return tol
 
 
@@ -614,198 +537,13 @@ def _originals_of(model: nn.Module, paths: set[str]) -> set[int]:
 def _loss(outputs: Any) -> torch.Tensor | None:
     terms = [
         (torch.view_as_real(t) if t.is_complex() else t).float().sum()
-        for t in _flatten(outputs)
+        for t in tensors_of(outputs)
         if t.is_floating_point() or t.is_complex()
     ]
     return sum(terms[1:], terms[0]) if terms else None
 
 
-def _flatten(value: Any, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``, walked as :func:`_compare_tree` walks it."""
-    if isinstance(value, torch.Tensor):
-        yield value
-        return
-    seen = set() if seen is None else seen
-    if id(value) in seen:
-        return
-    seen.add(id(value))
-    if isinstance(value, Mapping):
-        for v in value.values():
-            yield from _flatten(v, seen)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flatten(v, seen)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _flatten(getattr(value, field.name), seen)
-    elif (attributes := _attributes(value)) is not None:
-        for v in attributes.values():
-            yield from _flatten(v, seen)
-
-
-#: Objects compared by their type only: code, classes and modules, not values (a module's tensors
-#: are compared as the model's parameters, buffers and state dict).
-_BY_TYPE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, nn.Module)
-
-#: Plain values, compared by equality.
-_PLAIN = (type(None), bool, int, str, bytes, enum.Enum, torch.dtype, torch.device, torch.Size)
-
-
-def _attributes(value: Any) -> dict[str, Any] | None:
-    """A plain object's attributes (``vars()`` and ``__slots__``, as a dataclass's fields), or
-    None for a value that is not such an object or has neither (a C type's instance)."""
-    if isinstance(value, (torch.Tensor, Mapping, list, tuple, float, complex, *_PLAIN, *_BY_TYPE)):
-        return None
-    slots = [
-        name
-        for cls in type(value).__mro__
-        for name in ((cls.__dict__.get("__slots__") or ()) if not isinstance(cls.__dict__.get("__slots__"), str)
-                     else (cls.__dict__["__slots__"],))
-        if name not in ("__dict__", "__weakref__")
-    ]
-    if not slots and not hasattr(value, "__dict__"):
-        return None
-    found = dict(vars(value)) if hasattr(value, "__dict__") else {}
-    for name in slots:
-        if hasattr(value, name):
-            found.setdefault(name, getattr(value, name))
-    return found
-
-
-def _compare_outputs(actual: Any, expected: Any, at: str, tol: _Tolerance) -> None:
-    _compare_tree("output", actual, expected, at, tol)
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return "a tensor"
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return repr(value)
-    return f"a {type(value).__module__}.{type(value).__qualname__}"
-
-
-def _compare_tree(
-    what: str, actual: Any, expected: Any, at: str, tol: _Tolerance, seen: set[int] | None = None,
-    strict: bool = True,
-) -> None:
-    """``actual`` against ``expected``, structure included: tensors as :func:`_compare`, within
-    lists, tuples (named ones by field), mappings (keys in order), dataclasses (by field) and
-    other objects by their attributes (``vars()`` and ``__slots__``); Python numbers as float64
-    tensors (bitwise unless a tolerance applies), ``None``, strings, enums and other plain values
-    by equality; functions, classes and modules by their type only. An object with no attributes
-    to walk is compared by its type's ``==`` where that gives a truth value, and otherwise, where
-    ``strict`` (outputs), refused with a TypeError (it could hide tensors); by its type only where
-    not (inputs, which the caller made)."""
-    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
-        _compare(f"{what}{at}", actual, expected, tol)
-        return
-    if isinstance(expected, nn.Module):
-        return  # compared as the model's own parameters, buffers and state dict
-    seen = set() if seen is None else seen
-    if id(expected) in seen:
-        return
-    seen.add(id(expected))
-    if type(actual) is not type(expected) and not (
-        isinstance(actual, (int, float)) and isinstance(expected, (int, float))
-        and not isinstance(actual, bool) and not isinstance(expected, bool)
-    ):
-        raise AssertionError(f"{what}{at}: prepared gives {_kind(actual)}, stock {_kind(expected)}")
-    if isinstance(expected, Mapping):
-        if list(actual) != list(expected):
-            raise AssertionError(f"{what}{at}: prepared has keys {list(actual)!r}, stock {list(expected)!r}")
-        for key in expected:
-            _compare_tree(f"{what}[{key!r}]", actual[key], expected[key], at, tol, seen, strict)
-    elif isinstance(expected, (list, tuple)):
-        if len(actual) != len(expected):
-            raise AssertionError(f"{what}{at}: prepared has {len(actual)} entries, stock {len(expected)}")
-        fields = getattr(type(expected), "_fields", None)
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            _compare_tree(f"{what}.{fields[i]}" if fields else f"{what}[{i}]", a, e, at, tol, seen, strict)
-    elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
-        for field in dataclasses.fields(expected):
-            _compare_tree(f"{what}.{field.name}", getattr(actual, field.name), getattr(expected, field.name), at, tol,
-                          seen, strict)
-    elif isinstance(expected, (float, complex)) or (isinstance(expected, int) and not isinstance(expected, bool)
-                                                     and isinstance(actual, float)):
-        _compare(f"{what}{at}", torch.tensor(actual, dtype=torch.complex128 if isinstance(expected, complex)
-                                             else torch.float64),
-                 torch.tensor(expected, dtype=torch.complex128 if isinstance(expected, complex) else torch.float64),
-                 tol)
-    elif isinstance(expected, _PLAIN):
-        if actual != expected:
-            raise AssertionError(f"{what}{at}: prepared gives {actual!r}, stock {expected!r}")
-    elif isinstance(expected, _BY_TYPE):
-        pass
-    elif (attributes := _attributes(expected)) is not None:
-        theirs = _attributes(actual) or {}
-        if list(theirs) != list(attributes):
-            raise AssertionError(f"{what}{at}: prepared has attributes {list(theirs)!r}, stock {list(attributes)!r}")
-        for name, e in attributes.items():
-            _compare_tree(f"{what}.{name}", theirs[name], e, at, tol, seen, strict)
-    elif actual is not expected:
-        same = None
-        if type(expected).__eq__ is not object.__eq__:
-            try:
-                same = bool(actual == expected)
-            except Exception:  # noqa: BLE001 - no truth value (an array): refused below
-                pass
-        if same is False:
-            raise AssertionError(f"{what}{at}: prepared gives {actual!r}, stock {expected!r}")
-        if same is None and strict:
-            raise TypeError(
-                f"assert_equivalent cannot compare {what}{at}: {_kind(expected)} is no tensor, container, dataclass "
-                "or object with attributes (vars() or __slots__), and its == gives no truth value, so a difference "
-                "in it could not be seen; return its tensors (or a comparable value) instead"
-            )
-
-
-def _compare(what: str, actual: torch.Tensor | None, expected: torch.Tensor | None, tol: _Tolerance) -> None:
-    if actual is None or expected is None:
-        if actual is not expected:
-            state = ("None", "a tensor") if actual is None else ("a tensor", "None")
-            raise AssertionError(f"{what}: prepared has {state[0]}, stock has {state[1]}")
-        return
-    if _is_subclass(actual) or _is_subclass(expected):
-        # e.g. torchao's Int8Tensor: compare its plain inner tensors and metadata instead.
-        if type(actual) is not type(expected):
-            raise AssertionError(f"{what}: prepared is a {type(actual).__name__}, stock a {type(expected).__name__}")
-        names, meta = expected.__tensor_flatten__()
-        if actual.__tensor_flatten__() != (names, meta):
-            raise AssertionError(f"{what}: tensor subclass metadata differs")
-        for inner in names:
-            _compare(f"{what}.{inner}", getattr(actual, inner), getattr(expected, inner), tol)
-        return
-    atol = tol.atol
-    if tol.of_max and expected.is_floating_point():
-        atol += tol.of_max * _largest(expected)
-    try:
-        torch.testing.assert_close(actual.detach(), expected.detach(), rtol=tol.rtol, atol=atol, equal_nan=True)
-    except AssertionError as exc:
-        detail = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        raise AssertionError(f"{what} differs from stock ({tol.describe()}): {detail}") from None
-
-
-def _largest(t: torch.Tensor) -> float:
-    """The largest finite magnitude in ``t`` (0 for an empty or all non-finite tensor)."""
-    finite = t.detach().float().nan_to_num(0.0, 0.0, 0.0)
-    return float(finite.abs().max()) if finite.numel() else 0.0
-
-
-def _is_subclass(t: torch.Tensor) -> bool:
-    return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__")
-
-
-def _compare_dicts(
-    at: str, what: str, actual: Mapping[str, Any], expected: Mapping[str, Any], tol: _Tolerance
-) -> None:
-    if list(actual) != list(expected):
-        missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
-        raise AssertionError(f"{what} keys differ{at}: missing {missing}, unexpected {extra} (or order changed)")
-    for key in expected:
-        _compare(f"{what} {key!r}{at}", actual[key], expected[key], tol)
-
-
-def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolerance) -> None:
+def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: Tolerance) -> None:
     """Every parametrized tensor read as an attribute, outside any forward, equals stock's, and
     so does the ``module.weight`` that a hook-based ``weight_norm``/``spectral_norm`` last wrote.
 
@@ -826,7 +564,7 @@ def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolera
                     where = f"{path}.{name}" if path else name
                     ours = getattr(c, name)
                     _set_rng_state(rng)
-                    _compare(f"{where} read outside forward{at}", ours, getattr(s, name), tol)
+                    compare(f"{where} read outside forward{at}", ours, getattr(s, name), tol)
                     _set_rng_state(rng)
         for path, module in stock.named_modules():
             if inside_parametrization(path):
@@ -836,7 +574,7 @@ def _compare_reads(candidate: nn.Module, stock: nn.Module, at: str, tol: _Tolera
                 where = f"{path}.{hook.name}" if path else hook.name
                 where = f"{where} (hook-based {kind})"
                 ours = getattr(candidate.get_submodule(path), hook.name, None)
-                _compare(f"{where} read outside forward{at}", ours, getattr(module, hook.name, None), tol)
+                compare(f"{where} read outside forward{at}", ours, getattr(module, hook.name, None), tol)
     finally:
         _set_rng_state(rng)
         for m, training in flags:
@@ -857,7 +595,7 @@ def _compare_grads(
     cached: nn.Module | None,
     at: str,
     loose: set[int],
-    tol: _Tolerance,
+    tol: Tolerance,
     eps: float,
 ) -> None:
     got, want = dict(candidate.named_parameters()), dict(stock.named_parameters())
@@ -869,23 +607,23 @@ def _compare_grads(
         # and 1e-5 is an absolute floor for gradients that cancel to near zero (documented in
         # assert_equivalent's docstring).
         rtol = {torch.finfo(torch.bfloat16).eps: 1.6e-2, torch.finfo(torch.float16).eps: 1e-3}.get(eps, 1.3e-6)
-        largest = max((_largest(p.grad) for p in want.values() if p.grad is not None), default=0.0)
-        loose_tol = _Tolerance(max(tol.rtol, rtol), max(tol.atol, 1e-5, rtol * largest), tol.of_max)
+        top = max((largest(p.grad) for p in want.values() if p.grad is not None), default=0.0)
+        loose_tol = Tolerance(max(tol.rtol, rtol), max(tol.atol, 1e-5, rtol * top), tol.of_max)
     same_as_cached = dict(cached.named_parameters()) if cached is not None else {}
     for name, param in got.items():
         what = f"grad of {name!r}{at}"
         if id(param) not in loose:
-            _compare(what, param.grad, want[name].grad, tol)
+            compare(what, param.grad, want[name].grad, tol)
             continue
         try:
-            _compare(what, param.grad, same_as_cached[name].grad, tol)
+            compare(what, param.grad, same_as_cached[name].grad, tol)
         except (AssertionError, KeyError):
-            _compare(f"{what} (and differs from stock under parametrize.cached())", param.grad, want[name].grad, loose_tol)
+            compare(f"{what} (and differs from stock under parametrize.cached())", param.grad, want[name].grad, loose_tol)
         else:
             # Equal to stock under parametrize.cached() must still be stock's up to rounding: a
             # gradient hook the forward registers at each read scales a shared value's sum once
             # per read (README, Notes and limits), as it does under the cache too.
-            _compare(f"{what} (equal to stock under parametrize.cached(), which shares one value per "
+            compare(f"{what} (equal to stock under parametrize.cached(), which shares one value per "
                      "forward: a gradient hook registered at each read?)", param.grad, want[name].grad, loose_tol)
 
 
@@ -929,6 +667,6 @@ def _reordered_originals(model: nn.Module) -> set[int]:
 
 
 def _lowest_precision(model: nn.Module, outputs: Any) -> torch.dtype:
-    tensors = [*model.parameters(), *model.buffers(), *_flatten(outputs)]
+    tensors = [*model.parameters(), *model.buffers(), *tensors_of(outputs)]
     dtypes = {t.dtype for t in tensors if t.is_floating_point()} or {torch.float32}
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
