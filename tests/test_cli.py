@@ -188,7 +188,7 @@ def test_every_command_fails_with_one_line_in_one_format(tmp_path, args, command
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupt_outside_any_command_is_one_line_with_its_own_code(monkeypatch, signum, code):
-    from paramfold.output import Interrupted
+    from paramfold.signals import Interrupted
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
@@ -1115,7 +1115,8 @@ def test_a_failure_after_a_swallowed_signal_is_said_as_the_interrupt(tmp_path, m
 
 
 def test_an_output_is_not_put_in_place_after_a_swallowed_signal(tmp_path):
-    from paramfold.output import Interrupted, atomic_output, signals_raise
+    from paramfold.output import atomic_output
+    from paramfold.signals import Interrupted, signals_raise
 
     target = tmp_path / "o.bin"
     with signals_raise(), pytest.raises(Interrupted):

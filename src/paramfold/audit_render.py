@@ -22,7 +22,7 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from paramfold.output import quiet_when_stdout_closes
+    from paramfold.terminal import quiet_when_stdout_closes
 
     console = console or quiet_when_stdout_closes(Console())
     root = f" (under '{report.root}')" if report.root else ""
@@ -72,7 +72,7 @@ def _shown(text: str) -> str:
     """``text`` for the table: rich markup escaped, control characters written out (``printable``)."""
     from rich.markup import escape
 
-    from paramfold.output import printable
+    from paramfold.terminal import printable
 
     return escape(printable(text))
 

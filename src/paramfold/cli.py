@@ -20,7 +20,7 @@ commands raise, and :func:`_guarded` turns the exception into that line and one 
 ``recompiles -- python script.py`` otherwise exits with the script's own status; what the script
 prints, its traceback included, is its own output. A stdout closed early (``| head``) is no
 failure: the command runs to its end with what it prints dropped
-(:func:`paramfold.output.stdout_quiet_when_closed`), and exits with its own code. Outputs are written whole or not at all
+(:func:`paramfold.terminal.stdout_quiet_when_closed`), and exits with its own code. Outputs are written whole or not at all
 (:mod:`paramfold.output`): after a failure or a signal no partial or temporary file is left and a
 pre-existing output file is unchanged. ``--debug`` (before the command: ``paramfold --debug audit
 ...``) or ``PARAMFOLD_DEBUG=1`` also prints the traceback.
@@ -81,7 +81,7 @@ def _say(command: str, message: str) -> None:
 
     ``command`` is ``""`` for an error of the root command (no command named, or none yet).
     """
-    from paramfold.output import printable
+    from paramfold.terminal import printable
 
     text = printable(" ".join(str(message).split()))  # one line, whatever the message held
     _said[:] = [True]
@@ -106,7 +106,8 @@ _said: list[bool] = []
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
     from paramfold.errors import FoldError
-    from paramfold.output import Interrupted, describe_os_error
+    from paramfold.output import describe_os_error
+    from paramfold.signals import Interrupted
 
     if isinstance(exc, KeyboardInterrupt):
         signame = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
@@ -136,7 +137,7 @@ def _guarded(command: str) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            from paramfold.output import Interrupted, raise_if_interrupted, signal_arrived
+            from paramfold.signals import Interrupted, raise_if_interrupted, signal_arrived
 
             _ran[:] = [command]
             try:
@@ -204,7 +205,8 @@ class _Group(_PlainHelpFlag, TyperGroup):
              standalone_mode: bool = True, **extra: Any) -> Any:
         """Run the command line; ``end_process=True`` (the console script) also ends the process
         (:func:`_end_process`) with handled signals still said as documented until the end."""
-        from paramfold.output import signals_raise, stdout_quiet_when_closed
+        from paramfold.signals import signals_raise
+        from paramfold.terminal import stdout_quiet_when_closed
 
         end_process = extra.pop("end_process", False)
         _written.clear()  # a command called in the same process before this one wrote it, not this one
@@ -305,7 +307,7 @@ def _end_process(code: int) -> NoReturn:
     import atexit
     import threading
 
-    from paramfold.output import Interrupted, on_signal_instead
+    from paramfold.signals import Interrupted, on_signal_instead
 
     def late(signum: int) -> None:
         exit_code = _signal_after(Interrupted(signum), code)
@@ -435,7 +437,7 @@ def bench(
 
     from paramfold.bench import BenchConfig, run_bench, run_sweep
     from paramfold.bench.config import parse_layer_counts
-    from paramfold.output import raise_if_interrupted
+    from paramfold.signals import raise_if_interrupted
 
     raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
 
@@ -536,7 +538,7 @@ def audit(
     from paramfold.audit import audit_checkpoint
     from paramfold.checkpoint import open_checkpoint
     from paramfold.audit_render import print_report
-    from paramfold.output import raise_if_interrupted
+    from paramfold.signals import raise_if_interrupted
 
     raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     with open_checkpoint(path) as ckpt:
@@ -578,7 +580,8 @@ def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``:
     after ``audit --json``, where stdout holds the JSON document alone, so do ``--model``'s prints)."""
     from paramfold.fold import fold_checkpoint
-    from paramfold.output import raise_if_interrupted, stdout_to_stderr
+    from paramfold.signals import raise_if_interrupted
+    from paramfold.terminal import stdout_to_stderr
 
     raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     _written.clear()

@@ -1,12 +1,11 @@
-"""Output files that appear whole or not at all, signals that unwind instead of killing, and a
-stdout closed early (``| head``) that drops what is printed instead of failing the command.
+"""Output files that appear whole or not at all, and output paths checked before any work.
 
 Every file paramfold writes (folded checkpoints, bench plots) goes through :func:`atomic_output`:
 the data goes to a hidden temporary file beside the target, which is flushed, fsynced, given
 the permissions a plain ``open(path, "w")`` would give (the target's mode when it exists, else
 ``0o666`` less the umask) and renamed over the target only when complete. On any error, and on
-SIGINT, SIGTERM or SIGHUP while :func:`signals_raise` is active (the CLI activates it), the
-temporary file is removed and a pre-existing target is left byte-identical.
+SIGINT, SIGTERM or SIGHUP while :func:`paramfold.signals.signals_raise` is active (the CLI
+activates it), the temporary file is removed and a pre-existing target is left byte-identical.
 
 This module imports nothing heavy (no torch), so the CLI can validate an output path before it
 imports anything else.
@@ -25,28 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
-import signal
 import stat
-import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 from paramfold.errors import FoldError
+from paramfold.signals import Interrupted, pending_signal, raise_if_interrupted, signal_arrived, signals_blocked
 
-__all__ = [
-    "Interrupted", "OutputError", "atomic_output", "check_output", "describe_os_error", "on_signal_instead",
-    "given_stdout", "raise_if_interrupted", "signal_arrived", "signals_raise", "stdout_quiet_when_closed",
-    "stdout_to_stderr",
-]
-
-# The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
-HANDLED_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
-)
+__all__ = ["OutputError", "atomic_output", "check_output", "describe_os_error", "destination"]
 
 
 class OutputError(FoldError):
@@ -55,120 +43,6 @@ class OutputError(FoldError):
     def __init__(self, message: str, *, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP arrived (see :func:`signals_raise`); ``signum`` says which.
-
-    A ``KeyboardInterrupt`` so that code which handles Ctrl-C handles the others the same way,
-    and ``except Exception`` blocks let it through.
-    """
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
-
-
-class _SignalState:
-    """What :func:`signals_raise`'s handler has seen and does (one per process: signals are)."""
-
-    def __init__(self) -> None:
-        #: The handled signals that arrived while it was active, in order.
-        self.arrived: list[int] = []
-        #: Called with the signal number instead of raising, once set (:func:`on_signal_instead`).
-        self.instead: Callable[[int], None] | None = None
-
-
-_signals = _SignalState()
-
-
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """While active (main thread only), SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`.
-
-    The default action of SIGTERM and SIGHUP kills the process on the spot, leaving temporary
-    files behind; raised as exceptions they unwind through every ``finally`` and cleanup block.
-
-    A signal is also recorded, so that it cannot be lost where code catches every exception (an
-    import inside a C extension, say, swallows the :class:`Interrupted` raised there):
-    :func:`raise_if_interrupted` raises it again at a safe point, and :func:`atomic_output` never
-    puts an output in place after one.
-    """
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        _signals.arrived.append(signum)
-        if _signals.instead is not None:
-            _signals.instead(signum)
-        raise Interrupted(signum)
-
-    saved = (_signals.arrived, _signals.instead)
-    _signals.arrived, _signals.instead = [], None
-    old = {}
-    for sig in HANDLED_SIGNALS:
-        with contextlib.suppress(OSError, ValueError):
-            previous = signal.getsignal(sig)
-            if previous is signal.SIG_IGN:
-                # Ignored by whoever started us (nohup's SIGHUP, a background job's SIGINT in a
-                # non-interactive shell): kept ignored, as Python itself keeps an ignored SIGINT.
-                continue
-            old[sig] = previous
-            signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
-        _signals.arrived, _signals.instead = saved
-
-
-def signal_arrived() -> int | None:
-    """The first handled signal that arrived while :func:`signals_raise` is active, if any."""
-    return _signals.arrived[0] if _signals.arrived else None
-
-
-def raise_if_interrupted() -> None:
-    """Raise :class:`Interrupted` if a handled signal arrived while :func:`signals_raise` is active,
-    even one whose exception something caught and dropped: call it at safe points (after imports,
-    before committing an output)."""
-    signum = signal_arrived()
-    if signum is not None:
-        raise Interrupted(signum)
-
-
-def on_signal_instead(action: Callable[[int], None] | None) -> None:
-    """From now until :func:`signals_raise` ends, a handled signal calls ``action(signum)`` instead
-    of raising :class:`Interrupted` (where raising can no longer unwind anything, e.g. once a command
-    has ended and the process is exiting: ``action`` should end the process itself)."""
-    _signals.instead = action
-
-
-@contextlib.contextmanager
-def _signals_blocked() -> Iterator[None]:
-    """Hold back the handled signals for a few system calls (they are delivered afterwards)."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _pending_signal() -> int | None:
-    if not hasattr(signal, "sigpending"):
-        return None
-    pending = signal.sigpending() & set(HANDLED_SIGNALS)
-    return min(pending) if pending else None
 
 
 def check_output(
@@ -313,21 +187,21 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
         finally:
             os.close(fd)
         os.chmod(tmp, mode)
-        with _signals_blocked():
-            pending = _pending_signal() or signal_arrived()  # also one whose exception was dropped
+        with signals_blocked():
+            pending = pending_signal() or signal_arrived()  # also one whose exception was dropped
             if pending is None:
                 os.replace(tmp, dest)
         if pending is not None:  # unblocking delivered it already; this is the fallback
             raise Interrupted(pending)
     except OSError as e:
-        with _signals_blocked():
+        with signals_blocked():
             tmp.unlink(missing_ok=True)
         if e.filename in (None, str(tmp)):  # name the output, not the temporary file (gone now)
             hint = ": free some space or write the output elsewhere" if e.errno in _FULL else ""
             raise OutputError(f"{out}: cannot write: {e.strerror or e}{hint}; nothing was written", exit_code=1) from None
         raise
     except BaseException:
-        with _signals_blocked():
+        with signals_blocked():
             tmp.unlink(missing_ok=True)
         raise
 
@@ -346,146 +220,6 @@ def _temporary_prefix(name: str, parent: Path) -> str:
 
 
 _FULL = {getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n)}
-
-
-def printable(text: str) -> str:
-    """``text`` with its control characters written out as escapes (``\\x1b``): a checkpoint's
-    key or path may hold a terminal escape sequence, which must be shown, not sent."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
-class _QuietWhenClosed(io.RawIOBase):
-    """File descriptor ``fd`` for writing, where a reader that has gone (``EPIPE``) points ``fd`` at
-    ``os.devnull`` and the write counts as done: what is left to print is dropped, nothing raises."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__()
-        self._fd = fd
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def isatty(self) -> bool:
-        return os.isatty(self._fd)
-
-    def write(self, data: bytes) -> int:  # type: ignore[override]
-        try:
-            return os.write(self._fd, data)
-        except BrokenPipeError:
-            _discard(self._fd)
-            return len(memoryview(data))
-
-
-def _discard(fd: int) -> None:
-    """Point ``fd`` at ``os.devnull``: later writes to it, and Python's flush at exit, succeed."""
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, fd)
-    finally:
-        os.close(null)
-
-
-def _flush_quietly(stream: IO[str]) -> None:
-    """Flush ``stream``; where its reader has gone, drop what it holds (see :class:`_QuietWhenClosed`)."""
-    for _ in range(2):
-        try:
-            stream.flush()
-            return
-        except BrokenPipeError:
-            _discard(stream.fileno())  # the buffer keeps the bytes; the second flush sends them nowhere
-        except (AttributeError, OSError, ValueError):  # closed, or failing otherwise: for its writer to say
-            return
-
-
-_given_stdout: list[IO[str]] = []
-
-
-@contextlib.contextmanager
-def stdout_quiet_when_closed() -> Iterator[None]:
-    """While active, a stdout whose reader has gone (``paramfold audit big.pt | head``) drops what is
-    printed instead of raising: the command runs to its end, writes its output whole and exits with
-    its own code. (The stream ``sys.stdout`` was is put back at the end; it is flushed first, so
-    that nothing printed before comes after.) A stdout without a file descriptor (a test's) is left
-    as it is."""
-    given = sys.stdout
-    try:
-        fd = given.fileno()
-    except (AttributeError, OSError, ValueError):
-        yield
-        return
-    _flush_quietly(given)
-    sys.stdout = io.TextIOWrapper(
-        io.BufferedWriter(_QuietWhenClosed(fd)), encoding=given.encoding, errors=given.errors,
-        line_buffering=given.line_buffering,
-    )
-    _given_stdout.append(given)
-    try:
-        yield
-    finally:
-        _given_stdout.pop()
-        _flush_quietly(sys.stdout)
-        sys.stdout = given
-
-
-@contextlib.contextmanager
-def given_stdout() -> Iterator[None]:
-    """Inside :func:`stdout_quiet_when_closed`, the stream ``sys.stdout`` was before it, for code that
-    must meet a closed stdout as ``python`` would (``paramfold recompiles``' script, whose
-    ``BrokenPipeError`` is its own)."""
-    if not _given_stdout:
-        yield
-        return
-    quiet = sys.stdout
-    _flush_quietly(quiet)
-    sys.stdout = _given_stdout[-1]
-    try:
-        yield
-    finally:
-        _flush_quietly(sys.stdout)  # what the script left buffered comes before what follows it
-        sys.stdout = quiet
-
-
-@contextlib.contextmanager
-def stdout_to_stderr() -> Iterator[None]:
-    """While active, send what user code (``recompiles``' script, ``--model``'s factory) writes to
-    stdout to stderr: ``sys.stdout``, and file descriptor 1 too (child processes, ``os.system``,
-    ``sys.__stdout__``), so that stdout holds a JSON document alone. Where descriptor 1 cannot be
-    duplicated (closed), Python's only."""
-    try:
-        sys.stdout.flush()
-        if sys.__stdout__ is not None:
-            sys.__stdout__.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    except (OSError, ValueError):
-        saved = None
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        if saved is not None:
-            for stream in (sys.__stdout__, sys.stderr):
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    stream.flush()  # buffered writes made meanwhile belong to stderr
-            os.dup2(saved, 1)
-            os.close(saved)
-
-
-def quiet_when_stdout_closes(console: object) -> object:
-    """``console`` (a ``rich.console.Console`` on stdout), made to end the command quietly when
-    stdout closes early (``| head``): rich's own handler exits with ``SystemExit(1)``, which the
-    CLI would report as an error. Here stdout is pointed at ``os.devnull`` (nothing left to flush
-    at exit) and a ``BrokenPipeError`` ends the command, as a closed stdout does elsewhere."""
-
-    def on_broken_pipe() -> None:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise BrokenPipeError
-
-    console.on_broken_pipe = on_broken_pipe  # type: ignore[attr-defined]
-    return console
 
 
 def describe_os_error(e: OSError) -> str:

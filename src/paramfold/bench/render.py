@@ -158,7 +158,7 @@ def _console(console: Any) -> Any:
     says, else wide enough for the table (nothing wrapped or cut)."""
     from rich.console import Console
 
-    from paramfold.output import quiet_when_stdout_closes
+    from paramfold.terminal import quiet_when_stdout_closes
 
     if console is None:
         console = Console()

@@ -248,7 +248,7 @@ class RecompileReport:
         """Print the tables (to stdout, or to the given ``rich.console.Console``)."""
         from rich.console import Console
 
-        from paramfold.output import quiet_when_stdout_closes
+        from paramfold.terminal import quiet_when_stdout_closes
 
         if console is None:
             console = Console()

@@ -25,7 +25,7 @@ import traceback
 import types
 
 from paramfold.errors import FoldError
-from paramfold.output import given_stdout, stdout_to_stderr
+from paramfold.terminal import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
 
 __all__ = ["ScriptError", "run_script"]

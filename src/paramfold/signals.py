@@ -1,0 +1,135 @@
+"""Signals that unwind instead of killing: while :func:`signals_raise` is active (the CLI activates
+it), SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted`, so every ``finally`` and cleanup block
+runs (an output's temporary file is removed, see :mod:`paramfold.output`), and a signal whose
+exception something caught and dropped is raised again at the next safe point
+(:func:`raise_if_interrupted`).
+
+This module imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable, Iterator
+
+__all__ = ["HANDLED_SIGNALS", "Interrupted", "on_signal_instead", "raise_if_interrupted", "signal_arrived", "signals_raise"]
+
+# The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
+HANDLED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived (see :func:`signals_raise`); ``signum`` says which.
+
+    A ``KeyboardInterrupt`` so that code which handles Ctrl-C handles the others the same way,
+    and ``except Exception`` blocks let it through.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class _SignalState:
+    """What :func:`signals_raise`'s handler has seen and does (one per process: signals are)."""
+
+    def __init__(self) -> None:
+        #: The handled signals that arrived while it was active, in order.
+        self.arrived: list[int] = []
+        #: Called with the signal number instead of raising, once set (:func:`on_signal_instead`).
+        self.instead: Callable[[int], None] | None = None
+
+
+_signals = _SignalState()
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """While active (main thread only), SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`.
+
+    The default action of SIGTERM and SIGHUP kills the process on the spot, leaving temporary
+    files behind; raised as exceptions they unwind through every ``finally`` and cleanup block.
+
+    A signal is also recorded, so that it cannot be lost where code catches every exception (an
+    import inside a C extension, say, swallows the :class:`Interrupted` raised there):
+    :func:`raise_if_interrupted` raises it again at a safe point, and :func:`atomic_output` never
+    puts an output in place after one.
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        _signals.arrived.append(signum)
+        if _signals.instead is not None:
+            _signals.instead(signum)
+        raise Interrupted(signum)
+
+    saved = (_signals.arrived, _signals.instead)
+    _signals.arrived, _signals.instead = [], None
+    old = {}
+    for sig in HANDLED_SIGNALS:
+        with contextlib.suppress(OSError, ValueError):
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:
+                # Ignored by whoever started us (nohup's SIGHUP, a background job's SIGINT in a
+                # non-interactive shell): kept ignored, as Python itself keeps an ignored SIGINT.
+                continue
+            old[sig] = previous
+            signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+        _signals.arrived, _signals.instead = saved
+
+
+def signal_arrived() -> int | None:
+    """The first handled signal that arrived while :func:`signals_raise` is active, if any."""
+    return _signals.arrived[0] if _signals.arrived else None
+
+
+def raise_if_interrupted() -> None:
+    """Raise :class:`Interrupted` if a handled signal arrived while :func:`signals_raise` is active,
+    even one whose exception something caught and dropped: call it at safe points (after imports,
+    before committing an output)."""
+    signum = signal_arrived()
+    if signum is not None:
+        raise Interrupted(signum)
+
+
+def on_signal_instead(action: Callable[[int], None] | None) -> None:
+    """From now until :func:`signals_raise` ends, a handled signal calls ``action(signum)`` instead
+    of raising :class:`Interrupted` (where raising can no longer unwind anything, e.g. once a command
+    has ended and the process is exiting: ``action`` should end the process itself)."""
+    _signals.instead = action
+
+
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """Hold back the handled signals for a few system calls (they are delivered afterwards)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def pending_signal() -> int | None:
+    if not hasattr(signal, "sigpending"):
+        return None
+    pending = signal.sigpending() & set(HANDLED_SIGNALS)
+    return min(pending) if pending else None
