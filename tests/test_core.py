@@ -8,9 +8,11 @@ import pytest
 import torch
 from helpers import LoRA, build, classes, grads, seed_model
 from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import paramfold
 import paramfold.testing as pt
+from paramfold.state import STATE_ATTR
 
 KINDS = ["weight_norm", "spectral_norm", "orthogonal:matrix_exp", "orthogonal:cayley",
          "orthogonal:householder", "split", "chain", "buffer", "lora"]
@@ -412,6 +414,42 @@ def test_prepared_model_deepcopies_after_steady_calls(mode, grad):
         assert not torch.equal(twin(x), stock(x))
     paramfold.restore(twin)
     assert classes(twin) == classes(stock)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("part", [0, 2, "both"])
+def test_a_deep_copy_of_part_of_a_prepared_model_is_a_stock_module(mode, part):
+    # Regression: copy.deepcopy(model[0]) of a prepared model kept paramfold's class and state
+    # without the model it was part of: restore(copy) and prepare(copy) were refused ("part of a
+    # model passed to paramfold.prepare"), and once put back into the model (a cloned layer, a
+    # layer's EMA) restore(model) left it prepared and prepare(model) refused it.
+    def build_seq():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 4)), torch.nn.ReLU(),
+                                   spectral_norm(torch.nn.Linear(4, 4)))
+
+    stock, ours = build_seq(), build_seq()
+    if mode == "freeze":
+        stock.eval().requires_grad_(False), ours.eval().requires_grad_(False)
+    classes_before = [type(m) for m in ours]
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    ours(x)
+    stock(x)
+    picked = [0, 2] if part == "both" else [part]
+    stock_copies = copy.deepcopy([stock[i] for i in picked])
+    copies = copy.deepcopy([ours[i] for i in picked])
+    for i, c, s in zip(picked, copies, stock_copies):
+        assert type(c) is classes_before[i] and type(s) is type(stock[i])  # stock's copy shares its class
+        assert STATE_ATTR not in vars(c) and torch.equal(c(x), s(x))
+        paramfold.restore(paramfold.prepare(c, mode))  # a model of its own now
+        ours[i], stock[i] = c, s
+    assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    assert [type(m) for m in ours] == classes_before and all(STATE_ATTR not in vars(m) for m in ours.modules())
+    paramfold.prepare(ours, mode)
+    assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
 
 
 class _AutocastInside(torch.nn.Module):

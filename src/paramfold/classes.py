@@ -36,12 +36,14 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import scope_nested as nested
-from paramfold.compute import autocast_state, checkpoint_frame, compiling_here, compute, eager_value, parametrized_here
+from paramfold.compute import (autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
+                               has_parametrizations, parametrized_here)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
-from paramfold.state import STATE_ATTR, SiteState
+from paramfold.restore import restore_module
+from paramfold.state import STATE_ATTR, SiteState, orphaned_copy
 from paramfold.scope import call_values, compiled_call_impl, copied_between_calls, root_call
 
 
@@ -127,8 +129,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
     # so pickle would otherwise fail with a confusing lookup error); deepcopy supported, as on
     # stock's per-instance classes.
     namespace["__reduce_ex__"] = _refuse_pickle
-    if not hasattr(base, "__deepcopy__"):
-        namespace["__deepcopy__"] = _default_deepcopy
+    namespace["__deepcopy__"] = _deepcopy_with(getattr(base, "__deepcopy__", _default_deepcopy))
     if is_root:
         namespace["__call__"] = root_call
         if base.__call__ is not nn.Module.__call__:  # the model's own __call__ (it calls super's)
@@ -415,6 +416,52 @@ def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
     )
 
 
+def _deepcopy_with(copier: Callable[[nn.Module, dict], nn.Module]) -> Callable[[nn.Module, dict], nn.Module]:
+    """``copy.deepcopy`` of a prepared module by ``copier`` (the base class's own, else
+    :func:`_default_deepcopy`). A copy of part of a prepared model made without that model
+    (``copy.deepcopy(model.layer)``: a cloned layer, one layer's EMA) is part of no prepared model,
+    so it is made a stock module, as :func:`paramfold.restore` would leave it: stock's class (the
+    original's, which stock's copy shares too) and no paramfold state. Prepare it on its own if
+    you want it compiled as a plain model."""
+
+    def __deepcopy__(self: nn.Module, memo: dict) -> nn.Module:
+        found = memo.get(id(self))
+        if found is not None:
+            return found
+        asked = _asked_through(self)
+        if asked is not None and getattr(_stock_class(self), "__deepcopy__", None) is None:
+            # copy.deepcopy(wrapper) found this method through the wrapper's forwarding
+            # __getattr__ (torch.compile's OptimizedModule, PEFT's ModulesToSaveWrapper). Stock's
+            # class has none to find, so stock copies the wrapper itself: so do we.
+            return copy._reconstruct(asked, memo, *asked.__reduce_ex__(4))  # type: ignore[attr-defined]
+        orphan = orphaned_copy(self, memo)
+        replica = copier(self, memo)
+        if copier is not _default_deepcopy:
+            copied_between_calls(self, replica)
+        if orphan:
+            restore_module(replica)
+        return replica
+
+    return __deepcopy__
+
+
+def _asked_through(module: nn.Module) -> object | None:
+    """The object ``copy.deepcopy`` was given, when it is not ``module`` but found ``module``'s
+    ``__deepcopy__`` through its own ``__getattr__`` (``copy.deepcopy`` looks the method up on the
+    instance); None when called otherwise."""
+    caller = sys._getframe(2)  # __deepcopy__'s caller: this function is called by __deepcopy__
+    if caller.f_code is not copy.deepcopy.__code__:
+        return None
+    given = caller.f_locals.get("x")
+    return None if given is None or given is module else given
+
+
+def _stock_class(module: nn.Module) -> type:
+    """The class ``module`` has without paramfold."""
+    state = module.__dict__.get(STATE_ATTR)
+    return state.original_class if state is not None else type(module)
+
+
 def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     """``copy.deepcopy`` of a prepared module, as stock copies the module.
 
@@ -430,7 +477,7 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     if found is not None:
         return found
     call_only = call_values(self)  # values a call open now installed: not the module's own
-    if not parametrize.is_parametrized(self):
+    if not has_parametrizations(self):
         rv = object.__reduce_ex__(self, 4)
         if call_only and isinstance(rv[2], dict):
             rv = (rv[0], rv[1], {k: v for k, v in rv[2].items() if k not in call_only}, *rv[3:])

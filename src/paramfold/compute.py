@@ -49,7 +49,17 @@ def members(plist: nn.Module) -> tuple[nn.Module, ...]:
 
 def is_nested(plist: nn.Module) -> bool:
     """Whether an original of ``plist`` is itself parametrized."""
-    return parametrize.is_parametrized(plist)
+    return has_parametrizations(plist)
+
+
+def has_parametrizations(module: nn.Module) -> bool:
+    """Whether ``module`` itself is parametrized: its own ``parametrizations`` ModuleDict.
+
+    torch's ``parametrize.is_parametrized`` reads the attribute, so it also says True of a wrapper
+    that forwards unknown attributes to the module it wraps (PEFT's ``ModulesToSaveWrapper``,
+    ``torch.compile(layer)``'s ``OptimizedModule``): the wrapped module is the parametrized one.
+    """
+    return isinstance(module.__dict__.get("_modules", {}).get("parametrizations"), nn.ModuleDict)
 
 
 def parametrized_here(module: nn.Module, name: str) -> bool:

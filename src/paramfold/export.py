@@ -125,7 +125,9 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
 
     legacy = _hook_based_norms([s for s in found if s.hook_based])
     memo = _sharing_memo(model, {s.module for s in sites})
+    _copy_forwarding_wrappers(model, memo)
     replica = copy.deepcopy(model, memo)
+    _check_faithful(model, replica)
     _strip_prepared(model, memo)
     _fold_hook_based_norms(legacy, memo)
     tensors: dict[int, torch.Tensor] = {}
@@ -229,6 +231,36 @@ def _sharing_memo(model: nn.Module, folded_modules: set[nn.Module]) -> dict[int,
             if isinstance(computed, torch.Tensor):
                 memo[id(computed)] = computed
     return memo
+
+
+def _copy_forwarding_wrappers(model: nn.Module, memo: dict[int, Any]) -> None:
+    """Copy, into ``memo``, the modules ``copy.deepcopy`` would replace by a copy of another one.
+
+    ``copy.deepcopy`` looks ``__deepcopy__`` up on the instance, so a module whose ``__getattr__``
+    forwards unknown attributes to a module it wraps (PEFT's ``ModulesToSaveWrapper``, ``PeftModel``
+    on a parametrized model, a user's wrapper) is "copied" as a copy of the wrapped module: the
+    wrapper, its other submodules and its state dict keys are gone. Such a module is copied here
+    as its class copies it (``__reduce_ex__``, as ``copy.deepcopy`` does any module), deepest
+    first, so that the main copy finds it in ``memo``.
+    """
+    for module in reversed(list(model.modules())):  # every descendant before its ancestors
+        if id(module) in memo or getattr(type(module), "__deepcopy__", None) is not None:
+            continue
+        if getattr(module, "__deepcopy__", None) is not None:  # found on another object
+            copy._reconstruct(module, memo, *module.__reduce_ex__(4))  # type: ignore[attr-defined]
+
+
+def _check_faithful(model: nn.Module, replica: nn.Module) -> None:
+    """Refuse a copy whose module tree is not ``model``'s (a ``__deepcopy__`` of a module's own)."""
+    ours = [(path, type(m).__name__) for path, m in model.named_modules(remove_duplicate=False)]
+    theirs = [(path, type(m).__name__) for path, m in replica.named_modules(remove_duplicate=False)]
+    if [p for p, _ in ours] != [p for p, _ in theirs]:
+        lost = next((p for (p, _), (q, _) in zip(ours, theirs) if p != q), ours[-1][0])
+        raise FoldError(
+            f"cannot export this model folded: copy.deepcopy(model) does not give its module tree "
+            f"(module {lost!r} and what follows differ; a __deepcopy__ of its own?), and "
+            "paramfold.export folds a copy. Export it stock with torch.export.export(model)."
+        )
 
 
 def _strip_prepared(model: nn.Module, memo: dict[int, Any]) -> None:

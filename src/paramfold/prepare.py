@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 
 from torch import nn
@@ -10,6 +11,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.classes import (between_class, install_type_before_parametrizations, plain_base, prepared_class,
                                read_once_class)
+from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
@@ -292,7 +294,7 @@ def _plan(
     planned = {}
     for module, st in states.items():
         own = frozenset(n for n, site in st.sites.items() if site.hook is None)
-        if parametrize.is_parametrized(module):
+        if has_parametrizations(module):
             st.stock_names = frozenset(module._modules["parametrizations"]._modules)
         if own:
             base = plain_base(module)
@@ -310,6 +312,7 @@ def _plan(
         inline = tuple(sorted(inline))
         st.covers = frozenset(id(m) for m in st.entries)
         st.root = module is model
+        st.prepared_root = weakref.ref(model)
         st.prepared_class = prepared_class(base, own, module is top, inline)
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
             st.between_class = between_class(st.prepared_class)
@@ -321,7 +324,8 @@ def _plan(
     if top is not model and top in states:
         # The wrapper keeps its class and opens no scope: restore(model) and busy checks find
         # the wrapped module's entries and holders through it.
-        outer = ModuleState(original_class=type(model), root=True, prepared_class=type(model))
+        outer = ModuleState(original_class=type(model), root=True, prepared_class=type(model),
+                            prepared_root=weakref.ref(model))
         outer.entries, outer.holders = [model, *states[top].entries], states[top].holders
         planned[model] = (outer, type(model))
     return planned

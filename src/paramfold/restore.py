@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.rebase import rebased
 from paramfold.scope import busy
@@ -90,7 +91,7 @@ def _stock_class_for_now(module: nn.Module, stock_names: frozenset[str]) -> None
     while prepared went to paramfold's class, not this one, so the difference is applied here with
     torch's own helpers, as ``register_parametrization`` / ``remove_parametrizations`` would have.
     """
-    now = frozenset(module._modules["parametrizations"]._modules) if parametrize.is_parametrized(module) else frozenset()
+    now = frozenset(module._modules["parametrizations"]._modules) if has_parametrizations(module) else frozenset()
     if now == stock_names:
         return
     cls = type(module)

@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from paramfold.compute import is_nested, leaf_originals, members, original_names
+from paramfold.compute import has_parametrizations, is_nested, leaf_originals, members, original_names
 from paramfold.held import same, snapshot
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
@@ -215,8 +215,8 @@ def inside_parametrization(path: str) -> bool:
 
 def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
     for path, module in model.named_modules():
-        if parametrize.is_parametrized(module):
-            for name in module.parametrizations:
+        if has_parametrizations(module):
+            for name in module._modules["parametrizations"]:
                 yield path, module, name
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import operator
 import sys
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -346,14 +347,30 @@ class ModuleState:
     plan_backoff: int = 0
     #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
     nested_check: Any = None
+    #: The model passed to ``prepare`` (a weak reference): a copy of this module made without it
+    #: (``copy.deepcopy(model.layer)``) is part of no prepared model (see :func:`orphaned_copy`).
+    prepared_root: Any = None
 
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
-        replica = _copy_fields(self, memo, _CACHES)
+        replica = _copy_fields(self, memo, _CACHES | {"prepared_root"})
         # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
         replica.covers = frozenset(id(m) for m in replica.entries)
+        root = self.prepared_root() if self.prepared_root is not None else None
+        if root is not None and id(root) in memo:  # copied with its model (the memo has it first)
+            replica.prepared_root = weakref.ref(memo[id(root)])
         return replica
+
+
+def orphaned_copy(module: nn.Module, memo: dict) -> bool:
+    """Whether ``module``, being deep-copied, is prepared as part of a model that this copy does
+    not copy: the copy would hold paramfold's state for a model it is not part of."""
+    state = module.__dict__.get(STATE_ATTR)
+    if state is None or state.root:
+        return False
+    root = state.prepared_root() if state.prepared_root is not None else None
+    return root is None or id(root) not in memo
 
 
 #: ModuleState's fields that hold what a call scope derived from the module, not its state.

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from paramfold import hooknorms
-from paramfold.compute import compute
+from paramfold.compute import compute, has_parametrizations
 from paramfold.sites import inside_parametrization
 
 
@@ -48,10 +47,10 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         for _, hook, kind in hooknorms.hook_norms(module):
             stored = hooknorms.originals(module, hook, kind) + hooknorms.state_tensors(module, hook, kind)
             by_hook_key.update((at + n, (at + hook.name, module, hook, kind)) for n, _, _ in stored)
-        if not parametrize.is_parametrized(module):
+        if not has_parametrizations(module):
             continue
         prefix = f"{path}.parametrizations." if path else "parametrizations."
-        for name in module.parametrizations:
+        for name in module._modules["parametrizations"]:
             by_prefix.setdefault(prefix, []).append((f"{path}.{name}" if path else name, module, name))
     plain: dict[str, torch.Tensor] = {}
     computed: list[str] = []

@@ -56,7 +56,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import paramfold
-from paramfold.compute import original_names
+from paramfold.compute import has_parametrizations, original_names
 from paramfold.hooknorms import hook_norms
 from paramfold.sites import inside_parametrization
 from paramfold.testing.compare import (
@@ -585,7 +585,7 @@ def _parametrized(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (path, m)
         for path, m in model.named_modules()
-        if parametrize.is_parametrized(m) and not inside_parametrization(path)
+        if has_parametrizations(m) and not inside_parametrization(path)
     ]
 
 
@@ -655,7 +655,7 @@ def _reordered_originals(model: nn.Module) -> set[int]:
     users: dict[int, int] = {}
     repeated: set[int] = set()
     for path, module in model.named_modules():
-        if inside_parametrization(path) or not parametrize.is_parametrized(module):
+        if inside_parametrization(path) or not has_parametrizations(module):
             continue
         for plist in module.parametrizations.values():
             for name in original_names(plist):
