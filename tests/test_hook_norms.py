@@ -306,3 +306,46 @@ def test_a_hook_reading_unregistered_tensors_stays_stock(mode):
     x = torch.randn(3, 4)
     assert torch.equal(ours(x), stock(x))
     assert len(ours[0]._forward_pre_hooks) == 1
+
+
+class _TiedHead(nn.Module):
+    """A forward that reads the head's ``weight`` before calling the head (a tied embedding)."""
+
+    def __init__(self, hook_based: bool):
+        super().__init__()
+        head = nn.Linear(6, 11, bias=False)
+        if hook_based:
+            self.head = _norm("weight_norm")(head)
+        else:
+            self.head = torch.nn.utils.parametrizations.weight_norm(head)
+
+    def forward(self, idx):
+        return self.head(torch.tanh(nn.functional.embedding(idx, self.head.weight)))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_read_before_the_layers_call_is_this_calls_value_documented(mode):
+    # README, Hook-based norms: read before the layer's call, stock's hook-based norm gives the
+    # value its hook left at the previous call (stale after load_state_dict); hoist, freeze and
+    # auto give this call's, as the parametrization version does in stock; inline is stock's.
+    idx = torch.tensor([[1, 2, 3]])
+    torch.manual_seed(1)
+    checkpoint = _TiedHead(True).state_dict()
+    outputs = {}
+    for name, hook_based in (("stock", True), ("ours", True), ("parametrization", False)):
+        torch.manual_seed(0)
+        model = _TiedHead(hook_based).eval().requires_grad_(False)
+        if name == "ours":
+            paramfold.prepare(model, mode)
+        with torch.no_grad():
+            model(idx)
+            if hook_based:
+                model.load_state_dict(checkpoint)
+            else:
+                g, v = checkpoint["head.weight_g"], checkpoint["head.weight_v"]
+                model.head.parametrizations.weight.original0.copy_(g)
+                model.head.parametrizations.weight.original1.copy_(v)
+            outputs[name] = model(idx)
+    assert not torch.equal(outputs["stock"], outputs["parametrization"])  # stock's stale read
+    expected = outputs["stock"] if mode == "inline" else outputs["parametrization"]
+    assert torch.equal(outputs["ours"], expected)
