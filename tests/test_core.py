@@ -196,6 +196,33 @@ def test_prepare_refuses_twice_and_unknown_mode():
         paramfold.restore(torch.nn.Sequential(model))
 
 
+def test_a_prepared_submodule_is_refused_with_the_way_out_that_fits():
+    # Regression: every prepared submodule got "Call paramfold.restore() on the model that was
+    # prepared first", which does not help an AveragedModel/EMA of a prepared model (its copy is
+    # prepared on its own) nor a module shared by two models.
+    from torch.optim.swa_utils import AveragedModel
+
+    model = paramfold.prepare(build("weight_norm"), "hoist")
+    ema = AveragedModel(model)
+    with pytest.raises(paramfold.FoldError, match=r"submodule 'module' is a model prepared by paramfold on its "
+                       r"own.*paramfold\.restore\(model\.get_submodule\('module'\)\)"):
+        paramfold.prepare(ema, "auto")
+    paramfold.restore(ema.module)
+    paramfold.prepare(ema, "auto")  # the way out the message gives
+    torch.manual_seed(0)
+    shared = torch.nn.Sequential(weight_norm(torch.nn.Linear(4, 4)))
+    a, b = torch.nn.Sequential(shared, torch.nn.Linear(4, 2)), torch.nn.Sequential(shared, torch.nn.Linear(4, 3))
+    stock_b = copy.deepcopy(b)
+    paramfold.prepare(a, "hoist")
+    before = pt.structure(b)
+    with pytest.raises(paramfold.FoldError, match=r"submodule '0' \(Sequential\) is part of another model prepared "
+                       r"by paramfold \(a Sequential\).*shared by two models"):
+        paramfold.prepare(b, "hoist")
+    pt.assert_same_structure(before, pt.structure(b))
+    x = torch.randn(2, 4)
+    assert torch.equal(b(x), stock_b(x))  # as the message says: the other model still runs it exactly
+
+
 def test_checkpoints_cross_load_between_prepared_and_stock():
     stock = build("spectral_norm")
     stock(torch.randn(2, 32))  # move _u/_v away from their initial values

@@ -170,12 +170,28 @@ def _resync_after_load(module: nn.Module, incompatible_keys: object) -> None:
 
 def _refuse_prepared(model: nn.Module) -> None:
     for path, module in model.named_modules():
-        if STATE_ATTR in module.__dict__:
-            where = f"its submodule {path!r} is" if path else "it is"
+        state = module.__dict__.get(STATE_ATTR)
+        if state is None:
+            continue
+        if not path:
             raise FoldError(
-                f"cannot prepare this model: {where} already prepared by paramfold. "
-                "Call paramfold.restore() on the model that was prepared first."
+                "cannot prepare this model: it is already prepared by paramfold. Call "
+                "paramfold.restore() on it first to prepare it again (another mode, filter_fn)."
             )
+        if state.root:  # a copy of a prepared model (AveragedModel, an EMA), or one prepared alone
+            raise FoldError(
+                f"cannot prepare this model: its submodule {path!r} is a model prepared by paramfold "
+                f"on its own (a copy of a prepared model, as AveragedModel/EMA makes, is prepared too). "
+                f"Call paramfold.restore(model.get_submodule({path!r})) first, then prepare this model."
+            )
+        root = state.prepared_root() if state.prepared_root is not None else None
+        raise FoldError(
+            f"cannot prepare this model: its submodule {path!r} ({type(module).__name__}) is part of "
+            f"another model prepared by paramfold{'' if root is None else f' (a {type(root).__name__})'}: a "
+            "module shared by two models is prepared for one of them. Prepare one model that holds both "
+            "(a parent calling each), or restore the other model first; the unprepared model still "
+            "runs the shared module exactly, computing its tensors where they are read."
+        )
 
 
 def _module_paths(model: nn.Module) -> dict[str, nn.Module]:
