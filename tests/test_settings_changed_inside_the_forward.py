@@ -327,3 +327,23 @@ def test_inside_parametrize_cached_a_first_read_after_a_change_is_the_blocks_val
             with parametrize.cached():
                 outs.append([model(x) for x in xs])
     assert [torch.equal(a, b) for a, b in zip(*outs)] == [True] * 3
+
+
+class _AutocastAroundLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # Accelerate-style, inside the forward
+            return self.enc(x).float()
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_the_refusal_of_a_read_under_an_inner_region_names_the_tensors_path(mode):
+    # Regression: "ParametrizedLinear.weight: a stateful parametrization ..." named only the class
+    # (two of the model's layers have it), though its advice is a filter_fn, which takes the path.
+    torch.manual_seed(0)
+    model = paramfold.prepare(_AutocastAroundLayers(), mode)
+    with pytest.raises(paramfold.FoldError, match=r"^enc\.0\.weight \(ParametrizedLinear\): a stateful"):
+        model(torch.randn(3, 4))

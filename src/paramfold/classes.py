@@ -43,7 +43,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
-from paramfold.state import STATE_ATTR, SiteState, orphaned_copy
+from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
 from paramfold.scope import call_values, compiled_call_impl, copied_between_calls, root_call
 
 
@@ -342,7 +342,7 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
         if not in_graph:
             if site.training_stateful:
                 raise FoldError(
-                    f"{type(module).__name__}.{name}: a stateful parametrization (spectral_norm) in "
+                    f"{tensor_label(module, name)}: a stateful parametrization (spectral_norm) in "
                     "training mode is read again while torch.utils.checkpoint(use_reentrant=False) "
                     "recomputes its forward; stock would run the power iteration inside the "
                     "checkpointed region, which a value computed once per call cannot reproduce. "

@@ -56,7 +56,7 @@ from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
-from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for
+from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for, tensor_label
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -133,7 +133,7 @@ class _NoDraws(TorchDispatchMode):
 
 def random_now(module: nn.Module, name: str) -> FoldError:
     return FoldError(
-        f"the parametrization of {type(module).__name__}.{name} would draw random numbers (or "
+        f"the parametrization of {tensor_label(module, name)} would draw random numbers (or "
         "change its own attributes) to compute the value to freeze, which it did not when "
         "paramfold.prepare probed it (a dropout probability or noise scale set above 0 since): "
         "stock does that at every read, which a frozen value cannot. It was stopped before "

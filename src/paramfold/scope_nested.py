@@ -50,7 +50,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
 from paramfold.freeze import chain_needs_grad
 from paramfold.sites import probed
-from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState
+from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState, tensor_label
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.watch import tag
@@ -272,7 +272,7 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
             # state as before the call's unread computation, then the same, in call_changed.)
             if site.hook is not None:
                 raise FoldError(
-                    f"{type(holder).__name__}.{name}: a hook-based stateful norm "
+                    f"{tensor_label(holder, name)}: a hook-based stateful norm "
                     "(torch.nn.utils.spectral_norm) whose module was switched to training, or "
                     "whose settings changed, inside the prepared model's forward; stock's hook "
                     "then runs its power iteration at each call of the module, which a value "
@@ -290,7 +290,7 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
             continue
         if region_moved and site.training_stateful:
             raise FoldError(
-                f"{type(holder).__name__}.{name}: a stateful parametrization (spectral_norm) in training "
+                f"{tensor_label(holder, name)}: a stateful parametrization (spectral_norm) in training "
                 "is read under another grad mode, autocast state or torch mode than the prepared model's "
                 "call (a torch.autocast, torch.enable_grad or mode region inside its forward); stock runs the "
                 "power iteration at that read, a value computed at the call's start already ran it. "

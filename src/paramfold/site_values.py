@@ -18,7 +18,7 @@ from paramfold.compute import eager_value
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unwatched
-from paramfold.state import CALLS, SiteState, distributed
+from paramfold.state import CALLS, SiteState, distributed, tensor_label
 
 _tracing_state = torch._C._get_tracing_state
 
@@ -112,7 +112,7 @@ def unfreezable(holder: nn.Module, name: str, site: SiteState, path: str | None 
     else:
         why = ("a parameter of its chain requires grad or its stateful chain is in training mode; "
                "frozen values would not train")
-    where = f"{path}.{name} ({type(holder).__name__})" if path else f"{type(holder).__name__}.{name}"
+    where = f"{path}.{name} ({type(holder).__name__})" if path else tensor_label(holder, name)
     return FoldError(
         f"{where} was prepared with mode='freeze' but now {why}. "
         "Call paramfold.restore(model) and prepare it with mode='auto' or 'hoist'."

@@ -363,6 +363,17 @@ class ModuleState:
         return replica
 
 
+def tensor_label(module: nn.Module, name: str) -> str:
+    """``path.name (Class)``: a prepared module's tensor as an error message names it, by its path
+    in the model it was prepared in (``filter_fn`` takes that path); ``Class.name`` without one."""
+    state = module.__dict__.get(STATE_ATTR)
+    root = state.prepared_root() if state is not None and state.prepared_root is not None else None
+    path = None if root is None else next((p for p, m in root.named_modules(remove_duplicate=False) if m is module), None)
+    if path is None:
+        return f"{type(module).__name__}.{name}"
+    return f"{path + '.' if path else ''}{name} ({type(module).__name__})"
+
+
 def orphaned_copy(module: nn.Module, memo: dict) -> bool:
     """Whether ``module``, being deep-copied, is prepared as part of a model that this copy does
     not copy: the copy would hold paramfold's state for a model it is not part of."""
