@@ -384,3 +384,20 @@ def test_export_bench_example_runs_and_checks_equal_outputs():
         torch.set_num_threads(threads)
     assert [name for name, _ in rows] == ["seed (unsafe bf16 cast)"]
     assert all(v > 0 for v in rows[0][1].values())
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_torch_jit_script_of_a_prepared_model_is_refused_with_the_ways_to_script(mode):
+    # Regression: torch.jit.script raised TorchScript's "try blocks aren't supported" (from
+    # paramfold's runtime). Stock scripts a parametrized model but its call raises; the folded
+    # copy the message gives scripts and runs.
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    with pytest.raises(paramfold.FoldError, match=r"torch\.jit\.script.*folded_copy\(model\)"):
+        torch.jit.script(ours)
+    x = torch.randn(2, 4)
+    from paramfold.export import folded_copy
+
+    assert torch.equal(torch.jit.script(folded_copy(ours))(x), stock(x))
+    with pytest.raises(Exception, match="Parametrization is not working with scripting"):
+        torch.jit.script(paramfold.restore(ours))(x)  # as stock

@@ -129,6 +129,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
     # so pickle would otherwise fail with a confusing lookup error); deepcopy supported, as on
     # stock's per-instance classes.
     namespace["__reduce_ex__"] = _refuse_pickle
+    namespace["__prepare_scriptable__"] = _refuse_script
     namespace["__deepcopy__"] = _deepcopy_with(getattr(base, "__deepcopy__", _default_deepcopy))
     if is_root:
         namespace["__call__"] = root_call
@@ -413,6 +414,18 @@ def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
         "parametrized modules is only supported through state_dict(). See:\n"
         "https://pytorch.org/tutorials/beginner/saving_loading_models.html"
         "#saving-loading-a-general-checkpoint-for-inference-and-or-resuming-training"
+    )
+
+
+def _refuse_script(self: nn.Module) -> None:
+    """What ``torch.jit.script`` asks every module for first: a prepared one refuses (its class's
+    descriptors and call scope are not TorchScript; TorchScript's error named a try block)."""
+    raise FoldError(
+        f"torch.jit.script cannot compile a model prepared by paramfold (met {type(self).__name__}): its "
+        "classes serve torch.compile, and TorchScript does not run parametrizations anyway (a scripted "
+        "stock model raises 'Parametrization is not working with scripting' when called). Script "
+        "paramfold.export.folded_copy(model), a plain copy holding each tensor's value, for inference, "
+        "or use torch.jit.trace / paramfold.export."
     )
 
 
