@@ -238,8 +238,15 @@ class CopiesItself(nn.Module):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_copy_made_inside_the_forward_carries_nothing_of_the_open_call(mode):
+    # A copy of part of the model is a stock module (tests/test_core.py), with the state stock's
+    # copy made at the same point has, and nothing of the call that was open.
     torch.manual_seed(0)
-    prepared = paramfold.prepare(CopiesItself(), mode)
-    prepared(torch.randn(3, 4))
-    (replica,) = prepared.copies
-    assert all(site.before is None for site in replica.__dict__["_paramfold"].sites.values())
+    stock = CopiesItself()
+    prepared = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    stock(x), prepared(x)
+    (replica,), (expected,) = prepared.copies, stock.copies
+    assert "_paramfold" not in vars(replica) and type(replica) is type(stock.a)
+    for (name, a), b in zip(replica.state_dict().items(), expected.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert torch.equal(replica(x), expected(x))
