@@ -13,8 +13,10 @@ are stock's, once per call — stores it as ``module.weight``, and takes the hoo
 exactly like the plain model. While a spectral_norm trains, the module's class for the call has
 a ``forward`` that runs a :class:`ServedOnce` first: the module's first call in the scope is served
 the value, each later call (a discriminator scoring two batches in one forward) runs torch's hook,
-as every call does in stock. :func:`attach` puts the very same hook object back at its key, in its place
-among the others, when the scope closes. Outside a scope the hook is where torch put it
+as every call does in stock; a module whose calls do not reach that ``forward`` (one set on the
+instance: :func:`calls_class_forward`) keeps its hook in, which runs at every call as in stock.
+:func:`attach` puts the very same hook object back at its key, in its place among the others,
+when the scope closes. Outside a scope the hook is where torch put it
 and runs as in stock (a layer called on its own, a bigger compiled region). As in stock,
 ``module.weight`` keeps the last value after a call.
 """
@@ -69,6 +71,15 @@ def compute(module: nn.Module, hook: object, kind: str) -> torch.Tensor:
     if kind == "weight_norm":
         return hook.compute_weight(module)
     return hook.compute_weight(module, do_power_iteration=module.training)
+
+
+def calls_class_forward(module: nn.Module) -> bool:
+    """Whether a call of ``module`` reaches its class's ``forward``, where the read-once class runs
+    the :class:`ServedOnce` stand-ins: no ``forward`` or ``_call_impl`` set on the instance
+    (``m.forward = torch.compiler.disable(m.forward)``, accelerate's hooks), which stock's call
+    runs instead, and which would never mark the value served."""
+    own = module.__dict__
+    return "forward" not in own and "_call_impl" not in own
 
 
 class ServedOnce:

@@ -372,15 +372,18 @@ def _enter_scope_class(holder: nn.Module, hs: ModuleState, read_once: bool = Tru
     FSDP2's ``fully_shard``), or, with ``read_once`` while a stateful chain of its trains, its
     :func:`~paramfold.classes.read_once_class` (the first read of such a value takes it, each
     later read computes afresh, as stock's every read does). False where a stateful chain trains
-    but the module has a class of someone else's (a wrapper), which no read-once class serves."""
+    but the module has a class of someone else's (a wrapper), which no read-once class serves,
+    or its read-once class serves a hook-based norm through its ``forward`` and the module's call
+    does not reach that (:func:`~paramfold.hooknorms.calls_class_forward`): the prepared class then."""
     cls, prepared, between, once = type(holder), hs.prepared_class, hs.between_class, hs.read_once_class
     training = read_once and once is not None and any(site.training_stateful for site in hs.sites.values())
-    wanted = once if training else prepared
+    served = not training or "forward" not in vars(once) or hooknorms.calls_class_forward(holder)
+    wanted = once if training and served else prepared
     if cls is wanted:
-        return True
+        return served
     if cls is prepared or cls is between or (cls is once and once is not None):
         object.__setattr__(holder, "__class__", wanted)
-        return True
+        return served
     if between is not None and between in cls.__mro__:
         object.__setattr__(holder, "__class__", rebased(cls, between, prepared))
     return not training
