@@ -59,6 +59,14 @@ class Noisy(nn.Module):
         return w + 0.1 * torch.randn_like(w)
 
 
+class NoisyWithGrad(nn.Module):
+    """Samples its weights in grad passes only (the probe ran under no_grad only until 2026-12-04,
+    and saw no draw: hoist and auto drew once per call, before the forward's own random ops)."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + 0.1 * torch.randn_like(w) if torch.is_grad_enabled() else w
+
+
 def _model(parametrization: type[nn.Module], *, frozen: bool = True) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.25), nn.Linear(4, 4))
@@ -270,7 +278,7 @@ def test_a_global_module_hook_that_changes_a_parametrizations_output_is_honoured
 # --- random numbers -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy, NoisyWithGrad])
 def test_find_reports_chains_that_draw_random_numbers_and_leaves_the_generator_alone(parametrization):
     model = _model(parametrization)
     P.register_parametrization(model[0], "weight", Doubled())
@@ -293,7 +301,7 @@ def test_a_random_inner_chain_makes_its_nested_site_random():
 
 
 @pytest.mark.parametrize("mode", ["hoist", "freeze"])
-@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy, NoisyWithGrad])
 def test_hoist_and_freeze_refuse_a_chain_that_draws_random_numbers(mode, parametrization):
     # Regression: freeze and auto served one sample forever; hoist drew before the forward's own
     # random ops (here a Dropout), so its numbers were not stock's.
@@ -307,7 +315,7 @@ def test_hoist_and_freeze_refuse_a_chain_that_draws_random_numbers(mode, paramet
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("mode", ["auto", "inline"])
-@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy, NoisyWithGrad])
 def test_auto_and_inline_draw_a_random_chains_numbers_where_stock_does(parametrization, mode, training, compiled):
     stock = _model(parametrization, frozen=False).train(training)
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
@@ -833,7 +841,7 @@ def test_find_probing_a_chain_does_not_rewind_another_threads_draws():
     assert all(torch.equal(a, torch.rand(3)) for a in (*member.drawn, after))
 
 
-@pytest.mark.parametrize("parametrization", [DropConnect, Noisy])
+@pytest.mark.parametrize("parametrization", [DropConnect, Noisy, NoisyWithGrad])
 def test_find_probing_a_random_chain_leaves_every_generator_alone(parametrization):
     # The probe of a chain that draws runs its drawing ops on a private generator: the CPU
     # stream, and a chain's own generator, move as if find() had not run.

@@ -49,7 +49,18 @@ class Running(nn.Module):
         return w / self.running
 
 
-MEMBERS = {"counter": Counted, "tensor attribute": Running}
+class CountedWithGrad(Counted):
+    """Counts grad (training) passes only: keyed on the grad mode, not on ``self.training``. The
+    probe ran under no_grad only until 2026-12-04, and saw no write: hoist and auto served it once
+    per call, before the forward."""
+
+    def forward(self, w):
+        if torch.is_grad_enabled():
+            self.step += 1
+        return w * (1 + 0.01 * self.step)
+
+
+MEMBERS = {"counter": Counted, "tensor attribute": Running, "counter with grad only": CountedWithGrad}
 
 
 def _model(member: str, seed: int = 0) -> nn.Module:

@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounter
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm
 
-from helpers import assert_same_nested, grads
+from helpers import assert_same_nested, classes, grads
 
 import paramfold
 
@@ -294,3 +294,65 @@ def test_a_second_call_under_another_autocast_state_computes_there_like_stock(mo
     # second call runs torch's hook anyway, in the region, as stock's does.
     stock, prepared = _twins(lambda: ScoresFakeUnderAutocast(kind), mode)
     assert_same_nested(_steps(stock, stock), _steps(prepared, prepared))
+
+
+class _RunningScaleWithGrad(nn.Module):
+    """Updates its running statistic in grad passes only: keyed on the grad mode, not on
+    ``self.training``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running", torch.ones(()))
+
+    def forward(self, w):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(0.1 * w.norm())
+        return w / self.running.clone()
+
+
+class TwiceOrSkipped(nn.Module):
+    """Reads its parametrized layer twice per call, or not at all (``skip``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        parametrize.register_parametrization(self.lin, "weight", _RunningScaleWithGrad())
+        self.other = nn.Linear(4, 4)
+        self.skip = False
+
+    def forward(self, x):
+        return self.other(x) if self.skip else self.lin(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_chain_that_changes_its_state_only_with_grad_enabled_is_read_like_stock(mode, compiled):
+    # Regression: the probe ran under no_grad only, so find() took the chain for stateless; hoist
+    # and auto computed it once before each call: the second read got the first value, and a
+    # call that skipped the layer still moved its buffer.
+    (site,) = paramfold.find(TwiceOrSkipped())
+    assert site.stateful and site.stateful_in_eval  # in eval mode too, where grad is enabled
+    stock, prepared = _twins(TwiceOrSkipped, mode)
+    runs = []
+    for model in (stock, prepared):
+        call = torch.compile(model, backend="eager") if compiled else model
+        torch.manual_seed(1)
+        record = []
+        for step in range(4):
+            model.skip = step % 2 == 1
+            model.zero_grad()
+            out = call(torch.randn(3, 4))
+            out.square().sum().backward()
+            record.append([out, _buffers(model), grads(model)])
+        model.skip = False
+        with torch.no_grad():  # the statistic stays put
+            record.append([call(torch.randn(3, 4)), _buffers(model)])
+        runs.append(record)
+    assert_same_nested(*runs)
+    model = TwiceOrSkipped().eval().requires_grad_(False)
+    before, state = classes(model), _buffers(model)
+    with pytest.raises(paramfold.FoldError, match="lin.weight.*changes its own buffers at every computation"):
+        paramfold.prepare(model, "freeze")
+    assert classes(model) == before
+    assert_same_nested(state, _buffers(model))

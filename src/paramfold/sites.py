@@ -86,7 +86,8 @@ class Site:
         kind: one of :data:`KINDS`, or several joined by ``"+"`` for a chain.
         requires_grad: whether any original requires grad.
         stateful: whether the chain mutates its buffers in forward when training
-            (spectral_norm's power iteration, or a custom parametrization found to do so).
+            (spectral_norm's power iteration, or a custom parametrization found to do so, with
+            grad enabled or under ``no_grad``).
         stateful_in_eval: whether it does so in eval mode too (a custom parametrization that
             tracks a running statistic at every computation): its value is never frozen.
         is_buffer: whether the originals are buffers rather than parameters.
@@ -318,40 +319,53 @@ def _probe_unknown(
     ``torch.func.functional_call`` with clones of its own parameters and buffers in training mode,
     so the real module never changes, then again in eval mode to see whether it mutates its
     buffers, draws random numbers or writes its attributes there too (its draws come from the
-    probe's own generator: see :class:`_Probe`).
+    probe's own generator: see :class:`_Probe`). The whole chain is probed under ``no_grad`` and
+    again with grad enabled, on clones that require grad where the originals and parameters do:
+    a chain may change its state or draw in one grad mode only (``if torch.is_grad_enabled():``),
+    and stock runs it in both. Kinds are told from the ``no_grad`` run.
     """
     resolved: list[str] = []
     stateful = stateful_in_eval = random = writes_itself = False
     # Outside inference_mode too (a call inside it probes a chain again after its settings
     # changed): the clones must be ordinary tensors, whose version counters show writes.
-    with torch.inference_mode(False), torch.no_grad():
-        # Clones of the originals too: a member (or its pre-hook) may edit its input in place.
-        value: object = tuple(_clone(t) for t in originals.values())
-        for module, kind in zip(chain, kinds):
-            args = value if isinstance(value, tuple) else (value,)
-            state, out, probe = _probe_call(module, args, training=True)
-            if probe.mutated and kind not in _STATELESS_KINDS:
-                stateful = True
-            if kind is None:
-                collective = probe.collective
-                kind = "communication" if collective else "cast" if not state and _is_cast(args, out) else "custom"
-            if not probe.collective:
-                in_eval = _probe_call(module, args, training=False)[2]
-                random = random or in_eval.random
-                stateful_in_eval = stateful_in_eval or (in_eval.mutated and kind not in _STATELESS_KINDS)
-                writes_itself = writes_itself or in_eval.writes_itself
-            random = random or probe.random
-            writes_itself = writes_itself or probe.writes_itself
-            resolved.append(kind)
-            value = out
+    for grad in (False, True):
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            # Clones of the originals too: a member (or its pre-hook) may edit its input in place.
+            value: object = tuple(_clone(t) for t in originals.values())
+            for i, (module, kind) in enumerate(zip(chain, kinds)):
+                args = value if isinstance(value, tuple) else (value,)
+                state, out, probe = _probe_call(module, args, training=True)
+                if grad:
+                    kind = resolved[i]
+                if probe.mutated and kind not in _STATELESS_KINDS:
+                    stateful = True
+                if kind is None:
+                    collective = probe.collective
+                    kind = "communication" if collective else "cast" if not state and _is_cast(args, out) else "custom"
+                if not probe.collective:
+                    in_eval = _probe_call(module, args, training=False)[2]
+                    random = random or in_eval.random
+                    stateful_in_eval = stateful_in_eval or (in_eval.mutated and kind not in _STATELESS_KINDS)
+                    writes_itself = writes_itself or in_eval.writes_itself
+                elif grad:  # issued only with grad enabled: left stock, as one issued in both modes
+                    resolved[i] = "communication"
+                random = random or probe.random
+                writes_itself = writes_itself or probe.writes_itself
+                if not grad:
+                    resolved.append(kind)
+                value = out
     return resolved, stateful, stateful_in_eval, random, writes_itself
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` without history (a leaf, as originals are), requiring grad where ``t``
+    does and grad is enabled."""
     try:
-        return t.clone()
+        with torch.no_grad():
+            c = t.clone()
     except Exception:  # a tensor subclass without clone: probed as it is, as before
         return t
+    return c.requires_grad_() if t.requires_grad and torch.is_grad_enabled() else c
 
 
 def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, object, _Probe]:
@@ -368,8 +382,8 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
         probe.writes_itself = True
         return {}, None, probe
     state = {
-        **{k: v.clone() for k, v in module.named_parameters()},
-        **{k: v.clone() for k, v in module.named_buffers()},
+        **{k: _clone(v) for k, v in module.named_parameters()},
+        **{k: _clone(v) for k, v in module.named_buffers()},
     }
     versions = {k: v._version for k, v in state.items()}
     module.train(training)
