@@ -349,3 +349,44 @@ def test_a_read_before_the_layers_call_is_this_calls_value_documented(mode):
     assert not torch.equal(outputs["stock"], outputs["parametrization"])  # stock's stale read
     expected = outputs["stock"] if mode == "inline" else outputs["parametrization"]
     assert torch.equal(outputs["ours"], expected)
+
+
+def _decay_g(module, args):
+    with torch.no_grad():
+        module.weight_g.mul_(0.9)
+
+
+class _RegistersAHookAtItsFirstCall(nn.Module):
+    def __init__(self, prepend: bool):
+        super().__init__()
+        self.l = _norm("weight_norm")(nn.Linear(4, 4))
+        self.prepend, self.registered = prepend, False
+
+    def forward(self, x):
+        if not self.registered:
+            self.l.register_forward_pre_hook(_decay_g, prepend=self.prepend)
+            self.registered = True
+        return self.l(x)
+
+
+@pytest.mark.parametrize("prepend", [True, False])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_a_pre_hook_registered_inside_a_call_takes_stocks_place_among_the_norms(mode, prepend):
+    # Regression: torch's norm hook is out of _forward_pre_hooks during a call; a hook registered
+    # then with prepend=True went *after* it when the hook came back, for good (also after
+    # restore): every later call ran the decay after the norm, not before (outputs off by 0.06-0.14).
+    x = torch.randn(2, 4)
+    models = []
+    for prepared in (False, True):
+        torch.manual_seed(0)
+        model = _RegistersAHookAtItsFirstCall(prepend).eval().requires_grad_(False)
+        models.append(paramfold.prepare(model, mode) if prepared else model)
+    stock, ours = models
+    with torch.no_grad():
+        stock(x), ours(x)  # the call that registers it (seen from the next call: README)
+        orders = [[type(h).__name__ for h in m.l._forward_pre_hooks.values()] for m in models]
+        assert orders[0] == orders[1] == (["function", "WeightNorm"] if prepend else ["WeightNorm", "function"])
+        for _ in range(2):
+            assert torch.equal(ours(x), stock(x))
+        paramfold.restore(ours)
+        assert torch.equal(ours(x), stock(x))

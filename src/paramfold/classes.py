@@ -29,6 +29,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -130,6 +131,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
     # stock's per-instance classes.
     namespace["__reduce_ex__"] = _refuse_pickle
     namespace["__prepare_scriptable__"] = _refuse_script
+    namespace["register_forward_pre_hook"] = _recording_prepends(base.register_forward_pre_hook)
     namespace["__deepcopy__"] = _deepcopy_with(getattr(base, "__deepcopy__", _default_deepcopy))
     if is_root:
         namespace["__call__"] = root_call
@@ -415,6 +417,22 @@ def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:
         "https://pytorch.org/tutorials/beginner/saving_loading_models.html"
         "#saving-loading-a-general-checkpoint-for-inference-and-or-resuming-training"
     )
+
+
+def _recording_prepends(register: Callable) -> Callable:
+    """``register_forward_pre_hook`` that tells :mod:`paramfold.hooknorms` of a ``prepend=True``
+    registration made while a call has the module's norm hooks out (its place is then before
+    them, which the dict without them cannot show)."""
+
+    @functools.wraps(register)
+    def register_forward_pre_hook(self: nn.Module, hook: Callable, *args: Any, **kwargs: Any) -> Any:
+        handle = register(self, hook, *args, **kwargs)
+        state = self.__dict__.get(STATE_ATTR)
+        if kwargs.get("prepend") and state is not None and state.hooks_out:
+            state.hooks_out[2].append(handle.id)
+        return handle
+
+    return register_forward_pre_hook
 
 
 def _refuse_script(self: nn.Module) -> None:

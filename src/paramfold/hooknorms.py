@@ -97,19 +97,24 @@ class ServedOnce:
         self.served = False
 
 
-def detach(module: nn.Module, keys: list[int]) -> tuple[list[tuple[int, object]], tuple[int, ...]]:
-    """Take the hooks at ``keys`` out of ``module._forward_pre_hooks``; returns what :func:`attach` needs."""
+def detach(module: nn.Module, keys: list[int]) -> tuple[list[tuple[int, object]], tuple[int, ...], list[int]]:
+    """Take the hooks at ``keys`` out of ``module._forward_pre_hooks``; returns what :func:`attach`
+    needs, with a list where the module's class records the pre-hooks registered with
+    ``prepend=True`` meanwhile (``classes._recording_prepends``)."""
     hooks = module._forward_pre_hooks
     order = tuple(hooks)
-    return [(key, hooks.pop(key)) for key in keys], order
+    return [(key, hooks.pop(key)) for key in keys], order, []
 
 
-def attach(module: nn.Module, taken: list[tuple[int, object]], order: tuple[int, ...]) -> None:
-    """Put hooks taken by :func:`detach` back, each at its key, in the order the dict had."""
+def attach(module: nn.Module, taken: list[tuple[int, object]], order: tuple[int, ...], prepended: list[int]) -> None:
+    """Put hooks taken by :func:`detach` back, each at its key, in the order the dict had; pre-hooks
+    registered meanwhile go where stock's dict has them: before everything with ``prepend=True``,
+    after everything otherwise."""
     hooks = module._forward_pre_hooks
+    front = [k for k in hooks if k in prepended]  # a later prepend is in front, as in stock
     for key, hook in taken:
         hooks[key] = hook
-    for key in (*order, *(k for k in list(hooks) if k not in order)):
+    for key in (*front, *order, *(k for k in list(hooks) if k not in order and k not in front)):
         if key in hooks:
             hooks.move_to_end(key)
 
