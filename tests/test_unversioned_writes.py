@@ -379,3 +379,208 @@ def test_a_forward_that_re_describes_the_value_it_read_gets_a_fresh_one_next_cal
     with torch.no_grad():
         for step in range(3):
             assert torch.equal(ours(x), stock(x)), step
+
+
+def _marked(model: nn.Module) -> list[str]:
+    """The model's parameters and buffers whose storage is still copy-on-write (freeze.arm's mark)."""
+    return [name for name, t in (*model.named_parameters(), *model.named_buffers()) if freeze.is_armed(t)]
+
+
+def _free_and_reallocate(t: torch.Tensor) -> None:
+    """What FSDP and offloading code do to a tensor's memory between uses."""
+    saved = t.detach().clone()
+    storage = t.untyped_storage()
+    size = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(size)
+    with torch.no_grad():
+        t.copy_(saved * 2)
+        t.resize_(64)  # grown in place
+        t.resize_(saved.shape)
+        t.add_(1)
+
+
+@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_restore_leaves_no_write_mark_behind(mode, check):
+    # Regression: restore left the originals' storages copy-on-write, and a storage resized
+    # after it failed at its next write with torch's "ctx != nullptr INTERNAL ASSERT".
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+    assert _marked(ours)
+    paramfold.restore(ours)
+    assert not _marked(ours)
+    for model in (stock, ours):
+        for t in _originals(model):
+            _free_and_reallocate(t)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.parametrize("check", ["version", "content"])
+def test_a_frozen_value_dropped_for_a_call_leaves_no_write_mark_behind(check):
+    # Regression: auto drops a trainable chain's frozen value for a call that records grad (and
+    # demotes a site whose values keep going stale) but left its inputs marked.
+    stock = _model().requires_grad_(True)
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto", freeze_check=check)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ours(x)
+    assert _marked(ours)
+    assert torch.equal(ours(x), stock(x))  # records grad: every value dropped
+    assert not _marked(ours)
+
+
+@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_storage_resized_while_prepared_after_a_pointer_hand_out_matches_stock(mode, check):
+    # README's workaround for resizing a marked storage (which torch cannot do): hand out a
+    # pointer first, which clears the mark; the next call computes the value again.
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(2):
+            assert torch.equal(ours(x), stock(x)), step
+            for model in (stock, ours):
+                for t in _originals(model):
+                    t.data_ptr()
+                    _free_and_reallocate(t)
+        assert torch.equal(ours(x), stock(x))
+
+
+def _built_inside_inference_mode() -> nn.Module:
+    with torch.inference_mode():
+        model = _model()
+    assert all(t.is_inference() for t in model.parameters())
+    return model
+
+
+def _write_inside_inference_mode(model: nn.Module) -> None:
+    with torch.inference_mode():
+        for t in _originals(model):
+            t.mul_(1.5)  # an inference tensor: no version counter moves
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_model_built_inside_inference_mode_is_frozen_and_its_writes_are_seen(mode, check, compiled):
+    # Regression: inference tensors have no version counter; the first call raised
+    # "RuntimeError: Inference tensors do not track version counter" where stock ran.
+    stock = _built_inside_inference_mode()
+    ours = paramfold.prepare(_built_inside_inference_mode(), mode, freeze_check=check)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    for step in range(3):
+        with torch.inference_mode():
+            assert torch.equal(run(x), stock(x)), step
+        with torch.no_grad():
+            assert torch.equal(run(x), stock(x)), step
+        for model in (stock, ours):
+            _write_inside_inference_mode(model)
+    with torch.no_grad():
+        assert torch.equal(run(x), stock(x))
+
+
+@pytest.mark.parametrize("check", ["version", "content"])
+def test_inference_tensors_loaded_with_assign_into_a_frozen_model_match_stock(check):
+    # Regression: the same RuntimeError, from load_state_dict(assign=True) inside inference_mode.
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), "freeze", freeze_check=check)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+    with torch.inference_mode():
+        state = {k: v * 2 for k, v in stock.state_dict().items()}
+        for model in (stock, ours):
+            model.load_state_dict(state, assign=True)
+        assert torch.equal(ours(x), stock(x))
+        _write_inside_inference_mode(stock), _write_inside_inference_mode(ours)
+        assert torch.equal(ours(x), stock(x))
+
+
+class Tagged(torch.Tensor):
+    """A subclass that changes nothing below Python (a logging or tagging class)."""
+
+
+class TaggedParameter(nn.Parameter):
+    """A Parameter subclass, as libraries define them."""
+
+
+def _subclass_originals(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    for layer in (model[0], model[2]):
+        w = torch.randn(4, 4)
+        layer.weight = nn.Parameter(w.as_subclass(Tagged)) if kind == "as_subclass" else TaggedParameter(w)
+        P.register_parametrization(layer, "weight", Cast())
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("write", [_through_data, _through_numpy], ids=["data", "numpy"])
+@pytest.mark.parametrize("kind", ["as_subclass", "Parameter-subclass"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_subclass_original_written_without_a_version_bump_is_seen(mode, kind, write, check):
+    # Regression: a subclass original was neither marked nor hashed (plain types only): writes
+    # through .data or numpy left the old frozen value served.
+    stock = _subclass_originals(kind)
+    ours = paramfold.prepare(_subclass_originals(kind), mode, freeze_check=check)
+    assert type(_originals(ours)[0]) is not nn.Parameter
+
+    def change(model: nn.Module, step: int) -> None:
+        for t in _originals(model):
+            with torch._C.DisableTorchFunctionSubclass():
+                write(t, step)
+
+    _each_call_equals_stock(stock, ours, False, change, steps=range(1, 4))
+
+
+def test_a_wrapper_subclass_is_neither_marked_nor_hashed():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    t = TwoTensor(torch.randn(4), torch.randn(4))
+    assert not freeze.plain_underneath(t) and not freeze.arm(t) and freeze._bytes(t) is None
+    assert freeze.plain_underneath(torch.randn(4).as_subclass(Tagged))
+
+
+class Double(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 2
+
+
+def _complex_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4, dtype=torch.cfloat)
+    P.register_parametrization(model, "weight", Double())
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("view", [torch.Tensor.conj, torch._neg_view], ids=["conj", "neg"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_an_original_given_its_conjugate_or_negative_bit_is_seen(mode, view, check, compiled):
+    # Regression: `p.data = p.data.conj()` keeps the storage, bytes, dtype, shape and strides;
+    # only the lazy conjugate bit differs, which the description left out.
+    stock = _complex_model()
+    ours = paramfold.prepare(_complex_model(), mode, freeze_check=check)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4, dtype=torch.cfloat)
+
+    def change(model: nn.Module, step: int) -> None:
+        t = model.parametrizations.weight.original
+        t.data = view(t.data)
+
+    with torch.no_grad():
+        for step in range(2):
+            assert torch.equal(run(x), stock(x)), step
+            change(stock, step), change(ours, step)
+        assert torch.equal(run(x), stock(x))

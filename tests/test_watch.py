@@ -60,6 +60,16 @@ TENSOR_CHANGES = {
 }
 
 
+@pytest.mark.parametrize("change", [_data(torch.Tensor.conj), _data(torch._neg_view)], ids=["conj", "neg"])
+def test_a_conjugate_or_negative_view_of_the_same_bytes_is_seen(path, change):
+    # Regression: only the lazy bit differs (same storage, dtype, shape and strides).
+    tensors = [nn.Parameter(torch.randn(4, 4, dtype=torch.cfloat), requires_grad=False)]
+    watched = Watch([{}], tensors)
+    assert watched.same()
+    change(tensors[0])
+    assert not watched.same()
+
+
 @pytest.mark.parametrize("change", list(TENSOR_CHANGES.values()), ids=list(TENSOR_CHANGES))
 def test_a_re_described_tensor_is_seen(path, change):
     tensors = [nn.Parameter(torch.randn(4, 4), requires_grad=False), torch.randn(4, 4), torch.randn(3)]

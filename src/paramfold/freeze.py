@@ -4,8 +4,9 @@ A frozen value is keyed on every tensor the chain reads (originals, nested origi
 parametrization modules' own parameters and buffers, and tensors they hold as plain attributes),
 in two ways:
 
-* identity, storage address, version counter and description (type, dtype, device, shape,
-  strides, ``requires_grad``: :func:`~paramfold.watch.layout`) of each. Optimizer steps,
+* identity, storage address, version counter (none for an inference tensor: :func:`version_of`)
+  and description (type, dtype, device, shape, strides, ``requires_grad``, conjugate and
+  negative bits: :func:`~paramfold.watch.layout`) of each. Optimizer steps,
   ``load_state_dict`` (``copy_``), in-place ops, ``torch.nn.init.*`` on the tensor,
   ``lerp_``/``torch._foreach_lerp_``, ``assign=True`` loads, ``.data = ...`` (``p.data.t()`` on
   the same bytes included) and ``.to()`` / ``.half()`` change it;
@@ -18,7 +19,8 @@ in two ways:
   allocate) has its bytes checked at every call: hashed in place on the host (:data:`digest`,
   16 bytes kept per input), compared with a copy on a device. Not seen: a write through an
   address taken earlier as a bare integer, with nothing holding the memory.
-  ``freeze_check="version"`` reads no bytes: besides identity, address and version it watches
+  A subclass that is a plain tensor underneath (:func:`plain_underneath`) is marked or hashed
+  as a plain one. ``freeze_check="version"`` reads no bytes: besides identity, address and version it watches
   each host input's storage for writes (:func:`arm`), which sees ``.data`` writes and every
   other write made through torch, but not one through memory exported before (a numpy array,
   DLPack, a raw pointer, another process).
@@ -148,14 +150,16 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple) -> FrozenValue:
     watch, raw, views, armed = [], [], [], []
     for d, key, t in _inputs(site):
         address = _address(t)
-        watch.append((d, key, t, t._version, address, layout(t)))
+        version = version_of(t)
+        watch.append((d, key, t, version, address, layout(t)))
         # With the content check, an input nothing outside torch holds is marked, not read: any
         # later hand-out of a writable pointer to its bytes (numpy, DLPack, data_ptr()) disarms it
-        # as a write through torch does.
+        # as a write through torch does. An inference tensor has no version counter: marked or
+        # hashed whatever the check.
         if (not content or unshared(t)) and arm(t):
             armed.append(t)
             continue
-        if not content:
+        if not content and version is not None:
             continue
         view = _bytes(t)
         if view is None:
@@ -177,7 +181,7 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple) -> FrozenValue:
     members = (*members, *objects)
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
-        tuple(d for d in live if not d), full, list(map(tag, full)), under, value._version,
+        tuple(d for d in live if not d), full, list(map(tag, full)), under, version_of(value),
         tuple(armed), keys, list(map(_armings.get, keys)), layout(value), members, tuple(map(type, members)),
         objects, tuple(map(vars, objects)),
     )
@@ -217,6 +221,54 @@ _armings: dict[int, int] = {}
 ARMINGS = [0]
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor (made inside ``torch.inference_mode()``),
+    which has none: it can be written in place only inside inference mode, where no counter moves,
+    so such an input is always marked (:func:`arm`) or has its bytes checked, whatever the check."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def plain_underneath(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain strided tensor, or a subclass of one that changes nothing below
+    Python (``t.as_subclass(MyT)``, a subclass of ``nn.Parameter``): its storage is its own and
+    can be marked or hashed as a plain tensor's is. Not a wrapper subclass (DTensor, torchao's),
+    one that dispatches itself (``__torch_dispatch__``), or one flattened into inner tensors."""
+    cls = type(t)
+    if cls in PLAIN_TENSOR_TYPES:
+        return True
+    return (getattr(cls, "__torch_dispatch__", None) is _no_dispatch and not hasattr(cls, "__tensor_flatten__")
+            and not _subclass_like(t))
+
+
+_no_dispatch = torch.Tensor.__torch_dispatch__
+#: Whether a tensor dispatches to Python or is a functorch or functional wrapper (a wrapper subclass does).
+_subclass_like = getattr(torch._C, "_dispatch_isTensorSubclassLike", lambda t: True)
+
+
+def _plain(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Where ops on ``t`` (:func:`plain_underneath`) run as on a plain tensor: outside its class's
+    ``__torch_function__``, which may log, cast or wrap what they return."""
+    return contextlib.nullcontext() if type(t) in PLAIN_TENSOR_TYPES else torch._C.DisableTorchFunctionSubclass()
+
+
+def release(frozen: FrozenValue | None) -> None:
+    """Clear the marks :func:`arm` left on the storages of a frozen value that is dropped (the
+    model restored, the site demoted or no longer frozen). A marked storage is copy-on-write: a
+    storage resize keeps it so while giving it new memory, and the next write to it then fails
+    in torch (``ctx != nullptr INTERNAL ASSERT FAILED at c10/core/impl/COW.cpp``). Handing out a
+    writable pointer takes a marked storage back without a copy (nothing else owns it). A storage
+    another frozen value still watches is then computed again for it, at worst."""
+    if frozen is None or is_armed is None:
+        return
+    for t in frozen.armed:
+        if is_armed(t):
+            with _plain(t):
+                t.data_ptr()
+
+
 def arm(t: torch.Tensor) -> bool:
     """Arm ``t``'s storage so that any later write to it is seen (:data:`is_armed` turns False);
     return whether it could be armed.
@@ -230,17 +282,24 @@ def arm(t: torch.Tensor) -> bool:
     tensors are armed: memory torch did not allocate (numpy, shared memory) cannot be, and device
     and pinned memory are left alone, since their allocators look blocks up by the storage's
     deleter, which arming changes.
+
+    A storage resize (``untyped_storage().resize_()``, ``t.resize_()`` to a larger size) of an
+    armed storage keeps torch's copy-on-write materialiser while giving it memory that is not
+    copy-on-write, and the next write to it fails inside torch (``ctx != nullptr INTERNAL
+    ASSERT FAILED at c10/core/impl/COW.cpp``), which nothing here can prevent (README, Notes and
+    limits: resize after a pointer hand-out, ``t.data_ptr()``, which clears the mark). So no mark
+    outlives its value: :func:`release` clears those of a value that is dropped.
     """
-    if (is_armed is None or _lazy_clone is None or _storage_key is None or type(t) not in PLAIN_TENSOR_TYPES
-            or _wrapped(t)):
+    if is_armed is None or _lazy_clone is None or _storage_key is None or not plain_underneath(t) or _wrapped(t):
         return False
     try:
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_pinned():
-            return False
-        if is_armed(t):  # by another value, and unwritten since: its count stands
-            return True
-        with torch.no_grad():
-            _lazy_clone(t.detach())
+        with _plain(t):
+            if t.device.type != "cpu" or t.layout != torch.strided or t.is_pinned():
+                return False
+            if is_armed(t):  # by another value, and unwritten since: its count stands
+                return True
+            with torch.no_grad():
+                _lazy_clone(t.detach())
     except RuntimeError:  # storage not owned the plain way (numpy, shared memory)
         return False
     if not is_armed(t):
@@ -262,10 +321,11 @@ def unshared(t: torch.Tensor) -> bool:
     check: every later way to write its bytes goes through torch or a pointer handed out after
     now, and either disarms it. Only an address taken earlier as a bare integer (``data_ptr()``
     kept, then written through ``ctypes``) is not seen; a shared input's bytes are hashed."""
-    if _use_count is None or type(t) not in PLAIN_TENSOR_TYPES:
+    if _use_count is None or not plain_underneath(t):
         return False
     try:
-        return _use_count(t.untyped_storage()._cdata) <= 2  # ``t``'s and the storage object's own
+        with _plain(t):
+            return _use_count(t.untyped_storage()._cdata) <= 2  # ``t``'s and the storage object's own
     except Exception:  # no storage (meta, sparse), or a torch whose storages do not say
         return False
 
@@ -318,7 +378,7 @@ def unchanged(site: SiteState, frozen: FrozenValue, under: tuple) -> bool:
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or under != frozen.under
             or not all(map(is_, map(type, frozen.members), frozen.member_types))
             or (frozen.held and not all(map(is_, map(vars, frozen.held), frozen.held_dicts)))
-            or frozen.value._version != frozen.value_version or layout(frozen.value) != frozen.value_layout
+            or version_of(frozen.value) != frozen.value_version or layout(frozen.value) != frozen.value_layout
             or not all(map(is_armed, frozen.armed))
             or list(map(_armings.get, frozen.armed_keys)) != frozen.armed_counts):
         return False
@@ -331,10 +391,10 @@ def unchanged(site: SiteState, frozen: FrozenValue, under: tuple) -> bool:
 def same_inputs(watch: tuple[tuple, ...]) -> bool:
     """Whether each ``(dict, key, tensor, version, address, layout)`` still holds."""
     for d, key, t, version, address, described in watch:
-        if d.get(key) is not t or t._version != version or layout(t) != described:
+        if d.get(key) is not t or version_of(t) != version or layout(t) != described:
             return False
         try:  # inline, not _address(): this runs for every input at every call
-            if (_data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES else t.data_ptr()) != address:
+            if (_data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES or plain_underneath(t) else t.data_ptr()) != address:
                 return False
         except RuntimeError:  # tensor subclasses without storage (recorded as 0)
             if address:
@@ -364,14 +424,17 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 def _bytes(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` viewed as integers of its element size (bitwise comparable: NaN and -0.0 included),
-    or None where there are no bytes to read (tensor subclasses, sparse and meta tensors)."""
-    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided or t.is_meta:
+    or None where there are no bytes to read (wrapper subclasses, sparse and meta tensors)."""
+    if not plain_underneath(t):
         return None
-    t = t.detach()
-    as_int = _SAME_SIZE_INT.get(t.element_size())
-    if as_int is not None:
-        return t.view(as_int)
-    return t.contiguous().view(torch.uint8) if t.is_contiguous() else None
+    with _plain(t):
+        if t.layout != torch.strided or t.is_meta:
+            return None
+        t = t.detach()
+        as_int = _SAME_SIZE_INT.get(t.element_size())
+        if as_int is not None:
+            return t.view(as_int)
+        return t.contiguous().view(torch.uint8) if t.is_contiguous() else None
 
 
 def can_freeze(site: SiteState, grad: bool = True) -> bool:
@@ -449,7 +512,8 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
 
 def _address(t: torch.Tensor) -> int:
     try:
-        return _data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES else t.data_ptr()
+        # Not data_ptr() for a subclass that is a plain tensor underneath: it would clear its mark.
+        return _data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES or plain_underneath(t) else t.data_ptr()
     except RuntimeError:  # tensor subclasses without storage
         return 0
 

@@ -7,6 +7,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
+from paramfold.freeze import release
 from paramfold.rebase import rebased
 from paramfold.scope import busy
 from paramfold.state import STATE_ATTR, installed_keys, state_of
@@ -63,6 +64,8 @@ def restore_module(module: nn.Module) -> None:
     state = module.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return
+    for site in state.sites.values():
+        release(site.frozen)  # no copy-on-write mark left on the model's storages
     for key in installed_keys(module, state):
         module.__dict__.pop(key, None)
     if state.load_hook is not None:

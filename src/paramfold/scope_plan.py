@@ -240,15 +240,17 @@ class Plan:
         plan.addresses = list(addresses)
         # A write-marked tensor's version counter needs no reading: whatever bumps it (an in-place
         # op, copy_, an optimizer step) writes its storage, which clears the mark checked below.
+        # An inference tensor has none (None): it is marked or its bytes are checked.
         marked = set(map(id, armed))
-        plan.versioned, versions = _columns([(t, v) for t, v in zip(plan.inputs, versions) if id(t) not in marked], 2)
+        plan.versioned, versions = _columns(
+            [(t, v) for t, v in zip(plan.inputs, versions) if id(t) not in marked and v is not None], 2)
         plan.versions = list(versions)
         plan.raw_memory, digests = _columns(raw, 2)
         plan.raw_digests = list(digests)
         plan.views = tuple(views)
         plan.values, versions, value_layouts = _columns(kept, 3)
         plan.versioned_values, versions = _columns(
-            [(t, v) for t, v in zip(plan.values, versions) if id(t) not in marked], 2)
+            [(t, v) for t, v in zip(plan.values, versions) if id(t) not in marked and v is not None], 2)
         plan.value_versions = list(versions)
         plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # the counts the general path just checked
         plan.settings_empty = tuple(empty.values())

@@ -17,7 +17,7 @@ from paramfold import hooknorms, randomness
 from paramfold.compute import eager_value
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unwatched
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, release, unwatched
 from paramfold.state import CALLS, SiteState, distributed, tensor_label
 
 _tracing_state = torch._C._get_tracing_state
@@ -27,6 +27,7 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
     if distributed(site):
         # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
         # has gathered the originals, exactly like stock: never gathered early, never frozen.
+        release(site.frozen)
         site.frozen = None
         return None
     draws = randomness.recheck(holder, name, site)
@@ -35,6 +36,7 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
         # not known in this call, inside a torch.func transform: computed at each read too.)
         if draws and site.mode == "freeze":
             raise random_now(holder, name)
+        release(site.frozen)
         site.frozen = None
         return None
     if site.mode == "hoist":
@@ -71,6 +73,7 @@ def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: 
     if site.frozen is not None:
         # Not for this call (auto with grad on a trainable chain): dropped, and counted as a
         # frozen value that served no later call, as one whose inputs changed is.
+        release(site.frozen)
         site.frozen = None
         site.misses += 1
     return _hoisted(holder, name, site, grad)
@@ -91,6 +94,7 @@ def _demote(site: SiteState) -> None:
     its inputs, bytes included, at every call, for nothing. Then freezing is tried again; a
     period that ends with the inputs still changing at the next call starts a four times longer
     one. Exact either way: a value computed at every call is stock's."""
+    release(site.frozen)
     site.frozen = None
     site.misses = 0
     site.hoist_until = CALLS[0] + min(_FIRST_PERIOD << 2 * site.demotions, _LONGEST_PERIOD)

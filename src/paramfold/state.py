@@ -31,13 +31,14 @@ FREEZE_CHECKS = ("content", "version")
 class FrozenValue:
     value: torch.Tensor
     #: Per input: ``(dict, key, tensor, version, storage address, description)``, the
-    #: description being ``watch.layout``'s (type, dtype, device, shape, strides, requires_grad).
+    #: description being ``watch.layout``'s (type, dtype, device, shape, strides, requires_grad,
+    #: conjugate and negative bits); the version None for an inference tensor (``freeze.version_of``).
     watch: tuple[tuple, ...]
     #: ``len()`` of each tensor dict, so an added parameter or buffer counts as a change.
     sizes: tuple[int, ...]
     #: With ``freeze_check="content"``: ``(the bytes in place as a ctypes array, their
     #: freeze.digest)`` of each contiguous host input; ``(byte view, copy)`` of the others
-    #: (compared with ``torch.equal``). Inputs whose bytes cannot be read as one view (tensor
+    #: (compared with ``torch.equal``). Inputs whose bytes cannot be read as one view (wrapper
     #: subclasses, meta tensors) have neither.
     raw: tuple[tuple[object, int], ...] = ()
     views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()

@@ -4,8 +4,9 @@ Freshness checks key on every dict a value is found through (a module's ``__dict
 ``_modules``, ``_parameters``, a chain member's attributes): any write to a dict gives it a new
 version tag (CPython's ``ma_version_tag``; torch reads it, or a dict watcher's count from Python
 3.12). They also key on how each input tensor is described — its type, dtype, device, shape,
-strides, ``requires_grad`` — which ``p.data = p.data.t()`` or ``p.data = p.data[:3]`` changes
-without touching its version counter, storage or bytes.
+strides, ``requires_grad``, conjugate and negative bits — which ``p.data = p.data.t()``,
+``p.data = p.data[:3]`` or ``p.data = p.data.conj()`` changes without touching its version
+counter, storage or bytes.
 
 A steady call checks a few hundred dicts and tensors. Read one by one from Python, each costs
 one or more calls into torch; dynamo's guard manager, which checks the same things before every
@@ -58,12 +59,13 @@ tag = _dict_version if _dict_version is not None else dict
 
 def layout(t: torch.Tensor) -> tuple:
     """How ``t`` is described, besides its storage and bytes: what a ``.data`` assignment can
-    change without a version bump (the storage offset is in its address, checked apart)."""
+    change without a version bump (the storage offset is in its address, checked apart), the lazy
+    conjugate and negative bits included (``p.data = p.data.conj()``)."""
     try:
         stride = t.stride()
     except RuntimeError:  # tensor subclasses and layouts without strides
         stride = None
-    return type(t), t.dtype, t.device, t.shape, stride, t.requires_grad
+    return type(t), t.dtype, t.device, t.shape, stride, t.requires_grad, t.is_conj(), t.is_neg()
 
 
 #: How many objects one guard manager of :func:`_guard_manager` checks: dynamo looks a child up
@@ -105,12 +107,15 @@ def _tensor_changes() -> tuple:
     def data(make):
         return lambda t: setattr(t, "data", make(t.data))
     square = lambda: nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+    complex_square = lambda: nn.Parameter(torch.zeros(4, 4, dtype=torch.cfloat), requires_grad=False)
     return (
         (square, data(lambda d: d.t())),
         (square, data(lambda d: d[:2])),
         (square, data(lambda d: d.view(torch.int32))),
         (square, data(lambda d: d.as_strided((4, 4), (1, 4)))),
         (square, lambda t: t.requires_grad_(True)),
+        (complex_square, data(lambda d: d.conj())),
+        (complex_square, data(torch._neg_view)),
     )
 
 
