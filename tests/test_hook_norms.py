@@ -390,3 +390,34 @@ def test_a_pre_hook_registered_inside_a_call_takes_stocks_place_among_the_norms(
             assert torch.equal(ours(x), stock(x))
         paramfold.restore(ours)
         assert torch.equal(ours(x), stock(x))
+
+
+class _TiedMaxNormEmbedding(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.e = _norm(kind)(nn.Embedding(10, 4, max_norm=0.5))
+
+    def forward(self, i):
+        h = self.e(i) + self.e((i + 3) % 10)  # each lookup renormalises its rows in place
+        return nn.functional.linear(h, self.e.weight)  # a tied head, read after both
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_a_max_norm_embedding_looked_up_twice_is_computed_at_each_call_like_stock(mode, kind, backend):
+    # Regression: one value served for the call was renormalised by both lookups, and the tied
+    # head saw the rows of both (off by up to 1.08); stock's hook computes a fresh weight at each
+    # call. (The parametrization versions were already computed at every read.)
+    i = torch.tensor([0, 1, 2])
+    outs = []
+    for prepared in (False, True):
+        torch.manual_seed(0)
+        model = _TiedMaxNormEmbedding(kind).eval().requires_grad_(False)
+        if prepared:
+            paramfold.prepare(model, mode)
+        call = torch.compile(model, backend=backend) if backend else model
+        with torch.no_grad():
+            outs.append([call(i) for _ in range(2)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

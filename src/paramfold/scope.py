@@ -219,7 +219,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
             # value (a class of someone else's now), and a weight its module's call edits in
             # place (an embedding's max_norm): computed at every read, as stock does.
             site.at_read = (at_read or (unserved and site.training_stateful)
-                            or (name == "weight" and site.hook is None and renorms_its_weight(holder)))
+                            or (name == "weight" and renorms_its_weight(holder)))
             if site.at_read:
                 # A forward pre-hook may change the originals before the forward reads the
                 # tensor: it is computed where it is read, as stock does (the descriptor, in-graph
