@@ -11,9 +11,12 @@ any other; a tuple's items and a frozen dataclass's fields are followed the same
 mutable holders (a list, a set, a numpy array, an object with ``__slots__`` or a base implemented
 in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would
 cost every call: a chain holding one is not frozen (``"auto"`` computes it at each call,
-``"freeze"`` refuses it). Not followed: state reached through a function (its closure, defaults
-or globals), a bound method's object, a class's attributes other than the members' own
-classes', or a module referenced as a plain attribute.
+``"freeze"`` refuses it). So is one whose member keeps a value in ``__slots__`` of its own, or
+holds dicts and objects nested deeper than :data:`_DEPTH` or more than :data:`_MOST` of them.
+A prepared module's paramfold state and installed values are not its holdings. Not followed:
+state reached through a function (its closure, defaults or globals), a bound method's object, a
+class's attributes other than the members' own classes' (and of those, only which object each
+is: not a dict it holds, changed in place), or a module referenced as a plain attribute.
 """
 
 from __future__ import annotations
