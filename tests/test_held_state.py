@@ -439,21 +439,16 @@ def test_a_config_past_what_is_followed_is_served_like_stock_and_refused_by_free
 
 
 def test_freeze_names_the_depth_followed_when_plain_objects_nest_deeper():
-    root = node = types.SimpleNamespace()
-    for _ in range(4):
+    # Regression: the refusal advised keeping such settings in a plain object, which they were.
+    stock, prepared = _pair(_FromObject)
+    node = _member(prepared).cfg.inner
+    for _ in range(3):
         node.n = types.SimpleNamespace()
         node = node.n
-    m = nn.Module()
-    m.cfg = root
-    from paramfold.held import held
-
-    assert [where for where, _ in held(m).unwatched] == ["cfg.n.n.n.n"]
-    layer = nn.Linear(4, 4)
-    parametrize.register_parametrization(layer, "weight", _FromObject())
-    _member_of = layer.parametrizations.weight[0]
-    _member_of.cfg = root
-    with pytest.raises(paramfold.FoldError, match=r"cfg\.n\.n\.n\.n .*followed up to 4 levels deep"):
-        paramfold.prepare(layer.eval().requires_grad_(False), mode="freeze")
+    with pytest.raises(paramfold.FoldError, match=r"_FromObject\.cfg\.inner\.n\.n\.n \(a SimpleNamespace\).*"
+                       r"followed up to 4 levels deep and 256 objects"):
+        paramfold.prepare(prepared, mode="freeze")
+    assert type(prepared[0]).__name__ == "ParametrizedLinear"
 
 
 class _Slotted(nn.Module):

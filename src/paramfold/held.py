@@ -58,7 +58,8 @@ class Held:
     objects' ``__dict__``, besides the module's own); ``tensors``, ``(dict, key, tensor)`` of each
     tensor entry of those; ``objects``, each object whose ``__dict__`` is among ``dicts`` (its
     ``__class__`` set, or its ``__dict__`` replaced, touches no tag); ``unwatched``,
-    ``(where, object)`` of each holder no tag watches."""
+    ``(where, object)`` of each holder no tag watches (``(slot name, the module)`` for each of
+    the module's own slots)."""
 
     __slots__ = ("dicts", "tensors", "objects", "unwatched")
 

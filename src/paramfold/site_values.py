@@ -17,8 +17,8 @@ from paramfold import hooknorms, randomness
 from paramfold.compute import eager_value
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.held import ADVICE
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unwatched
+from paramfold.held import ADVICE
 from paramfold.state import CALLS, SiteState, distributed, tensor_label
 
 _tracing_state = torch._C._get_tracing_state
