@@ -4,6 +4,7 @@ change or not be frozen, and a chain that changes them itself is one that writes
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import types
@@ -349,3 +350,202 @@ def test_a_frozen_slotted_dataclass_is_followed_through_its_fields():
     assert [where for where, _ in found.unwatched] == ["settings.steps[1]"]
     m.settings = Settings(2.0, {}, (1, 2))
     assert held(m).unwatched == []
+
+
+class _Steps(nn.Module):
+    """Applies the steps of an OrderedDict it holds, in their order."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = collections.OrderedDict(scale=2.0, shift=1.0)
+
+    def forward(self, w):
+        for kind, v in self.steps.items():
+            w = w * v if kind == "scale" else w + v
+        return w
+
+
+class _Mul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.k = 2.0
+
+    def forward(self, w):
+        return w * self.k
+
+
+def _reorder_steps(p):
+    p.steps.move_to_end(next(iter(p.steps)))  # no dict version tag changes
+
+
+def _replace_member_dict(p):
+    p.__dict__ = {**p.__dict__, "k": p.k + 0.5}  # the old __dict__ is left unwritten
+
+
+@pytest.mark.parametrize("edit", [_reorder_steps, _replace_member_dict], ids=["move_to_end", "member __dict__"])
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ordereddict_reordered_or_a_member_dict_replaced_is_followed_like_stock(mode, edit):
+    # Regression: neither touches a version tag, and freeze and auto served the old value.
+    stock, prepared = _pair(_Steps if edit is _reorder_steps else _Mul)
+    paramfold.prepare(prepared, mode=mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(prepared(x), stock(x))
+            edit(_member(stock))
+            edit(_member(prepared))
+
+
+def _deep():
+    return {"model": {"layers": {"attn": {"proj": {"scale": {"value": 2.0}}}}}}
+
+
+def _wide():
+    return {**_deep(), **{f"tok{i}": {"id": i} for i in range(300)}}
+
+
+class _FromConfig(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, w):
+        return w * self.cfg["model"]["layers"]["attn"]["proj"]["scale"]["value"]
+
+
+@pytest.mark.parametrize("config", [_deep, _wide], ids=["5 levels deep", "300 small dicts"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_config_past_what_is_followed_is_served_like_stock_and_refused_by_freeze(mode, config):
+    # Regression: find and prepare raised AttributeError ('tuple' object has no attribute 'keys').
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(4, 4))
+    parametrize.register_parametrization(stock[0], "weight", _FromConfig(config()))
+    stock.eval().requires_grad_(False)
+    prepared = copy.deepcopy(stock)
+    assert [s.kind for s in paramfold.find(prepared)] == ["custom"]
+    if mode == "freeze":
+        cfg = _member(prepared).cfg
+        with pytest.raises(paramfold.FoldError, match=r"_FromConfig\.cfg\['model'\].*4 levels deep and 256 objects"):
+            paramfold.prepare(prepared, mode=mode)
+        assert type(prepared[0]).__name__ == "ParametrizedLinear" and _member(prepared).cfg is cfg
+        return
+    paramfold.prepare(prepared, mode=mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(prepared(x), stock(x))
+            for model in (stock, prepared):
+                _member(model).cfg["model"]["layers"]["attn"]["proj"]["scale"]["value"] += 0.5
+
+
+def test_freeze_names_the_depth_followed_when_plain_objects_nest_deeper():
+    # Regression: the refusal advised keeping such settings in a plain object, which they were.
+    stock, prepared = _pair(_FromObject)
+    node = _member(prepared).cfg.inner
+    for _ in range(3):
+        node.n = types.SimpleNamespace()
+        node = node.n
+    with pytest.raises(paramfold.FoldError, match=r"_FromObject\.cfg\.inner\.n\.n\.n \(a SimpleNamespace\).*"
+                       r"followed up to 4 levels deep and 256 objects"):
+        paramfold.prepare(prepared, mode="freeze")
+    assert type(prepared[0]).__name__ == "ParametrizedLinear"
+
+
+class _Slotted(nn.Module):
+    __slots__ = ("k",)
+
+    def __init__(self):
+        super().__init__()
+        self.k = 2.0
+
+    def forward(self, w):
+        return w * self.k
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_member_keeping_a_setting_in_its_slots_is_not_frozen(mode):
+    # Regression: a slot is outside the member's __dict__, and freeze and auto served the old value.
+    stock, prepared = _pair(_Slotted)[0], _pair(_Slotted)[0]  # built twice: a deepcopy drops slots
+    if mode == "freeze":
+        with pytest.raises(paramfold.FoldError, match=r"_Slotted\.k \(a slot\)"):
+            paramfold.prepare(prepared, mode=mode)
+        assert type(prepared[0]).__name__ == "ParametrizedLinear"
+        return
+    paramfold.prepare(prepared, mode=mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(prepared(x), stock(x))
+            for model in (stock, prepared):
+                _member(model).k += 0.5
+
+
+class _Lazy(nn.Module):
+    """Reads a buffer registered on it later, and a submodule's weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.sub = nn.Linear(1, 1)
+
+    def forward(self, w):
+        s = getattr(self, "scale", None)
+        return w * self.sub.weight if s is None else w * s * self.sub.weight
+
+
+@pytest.mark.parametrize("check", ["content", "version"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_tensors_given_to_a_member_after_prepare_are_inputs_of_the_frozen_value(mode, check):
+    # Regression: only the parameter and buffer dicts non-empty at prepare were read as inputs, so a
+    # buffer registered since, or a replaced submodule's weight, edited in place was not seen.
+    stock, prepared = _pair(_Lazy)
+    paramfold.prepare(prepared, mode=mode, freeze_check=check)
+    x = torch.randn(2, 4)
+    edits = [
+        lambda p: p.register_buffer("scale", torch.tensor(3.0)),
+        lambda p: p.scale.fill_(0.5),
+        lambda p: p.load_state_dict({**p.state_dict(), "scale": torch.tensor(-1.0)}),
+        lambda p: setattr(p, "sub", nn.Linear(1, 1).requires_grad_(False)),
+        lambda p: p.sub.weight.fill_(2.0),
+        lambda p: p.sub.weight.mul_(1.5),
+    ]
+    with torch.no_grad():
+        assert torch.equal(prepared(x), stock(x))
+        for edit in edits:
+            torch.manual_seed(1)
+            edit(_member(stock))
+            torch.manual_seed(1)
+            edit(_member(prepared))
+            assert torch.equal(prepared(x), stock(x))
+            assert torch.equal(prepared(x), stock(x))
+
+
+class _Tie(nn.Module):
+    def __init__(self, src):
+        super().__init__()
+        self.src = src
+
+    def forward(self, w):
+        return w + self.src.weight
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_chain_holding_another_prepared_layer_is_frozen_like_any_other(mode):
+    # Regression: held() walked paramfold's own state on that layer, and freeze refused the call.
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    torch.nn.utils.parametrizations.weight_norm(stock[0])
+    parametrize.register_parametrization(stock[1], "weight", _Tie(stock[0]))
+    stock.eval().requires_grad_(False)
+    prepared = copy.deepcopy(stock)
+    paramfold.prepare(prepared, mode=mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(prepared(x), stock(x))
+        frozen = prepared[1].__dict__["_paramfold"].sites["weight"].frozen
+        assert frozen is not None
+        assert torch.equal(prepared(x), stock(x))
+        assert prepared[1].__dict__["_paramfold"].sites["weight"].frozen is frozen  # served, not recomputed
+        for _ in range(3):
+            for model in (stock, prepared):
+                model[0].parametrizations.weight.original1.mul_(1.5)
+            assert torch.equal(prepared(x), stock(x))

@@ -46,6 +46,7 @@ import contextlib
 import ctypes
 import gc
 import operator
+from collections import OrderedDict
 from operator import is_
 
 import torch
@@ -57,7 +58,7 @@ from paramfold import hooknorms
 from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.held import held
+from paramfold.held import ADVICE, held
 from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for, tensor_label
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
@@ -178,12 +179,15 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple) -> FrozenValue:
     full = tuple(d for d in live if d)
     members = site.chain if site.hook is None else ()
     objects = tuple(o for m in members if probed(m) for o in held(m).objects)  # objects a custom member holds
+    # Every object whose __dict__ is among the settings: ``obj.__dict__ = {...}`` touches no tag.
+    dicted = (*(m for m in site.plist.modules() if m is not site.plist), *objects) if site.hook is None else ()
     members = (*members, *objects)
+    ordered = tuple(d for d in full if isinstance(d, OrderedDict))  # move_to_end touches no tag either
     return FrozenValue(
         value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
         tuple(d for d in live if not d), full, list(map(tag, full)), under, version_of(value),
         tuple(armed), keys, list(map(_armings.get, keys)), layout(value), members, tuple(map(type, members)),
-        objects, tuple(map(vars, objects)),
+        dicted, tuple(map(vars, dicted)), ordered, list(map(list, ordered)),
     )
 
 
@@ -191,12 +195,20 @@ def _inputs(site: SiteState):
     """``(dict, key, tensor)`` of every tensor ``site``'s value is computed from: each entry of
     its tensor dicts (originals, the members' parameters and buffers), and each tensor held as a
     plain attribute of a member (``self.scale = torch.tensor(2.0)``), whose in-place edits the
-    member's ``__dict__`` tag does not see."""
-    for d in site.tensor_dicts:
+    member's ``__dict__`` tag does not see.
+
+    A chain's dicts are read as they are now, not as ``prepare`` found them: a buffer registered
+    on a member since, or a member's submodule replaced, is among the settings (a change
+    computes the value again) and its tensors are inputs from then on."""
+    if site.hook is not None:
+        owners, tensor_dicts = (site.hook,), site.tensor_dicts
+    else:
+        owners = tuple(site.plist.modules())
+        tensor_dicts = [d for m in owners for d in (m._parameters, m._buffers)]
+    for d in tensor_dicts:
         for key, t in d.items():
             if t is not None:
                 yield d, key, t
-    owners = (site.hook,) if site.hook is not None else site.plist.modules()
     for owner in owners:
         d = vars(owner)
         for key, t in d.items():
@@ -378,6 +390,7 @@ def unchanged(site: SiteState, frozen: FrozenValue, under: tuple) -> bool:
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or under != frozen.under
             or not all(map(is_, map(type, frozen.members), frozen.member_types))
             or (frozen.held and not all(map(is_, map(vars, frozen.held), frozen.held_dicts)))
+            or (frozen.ordered and list(map(list, frozen.ordered)) != frozen.order)
             or version_of(frozen.value) != frozen.value_version or layout(frozen.value) != frozen.value_layout
             or not all(map(is_armed, frozen.armed))
             or list(map(_armings.get, frozen.armed_keys)) != frozen.armed_counts):
@@ -453,8 +466,8 @@ def unwatched(site: SiteState) -> list[str]:
     ``rebuild_stack`` list) is only ever replaced, which their ``__dict__`` tag sees."""
     if site.hook is not None:
         return []
-    return [f"{type(m).__name__}.{where} (a {type(obj).__name__})" for m in site.plist.modules() if probed(m)
-            for where, obj in held(m).unwatched]
+    return [f"{type(m).__name__}.{where} ({'a slot' if obj is m else 'a ' + type(obj).__name__})"
+            for m in site.plist.modules() if probed(m) for where, obj in held(m).unwatched]
 
 
 def chain_needs_grad(site: SiteState) -> bool:
@@ -503,7 +516,7 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
         held_only = held_only and not why
         why = why or f"its chain holds {first_few(unwatched(st), 2)}, whose changes a frozen value cannot watch"
         reasons.append(f"{s.fqn} ({s.kind}: {why})")
-    advice = ("Keep such settings in a dict, a tuple or a plain object instead, or use mode='auto' (freezes "
+    advice = (f"{ADVICE[0].upper()}{ADVICE[1:]}, or use mode='auto' (freezes "
               "what it can, computes the rest at every call) or mode='hoist'." if held_only else
               "Freeze is for inference: call model.eval() and model.requires_grad_(False) first, or use "
               "mode='auto' (freezes what it can, hoists the rest) or mode='hoist'.")

@@ -11,9 +11,12 @@ any other; a tuple's items and a frozen dataclass's fields are followed the same
 mutable holders (a list, a set, a numpy array, an object with ``__slots__`` or a base implemented
 in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would
 cost every call: a chain holding one is not frozen (``"auto"`` computes it at each call,
-``"freeze"`` refuses it). Not followed: state reached through a function (its closure, defaults
-or globals), a bound method's object, a class's attributes other than the members' own
-classes', or a module referenced as a plain attribute.
+``"freeze"`` refuses it). So is one whose member keeps a value in ``__slots__`` of its own, or
+holds dicts and objects nested deeper than :data:`_DEPTH` or more than :data:`_MOST` of them.
+A prepared module's paramfold state and installed values are not its holdings. Not followed:
+state reached through a function (its closure, defaults or globals), a bound method's object, a
+class's attributes other than the members' own classes' (and of those, only which object each
+is: not a dict it holds, changed in place), or a module referenced as a plain attribute.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import types
 
 import torch
 from torch import nn
+
+from paramfold.state import ONCE_ATTR, STATE_ATTR, installed_keys
 
 #: ``nn.Module``'s own bookkeeping (hook dicts, ``_parameters``, ``_buffers``, ``_modules``, ...):
 #: watched apart where a value depends on it.
@@ -43,13 +48,18 @@ _ATOMS = (
 #: How deep and how many held objects are followed; past either, what is left counts as unwatched.
 _DEPTH, _MOST = 4, 256
 
+#: What a refusal for an unwatched holder advises.
+ADVICE = (f"keep such settings in dicts, tuples or plain objects, which are followed up to {_DEPTH} levels "
+          f"deep and {_MOST} objects per member")
+
 
 class Held:
     """What one module holds: ``dicts``, watched by their version tags (held dicts and plain
     objects' ``__dict__``, besides the module's own); ``tensors``, ``(dict, key, tensor)`` of each
     tensor entry of those; ``objects``, each object whose ``__dict__`` is among ``dicts`` (its
     ``__class__`` set, or its ``__dict__`` replaced, touches no tag); ``unwatched``,
-    ``(where, object)`` of each holder no tag watches."""
+    ``(where, object)`` of each holder no tag watches (``(slot name, the module)`` for each of
+    the module's own slots)."""
 
     __slots__ = ("dicts", "tensors", "objects", "unwatched")
 
@@ -73,9 +83,15 @@ def held(module: nn.Module) -> Held:
     """
     found = Held()
     seen = {id(module.__dict__)}
+    skipped = _STANDARD
+    state = module.__dict__.get(STATE_ATTR)
+    if state is not None:  # a prepared module: paramfold's own state and the values it installs
+        skipped = skipped | {STATE_ATTR, ONCE_ATTR, *installed_keys(module, state)}
     for key, value in vars(module).items():
-        if key not in _STANDARD:
+        if key not in skipped:
             _visit(found, seen, value, key, 0)
+    # Its own slots, outside its __dict__: each is recorded with the module as its holder.
+    found.unwatched += [(name, module) for name in _all_slots(type(module)) if hasattr(module, name)]
     return found
 
 
@@ -154,6 +170,9 @@ class _Plain:
     pass
 
 
+_MISSING = object()
+
+
 #: The instance size of a class defined in Python with no slots: a larger one has fields that a
 #: base implemented in C keeps outside the ``__dict__`` (an exception's ``args``, a
 #: ``threading.local``'s per-thread dicts, a ``functools.partial``'s arguments).
@@ -168,8 +187,12 @@ def _state_in_dict(cls: type) -> bool:
 
 def _has_slots(cls: type) -> bool:
     """Whether instances of ``cls`` keep some state in slots, which no dict tag sees."""
-    return any(s != "__dict__" and s != "__weakref__"
-               for c in cls.__mro__ for s in _slot_names(c))
+    return bool(_all_slots(cls))
+
+
+@functools.cache
+def _all_slots(cls: type) -> tuple[str, ...]:
+    return tuple(s for c in cls.__mro__ for s in _slot_names(c) if s != "__dict__" and s != "__weakref__")
 
 
 def _slot_names(cls: type) -> tuple[str, ...]:
@@ -177,27 +200,27 @@ def _slot_names(cls: type) -> tuple[str, ...]:
     return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
-def snapshot(module: nn.Module) -> list[tuple[object, object]]:
-    """What ``module`` holds, as ``(holder, contents)`` pairs that :func:`same` compares later:
-    each held dict's entries, each unwatched holder's items where they can be listed (a list's,
-    a set's, an array's bytes), and each held tensor's version counter."""
+def snapshot(module: nn.Module) -> tuple[list, list, list]:
+    """What ``module`` holds, for :func:`same` to compare later: each held dict's entries, in
+    order; each held tensor's version counter; each unwatched holder's items where they can be
+    listed (a list's, a set's, a dict's, a slotted object's, an array's bytes)."""
     found = held(module)
-    pairs: list[tuple[object, object]] = [(d, dict(d)) for d in found.dicts]
-    pairs += [(t, t._version) for _, _, t in found.tensors]
-    pairs += [(obj, _contents(obj)) for _, obj in found.unwatched]
-    return pairs
+    return ([(d, tuple(d.items())) for d in found.dicts], [(t, t._version) for _, _, t in found.tensors],
+            [(obj, _contents(obj)) for _, obj in found.unwatched])
 
 
-def same(pairs: list[tuple[object, object]]) -> bool:
+def same(snap: tuple[list, list, list]) -> bool:
     """Whether everything :func:`snapshot` recorded is as it was (entries by identity)."""
-    for holder, then in pairs:
-        if isinstance(holder, dict):
-            if holder.keys() != then.keys() or not all(holder[k] is v for k, v in then.items()):
-                return False
-        elif isinstance(holder, torch.Tensor) and type(then) is int:
-            if holder._version != then:
-                return False
-        elif _contents(holder)[1] != then[1]:
+    dicts, tensors, others = snap
+    for d, then in dicts:
+        if (len(d) != len(then) or tuple(d) != tuple(k for k, _ in then)  # keys in order: move_to_end
+                or not all(v is v0 for v, (_, v0) in zip(d.values(), then))):
+            return False
+    for t, version in tensors:
+        if t._version != version:
+            return False
+    for obj, then in others:
+        if _contents(obj)[1] != then[1]:
             return False
     return True
 
@@ -211,10 +234,17 @@ def _contents(obj: object) -> tuple[object, object]:
     if isinstance(obj, (set, frozenset)):
         items = tuple(obj)
         return items, frozenset(map(id, items))
+    if isinstance(obj, dict):  # past the depth or count followed: its own entries, in order
+        items = tuple(obj.items())
+        return items, tuple(id(x) for item in items for x in item)
     if isinstance(obj, bytearray):
         return None, bytes(obj)
     if isinstance(obj, torch.Tensor):
         return None, obj._version
+    slots = _all_slots(type(obj))
+    if slots:  # a slotted object, or a module with slots of its own
+        values = tuple(getattr(obj, name, _MISSING) for name in slots)
+        return values, tuple(map(id, values))
     tobytes = getattr(obj, "tobytes", None)  # a numpy or array.array array
     if callable(tobytes):
         try:

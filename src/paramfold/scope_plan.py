@@ -158,6 +158,7 @@ class Plan:
                     empty.update((id(d), d) for d in frozen.settings_empty)
                     typed.extend(zip(frozen.members, frozen.member_types))
                     dicted.extend(zip(frozen.held, frozen.held_dicts))
+                    ordered.extend(frozen.ordered)
                     settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
                         stateful.extend(site.chain)

@@ -18,6 +18,7 @@ from paramfold.compute import eager_value
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, release, unwatched
+from paramfold.held import ADVICE
 from paramfold.state import CALLS, SiteState, distributed, tensor_label
 
 _tracing_state = torch._C._get_tracing_state
@@ -112,7 +113,7 @@ def unfreezable(holder: nn.Module, name: str, site: SiteState, path: str | None 
     places = unwatched(site)
     if places:
         why = (f"its chain now holds {first_few(places, 2)}, whose changes a frozen value cannot watch "
-               "(keep such settings in a dict, a tuple or a plain object)")
+               f"({ADVICE})")
     else:
         why = ("a parameter of its chain requires grad or its stateful chain is in training mode; "
                "frozen values would not train")

@@ -389,7 +389,7 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
     module.train(training)
     attributes = [(vars(m), dict(vars(m))) for m in module.modules()]
     tensors = [(t, t._version) for _, then in attributes for t in then.values() if isinstance(t, torch.Tensor)]
-    holdings = [pair for m in module.modules() for pair in snapshot(m)]  # a list it appends to, ...
+    holdings = list(map(snapshot, module.modules()))  # a list it appends to, ...
     try:
         out = _run_probed(probe, torch.func.functional_call, module, state, args)
     except _Collective:
@@ -399,7 +399,7 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
     probe.mutated = any(state[k]._version != v for k, v in versions.items())
     probe.writes_itself = any(now.keys() != then.keys() or not all(map(operator.is_, now.values(), then.values()))
                               for now, then in attributes) or any(t._version != v for t, v in tensors)
-    probe.writes_itself = probe.writes_itself or not same(holdings)
+    probe.writes_itself = probe.writes_itself or not all(map(same, holdings))
     return state, out, probe
 
 

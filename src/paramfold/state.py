@@ -70,9 +70,13 @@ class FrozenValue:
     #: the objects its custom members hold (``paramfold.held``) and theirs.
     members: tuple = ()
     member_types: tuple = ()
-    #: Those held objects and the ``__dict__`` each had (``obj.__dict__ = {...}`` touches no tag).
+    #: Every object whose ``__dict__`` is among ``settings`` (the chain's modules below the list, the
+    #: held objects) and the ``__dict__`` each had (``obj.__dict__ = {...}`` touches no tag).
     held: tuple = ()
     held_dicts: tuple = ()
+    #: The ``OrderedDict`` among ``settings`` and their keys in order (``move_to_end`` touches no tag).
+    ordered: tuple = ()
+    order: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
