@@ -204,8 +204,8 @@ def test_a_prepared_submodule_is_refused_with_the_way_out_that_fits():
 
     model = paramfold.prepare(build("weight_norm"), "hoist")
     ema = AveragedModel(model)
-    with pytest.raises(paramfold.FoldError, match=r"submodule 'module' is a model prepared by paramfold on its "
-                       r"own.*paramfold\.restore\(model\.get_submodule\('module'\)\)"):
+    with pytest.raises(paramfold.FoldError, match=r"submodule 'module' is already prepared by paramfold, as a "
+                       r"model of its own.*paramfold\.restore\(model\.get_submodule\('module'\)\)"):
         paramfold.prepare(ema, "auto")
     paramfold.restore(ema.module)
     paramfold.prepare(ema, "auto")  # the way out the message gives
@@ -215,8 +215,8 @@ def test_a_prepared_submodule_is_refused_with_the_way_out_that_fits():
     stock_b = copy.deepcopy(b)
     paramfold.prepare(a, "hoist")
     before = pt.structure(b)
-    with pytest.raises(paramfold.FoldError, match=r"submodule '0' \(Sequential\) is part of another model prepared "
-                       r"by paramfold \(a Sequential\).*shared by two models"):
+    with pytest.raises(paramfold.FoldError, match=r"submodule '0' \(Sequential\) is already prepared by paramfold, "
+                       r"as part of another model \(a Sequential\).*shared by two models"):
         paramfold.prepare(b, "hoist")
     pt.assert_same_structure(before, pt.structure(b))
     x = torch.randn(2, 4)

@@ -435,3 +435,26 @@ def test_originals_taken_out_of_their_dicts_are_refused_naming_the_fsdp1_order(m
         setattr(plist, name, plist._parameters.pop(name).detach().clone())
     with pytest.raises(paramfold.FoldError, match=r"changed after paramfold\.prepare.*FSDP1 with use_orig_params=False.*prepare again"):
         model(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_chain_probed_again_inside_vmap_after_a_settings_change(mode):
+    # Regression (found by test_event_sequences): a chain whose settings changed is probed again
+    # at its next read, here inside vmap(functional_call(...)); the probe with grad enabled made
+    # clones that require grad, which torch.func refuses (RuntimeError from requires_grad_).
+    def build():
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4)
+        torch.nn.utils.parametrize.register_parametrization(layer, "weight", RowScale())
+        return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), layer)
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    x = torch.randn(2, 4)
+    assert torch.equal(ours(x), stock(x))
+    for m in (stock, ours):
+        m[2].parametrizations.weight[0].alpha = 0.5
+    base = stock[0].bias.detach()
+    stacked = torch.stack([base * 0.5, base * 1.5])
+    with torch.no_grad():
+        outs = [torch.vmap(lambda p, m=m: functional_call(m, {"0.bias": p}, (x,)))(stacked) for m in (stock, ours)]
+    assert torch.equal(*outs)

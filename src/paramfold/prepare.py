@@ -180,14 +180,14 @@ def _refuse_prepared(model: nn.Module) -> None:
             )
         if state.root:  # a copy of a prepared model (AveragedModel, an EMA), or one prepared alone
             raise FoldError(
-                f"cannot prepare this model: its submodule {path!r} is a model prepared by paramfold "
-                f"on its own (a copy of a prepared model, as AveragedModel/EMA makes, is prepared too). "
+                f"cannot prepare this model: its submodule {path!r} is already prepared by paramfold, as a "
+                f"model of its own (a copy of a prepared model, as AveragedModel/EMA makes, is prepared too). "
                 f"Call paramfold.restore(model.get_submodule({path!r})) first, then prepare this model."
             )
         root = state.prepared_root() if state.prepared_root is not None else None
         raise FoldError(
-            f"cannot prepare this model: its submodule {path!r} ({type(module).__name__}) is part of "
-            f"another model prepared by paramfold{'' if root is None else f' (a {type(root).__name__})'}: a "
+            f"cannot prepare this model: its submodule {path!r} ({type(module).__name__}) is already "
+            f"prepared by paramfold, as part of another model{'' if root is None else f' (a {type(root).__name__})'}: a "
             "module shared by two models is prepared for one of them. Prepare one model that holds both "
             "(a parent calling each), or restore the other model first; the unprepared model still "
             "runs the shared module exactly, computing its tensors where they are read."

@@ -365,7 +365,12 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
             c = t.clone()
     except Exception:  # a tensor subclass without clone: probed as it is, as before
         return t
-    return c.requires_grad_() if t.requires_grad and torch.is_grad_enabled() else c
+    if t.requires_grad and torch.is_grad_enabled():
+        try:
+            return c.requires_grad_()
+        except RuntimeError:  # inside a torch.func transform (a probe again after a settings change)
+            pass
+    return c
 
 
 def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, object, _Probe]:
