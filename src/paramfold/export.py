@@ -252,10 +252,10 @@ def _copy_forwarding_wrappers(model: nn.Module, memo: dict[int, Any]) -> None:
 
 def _check_faithful(model: nn.Module, replica: nn.Module) -> None:
     """Refuse a copy whose module tree is not ``model``'s (a ``__deepcopy__`` of a module's own)."""
-    ours = [(path, type(m).__name__) for path, m in model.named_modules(remove_duplicate=False)]
-    theirs = [(path, type(m).__name__) for path, m in replica.named_modules(remove_duplicate=False)]
-    if [p for p, _ in ours] != [p for p, _ in theirs]:
-        lost = next((p for (p, _), (q, _) in zip(ours, theirs) if p != q), ours[-1][0])
+    ours = [path for path, _ in model.named_modules(remove_duplicate=False)]
+    theirs = [path for path, _ in replica.named_modules(remove_duplicate=False)]
+    if ours != theirs:
+        lost = next((p for p, q in zip(ours, theirs) if p != q), ours[-1])
         raise FoldError(
             f"cannot export this model folded: copy.deepcopy(model) does not give its module tree "
             f"(module {lost!r} and what follows differ; a __deepcopy__ of its own?), and "

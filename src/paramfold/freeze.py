@@ -526,7 +526,7 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
 def _address(t: torch.Tensor) -> int:
     try:
         # Not data_ptr() for a subclass that is a plain tensor underneath: it would clear its mark.
-        return _data_ptr(t) if type(t) in PLAIN_TENSOR_TYPES or plain_underneath(t) else t.data_ptr()
+        return _data_ptr(t) if plain_underneath(t) else t.data_ptr()
     except RuntimeError:  # tensor subclasses without storage
         return 0
 

@@ -184,7 +184,7 @@ def _refuse_prepared(model: nn.Module) -> None:
                 f"model of its own (a copy of a prepared model, as AveragedModel/EMA makes, is prepared too). "
                 f"Call paramfold.restore(model.get_submodule({path!r})) first, then prepare this model."
             )
-        root = state.prepared_root() if state.prepared_root is not None else None
+        root = state.prepared_model()
         raise FoldError(
             f"cannot prepare this model: its submodule {path!r} ({type(module).__name__}) is already "
             f"prepared by paramfold, as part of another model{'' if root is None else f' (a {type(root).__name__})'}: a "

@@ -28,8 +28,7 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
     if distributed(site):
         # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
         # has gathered the originals, exactly like stock: never gathered early, never frozen.
-        release(site.frozen)
-        site.frozen = None
+        _drop_frozen(site)
         return None
     draws = randomness.recheck(holder, name, site)
     if draws or draws is None:
@@ -37,8 +36,7 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
         # not known in this call, inside a torch.func transform: computed at each read too.)
         if draws and site.mode == "freeze":
             raise random_now(holder, name)
-        release(site.frozen)
-        site.frozen = None
+        _drop_frozen(site)
         return None
     if site.mode == "hoist":
         return _hoisted(holder, name, site, grad)
@@ -74,8 +72,7 @@ def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: 
     if site.frozen is not None:
         # Not for this call (auto with grad on a trainable chain): dropped, and counted as a
         # frozen value that served no later call, as one whose inputs changed is.
-        release(site.frozen)
-        site.frozen = None
+        _drop_frozen(site)
         site.misses += 1
     return _hoisted(holder, name, site, grad)
 
@@ -87,6 +84,12 @@ def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: 
 _MISSES, _FIRST_PERIOD, _LONGEST_PERIOD = 2, 8, 1024
 
 
+def _drop_frozen(site: SiteState) -> None:
+    """Drop the site's frozen value, with the write marks it left (:func:`~paramfold.freeze.release`)."""
+    release(site.frozen)
+    site.frozen = None
+
+
 def _demote(site: SiteState) -> None:
     """Compute a freeze or auto site at every call, as hoist does, for a while (under the call's
     grad mode, in which the site is freezable: no autograd history either way). Its inputs
@@ -95,8 +98,7 @@ def _demote(site: SiteState) -> None:
     its inputs, bytes included, at every call, for nothing. Then freezing is tried again; a
     period that ends with the inputs still changing at the next call starts a four times longer
     one. Exact either way: a value computed at every call is stock's."""
-    release(site.frozen)
-    site.frozen = None
+    _drop_frozen(site)
     site.misses = 0
     site.hoist_until = CALLS[0] + min(_FIRST_PERIOD << 2 * site.demotions, _LONGEST_PERIOD)
     site.demotions += 1

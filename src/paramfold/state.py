@@ -356,13 +356,17 @@ class ModuleState:
     #: (``copy.deepcopy(model.layer)``) is part of no prepared model (see :func:`orphaned_copy`).
     prepared_root: Any = None
 
+    def prepared_model(self) -> nn.Module | None:
+        """The model passed to ``prepare``, while it lives."""
+        return self.prepared_root() if self.prepared_root is not None else None
+
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
         replica = _copy_fields(self, memo, _CACHES | {"prepared_root"})
         # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
         replica.covers = frozenset(id(m) for m in replica.entries)
-        root = self.prepared_root() if self.prepared_root is not None else None
+        root = self.prepared_model()
         if root is not None and id(root) in memo:  # copied with its model (the memo has it first)
             replica.prepared_root = weakref.ref(memo[id(root)])
         return replica
@@ -372,7 +376,7 @@ def tensor_label(module: nn.Module, name: str) -> str:
     """``path.name (Class)``: a prepared module's tensor as an error message names it, by its path
     in the model it was prepared in (``filter_fn`` takes that path); ``Class.name`` without one."""
     state = module.__dict__.get(STATE_ATTR)
-    root = state.prepared_root() if state is not None and state.prepared_root is not None else None
+    root = state.prepared_model() if state is not None else None
     path = None if root is None else next((p for p, m in root.named_modules(remove_duplicate=False) if m is module), None)
     if path is None:
         return f"{type(module).__name__}.{name}"
@@ -385,7 +389,7 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
     state = module.__dict__.get(STATE_ATTR)
     if state is None or state.root:
         return False
-    root = state.prepared_root() if state.prepared_root is not None else None
+    root = state.prepared_model()
     return root is None or id(root) not in memo
 
 
