@@ -193,3 +193,47 @@ def test_deepcopy_of_a_wrapper_around_a_prepared_model_copies_what_stock_copies(
     assert list(emas[0].state_dict()) == list(emas[1].state_dict())
     emas[1].load_state_dict(emas[0].state_dict())
     paramfold.restore(twins[1]._orig_mod)
+
+
+# Accelerate's big-model offload (``cpu_offload``, ``disk_offload``) keeps every parameter and
+# buffer on the meta device between calls and loads it in a hook that its wrapper of each
+# module's ``forward`` (an instance attribute) runs; PEFT depends on it, so it is installed here.
+accelerate = pytest.importorskip("accelerate")
+
+
+@pytest.mark.parametrize("offload", ["cpu_offload", "disk_offload"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_accelerate_offload_then_prepare_computes_like_stock_offload(offload, mode, train, tmp_path):
+    def offloaded(prepare_first: bool) -> nn.Module:
+        model = _net(lambda m: m).train(train)
+        if prepare_first:
+            paramfold.prepare(model, mode)
+        kwargs = {"offload_dir": str(tmp_path / str(prepare_first))} if offload == "disk_offload" else {}
+        getattr(accelerate, offload)(model, execution_device="cpu", **kwargs)
+        if not prepare_first:
+            paramfold.prepare(model, mode)
+        return model
+
+    stock = _net(lambda m: m).train(train)
+    getattr(accelerate, offload)(stock, execution_device="cpu",
+                                 **({"offload_dir": str(tmp_path / "stock")} if offload == "disk_offload" else {}))
+    ours = offloaded(prepare_first=False)
+    assert ours[0].parametrizations.weight.original.device.type == "meta"  # offloaded between calls, as stock's
+    x = torch.randn(4, 6)
+    with torch.set_grad_enabled(train):
+        for call in range(3):  # spectral_norm's power iteration runs at each training call
+            assert torch.equal(ours(x), stock(x)), call
+    # Prepared first, the hooks accelerate adds to the chain's members are served too, except by
+    # inline, whose getter calls each member's forward itself: refused at the call, model intact.
+    first = offloaded(prepare_first=True)
+    if mode == "inline":
+        with pytest.raises(paramfold.FoldError, match="with mode='inline', a hook added"):
+            first(x)
+    else:
+        fresh = _net(lambda m: m).train(train)
+        getattr(accelerate, offload)(fresh, execution_device="cpu",
+                                     **({"offload_dir": str(tmp_path / "fresh")} if offload == "disk_offload" else {}))
+        with torch.set_grad_enabled(train):
+            for call in range(3):
+                assert torch.equal(first(x), fresh(x)), call
