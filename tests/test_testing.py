@@ -213,8 +213,14 @@ def _tied_pair() -> nn.Module:
             lambda m: m[0].parametrizations.weight.__setattr__("original1", nn.Parameter(torch.zeros(3, 3))),
             r"'0\.parametrizations\.weight': parameters changed",
         ),
+        (lambda m: m[1].eval(), r"'1': attribute 'training' changed: True -> False"),
+        (lambda m: m[0].register_forward_hook(lambda *a: None), r"'0': hooks changed: _forward_hooks: added \[\d+: "),
+        (lambda m: m[0].register_state_dict_pre_hook(lambda *a: None), r"'0': hooks changed: _state_dict_pre_hooks"),
+        (lambda m: setattr(m[0], "in_features", 4), r"'0': attribute 'in_features' changed: 3 -> 4"),
+        (lambda m: setattr(m[0], "note", None), r"__dict__ keys changed: added \['note'\]"),
     ],
-    ids=["value", "parameter object", "requires_grad", "buffer", "dict key", "class", "original of a chain"],
+    ids=["value", "parameter object", "requires_grad", "buffer", "dict key", "class", "original of a chain",
+         "training flag", "forward hook", "state_dict hook", "attribute value", "attribute added"],
 )
 def test_structure_snapshots_catch_what_restore_must_give_back(change, message):
     model = _tied_pair()
@@ -225,6 +231,22 @@ def test_structure_snapshots_catch_what_restore_must_give_back(change, message):
         pt.assert_same_structure(before, pt.structure(model))
 
 
+def test_structure_snapshots_see_a_training_flag_a_hook_and_a_dropout_probability():
+    # structure() recorded objects and __dict__ keys only: none of these failed the comparison.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    for change in (lambda m: m[1].eval(), lambda m: m[0].register_forward_hook(lambda *a: None),
+                   lambda m: setattr(m[1], "p", 0.9), lambda m: m[0]._forward_hooks.clear()):
+        model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Dropout(0.5))
+        model[0].register_forward_hook(lambda *a: None)
+        for values in (True, False):
+            before = pt.structure(model, values=values)
+            pt.assert_same_structure(before, pt.structure(model, values=values))
+        change(model)
+        with pytest.raises(AssertionError, match="attribute 'training'|attribute 'p'|hooks changed"):
+            pt.assert_same_structure(before, pt.structure(model, values=False))
+
+
 def test_structure_without_values_ignores_values_and_the_mark_torch_compile_leaves():
     model = _tied_pair()
     before = pt.structure(model, values=False)
@@ -233,3 +255,55 @@ def test_structure_without_values_ignores_values_and_the_mark_torch_compile_leav
     torch.compile(model)  # marks the module it wraps (_is_torch_compile), not paramfold's business
     pt.assert_same_structure(before, pt.structure(model, values=False))
     assert before.state is None
+
+
+@pytest.mark.parametrize(
+    "names, min_length, max_length",
+    [(["cast"], 1, 3), (["weight_norm", "spectral_norm"], 2, 3), (None, 3, 3), (["int8_weight_only"], 0, 3),
+     (["weight_norm", "spectral_norm", "cast"], 3, 3)],
+)
+def test_chains_draws_only_chains_of_the_lengths_asked(names, min_length, max_length):
+    # chains() drew shorter chains when its pool ran dry or a recipe had to be alone (an empty
+    # chain for names=["cast"], int8_weight_only alone whatever min_length).
+    strategy = pt.chains(pt.TensorSpec((4, 4), module_type=nn.Linear, name="weight"), names=names,
+                         min_length=min_length, max_length=max_length)
+    with pytest.raises(hypothesis.errors.NoSuchExample):
+        hypothesis.find(strategy, lambda chain: not min_length <= len(chain) <= max_length,
+                        settings=hypothesis.settings(max_examples=300, database=None))
+
+
+@hypothesis.settings(max_examples=150, deadline=None, database=None)
+@hypothesis.given(st.data())
+def test_chains_of_any_names_and_lengths_are_valid_chains_of_those_lengths_or_refused_when_built(data):
+    names = data.draw(st.lists(st.sampled_from(sorted(pt.PARAMETRIZATIONS)), min_size=1, unique=True))
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    low, high = data.draw(st.integers(0, 6)), data.draw(st.integers(0, 6))
+    tensor = pt.TensorSpec((4, 4), dtype, nn.Linear, "weight")
+    try:
+        strategy = pt.chains(tensor, names=names, min_length=low, max_length=high)
+    except hypothesis.errors.InvalidArgument as e:
+        assert f"chains(min_length={low}, max_length={high})" in str(e)
+        return
+    chain = data.draw(strategy)
+    assert low <= len(chain) <= high
+    layer = pt.apply_chain(nn.Linear(4, 4).to(dtype), "weight", chain)
+    assert len(chain) == 0 or len(layer.parametrizations.weight) == len(chain) or chain[0].name == "int8_weight_only"
+
+
+def test_chains_refuses_lengths_its_recipes_cannot_reach_when_the_strategy_is_built():
+    tensor = pt.TensorSpec((4, 4))
+    refused = r"weight_norm, orthogonal.* chain at most 1, so pass min_length <= 1"
+    with pytest.raises(hypothesis.errors.InvalidArgument, match=refused):
+        pt.chains(tensor, names=["weight_norm", "orthogonal"], min_length=2)
+    with pytest.raises(hypothesis.errors.InvalidArgument, match="need 0 <= min_length <= max_length"):
+        pt.chains(tensor, min_length=3, max_length=2)
+
+
+@hypothesis.settings(max_examples=100, deadline=None, database=None)
+@hypothesis.given(pt.models())
+def test_a_printed_net_spec_pastes_back_into_the_same_spec(spec):
+    # Steps printed as weight_norm(dim=0), which is no expression that rebuilds them.
+    from paramfold.testing import LayerSpec, NetSpec, Step  # what nets.py says a pasted spec needs
+
+    pasted = eval(repr(spec), {"LayerSpec": LayerSpec, "NetSpec": NetSpec, "Step": Step})
+    assert pasted == spec and repr(pasted) == repr(spec)

@@ -238,6 +238,74 @@ def test_a_model_without_trainable_parameters_passes_in_every_mode_freeze_includ
         pt.assert_equivalent(model, torch.randn(3, 4), mode, steps=2)
 
 
+def _with_hooks_and_state() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), spectral_norm(nn.Linear(4, 4)), nn.BatchNorm1d(4))
+    model[0].register_forward_hook(lambda module, args, out: None)  # the user's hook
+    model.register_buffer("scratch", torch.ones(2), persistent=False)
+    return model
+
+
+_SLOPPY_RESTORES = {
+    "extra hook left": (lambda m: m[0].register_forward_hook(lambda module, args, out: None),
+                        r"module '0': hooks changed: _forward_hooks: added \[\d+: "),
+    "user's hook dropped": (lambda m: m[0]._forward_hooks.clear(),
+                            r"module '0': hooks changed: _forward_hooks: added \[\], removed \[\d+: "),
+    "running_mean moved": (lambda m: m[2].running_mean.add_(1), r"buffer '2\.running_mean' differs from stock"),
+    "non-persistent buffer": (lambda m: m.scratch.mul_(2), r"buffer 'scratch' differs from stock"),
+    "chain member's setting": (
+        lambda m: setattr(m[1].parametrizations.weight[0], "n_power_iterations", 5),
+        r"module '1\.parametrizations\.weight\.0': attribute 'n_power_iterations' changed: 1 -> 5",
+    ),
+    "training flag": (lambda m: m[2].eval(), r"module '2': attribute 'training' changed: True -> False"),
+    "gradient dropped": (lambda m: setattr(m[2].weight, "grad", None), r"grad of '2\.weight': prepared has None"),
+}
+
+
+@pytest.mark.parametrize("sloppy", list(_SLOPPY_RESTORES))
+def test_a_restore_that_leaves_hooks_values_or_attributes_otherwise_fails_naming_them(monkeypatch, sloppy):
+    # The after-restore check compared objects and __dict__ keys only: each of these passed.
+    change, message = _SLOPPY_RESTORES[sloppy]
+    restore = paramfold.restore
+
+    def sloppy_restore(model, *args, **kwargs):
+        out = restore(model, *args, **kwargs)
+        change(model)
+        return out
+
+    pt.assert_equivalent(_with_hooks_and_state(), torch.randn(5, 4), "hoist", steps=2)
+    monkeypatch.setattr(paramfold, "restore", sloppy_restore)
+    with pytest.raises(AssertionError, match="after paramfold.restore: " + message):
+        pt.assert_equivalent(_with_hooks_and_state(), torch.randn(5, 4), "hoist", steps=2)
+
+
+class _HooksItselfOnFirstCall(nn.Module):
+    """Registers a forward hook on a submodule at its first call and counts its calls, as
+    transformers' output-capturing models register theirs (``_output_capturing_hooks_installed``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = spectral_norm(nn.Linear(4, 4))
+        self.calls = 0
+        self.seen = []
+
+    def forward(self, x):
+        if not self.calls:
+            self.lin.register_forward_hook(lambda module, args, out: self.seen.append(out.shape))
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_hooks_and_attribute_values_stock_sets_in_its_forward_are_expected_on_the_restored_copy(mode):
+    model = _HooksItselfOnFirstCall()
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    pt.assert_equivalent(model, torch.randn(2, 4), mode, steps=2)
+    assert model.calls == 0 and not model.lin._forward_hooks  # the caller's model was not run
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_check_does_not_hide_a_real_difference_in_a_structured_output_nor_change_dynamo_config():
     config = torch._dynamo.config.get_config_copy()

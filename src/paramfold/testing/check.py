@@ -157,8 +157,10 @@ def assert_equivalent(
     run (a global counter, a generator of its own) fails saying so, not as a difference of paramfold's.
     Finally the prepared copy is restored with :func:`paramfold.restore` and must have exactly
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
-    objects, ``__dict__`` keys, bar attributes that stock's own calls set or deleted too, as
-    transformers' ``_output_capturing_hooks_installed``), and must still compute the stock outputs.
+    objects, ``__dict__`` keys, hooks, training flags and plain attribute values, bar what stock's
+    own calls changed too, as transformers' ``_output_capturing_hooks_installed`` and the hooks
+    it registers), stock's parameter and buffer values (persistent or not) and gradients where
+    stock has them, and must still compute the stock outputs.
 
     Step comparisons are bitwise unless ``atol``/``rtol`` are given (then as in
     ``torch.testing.assert_close``), or compiled (:data:`COMPILE_TOLERANCES`; a backend without a
@@ -303,8 +305,18 @@ def _assert_equivalent(
 
     paramfold.restore(candidate)
     try:
-        expected_structure = _with_attributes_set_by_stock(before, stock_before, structure(stock, values=False))
+        expected_structure = _with_changes_by_stock(before, stock_before, structure(stock, values=False))
         assert_same_structure(expected_structure, structure(candidate, values=False))
+        # Values (persistent or not) are held to stock's, as each step held them.
+        params = dict(candidate.named_parameters(remove_duplicate=False))
+        stock_params = dict(stock.named_parameters(remove_duplicate=False))
+        compare_dicts("", "parameter", params, stock_params, tol)
+        buffers = dict(candidate.named_buffers(remove_duplicate=False))
+        compare_dicts("", "buffer", buffers, dict(stock.named_buffers(remove_duplicate=False)), tol)
+        for name, param in params.items():
+            if (param.grad is None) != (stock_params[name].grad is None):
+                state = ("None", "a tensor") if param.grad is None else ("a tensor", "None")
+                raise AssertionError(f"grad of {name!r}: prepared has {state[0]}, stock has {state[1]}")
     except AssertionError as exc:
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
@@ -327,20 +339,71 @@ def _check_reproducible(again: Any, first: Any, tol: Tolerance) -> None:
         ) from None
 
 
-def _with_attributes_set_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
-    """``before`` with the ``__dict__`` keys that stock's own calls added or deleted, module by
-    module (matched by path): a forward that sets an attribute on first use (transformers marks a
-    model ``_output_capturing_hooks_installed`` when it first runs with ``output_hidden_states``)
-    changes the prepared copy the same way, and that is no difference from stock."""
-    old = {row[0]: set(row[3]) for row in stock_before.modules}
-    new = {row[0]: set(row[3]) for row in stock_after.modules}
+def _with_changes_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
+    """``before`` with what stock's own calls changed, module by module (matched by path), as the
+    prepared copy's calls change it too, which is no difference from stock: ``__dict__`` keys
+    added or deleted (transformers marks a model ``_output_capturing_hooks_installed`` when it
+    first runs with ``output_hidden_states``, and registers hooks then), hooks registered or
+    removed, and plain attributes' values (those are stock's, as stock has them now)."""
+    old = {row[0]: row for row in stock_before.modules}
+    new = {row[0]: row for row in stock_after.modules}
     rows = []
     for row in before.modules:
-        path, keys = row[0], set(row[3])
+        path, keys, hooks, plain = row[0], set(row[3]), row[6], row[7]
         if path in old and path in new:
-            keys = (keys | (new[path] - old[path])) - (old[path] - new[path])
-        rows.append((*row[:3], tuple(sorted(keys)), *row[4:]))
+            keys = (keys | (set(new[path][3]) - set(old[path][3]))) - (set(old[path][3]) - set(new[path][3]))
+            hooks = _hooks_changed_by_stock(hooks, dict(old[path][6]), dict(new[path][6]))
+            plain = new[path][7]
+        rows.append((*row[:3], tuple(sorted(keys)), *row[4:6], hooks, plain))
     return Structure(tuple(rows), before.state)
+
+
+def _hooks_changed_by_stock(hooks: tuple, old: dict[str, tuple], new: dict[str, tuple]) -> tuple:
+    """``hooks`` (a module's, :func:`~paramfold.testing.structure`'s field) less those that stock's
+    calls removed, plus those they registered: the prepared copy's own calls registered theirs
+    under other handle ids, so those are matched by kind (:class:`_LikeStocks`)."""
+    result = []
+    for name, items in hooks:
+        was, now = dict(old.get(name, ())), dict(new.get(name, ()))
+        if list(was.items()) != list(now.items()):
+            items = tuple((key, hook) for key, hook in items if key in now or key not in was) + tuple(
+                (_ANY_HANDLE, _LikeStocks(hook)) for key, hook in now.items() if key not in was
+            )
+        result.append((name, items))
+    return tuple(result)
+
+
+class _AnyHandle:
+    """Equal to any handle id: the one the prepared copy's call registered a hook under."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, int)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "(a handle id)"
+
+
+_ANY_HANDLE = _AnyHandle()
+
+
+class _LikeStocks:
+    """Equal to a hook of the same class and name as ``hook``, which stock's call registered."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        self.__qualname__ = f"{_kind(hook)} (as stock's calls registered)"
+
+    def __eq__(self, other: object) -> bool:
+        return _kind(other) == _kind(self.hook)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _kind(hook: Any) -> str:
+    hook = hook.hook if isinstance(hook, _LikeStocks) else hook
+    return f"{type(hook).__qualname__} {getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', '')}"
 
 
 def _rng_state() -> tuple[Any, ...]:

@@ -3,7 +3,9 @@
 Why a module of its own: a :class:`NetSpec` (layers, their chains, dtype, tie, repeat,
 requires_grad, train mode, seed) rebuilds the same model bitwise every time and needs no
 Hypothesis, so the spec a failing property test prints can be pasted into a plain regression
-test. :mod:`paramfold.testing.strategies` draws them; the layer classes here are the blocks they
+test: its repr is the expression that rebuilds it, given
+``from paramfold.testing import LayerSpec, NetSpec, Step``.
+:mod:`paramfold.testing.strategies` draws them; the layer classes here are the blocks they
 are built from.
 """
 

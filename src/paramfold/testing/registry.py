@@ -285,14 +285,17 @@ PARAMETRIZATIONS: dict[str, Recipe] = {
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One parametrization of a chain: a :data:`PARAMETRIZATIONS` name and its options."""
+    """One parametrization of a chain: a :data:`PARAMETRIZATIONS` name and its options.
+
+    Its repr is the expression that rebuilds it (``Step('weight_norm', (('dim', 0),))``), so a
+    printed :class:`~paramfold.testing.NetSpec` pastes into a test as it is.
+    """
 
     name: str
     options: tuple[tuple[str, Any], ...] = ()
 
     def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options)
-        return f"{self.name}({opts})"
+        return f"Step({self.name!r}, {self.options!r})" if self.options else f"Step({self.name!r})"
 
     @property
     def recipe(self) -> Recipe:

@@ -20,6 +20,7 @@ import torch
 
 try:
     from hypothesis import assume
+    from hypothesis.errors import InvalidArgument
     from hypothesis import strategies as st
 except ImportError as _e:  # hypothesis is an optional dependency: the paramfold[testing] extra
     raise ImportError(
@@ -49,22 +50,24 @@ def _step(recipe: Recipe, tensor: TensorSpec) -> st.SearchStrategy[Step]:
     return options.map(lambda o: Step(recipe.name, tuple(sorted(o.items()))))
 
 
-@st.composite
 def chains(
-    draw: st.DrawFn,
     tensor: TensorSpec,
     *,
     names: Sequence[str] | None = None,
     min_length: int = 1,
     max_length: int = 3,
-) -> Chain:
-    """Hypothesis strategy: a chain of compatible parametrizations for one tensor.
+) -> st.SearchStrategy[Chain]:
+    """Hypothesis strategy: a chain of compatible parametrizations for one tensor, of
+    ``min_length`` to ``max_length`` steps.
 
     Respects each :class:`Recipe`'s ``supports`` and ``position``; no name appears twice.
     ``names`` restricts the registry (default: every available entry). The default includes
     ``"cast"``, which may end a float32 tensor's chain and makes it bfloat16: a layer with such a
     chain fails on float32 inputs (:func:`models` and :func:`cases` build inputs to match). Pass
-    ``names=[n for n in PARAMETRIZATIONS if n != "cast"]`` to keep your dtype.
+    ``names=[n for n in PARAMETRIZATIONS if n != "cast"]`` to keep your dtype. Chains longer than
+    the recipes allow are never drawn: ``max_length`` is capped at the longest possible chain,
+    and a ``min_length`` above it (or below 0, or above ``max_length``) raises Hypothesis'
+    ``InvalidArgument`` when the strategy is built, saying what the recipes allow.
 
     Example::
 
@@ -79,25 +82,51 @@ def chains(
         >>> check()
     """
     recipes = [r for r in _available(names) if r.supports(tensor)]
+    positions = {r.position for r in recipes}
+    # A chain is one "alone" recipe, or a "first" one or not, then distinct "any" ones, then a
+    # "last" one or not.
+    longest = sum(r.position == "any" for r in recipes) + ("first" in positions) + ("last" in positions)
+    allows = max(longest, int("alone" in positions))
+    if not 0 <= min_length <= max_length or min_length > allows:
+        raise InvalidArgument(
+            f"chains(min_length={min_length}, max_length={max_length}) for a {tensor.shape} {tensor.dtype} tensor: "
+            + ("need 0 <= min_length <= max_length"
+               if not 0 <= min_length <= max_length
+               else f"the recipes that support it ({', '.join(r.name for r in recipes) or 'none'}; names={names!r}) "
+               f"chain at most {allows}, so pass min_length <= {allows} or more names")
+        )
+    return _chains(tensor, recipes, min_length, min(max_length, longest or allows))
+
+
+@st.composite
+def _chains(draw: st.DrawFn, tensor: TensorSpec, recipes: list[Recipe], min_length: int, max_length: int) -> Chain:
     length = draw(st.integers(min_length, max_length))
     if length == 0:
         return ()
     alone = [r for r in recipes if r.position == "alone"]
-    if alone and draw(st.integers(0, 3)) == 0:
+    if alone and min_length <= 1 and (len(alone) == len(recipes) or draw(st.integers(0, 3)) == 0):
         recipe = draw(st.sampled_from(alone))
         return (draw(_step(recipe, tensor)),)
+    last = [r for r in recipes if r.position == "last"]
     steps: list[Step] = []
+
+    def usable(pool: list[Recipe], i: int) -> list[Recipe]:
+        """The recipes of ``pool`` not in the chain yet that leave the steps after ``i`` fillable:
+        with distinct "any" recipes, and a "last" one at the end."""
+        after, used = length - 1 - i, {s.name for s in steps}
+        spare = [o.name for o in recipes if o.position == "any" and o.name not in used]
+        return [r for r in pool if r.name not in used and (after == 0 or len(set(spare) - {r.name}) + bool(last) >= after)]
+
     for i in range(length):
-        allowed = ("first", "any") if i == 0 else ("any",)
+        here = [r for r in recipes if r.position == "any" or (i == 0 and r.position == "first")]
+        pool = here
         if i == 0 and any(r.position == "first" for r in recipes) and draw(st.booleans()):
-            allowed = ("first",)  # half the chains start with one: they are fewer, and rarer
-        pool = [r for r in recipes if r.position in allowed]
-        last = [r for r in recipes if r.position == "last"]
+            # Half the chains start with one: they are fewer, and rarer.
+            pool = [r for r in recipes if r.position == "first"]
         if i == length - 1 and last and draw(st.booleans()):
             pool = last
-        pool = [r for r in pool if r.name not in {s.name for s in steps}]
-        if not pool:
-            break
+        # Where the coins above chose what cannot complete the chain, any recipe that can.
+        pool = usable(pool, i) or usable(here + (last if i == length - 1 else []), i)
         recipe = draw(st.sampled_from(pool))
         steps.append(draw(_step(recipe, tensor)))
     return tuple(steps)

@@ -24,7 +24,10 @@ class Structure:
 
     ``modules`` lists, for every module reached by ``named_modules(remove_duplicate=False)``
     (parametrization modules included): its path, object id, class object, ``__dict__`` keys,
-    and the ids and ``requires_grad`` of its own parameters and buffers.
+    the ids and ``requires_grad`` of its own parameters and buffers, its hooks (every hook dict's
+    keys and hook objects) and its plain attributes' values (``training``, ``Dropout.p``,
+    spectral_norm's ``n_power_iterations``: numbers, strings, None, dtypes, devices, and tuples
+    and sets of them).
     """
 
     modules: tuple[tuple[Any, ...], ...]
@@ -34,6 +37,34 @@ class Structure:
 #: ``__dict__`` entries that are not paramfold's business: ``torch.compile(module)`` marks the
 #: module it wraps.
 _IGNORED_KEYS = frozenset({"_is_torch_compile"})
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (tuple, frozenset, set)):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, _SCALARS)
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    """``a == b`` for plain values, of the same type, with NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same_plain(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+def _hooks(module: nn.Module) -> tuple[tuple[str, tuple[tuple[Any, Any], ...]], ...]:
+    """Every hook dict of ``module`` (``_forward_hooks``, ``_state_dict_pre_hooks``, ...): its
+    name and its ``(handle id, hook)`` items, in order. The hook objects themselves are kept,
+    compared by ``==`` (identity for functions)."""
+    return tuple(
+        (key, tuple(value.items()))
+        for key, value in sorted(module.__dict__.items())
+        if "_hooks" in key and isinstance(value, dict)
+    )
 
 
 def structure(model: nn.Module, *, values: bool = True) -> Structure:
@@ -54,7 +85,12 @@ def structure(model: nn.Module, *, values: bool = True) -> Structure:
         params = tuple((n, id(p), p is not None and p.requires_grad) for n, p in module._parameters.items())
         buffers = tuple((n, id(b)) for n, b in module._buffers.items())
         keys = tuple(sorted(k for k in module.__dict__ if k not in _IGNORED_KEYS))
-        rows.append((path, id(module), type(module), keys, params, buffers))
+        plain = tuple(
+            (k, frozenset(v) if isinstance(v, set) else v)
+            for k, v in sorted(module.__dict__.items())
+            if k not in _IGNORED_KEYS and _is_plain(v)
+        )
+        rows.append((path, id(module), type(module), keys, params, buffers, _hooks(module), plain))
     state = None
     if values:
         state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
@@ -68,18 +104,57 @@ def assert_same_structure(before: Structure, after: Structure) -> None:
     """
     if len(before.modules) != len(after.modules):
         raise AssertionError(f"module count changed: {len(before.modules)} -> {len(after.modules)}")
-    fields = ("path", "module object", "class", "__dict__ keys", "parameters", "buffers")
+    fields = ("path", "module object", "class", "__dict__ keys", "parameters", "buffers", "hooks", "attributes")
     for old, new in zip(before.modules, after.modules):
         for field, a, b in zip(fields, old, new):
+            where = old[0] or "<root>"
+            if field == "attributes":
+                _compare_attributes(where, dict(a), dict(b))
+                continue
             if a == b:
                 continue
-            where = old[0] or "<root>"
             if field == "class":
                 change = f"{a.__module__}.{a.__qualname__} (id {id(a)}) -> {b.__module__}.{b.__qualname__} (id {id(b)})"
             elif field == "__dict__ keys":
                 change = f"added {sorted(set(b) - set(a))}, removed {sorted(set(a) - set(b))}"
+            elif field == "hooks":
+                change = _hook_change(dict(a), dict(b))
             else:
                 change = f"{a!r} -> {b!r}"
             raise AssertionError(f"module {where!r}: {field} changed: {change}")
     if before.state is not None and after.state is not None:
         compare_dicts("", "state_dict", before.state, after.state, BITWISE)
+
+
+def _compare_attributes(where: str, a: dict[str, Any], b: dict[str, Any]) -> None:
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, _MISSING), b.get(key, _MISSING)
+        if old is _MISSING or new is _MISSING or not _same_plain(old, new):
+            raise AssertionError(f"module {where!r}: attribute {key!r} changed: {old!r} -> {new!r}")
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(none, or not a plain value)"
+
+
+_MISSING = _Missing()
+
+
+def _hook_change(a: dict[str, tuple], b: dict[str, tuple]) -> str:
+    """Which hooks were added or removed, dict by dict (a hook replaced under its handle id counts
+    as both)."""
+    changes = []
+    for name in sorted(set(a) | set(b)):
+        old, new = a.get(name, ()), b.get(name, ())
+        added = [item for item in new if item not in old]
+        removed = [item for item in old if item not in new]
+        if added or removed or old != new:
+            changes.append(f"{name}: added {_hook_items(added)}, removed {_hook_items(removed)}"
+                           + ("" if added or removed else " (order changed)"))
+    return "; ".join(changes)
+
+
+def _hook_items(items: list[tuple[Any, Any]]) -> str:
+    names = (f"{key!r}: {getattr(hook, '__qualname__', type(hook).__qualname__)}" for key, hook in items)
+    return "[" + ", ".join(names) + "]"
