@@ -162,7 +162,7 @@ class Plan:
                     settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
                         stateful.extend(site.chain)
-                elif name in hs.installed and frozen is None and site.subclass is False:
+                elif name in hs.installed and frozen is None and site.subclass == "":
                     # Hoisted: the same choice next call as long as the originals are the same
                     # tensors (so not DTensors: the tensor dicts' tags) and, for freeze and auto,
                     # nothing that decides it changed, nor a computed-at-every-call period ended.

@@ -1,8 +1,9 @@
 """Which value each site gets for a call: frozen, hoisted, or none (computed where it is read).
 
 A call scope (:mod:`paramfold.scope`) asks this module for every site below the entry. The choice
-follows the site's mode and what holds right now: FSDP2-managed and random-drawing chains are
-computed at each read like stock, inside ``parametrize.cached()`` the block's cached value is
+follows the site's mode and what holds right now: FSDP2-managed and random-drawing chains, and
+values compiled code cannot take as graph inputs (:func:`_at_read`), are computed at each read
+like stock, inside ``parametrize.cached()`` the block's cached value is
 stock's, a freeze or auto site is frozen while it can be (:func:`freezable`), and a site whose
 frozen values keep going stale is hoisted for a while instead (:func:`_demote`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from paramfold import hooknorms, randomness
 from paramfold.compute import eager_value
@@ -19,7 +21,7 @@ from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, release, unwatched
 from paramfold.held import ADVICE
-from paramfold.state import CALLS, SiteState, distributed, tensor_label
+from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, SiteState, distributed, tensor_label
 
 _tracing_state = torch._C._get_tracing_state
 
@@ -28,6 +30,9 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
     if distributed(site):
         # Computed where it is read (the descriptor, in-graph), after FSDP2's pre-forward hook
         # has gathered the originals, exactly like stock: never gathered early, never frozen.
+        _drop_frozen(site)
+        return None
+    if _at_read(site, grad):
         _drop_frozen(site)
         return None
     draws = randomness.recheck(holder, name, site)
@@ -51,10 +56,11 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
         key = (id(holder), name)
         cached = parametrize._cache.get(key)
         site.from_cache = cached is not None
-        if cached is None:
-            cached = _uncached(holder, name, site, grad, under)
-            if cached is not None:
-                parametrize._cache[key] = cached
+        if cached is not None:
+            return _typed(site, cached, grad)
+        cached = _uncached(holder, name, site, grad, under)
+        if cached is not None:
+            parametrize._cache[key] = cached
         return cached
     return _uncached(holder, name, site, grad, under)
 
@@ -65,7 +71,7 @@ def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: 
     if freezable(site, grad):
         if site.hoist_until > CALLS[0]:
             return _hoisted(holder, name, site, grad)
-        value = frozen_value(holder, name, site, under)
+        value = _typed(site, frozen_value(holder, name, site, under), grad)
         if site.misses >= (1 if site.demotions else _MISSES):
             _demote(site)
         return value
@@ -127,19 +133,39 @@ def unfreezable(holder: nn.Module, name: str, site: SiteState, path: str | None 
 
 
 def _hoisted(holder: nn.Module, name: str, site: SiteState, grad: bool) -> torch.Tensor | None:
-    needs_grad = grad and chain_needs_grad(site)
-    if site.subclass and needs_grad:
-        return None
     # Inside parametrize.cached(), the value stock's property would return: the one cached for
     # this module and name by an earlier read or call in the same block, else computed and cached.
     if parametrize._cache_enabled:
         site.from_cache = site.hook is None and (id(holder), name) in parametrize._cache
     value = eager_value(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
-    if site.subclass is None:
-        site.subclass = type(value) not in (torch.Tensor, nn.Parameter)
-        if site.subclass and needs_grad:
-            return None
+    return _typed(site, value, grad)
+
+
+def _typed(site: SiteState, value: torch.Tensor | None, grad: bool) -> torch.Tensor | None:
+    """``value``, or None where it shows that the site's values are to be computed where they are
+    read (:func:`_at_read`); the site's ``subclass`` notes what it is."""
+    if value is None:
+        return None
+    site.subclass = _subclass(value)
+    if _at_read(site, grad):
+        _drop_frozen(site)
+        return None
     return value
+
+
+def _subclass(value: torch.Tensor) -> str:
+    if type(value) in PLAIN_TENSOR_TYPES:
+        return ""
+    return "wrapper" if is_traceable_wrapper_subclass(value) else "python"
+
+
+def _at_read(site: SiteState, grad: bool) -> bool:
+    """Whether the site's values are tensor subclasses that compiled code cannot be given in
+    ``__dict__``, as graph inputs: a Python subclass (``x.as_subclass(MyT)``), which AOTAutograd
+    cannot take (stock's graph computes it from plain originals, ``as_subclass`` included), or a
+    wrapper subclass that needs grad, whose gradients AOTAutograd would not carry back to the
+    originals it was computed from. Such values are computed where they are read, in-graph."""
+    return site.subclass == "python" or bool(site.subclass and grad and chain_needs_grad(site))
 
 
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).

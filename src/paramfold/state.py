@@ -111,13 +111,16 @@ class SiteState:
     #: Nested inline sites (computed by stock's property, in-graph): the hooks of every module
     #: of the chain at ``prepare`` (``inline.hook_keys``), which compiled code does not guard.
     hook_keys: tuple | None = None
-    #: Whether values are tensor subclasses (known after the first computation). AOTAutograd does
-    #: not carry gradients from a subclass graph input back to the originals it was built from,
-    #: so such values are computed in-graph (the descriptor's stock path) whenever they need grad.
-    subclass: bool | None = None
+    #: What the values are (known once one was computed): "" plain tensors, "wrapper" traceable
+    #: wrapper subclasses (``__tensor_flatten__``), "python" other subclasses
+    #: (``x.as_subclass(MyT)``). Compiled code cannot take the last as graph inputs, and
+    #: AOTAutograd does not carry gradients from a wrapper graph input back to the originals it
+    #: was built from: such values are computed where they are read, in-graph, the first always,
+    #: the second whenever they need grad (``site_values._at_read``).
+    subclass: str | None = None
     #: Whether the last call scope left this tensor to be computed where it is read (below a
-    #: forward pre-hook, FSDP2-sharded originals, a subclass needing grad): a checkpointed
-    #: region's recomputation then computes it with autograd too, as its forward did.
+    #: forward pre-hook, FSDP2-sharded originals, a subclass compiled code cannot take): a
+    #: checkpointed region's recomputation then computes it with autograd too, as its forward did.
     at_read: bool = False
     #: Hook-based norms (``paramfold.hooknorms``): torch's hook object, its kind and its key in
     #: ``module._forward_pre_hooks``.
