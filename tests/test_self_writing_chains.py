@@ -124,3 +124,88 @@ def test_served_at_every_read_like_stock(mode, member, grad, compiled):
         assert expected[0] == actual[0] and torch.equal(expected[1], actual[1]), f"step {step}"
         if grad:
             assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+
+
+class Shrinks(nn.Module):
+    """Edits its input, the original, in place: stock shrinks the original at every read."""
+
+    def forward(self, w):
+        return w.mul_(0.9)
+
+
+class ClampsInPlace(nn.Module):
+    """A max-value constraint applied to the original in place: after the first read it changes
+    no byte, yet each read writes the original all the same."""
+
+    def forward(self, w):
+        return w.clamp_(-0.2, 0.2)
+
+
+class ReadsTwiceOrSkips(nn.Module):
+    """A fixed (no grad) layer whose member edits the original, read ``reads`` times per call,
+    under a trained head."""
+
+    def __init__(self, member: type[nn.Module]):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+        self.lin.weight.requires_grad_(False)  # an in-place edit of a leaf that requires grad raises
+        parametrize.register_parametrization(self.lin, "weight", member(), unsafe=True)
+        self.head = nn.Linear(6, 3)
+        self.reads = 1
+
+    def forward(self, x):
+        for _ in range(self.reads):
+            x = torch.tanh(self.lin(x))
+        return self.head(x)
+
+
+ORIGINAL_EDITORS = {"shrinks": Shrinks, "clamps": ClampsInPlace}
+
+
+def _original(model: nn.Module) -> torch.Tensor:
+    return model.lin.parametrizations.weight.original.clone()
+
+
+@pytest.mark.parametrize("member", ORIGINAL_EDITORS)
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+def test_a_chain_that_edits_its_original_is_refused_by_hoist_and_freeze(member, mode):
+    # Regression: the probe compared the members' own state only, never their input: a member
+    # returning X.mul_(0.9) was found stateless, freeze and auto served the first value for good
+    # and hoist shrank the original once per call, read twice or not at all.
+    model = ReadsTwiceOrSkips(ORIGINAL_EDITORS[member])
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    before, kinds = _original(model), classes(model)
+    (site,) = paramfold.find(model)
+    assert site.writes_itself and torch.equal(_original(model), before)
+    with pytest.raises(paramfold.FoldError, match="lin.weight: .*changes its own attributes or its originals"):
+        paramfold.prepare(model, mode)
+    assert classes(model) == kinds and torch.equal(_original(model), before)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("member", ORIGINAL_EDITORS)
+@pytest.mark.parametrize("mode", ["auto", "inline"])
+def test_a_chain_that_edits_its_original_edits_it_at_every_read_like_stock(mode, member, grad, compiled):
+    stock = ReadsTwiceOrSkips(ORIGINAL_EDITORS[member])
+    ours = paramfold.prepare(ReadsTwiceOrSkips(ORIGINAL_EDITORS[member]), mode)
+    if not grad:
+        stock.eval(), ours.eval()
+    run = {id(m): (torch.compile(m, backend="eager") if compiled else m) for m in (stock, ours)}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step, reads in enumerate([1, 2, 0, 2, 1]):
+        outs = []
+        for model in (stock, ours):
+            model.reads = reads
+            model.zero_grad()
+            with torch.set_grad_enabled(grad):
+                out = run[id(model)](x)
+                if grad:
+                    out.sum().backward()
+            outs.append(out.detach())
+        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        assert torch.equal(_original(stock), _original(ours)), f"step {step}"
+        if grad:
+            assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")

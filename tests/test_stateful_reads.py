@@ -356,3 +356,102 @@ def test_a_chain_that_changes_its_state_only_with_grad_enabled_is_read_like_stoc
         paramfold.prepare(model, "freeze")
     assert classes(model) == before
     assert_same_nested(state, _buffers(model))
+
+
+class _SwitchedOnUpdate(nn.Module):
+    """Updates a running statistic at every computation once ``update`` is set (after prepare):
+    in training only, or (``in_eval``) in eval mode too."""
+
+    def __init__(self, in_eval: bool):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(()))
+        self.update = False
+        self.in_eval = in_eval
+
+    def forward(self, w):
+        if self.update and (self.training or self.in_eval):
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(w.abs().mean())
+        return w * (1 + self.ema)
+
+
+class _SwitchedOnTwiceOrSkipped(TwiceOrSkipped):
+    def __init__(self, in_eval: bool):
+        super().__init__()
+        parametrize.remove_parametrizations(self.lin, "weight")
+        parametrize.register_parametrization(self.lin, "weight", _SwitchedOnUpdate(in_eval))
+
+
+def _switch_on(model: nn.Module) -> None:
+    model.lin.parametrizations.weight[0].update = True
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("in_eval", [False, True], ids=["training only", "in eval too"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_chain_switched_on_to_change_its_state_after_prepare_is_read_like_stock(mode, in_eval, compiled):
+    # Regression: prepare found the chain stateless (its flag off), and the probe run again when
+    # a setting changed looked for random draws and attribute writes only: hoist and auto went on
+    # computing it once per call, before the forward, so a read twice per call advanced it once
+    # and a call that skipped the layer advanced it all the same.
+    stock, prepared = _twins(lambda: _SwitchedOnTwiceOrSkipped(in_eval), mode)
+    assert [s.stateful for s in paramfold.find(stock)] == [False]
+    runs = []
+    for model in (stock, prepared):
+        call = torch.compile(model, backend="eager") if compiled else model
+        torch.manual_seed(1)
+        record = []
+        for step in range(5):
+            if step == 1:
+                _switch_on(model)
+            model.skip = step == 3
+            model.zero_grad()
+            out = call(torch.randn(3, 4))
+            out.square().sum().backward()
+            record.append([out, _buffers(model), grads(model)])
+        model.skip = False
+        model.eval()
+        with torch.no_grad():
+            record.append([call(torch.randn(3, 4)), _buffers(model)])
+        runs.append(record)
+    assert_same_nested(*runs)
+
+
+def test_freeze_refuses_a_chain_switched_on_to_change_its_buffers_in_eval_before_it_changes_them():
+    # Regression: freeze served a value frozen after the first call that updated the statistic:
+    # stock updates it at every call. Its call now refuses, before computing anything.
+    torch.manual_seed(0)
+    model = paramfold.prepare(_SwitchedOnTwiceOrSkipped(in_eval=True).eval().requires_grad_(False), "freeze")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        model(x)
+        _switch_on(model)
+        before = _buffers(model)
+        with pytest.raises(paramfold.FoldError, match="lin.weight.*change its own attributes, buffers or originals"):
+            model(x)
+    assert_same_nested(before, _buffers(model))
+    paramfold.restore(model)
+    stock, ours = _twins(lambda: _SwitchedOnTwiceOrSkipped(in_eval=True).eval(), "auto")
+    for model in (stock, ours):
+        _switch_on(model)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(stock(x), ours(x))
+    assert_same_nested(_buffers(stock), _buffers(ours))
+
+
+def test_freezes_refusal_of_a_chain_that_changes_its_buffers_in_eval_gives_advice_that_fits():
+    # Regression: it told the user to call model.eval() and model.requires_grad_(False) first,
+    # though both were done: no frozen value can serve such a chain, only auto or hoist.
+    model = TwiceOrSkipped().eval().requires_grad_(False)
+    with pytest.raises(paramfold.FoldError) as refused:
+        paramfold.prepare(model, "freeze")
+    assert "model.eval()" not in str(refused.value)
+    assert "can never be frozen: use mode='auto'" in str(refused.value) and "mode='hoist'" in str(refused.value)
+    # Beside a chain that needs grad, both pieces of advice.
+    model = TwiceOrSkipped().eval()
+    model.lin.requires_grad_(False)
+    parametrize.register_parametrization(model.other, "weight", _SwitchedOnUpdate(in_eval=False))
+    with pytest.raises(paramfold.FoldError, match=r"model.requires_grad_\(False\) first, or use mode='auto'.*"
+                                                  r"\(a chain that changes its buffers in eval mode too can never be frozen\)"):
+        paramfold.prepare(model, "freeze")

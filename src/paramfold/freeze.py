@@ -137,10 +137,10 @@ class _NoDraws(TorchDispatchMode):
 def random_now(module: nn.Module, name: str) -> FoldError:
     return FoldError(
         f"the parametrization of {tensor_label(module, name)} would draw random numbers (or "
-        "change its own attributes) to compute the value to freeze, which it did not when "
-        "paramfold.prepare probed it (a dropout probability or noise scale set above 0 since): "
-        "stock does that at every read, which a frozen value cannot. It was stopped before "
-        "drawing. Call paramfold.restore(model) and "
+        "change its own attributes, buffers or originals) to compute the value to freeze, which it "
+        "did not when paramfold.prepare probed it (a dropout probability or noise scale set above 0 "
+        "since, or a flag that switches on an update): stock does that at every read, which a "
+        "frozen value cannot. It was stopped before doing so. Call paramfold.restore(model) and "
         "prepare it again (mode='auto' then computes it at every read), or use mode='inline'."
     )
 
@@ -507,19 +507,27 @@ def refuse_unfreezable(sites: list[Site], when: str) -> None:
     if not bad:
         return
     reasons = []
-    held_only = True
+    fixes = set()  # what the user can do about each reason, for advice that fits them all
     for s, st in bad:
-        why = ("a tensor of the chain requires grad" if chain_needs_grad(st)
-               else "its chain changes its own buffers at every computation" if st.stateful_in_eval
-               else "stateful chain in training mode" if st.training_stateful
-               else "")
-        held_only = held_only and not why
-        why = why or f"its chain holds {first_few(unwatched(st), 2)}, whose changes a frozen value cannot watch"
+        if chain_needs_grad(st):
+            why, fix = "a tensor of the chain requires grad", "inference"
+        elif st.stateful_in_eval:
+            why, fix = "its chain changes its own buffers at every computation, in eval mode too", "none"
+        elif st.training_stateful:
+            why, fix = "stateful chain in training mode", "inference"
+        else:
+            why, fix = f"its chain holds {first_few(unwatched(st), 2)}, whose changes a frozen value cannot watch", "held"
+        fixes.add(fix)
         reasons.append(f"{s.fqn} ({s.kind}: {why})")
-    advice = (f"{ADVICE[0].upper()}{ADVICE[1:]}, or use mode='auto' (freezes "
-              "what it can, computes the rest at every call) or mode='hoist'." if held_only else
-              "Freeze is for inference: call model.eval() and model.requires_grad_(False) first, or use "
-              "mode='auto' (freezes what it can, hoists the rest) or mode='hoist'.")
+    steps = ["Freeze is for inference: call model.eval() and model.requires_grad_(False) first"] if "inference" in fixes else []
+    if "held" in fixes:
+        steps.append(f"{ADVICE[0].upper()}{ADVICE[1:]}")
+    alternatives = "mode='auto' (freezes what it can, computes the rest at every call) or mode='hoist'"
+    never = "a chain that changes its buffers in eval mode too can never be frozen"
+    if not steps:
+        advice = f"{never[0].upper()}{never[1:]}: use {alternatives}."
+    else:
+        advice = f"{'; '.join(steps)}, or use {alternatives}{f' ({never})' if 'none' in fixes else ''}."
     raise FoldError(f"cannot freeze {len(bad)} site(s) {when}: {first_few(reasons, 4)}. {advice}")
 
 

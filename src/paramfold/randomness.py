@@ -7,7 +7,10 @@ the forward (hoist, auto in a grad call) it would draw before the forward's own 
 frozen it would repeat one sample. What switches a chain on is one of its settings (its members'
 attributes, submodules, hooks and classes: :func:`~paramfold.freeze.settings`), so each site
 keeps a :class:`SettingsWatch` of them; when one changes, the chain is probed again, as ``find``
-probes it, and ``SiteState.draws`` says how it is served from then on.
+probes it, and ``SiteState.draws`` says how it is served from then on. A chain switched on to
+write its attributes or originals, or to change its buffers where ``prepare`` found it did not (no
+read-once class or freeze refusal was planned for it), is served the same way: stock changes
+them at every read.
 """
 
 from __future__ import annotations
@@ -86,13 +89,14 @@ def watch(site: SiteState) -> SettingsWatch | None:
 
 
 def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
-    """Whether ``holder.<name>`` draws random numbers now, probed again where its settings
+    """Whether ``holder.<name>`` draws random numbers (or changes its state as prepare did not
+    plan for: :func:`~paramfold.sites.draws_random_numbers`) now, probed again where its settings
     changed since the last probe (``site.draws`` and ``site.draw_watch`` updated); None where it
     cannot be probed now (:class:`~paramfold.sites.CannotProbeNow`: nothing is updated, so a
     later call probes it)."""
     if site.draw_watch is not None and not site.draw_watch.unchanged():
         try:
-            draws = draws_random_numbers(holder, name)
+            draws = draws_random_numbers(holder, name, site.stateful, site.stateful_in_eval)
         except CannotProbeNow:
             return None
         site.draws = draws

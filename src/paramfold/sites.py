@@ -102,8 +102,9 @@ class Site:
             weights): stock then draws at every read, in the forward's order.
         writes_itself: whether computing the tensor changes the chain's own state outside its
             parameters and buffers (an attribute set, such as a step counter; a tensor attribute
-            edited in place), or the probe could not tell (a member that cannot be copied):
-            stock changes it at every read.
+            edited in place) or its originals (a member that edits its input in place,
+            ``X.clamp_()``, where the input is an original or a view of one), or the probe could
+            not tell (a member that cannot be copied): stock changes it at every read.
     """
 
     module_path: str
@@ -241,7 +242,9 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     elif any(k is None for k in kinds):
         # An inner chain's draws come from the probe's own generator.
         inputs = _run_probed(_Probe(stop_at_collectives=False), _computed_originals, plist) if is_nested(plist) else originals
-        kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(chain, inputs, kinds)
+        # A nested chain's value is computed afresh at each read: only the originals are state.
+        computed = frozenset(n for n in inputs if parametrize.is_parametrized(plist, n))
+        kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(chain, inputs, kinds, computed)
         stateful = stateful or probed_stateful or stateful_in_eval
     return Site(
         module_path=path,
@@ -266,13 +269,18 @@ def probed(module: nn.Module) -> bool:
             and known_kind(module) is None)
 
 
-def draws_random_numbers(module: nn.Module, name: str) -> bool:
+def draws_random_numbers(module: nn.Module, name: str, stateful: bool = False, stateful_in_eval: bool = False) -> bool:
     """Whether computing ``module.<name>`` now would draw random numbers: its chain, and the chains
     of its originals that are parametrized themselves, probed as :func:`find` probes them (on
-    copies; no generator of the user's moves). A chain that writes its own attributes at each
-    computation counts too: stock repeats that at every read as well."""
+    copies; no generator of the user's moves). A chain that writes its own attributes or its
+    originals at each computation counts too: stock repeats that at every read as well. So does
+    its own chain changing its buffers where it was prepared as one that does not (``stateful``,
+    ``stateful_in_eval``: the verdicts it was prepared with): a flag switched on since, which no
+    read-once class or freeze refusal was planned for."""
     site = _make_site("", module, name)
     if site.random or site.writes_itself:
+        return True
+    if (site.stateful and not stateful) or (site.stateful_in_eval and not stateful_in_eval):
         return True
     plist = module.parametrizations[name]
     return any(draws_random_numbers(plist, n) for n in original_names(plist) if parametrize.is_parametrized(plist, n))
@@ -311,9 +319,12 @@ def _probe_unknown(
     chain: tuple[nn.Module, ...],
     originals: dict[str, torch.Tensor],
     kinds: list[str | None],
+    computed: frozenset[str] = frozenset(),
 ) -> tuple[list[str], bool, bool, bool, bool]:
     """Run the chain on cloned state to tell casts from custom maps, find buffer mutation, random
     draws and other writes: ``(kinds, stateful, stateful_in_eval, random, writes_itself)``.
+    A write to a clone of an original (not to one of the ``computed`` inputs, a nested chain's
+    fresh values) counts as the chain writing itself.
 
     Each module is called on a copy of itself (:func:`_probe_call`) through
     ``torch.func.functional_call`` with clones of its own parameters and buffers in training mode,
@@ -330,8 +341,10 @@ def _probe_unknown(
     # changed): the clones must be ordinary tensors, whose version counters show writes.
     for grad in (False, True):
         with torch.inference_mode(False), torch.set_grad_enabled(grad):
-            # Clones of the originals too: a member (or its pre-hook) may edit its input in place.
+            # Clones of the originals too: a member (or its pre-hook) may edit its input in place,
+            # as stock's then edits the original at every read (a view of it shares its counter).
             value: object = tuple(_clone(t) for t in originals.values())
+            inputs = [(t, _version(t)) for n, t in zip(originals, value) if n not in computed]
             for i, (module, kind) in enumerate(zip(chain, kinds)):
                 args = value if isinstance(value, tuple) else (value,)
                 state, out, probe = _probe_call(module, args, training=True)
@@ -354,7 +367,15 @@ def _probe_unknown(
                 if not grad:
                     resolved.append(kind)
                 value = out
+            writes_itself = writes_itself or any(_version(t) != v for t, v in inputs)
     return resolved, stateful, stateful_in_eval, random, writes_itself
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has none (a subclass without clone is probed as it is)
+        return None
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

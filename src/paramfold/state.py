@@ -155,7 +155,8 @@ class SiteState:
     #: Whether the chain changes its state in eval mode too (``Site.stateful_in_eval``).
     stateful_in_eval: bool = False
     #: Whether the chain draws random numbers now, though prepare's probe found it did not (a
-    #: noise scale set above 0 since): computed where it is read, as stock does, or refused by
+    #: noise scale set above 0 since), or changes its state as prepare did not plan for
+    #: (``sites.draws_random_numbers``): computed where it is read, as stock does, or refused by
     #: freeze. ``draw_watch``: its settings when it was last probed (``paramfold.randomness``).
     draws: bool = False
     draw_watch: Any = None
