@@ -209,3 +209,81 @@ def test_a_chain_that_edits_its_original_edits_it_at_every_read_like_stock(mode,
         assert torch.equal(_original(stock), _original(ours)), f"step {step}"
         if grad:
             assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+
+
+class _Doubled(nn.Module):
+    def forward(self, X):
+        return X * 2
+
+
+class _Averaged(nn.Module):
+    """Updates a buffer at each computation, in eval mode too."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4, 4))
+
+    def forward(self, X):
+        self.ema.mul_(0.5).add_(X.detach())
+        return X + self.ema
+
+
+class _ReadsTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, skip=False):
+        if skip:  # the layer's weight not read in this call
+            return x * self.lin.bias.sum()
+        return x @ self.lin.weight.T + x @ self.lin.weight.T
+
+
+def _nested(inner: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = _ReadsTwice()
+    parametrize.register_parametrization(model.lin, "weight", _Doubled())
+    owner = model.lin.parametrizations.weight
+    if inner == "spectral_norm":
+        torch.nn.utils.parametrizations.spectral_norm(owner, "original")
+    else:
+        parametrize.register_parametrization(owner, "original", _Averaged())
+    return model
+
+
+@pytest.mark.parametrize("inner", ["spectral_norm", "averaged"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto", "inline"])
+def test_a_chain_on_an_original_that_changes_its_state_is_read_like_stock(inner, mode):
+    """A parametrization of an original (nested) that changes its state when computed does so at
+    every read of the outer tensor in stock: auto and inline compute it at every read; hoist and
+    freeze, which compute once per call or once for many, refuse it with the model intact (they
+    used to serve it: the inner power iteration or buffer update ran once per call)."""
+    stock, ours = _nested(inner), _nested(inner)
+    train = inner == "spectral_norm"  # spectral_norm iterates in training; the other in eval too
+    for model in (stock, ours):
+        model.train(train).requires_grad_(train)
+    if mode in ("hoist", "freeze"):
+        if mode == "freeze":  # inference only (a spectral_norm then does not iterate: refused all the same)
+            ours.eval().requires_grad_(False)
+        kinds, state = classes(ours), {k: v.clone() for k, v in ours.state_dict().items()}
+        with pytest.raises(paramfold.FoldError, match="a parametrization of an original that changes its state"):
+            paramfold.prepare(ours, mode)
+        assert classes(ours) == kinds
+        assert_same_tensors(state, ours.state_dict())
+        return
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, ours)] if train else None
+    for call in range(4):
+        outs = []
+        for i, model in enumerate((stock, ours)):
+            with torch.set_grad_enabled(train):
+                out = model(x, skip=call == 2)
+            if train:
+                out.sum().backward()
+                opts[i].step()
+                opts[i].zero_grad()
+            outs.append(out.detach())
+        assert torch.equal(*outs), call
+        for (name, a), b in zip(stock.state_dict().items(), ours.state_dict().values()):
+            assert torch.equal(a, b), (call, name)

@@ -238,8 +238,9 @@ def _read_by_read(site: Site, mode: str) -> str | None:
         return (
             f"its parametrization ({site.kind}) changes its own attributes or its originals each time it "
             "computes the tensor (a step counter, a tensor attribute that is not a registered buffer, an "
-            "original it edits in place), and stock changes them at every read, which a value computed "
-            "before the call (hoist) or once for many calls (freeze) cannot reproduce"
+            "original it edits in place, a parametrization of an original that changes its state, as "
+            "spectral_norm's power iteration), and stock changes them at every read, which a value "
+            "computed before the call (hoist) or once for many calls (freeze) cannot reproduce"
         )
     # A stateful chain read several times per forward (torch's RNNs read each weight up to four
     # times in _update_flat_weights) is served by the read-once class: the first read takes the

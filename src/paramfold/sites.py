@@ -204,7 +204,13 @@ def _attach_nested(every: dict[tuple[str, str], Site]) -> list[Site]:
         children = tuple(attach((s.module_path, s.tensor_name), s) for s in inner.get(key, ()))
         if not children:
             return site
-        return dataclasses.replace(site, nested=children, random=site.random or any(c.random for c in children))
+        # A nested chain that changes its state (spectral_norm's power iteration in training, a
+        # buffer updated in eval) does so at every read of the outer tensor in stock, which
+        # computes it afresh each time: no read-once class or put-back covers the inner chain's
+        # state, so the outer site is one that changes itself at every read.
+        changes = any(c.writes_itself or c.stateful or c.stateful_in_eval for c in children)
+        return dataclasses.replace(site, nested=children, random=site.random or any(c.random for c in children),
+                                   writes_itself=site.writes_itself or changes)
 
     return [attach(key, site) for key, site in every.items() if id(site) not in nested_ids]
 
