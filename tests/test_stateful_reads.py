@@ -455,3 +455,191 @@ def test_freezes_refusal_of_a_chain_that_changes_its_buffers_in_eval_gives_advic
     with pytest.raises(paramfold.FoldError, match=r"model.requires_grad_\(False\) first, or use mode='auto'.*"
                                                   r"\(a chain that changes its buffers in eval mode too can never be frozen\)"):
         paramfold.prepare(model, "freeze")
+
+class _Ema(nn.Module):
+    """A custom stateful member: updates its running average at every computation, in eval too."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4, 4))
+
+    def forward(self, w):
+        self.ema.mul_(0.5).add_(w.detach())
+        return w + self.ema
+
+
+class SharedMember(nn.Module):
+    """Layers ``a`` and ``b`` computed by ONE stateful member object (a custom one, or ``a``'s
+    spectral_norm module registered on ``b`` too). ``order``: which layer the forward reads
+    first; ``skip``: ``a`` is left out at every second call."""
+
+    def __init__(self, member: str, order: str, skip: bool):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        if member == "custom":
+            shared = _Ema()
+            parametrize.register_parametrization(self.a, "weight", shared)
+        else:
+            spectral_norm(self.a)
+            shared = self.a.parametrizations.weight[0]
+        parametrize.register_parametrization(self.b, "weight", shared, unsafe=True)
+        self.order, self.skip, self.calls = order, skip, 0
+
+    def forward(self, x):
+        self.calls += 1
+        layers = (self.a, self.b) if self.order == "ab" else (self.b, self.a)
+        for layer in layers:
+            if layer is self.a and self.skip and self.calls % 2 == 0:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _train_then_eval(model: nn.Module, call, phases: str = "train eval train", switched: str = "") -> list:
+    """Two calls per phase: SGD steps in training mode (``train``), ``no_grad`` calls in eval
+    mode (``eval``) or in training mode (``no_grad``), the mode set on the submodule at
+    ``switched`` (the whole model by default); outputs, buffers, gradients and parameters of each."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    record = []
+    model.eval()
+    for phase in phases.split():
+        model.get_submodule(switched).train(phase != "eval")
+        for _ in range(2):
+            if phase != "train":
+                with torch.no_grad():
+                    record.append([call(torch.randn(3, 4)), _buffers(model)])
+                continue
+            opt.zero_grad()
+            out = call(torch.randn(3, 4))
+            out.square().sum().backward()
+            opt.step()
+            record.append([out, _buffers(model), grads(model), {k: p.clone() for k, p in model.named_parameters()}])
+    return record
+
+
+@pytest.mark.parametrize(("order", "skip", "compiled"), [
+    ("ab", False, False), ("ba", False, False), ("ab", True, False), ("ba", True, False),
+    ("ba", False, True), ("ab", True, True),
+], ids=["ab", "ba", "ab-a-skipped", "ba-a-skipped", "ba-compiled", "ab-a-skipped-compiled"])
+@pytest.mark.parametrize("member", ["custom", "spectral_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_one_stateful_member_shared_by_two_layers_advances_in_the_forwards_order_like_stock(mode, member, order, skip,
+                                                                                          compiled):
+    """Regression (hI F5): the scope computed every site before the call, in module order, and put
+    each one's state back per site where the call did not read it; one member's state shared by
+    two sites then advanced in the wrong order (the forward reading b first) and stayed advanced
+    for a skipped layer: outputs, buffers and gradients differed from stock. Sharing sites are
+    computed at every read while the shared state changes (training, or a member that changes it
+    in eval too), as stock does; in eval a spectral_norm's values are served as usual."""
+    stock, prepared = _twins(lambda: SharedMember(member, order, skip), mode)
+    runs = []
+    for model in (stock, prepared):
+        runs.append(_train_then_eval(model, torch.compile(model, backend="eager") if compiled else model))
+    assert_same_nested(*runs)
+
+
+def test_a_shared_member_that_changes_its_state_in_eval_is_refused_by_freeze_and_the_model_left_as_it_was():
+    model = SharedMember("custom", "ba", skip=False).eval().requires_grad_(False)
+    before, state = classes(model), _buffers(model)
+    with pytest.raises(paramfold.FoldError, match="changes its own buffers at every computation"):
+        paramfold.prepare(model, "freeze")
+    assert classes(model) == before
+    assert_same_nested(state, _buffers(model))
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_a_shared_spectral_norm_in_eval_is_frozen_exactly(order):
+    stock = SharedMember("spectral_norm", order, skip=True).eval().requires_grad_(False)
+    prepared = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    runs = []
+    for model in (stock, prepared):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            runs.append([[model(torch.randn(3, 4)), _buffers(model)] for _ in range(4)])
+    assert_same_nested(*runs)
+
+
+class _ReadsEma(nn.Module):
+    """A stateless member that reads (as a buffer of its own) the running average another
+    layer's stateful member changes."""
+
+    def __init__(self, ema: torch.Tensor):
+        super().__init__()
+        self.register_buffer("ema", ema)
+
+    def forward(self, w):
+        return w * self.ema.tanh()
+
+
+class SharedBuffer(nn.Module):
+    """``b``'s member reads the buffer ``a``'s member changes; the forward reads b first.
+    ``hooks``: instead, two hook-based spectral_norms whose ``weight_u``/``weight_v`` are one
+    pair of tensors. ``plain``: ``a``'s member is also a submodule the forward calls itself."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.kind = kind
+        if kind == "hooks":
+            nn.utils.spectral_norm(self.a)
+            nn.utils.spectral_norm(self.b)
+            self.b.weight_u, self.b.weight_v = self.a.weight_u, self.a.weight_v
+            return
+        ema = _Ema()
+        parametrize.register_parametrization(self.a, "weight", ema)
+        if kind == "plain":
+            self.ema = ema
+            parametrize.register_parametrization(self.b, "weight", _Ema())
+        else:
+            parametrize.register_parametrization(self.b, "weight", _ReadsEma(ema.ema))
+
+    def forward(self, x):
+        h = torch.tanh(self.b(x))
+        if self.kind == "plain":
+            h = h @ self.ema(torch.ones(4, 4))
+        return self.a(h)
+
+
+@pytest.mark.parametrize("kind", ["reader", "hooks", "plain"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stateful_members_state_read_or_changed_elsewhere_in_the_forward_is_kept_in_its_order(mode, kind):
+    """The same for state shared otherwise: a buffer another site's member reads, the state
+    tensors of two hook-based spectral_norms, a member the forward also calls as a submodule."""
+    stock, prepared = _twins(lambda: SharedBuffer(kind), mode)
+    assert_same_nested(_train_then_eval(stock, stock), _train_then_eval(prepared, prepared))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stateful_member_shared_with_a_layer_left_stock_is_kept_in_the_forwards_order(mode):
+    """The other sharer is not prepared (filter_fn), and the forward reads it first: the prepared
+    one is computed at its reads, after it."""
+    torch.manual_seed(0)
+    stock = SharedMember("custom", "ab", skip=True)
+    prepared = paramfold.prepare(copy.deepcopy(stock), mode, filter_fn=lambda m, fqn: fqn != "a")
+    assert_same_nested(_train_then_eval(stock, stock), _train_then_eval(prepared, prepared))
+
+
+class ReadsAStockSpectralNorm(nn.Module):
+    """``b``'s stateless member reads ``a``'s spectral_norm vector ``_u``; the forward reads
+    ``b.weight`` after calling ``a``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 4)
+        parametrize.register_parametrization(self.b, "weight", _ReadsEma(self.a.parametrizations.weight[0]._u))
+
+    def forward(self, x):
+        return nn.functional.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_value_served_in_eval_is_computed_at_its_reads_once_the_stock_chain_it_shares_state_with_trains(mode):
+    """The steady plan of the eval calls (b's value frozen or hoisted) must not hold once ``a``,
+    left stock, is put in training mode (under ``no_grad`` too): its power iteration changes
+    what b's member reads, before b's read. Only ``a`` is switched, which touches no dict of b's."""
+    torch.manual_seed(0)
+    stock = ReadsAStockSpectralNorm()
+    prepared = paramfold.prepare(copy.deepcopy(stock), mode, filter_fn=lambda m, fqn: fqn != "a")
+    runs = [_train_then_eval(model, model, "eval no_grad eval train eval", switched="a") for model in (stock, prepared)]
+    assert_same_nested(*runs)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold import hooknorms
 from paramfold.classes import (between_class, install_type_before_parametrizations, plain_base, prepared_class,
                                read_once_class)
 from paramfold.compute import has_parametrizations
@@ -120,7 +123,8 @@ def prepare(
         if mode in ("hoist", "freeze"):
             _refuse_read_by_read(site, mode)
 
-    states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check)
+    sharers = _state_sharers(model, sites)
+    states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check, sharers)
     install_type_before_parametrizations()
     applied: list[nn.Module] = []
     try:
@@ -259,6 +263,74 @@ def _refuse_read_by_read(site: Site, mode: str) -> None:
         )
 
 
+def _state_sharers(model: nn.Module, sites: list[Site]) -> dict[int, tuple[tuple[nn.Module, ...], bool]]:
+    """For each site (by ``id``) whose chain shares state with another's, where one of them is
+    stateful: ``(the modules whose training flag says that computing a stateful one changes the
+    state, whether one changes it in eval mode too)`` (``SiteState.state_sharers``).
+
+    Shared state: one member object registered on two tensors (a layer's spectral_norm module
+    registered on another layer too), or a tensor one member holds held by another's (by object
+    or storage). A stateful member that is also a plain submodule of ``model``, which its forward
+    may call, shares its state with that call. The originals are not state: tied weights are
+    read, never changed, by computing a value."""
+    owners: dict[tuple, list[int]] = defaultdict(list)
+    stateful: dict[int, Site] = {}
+    keys: dict[int, set] = {}
+    for site in sites:
+        found = keys[id(site)] = _state_keys(site)
+        for key in found:
+            owners[key].append(id(site))
+        if site.stateful:
+            stateful[id(site)] = site
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not inside_parametrization(path):
+            owners[("module", id(module))].append(-1)  # a use by the forward, which may call it
+    shared = {}
+    for site in sites:
+        peers = {i for key in keys[id(site)] for i in owners[key]} - {id(site)}
+        changers = [stateful[i] for i in (id(site), *peers) if i in stateful]
+        if peers and changers:
+            modules = tuple(dict.fromkeys(m for s in changers for m in _trained(s)))
+            shared[id(site)] = (modules, any(s.stateful_in_eval for s in changers))
+    return shared
+
+
+def _state_keys(site: Site) -> set[tuple]:
+    """What computing ``site``'s value may change or read besides its originals: each member
+    that holds tensors, and those tensors (object and storage)."""
+    if site.hook_based:
+        tensors = [d[k] for _, d, k in hooknorms.state_tensors(site.module, site.chain[0], site.kind)]
+        return {key for t in tensors for key in _tensor_keys(t)}
+    found = set()
+    for module in site.module.parametrizations[site.tensor_name].modules():
+        if isinstance(module, (parametrize.ParametrizationList, nn.ModuleDict)):
+            continue  # the originals' holders
+        tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        if tensors:
+            found.add(("module", id(module)))
+        found.update(key for t in tensors for key in _tensor_keys(t))
+    return found
+
+
+def _tensor_keys(t: torch.Tensor) -> list[tuple]:
+    keys: list[tuple] = [("tensor", id(t))]
+    try:
+        address = t.untyped_storage().data_ptr()
+    except Exception:  # a tensor subclass without one storage
+        address = 0
+    if address:
+        keys.append(("storage", str(t.device), address))
+    return keys
+
+
+def _trained(site: Site) -> list[nn.Module]:
+    """The modules whose ``training`` flag makes ``site``'s stateful chain change its state."""
+    if site.hook_based:
+        return [site.module]
+    plist = site.module.parametrizations[site.tensor_name]
+    return [m for m in plist.modules() if not isinstance(m, (parametrize.ParametrizationList, nn.ModuleDict))]
+
+
 def _ancestors(path: str, top: str = "") -> list[str]:
     """``path`` and the paths above it, up to ``top`` (the call root's path)."""
     parts = path.split(".") if path else []
@@ -274,6 +346,7 @@ def _plan(
     filter_fn: FilterFn | None,
     detach_params: bool,
     freeze_check: str,
+    sharers: dict[int, tuple[tuple[nn.Module, ...], bool]],
 ) -> dict[nn.Module, tuple[ModuleState, type]]:
     """Every module's new state and class, computed before anything is changed."""
     states: dict[nn.Module, ModuleState] = {}
@@ -291,6 +364,7 @@ def _plan(
         hs.sites[site.tensor_name] = ss = state_for(site, site_mode, freeze_check)
         if site_mode != "inline":  # inline's getter runs the chain at each read, as stock does
             ss.draw_watch = watch_draws(ss)
+            ss.state_sharers, ss.sharers_in_eval = sharers.get(id(site), ((), False))
         holder_paths[site.module] = site.module_path
     if detach_params:
         for path, module in paths.items():

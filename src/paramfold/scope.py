@@ -216,9 +216,11 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 sync_refs(holder, site)
                 continue
             # A stateful chain training where the class cannot serve only the first read its
-            # value (a class of someone else's now), and a weight its module's call edits in
-            # place (an embedding's max_norm): computed at every read, as stock does.
-            site.at_read = (at_read or (unserved and site.training_stateful)
+            # value (a class of someone else's now), one sharing changing state with another
+            # site's (the scope would compute both in module order, not the forward's, and
+            # whether or not the call reads them), and a weight its module's call edits in place
+            # (an embedding's max_norm): computed at every read, as stock does.
+            site.at_read = (at_read or (unserved and site.training_stateful) or site.shares_changing_state
                             or (name == "weight" and renorms_its_weight(holder)))
             if site.at_read:
                 # A forward pre-hook may change the originals before the forward reads the
@@ -289,7 +291,10 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     # other grad mode's plan still holds after a call that kept the same values (each builds its own).
     hs.kept = kept_before if not renewed and tuple(kept) == kept_before else tuple(kept)
     hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
-    if onces and values.get(ONCE_ATTR) != tuple(onces):
+    # What the read-once class's forward runs: none where each value is computed at every read
+    # (its hook in), so also no stand-in left from an earlier call.
+    runs_onces = type(holder) is hs.read_once_class and "forward" in vars(hs.read_once_class)
+    if (onces or runs_onces or ONCE_ATTR in values) and values.get(ONCE_ATTR) != tuple(onces):
         values[ONCE_ATTR] = tuple(onces)
     hs.left = tuple(left)
     hs.users = 1

@@ -145,6 +145,8 @@ class Plan:
                             return None
                         empty.update((id(d), d) for m in site.plist.modules() for d in _hooks(vars(m)))
                     continue
+                # Served so while no chain sharing its state changes it (scope's at_read).
+                modes.extend((m, m.training) for m in site.state_sharers)
                 if name in hs.kept:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None

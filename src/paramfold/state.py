@@ -160,6 +160,12 @@ class SiteState:
     #: freeze. ``draw_watch``: its settings when it was last probed (``paramfold.randomness``).
     draws: bool = False
     draw_watch: Any = None
+    #: Where this chain shares state with another site's (one stateful member registered on two
+    #: tensors, a buffer held by both; ``prepare._state_sharers``): the members (a hook-based
+    #: norm: its module) whose ``training`` flag says that computing a stateful chain of those
+    #: changes that state, and whether one changes it in eval mode too.
+    state_sharers: tuple[nn.Module, ...] = ()
+    sharers_in_eval: bool = False
 
     @property
     def training_stateful(self) -> bool:
@@ -170,6 +176,21 @@ class SiteState:
         if self.stateful_in_eval:
             return True
         for m in self.chain:
+            if m.training:
+                return True
+        return False
+
+    @property
+    def shares_changing_state(self) -> bool:
+        """Whether computing this value, or another site's that shares its chain's state, changes
+        that state now: stock computes each at its reads, in the forward's order, and so must
+        the scope (a value computed for every site before the call, in module order, would see
+        and leave that state as no read of stock's does)."""
+        if not self.state_sharers:
+            return False
+        if self.sharers_in_eval:
+            return True
+        for m in self.state_sharers:
             if m.training:
                 return True
         return False
