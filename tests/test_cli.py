@@ -757,6 +757,44 @@ def test_a_stdout_closed_before_anything_is_printed_ends_quietly_with_the_comman
         assert sorted(torch.load(out, weights_only=True)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
 
 
+@pytest.mark.parametrize("args, writes", [
+    (["audit", "{src}", "--json", "--fold-out", "{out}"], True),
+    (["audit", "{src}", "--json", "--fold-out", "{out}", "--model", "{script}:build"], True),
+    (["fold", "{src}", "{out}", "--model", "{script}:build"], True),
+    (["recompiles", "--json", "--", "{script}"], False),
+    (["recompiles", "--", "{script}"], False),
+])
+def test_a_stdout_closed_from_the_start_is_no_failure_and_user_code_output_goes_to_stderr(tmp_path, args, writes):
+    # Regression: with `>&-` (sys.stdout None) the --json commands failed with "unexpected
+    # AttributeError: 'NoneType' object has no attribute 'flush'" and wrote nothing.
+    src, out, script = _wn_checkpoint(tmp_path), tmp_path / "plain.pt", tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import os, subprocess, sys, torch
+        from torch.nn.utils.parametrizations import weight_norm
+        def build():
+            print("from print")
+            try:
+                os.write(1, b"from descriptor 1\\n")
+            except OSError:  # closed, as under python
+                print("descriptor 1 closed", file=sys.stderr)
+            return torch.nn.Sequential(weight_norm(torch.nn.Linear(64, 64)), weight_norm(torch.nn.Linear(64, 4)))
+        if __name__ == "__main__":
+            build()
+        """))
+    argv = [a.format(src=src, out=out, script=script) for a in args]
+    res = subprocess.run(["sh", "-c", 'exec "$0" -m paramfold "$@" >&-', sys.executable, *argv],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "error" not in res.stderr, res.stderr
+    if "--json" in args and "{script}" in " ".join(args):  # user code's output goes to stderr
+        assert "from print\nfrom descriptor 1\n" in res.stderr, res.stderr
+    elif "{script}" in " ".join(args):
+        assert res.stderr.startswith("descriptor 1 closed\n"), res.stderr
+    assert out.exists() == writes
+    if writes:
+        assert sorted(torch.load(out, weights_only=True)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
 def test_audit_json_with_a_model_that_prints_keeps_stdout_one_json_document(tmp_path):
     # Regression: the factory's prints came after the JSON document on stdout.
     ckpt = _wn_checkpoint(tmp_path)

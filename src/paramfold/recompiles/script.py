@@ -108,7 +108,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     if as_json:
-        sys.stdout.write(report.to_json() + "\n")
+        print(report.to_json())  # nowhere where stdout was closed from the start (None)
     else:
         report.print()
     if interrupted is not None:
