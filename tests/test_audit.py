@@ -236,6 +236,22 @@ def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kin
         _check_folded(st_out, stock, x, kind)
 
 
+def test_json_keeps_brackets_inside_strings_and_puts_shapes_on_one_line(tmp_path):
+    # Regression: the shape-compacting regex ran over the whole text and rewrote "run[1,2].pt" and
+    # the module "blocks[0,1]" into "run[1, 2].pt" and "blocks[0, 1]", names that do not exist.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    src = tmp_path / "run[1,2].pt"
+    torch.save({"blocks[0,1]." + k: v for k, v in weight_norm(nn.Linear(3, 2)).state_dict().items()}, src)
+    report = audit_checkpoint(src)
+    text = report.to_json()
+    assert json.loads(text) == report.to_dict()
+    assert json.loads(text)["path"] == str(src) and json.loads(text)["sites"][0]["module"] == "blocks[0,1]"
+    assert '[2, 3]' in text and json.loads(report.to_json(indent=None)) == report.to_dict()
+    res = _cli(str(src), "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["path"] == str(src), res.stderr
+
+
 def test_a_site_whose_fold_depends_on_the_tensors_values_is_said_so_not_promised(tmp_path):
     # Regression: "foldable from keys alone" for a square spectral_norm whose stale _u/_v then made
     # the fold refuse. foldable/foldable_without_model keep their meaning; decided_by_data is added.
