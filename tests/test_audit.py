@@ -677,13 +677,16 @@ def test_an_unreadable_checkpoint_says_permission_denied_as_a_checkpoint_error(t
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and f"{src}: Permission denied" in cli.stderr, cli.stderr
 
 
+@pytest.mark.parametrize("name", ["in.safetensors", "IN.SAFETENSORS"])
 @pytest.mark.parametrize("with_model", [False, True], ids=["from keys", "with the model"])
-def test_fold_keeps_a_safetensors_inputs_metadata(tmp_path, with_model):
-    # Regression: the folded file's header had {"format": "pt"} only, whatever the input said.
+def test_fold_keeps_a_safetensors_inputs_metadata(tmp_path, with_model, name):
+    # Regression: the folded file's header had {"format": "pt"} only, whatever the input said;
+    # then, for an input read as safetensors whose name is upper case (fold checked the suffix
+    # case-sensitively, open_checkpoint does not).
     from safetensors import safe_open
 
     stock, _ = _stock("weight_norm")
-    src = tmp_path / "in.safetensors"
+    src = tmp_path / name
     note = {"format": "pt", "run": "ema-42", "step": "1000"}
     save_file({k: v.contiguous() for k, v in stock.state_dict().items()}, str(src), metadata=note)
     out = tmp_path / "folded.safetensors"

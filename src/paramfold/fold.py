@@ -298,7 +298,7 @@ def _metadata(ckpt: Checkpoint) -> dict[str, str]:
     ``__metadata__``: transformers' ``format``, a training run's notes), with ``format`` ``pt``
     where it has none. A sharded checkpoint's index metadata (``total_size``) describes the
     shards, not the folded file, and is not carried over."""
-    single = ckpt.format == "safetensors" and ckpt.path.suffix == ".safetensors"
+    single = ckpt.format == "safetensors"  # one file (an index's shards are "sharded-safetensors")
     return {"format": "pt", **(ckpt.metadata if single else {})}
 
 

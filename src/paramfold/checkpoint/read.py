@@ -26,6 +26,7 @@ from paramfold.checkpoint.common import (
     TensorInfo,
     contiguous_stride,
     element_size,
+    file_format,
     first_line,
 )
 
@@ -189,13 +190,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if not p.is_file():  # a FIFO or a device would block or never end
         raise CheckpointError(f"{p}: not a regular file", exit_code=2)
     _check_readable(p)
-    name = p.name.lower()
-    if name.endswith(".index.json"):
+    if p.name.lower().endswith(".index.json"):
         return _open_index(p)
-    if name.endswith(SAFETENSORS_SUFFIX):
+    fmt = file_format(p)
+    if fmt == "safetensors":
         entries, metadata = _safetensors_entries(p)
         return Checkpoint(p, "safetensors", entries, metadata=metadata)
-    if name.endswith(PT_SUFFIXES):
+    if fmt == "pt":
         entries, root = pt_entries(p)
         return Checkpoint(p, "pt", entries, root=root)
     raise CheckpointError(
@@ -306,14 +307,14 @@ def _open_index(index: Path) -> Checkpoint:
                 exit_code=2,
             )
         _check_readable(sp)
-        if named.name.lower().endswith(SAFETENSORS_SUFFIX):
+        fmt = file_format(named)
+        if fmt == "safetensors":
             shards[shard], _ = _safetensors_entries(sp)
-            kinds.add("safetensors")
-        elif named.name.lower().endswith(PT_SUFFIXES):
+        elif fmt == "pt":
             shards[shard], _ = pt_entries(sp)
-            kinds.add("pt")
         else:
             raise CheckpointError(f"{index}: shard '{shard}' has an unsupported format")
+        kinds.add(fmt)
     entries: dict[str, Entry] = {}
     for key, shard in weight_map.items():
         if key not in shards[shard]:
