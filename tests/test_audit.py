@@ -204,6 +204,44 @@ def test_audit_and_fold_from_keys_is_bitwise_equal(tmp_path, kind, fmt):
         _check_folded(out, stock, x, kind)
 
 
+@pytest.mark.parametrize("file_dtype, model_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                      (torch.float16, torch.float32)], ids=["fp32-bf16", "fp32-fp16", "fp16-fp32"])
+@pytest.mark.parametrize("kind", FOLDABLE)
+def test_fold_with_dtype_is_bitwise_the_stock_model_loaded_in_that_dtype(tmp_path, kind, file_dtype, model_dtype):
+    # Regression: a checkpoint run by a model of another dtype (model.half(), bfloat16 inference, an
+    # fp16 save loaded into fp32) is cast by load_state_dict, then computed in the model's dtype;
+    # the keys-only fold computed in the file's dtype, up to 0.0078 away for fp32 -> bf16.
+    stock, x = _stock(kind)
+    src = _save({k: v.to(file_dtype) if v.is_floating_point() else v for k, v in stock.state_dict().items()},
+                "pt", tmp_path)
+    torch.manual_seed(1)
+    model = getattr(audit_models, audit_models.CASES[kind][0])().to(model_dtype)
+    model.load_state_dict(torch.load(src, weights_only=True), strict=True)
+    model.eval()
+    out = tmp_path / "folded.safetensors"
+    name = str(model_dtype).removeprefix("torch.")
+    res = _cli(str(src), "--fold-out", str(out), "--dtype", name) if kind == "weight_norm" else None
+    if res is None:
+        fold_checkpoint(src, out, dtype=model_dtype)
+    else:
+        assert res.exit_code == 0 and f"folded from the checkpoint in {name}" in res.stdout, res.stderr
+    folded = _load(out)
+    assert all(t.dtype == model_dtype for t in folded.values() if t.is_floating_point())
+    with torch.no_grad():
+        want = model(x.to(model_dtype))  # first: the legacy weight_norm hook computes module.weight in forward
+        for (path, tensor), e in _expected_sites(model).items():
+            key = f"{path}.{tensor}" if path else tensor
+            assert _same_tensor(folded[key], e["value"]), key
+        plain = _plain(kind).to(model_dtype)
+        plain.load_state_dict(folded, strict=True)
+        assert torch.equal(plain(x.to(model_dtype)), want)
+    # --model with the same dtype writes the same checkpoint.
+    fold_checkpoint(src, tmp_path / "with_model.safetensors", dtype=name,
+                    model_factory=getattr(audit_models, audit_models.CASES[kind][0]))
+    with_model = _load(tmp_path / "with_model.safetensors")
+    assert with_model.keys() == folded.keys() and all(_same_tensor(with_model[k], folded[k]) for k in folded)
+
+
 @pytest.mark.parametrize("fmt", ("pt", "safetensors"))
 @pytest.mark.parametrize("kind", NEEDS_MODEL)
 def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kind, fmt):

@@ -126,6 +126,13 @@ def test_help_text_lists_choices_and_real_defaults():
     assert cli.MODEL_NAMES == tuple(bench.MODELS) and cli.BACKEND_NAMES == bench.BACKENDS
     assert cli.ENTRY_NAMES == bench.ENTRIES and cli.VARIANT_NAMES == bench.VARIANT_NAMES
     assert cli.BENCH_LIMITS == {k: bench.config.LIMITS[k] for k in cli.BENCH_LIMITS}  # the ranges --help states
+    from typing import get_args, get_type_hints
+
+    from paramfold.fold import DTYPES
+
+    assert cli.DTYPE_NAMES == tuple(DTYPES)  # fold's --dtype choices, and the Literal each command declares
+    for fn in (cli.fold, cli.audit):
+        assert get_args(get_args(get_type_hints(fn.__wrapped__)["dtype"])[0]) == cli.DTYPE_NAMES
     root = " ".join(_run("--help", env={"COLUMNS": "200"}).stdout.split())
     assert "<bool>" not in root and "--version" in root and "--debug" in root
 
@@ -294,8 +301,17 @@ def test_hand_edited_dtypes_that_torch_cannot_combine_are_one_line(tmp_path):
     before = _listing(tmp_path)
     for name, kind in (("wn.pt", "weight_norm"), ("sn.pt", "spectral_norm")):
         res = _run("audit", str(tmp_path / name), "--fold-out", str(tmp_path / "o.safetensors"))
-        _one_line_error(res, "audit", 1, f"cannot fold 'weight' ({kind})", "torch refuses its stored tensors")
+        # Regression: it said "the stock model could not compute it either", but a model casts them
+        # to its own dtype on load.
+        _one_line_error(res, "audit", 1, f"cannot fold 'weight' ({kind})", "torch refuses its stored tensors",
+                        "a model loads them cast to its own dtype", "--dtype", "--model")
+        assert "could not compute" not in res.stderr
     assert _listing(tmp_path) == before
+    for name, stock in (("wn.pt", weight_norm(torch.nn.Linear(8, 4))), ("sn.pt", spectral_norm(torch.nn.Linear(8, 4)))):
+        res = _run("fold", str(tmp_path / name), str(tmp_path / "o.safetensors"), "--dtype", "float32")
+        assert res.exit_code == 0, res.stderr
+        stock.load_state_dict(torch.load(tmp_path / name, weights_only=True))
+        assert torch.equal(load_file(tmp_path / "o.safetensors")["weight"], stock.eval().weight)
 
 
 # -- hostile paths -----------------------------------------------------------------------------------
