@@ -484,11 +484,11 @@ def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
     real = fold_mod._fold_site
     calls = []
 
-    def flaky(ckpt, site):
+    def flaky(ckpt, site, *args):
         calls.append(site.key)
         if len(calls) == 2:
             raise RuntimeError("disk on fire")
-        return real(ckpt, site)
+        return real(ckpt, site, *args)
 
     monkeypatch.setattr(fold_mod, "_fold_site", flaky)
     with pytest.raises(RuntimeError, match="disk on fire"):
