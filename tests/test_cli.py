@@ -516,12 +516,12 @@ _SLOW_FOLD = textwrap.dedent(
     import sys, time
     import paramfold.fold as fold
     real, calls = fold._fold_site, []
-    def slow(ckpt, site):  # the second site blocks: the output is half written when the signal comes
+    def slow(ckpt, site, *args):  # the second site blocks: the output is half written when the signal comes
         calls.append(site)
         if len(calls) == 2:
             sys.stderr.write("READY\\n"); sys.stderr.flush()
             time.sleep(120)
-        return real(ckpt, site)
+        return real(ckpt, site, *args)
     fold._fold_site = slow
     from paramfold.cli import main
     sys.argv = ["paramfold", *sys.argv[1:]]
