@@ -639,7 +639,8 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     nn.init.orthogonal_(model.get_parameter(weight))
     stale = tmp_path / "stale.pt"
     torch.save(model.state_dict(), stale)
-    with pytest.raises(CheckpointError, match=r"cannot fold 'weight' \(spectral_norm\).*dim 0 or 1.*--model"):
+    with pytest.raises(CheckpointError, match=r"cannot fold 'weight' \(spectral_norm\).*dim 0 or 1.*"
+                                              r"not the last power step's for this weight.*--model"):
         fold_checkpoint(stale, tmp_path / "stale.safetensors")
     res = _cli(str(stale), "--fold-out", str(tmp_path / "stale.safetensors"))
     assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "--model MODULE:FACTORY" in res.stderr
@@ -649,6 +650,30 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     plain.load_state_dict(load_file(by_model), strict=True)
     with torch.no_grad():
         assert torch.equal(plain(x), model(x))
+
+
+def test_square_spectral_norm_in_bfloat16_refused_for_its_precision_says_so(tmp_path):
+    # Regression: fresh bfloat16 vectors of 4 elements, the last power step's for this weight, were
+    # refused (rightly: bfloat16 rounding leaves too weak evidence) saying they were not, "it changed
+    # after the last training-mode forward".
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(1)
+    model = spectral_norm(nn.Conv2d(4, 4, 1).bfloat16())
+    x = torch.randn(2, 4, 6, 6).bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        (model(x).float() - 1).pow(2).mean().backward()
+        opt.step()
+    model(x)  # a training forward after the last step: _u/_v are this weight's last power step
+    torch.save(model.state_dict(), tmp_path / "bf16.pt")
+    with pytest.raises(CheckpointError) as e:
+        fold_checkpoint(tmp_path / "bf16.pt", tmp_path / "out.pt")
+    assert "do not tell which (at this precision: they agree with dim 0 up to bfloat16 rounding" in str(e.value)
+    assert "changed after" not in str(e.value) and str(e.value).endswith("pass --model MODULE:FACTORY that builds "
+                                                                          "the parametrized model")
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_sharded_checkpoint_in_the_hugging_face_cache_layout_folds(tmp_path):

@@ -276,8 +276,10 @@ def _spectral_norm_eval(weight: torch.Tensor, u: torch.Tensor, v: torch.Tensor, 
 #: ``u = normalize(W_mat v)`` (the legacy hook, which updates ``v`` first); a vector unrelated to
 #: the product has a cosine of at least ``a`` with it with a chance below ``(1 - a^2)^((n - 1) / 2)``
 #: in ``n`` dimensions. The dim taken must agree with a chance under ``_SURE``; every other, over
-#: ``_UNRELATED``.
-_SURE, _UNRELATED = 1e-9, 1e-3
+#: ``_UNRELATED``. Rounding to the stored dtype (unit roundoff ``r``) leaves even the last step's
+#: vector off by up to about ``1 - a^2 = n (_ROUNDING r)^2``: where the closest dim is that close
+#: and still not sure, the precision is what cannot tell (bfloat16 in few dimensions).
+_SURE, _UNRELATED, _ROUNDING = 1e-9, 1e-3, 4
 
 
 def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int],
@@ -287,28 +289,40 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
     The stored vectors decide where they are the last power step's for this weight (saved after a
     training-mode forward, or an optimizer step or so later), and where every candidate gives the
     same value it does not matter; otherwise (weights re-initialised or loaded after the last
-    power step) they cannot tell, and a guess could fold a wrong weight: refused.
+    power step, or vectors too short for their dtype's rounding to leave strong evidence) they
+    cannot tell, and a guess could fold a wrong weight: refused, saying which.
     """
     last, given = (u, v) if legacy else (v, u)  # the vector the last step wrote, from the other
     n = last.numel()
 
-    def chance(d: int) -> float:
+    def off(d: int) -> float:
+        """``1 - a^2`` for the cosine ``a`` of ``last`` with the product for dim ``d`` (1 where ``a <= 0``)."""
         mat = _spectral_weight_mat(w.double(), d)
         x = torch.mv(mat if legacy else mat.H, given.double())
         norms = float(x.norm() * last.double().norm())
         a = float(torch.dot(x, last.double())) / norms if norms > 0 else 0.0
-        return 1.0 if not a > 0 else max(0.0, 1.0 - a * a) ** ((n - 1) / 2)
+        return 1.0 if not a > 0 else max(0.0, 1.0 - a * a)
 
-    chances = {d: chance(d) for d in candidates}
+    offs = {d: off(d) for d in candidates}
+    chances = {d: o ** ((n - 1) / 2) for d, o in offs.items()}
     sure = [d for d, c in chances.items() if c <= _SURE]
     if len(sure) == 1 and all(c >= _UNRELATED for d, c in chances.items() if d != sure[0]):
         return sure[0]
     if _one_value(candidates, value):
         return candidates[0]
+    closest = min(offs, key=offs.__getitem__)
+    coarsest = max((w, u, v), key=lambda t: torch.finfo(t.dtype).eps).dtype
+    rounding = n * (_ROUNDING * torch.finfo(coarsest).eps / 2) ** 2
+    if sure:
+        why = f"they fit dim {' and '.join(str(d) for d, c in chances.items() if c < _UNRELATED)} alike"
+    elif offs[closest] <= rounding:
+        why = (f"at this precision: they agree with dim {closest} up to {_dtype_name(coarsest)} rounding, "
+               f"which in {n} dimensions is too weak to rule out chance")
+    else:
+        why = "they are not the last power step's for this weight: it changed after the last training-mode forward"
     raise CheckpointError(
         f"cannot fold '{key}' (spectral_norm) from the checkpoint alone: its weight of shape {tuple(w.shape)} "
-        f"fits matrix dim {' or '.join(map(str, candidates))}, and its stored _u/_v do not tell which (they are "
-        "not the last power step's for this weight: it changed after the last training-mode forward); "
+        f"fits matrix dim {' or '.join(map(str, candidates))}, and its stored _u/_v do not tell which ({why}); "
         "pass --model MODULE:FACTORY that builds the parametrized model"
     )
 
