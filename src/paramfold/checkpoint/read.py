@@ -182,7 +182,7 @@ def _check_buffer(out: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(
             f"out starts at byte {out.storage_offset()} of its storage, not a multiple of {elem} (the size of "
             f"a {str(dtype).removeprefix('torch.')} element), so its bytes cannot be viewed as that dtype: "
-            "pass a buffer that starts at a multiple of 8 bytes, e.g. torch.empty(n, dtype=torch.uint8)"
+            "pass a buffer that starts where its storage does, e.g. torch.empty(n, dtype=torch.uint8)"
         )
 
 
