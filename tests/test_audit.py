@@ -204,6 +204,44 @@ def test_audit_and_fold_from_keys_is_bitwise_equal(tmp_path, kind, fmt):
         _check_folded(out, stock, x, kind)
 
 
+@pytest.mark.parametrize("file_dtype, model_dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                                      (torch.float16, torch.float32)], ids=["fp32-bf16", "fp32-fp16", "fp16-fp32"])
+@pytest.mark.parametrize("kind", FOLDABLE)
+def test_fold_with_dtype_is_bitwise_the_stock_model_loaded_in_that_dtype(tmp_path, kind, file_dtype, model_dtype):
+    # Regression: a checkpoint run by a model of another dtype (model.half(), bfloat16 inference, an
+    # fp16 save loaded into fp32) is cast by load_state_dict, then computed in the model's dtype;
+    # the keys-only fold computed in the file's dtype, up to 0.0078 away for fp32 -> bf16.
+    stock, x = _stock(kind)
+    src = _save({k: v.to(file_dtype) if v.is_floating_point() else v for k, v in stock.state_dict().items()},
+                "pt", tmp_path)
+    torch.manual_seed(1)
+    model = getattr(audit_models, audit_models.CASES[kind][0])().to(model_dtype)
+    model.load_state_dict(torch.load(src, weights_only=True), strict=True)
+    model.eval()
+    out = tmp_path / "folded.safetensors"
+    name = str(model_dtype).removeprefix("torch.")
+    res = _cli(str(src), "--fold-out", str(out), "--dtype", name) if kind == "weight_norm" else None
+    if res is None:
+        fold_checkpoint(src, out, dtype=model_dtype)
+    else:
+        assert res.exit_code == 0 and f"folded from the checkpoint in {name}" in res.stdout, res.stderr
+    folded = _load(out)
+    assert all(t.dtype == model_dtype for t in folded.values() if t.is_floating_point())
+    with torch.no_grad():
+        want = model(x.to(model_dtype))  # first: the legacy weight_norm hook computes module.weight in forward
+        for (path, tensor), e in _expected_sites(model).items():
+            key = f"{path}.{tensor}" if path else tensor
+            assert _same_tensor(folded[key], e["value"]), key
+        plain = _plain(kind).to(model_dtype)
+        plain.load_state_dict(folded, strict=True)
+        assert torch.equal(plain(x.to(model_dtype)), want)
+    # --model with the same dtype writes the same checkpoint.
+    fold_checkpoint(src, tmp_path / "with_model.safetensors", dtype=name,
+                    model_factory=getattr(audit_models, audit_models.CASES[kind][0]))
+    with_model = _load(tmp_path / "with_model.safetensors")
+    assert with_model.keys() == folded.keys() and all(_same_tensor(with_model[k], folded[k]) for k in folded)
+
+
 @pytest.mark.parametrize("fmt", ("pt", "safetensors"))
 @pytest.mark.parametrize("kind", NEEDS_MODEL)
 def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kind, fmt):
@@ -234,6 +272,22 @@ def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kin
     else:
         fold_checkpoint(src, st_out, model_factory=getattr(audit_models, factory))
         _check_folded(st_out, stock, x, kind)
+
+
+def test_json_keeps_brackets_inside_strings_and_puts_shapes_on_one_line(tmp_path):
+    # Regression: the shape-compacting regex ran over the whole text and rewrote "run[1,2].pt" and
+    # the module "blocks[0,1]" into "run[1, 2].pt" and "blocks[0, 1]", names that do not exist.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    src = tmp_path / "run[1,2].pt"
+    torch.save({"blocks[0,1]." + k: v for k, v in weight_norm(nn.Linear(3, 2)).state_dict().items()}, src)
+    report = audit_checkpoint(src)
+    text = report.to_json()
+    assert json.loads(text) == report.to_dict()
+    assert json.loads(text)["path"] == str(src) and json.loads(text)["sites"][0]["module"] == "blocks[0,1]"
+    assert '[2, 3]' in text and json.loads(report.to_json(indent=None)) == report.to_dict()
+    res = _cli(str(src), "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["path"] == str(src), res.stderr
 
 
 def test_a_site_whose_fold_depends_on_the_tensors_values_is_said_so_not_promised(tmp_path):
@@ -430,11 +484,11 @@ def test_failure_mid_fold_keeps_the_previous_output(tmp_path, monkeypatch):
     real = fold_mod._fold_site
     calls = []
 
-    def flaky(ckpt, site):
+    def flaky(ckpt, site, *args):
         calls.append(site.key)
         if len(calls) == 2:
             raise RuntimeError("disk on fire")
-        return real(ckpt, site)
+        return real(ckpt, site, *args)
 
     monkeypatch.setattr(fold_mod, "_fold_site", flaky)
     with pytest.raises(RuntimeError, match="disk on fire"):
@@ -585,7 +639,8 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     nn.init.orthogonal_(model.get_parameter(weight))
     stale = tmp_path / "stale.pt"
     torch.save(model.state_dict(), stale)
-    with pytest.raises(CheckpointError, match=r"cannot fold 'weight' \(spectral_norm\).*dim 0 or 1.*--model"):
+    with pytest.raises(CheckpointError, match=r"cannot fold 'weight' \(spectral_norm\).*dim 0 or 1.*"
+                                              r"not the last power step's for this weight.*--model"):
         fold_checkpoint(stale, tmp_path / "stale.safetensors")
     res = _cli(str(stale), "--fold-out", str(tmp_path / "stale.safetensors"))
     assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "--model MODULE:FACTORY" in res.stderr
@@ -595,6 +650,30 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     plain.load_state_dict(load_file(by_model), strict=True)
     with torch.no_grad():
         assert torch.equal(plain(x), model(x))
+
+
+def test_square_spectral_norm_in_bfloat16_refused_for_its_precision_says_so(tmp_path):
+    # Regression: fresh bfloat16 vectors of 4 elements, the last power step's for this weight, were
+    # refused (rightly: bfloat16 rounding leaves too weak evidence) saying they were not, "it changed
+    # after the last training-mode forward".
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(1)
+    model = spectral_norm(nn.Conv2d(4, 4, 1).bfloat16())
+    x = torch.randn(2, 4, 6, 6).bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        (model(x).float() - 1).pow(2).mean().backward()
+        opt.step()
+    model(x)  # a training forward after the last step: _u/_v are this weight's last power step
+    torch.save(model.state_dict(), tmp_path / "bf16.pt")
+    with pytest.raises(CheckpointError) as e:
+        fold_checkpoint(tmp_path / "bf16.pt", tmp_path / "out.pt")
+    assert "do not tell which (at this precision: they agree with dim 0 up to bfloat16 rounding" in str(e.value)
+    assert "changed after" not in str(e.value) and str(e.value).endswith("pass --model MODULE:FACTORY that builds "
+                                                                          "the parametrized model")
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_sharded_checkpoint_in_the_hugging_face_cache_layout_folds(tmp_path):
@@ -661,13 +740,16 @@ def test_an_unreadable_checkpoint_says_permission_denied_as_a_checkpoint_error(t
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and f"{src}: Permission denied" in cli.stderr, cli.stderr
 
 
+@pytest.mark.parametrize("name", ["in.safetensors", "IN.SAFETENSORS"])
 @pytest.mark.parametrize("with_model", [False, True], ids=["from keys", "with the model"])
-def test_fold_keeps_a_safetensors_inputs_metadata(tmp_path, with_model):
-    # Regression: the folded file's header had {"format": "pt"} only, whatever the input said.
+def test_fold_keeps_a_safetensors_inputs_metadata(tmp_path, with_model, name):
+    # Regression: the folded file's header had {"format": "pt"} only, whatever the input said;
+    # then, for an input read as safetensors whose name is upper case (fold checked the suffix
+    # case-sensitively, open_checkpoint does not).
     from safetensors import safe_open
 
     stock, _ = _stock("weight_norm")
-    src = tmp_path / "in.safetensors"
+    src = tmp_path / name
     note = {"format": "pt", "run": "ema-42", "step": "1000"}
     save_file({k: v.contiguous() for k, v in stock.state_dict().items()}, str(src), metadata=note)
     out = tmp_path / "folded.safetensors"

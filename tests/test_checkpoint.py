@@ -88,6 +88,50 @@ def test_nested_training_checkpoint_and_sharded_folder(tmp_path):
     (folder / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="shard 'model-00002-of-00002.safetensors' named by the index is missing"):
         open_checkpoint(folder)
+    # Regression: a symlink loop was called missing, "no such file or folder".
+    (folder / "model-00002-of-00002.safetensors").symlink_to("model-00002-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match=r"named by the index is missing \(a symlink loop\)"):
+        open_checkpoint(folder)
+    (tmp_path / "loop.pt").symlink_to("loop.pt")
+    with pytest.raises(CheckpointError, match=r"loop\.pt: a symlink loop \(too many levels of symbolic links\)") as e:
+        open_checkpoint(tmp_path / "loop.pt")
+    assert e.value.exit_code == 2
+
+
+def test_an_index_over_shards_of_both_kinds_is_sharded_mixed(tmp_path):
+    # README lists the format values; this one was missing there.
+    a, b = torch.randn(3), torch.randn(2)
+    save_file({"a": a}, tmp_path / "one.safetensors")
+    torch.save({"b": b}, tmp_path / "two.bin")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"a": "one.safetensors", "b": "two.bin"}}))
+    with open_checkpoint(index) as ckpt:
+        assert ckpt.format == "sharded-mixed"
+        assert torch.equal(ckpt.read("a"), a) and torch.equal(ckpt.read("b"), b)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_read_into_a_buffer_it_cannot_use_is_a_clear_value_error(tmp_path, suffix):
+    # Regression: a misaligned buffer raised torch's "storage_offset() must be divisible by 4",
+    # a strided one a TypeError from readinto, and a 2-D one made .pt's CRC-32 check call the file corrupt.
+    w = torch.randn(4, 4)
+    path = tmp_path / f"w{suffix}"
+    save_file({"w": w}, path) if suffix == ".safetensors" else torch.save({"w": w}, path)
+    byte = torch.uint8
+    bad = {
+        "starts at byte 1 of its storage, not a multiple of 4": torch.empty(101, dtype=byte)[1:],
+        "must be contiguous": torch.empty(200, dtype=byte)[::2],
+        "not a 2-D torch.uint8 tensor": torch.empty(100, dtype=byte).view(10, 10),
+        "not a 1-D torch.float32 tensor": torch.empty(100),
+    }
+    with open_checkpoint(path) as ckpt:
+        for words, out in bad.items():
+            with pytest.raises(ValueError, match=words):
+                ckpt.read("w", out=out)
+        for out in (torch.empty(100, dtype=byte), torch.empty(108, dtype=byte)[8:]):  # used
+            got = ckpt.read("w", out=out)
+            assert torch.equal(got, w) and got.data_ptr() == out.data_ptr()
+        assert torch.equal(ckpt.read("w", out=torch.empty(10, dtype=byte)), w)  # too small: not used
 
 
 def test_a_tensor_a_shard_holds_but_the_index_omits_is_read_as_loaders_read_it(tmp_path):

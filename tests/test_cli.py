@@ -126,6 +126,13 @@ def test_help_text_lists_choices_and_real_defaults():
     assert cli.MODEL_NAMES == tuple(bench.MODELS) and cli.BACKEND_NAMES == bench.BACKENDS
     assert cli.ENTRY_NAMES == bench.ENTRIES and cli.VARIANT_NAMES == bench.VARIANT_NAMES
     assert cli.BENCH_LIMITS == {k: bench.config.LIMITS[k] for k in cli.BENCH_LIMITS}  # the ranges --help states
+    from typing import get_args, get_type_hints
+
+    from paramfold.fold import DTYPES
+
+    assert cli.DTYPE_NAMES == tuple(DTYPES)  # fold's --dtype choices, and the Literal each command declares
+    for fn in (cli.fold, cli.audit):
+        assert get_args(get_args(get_type_hints(fn.__wrapped__)["dtype"])[0]) == cli.DTYPE_NAMES
     root = " ".join(_run("--help", env={"COLUMNS": "200"}).stdout.split())
     assert "<bool>" not in root and "--version" in root and "--debug" in root
 
@@ -294,8 +301,17 @@ def test_hand_edited_dtypes_that_torch_cannot_combine_are_one_line(tmp_path):
     before = _listing(tmp_path)
     for name, kind in (("wn.pt", "weight_norm"), ("sn.pt", "spectral_norm")):
         res = _run("audit", str(tmp_path / name), "--fold-out", str(tmp_path / "o.safetensors"))
-        _one_line_error(res, "audit", 1, f"cannot fold 'weight' ({kind})", "torch refuses its stored tensors")
+        # Regression: it said "the stock model could not compute it either", but a model casts them
+        # to its own dtype on load.
+        _one_line_error(res, "audit", 1, f"cannot fold 'weight' ({kind})", "torch refuses its stored tensors",
+                        "a model loads them cast to its own dtype", "--dtype", "--model")
+        assert "could not compute" not in res.stderr
     assert _listing(tmp_path) == before
+    for name, stock in (("wn.pt", weight_norm(torch.nn.Linear(8, 4))), ("sn.pt", spectral_norm(torch.nn.Linear(8, 4)))):
+        res = _run("fold", str(tmp_path / name), str(tmp_path / "o.safetensors"), "--dtype", "float32")
+        assert res.exit_code == 0, res.stderr
+        stock.load_state_dict(torch.load(tmp_path / name, weights_only=True))
+        assert torch.equal(load_file(tmp_path / "o.safetensors")["weight"], stock.eval().weight)
 
 
 # -- hostile paths -----------------------------------------------------------------------------------
@@ -500,12 +516,12 @@ _SLOW_FOLD = textwrap.dedent(
     import sys, time
     import paramfold.fold as fold
     real, calls = fold._fold_site, []
-    def slow(ckpt, site):  # the second site blocks: the output is half written when the signal comes
+    def slow(ckpt, site, *args):  # the second site blocks: the output is half written when the signal comes
         calls.append(site)
         if len(calls) == 2:
             sys.stderr.write("READY\\n"); sys.stderr.flush()
             time.sleep(120)
-        return real(ckpt, site)
+        return real(ckpt, site, *args)
     fold._fold_site = slow
     from paramfold.cli import main
     sys.argv = ["paramfold", *sys.argv[1:]]
@@ -752,6 +768,44 @@ def test_a_stdout_closed_before_anything_is_printed_ends_quietly_with_the_comman
     finally:
         os.close(write)
     assert (res.returncode, res.stderr) == (0, ""), (res.returncode, res.stderr)
+    assert out.exists() == writes
+    if writes:
+        assert sorted(torch.load(out, weights_only=True)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+@pytest.mark.parametrize("args, writes", [
+    (["audit", "{src}", "--json", "--fold-out", "{out}"], True),
+    (["audit", "{src}", "--json", "--fold-out", "{out}", "--model", "{script}:build"], True),
+    (["fold", "{src}", "{out}", "--model", "{script}:build"], True),
+    (["recompiles", "--json", "--", "{script}"], False),
+    (["recompiles", "--", "{script}"], False),
+])
+def test_a_stdout_closed_from_the_start_is_no_failure_and_user_code_output_goes_to_stderr(tmp_path, args, writes):
+    # Regression: with `>&-` (sys.stdout None) the --json commands failed with "unexpected
+    # AttributeError: 'NoneType' object has no attribute 'flush'" and wrote nothing.
+    src, out, script = _wn_checkpoint(tmp_path), tmp_path / "plain.pt", tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import os, subprocess, sys, torch
+        from torch.nn.utils.parametrizations import weight_norm
+        def build():
+            print("from print")
+            try:
+                os.write(1, b"from descriptor 1\\n")
+            except OSError:  # closed, as under python
+                print("descriptor 1 closed", file=sys.stderr)
+            return torch.nn.Sequential(weight_norm(torch.nn.Linear(64, 64)), weight_norm(torch.nn.Linear(64, 4)))
+        if __name__ == "__main__":
+            build()
+        """))
+    argv = [a.format(src=src, out=out, script=script) for a in args]
+    res = subprocess.run(["sh", "-c", 'exec "$0" -m paramfold "$@" >&-', sys.executable, *argv],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr and "error" not in res.stderr, res.stderr
+    if "--json" in args and "{script}" in " ".join(args):  # user code's output goes to stderr
+        assert "from print\nfrom descriptor 1\n" in res.stderr, res.stderr
+    elif "{script}" in " ".join(args):
+        assert res.stderr.startswith("descriptor 1 closed\n"), res.stderr
     assert out.exists() == writes
     if writes:
         assert sorted(torch.load(out, weights_only=True)) == ["0.bias", "0.weight", "1.bias", "1.weight"]

@@ -538,6 +538,23 @@ def test_cli_runs_script_prints_report_and_keeps_exit_code(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("body", [
+    "def f():\n    raise ValueError('boom')\nf()\n",
+    "x = (\n",  # a SyntaxError: no frames at all, as python prints it
+    "import sys\nsys.excepthook = lambda t, v, tb: print('hook:', t.__name__, file=sys.stderr)\nraise KeyError(1)\n",
+], ids=["raises", "syntax error", "own excepthook"])
+def test_a_failing_scripts_traceback_is_the_one_python_prints(tmp_path, body):
+    # Regression: two frames of paramfold/recompiles/script.py (run_script, _run_path) came first,
+    # and a hook the script set was not called.
+    script = tmp_path / "crash.py"
+    script.write_text(body)
+    python = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    ours = subprocess.run([sys.executable, "-m", "paramfold", "recompiles", "--", str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert python.returncode == ours.returncode == 1
+    assert ours.stderr == python.stderr and "paramfold" not in ours.stderr, ours.stderr
+
+
 def test_cli_json_stdout_holds_only_the_report_whatever_the_script_writes(tmp_path):
     # Regression: only sys.stdout went to stderr, so a child process's output, os.system's and
     # sys.__stdout__'s came before the JSON on stdout, which then did not parse.

@@ -200,9 +200,25 @@ class AuditReport:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        text = json.dumps(self.to_dict(), indent=indent)
-        # Shapes on one line: [256, 80, 7] rather than one number per line.
-        return re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ", ".join(m.group(1).replace(",", " ").split()) + "]", text)
+        return _json_with_flat_shapes(self.to_dict(), indent)
+
+
+def _json_with_flat_shapes(value: Any, indent: int | None, level: int = 0) -> str:
+    """``json.dumps(value, indent=indent)``, but with every list of integers (a shape, dims) on one
+    line: ``[256, 80, 7]`` rather than one number per line. Built from the structure, so that text
+    inside strings (a path ``run[1,2].pt``) stays as it is."""
+    if isinstance(value, list) and value and all(type(x) is int for x in value):
+        return json.dumps(value)
+    if indent is None or not isinstance(value, (dict, list)) or not value:
+        return json.dumps(value, indent=indent)
+    inner = "\n" + " " * (indent * (level + 1))
+    if isinstance(value, dict):
+        items = [f"{json.dumps(str(k))}: {_json_with_flat_shapes(v, indent, level + 1)}" for k, v in value.items()]
+        brackets = "{}"
+    else:
+        items = [_json_with_flat_shapes(v, indent, level + 1) for v in value]
+        brackets = "[]"
+    return brackets[0] + inner + ("," + inner).join(items) + "\n" + " " * (indent * level) + brackets[1]
 
 
 

@@ -506,6 +506,13 @@ _MODEL_HELP = (
     "file), load the checkpoint into it and materialise every parametrization. Needed for kinds that "
     "cannot be folded from the checkpoint alone."
 )
+# fold's --dtype choices (paramfold.fold.DTYPES, which test_cli checks them against).
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+_DTYPE_HELP = (
+    "Write the checkpoint of the model in this dtype (float32, float16, bfloat16, float64): every "
+    "floating-point tensor is cast to it before anything is computed, as load_state_dict into "
+    "model.to(DTYPE) casts it. Without it, each site is computed in its stored dtype."
+)
 
 
 @app.command("audit", cls=_Command)
@@ -523,6 +530,9 @@ def audit(
     model: Optional[str] = typer.Option(
         None, "--model", metavar="MODULE:FACTORY", help="With --fold-out: " + _MODEL_HELP[0].lower() + _MODEL_HELP[1:],
     ),
+    dtype: Optional[Literal["float32", "float16", "bfloat16", "float64"]] = typer.Option(
+        None, "--dtype", metavar="DTYPE", help="With --fold-out: " + _DTYPE_HELP[0].lower() + _DTYPE_HELP[1:],
+    ),
 ) -> None:
     """Inspect a checkpoint for parametrizations without running its pickle.
 
@@ -530,8 +540,9 @@ def audit(
     """
     from paramfold.output import OutputError, check_output
 
-    if model is not None and fold_out is None:
-        raise OutputError("--model only applies together with --fold-out OUT")
+    for given, option in ((model, "--model"), (dtype, "--dtype")):
+        if given is not None and fold_out is None:
+            raise OutputError(f"{option} only applies together with --fold-out OUT")
     if fold_out is not None:  # before anything is imported or read
         check_output(fold_out, suffixes=FOLD_SUFFIXES)
 
@@ -550,7 +561,7 @@ def audit(
     else:
         print_report(report)
     if fold_out is not None:
-        _fold(path, fold_out, model, err=json_out)
+        _fold(path, fold_out, model, dtype, err=json_out)
 
 
 @app.command("fold", cls=_Command)
@@ -565,6 +576,9 @@ def fold(
         help="Where to write the unparametrized model's checkpoint (.safetensors or .pt); not the input.",
     ),
     model: Optional[str] = typer.Option(None, "--model", metavar="MODULE:FACTORY", help=_MODEL_HELP),
+    dtype: Optional[Literal["float32", "float16", "bfloat16", "float64"]] = typer.Option(
+        None, "--dtype", metavar="DTYPE", help=_DTYPE_HELP,
+    ),
 ) -> None:
     """Write the checkpoint the unparametrized model would have (<module>.<tensor> keys).
 
@@ -573,10 +587,10 @@ def fold(
     from paramfold.output import check_output
 
     check_output(out, suffixes=FOLD_SUFFIXES)  # before anything is imported or read
-    _fold(path, out, model)
+    _fold(path, out, model, dtype)
 
 
-def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
+def _fold(path: str, out: str, model: Optional[str], dtype: Optional[str], err: bool = False) -> None:
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``:
     after ``audit --json``, where stdout holds the JSON document alone, so do ``--model``'s prints)."""
     from paramfold.fold import fold_checkpoint
@@ -586,7 +600,7 @@ def _fold(path: str, out: str, model: Optional[str], err: bool = False) -> None:
     raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
     _written.clear()
     with stdout_to_stderr() if err else contextlib.nullcontext():
-        summary = fold_checkpoint(path, out, model_factory=model).summary()
+        summary = fold_checkpoint(path, out, model_factory=model, dtype=dtype).summary()
     _written.append(out)
     typer.echo(summary, err=err)
 

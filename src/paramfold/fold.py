@@ -19,6 +19,11 @@ time, so the result is bitwise equal to what the stock model computes:
   :func:`_resolve_spectral_dim`).
 * ``fake_sparsity``: ``mask * original``.
 
+The stored tensors are computed in their own dtype, as a model of that dtype computes them; with
+``dtype`` every floating-point tensor is cast to it first, exactly as ``load_state_dict`` casts
+them into ``model.to(dtype)``, which then computes in ``dtype`` (a float32 checkpoint served by a
+bfloat16 model rounds differently from the float32 value cast afterwards).
+
 Every other kind needs the model: with ``model_factory`` (a callable, or ``"MODULE:FACTORY"``
 resolved by :func:`paramfold.factory.load_factory`) the model is built, loaded and materialised
 instead. Output goes through :mod:`paramfold.checkpoint`'s atomic writers (see
@@ -60,19 +65,48 @@ class FoldResult:
     nbytes: int
     sites: int
     via: str  # "keys" (folded from the checkpoint alone) or "model" (materialised by the model)
+    dtype: torch.dtype | None = None  # what ``dtype`` fold_checkpoint was given
 
     def summary(self) -> str:
         how = "materialised by the model" if self.via == "model" else "folded from the checkpoint"
+        cast = "" if self.dtype is None else f" in {_dtype_name(self.dtype)}"
         return (
             f"wrote {self.out}: {self.tensors} tensors, {human_bytes(self.nbytes)}; "
-            f"{self.sites} parametrized site{'' if self.sites == 1 else 's'} {how}"
+            f"{self.sites} parametrized site{'' if self.sites == 1 else 's'} {how}{cast}"
         )
+
+
+#: What ``dtype`` may be: the floating-point dtypes a model is cast to (``model.to(dtype)``).
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or dtype in DTYPES.values():
+        return dtype  # type: ignore[return-value]
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise CheckpointError(f"dtype {dtype}: use one of {', '.join(DTYPES)} (the dtype of the model the "
+                          "checkpoint is loaded into)", exit_code=2)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` as ``load_state_dict`` leaves it in ``model.to(dtype)``: floating point cast, else kept."""
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+def _cast_info(info: TensorInfo, dtype: torch.dtype | None) -> TensorInfo:
+    return info if dtype is None or not info.dtype.is_floating_point else TensorInfo(info.shape, dtype)
 
 
 def fold_checkpoint(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
     model_factory: Callable[[], torch.nn.Module] | str | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> FoldResult:
     """Write the unparametrized model's checkpoint (``<module>.<tensor>`` keys) to ``out``.
 
@@ -81,7 +115,11 @@ def fold_checkpoint(
     them, and every other tensor is copied through, so memory stays around one tensor. With ``model_factory`` (a
     callable returning the parametrized model, or a ``"MODULE:FACTORY"`` string for ``load_factory``)
     the model is built, the checkpoint is loaded into it with ``strict=True``, the model is put in
-    eval mode and every parametrized tensor is materialised once. The output is written to a
+    eval mode and every parametrized tensor is materialised once. ``dtype`` (``torch.bfloat16`` or
+    ``"bfloat16"``; float16, float32, float64) writes the checkpoint of the model in that dtype:
+    every floating-point tensor is cast to it before anything is computed, as ``load_state_dict``
+    into ``model.to(dtype)`` casts it (with ``model_factory``, the model built is cast so). Without
+    it the tensors are computed in their stored dtype, as a model of that dtype computes them. The output is written to a
     temporary file in ``out``'s folder and renamed when complete; ``out`` must not be one of the
     checkpoint's own files (refused with ``CheckpointError``, exit code 2).
 
@@ -99,13 +137,14 @@ def fold_checkpoint(
         >>> torch.equal(plain(x), m(x))
         True
     """
+    dtype = _as_dtype(dtype)
     with open_checkpoint(path) as ckpt:
         try:
             check_output(out, inputs=ckpt.files)
         except OutputError as e:
             raise CheckpointError(str(e), exit_code=e.exit_code) from None
         if model_factory is not None:
-            return _fold_with_model(ckpt, Path(out), model_factory)
+            return _fold_with_model(ckpt, Path(out), model_factory, dtype)
         report, plan = audit_plan(ckpt)
         refused = report.refused
         if refused:
@@ -118,38 +157,46 @@ def fold_checkpoint(
         for key, site in plan:
             if key in specs:
                 raise CheckpointError(f"the folded checkpoint would hold '{key}' twice (a parametrized and a plain tensor)")
-            specs[key] = ckpt.info(key) if site is None else site.folded  # type: ignore[assignment]
-        nbytes = write_checkpoint(out, specs, _stream(ckpt, plan), metadata=_metadata(ckpt))
-    return FoldResult(Path(out), len(specs), nbytes, len(report.sites), "keys")
+            specs[key] = _cast_info(ckpt.info(key) if site is None else site.folded, dtype)  # type: ignore[arg-type]
+        nbytes = write_checkpoint(out, specs, _stream(ckpt, plan, dtype), metadata=_metadata(ckpt))
+    return FoldResult(Path(out), len(specs), nbytes, len(report.sites), "keys", dtype)
 
 
-def _stream(ckpt: Checkpoint, plan: list[tuple[str, CheckpointSite | None]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(ckpt: Checkpoint, plan: list[tuple[str, CheckpointSite | None]],
+            dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     # Plain tensors are read into one reused buffer; the writer is done with each before the next.
     largest = max((ckpt.info(k).nbytes for k, site in plan if site is None), default=0)
     scratch = torch.empty(largest, dtype=torch.uint8)
     for key, site in plan:
-        yield key, (ckpt.read(key, out=scratch) if site is None else _fold_site(ckpt, site))
+        yield key, (_cast(ckpt.read(key, out=scratch), dtype) if site is None else _fold_site(ckpt, site, dtype))
 
 
-def _fold_site(ckpt: Checkpoint, site: CheckpointSite) -> torch.Tensor:
-    t = {name: ckpt.read(key) for name, key in site.keys.items()}
+def _fold_site(ckpt: Checkpoint, site: CheckpointSite, dtype: torch.dtype | None) -> torch.Tensor:
+    stored = {name: ckpt.read(key) for name, key in site.keys.items()}
     try:
         with torch.no_grad():
-            return _fold_tensors(site, t)
+            return _fold_tensors(site, {name: _cast(x, dtype) for name, x in stored.items()}, stored)
     except CheckpointError:
         raise
     except RuntimeError as e:  # e.g. a hand-edited file: fp16 g with fp32 v, fp64 _u with fp32 W
         if "memory" in str(e).lower():
             raise  # the allocator's "can't allocate memory": not the file's fault
-        pieces = ", ".join(f"{n} {str(x.dtype)[6:]}{list(x.shape)}" for n, x in t.items())
+        pieces = ", ".join(f"{n} {_dtype_name(x.dtype)}{list(x.shape)}" for n, x in stored.items())
+        floating = {x.dtype for x in stored.values() if x.is_floating_point()}
+        if dtype is None and len(floating) > 1:  # a model casts them all to its dtype on load
+            what_to_do = ("a model loads them cast to its own dtype and computes in it: pass --dtype "
+                          f"{'|'.join(DTYPES)} (the model's dtype), or --model MODULE:FACTORY")
+        else:
+            what_to_do = "re-save the checkpoint from a working model"
         raise CheckpointError(
             f"cannot fold '{site.key}' ({site.kind}): torch refuses its stored tensors ({pieces}): "
-            f"{str(e).strip().splitlines()[0][:200]}; the stock model could not compute it either: "
-            "re-save the checkpoint from a working model"
+            f"{str(e).strip().splitlines()[0][:200]}; {what_to_do}"
         ) from None
 
 
-def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Tensor:
+def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The folded value from ``t``, the site's tensors in the dtype they are computed in; ``stored``
+    holds them as the file does, the best evidence for a spectral_norm dim the shape leaves open."""
     if site.kind == "weight_norm":
         if site.params.get("api") == LEGACY_WEIGHT_NORM_API:
             g, v = t[f"{site.tensor}_g"], t[f"{site.tensor}_v"]
@@ -165,8 +212,8 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
         return t["0.mask"] * t["original"]
     if site.kind == "spectral_norm":
         legacy = site.params.get("api") == LEGACY_SPECTRAL_NORM_API
-        name = site.tensor
-        w, u, v = (t[f"{name}_orig"], t[f"{name}_u"], t[f"{name}_v"]) if legacy else (t["original"], t["0._u"], t["0._v"])
+        names = (f"{site.tensor}_orig", f"{site.tensor}_u", f"{site.tensor}_v") if legacy else ("original", "0._u", "0._v")
+        w, u, v = (t[n] for n in names)
 
         def value(dim: int) -> torch.Tensor:
             if legacy:
@@ -177,7 +224,7 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor]) -> torch.Ten
 
         dim = site.params["dim"]
         if dim is None:
-            dim = _resolve_spectral_dim(site.key, w, u, v, site.params["dim_candidates"], value, legacy)
+            dim = _resolve_spectral_dim(site.key, *(stored[n] for n in names), site.params["dim_candidates"], value, legacy)
         return value(dim)
     raise AssertionError(f"unfoldable kind {site.kind}")
 
@@ -229,8 +276,10 @@ def _spectral_norm_eval(weight: torch.Tensor, u: torch.Tensor, v: torch.Tensor, 
 #: ``u = normalize(W_mat v)`` (the legacy hook, which updates ``v`` first); a vector unrelated to
 #: the product has a cosine of at least ``a`` with it with a chance below ``(1 - a^2)^((n - 1) / 2)``
 #: in ``n`` dimensions. The dim taken must agree with a chance under ``_SURE``; every other, over
-#: ``_UNRELATED``.
-_SURE, _UNRELATED = 1e-9, 1e-3
+#: ``_UNRELATED``. Rounding to the stored dtype (unit roundoff ``r``) leaves even the last step's
+#: vector off by up to about ``1 - a^2 = n (_ROUNDING r)^2``: where the closest dim is that close
+#: and still not sure, the precision is what cannot tell (bfloat16 in few dimensions).
+_SURE, _UNRELATED, _ROUNDING = 1e-9, 1e-3, 4
 
 
 def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int],
@@ -240,33 +289,46 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
     The stored vectors decide where they are the last power step's for this weight (saved after a
     training-mode forward, or an optimizer step or so later), and where every candidate gives the
     same value it does not matter; otherwise (weights re-initialised or loaded after the last
-    power step) they cannot tell, and a guess could fold a wrong weight: refused.
+    power step, or vectors too short for their dtype's rounding to leave strong evidence) they
+    cannot tell, and a guess could fold a wrong weight: refused, saying which.
     """
     last, given = (u, v) if legacy else (v, u)  # the vector the last step wrote, from the other
     n = last.numel()
 
-    def chance(d: int) -> float:
+    def off(d: int) -> float:
+        """``1 - a^2`` for the cosine ``a`` of ``last`` with the product for dim ``d`` (1 where ``a <= 0``)."""
         mat = _spectral_weight_mat(w.double(), d)
         x = torch.mv(mat if legacy else mat.H, given.double())
         norms = float(x.norm() * last.double().norm())
         a = float(torch.dot(x, last.double())) / norms if norms > 0 else 0.0
-        return 1.0 if not a > 0 else max(0.0, 1.0 - a * a) ** ((n - 1) / 2)
+        return 1.0 if not a > 0 else max(0.0, 1.0 - a * a)
 
-    chances = {d: chance(d) for d in candidates}
+    offs = {d: off(d) for d in candidates}
+    chances = {d: o ** ((n - 1) / 2) for d, o in offs.items()}
     sure = [d for d, c in chances.items() if c <= _SURE]
     if len(sure) == 1 and all(c >= _UNRELATED for d, c in chances.items() if d != sure[0]):
         return sure[0]
     if _one_value(candidates, value):
         return candidates[0]
+    closest = min(offs, key=offs.__getitem__)
+    coarsest = max((w, u, v), key=lambda t: torch.finfo(t.dtype).eps).dtype
+    rounding = n * (_ROUNDING * torch.finfo(coarsest).eps / 2) ** 2
+    if sure:
+        why = f"they fit dim {' and '.join(str(d) for d, c in chances.items() if c < _UNRELATED)} alike"
+    elif offs[closest] <= rounding:
+        why = (f"at this precision: they agree with dim {closest} up to {_dtype_name(coarsest)} rounding, "
+               f"which in {n} dimensions is too weak to rule out chance")
+    else:
+        why = "they are not the last power step's for this weight: it changed after the last training-mode forward"
     raise CheckpointError(
         f"cannot fold '{key}' (spectral_norm) from the checkpoint alone: its weight of shape {tuple(w.shape)} "
-        f"fits matrix dim {' or '.join(map(str, candidates))}, and its stored _u/_v do not tell which (they are "
-        "not the last power step's for this weight: it changed after the last training-mode forward); "
+        f"fits matrix dim {' or '.join(map(str, candidates))}, and its stored _u/_v do not tell which ({why}); "
         "pass --model MODULE:FACTORY that builds the parametrized model"
     )
 
 
-def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], torch.nn.Module] | str) -> FoldResult:
+def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], torch.nn.Module] | str,
+                     dtype: torch.dtype | None) -> FoldResult:
     factory = load_factory(model_factory) if isinstance(model_factory, str) else model_factory
     name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__qualname__", "model_factory")
     try:
@@ -277,6 +339,8 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
         raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
     if not isinstance(model, torch.nn.Module):
         raise CheckpointError(f"--model {name}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
+    if dtype is not None:
+        model.to(dtype)
     state = {k: ckpt.read(k) for k in ckpt.keys()}
     try:
         model.load_state_dict(state, strict=True)
@@ -290,7 +354,7 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
     plain, computed = _plain_state_dict(model)
     nbytes = write_state_dict(out, plain, metadata=_metadata(ckpt))
     # The tensors computed, as the keys-only fold counts its sites: torch's hook-based norms too.
-    return FoldResult(out, len(plain), nbytes, len(computed), "model")
+    return FoldResult(out, len(plain), nbytes, len(computed), "model", dtype)
 
 
 def _metadata(ckpt: Checkpoint) -> dict[str, str]:
@@ -298,7 +362,7 @@ def _metadata(ckpt: Checkpoint) -> dict[str, str]:
     ``__metadata__``: transformers' ``format``, a training run's notes), with ``format`` ``pt``
     where it has none. A sharded checkpoint's index metadata (``total_size``) describes the
     shards, not the folded file, and is not carried over."""
-    single = ckpt.format == "safetensors" and ckpt.path.suffix == ".safetensors"
+    single = ckpt.format == "safetensors"  # one file (an index's shards are "sharded-safetensors")
     return {"format": "pt", **(ckpt.metadata if single else {})}
 
 

@@ -123,26 +123,47 @@ def given_stdout() -> Iterator[None]:
 def stdout_to_stderr() -> Iterator[None]:
     """While active, send what user code (``recompiles``' script, ``--model``'s factory) writes to
     stdout to stderr: ``sys.stdout``, and file descriptor 1 too (child processes, ``os.system``,
-    ``sys.__stdout__``), so that stdout holds a JSON document alone. Where descriptor 1 cannot be
-    duplicated (closed), Python's only."""
+    ``sys.__stdout__``), so that stdout holds a JSON document alone. A stdout closed from the start
+    (``>&-``: ``sys.stdout`` is ``None``) is no failure: descriptor 1, where closed, is pointed at
+    stderr meanwhile and closed again after, so that no file opened in the block lands on it and
+    takes a child's output; where it is open but not stdout (a file opened since), it is left alone."""
+    for stream in (sys.stdout, sys.__stdout__):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # None, closed or failing
+            stream.flush()
+    saved: int | None = None
+    taken = False  # descriptor 1 was closed and is stderr's meanwhile
     try:
-        sys.stdout.flush()
         if sys.__stdout__ is not None:
-            sys.__stdout__.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-    except (OSError, ValueError):
-        saved = None
+            saved = os.dup(1)
+            os.dup2(2, 1)
+        elif not _is_open(1):
+            os.dup2(2, 1)
+            taken = True
+    except OSError:  # descriptor 1 closed since the start, or 2 closed: Python's stdout only
+        if saved is not None:
+            os.close(saved)
+            saved = None
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
     finally:
-        if saved is not None:
+        if saved is not None or taken:
             for stream in (sys.__stdout__, sys.stderr):
                 with contextlib.suppress(OSError, ValueError, AttributeError):
                     stream.flush()  # buffered writes made meanwhile belong to stderr
-            os.dup2(saved, 1)
-            os.close(saved)
+            if saved is not None:
+                os.dup2(saved, 1)
+                os.close(saved)
+            else:
+                os.close(1)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def quiet_when_stdout_closes(console: object) -> object:

@@ -21,6 +21,17 @@ PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 SAFETENSORS_SUFFIX = ".safetensors"
 
 
+def file_format(path: Path | str) -> str | None:
+    """``"safetensors"`` or ``"pt"`` by the file's name, in any case (``B.SAFETENSORS``); ``None``
+    for another name. The one place that decides a single file's format, reading or writing."""
+    name = Path(path).name.lower()
+    if name.endswith(SAFETENSORS_SUFFIX):
+        return "safetensors"
+    if name.endswith(PT_SUFFIXES):
+        return "pt"
+    return None
+
+
 class CheckpointError(FoldError):
     """A checkpoint cannot be read or written as asked. The message is one line saying what to do.
 

@@ -8,6 +8,7 @@ module that knows torch's private serialization format.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -26,6 +27,7 @@ from paramfold.checkpoint.common import (
     TensorInfo,
     contiguous_stride,
     element_size,
+    file_format,
     first_line,
 )
 
@@ -76,12 +78,17 @@ class Checkpoint:
     def read(self, key: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor stored under ``key``, read now into CPU memory that nothing else shares.
 
-        With ``out`` (a 1-D ``uint8`` CPU tensor), the bytes are read into ``out`` and the result is a
-        view of it, valid until ``out`` is reused: a streamed pass then allocates nothing per tensor
-        (repeatedly allocating and freeing large tensors grows the heap with glibc's malloc).
+        With ``out`` (a 1-D contiguous ``uint8`` CPU tensor, starting at a multiple of the dtype's
+        element size in its storage, as ``torch.empty(n, dtype=torch.uint8)`` does), the bytes are
+        read into ``out`` and the result is a view of it, valid until ``out`` is reused: a streamed
+        pass then allocates nothing per tensor (repeatedly allocating and freeing large tensors
+        grows the heap with glibc's malloc). An ``out`` too small for the tensor is not used. Any
+        other ``out`` raises ``ValueError``.
         """
         e = self._entries[key]
         shape, dtype = e.info.shape, e.info.dtype
+        if out is not None:
+            _check_buffer(out, dtype)
         if e.tensor is not None:
             if out is None or out.numel() < e.info.nbytes:  # resolved: a conjugate/negative view's value
                 return e.tensor.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
@@ -95,7 +102,7 @@ class Checkpoint:
         start = e.storage_offset * elem
         if e.record is not None:  # read the whole storage record, so that its CRC-32 can be checked
             start, nbytes = 0, e.record.file_size
-        if out is not None and out.dtype == torch.uint8 and out.numel() >= nbytes and nbytes:
+        if out is not None and out.numel() >= nbytes and nbytes:
             raw = out[:nbytes]
         else:
             raw = torch.empty(nbytes, dtype=torch.uint8)
@@ -163,6 +170,22 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, format={self.format!r}, tensors={len(self)})"
 
 
+def _check_buffer(out: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse an ``out`` that ``Checkpoint.read`` cannot read into and view as ``dtype``."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1 or out.device.type != "cpu":
+        what = f"a {out.dim()}-D {out.dtype} tensor on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a 1-D uint8 CPU tensor, not {what}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous (its stride is {out.stride()[0]})")
+    elem = element_size(dtype)
+    if out.storage_offset() % elem:
+        raise ValueError(
+            f"out starts at byte {out.storage_offset()} of its storage, not a multiple of {elem} (the size of "
+            f"a {str(dtype).removeprefix('torch.')} element), so its bytes cannot be viewed as that dtype: "
+            "pass a buffer that starts where its storage does, e.g. torch.empty(n, dtype=torch.uint8)"
+        )
+
+
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Open a checkpoint for lazy, safe reading (see the module docstring for the formats).
 
@@ -183,19 +206,20 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError("no input path given (an empty string)", exit_code=2)
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"{p}: no such file or folder", exit_code=2)
+        what = "a symlink loop (too many levels of symbolic links)" if _symlink_loop(p) else "no such file or folder"
+        raise CheckpointError(f"{p}: {what}", exit_code=2)
     if p.is_dir():
         return _open_folder(p)
     if not p.is_file():  # a FIFO or a device would block or never end
         raise CheckpointError(f"{p}: not a regular file", exit_code=2)
     _check_readable(p)
-    name = p.name.lower()
-    if name.endswith(".index.json"):
+    if p.name.lower().endswith(".index.json"):
         return _open_index(p)
-    if name.endswith(SAFETENSORS_SUFFIX):
+    fmt = file_format(p)
+    if fmt == "safetensors":
         entries, metadata = _safetensors_entries(p)
         return Checkpoint(p, "safetensors", entries, metadata=metadata)
-    if name.endswith(PT_SUFFIXES):
+    if fmt == "pt":
         entries, root = pt_entries(p)
         return Checkpoint(p, "pt", entries, root=root)
     raise CheckpointError(
@@ -204,6 +228,15 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         "or a folder holding one",
         exit_code=2,
     )
+
+
+def _symlink_loop(p: Path) -> bool:
+    """Whether ``p`` does not exist because its links lead round in a loop (``exists()`` says False)."""
+    try:
+        os.stat(p)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _check_readable(p: Path) -> None:
@@ -298,7 +331,7 @@ def _open_index(index: Path) -> Checkpoint:
             raise CheckpointError(f"{index}: shard '{shard}' lies outside the index's folder")
         sp = index.parent / named
         if not sp.exists():
-            broken = " (a broken link)" if sp.is_symlink() else ""
+            broken = " (a symlink loop)" if _symlink_loop(sp) else " (a broken link)" if sp.is_symlink() else ""
             raise CheckpointError(f"{index}: shard '{shard}' named by the index is missing{broken}")
         if not sp.is_file():  # a FIFO or a device would block or never end; a folder is no shard
             raise CheckpointError(
@@ -306,14 +339,14 @@ def _open_index(index: Path) -> Checkpoint:
                 exit_code=2,
             )
         _check_readable(sp)
-        if named.name.lower().endswith(SAFETENSORS_SUFFIX):
+        fmt = file_format(named)
+        if fmt == "safetensors":
             shards[shard], _ = _safetensors_entries(sp)
-            kinds.add("safetensors")
-        elif named.name.lower().endswith(PT_SUFFIXES):
+        elif fmt == "pt":
             shards[shard], _ = pt_entries(sp)
-            kinds.add("pt")
         else:
             raise CheckpointError(f"{index}: shard '{shard}' has an unsupported format")
+        kinds.add(fmt)
     entries: dict[str, Entry] = {}
     for key, shard in weight_map.items():
         if key not in shards[shard]:

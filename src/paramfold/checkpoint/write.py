@@ -20,10 +20,10 @@ import torch
 from paramfold.checkpoint._torch_format import write_pt
 from paramfold.checkpoint.common import (
     PT_SUFFIXES,
-    SAFETENSORS_SUFFIX,
     ST_NAMES,
     CheckpointError,
     TensorInfo,
+    file_format,
     raw_bytes,
 )
 from paramfold.output import OutputError, atomic_output, check_output
@@ -116,11 +116,9 @@ def _flat_nbytes(t: torch.Tensor) -> int:
 
 
 def _output_format(out: Path) -> str:
-    name = out.name.lower()
-    if name.endswith(SAFETENSORS_SUFFIX):
-        return "safetensors"
-    if name.endswith(PT_SUFFIXES):
-        return "pt"
+    fmt = file_format(out)
+    if fmt is not None:
+        return fmt
     raise CheckpointError(
         f"{out}: unsupported output format '{out.suffix or out.name}': use .safetensors or .pt "
         f"({', '.join(PT_SUFFIXES)})",

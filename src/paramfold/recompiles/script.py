@@ -5,8 +5,9 @@ The script (or ``-m module``) runs in this process, as ``python`` would run it: 
 kept. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout
 (the script's own output goes to stderr so that stdout stays parseable: its prints, and what
 reaches file descriptor 1, as child processes' output). What the script prints, its
-traceback included, is its own output, except dynamo's multi-line recompile-limit warning: the
-report shows that hit with its cause and fix, and ``--strict`` says it in one error line. What goes
+traceback included (from its own first frame, through ``sys.excepthook``), is its own output,
+except dynamo's multi-line recompile-limit warning: the report shows that hit with its cause and
+fix, and ``--strict`` says it in one error line. What goes
 wrong with the command itself is raised as :class:`ScriptError` (exit code 2), for the command
 line to print in its one format.
 """
@@ -102,13 +103,13 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
                     code = 1
             except KeyboardInterrupt as e:  # the report of what ran so far is still printed
                 interrupted = e
-            except Exception:
-                traceback.print_exc()  # the script's own traceback: it is the script's output
+            except Exception as e:
+                _print_script_traceback(e)
                 code = 1
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     if as_json:
-        sys.stdout.write(report.to_json() + "\n")
+        print(report.to_json())  # nowhere where stdout was closed from the start (None)
     else:
         report.print()
     if interrupted is not None:
@@ -120,6 +121,20 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         error.exit_code = code  # said all the same: a log that shows only stderr learns of the hit
         raise error
     return code
+
+
+def _print_script_traceback(exc: BaseException) -> None:
+    """The script's own traceback, printed as ``python`` prints it (through ``sys.excepthook``,
+    which the script may have set): from the script's first frame, without the frames of this
+    module and of runpy that ran it."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:
+        tb = tb.tb_next
+    exc.with_traceback(tb)  # the hook prints the exception's own traceback, not its argument
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except Exception:  # a hook of the script's that fails: python's own printing
+        traceback.print_exception(type(exc), exc, tb)
 
 
 def _run_path(argv0: str) -> None:
@@ -143,3 +158,6 @@ def _run_path(argv0: str) -> None:
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
+
+
+_RUNNER_FILES = {_run_path.__code__.co_filename, runpy.run_path.__code__.co_filename}
