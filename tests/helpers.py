@@ -32,6 +32,18 @@ class Doubled(nn.Module):
         return 2 * w
 
 
+class Ema(nn.Module):
+    """A custom stateful member: updates its running average at every computation, in eval too."""
+
+    def __init__(self, shape=(4, 4)):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(shape))
+
+    def forward(self, w):
+        self.ema.mul_(0.5).add_(w.detach())
+        return w + self.ema
+
+
 class Skew(nn.Module):
     """A custom parametrization: the skew-symmetric part below the diagonal (square weights)."""
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from helpers import assert_same_tensors, classes, grads
+from helpers import Doubled, Ema, assert_same_tensors, classes, grads
 
 import paramfold
 
@@ -211,23 +211,6 @@ def test_a_chain_that_edits_its_original_edits_it_at_every_read_like_stock(mode,
             assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
 
 
-class _Doubled(nn.Module):
-    def forward(self, X):
-        return X * 2
-
-
-class _Averaged(nn.Module):
-    """Updates a buffer at each computation, in eval mode too."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("ema", torch.zeros(4, 4))
-
-    def forward(self, X):
-        self.ema.mul_(0.5).add_(X.detach())
-        return X + self.ema
-
-
 class _ReadsTwice(nn.Module):
     def __init__(self):
         super().__init__()
@@ -242,12 +225,12 @@ class _ReadsTwice(nn.Module):
 def _nested(inner: str) -> nn.Module:
     torch.manual_seed(0)
     model = _ReadsTwice()
-    parametrize.register_parametrization(model.lin, "weight", _Doubled())
+    parametrize.register_parametrization(model.lin, "weight", Doubled())
     owner = model.lin.parametrizations.weight
     if inner == "spectral_norm":
         torch.nn.utils.parametrizations.spectral_norm(owner, "original")
     else:
-        parametrize.register_parametrization(owner, "original", _Averaged())
+        parametrize.register_parametrization(owner, "original", Ema())
     return model
 
 

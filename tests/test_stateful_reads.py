@@ -21,7 +21,7 @@ from torch._dynamo.testing import CompileCounter
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm
 
-from helpers import assert_same_nested, classes, grads
+from helpers import Ema, assert_same_nested, classes, grads
 
 import paramfold
 
@@ -456,17 +456,6 @@ def test_freezes_refusal_of_a_chain_that_changes_its_buffers_in_eval_gives_advic
                                                   r"\(a chain that changes its buffers in eval mode too can never be frozen\)"):
         paramfold.prepare(model, "freeze")
 
-class _Ema(nn.Module):
-    """A custom stateful member: updates its running average at every computation, in eval too."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("ema", torch.zeros(4, 4))
-
-    def forward(self, w):
-        self.ema.mul_(0.5).add_(w.detach())
-        return w + self.ema
-
 
 class SharedMember(nn.Module):
     """Layers ``a`` and ``b`` computed by ONE stateful member object (a custom one, or ``a``'s
@@ -477,7 +466,7 @@ class SharedMember(nn.Module):
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
         if member == "custom":
-            shared = _Ema()
+            shared = Ema()
             parametrize.register_parametrization(self.a, "weight", shared)
         else:
             spectral_norm(self.a)
@@ -586,11 +575,11 @@ class SharedBuffer(nn.Module):
             nn.utils.spectral_norm(self.b)
             self.b.weight_u, self.b.weight_v = self.a.weight_u, self.a.weight_v
             return
-        ema = _Ema()
+        ema = Ema()
         parametrize.register_parametrization(self.a, "weight", ema)
         if kind == "plain":
             self.ema = ema
-            parametrize.register_parametrization(self.b, "weight", _Ema())
+            parametrize.register_parametrization(self.b, "weight", Ema())
         else:
             parametrize.register_parametrization(self.b, "weight", _ReadsEma(ema.ema))
 
