@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import LoRA, PausedOffMain, RowScale, Skew, assert_same_tensors, grads
+from helpers import LoRA, PausedOffMain, RowScale, Skew, assert_same_nested, assert_same_tensors, grads
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 from torch.nn.utils import parametrize as P
@@ -1039,6 +1039,73 @@ def test_a_layer_called_directly_beside_another_threads_call_claims_its_values(m
     ours.inner[1](x).sum().backward()  # alone again: trains like stock
     stock.inner[1](x).sum().backward()
     assert_same_tensors(grads(stock), grads(ours))
+
+
+class _CallsItsPeer(nn.Module):
+    """A model whose forward calls another model, which calls this one back (once: a depth guard)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.a = norm(nn.Linear(4, 4))
+        self.peer: list[nn.Module] = []  # a plain list: the other model is no submodule
+        self.depth = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.peer and self.depth == 0:
+            self.depth += 1
+            try:
+                h = h + self.peer[0](h)
+            finally:
+                self.depth -= 1
+        return h + torch.tanh(self.a(h))
+
+
+def _peers(norm, mode: str | None) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    a, b = _CallsItsPeer(norm), _CallsItsPeer(norm)
+    a.peer.append(b)
+    b.peer.append(a)
+    if mode is not None:
+        paramfold.prepare(a, mode)
+        paramfold.prepare(b, mode)
+    return a, b
+
+
+@pytest.mark.parametrize("step", ["train", "no_grad", "eval"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("norm", [weight_norm, spectral_norm], ids=["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_two_prepared_models_that_call_each_other_in_one_thread_run_like_stock(mode, norm, compiled, step):
+    # Regression: model A's forward calls model B, whose forward calls A again: the nested call
+    # of A, entering through B's call scope, found A's values claimed by A's own call and was
+    # refused as a call from another thread. It runs nested in A's scope, as a model's
+    # re-entrant call of itself does.
+    runs = []
+    for prepared in (None, mode):
+        a, b = _peers(norm, prepared)
+        if step == "eval":
+            a.eval(), b.eval()
+        torch._dynamo.reset()
+        call = torch.compile(a, backend="eager") if compiled and prepared else a
+        opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+        # A tensor read several times in one call is computed once by hoist and auto, whose
+        # gradients then sum in another order: compared with stock under parametrize.cached().
+        cached = step == "train" and prepared is None and norm is weight_norm and mode != "inline"
+        torch.manual_seed(1)
+        record = []
+        for _ in range(3):
+            x = torch.randn(3, 4)
+            opt.zero_grad()
+            with torch.set_grad_enabled(step == "train"), P.cached() if cached else contextlib.nullcontext():
+                out = call(x)
+            if step == "train":
+                out.sum().backward()
+                opt.step()
+            record.append([out.detach(), out.requires_grad,
+                           *({k: v.clone() for k, v in m.state_dict().items()} for m in (a, b))])
+        runs.append(record)
+    assert_same_nested(*runs)
 
 
 # --- 7. inline never adds graphs ------------------------------------------------------------

@@ -34,7 +34,10 @@ claim installs values, later claims by other threads share them only when both c
 same either way), and any other overlap — a training call beside another call — is refused with
 a :class:`FoldError` instead of letting one thread's values (and autograd graph) leak into the
 other's call. A module below an entry called directly from another thread meanwhile claims them
-the same way (its ``_compiled_call_impl``); a direct read of a value cannot be seen.
+the same way (its ``_compiled_call_impl``); a direct read of a value cannot be seen. In one
+thread, a scope opened inside another (model A's forward calls model B) keeps the enclosing
+scopes' state: a call of one of A's entries inside it (B's forward calls A) is no other claim but
+a call nested in A's scope (:func:`_reentered`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,10 @@ class _Local(threading.local):
     covered: frozenset[int] = frozenset()
     #: The entry whose scope was opened last, until its own call reaches ``_compiled_call_impl``.
     opened: nn.Module | None = None
+    #: The scopes this thread has open around the current one (another prepared model's: model
+    #: A's forward calls model B), innermost first: ``(covered, context, snapshot, enclosing)``
+    #: of each, for a call of one of their entries made inside (:func:`_reentered`).
+    enclosing: tuple | None = None
 
 
 _local = _Local()
@@ -117,7 +124,9 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
             claimed = _open_holders(entry, state, grad, hooked)
             _replan(state, grad, pre_hooks, plan)
     claims = leaves.local.claims
-    previous = (_local.covered, nested.local.context, claims)
+    previous = (_local.covered, nested.local.context, claims, _local.enclosing)
+    if previous[0]:  # opened inside another scope of this thread
+        _local.enclosing = (previous[0], previous[1], nested.local.snapshot, previous[3])
     _local.covered = state.covers
     _local.opened = entry
     nested.local.context = context
@@ -384,6 +393,8 @@ def _enter_scope_class(holder: nn.Module, hs: ModuleState, read_once: bool = Tru
     training = read_once and once is not None and any(site.training_stateful for site in hs.sites.values())
     served = not training or "forward" not in vars(once) or hooknorms.calls_class_forward(holder)
     wanted = once if training and served else prepared
+    if wanted is once:
+        hs.own_dict = holder.__dict__
     if cls is wanted:
         return served
     if cls is prepared or cls is between or (cls is once and once is not None):
@@ -543,7 +554,7 @@ def _path_below(entry: nn.Module, module: nn.Module) -> str | None:
 
 
 def _close(previous: tuple, claimed: list[nn.Module] | Plan) -> None:
-    _local.covered, nested.local.context, leaves.local.claims = previous
+    _local.covered, nested.local.context, leaves.local.claims, _local.enclosing = previous
     _local.opened = None
     stranded = (leaves.local.swapped or leaves.local.stranded) and leaves.restore_stranded()
     _release(claimed)
@@ -581,6 +592,29 @@ def _in_scope(module: nn.Module) -> bool:
     return id(module) in _local.covered
 
 
+def _enclosing(module: nn.Module) -> tuple | None:
+    """The innermost scope this thread has open around the current one that covers ``module``, or None."""
+    scope = _local.enclosing
+    while scope is not None and id(module) not in scope[0]:
+        scope = scope[3]
+    return scope
+
+
+def _reentered(scope: tuple, call: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``call`` of an entry of ``scope``, an enclosing scope of this thread (:func:`_enclosing`):
+    model A's forward calls model B, whose forward calls A again. A's values are installed, its
+    holders claimed by A's call: the call runs nested in A's scope, as a re-entrant call of A
+    inside its own forward does (its nested check compares with what A's values were computed
+    from and under), with B's scope enclosing it in turn."""
+    current = (_local.covered, nested.local.context, nested.local.snapshot, _local.enclosing)
+    _local.covered, nested.local.context, nested.local.snapshot = scope[:3]
+    _local.enclosing = current
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _local.covered, nested.local.context, nested.local.snapshot, _local.enclosing = current
+
+
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
     ordinary ``nn.Module.__call__``, or the model's own)."""
@@ -591,6 +625,8 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
     if compiling() or _in_scope(self):
         return module_call(self, *args, **kwargs)
+    if _local.enclosing is not None and (scope := _enclosing(self)) is not None:
+        return _reentered(scope, module_call, self, *args, **kwargs)
     previous, claimed = _open_scope(self)
     snapshot = nested.local.snapshot
     # Run eagerly (no dynamo callback, no compiled call): its nested calls will check what
@@ -612,6 +648,8 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
         return _nested(module, compiled)(*args, **kwargs)
+    if _local.enclosing is not None and (scope := _enclosing(module)) is not None:
+        return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     previous, claimed = _open_scope(module)
     try:
         if _opens_eagerly(module):

@@ -367,6 +367,10 @@ class ModuleState:
     #: inside a call scope while one trains (``classes.read_once_class``: the first read of such a
     #: value, or call of the module, takes it; later ones compute afresh, as stock's all do).
     read_once_class: type | None = None
+    #: The module's own ``__dict__`` while it has that class, where compiled code asks whether
+    #: the value is there yet (``classes._ReadOnce``: dynamo guards that for a plain dict, not
+    #: for ``module.__dict__``). Not copied: a copy's first call sets its own.
+    own_dict: dict | None = None
     #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one,
     #: and the last one of the other grad mode, whose guards a plan rebuilt for that mode reuses.
     plan: Any = None
@@ -388,7 +392,7 @@ class ModuleState:
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
-        replica = _copy_fields(self, memo, _CACHES | {"prepared_root"})
+        replica = _copy_fields(self, memo, _CACHES | {"prepared_root", "own_dict"})
         # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
         replica.covers = frozenset(id(m) for m in replica.entries)
         root = self.prepared_model()
