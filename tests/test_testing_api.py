@@ -22,6 +22,8 @@ from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import paramfold
 import paramfold.testing as pt
+import paramfold.testing.compare as pt_compare
+from paramfold.testing.compare import BITWISE, compare_outputs
 
 MODES = ("hoist", "inline", "auto")
 
@@ -521,3 +523,212 @@ def test_a_model_drawing_from_python_and_numpy_random_is_checked_and_their_strea
     pt.assert_equivalent(_DrawsFromPythonAndNumpy(), torch.randn(2, 8), mode, steps=2)
     assert random.getstate() == python_state
     assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy_state))
+
+
+def _prepared(module: nn.Module) -> bool:
+    return paramfold.state.STATE_ATTR in module.__dict__
+
+
+class _Returns(nn.Module):
+    """A weight-normed Linear whose forward returns ``build(y, prepared)``: where the two differ,
+    the prepared copy's output differs from stock's (a difference the checker must see)."""
+
+    def __init__(self, build):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 4))
+        self.build = build
+
+    def forward(self, x):
+        return self.build(self.lin(x), _prepared(self))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda y, p: (y, None, y.detach() * 100 if p else None),
+        lambda y, p: (y, 4, 5 if p else 4),
+        lambda y, p: (y, True, not p),
+        lambda y, p: (y, (), (1,) if p else ()),
+        lambda y, p: (y, "a", "b" if p else "a"),
+        lambda y, p: (y, nn.Tanh(), nn.ReLU() if p else nn.Tanh()),
+    ],
+    ids=["None", "small_int", "bool", "empty_tuple", "interned_str", "module"],
+)
+def test_a_difference_behind_a_value_stock_returns_twice_is_seen(build):
+    # compare_tree skipped any object it had met before in stock's output (keyed on stock's id
+    # alone): None, small ints, bools, () and interned strings at their second occurrence, and
+    # it accepted anything where stock returned a module.
+    pt.assert_equivalent(_Returns(lambda y, p: build(y, False)), torch.randn(2, 4), "hoist")
+    with pytest.raises(AssertionError, match=r"output\[2\]: prepared"):
+        pt.assert_equivalent(_Returns(build), torch.randn(2, 4), "hoist")
+    t = torch.ones(1)
+    compare_outputs((t, [t], [t]), (t, [t], [t]), "", BITWISE)  # a shared list is still fine
+    with pytest.raises(AssertionError, match=r"output\[2\]"):
+        compare_outputs((t, None, t), (t, None, None), "", BITWISE)
+
+
+def test_a_prepared_forward_writing_into_an_input_slot_stock_leaves_none_is_seen():
+    class WritesCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = weight_norm(nn.Linear(4, 4))
+
+        def forward(self, x, cache):
+            if _prepared(self):
+                cache[2] = torch.ones(1)
+            return self.lin(x)
+
+    with pytest.raises(AssertionError, match=r"input 1 after the call\[2\]: prepared gives a tensor, stock None"):
+        pt.assert_equivalent(WritesCache(), (torch.randn(2, 4), [torch.zeros(1), None, None]), "hoist")
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda y, p: (y, torch.zeros(3).neg() if p else torch.zeros(3)), r"output\[1\].*bitwise.*-0\.0, stock 0\.0"),
+        (lambda y, p: (y, y.t().contiguous().t() if p else y), r"output\[1\].*strides \(1, 2\), stock \(4, 1\)"),
+        (lambda y, p: (y, 1.0 if p else 1), r"output\[1\]: prepared gives 1\.0, stock 1"),
+        (lambda y, p: (y, -0.0 if p else 0.0), r"output\[1\].*-0\.0, stock 0\.0"),
+    ],
+    ids=["signed_zero", "strides", "float_for_int", "python_signed_zero"],
+)
+def test_bitwise_in_eager_means_bit_patterns_layouts_and_value_types(build, message):
+    # assert_close at zero tolerance takes -0.0 for 0.0 (1/x: -inf against inf) and ignores
+    # strides, and an int passed for a float: none of them is what stock returns.
+    pt.assert_equivalent(_Returns(lambda y, p: build(y, False)), torch.randn(2, 4), "hoist")
+    with pytest.raises(AssertionError, match=message):
+        pt.assert_equivalent(_Returns(build), torch.randn(2, 4), "hoist")
+    # under a tolerance the values count, as stated
+    compare_outputs((torch.zeros(2).neg(), 1.0), (torch.zeros(2), 1), "", pt_compare.Tolerance(atol=1e-6))
+
+
+def test_a_nan_is_equal_to_the_same_nan_bit_for_bit():
+    nan = torch.tensor([float("nan"), 1.0])
+    compare_outputs(nan, nan.clone(), "", BITWISE)
+    other = nan.view(torch.int32).clone()
+    other[0] ^= 1  # another NaN payload
+    with pytest.raises(AssertionError, match="bitwise"):
+        compare_outputs(other.view(torch.float32), nan, "", BITWISE)
+    pt.assert_equivalent(_Returns(lambda y, p: (y, y.detach() * float("nan"))), torch.randn(2, 4), "hoist", steps=2)
+
+
+class _FlipsGradWhenPrepared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 3))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if _prepared(self) and y.requires_grad:
+            y.register_hook(lambda g: g.flip(-1))  # a backward that mixes up the output's elements
+        return y
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_backward_that_permutes_the_output_gradient_is_seen(mode):
+    # The loss was sum(outputs): an all-ones cotangent, under which permuting it changes nothing.
+    with pytest.raises(AssertionError, match=r"grad of 'lin\."):
+        pt.assert_equivalent(_FlipsGradWhenPrepared(), torch.randn(5, 4), mode, steps=2)
+
+
+def test_the_loss_weights_come_from_the_checkers_own_generator():
+    from paramfold.testing.check import _loss
+
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    y = torch.ones(2, 3, requires_grad=True)
+    first = _loss((y, torch.tensor([1, 2]), y.detach()))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(first, _loss((y, torch.tensor([1, 2]), y.detach())))
+    first.backward()
+    assert len(set(y.grad.flatten().tolist())) == 6  # no two elements weighted alike
+
+
+class _ExtraDrawWhenPrepared(nn.Module):
+    def __init__(self, where: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 4))
+        self.drop = nn.Dropout(0.5)
+        self.where = where
+
+    def forward(self, x):
+        import random
+
+        y = self.drop(self.lin(x))
+        if _prepared(self):
+            if self.where == "torch":
+                torch.rand(1)
+            elif self.where == "python":
+                random.random()
+            elif y.requires_grad:  # "backward": a draw in the backward
+                y.register_hook(lambda g: g + 0 * torch.rand(()))
+        return y
+
+
+@pytest.mark.parametrize("where, generator", [("torch", "torch's CPU"), ("python", "Python's random"),
+                                              ("backward", "torch's CPU")])
+def test_a_prepared_run_that_draws_other_random_numbers_is_seen(where, generator):
+    # Every run was set back to stock's generator state after each step, and the states the
+    # runs left were never compared: the caller's next dropout mask would differ from stock's.
+    with pytest.raises(AssertionError, match=f"{generator}.* another state by prepared than by stock"):
+        pt.assert_equivalent(_ExtraDrawWhenPrepared(where), torch.randn(2, 4), "hoist", steps=2)
+
+
+class _OwnNoise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = torch.Generator().manual_seed(3)
+
+    def forward(self, w):
+        return w + 0.01 * torch.randn(w.shape, generator=self.g)
+
+
+class _Anneal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, w):
+        self.n.add_(1)
+        return w * (1 + 0.01 * self.n)
+
+
+@pytest.mark.parametrize("mode", ["inline", "auto"])
+@pytest.mark.parametrize("chain", [_OwnNoise, _Anneal])
+def test_a_chain_with_state_of_its_own_is_not_taken_for_an_irreproducible_model(chain, mode):
+    # The reads before step 1 moved stock's own generator (or read counter) after the twin that
+    # checks reproducibility had been copied: a correct, deterministic model "not reproducible".
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    parametrize.register_parametrization(model, "weight", chain())
+    pt.assert_equivalent(model, torch.randn(3, 4), mode, steps=2)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline"])
+def test_nested_tensor_and_numpy_outputs_are_compared(mode):
+    import numpy as np
+
+    def nested(y, p):
+        return y, torch.nested.as_nested_tensor([y[0], y[1, :2] + (1.0 if p else 0.0)])  # with a graph
+
+    pt.assert_equivalent(_Returns(lambda y, p: nested(y, False)), torch.randn(2, 4), mode)  # enters the loss
+    with pytest.raises(AssertionError, match=r"output\[1\]\[1\]"):
+        pt.assert_equivalent(_Returns(nested), torch.randn(2, 4), mode)
+    pt.assert_equivalent(_Returns(lambda y, p: (y, np.array([np.nan, 1.0]), np.float32("nan"))), torch.randn(2, 4),
+                         mode)
+    with pytest.raises(AssertionError, match=r"output\[1\]"):
+        pt.assert_equivalent(_Returns(lambda y, p: (y, np.array([np.nan, 2.0 if p else 1.0]))), torch.randn(2, 4), mode)
+    with pytest.raises(AssertionError, match=r"output\[1\]"):
+        pt.assert_equivalent(_Returns(lambda y, p: (y, np.array([1, 2], dtype="int32" if p else "int64"))),
+                             torch.randn(2, 4), mode)
+
+
+def test_the_not_reproducible_message_names_stocks_two_runs():
+    with pytest.raises(AssertionError, match=r"not reproducible.*\(output differs from its first "):
+        pt.assert_equivalent(_Schedule(), torch.randn(2, 4), "hoist")
