@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn.utils import parametrize
 
 import paramfold
 
@@ -166,8 +167,6 @@ class _Hyper(nn.Module):
 def test_a_hook_based_norm_on_a_submodule_of_a_parametrization_member_is_found(kind, mode):
     # Regression: find() listed a parametrize-based site on a member's submodule but not a
     # hook-based one there.
-    from torch.nn.utils import parametrize
-
     def model():
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
