@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import copy
 import importlib
+import pickle
+import random
 import re
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -889,3 +892,159 @@ def test_find_and_prepare_leave_a_chains_own_generator_alone_and_auto_draws_as_s
     with torch.no_grad():
         for call in range(3):
             assert torch.equal(models[1](x), models[0](x)), call
+
+
+# --- Python's and NumPy's random numbers ------------------------------------------------------
+
+
+class _PyNoise(nn.Module):
+    """Weight noise from Python's global ``random``, which no torch op shows."""
+
+    def forward(self, w):
+        return w * (1.0 + 0.1 * random.random())
+
+
+class _NpNoise(nn.Module):
+    """Weight noise from NumPy's global ``np.random``."""
+
+    def forward(self, w):
+        return w * float(1.0 + 0.1 * np.random.rand())
+
+
+class _HeldNoise(nn.Module):
+    """Weight noise from a generator the member holds: a ``random.Random``, a NumPy ``Generator``
+    or ``RandomState`` (a draw changes no version tag of the member's)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.rng = make()
+
+    def forward(self, w):
+        draw = self.rng.random() if isinstance(self.rng, random.Random) else self.rng.random_sample()
+        return w * float(1.0 + 0.1 * draw)
+
+
+def _held(make):
+    return lambda: _HeldNoise(make)
+
+
+_NON_TORCH_NOISE = {
+    "python": _PyNoise,
+    "numpy": _NpNoise,
+    "random.Random": _held(lambda: random.Random(1)),
+    "np.Generator": _held(lambda: _Sampling(np.random.default_rng(1))),
+    "np.RandomState": _held(lambda: np.random.RandomState(1)),
+}
+
+
+class _Sampling:
+    """A NumPy ``Generator`` under ``random_sample``, RandomState's name, held by a plain object."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def random_sample(self):
+        return self.g.random()
+
+
+def _streams(model: nn.Module) -> tuple:
+    """The states of Python's and NumPy's global generators and of a held one (pickled)."""
+    held = [m.rng for m in model.modules() if isinstance(m, _HeldNoise)]
+    held = [h.g if isinstance(h, _Sampling) else h for h in held]
+    return pickle.dumps((random.getstate(), np.random.get_state(legacy=False),
+                         [h.getstate() if isinstance(h, random.Random) else h.bit_generator.state
+                          if isinstance(h, np.random.Generator) else h.get_state(legacy=False) for h in held]))
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.mark.parametrize("noise", list(_NON_TORCH_NOISE), ids=list(_NON_TORCH_NOISE))
+def test_find_and_prepare_see_python_and_numpy_draws_and_leave_those_generators_alone(noise):
+    # Regression: the probe recognised torch's drawing ops only and ran the chain's Python code
+    # for real: find() reported Site.random False and, with prepare(), moved Python's and NumPy's
+    # global generators (a generator the member held was copied, its draw unseen); freeze and
+    # auto then served one sample at every call. Their states are now put back and compared.
+    model = _model(_NON_TORCH_NOISE[noise])
+    _seed_all(3)
+    before = _streams(model)
+    assert [s.random for s in paramfold.find(model)] == [True]
+    assert _streams(model) == before
+    for mode in ("hoist", "freeze"):
+        structure = pt.structure(model)
+        with pytest.raises(paramfold.FoldError, match=r"2\.weight: its parametrization \(custom\) draws random numbers"):
+            paramfold.prepare(model, mode)
+        pt.assert_same_structure(structure, pt.structure(model))
+        assert _streams(model) == before, mode
+    for mode in ("inline", "auto"):
+        paramfold.prepare(model, mode)
+        assert _streams(model) == before, mode
+        paramfold.restore(model)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("mode", ["auto", "inline"])
+@pytest.mark.parametrize("noise", list(_NON_TORCH_NOISE), ids=list(_NON_TORCH_NOISE))
+def test_auto_and_inline_draw_python_and_numpy_numbers_where_stock_does(noise, mode, training, grad):
+    stock = _model(_NON_TORCH_NOISE[noise], frozen=False).train(training)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    assert ours[2].__dict__["_paramfold"].sites["weight"].mode == "inline"
+    x = torch.randn(2, 4)
+    for step in range(3):
+        outputs, streams = [], []
+        for model in (stock, ours):
+            _seed_all(10 + step)
+            with torch.set_grad_enabled(grad):
+                outputs.append(model(x))
+            streams.append(_streams(model))
+        assert torch.equal(*outputs) and streams[0] == streams[1], step
+        if grad:
+            for model, out in zip((stock, ours), outputs):
+                out.square().sum().backward()
+            for (name, a), b in zip(stock.named_parameters(), ours.parameters()):
+                assert torch.equal(a.grad, b.grad), (step, name)
+
+
+class _SwitchablePyNoise(nn.Module):
+    """Weight noise from Python's ``random`` that draws only once switched on (``sigma``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sigma = 0.0
+
+    def forward(self, w):
+        return w * (1.0 + self.sigma * random.random()) if self.sigma else w
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_chain_that_starts_drawing_from_python_random_after_prepare_draws_where_stock_does(mode):
+    # The probe run again at a settings change sees Python's draws as find()'s does.
+    stock = _noisy_model(_SwitchablePyNoise)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    for step, sigma in enumerate([0.0, 0.1, 0.1, 0.1, 0.0]):
+        for model in (stock, ours):
+            model[2].parametrizations.weight[0].sigma = sigma
+        outputs, streams = [], []
+        for model in (stock, ours):
+            _seed_all(step)
+            with torch.no_grad():
+                outputs.append(model(x))
+            streams.append(random.getstate())
+        assert torch.equal(*outputs) and streams[0] == streams[1], (step, sigma)
+
+
+def test_freeze_refuses_a_chain_that_starts_drawing_from_python_random_after_prepare():
+    layer = _layer_with(_SwitchablePyNoise(), "freeze")
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        layer(x)
+        layer.parametrizations.weight[0].sigma = 0.1
+        state = random.getstate()
+        with pytest.raises(paramfold.FoldError, match="would draw random numbers"):
+            layer(x)
+        assert random.getstate() == state

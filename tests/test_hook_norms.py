@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn.utils import parametrize
 
 import paramfold
 
@@ -58,9 +59,9 @@ def _check_equal(stock, ours, what):
         assert (a is None and b is None) or torch.equal(a, b), f"{what} {n}"
 
 
-def _run(kind, layer, mode, train, compile_backend=None, steps=3):
-    stock, x = build(kind, layer)
-    ours, _ = build(kind, layer)
+def _run(kind, layer, mode, train, compile_backend=None, steps=3, container=Pair):
+    stock, x = build(kind, layer, container)
+    ours, _ = build(kind, layer, container)
     stock.train(train), ours.train(train)
     if mode == "freeze":
         stock.requires_grad_(False), ours.requires_grad_(False)
@@ -120,6 +121,73 @@ def test_freeze_bitwise_equal_to_stock(kind, layer):
 def test_compiled_bitwise_equal_to_stock(kind, mode):
     torch._dynamo.reset()
     _run(kind, "conv1d", mode, train=mode != "freeze", compile_backend="aot_eager", steps=2)
+
+
+class Parametrizations(nn.Module):
+    """A user's model that keeps its layers in a ModuleList it names ``parametrizations``."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        self.parametrizations = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.parametrizations:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline", "freeze"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_users_container_named_parametrizations_is_not_inside_a_parametrization(kind, mode):
+    # Regression: a module was taken to live inside a parametrization where any part of its path
+    # was "parametrizations", so find() did not list these norms and prepare left them stock.
+    model, _ = build(kind, "linear", Parametrizations)
+    sites = paramfold.find(model)
+    assert [(s.fqn, s.hook_based) for s in sites] == [("parametrizations.0.weight", True), ("parametrizations.2.weight", True)]
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    paramfold.prepare(model, mode)
+    assert ("_paramfold" in vars(model.parametrizations[0])) == (mode != "inline")  # inline leaves hooks as they are
+    _run(kind, "linear", mode, train=mode != "freeze", container=Parametrizations)
+
+
+class _Hyper(nn.Module):
+    """A parametrization whose own submodule has a hook-based norm."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.net = _norm(kind)(nn.Linear(3, 3))
+
+    def forward(self, w):
+        return w + self.net(w)
+
+
+@pytest.mark.parametrize("mode", ["auto", "inline"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_hook_based_norm_on_a_submodule_of_a_parametrization_member_is_found(kind, mode):
+    # Regression: find() listed a parametrize-based site on a member's submodule but not a
+    # hook-based one there.
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+        parametrize.register_parametrization(m[0], "weight", _Hyper(kind))
+        return m
+
+    stock, ours = model(), model()
+    found = [(s.fqn, s.hook_based) for s in paramfold.find(ours)]
+    assert found == [("0.weight", False), ("0.parametrizations.weight.0.net.weight", True)]
+    paramfold.prepare(ours, mode)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, ours)]
+    x = torch.randn(2, 3)
+    for step in range(3):
+        outputs = []
+        for m, opt in zip((stock, ours), optimizers):
+            opt.zero_grad()
+            outputs.append(m(x))
+            outputs[-1].square().sum().backward()
+            opt.step()
+        assert torch.equal(*outputs), step
+        _check_equal(stock.state_dict(), ours.state_dict(), f"state_dict {step}")
 
 
 def test_freeze_refuses_spectral_norm_in_training():

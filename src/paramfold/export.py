@@ -28,7 +28,7 @@ from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
 from paramfold.hooknorms import hook_norms
 from paramfold.state import STATE_ATTR, installed_keys, is_dtensor, state_of
-from paramfold.sites import Site, find, inside_parametrization
+from paramfold.sites import Site, find, parametrization_paths
 
 __all__ = ["export", "folded_copy"]
 
@@ -101,7 +101,8 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
         >>> plain.bias is model.bias
         True
     """
-    found = [s for s in find(model) if not inside_parametrization(s.module_path)]
+    inside = parametrization_paths(model)
+    found = [s for s in find(model) if s.module_path not in inside]
     if filter_fn is not None:
         chosen = {s.module: _selected(filter_fn, s) for s in found}  # once per module
         found = [s for s in found if chosen[s.module]]

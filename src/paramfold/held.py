@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import pickle
+import random
 import re
 import sys
 import types
@@ -198,6 +200,34 @@ def _all_slots(cls: type) -> tuple[str, ...]:
 def _slot_names(cls: type) -> tuple[str, ...]:
     slots = vars(cls).get("__slots__", ())
     return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def generators(module: nn.Module) -> list[object]:
+    """The Python and NumPy random generators ``module`` holds (a ``random.Random``, a NumPy
+    ``Generator``, ``RandomState`` or bit generator), directly or as an item of a held list, tuple
+    or dict: no version tag sees a draw from one, :func:`generator_state` does."""
+    found = []
+    for _, obj in held(module).unwatched:
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else (obj,)
+        found += [item for item in items if generator_state(item) is not None]
+    return found
+
+
+def generator_state(obj: object) -> bytes | None:
+    """The state of a Python or NumPy random generator, comparable with ``==``; None for anything
+    else."""
+    if isinstance(obj, random.Random):
+        return pickle.dumps(obj.getstate())
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return None
+    if isinstance(obj, numpy.random.Generator):
+        obj = obj.bit_generator
+    if isinstance(obj, numpy.random.RandomState):
+        return pickle.dumps(obj.get_state(legacy=False))
+    if isinstance(obj, numpy.random.BitGenerator):
+        return pickle.dumps(obj.state)
+    return None
 
 
 def snapshot(module: nn.Module) -> tuple[list, list, list]:

@@ -21,7 +21,7 @@ from paramfold.inline import chain_signature, hook_keys, inline_property, instal
 from paramfold.randomness import watch as watch_draws
 from paramfold.restore import restore, restore_module
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for, syncs_before_forward
-from paramfold.sites import Site, find, inside_parametrization
+from paramfold.sites import Site, find, parametrization_paths
 
 MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
@@ -104,7 +104,8 @@ def prepare(
     _refuse_prepared(model)
 
     paths = _module_paths(model)
-    sites = [s for s in find(model) if not inside_parametrization(s.module_path)]
+    inside = parametrization_paths(model)
+    sites = [s for s in find(model) if s.module_path not in inside]
     # Communication parametrizations (SimpleFSDP's all-gather) stay stock, in-graph: hoisting
     # would gather every parameter at the root's call, freezing would keep a stale gather. So
     # do chains whose original a hook computes at each call (prune on the original).
@@ -116,12 +117,12 @@ def prepare(
         sites = [s for s in sites if not s.hook_based]
     chosen = {s.module: _selected(filter_fn, s.module, s.module_path) for s in sites}  # once per module
     selected = [s for s in sites if chosen[s.module]]
-    if mode == "freeze":
-        refuse_unfreezable(selected, "with mode='freeze'")
     for site in selected:
         _refuse_unsupported(site)
         if mode in ("hoist", "freeze"):
             _refuse_read_by_read(site, mode)
+    if mode == "freeze":  # after: a chain that draws is refused with advice that serves it (not hoist)
+        refuse_unfreezable(selected, "with mode='freeze'")
 
     sharers = _state_sharers(model, sites)
     states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check, sharers)
@@ -199,7 +200,8 @@ def _refuse_prepared(model: nn.Module) -> None:
 
 
 def _module_paths(model: nn.Module) -> dict[str, nn.Module]:
-    return {path: module for path, module in model.named_modules() if not inside_parametrization(path)}
+    inside = parametrization_paths(model)
+    return {path: module for path, module in model.named_modules() if path not in inside}
 
 
 def _selected(filter_fn: FilterFn | None, module: nn.Module, fqn: str) -> bool:
@@ -282,8 +284,9 @@ def _state_sharers(model: nn.Module, sites: list[Site]) -> dict[int, tuple[tuple
             owners[key].append(id(site))
         if site.stateful:
             stateful[id(site)] = site
+    inside = parametrization_paths(model)
     for path, module in model.named_modules(remove_duplicate=False):
-        if not inside_parametrization(path):
+        if path not in inside:
             owners[("module", id(module))].append(-1)  # a use by the forward, which may call it
     shared = {}
     for site in sites:

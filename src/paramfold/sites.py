@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+import pickle
+import random
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -16,7 +19,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold.compute import has_parametrizations, is_nested, leaf_originals, members, original_names
-from paramfold.held import same, snapshot
+from paramfold.held import generator_state, generators, same, snapshot
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
 from paramfold.state import innermost_transform, is_dtensor
@@ -99,7 +102,9 @@ class Site:
             originals ``weight_g``/``weight_v`` or ``weight_orig``) rather than a parametrization.
         random: whether the chain (or a nested chain) draws random numbers when it computes
             the tensor, in training or eval mode (DropConnect, weight noise, sampled Bayesian
-            weights): stock then draws at every read, in the forward's order.
+            weights), from torch's generators, Python's ``random``, NumPy's ``np.random`` or a
+            Python or NumPy generator a member holds: stock then draws at every read, in the
+            forward's order.
         writes_itself: whether computing the tensor changes the chain's own state outside its
             parameters and buffers (an attribute set, such as a step counter; a tensor attribute
             edited in place) or its originals (a member that edits its input in place,
@@ -173,9 +178,9 @@ def find(model: nn.Module) -> list[Site]:
 
 def _hook_sites(model: nn.Module) -> list[Site]:
     sites = []
+    # Those inside a parametrization too (on a submodule of a member), as _iter_registrations lists
+    # the parametrizations there.
     for path, module in model.named_modules():
-        if inside_parametrization(path):
-            continue
         for _, hook, kind in hook_norms(module):
             originals = {n: d[k] for n, d, k in hook_originals(module, hook, kind)}
             sites.append(
@@ -215,10 +220,23 @@ def _attach_nested(every: dict[tuple[str, str], Site]) -> list[Site]:
     return [attach(key, site) for key, site in every.items() if id(site) not in nested_ids]
 
 
-def inside_parametrization(path: str) -> bool:
-    """Whether the module at ``path`` lives inside a ``ParametrizationList`` (a parametrization
-    module, or a parametrization of one)."""
-    return "parametrizations" in path.split(".")
+def parametrization_paths(model: nn.Module) -> frozenset[str]:
+    """The paths in ``model`` of the modules that live inside a parametrization: a parametrized
+    module's ``parametrizations`` dict and whatever is reached through one of torch's
+    ``ParametrizationList``s in it (its members, their submodules, nested parametrizations),
+    under every path a shared module has. Told by structure, not by name: a container of the
+    user's named ``parametrizations`` is not one."""
+    inside: set[str] = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not has_parametrizations(module):
+            continue
+        at = f"{path}.parametrizations" if path else "parametrizations"
+        for name, plist in module._modules["parametrizations"].items():
+            if isinstance(plist, parametrize.ParametrizationList):
+                inside.add(at)
+                inside.update(f"{at}.{name}.{sub}" if sub else f"{at}.{name}"
+                              for sub, _ in plist.named_modules(remove_duplicate=False))
+    return frozenset(inside)
 
 
 def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]]:
@@ -422,12 +440,15 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
     attributes = [(vars(m), dict(vars(m))) for m in module.modules()]
     tensors = [(t, t._version) for _, then in attributes for t in then.values() if isinstance(t, torch.Tensor)]
     holdings = list(map(snapshot, module.modules()))  # a list it appends to, ...
+    # A random.Random or NumPy generator a member holds (its copy's): a draw moves its state.
+    rngs = [(g, generator_state(g)) for m in module.modules() for g in generators(m)]
     try:
         out = _run_probed(probe, torch.func.functional_call, module, state, args)
     except _Collective:
         out, probe.collective = None, True
     except Exception:  # a probe must never break find(); unknown stays "custom"
         out = None
+    probe.random = probe.random or any(generator_state(g) != then for g, then in rngs)
     probe.mutated = any(state[k]._version != v for k, v in versions.items())
     probe.writes_itself = any(now.keys() != then.keys() or not all(map(operator.is_, now.values(), then.values()))
                               for now, then in attributes) or any(t._version != v for t, v in tensors)
@@ -441,9 +462,33 @@ def _run_probed(probe: _Probe, fn: Callable[..., T], *args: object) -> T:
     Python (the global ``force_eager`` stance, for the probe's duration) so that the probe sees
     each op. Dynamo does not compile a frame it meets under a dispatch mode, and marks the frame's
     code to be skipped for good: a member compiled with ``member.compile()`` would have run
-    eagerly from then on, in every model of the process."""
-    with torch.compiler.set_stance("force_eager"), probe:
-        return fn(*args)
+    eagerly from then on, in every model of the process.
+
+    Python's global ``random`` and NumPy's global ``np.random`` cannot be kept from drawing as
+    torch's generators are (no dispatch mode sees them): their states are put back afterwards,
+    and a change counts as the chain drawing random numbers."""
+    before = _global_states()
+    try:
+        with torch.compiler.set_stance("force_eager"), probe:
+            return fn(*args)
+    finally:
+        after = _global_states()
+        if after[0] != before[0] or (before[1] is not None and after[1] != before[1]):
+            probe.random = True
+            _put_back(before)
+
+
+def _global_states() -> tuple[object, bytes | None]:
+    """The states of Python's global generator and of NumPy's (None where NumPy is not imported)."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), None if numpy is None else pickle.dumps(numpy.random.get_state(legacy=False))
+
+
+def _put_back(states: tuple[object, bytes | None]) -> None:
+    python, numpy = states
+    random.setstate(python)
+    if numpy is not None:
+        sys.modules["numpy"].random.set_state(pickle.loads(numpy))
 
 
 class _Collective(Exception):
@@ -456,9 +501,10 @@ class _Probe(TorchDispatchMode):
     ``nondeterministic_seeded``: dropout, ``bernoulli``, ``randn_like``, ...).
 
     A drawing op is not run: its results (and the tensors it writes) get numbers from the
-    probe's own generator, shaped as the op's meta kernel says. No generator of the user's (the
-    shared CPU or device ones, a chain's own) moves, so nothing has to be put back, and another
-    thread's draws meanwhile are its own (a state put back afterwards would rewind them).
+    probe's own generator, shaped as the op's meta kernel says. No torch generator of the user's
+    (the shared CPU or device ones, a chain's own) moves, so nothing has to be put back, and
+    another thread's draws meanwhile are its own (a state put back afterwards would rewind them).
+    Python's and NumPy's generators are not torch ops: see :func:`_run_probed`.
     """
 
     def __init__(self, stop_at_collectives: bool = True) -> None:

@@ -7,7 +7,7 @@ from torch import nn
 
 from paramfold import hooknorms
 from paramfold.compute import compute, has_parametrizations
-from paramfold.sites import inside_parametrization
+from paramfold.sites import parametrization_paths
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -40,8 +40,9 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     by_prefix: dict[str, list[tuple[str, nn.Module, str]]] = {}
     # A hook-based norm's stored keys -> (the plain key, module, hook, kind).
     by_hook_key: dict[str, tuple[str, nn.Module, object, str]] = {}
+    inside = parametrization_paths(model)
     for path, module in model.named_modules(remove_duplicate=False):
-        if inside_parametrization(path):
+        if path in inside:
             continue
         at = f"{path}." if path else ""
         for _, hook, kind in hooknorms.hook_norms(module):

@@ -68,7 +68,7 @@ from torch.nn.utils import parametrize
 import paramfold
 from paramfold.compute import has_parametrizations, original_names
 from paramfold.hooknorms import hook_norms
-from paramfold.sites import inside_parametrization
+from paramfold.sites import parametrization_paths
 from paramfold.testing.compare import (
     BITWISE,
     Tolerance,
@@ -689,8 +689,9 @@ def _compare_reads(
                     _set_rng_state(rng)
                     compare(f"{where} read outside forward{at}", ours, getattr(s, name), tol)
                     _set_rng_state(rng)
+        inside = parametrization_paths(stock)
         for path, module in stock.named_modules():
-            if inside_parametrization(path):
+            if path in inside:
                 continue
             for _, hook, kind in hook_norms(module):
                 # A plain attribute torch's pre-hook writes at each call of the module.
@@ -705,10 +706,11 @@ def _compare_reads(
 
 
 def _parametrized(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    inside = parametrization_paths(model)
     return [
         (path, m)
         for path, m in model.named_modules()
-        if has_parametrizations(m) and not inside_parametrization(path)
+        if has_parametrizations(m) and path not in inside
     ]
 
 
@@ -881,12 +883,13 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
 def _reordered_originals(model: nn.Module) -> set[int]:
     """Originals of modules called more than once per forward, and originals shared by sites."""
     calls: dict[int, int] = {}
+    inside = parametrization_paths(model)
     for path, module in model.named_modules(remove_duplicate=False):
-        if not inside_parametrization(path):
+        if path not in inside:
             calls[id(module)] = calls.get(id(module), 0) + 1
     repeated: set[int] = set()
     for path, module in model.named_modules():
-        if inside_parametrization(path) or not has_parametrizations(module):
+        if path in inside or not has_parametrizations(module):
             continue
         for plist in module.parametrizations.values():
             for name in original_names(plist):
