@@ -901,8 +901,9 @@ def _reordered_originals(model: nn.Module) -> set[int]:
 def _tied_originals(model: nn.Module) -> set[int]:
     """Originals shared by several sites."""
     users: dict[int, int] = {}
+    inside = parametrization_paths(model)
     for path, module in model.named_modules():
-        if inside_parametrization(path) or not has_parametrizations(module):
+        if path in inside or not has_parametrizations(module):
             continue
         for plist in module.parametrizations.values():
             for name in original_names(plist):
