@@ -242,6 +242,32 @@ def test_recompile_limit_is_reported():
     assert "recompile_limit" in notes[1] and "recompile_limit" not in notes[0]
 
 
+def test_recomp_counts_recompiles_as_paramfold_recompiles_does():
+    # Regression: read_proxies counted the compile refused at the recompile limit as a recompile
+    # (8 against the report's 7 for ten layers at the default limit of 8).
+    from paramfold.bench.measure import fresh_compile_state, read_proxies
+
+    class Layer(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.linear = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(width, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.linear(x))
+
+    layers = [Layer(4 + i) for i in range(4)]
+    for layer in layers:
+        layer.compile(backend="eager")
+    with fresh_compile_state(cold_caches=False), torch._dynamo.config.patch(**{limit_config(): 2}):
+        with paramfold.recompiles(warn=False) as report:
+            for i, layer in enumerate(layers):
+                layer(torch.ones(2, 4 + i))
+        proxies = read_proxies()
+    assert report.limit_hit and len(report.recompiles) == 1
+    assert proxies.recompiles == len(report.recompiles) and proxies.graphs == report.graphs_total == 2
+    assert proxies.recompile_limit_hits == len(report.limit_hits) == 1
+
+
 def test_method_entry_and_custom_variants():
     calls = []
 

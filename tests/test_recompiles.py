@@ -744,3 +744,168 @@ def test_short_path_names_package_files_as_imported_and_local_files_relative(tmp
     assert short_path(str(script)) == os.path.join("sub", "train.py")
     elsewhere = tmp_path.parent / "other.py"
     assert short_path(str(elsewhere)) == str(elsewhere)
+
+
+def test_prepared_torch_defined_roots_name_their_forward_and_share_a_limit_only_per_forward():
+    # Regression: a prepared nn.Sequential was reported as paramfold's wrapper "_root_forward
+    # (.../paramfold/classes.py:395)", every prepared torch-defined root (of any class) compiled
+    # that one code object, and the limit-hit fix no longer said the limit was shared.
+    import paramfold
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    seqs = [nn.Sequential(weight_norm(nn.Linear(4 + i, 4)), nn.ReLU()) for i in range(3)]
+    linear = weight_norm(nn.Linear(4, 4))  # a root whose forward is Linear.forward
+    xs = [torch.randn(2, 4 + i) for i in range(3)]
+    stock = [m(x) for m, x in zip(seqs, xs)] + [linear(xs[0])]
+    for m in [*seqs, linear]:
+        paramfold.prepare(m, "hoist")
+    compiled = [torch.compile(m, backend="eager") for m in [*seqs, linear]]
+    with torch._dynamo.config.patch(**{LIMIT: 2}), recompiles(warn=False) as report:
+        outs = [c(x) for c, x in zip(compiled, [*xs, xs[0]])]
+    assert all(torch.equal(a, b) for a, b in zip(outs, stock))
+    seq_fwd, lin_fwd = nn.Sequential.forward.__code__, nn.Linear.forward.__code__
+    seq_loc = f"Sequential.forward ({short_path(seq_fwd.co_filename)}:{seq_fwd.co_firstlineno})"
+    lin_loc = f"Linear.forward ({short_path(lin_fwd.co_filename)}:{lin_fwd.co_firstlineno})"
+    assert report.graphs_per_function() == {seq_loc: 2, lin_loc: 1}
+    # the Linear root has a code object (and limit) of its own: its first compile is no recompile
+    assert [(r.location, r.kind) for r in report.records] == [
+        (seq_loc, "first compile"), (seq_loc, "recompile"), (seq_loc, "limit hit"), (lin_loc, "first compile"),
+    ]
+    assert {r.shared_code for r in report.records} == {"paramfold.classes._root_forward"}
+    fix = report.limit_hits[0].fix
+    assert fix.startswith(f"torch stopped compiling {seq_loc}") and "ONE recompile limit" in fix
+    assert "paramfold.classes._root_forward" in fix and "classes.py" not in _text(report)
+
+
+def test_train_eval_switch_of_a_prepared_stateful_chain_is_reported_as_training():
+    # Regression: paramfold gives a module whose spectral_norm trains another class of its own
+    # than in eval (named as torch's Linear); the recompile on model.eval() was reported as object
+    # identity with "reuse one object", where stock's report says "training".
+    import paramfold
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = spectral_norm(nn.Linear(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(x)
+
+    for first_training in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Net()
+        paramfold.prepare(model, "hoist")
+        model.train(first_training)
+        compiled = torch.compile(model, backend="eager")
+        with torch.no_grad(), recompiles() as report:
+            compiled(torch.randn(2, 4))
+            model.train(not first_training)
+            compiled(torch.randn(2, 4))
+        (rec,) = report.recompiles
+        g = rec.failed_guards[0]
+        assert rec.cause == "training" and g.category == "training"
+        assert g.guard.startswith("___check_type_id(self._modules['b'],")
+        mode = "training" if first_training else "eval"
+        assert f"type=<class 'torch.nn.modules.linear.Linear'> (paramfold's class of that Linear, for {mode})" in g.guard
+        assert f"made with self._modules['b'] in {mode} mode" in g.fix and "same train/eval mode" in g.fix
+        assert "reuse one object" not in g.fix
+
+
+def _graphs(body) -> tuple[int, list]:
+    torch._dynamo.reset()
+    with recompiles() as report:
+        body()
+    return report.graphs_total, [g for r in report.recompiles for g in r.failed_guards[:1]]
+
+
+def test_each_suggested_fix_removes_the_recompile_or_says_there_is_none():
+    # Regression: stride and rank mismatches got "mark the dims with mark_dynamic", which changes
+    # nothing; a parameter's shape change got force_parameter_static_shapes = False, after which
+    # the first change still recompiles (and every change, on a module of torch's own).
+    def stride(fixed: bool):
+        f = _compile(lambda t: t * 2)
+        a, b = torch.randn(4, 6), torch.randn(6, 4).t()
+        f(a.contiguous() if fixed else a)
+        f(b.contiguous() if fixed else b)
+
+    graphs, (g,) = _graphs(lambda: stride(False))
+    assert graphs == 2 and "stride mismatch" in g.guard and g.category == "shape"
+    assert "t.contiguous()" in g.fix and "mark_dynamic(" not in g.fix
+    assert _graphs(lambda: stride(True)) == (1, [])
+
+    def rank():
+        f = _compile(lambda t: t.sum())
+        f(torch.randn(3))
+        f(torch.randn(3, 4))
+
+    graphs, (g,) = _graphs(rank)
+    assert graphs == 2 and "rank mismatch" in g.guard and g.category == "shape"
+    assert "no setting lets one graph serve" in g.fix and "mark_dynamic(" not in g.fix
+
+    class Own(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.t()
+
+    for make in (Own, lambda: nn.Linear(4, 4, bias=False)):
+        def resized(fixed: bool):
+            m = make()
+            c, x = _compile(m), torch.randn(2, 4)
+            for n in (4, 6, 8):
+                m.weight = nn.Parameter(torch.randn(n, 4))
+                if fixed:
+                    torch._dynamo.mark_dynamic(m.weight, 0)
+                c(x)
+
+        graphs, fails = _graphs(lambda: resized(False))
+        assert graphs == 3 and fails[0].category == "shape" and fails[0].dim == 0
+        fix = fails[0].fix
+        assert "force_parameter_static_shapes = False" in fix and "force_nn_module_property_static_shapes = False" in fix
+        assert "mark_dynamic" in fix and "first change still recompiles" in fix
+        with torch._dynamo.config.patch(force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False):
+            assert _graphs(lambda: resized(True)) == (1, [])
+            assert _graphs(lambda: resized(False))[0] == 2  # the settings alone: the first change recompiles
+
+    # a parameter's requires_grad flipped with grad mode on: no fix exists, and the one for no_grad
+    # (detach_params_under_no_grad) is named for no_grad only
+    import paramfold
+
+    def frozen_layer(no_grad: bool, detach: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(Block(), Block())
+        if detach:
+            paramfold.prepare(m, "hoist", detach_params_under_no_grad=True)
+        c = _compile(m)
+        with torch.set_grad_enabled(not no_grad):
+            c(torch.randn(2, 16))
+            m[1].proj.weight.requires_grad_(False)
+            c(torch.randn(2, 16))
+
+    graphs, (g,) = _graphs(lambda: frozen_layer(False, False))
+    assert graphs == 2 and g.category == "requires_grad"
+    assert "with grad mode on nothing removes it" in g.fix and "under torch.no_grad()" in g.fix
+    assert _graphs(lambda: frozen_layer(False, True))[0] == 2  # indeed: nothing removes it
+    assert _graphs(lambda: frozen_layer(True, False))[0] == 2
+    assert _graphs(lambda: frozen_layer(True, True)) == (1, [])  # the no_grad fix works
+
+
+@pytest.mark.skipif(not GRAPH_BREAKS_REPORTED, reason="torch < 2.6 logs no create_symbol event")
+def test_dynamic_dims_are_listed_once_when_dynamo_restarts_the_analysis():
+    # Regression: after a graph break dynamo logs create_symbol again and the record listed
+    # "x.size()[0]" twice.
+    def f(x):
+        y = x * 2
+        torch._dynamo.graph_break()
+        return y + 1
+
+    cf = _compile(f)
+    with recompiles() as report:
+        cf(torch.randn(4))
+        cf(torch.randn(5))
+    assert [r.dynamic for r in report.recompiles] == [["x.size()[0]"], ["y.size()[0]"]]

@@ -107,6 +107,26 @@ def prepared_class(
     return cls
 
 
+def class_by_id(cls_id: int) -> tuple[type, str] | None:
+    """For one of paramfold's classes, by ``id()`` (as a dynamo ``___check_type_id`` guard names
+    it): the class it was made from and what a module has it for: ``"training"`` (its
+    :func:`read_once_class`: a stateful chain of it trains), ``"eval"`` (a prepared class that
+    has a read-once class: the module has it while its stateful chain does not train), or ``""``.
+    None for any other class (and for an evicted one)."""
+    with _classes_lock:
+        found = next(((key, cls) for key, cls in _classes.items() if id(cls) == cls_id), None)
+        if found is None:
+            return None
+        key, cls = found
+        if key[0] == "read_once":
+            role = "training"
+        elif key[0] != "between" and any(k[0] == "read_once" and k[1] is cls for k in _classes):
+            role = "eval"
+        else:
+            role = ""
+    return cls._paramfold_base, role
+
+
 def _evict(cls: type) -> None:
     with _classes_lock:
         for key, value in list(_classes.items()):
@@ -405,13 +425,35 @@ def _root_forward(self: nn.Module, *args, **kwargs):
     return type(self)._paramfold_forward(self, *args, **kwargs)
 
 
+# id(code) -> (code, forward): the code object of _root_forward made for each torch forward.
+# By id: copies of one code object compare (and hash) equal.
+_root_codes: dict[int, tuple[types.CodeType, Callable]] = {}
+
+
 def _root_forward_for(forward: Callable) -> types.FunctionType:
     """:func:`_root_forward` (its code, so dynamo compiles it as that frame) presented as
     ``forward``: ``__wrapped__`` gives ``inspect.signature`` and ``fx.symbolic_trace`` (which read
-    the unwrapped code for their placeholders) the model's own parameters, as on stock."""
-    fn = types.FunctionType(_root_forward.__code__, _root_forward.__globals__, "forward")
+    the unwrapped code for their placeholders) the model's own parameters, as on stock.
+
+    Each torch forward gets a copy of the code object of its own: dynamo keeps its graphs and
+    counts the recompile limit per code object, so prepared roots of one class share them (as
+    instances of any class share their forward's), not every prepared torch-defined root
+    (``nn.Sequential``, ``nn.Linear``, ...) with every other. Called under ``_classes_lock``.
+    """
+    code = next((c for c, f in _root_codes.values() if f is forward), None)
+    if code is None:
+        code = _root_forward.__code__.replace()
+        _root_codes[id(code)] = (code, forward)
+    fn = types.FunctionType(code, _root_forward.__globals__, "forward")
     functools.update_wrapper(fn, forward, assigned=("__name__", "__qualname__", "__doc__"), updated=())
     return fn
+
+
+def root_forward_of(code: types.CodeType) -> Callable | None:
+    """The torch forward (``nn.Sequential.forward``) that ``code``, paramfold's frame for a
+    prepared root whose forward is torch's own, runs; None for any other code object."""
+    entry = _root_codes.get(id(code))
+    return entry[1] if entry is not None and entry[0] is code else None
 
 
 def _refuse_pickle(self: nn.Module, protocol: int = 2) -> None:

@@ -27,7 +27,10 @@ every version of the nox matrix; README's version table). What differs between t
 * a ``___check_type_id`` guard names the class it wanted, ``type=<class '...'>`` (2.13; where torch
   leaves that out, it gets the generic identity fix): a class of torch's parametrize
   (``torch.nn.utils.parametrize.Parametrized<Cls>``, one per parametrized module) gets the
-  ``paramfold.prepare`` fix.
+  ``paramfold.prepare`` fix. paramfold's own classes are named as the class they were made from,
+  so the guard's id is looked up (``paramfold.classes.class_by_id``): the guard text then says it
+  is paramfold's class, and a module whose class train()/eval() of its stateful chain swapped gets
+  ``training``.
 * a symbolic-shape guard is the shape expression itself (``2 <= x.size()[1]``, with
   "0/1 specialization" in its comment from 2.6 on).
 
@@ -76,13 +79,31 @@ FIXES: dict[str, str] = {
         "mark_unbacked) differ from those of the call the graph was made for ({guard}): mark it "
         "the same way on every call, starting before the first call"
     ),
+    "shape:stride": (
+        "{tensor} arrived with other strides than the graph was made for (a transposed, sliced or "
+        "otherwise non-contiguous view, or the other way round; marking dims dynamic does not "
+        "change this): pass it in one layout on every call, e.g. {tensor}.contiguous(), or accept "
+        "one graph per layout"
+    ),
+    "shape:rank": (
+        "{tensor} has {actual} dims, the graph was made for {expected}: no setting lets one graph "
+        "serve inputs of different ranks (mark_dynamic neither); pass one rank on every call "
+        "(reshape/unsqueeze before the call), or accept one graph per rank"
+    ),
     "shape:parameter": (
-        "parameter/buffer {tensor} changed shape; torch._dynamo.config."
-        "force_parameter_static_shapes = False lets one graph serve both"
+        "parameter/buffer {tensor} changed shape; before the first call set "
+        "torch._dynamo.config.force_parameter_static_shapes = False (and "
+        "force_nn_module_property_static_shapes = False where it belongs to a module of torch's "
+        "own, nn.Linear & co.) and torch._dynamo.mark_dynamic(...) dim {dim} of every new "
+        "parameter/buffer put there: one graph serves all shapes; with the settings alone, the "
+        "first change still recompiles and later ones reuse its graph"
     ),
     "requires_grad": (
-        "run frozen and trainable copies through paramfold.prepare(..., "
-        "detach_params_under_no_grad=True) or keep requires_grad consistent"
+        "a parameter's requires_grad differs from the call the graph was made for (frozen vs "
+        "trainable): under torch.no_grad()/inference_mode, run the models through "
+        "paramfold.prepare(..., detach_params_under_no_grad=True) and one graph serves both; with "
+        "grad mode on nothing removes it: keep requires_grad consistent, or accept one graph per "
+        "requires_grad setting"
     ),
     "requires_grad:input": (
         "input {tensor} requires grad in one call and not in another; make it consistent "
@@ -110,6 +131,13 @@ FIXES: dict[str, str] = {
         "{source} is a different object than when the graph was made (rebound global, new "
         "function or closure, module of another class): reuse one object, or pass the varying "
         "value as a tensor"
+    ),
+    "training:paramfold": (
+        "the graph was made with {source} in {mode} mode: paramfold.prepare gives a module whose "
+        "stateful chain (spectral_norm's power iteration) trains one class of paramfold's while "
+        "it trains and another in eval, both named as {cls} is, so switching train()/eval() "
+        "recompiles here, as stock's .training guard does: put models that share this code in "
+        "the same train/eval mode"
     ),
     "id/object identity:parametrize": (
         "{source} is a module of another class ({cls}): torch's parametrize "
@@ -144,6 +172,15 @@ FIXES: dict[str, str] = {
         "as a frame of its own, so all of them share ONE recompile limit: compile the function "
         "that calls it instead, or raise torch._dynamo.config.{limit_type}"
     ),
+    "limit hit:shared_root": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. paramfold.prepare runs the forward of a model whose forward is "
+        "torch's own (nn.Sequential, nn.Linear, ...) in a frame of its own, one code object per "
+        "such forward (paramfold.classes._root_forward), so every prepared model with this "
+        "forward compiled on its own (torch.compile(model)) shares ONE recompile limit, as "
+        "instances of one class share their forward's: compile the parent model that calls them "
+        "once instead of each, or raise torch._dynamo.config.{limit_type}"
+    ),
     "other": (
         "a Python value the compiled code depends on changed ({guard}): keep it constant, or pass "
         "it as a tensor"
@@ -172,7 +209,8 @@ _MARKED_TENSOR = re.compile(r"hasattr\((?P<tensor>[^,]+), '_dynamo_")
 _SYM_SIZE = re.compile(r"(?P<tensor>[\w.\[\]'\"]+?)\.size\(\)\[(?P<dim>\d+)\]")
 _SYM_STRIDE = re.compile(r"\.(size|stride)\(\)\[\d+\]|\.storage_offset\(\)")
 _TRAINING = re.compile(r"(?P<source>[\w.\[\]'\"]+)\.training\b")
-_OBJ_ID = re.compile(r"___check_(obj|type)_id\((?P<source>[^,]+),")
+_OBJ_ID = re.compile(r"___check_(obj|type)_id\((?P<source>[^,]+),\s*(?P<id>\d+)?")
+_TYPE_NAMED = re.compile(r"type=<class '[^']*'>")
 # The class torch.nn.utils.parametrize._inject_new_class makes for each parametrized module.
 _PARAMETRIZED_TYPE = re.compile(r"type=<class 'torch\.nn\.utils\.parametrize\.(?P<cls>Parametrized\w*)'>")
 _GLOBAL_STATE = "GLOBAL_STATE changed:"
@@ -210,6 +248,8 @@ def classify(reason: str) -> GuardFailure:
     # Code-part guards carry "  # <user source line>" comments; match on the check alone.
     expr = re.split(r"\s+# ", guard, maxsplit=1)[0].strip()
     category, variant, fields = _categorize(expr, guard)
+    if note := fields.pop("note", None):  # torch names paramfold's class as the one it was made from
+        guard = _TYPE_NAMED.sub(lambda t: f"{t[0]} ({note})", guard, count=1)
     fields.setdefault("guard", expr)
     key = f"{category}:{variant}" if variant else category
     return GuardFailure(
@@ -245,13 +285,13 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         if f["what"] == "size" and (int(f["actual"]) in (0, 1) or int(f["expected"]) in (0, 1)):
             return "shape", "size01", f
         if f["what"] == "stride":
-            return "shape", "symbolic", {"tensor": f["tensor"], "dim": f["dim"]}
+            return "shape", "stride", {"tensor": f["tensor"], "dim": f["dim"]}
         return "shape", None, f
     if _DIM_MARKING.search(expr):
         m = _MARKED_TENSOR.search(expr)
         return "shape", "marking", {"tensor": m["tensor"].strip()} if m else {}
     if m := _RANK_MISMATCH.match(expr):
-        return "shape", "symbolic", m.groupdict()
+        return "shape", "rank", m.groupdict()
     if _SYM_STRIDE.search(expr):
         f: dict[str, Any] = {}
         if m := _SYM_SIZE.search(expr):
@@ -269,6 +309,13 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         return "training", None, m.groupdict()
     if m := _OBJ_ID.search(expr):
         source = m["source"].strip()
+        if m[1] == "type" and m["id"] and (pf := _paramfold_class(int(m["id"]))) is not None:
+            base, role = pf
+            f = {"source": source, "cls": base.__qualname__, "mode": role}
+            f["note"] = f"paramfold's class of that {base.__qualname__}" + (f", for {role}" if role else "")
+            if role:  # paramfold swaps a module's class only on train()/eval() of a stateful chain
+                return "training", "paramfold", f
+            return "id/object identity", None, f
         if m[1] == "type" and (p := _PARAMETRIZED_TYPE.search(expr)):
             return "id/object identity", "parametrize", {"source": source, "cls": p["cls"]}
         return "id/object identity", None, {"source": source}
@@ -278,6 +325,14 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
     if expr.startswith("BACKEND_MATCH"):
         return "other", "backend", {}
     return "other", None, {}
+
+
+def _paramfold_class(cls_id: int) -> tuple[type, str] | None:
+    """(class made from, what for) where the id a type guard names is one of paramfold's classes,
+    which torch names as the class they were made from (``classes.class_by_id``)."""
+    from paramfold.classes import class_by_id
+
+    return class_by_id(cls_id)
 
 
 def _is_param(source: str) -> bool:

@@ -31,6 +31,9 @@ What depends on the torch version (each read from that version's source):
   ``_call_impl`` in ``torch._dynamo.external_utils.wrap_inline``: every such layer compiles one
   shared code object, ``inner``. The report names the module's own forward (``Linear.forward``)
   and says that those layers share one recompile limit.
+* a prepared model whose forward is torch's own runs that forward in a frame of paramfold's, one
+  code object per such forward (``paramfold.classes.root_forward_of``): the report names the forward
+  (``Sequential.forward``) and says that prepared models with it share one recompile limit.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ __all__ = [
     "limit_config",
     "limit_message",
     "recompiles",
+    "refused_at_limit",
 ]
 
 _FUNC_INFO = re.compile(r"^'(?P<name>.*)' \((?P<file>.*):(?P<line>\d+)\)$")
@@ -104,14 +108,24 @@ def is_limit_message(text: str) -> bool:
 
 
 def is_recompile(metrics: Any) -> bool:
-    """Whether one of torch's ``CompilationMetrics`` is a recompile.
+    """Whether one of torch's ``CompilationMetrics`` is a recompile, as :func:`recompiles` counts
+    them: a compile of a code object that already had a graph, not refused at the recompile limit
+    (torch records a ``recompile_reason`` for that one too; the report counts it as a limit hit).
 
     torch >= 2.7 records ``recompile_reason``; before, a compile of a code object that already had
     a graph (frame compile id > 0 in ``compile_id`` "frame/compile") is one.
     """
+    if refused_at_limit(getattr(metrics, "fail_type", None), getattr(metrics, "fail_reason", None)):
+        return False
     if hasattr(metrics, "recompile_reason"):
         return bool(metrics.recompile_reason)
     return str(getattr(metrics, "compile_id", "") or "").rpartition("/")[2] not in ("", "0")
+
+
+def refused_at_limit(fail_type: str | None, fail_reason: str | None) -> bool:
+    """Whether a compile's metrics (``fail_type``, ``fail_reason``) say it was refused at the
+    recompile limit (torch >= 2.8; 2.5 and 2.6 write no metrics for a refused compile)."""
+    return fail_type in _LIMIT_FAIL_TYPES or is_limit_message(fail_reason or "")
 
 
 class RecompileLimitWarning(UserWarning):
@@ -201,7 +215,7 @@ class _Pending:
     breaks: list[str] = dataclasses.field(default_factory=list)
     limit: tuple[str, int, str] | None = None  # (limit_type, value, "'name' (file:line)")
     recompile: bool = False  # a recompile_reasons artifact arrived (torch logs one per recompile)
-    target: _Target | None = None  # the callable behind torch's wrap_inline
+    target: _Target | None = None  # the callable behind a shared wrapper code object
 
 
 class _Collector:
@@ -209,8 +223,8 @@ class _Collector:
         self.report = report
         self.pending: dict[tuple[Any, Any, Any], _Pending] = {}
         self.frames: dict[tuple[Any, Any], tuple[str, str, int | None]] = {}
-        # frames whose code is torch's wrap_inline -> the fix key for a limit hit there
-        self.shared: dict[tuple[Any, Any], str] = {}
+        # frames whose code is a shared wrapper's (torch's wrap_inline, paramfold's root frame)
+        self.shared: dict[tuple[Any, Any], _Target] = {}
 
     def on_trace(self, metadata: dict[str, Any], payload: str | None) -> None:
         name = next(iter(metadata))
@@ -236,8 +250,10 @@ class _Collector:
             self._pending(key).graphs += 1
         elif name == "create_symbol":
             source = metadata["create_symbol"].get("source")
-            if source:
-                self._pending(key).dynamic.append(strip_local_scope(source))
+            dynamic = self._pending(key).dynamic
+            # dynamo logs the symbol again each time it restarts the analysis (a graph break)
+            if source and strip_local_scope(source) not in dynamic:
+                dynamic.append(strip_local_scope(source))
         elif name == "compilation_metrics":
             self._finish(key, metadata["compilation_metrics"])
 
@@ -263,7 +279,7 @@ class _Collector:
         name, filename, lineno = m.get("co_name"), m.get("co_filename"), m.get("co_firstlineno")
         if p.target is not None:
             name, filename, lineno = p.target.name, p.target.filename, p.target.lineno
-            self.shared[frame] = p.target.limit_fix
+            self.shared[frame] = p.target
         if name is None and p.limit is not None and (fm := _FUNC_INFO.match(p.limit[2])):
             name, filename, lineno = fm["name"], fm["file"], int(fm["line"])
         if name is None and frame in self.frames:
@@ -272,7 +288,7 @@ class _Collector:
             self.frames[frame] = (name, filename or "?", lineno)
         fail_type, fail_reason = m.get("fail_type"), m.get("fail_reason")
         reason_hit = _LIMIT_FAIL_REASON.search(fail_reason or "")
-        limit_hit = p.limit is not None or fail_type in _LIMIT_FAIL_TYPES or reason_hit is not None
+        limit_hit = p.limit is not None or refused_at_limit(fail_type, fail_reason)
         reasons = p.reasons or ([m["recompile_reason"]] if m.get("recompile_reason") else [])
         if limit_hit:
             kind = "limit hit"
@@ -280,7 +296,7 @@ class _Collector:
             kind = "recompile"
         else:
             kind = "first compile"
-        shared = frame in self.shared
+        shared = self.shared.get(frame)
         record = CompileRecord(
             compile_id=m.get("compile_id") or _format_key(key),
             function=name or "?",
@@ -293,7 +309,7 @@ class _Collector:
             graph_breaks=p.breaks,
             fail_type=fail_type,
             fail_reason=fail_reason,
-            shared_code=_WRAP_INLINE if shared else None,
+            shared_code=shared.shared_code if shared else None,
         )
         if limit_hit:
             from torch._dynamo import config
@@ -307,7 +323,7 @@ class _Collector:
             record.limit_type = limit_type
             record.limit = p.limit[1] if p.limit else getattr(config, limit_type, None)
             record.fix = fix_text(
-                self.shared[frame] if shared else "limit hit",
+                shared.limit_fix if shared else "limit hit",
                 function=record.location, limit=record.limit, limit_type=limit_type,
             )
         self.report.records.append(record)
@@ -323,36 +339,48 @@ class _Collector:
 
 
 _WRAP_INLINE = "torch._dynamo.external_utils.wrap_inline"
+_ROOT_FORWARD = "paramfold.classes._root_forward"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Target:
-    """What a compile of ``wrap_inline``'s shared ``inner`` really compiles, and how it got there."""
+    """What a compile of a shared wrapper code object (``wrap_inline``'s ``inner``, paramfold's
+    frame for a prepared root whose forward is torch's own) really compiles, and how it got there."""
 
     name: str
     filename: str
     lineno: int | None
     limit_fix: str  # the FIXES key for a limit hit, by how the callable was compiled
+    shared_code: str = _WRAP_INLINE  # the wrapper, as CompileRecord.shared_code names it
 
 
 def _wrapped_target() -> _Target | None:
-    """The callable behind ``wrap_inline`` when dynamo is compiling that wrapper, else None.
+    """The callable behind a shared wrapper when dynamo is compiling that wrapper, else None.
 
     ``wrap_inline(fn)`` returns ``inner``, one code object for every wrapped ``fn``; its closure
-    holds ``fn``. Called from a trace or log record emitted inside dynamo's ``_compile(code,
-    locals, ...)``, whose arguments (same names in torch 2.5 .. 2.15) say what it compiles.
+    holds ``fn``. A prepared root whose forward is torch's own runs that forward in a frame of
+    paramfold's (``classes.root_forward_of``), one code object per such forward. Called from a
+    trace or log record emitted inside dynamo's ``_compile(code, locals, ...)``, whose arguments
+    (same names in torch 2.5 .. 2.15) say what it compiles.
     """
     from torch._dynamo import external_utils
+
+    from paramfold.classes import root_forward_of
 
     inner = external_utils.wrap_inline(_wrapped_target).__code__
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "_compile" and code.co_filename.endswith("convert_frame.py"):
-            if frame.f_locals.get("code") is not inner:
+            compiled = frame.f_locals.get("code")
+            if compiled is inner:
+                fn = (frame.f_locals.get("locals") or {}).get("fn")
+                return _describe_callable(fn) if fn is not None else None
+            forward = root_forward_of(compiled)
+            if forward is None:
                 return None
-            fn = (frame.f_locals.get("locals") or {}).get("fn")
-            return _describe_callable(fn) if fn is not None else None
+            target = _describe_callable(forward)
+            return dataclasses.replace(target, limit_fix="limit hit:shared_root", shared_code=_ROOT_FORWARD)
         frame = frame.f_back
     return None
 

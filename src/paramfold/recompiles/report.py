@@ -42,7 +42,9 @@ class CompileRecord:
     fail_type: str | None = None
     fail_reason: str | None = None
     # "torch._dynamo.external_utils.wrap_inline" when the compiled code object is torch's shared
-    # wrapper around a callable dynamo would not trace itself; ``function`` then names that callable.
+    # wrapper around a callable dynamo would not trace itself, "paramfold.classes._root_forward"
+    # when it is paramfold's frame for a prepared root whose forward is torch's own (one per such
+    # forward); ``function`` then names the callable or forward the wrapper runs.
     shared_code: str | None = None
 
     @property
@@ -198,7 +200,7 @@ class RecompileReport:
             codes = ", ".join(sorted({r.shared_code for r in self.records if r.shared_code}))
             parts.append(
                 Text(
-                    f"{', '.join(shared)}: compiled through torch's one shared wrapper code object "
+                    f"{', '.join(shared)}: compiled through one shared wrapper code object "
                     f"({codes}); all of them count against one recompile limit",
                     style="yellow",
                 )
