@@ -9,6 +9,7 @@ mode cannot serve the case. Every test failed on the code before the fix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import pickle
@@ -21,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Doubled
+from helpers import Doubled, LoRA
 from torch import nn
 from torch.nn.utils import parametrize as P
-from torch.nn.utils.parametrizations import spectral_norm
+from torch.nn.utils.parametrizations import orthogonal, spectral_norm
 
 import paramfold
 import paramfold.testing as pt
@@ -493,6 +494,192 @@ def test_a_training_stateful_chain_read_inside_an_autocast_region_is_refused(mod
     with pytest.raises(paramfold.FoldError, match=r"stateful parametrization.*autocast.*mode='inline'"):
         model(torch.randn(2, 4))
     pt.assert_equivalent(SpectralInside().train(), torch.randn(2, 4), "inline", steps=2)
+
+
+# --- a forward that enters a region of its own (decorated, or wrapped on the instance) --------
+
+
+class AutocastForward(nn.Linear):
+    """Computes in bfloat16 by itself: its forward is decorated with ``torch.autocast``."""
+
+    @torch.autocast("cpu", dtype=torch.bfloat16)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float()
+
+
+class Float32Forward(nn.Linear):
+    """Keeps float32 in an autocast call (a numerically sensitive block)."""
+
+    @torch.autocast("cpu", enabled=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float())
+
+
+class CustomFwd(nn.Linear):
+    """``torch.amp.custom_fwd`` casting its inputs: autocast is off inside its forward."""
+
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def _accelerate_wrapped(layer: nn.Module) -> nn.Module:
+    """Accelerate's mixed precision: the instance's ``forward`` wrapped in an autocast region."""
+    layer.forward = torch.autocast("cpu", dtype=torch.bfloat16)(layer.forward)
+    return layer
+
+
+_REGIONS = {  # the layer, and whether the model is called under autocast (the layer's region leaves it)
+    "instance-autocast": (lambda: _accelerate_wrapped(nn.Linear(4, 4)), False),
+    "autocast-decorated": (lambda: AutocastForward(4, 4), False),
+    "autocast-disabled": (lambda: Float32Forward(4, 4), True),
+    "custom_fwd": (lambda: CustomFwd(4, 4), True),
+}
+
+
+def _own_region(kind: str, root: bool) -> nn.Module:
+    """A LoRA'd layer whose forward enters a region of its own, as the model or inside one
+    (built afresh for each copy: a deepcopy would share the instance's wrapped bound method)."""
+    torch.manual_seed(0)
+    layer = _REGIONS[kind][0]()
+    lora = LoRA(4, 4)
+    with torch.no_grad():  # adapters large enough that B @ A in bfloat16 shows through the layer's own rounding
+        lora.A.mul_(10), lora.B.mul_(10)
+    P.register_parametrization(layer, "weight", lora)
+    return layer if root else nn.Sequential(nn.Linear(4, 4), nn.Tanh(), layer)
+
+
+def _assert_same_steps(stock, ours, run_stock, run_ours, around, train: bool) -> None:
+    """Three steps: a no_grad call, then (``train``) an SGD step or (else) the weights edited in place."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (stock, ours)] if train else None
+    for step in range(3):
+        x = torch.randn(3, 4)
+        with torch.no_grad(), around():
+            assert torch.equal(run_ours(x), run_stock(x)), step
+        if not train:
+            with torch.no_grad():
+                for p in (*stock.parameters(), *ours.parameters()):
+                    p.mul_(0.9)
+            continue
+        outputs = []
+        for run, opt in zip((run_stock, run_ours), opts):
+            opt.zero_grad()
+            with around():
+                y = run(x)
+            y.float().square().sum().backward()
+            outputs.append(y)
+        assert torch.equal(outputs[0], outputs[1]), step
+        for (name, a), b in zip(stock.named_parameters(), ours.parameters()):
+            assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), (step, name)
+        for opt in opts:
+            opt.step()
+    for (name, a), b in zip(stock.state_dict().items(), ours.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
+@pytest.mark.parametrize("root", [True, False], ids=["root", "child"])
+@pytest.mark.parametrize("kind", list(_REGIONS))
+def test_a_forward_entering_a_region_of_its_own_reads_its_values_in_it_like_stock(kind, root, mode, compiled):
+    # Regression: hoist, freeze and auto served the value computed before the module's own forward
+    # entered its region (outside it: other numbers, other gradients, training diverged), where
+    # stock computes it at the read, inside. Its own tensors are now computed where read.
+    stock, ours = _own_region(kind, root), _own_region(kind, root)
+    if mode == "freeze":
+        stock.eval().requires_grad_(False), ours.eval().requires_grad_(False)
+    paramfold.prepare(ours, mode)
+    around = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=_REGIONS[kind][1])  # noqa: E731
+    _assert_same_steps(stock, ours, _calls(stock, compiled), _calls(ours, compiled), around, train=mode != "freeze")
+
+
+class GradProbe(nn.Linear):
+    """Differentiates its output with respect to its original under ``torch.enable_grad()`` (test-time
+    optimisation, a probe), whatever grad mode it is called under."""
+
+    @torch.enable_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        g, = torch.autograd.grad(y.square().sum(), self.parametrizations.weight.original)
+        return y.detach() + g.sum()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_an_enable_grad_decorated_forward_in_a_no_grad_call_differentiates_its_values_like_stock(mode, compiled):
+    # Regression: the value computed under the call's no_grad had no graph: autograd.grad raised
+    # "One of the differentiated Tensors appears to not have been used in the graph".
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), GradProbe(4, 4))
+        P.register_parametrization(model[1], "weight", Doubled())
+        return model
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    run_stock, run_ours = _calls(stock, compiled), _calls(ours, compiled)
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            assert torch.equal(run_ours(x), run_stock(x))
+
+
+class SpectralAutocastForward(nn.Linear):
+    @torch.autocast("cpu", dtype=torch.bfloat16)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_training_spectral_norm_of_an_autocast_decorated_forward_trains_like_stock(mode, compiled):
+    # Regression: the power iteration and the orthogonal map ran before the region, in float32,
+    # where stock runs them at the read in bfloat16: training silently diverged (not refused).
+    def build():
+        torch.manual_seed(0)
+        first, second = SpectralAutocastForward(4, 4), SpectralAutocastForward(4, 4)
+        spectral_norm(first)
+        orthogonal(second)
+        return nn.Sequential(first, nn.Tanh(), second)
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    _assert_same_steps(stock, ours, _calls(stock, compiled), _calls(ours, compiled), contextlib.nullcontext, train=True)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+def test_a_forward_wrapped_or_unwrapped_after_the_steady_plan_is_seen_at_the_next_call(mode):
+    # The steady plan watches whether each holder's forward is wrapped (its own __dict__'s keys and
+    # its classes' dicts); a wrapped holder keeps a plan, its own tensors computed where read.
+    class Layer(nn.Linear):
+        pass
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Layer(4, 4))
+        P.register_parametrization(model[2], "weight", Product())
+        return model.eval().requires_grad_(False)
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    state = ours.__dict__["_paramfold"]
+    x = torch.randn(3, 4)
+
+    def same_calls():
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(ours(x), stock(x))
+        assert state.plan is not None and state.plan.used
+
+    same_calls()
+    for model in (stock, ours):
+        _accelerate_wrapped(model[2])
+    same_calls()
+    for model in (stock, ours):
+        del model[2].forward
+    same_calls()
+    plain_forward = Layer.forward
+    Layer.forward = torch.autocast("cpu", dtype=torch.bfloat16)(plain_forward)  # a patched class
+    same_calls()
+    Layer.forward = plain_forward
+    same_calls()
 
 
 # --- a forward that edits the value it read ---------------------------------------------------

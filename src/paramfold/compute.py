@@ -239,11 +239,42 @@ def direct_forward(module: nn.Module, through_fx: bool = False) -> types.Functio
 
 def overrides_its_call(module: nn.Module) -> bool:
     """Whether something set on ``module`` itself makes its call more than its class's: a hook of
-    its own, a ``forward`` or ``_call_impl`` in its ``__dict__``, or a compiled call
-    (``module.compile()``)."""
+    its own, a ``forward`` or ``_call_impl`` in its ``__dict__`` (:func:`sets_its_own_forward`),
+    or a compiled call (``module.compile()``)."""
+    return (has_own_hooks(module) or sets_its_own_forward(module)
+            or vars(module).get("_compiled_call_impl") is not None)
+
+
+#: The keys of a module's ``__dict__`` whose values ``nn.Module``'s call runs instead of its class's.
+OWN_FORWARD_KEYS = ("forward", "_call_impl")
+
+
+def sets_its_own_forward(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs, instead of its class's ``forward``, a ``forward`` or
+    ``_call_impl`` set on the instance (``m.forward = torch.autocast(...)(m.forward)``,
+    Accelerate's mixed-precision wrapper and hooks, ``torch.compiler.disable(m.forward)``)."""
     own = vars(module)
-    return (has_own_hooks(module) or "forward" in own or "_call_impl" in own
-            or own.get("_compiled_call_impl") is not None)
+    return "forward" in own or "_call_impl" in own
+
+
+def wraps_its_forward(module: nn.Module) -> bool:
+    """Whether a call of ``module`` may run something between ``nn.Module``'s call and its class's
+    own ``forward`` that changes what a tensor the forward reads is computed under (an autocast
+    region, a grad mode) or from: a ``forward`` or ``_call_impl`` set on the instance
+    (:func:`sets_its_own_forward`), or a ``forward`` of its class or a base that wraps another
+    function (``__wrapped__``, as ``@torch.autocast(...)``, ``@torch.amp.custom_fwd``,
+    ``@torch.enable_grad()`` and ``functools.wraps`` leave) or is no plain function. paramfold's
+    own classes are passed over: their forwards (the read-once class's, a torch-defined root's)
+    enter no region."""
+    if sets_its_own_forward(module):
+        return True
+    for cls in type(module).__mro__:
+        own = vars(cls)
+        forward = own.get("forward")
+        if forward is not None and not own.get("_paramfold_sealed") and (
+                not isinstance(forward, types.FunctionType) or hasattr(forward, "__wrapped__")):
+            return True
+    return False
 
 
 def has_own_hooks(module: nn.Module) -> bool:

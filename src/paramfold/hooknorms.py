@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from paramfold.compute import sets_its_own_forward
 from paramfold.frames import run_module_eagerly_as_frames
 
 
@@ -78,8 +79,7 @@ def calls_class_forward(module: nn.Module) -> bool:
     the :class:`ServedOnce` stand-ins: no ``forward`` or ``_call_impl`` set on the instance
     (``m.forward = torch.compiler.disable(m.forward)``, accelerate's hooks), which stock's call
     runs instead, and which would never mark the value served."""
-    own = module.__dict__
-    return "forward" not in own and "_call_impl" not in own
+    return not sets_its_own_forward(module)
 
 
 class ServedOnce:

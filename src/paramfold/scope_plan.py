@@ -21,8 +21,8 @@ from operator import attrgetter, contains, getitem, is_
 import torch
 from torch import nn
 
-from paramfold.compute import (GLOBAL_HOOKS, RENORMING, call_path, calls_its_forward, class_forward, compute, computed_under,
-                               hook_dicts, overrides_its_call)
+from paramfold.compute import (GLOBAL_HOOKS, OWN_FORWARD_KEYS, RENORMING, call_path, calls_its_forward, class_forward,
+                               compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -67,7 +67,7 @@ class Plan:
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
-        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "own_dicts", "own_keys", "own_set", "until", "missed", "used",
     )
 
     @classmethod
@@ -89,6 +89,7 @@ class Plan:
         links, ordered, stateful, modes, typed, dicted = [], [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
         copied: list[tuple] = []
+        forward_keys: list[tuple[dict, str, bool]] = []
         copied_list: list[torch.Tensor] = []
         until: list[int] = []
         missed: list = []
@@ -111,6 +112,11 @@ class Plan:
             # tag (any write changes it): the holder's own __dict__, which the scope writes
             # values to, and the chain members' (hoist reads their attributes live) by the key.
             links.append((values, "_modules", holder._modules))
+            # Whether its forward is wrapped (decides which of its values are computed where read):
+            # the keys of its own __dict__ that set one, and its classes' dicts.
+            wrapped = wraps_its_forward(holder)
+            forward_keys.extend((values, key, key in values) for key in OWN_FORWARD_KEYS)
+            structure.update((id(d), d) for d in class_dicts(type(holder)))
             if isinstance(holder, RENORMING):  # its weight served only while no max_norm is set
                 if values.get("max_norm", _UNSET) is not None:
                     return None
@@ -190,6 +196,8 @@ class Plan:
                         tensors = state_tensors(holder, site)
                         copied.append((site, values, name, len(copied_list), len(copied_list) + len(tensors)))
                         copied_list.extend(tensors)
+                elif wrapped and site.at_read and name not in values:
+                    forward_keys.append((values, name, False))  # computed where read: nothing put there
                 else:
                     return None
             claimed.append(holder)
@@ -226,6 +234,8 @@ class Plan:
                 empty.update((id(d), d) for d in _hooks(own))
             typed.extend(zip(plan.callees, plan.callee_types))
         plan.link_dicts, plan.link_keys, plan.links = _columns(links, 3)
+        plan.own_dicts, plan.own_keys, own_set = _columns(forward_keys, 3)
+        plan.own_set = list(own_set)
         # The key lists of chains longer than one, their order (a copy's equality would not see
         # it where tags cannot be read).
         plan.ordered, plan.order = ordered, list(map(list, ordered))
@@ -392,6 +402,9 @@ def holds(plan: Plan) -> bool:
         if any(plan.pre_hooks_empty) or list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # one added or removed
             return False
         if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
+            return False
+        # A forward set on a holder or taken off it, or a value put where one is computed at its read.
+        if list(map(contains, plan.own_dicts, plan.own_keys)) != plan.own_set:
             return False
         if not plan.watch.same() or list(map(list, plan.ordered)) != plan.order:
             return False
