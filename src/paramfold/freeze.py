@@ -59,7 +59,7 @@ from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import ADVICE, held
-from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for, tensor_label
+from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for, tensor_label, version_of
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -231,16 +231,6 @@ _armings: dict[int, int] = {}
 #: Bumped at every arming anywhere: a steady plan built at one count reads no per-storage count
 #: while it holds.
 ARMINGS = [0]
-
-
-def version_of(t: torch.Tensor) -> int | None:
-    """``t``'s version counter; None for an inference tensor (made inside ``torch.inference_mode()``),
-    which has none: it can be written in place only inside inference mode, where no counter moves,
-    so such an input is always marked (:func:`arm`) or has its bytes checked, whatever the check."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def plain_underneath(t: torch.Tensor) -> bool:

@@ -22,7 +22,7 @@ from paramfold.compute import has_parametrizations, is_nested, leaf_originals, m
 from paramfold.held import generator_state, generators, same, snapshot
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
-from paramfold.state import innermost_transform, is_dtensor
+from paramfold.state import innermost_transform, is_dtensor, version_of
 
 T = TypeVar("T")
 
@@ -368,7 +368,7 @@ def _probe_unknown(
             # Clones of the originals too: a member (or its pre-hook) may edit its input in place,
             # as stock's then edits the original at every read (a view of it shares its counter).
             value: object = tuple(_clone(t) for t in originals.values())
-            inputs = [(t, _version(t)) for n, t in zip(originals, value) if n not in computed]
+            inputs = [(t, version_of(t)) for n, t in zip(originals, value) if n not in computed]
             for i, (module, kind) in enumerate(zip(chain, kinds)):
                 args = value if isinstance(value, tuple) else (value,)
                 state, out, probe = _probe_call(module, args, training=True)
@@ -391,15 +391,8 @@ def _probe_unknown(
                 if not grad:
                     resolved.append(kind)
                 value = out
-            writes_itself = writes_itself or any(_version(t) != v for t, v in inputs)
+            writes_itself = writes_itself or any(version_of(t) != v for t, v in inputs)
     return resolved, stateful, stateful_in_eval, random, writes_itself
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has none (a subclass without clone is probed as it is)
-        return None
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

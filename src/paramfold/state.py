@@ -32,7 +32,7 @@ class FrozenValue:
     value: torch.Tensor
     #: Per input: ``(dict, key, tensor, version, storage address, description)``, the
     #: description being ``watch.layout``'s (type, dtype, device, shape, strides, requires_grad,
-    #: conjugate and negative bits); the version None for an inference tensor (``freeze.version_of``).
+    #: conjugate and negative bits); the version None for an inference tensor (:func:`version_of`).
     watch: tuple[tuple, ...]
     #: ``len()`` of each tensor dict, so an added parameter or buffer counts as a change.
     sizes: tuple[int, ...]
@@ -171,14 +171,7 @@ class SiteState:
     def training_stateful(self) -> bool:
         """Whether computing the value now changes the chain's state: a stateful chain with a
         member in training mode, or one that changes it in eval mode too."""
-        if not self.stateful:
-            return False
-        if self.stateful_in_eval:
-            return True
-        for m in self.chain:
-            if m.training:
-                return True
-        return False
+        return self.stateful and _changes_now(self.stateful_in_eval, self.chain)
 
     @property
     def shares_changing_state(self) -> bool:
@@ -186,14 +179,7 @@ class SiteState:
         that state now: stock computes each at its reads, in the forward's order, and so must
         the scope (a value computed for every site before the call, in module order, would see
         and leave that state as no read of stock's does)."""
-        if not self.state_sharers:
-            return False
-        if self.sharers_in_eval:
-            return True
-        for m in self.state_sharers:
-            if m.training:
-                return True
-        return False
+        return bool(self.state_sharers) and _changes_now(self.sharers_in_eval, self.state_sharers)
 
     def __deepcopy__(self, memo: dict) -> SiteState:
         """A copy for a copied module, without what belongs to one open call of this one
@@ -272,6 +258,27 @@ _DDP = tuple(c for c in (getattr(torch.nn.parallel, "DistributedDataParallel", N
 
 #: The tensor types that are not subclasses: they override none of TensorBase's accessors.
 PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, nn.Parameter})
+
+def _changes_now(in_eval: bool, modules: tuple[nn.Module, ...]) -> bool:
+    """Whether computing a stateful chain changes its state now: always where it does in eval mode
+    too, else while one of ``modules`` is training."""
+    if in_eval:
+        return True
+    for m in modules:
+        if m.training:
+            return True
+    return False
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor (made inside ``torch.inference_mode()``),
+    which has none: it can be written in place only inside inference mode, where no counter moves,
+    so such an input is always marked (``freeze.arm``) or has its bytes checked, whatever the check."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
 
 # Plain tensors' accessors, as C callables for map() (only for tensors whose type is in
 # PLAIN_TENSOR_TYPES): the version counter and the storage address. An attrgetter
