@@ -100,6 +100,19 @@ def test_hoist_and_freeze_refuse_and_leave_the_model_as_it_was(member, mode):
     assert_same_tensors(state, model.state_dict())
 
 
+def _outputs_equal(run: dict, models: tuple[nn.Module, nn.Module], x: torch.Tensor, grad: bool, at: str) -> None:
+    """Call stock's and paramfold's model (``run``: each one's callable, by id) on ``x`` in
+    ``grad`` mode, backward where grad is on, and require equal outputs."""
+    outs = []
+    for model in models:
+        with torch.set_grad_enabled(grad):
+            out = run[id(model)](x)
+            if grad:
+                out.sum().backward()
+        outs.append(out.detach())
+    assert torch.equal(outs[0], outs[1]), at
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("member", MEMBERS)
@@ -112,14 +125,7 @@ def test_served_at_every_read_like_stock(mode, member, grad, compiled):
     run = {id(m): (torch.compile(m, backend="eager") if compiled else m) for m in (stock, ours)}
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     for step in range(3):
-        outs = []
-        for model in (stock, ours):
-            with torch.set_grad_enabled(grad):
-                out = run[id(model)](x)
-                if grad:
-                    out.sum().backward()
-            outs.append(out.detach())
-        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        _outputs_equal(run, (stock, ours), x, grad, at=f"step {step}")
         expected, actual = _member_state(stock), _member_state(ours)
         assert expected[0] == actual[0] and torch.equal(expected[1], actual[1]), f"step {step}"
         if grad:
@@ -196,16 +202,10 @@ def test_a_chain_that_edits_its_original_edits_it_at_every_read_like_stock(mode,
     run = {id(m): (torch.compile(m, backend="eager") if compiled else m) for m in (stock, ours)}
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     for step, reads in enumerate([1, 2, 0, 2, 1]):
-        outs = []
         for model in (stock, ours):
             model.reads = reads
             model.zero_grad()
-            with torch.set_grad_enabled(grad):
-                out = run[id(model)](x)
-                if grad:
-                    out.sum().backward()
-            outs.append(out.detach())
-        assert torch.equal(outs[0], outs[1]), f"step {step}"
+        _outputs_equal(run, (stock, ours), x, grad, at=f"step {step}")
         assert torch.equal(_original(stock), _original(ours)), f"step {step}"
         if grad:
             assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
