@@ -230,6 +230,22 @@ def generator_state(obj: object) -> bytes | None:
     return None
 
 
+def global_generator_states() -> tuple[bytes, bytes | None]:
+    """The states of Python's global generator (``random.*``) and NumPy's (``np.random.*``; None
+    where NumPy is not imported), comparable with ``==``: the generators a chain or a forward draws
+    from without holding one, which no dispatch mode sees."""
+    numpy = sys.modules.get("numpy")
+    return pickle.dumps(random.getstate()), None if numpy is None else pickle.dumps(numpy.random.get_state(legacy=False))
+
+
+def set_global_generator_states(states: tuple[bytes, bytes | None]) -> None:
+    """Put back what :func:`global_generator_states` returned."""
+    python, numpy = states
+    random.setstate(pickle.loads(python))
+    if numpy is not None:
+        sys.modules["numpy"].random.set_state(pickle.loads(numpy))
+
+
 def snapshot(module: nn.Module) -> tuple[list, list, list]:
     """What ``module`` holds, for :func:`same` to compare later: each held dict's entries, in
     order; each held tensor's version counter; each unwatched holder's items where they can be

@@ -5,9 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
-import pickle
-import random
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -19,7 +16,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold.compute import has_parametrizations, is_nested, leaf_originals, members, original_names
-from paramfold.held import generator_state, generators, same, snapshot
+from paramfold.held import generator_state, generators, global_generator_states, same, set_global_generator_states, snapshot
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
 from paramfold.state import innermost_transform, is_dtensor, version_of
@@ -460,28 +457,15 @@ def _run_probed(probe: _Probe, fn: Callable[..., T], *args: object) -> T:
     Python's global ``random`` and NumPy's global ``np.random`` cannot be kept from drawing as
     torch's generators are (no dispatch mode sees them): their states are put back afterwards,
     and a change counts as the chain drawing random numbers."""
-    before = _global_states()
+    before = global_generator_states()
     try:
         with torch.compiler.set_stance("force_eager"), probe:
             return fn(*args)
     finally:
-        after = _global_states()
+        after = global_generator_states()
         if after[0] != before[0] or (before[1] is not None and after[1] != before[1]):
             probe.random = True
-            _put_back(before)
-
-
-def _global_states() -> tuple[object, bytes | None]:
-    """The states of Python's global generator and of NumPy's (None where NumPy is not imported)."""
-    numpy = sys.modules.get("numpy")
-    return random.getstate(), None if numpy is None else pickle.dumps(numpy.random.get_state(legacy=False))
-
-
-def _put_back(states: tuple[object, bytes | None]) -> None:
-    python, numpy = states
-    random.setstate(python)
-    if numpy is not None:
-        sys.modules["numpy"].random.set_state(pickle.loads(numpy))
+            set_global_generator_states(before)
 
 
 class _Collective(Exception):

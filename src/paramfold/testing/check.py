@@ -56,8 +56,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import random
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -67,6 +65,7 @@ from torch.nn.utils import parametrize
 
 import paramfold
 from paramfold.compute import has_parametrizations, original_names
+from paramfold.held import global_generator_states, set_global_generator_states
 from paramfold.hooknorms import hook_norms
 from paramfold.sites import parametrization_paths
 from paramfold.testing.compare import (
@@ -441,21 +440,17 @@ def _kind(hook: Any) -> str:
 
 def _rng_state() -> tuple[Any, ...]:
     """The global generators' states: torch's CPU one, CUDA's where CUDA is in use, Python's
-    ``random`` and NumPy's legacy one (``np.random.*``, which transformers' SpecAugment masks draw
-    from) where NumPy is imported."""
+    ``random`` and NumPy's (``np.random.*``, which transformers' SpecAugment masks draw from)
+    where NumPy is imported."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    numpy = sys.modules.get("numpy")
-    return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state() if numpy is not None else None
+    return torch.get_rng_state(), cuda, *global_generator_states()
 
 
 def _set_rng_state(state: tuple[Any, ...]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state_all(state[1])
-    random.setstate(state[2])
-    numpy = sys.modules.get("numpy")
-    if state[3] is not None and numpy is not None:
-        numpy.random.set_state(state[3])
+    set_global_generator_states(state[2:])
 
 
 def _fresh(args: _Args) -> _Args:
@@ -849,10 +844,8 @@ def _compare_rng(left: tuple[Any, ...], after: tuple[Any, ...], at: str) -> None
             same = torch.equal(mine, theirs)
         elif name == names[1]:
             same = len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs))
-        elif name == names[2]:
-            same = mine == theirs
         else:
-            same = all(bool((a == b).all()) if hasattr(a, "shape") else a == b for a, b in zip(mine, theirs))
+            same = mine == theirs
         if not same:
             raise AssertionError(
                 f"{name} is left in another state by prepared than by stock{at} (forward and backward): prepared draws "
