@@ -278,6 +278,22 @@ def _fsdp_scenarios(rank: int, record) -> None:
         with record.guard(name):
             got = _fsdp_eval(xs, "after", mode, compiled=True)
             record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
+    for hooked in (False, True):
+        name = f"fsdp/plain_state_dict/{'hook' if hooked else 'parametrize'}"
+        with record.guard(name):
+            from torch.distributed.fsdp import fully_shard
+
+            model = _spectral_model(hooked).eval()
+            fully_shard(model[0])
+            fully_shard(model)
+            local = lambda: {k: getattr(v, "to_local", lambda: v)().clone() for k, v in model.state_dict().items()}  # noqa: E731
+            before = local()
+            try:
+                paramfold.plain_state_dict(model)
+                refused = None
+            except paramfold.FoldError as exc:
+                refused = str(exc)
+            record(name, refused=refused, unchanged=_equal(local(), before))
     _unsharded_scenarios(xs, record)
 
 
@@ -754,6 +770,14 @@ def test_fsdp1_values_are_computed_after_its_gather_like_stock(ranks, kind, wrap
     # raised IndexError, weight_norm's kernel read out of bounds (a crash, or heap corruption).
     rec = _record(ranks, f"fsdp1/{kind}/{wrap}/{order}/{mode}")
     assert rec["losses"], rec
+
+
+@pytest.mark.parametrize("kind", ["parametrize", "hook"])
+def test_plain_state_dict_of_a_sharded_spectral_norm_refuses_with_advice(ranks, kind):
+    # Its power iteration mixes the DTensor original with the plain _u: torch's RuntimeError before.
+    for rec in _records(ranks, f"fsdp/plain_state_dict/{kind}"):
+        assert rec["refused"] and "before sharding the model" in rec["refused"], rec
+        assert "0.weight" in rec["refused"] and rec["unchanged"], rec
 
 
 def test_communication_parametrization_is_found_with_its_own_kind(ranks):

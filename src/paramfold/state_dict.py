@@ -7,7 +7,9 @@ from torch import nn
 
 from paramfold import hooknorms
 from paramfold.compute import compute, has_parametrizations
+from paramfold.errors import FoldError
 from paramfold.sites import parametrization_paths
+from paramfold.state import is_dtensor
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -60,7 +62,8 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
             if key in by_hook_key:
                 fqn, module, hook, kind = by_hook_key[key]
                 if fqn not in plain:
-                    plain[fqn] = hooknorms.compute(module, hook, kind).detach()
+                    tensors = [d[k] for _, d, k in hooknorms.originals(module, hook, kind)]
+                    plain[fqn] = _computed(fqn, tensors, lambda: hooknorms.compute(module, hook, kind)).detach()
                     computed.append(fqn)
                 continue
             prefix = _parametrizations_prefix(key)
@@ -69,11 +72,33 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
                 continue
             for fqn, module, name in by_prefix[prefix]:
                 if fqn not in plain:
-                    value = compute(module, name)
+                    plist = module._modules["parametrizations"][name]
+                    tensors = [*plist.parameters(), *plist.buffers()]
+                    value = _computed(fqn, tensors, lambda: compute(module, name))
                     # Under no_grad only an identity chain hands back the original itself.
                     plain[fqn] = value.detach() if value.requires_grad else value
                     computed.append(fqn)
     return plain, computed
+
+
+def _computed(fqn: str, originals: list[torch.Tensor], compute_value) -> torch.Tensor:
+    """``compute_value()``; where it fails on a sharded tensor, a FoldError that says what to do.
+
+    A chain computes on DTensor originals where its ops take them (weight_norm's), and fails where
+    it mixes them with plain tensors (spectral_norm's power iteration on its ``_u``), as stock's
+    read of the tensor does."""
+    try:
+        return compute_value()
+    except Exception as exc:
+        if not any(map(is_dtensor, originals)):
+            raise
+        raise FoldError(
+            f"cannot compute {fqn} for the plain state dict: its originals are DTensors (a sharded "
+            f"model) and its parametrization mixes them with plain tensors ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:120]}). Call plain_state_dict before sharding the model, or on "
+            "an unsharded copy loaded from torch.distributed.checkpoint.state_dict.get_model_state_dict("
+            "model, options=StateDictOptions(full_state_dict=True))."
+        ) from exc
 
 
 def _parametrizations_prefix(key: str) -> str | None:
