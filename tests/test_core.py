@@ -381,6 +381,45 @@ def test_plain_state_dict_folds_the_hook_based_norms(norm, prepared):
         assert torch.equal(plain(x), build_model()(x))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.spectral_norm` is deprecated")
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("mode", [None, "hoist", "auto", "inline"])
+def test_plain_state_dict_of_a_training_model_leaves_its_state_as_it_was(hooked, mode):
+    # Regression: a training spectral_norm ran its power iteration for the value and kept it, so a
+    # checkpoint saved with plain_state_dict between steps moved a GAN's discriminator: the steps
+    # after it differed from a run that saved nothing.
+    def build_model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+        (torch.nn.utils.spectral_norm if hooked else spectral_norm)(model[0])
+        return model
+
+    def train(model, save):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if save:
+                saved = paramfold.plain_state_dict(model)
+        return model.state_dict(), saved if save else None
+
+    stock, _ = train(build_model(), save=False)
+    model = build_model()
+    if mode is not None:
+        paramfold.prepare(model, mode)
+    after, saved = train(model, save=True)
+    assert after.keys() == stock.keys() and all(torch.equal(after[k], stock[k]) for k in stock)
+    # The saved value is what a read of the weight at that moment gives: one power iteration on.
+    reference = build_model()
+    reference.load_state_dict(stock)
+    with torch.no_grad():
+        if hooked:  # its pre-hook computes the weight at the layer's next call
+            reference[0](torch.zeros(1, 4))
+        assert torch.equal(saved["0.weight"], reference[0].weight)
+    assert model.training and all(m.training for m in model.modules())
+
+
 def test_lora_adapters_are_never_frozen():
     # The original is frozen but the parametrization owns trainable A and B: freezing the weight
     # would silently stop their gradients.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -9,7 +11,7 @@ from paramfold import hooknorms
 from paramfold.compute import compute, has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.sites import parametrization_paths
-from paramfold.state import is_dtensor
+from paramfold.state import is_dtensor, version_of
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -19,9 +21,11 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``<module>.parametrizations.<tensor>.original``, parametrization buffers dropped; for torch's
     deprecated hook-based norms, instead of ``<tensor>_g``/``<tensor>_v`` or ``<tensor>_orig``
     and its ``_u``/``_v``), values are computed under ``no_grad`` exactly as stock PyTorch
-    computes them (stateful chains are evaluated in their current mode, so put the model in
-    ``eval()`` first for spectral_norm). The result loads with ``strict=True`` into the model
-    class without parametrizations.
+    computes them (stateful chains are evaluated in their current mode: a training spectral_norm
+    gives the value a read now would, after one power iteration, so put the model in ``eval()``
+    first for the value without one). The model is left as it was, like ``model.state_dict()``:
+    the buffers a chain updates while computing (spectral_norm's ``_u``/``_v``) are put back.
+    The result loads with ``strict=True`` into the model class without parametrizations.
 
     Example::
 
@@ -57,28 +61,49 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
             by_prefix.setdefault(prefix, []).append((f"{path}.{name}" if path else name, module, name))
     plain: dict[str, torch.Tensor] = {}
     computed: list[str] = []
+    # What a chain may update while computing: its buffers, a hook-based norm's _u/_v.
+    state = {id(t): t for m in _parametrization_lists(by_prefix) for t in m.buffers()}
+    state.update((id(d[k]), d[k]) for _, module, hook, kind in by_hook_key.values()
+                 for _, d, k in hooknorms.state_tensors(module, hook, kind))
+    before = [(t, version_of(t), t.clone()) for t in state.values()]
     with torch.no_grad():
-        for key, value in model.state_dict().items():
-            if key in by_hook_key:
-                fqn, module, hook, kind = by_hook_key[key]
-                if fqn not in plain:
-                    tensors = [d[k] for _, d, k in hooknorms.originals(module, hook, kind)]
-                    plain[fqn] = _computed(fqn, tensors, lambda: hooknorms.compute(module, hook, kind)).detach()
-                    computed.append(fqn)
-                continue
-            prefix = _parametrizations_prefix(key)
-            if prefix not in by_prefix:
-                plain[key] = value
-                continue
-            for fqn, module, name in by_prefix[prefix]:
-                if fqn not in plain:
-                    plist = module._modules["parametrizations"][name]
-                    tensors = [*plist.parameters(), *plist.buffers()]
-                    value = _computed(fqn, tensors, lambda: compute(module, name))
-                    # Under no_grad only an identity chain hands back the original itself.
-                    plain[fqn] = value.detach() if value.requires_grad else value
-                    computed.append(fqn)
+        try:
+            _compute_into(model, plain, computed, by_prefix, by_hook_key)
+        finally:
+            for t, version, then in before:
+                if version_of(t) != version:
+                    t.copy_(then)
     return plain, computed
+
+
+def _parametrization_lists(by_prefix: dict[str, list[tuple[str, nn.Module, str]]]) -> Iterator[nn.Module]:
+    for sites in by_prefix.values():
+        for _, module, name in sites:
+            yield module._modules["parametrizations"][name]
+
+
+def _compute_into(model: nn.Module, plain: dict, computed: list, by_prefix: dict, by_hook_key: dict) -> None:
+    """Fill ``plain`` with ``model``'s entries, each parametrized tensor computed (see :func:`materialised`)."""
+    for key, value in model.state_dict().items():
+        if key in by_hook_key:
+            fqn, module, hook, kind = by_hook_key[key]
+            if fqn not in plain:
+                tensors = [d[k] for _, d, k in hooknorms.originals(module, hook, kind)]
+                plain[fqn] = _computed(fqn, tensors, lambda: hooknorms.compute(module, hook, kind)).detach()
+                computed.append(fqn)
+            continue
+        prefix = _parametrizations_prefix(key)
+        if prefix not in by_prefix:
+            plain[key] = value
+            continue
+        for fqn, module, name in by_prefix[prefix]:
+            if fqn not in plain:
+                plist = module._modules["parametrizations"][name]
+                tensors = [*plist.parameters(), *plist.buffers()]
+                value = _computed(fqn, tensors, lambda: compute(module, name))
+                # Under no_grad only an identity chain hands back the original itself.
+                plain[fqn] = value.detach() if value.requires_grad else value
+                computed.append(fqn)
 
 
 def _computed(fqn: str, originals: list[torch.Tensor], compute_value) -> torch.Tensor:
