@@ -370,7 +370,8 @@ def _plain_state_dict(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], 
     """The state dict the unparametrized model would have (paramfold's freeze materialisation),
     and its keys that were computed (the sites).
 
-    Call it in eval mode: a stateful parametrization (spectral_norm) would otherwise step its state.
+    Call it in eval mode: in training a stateful parametrization (spectral_norm) gives its value
+    after one more power iteration (its state is put back either way).
     """
     from paramfold.state_dict import materialised
 
