@@ -493,6 +493,22 @@ def copied_between_calls(module: nn.Module, replica: nn.Module) -> None:
         _unclaimed(replica, hs)
 
 
+def state_read(holder: nn.Module) -> None:
+    """Before a ``state_dict()`` of ``holder`` taken inside a call this thread has open (a
+    checkpoint or EMA snapshot saved from a forward hook of an earlier layer): each training
+    stateful chain whose value the call has not read yet gets its state from before the scope
+    computed that value, and its reads from now on compute it (:func:`unread.drop`). The
+    state_dict then holds, as stock's does, the buffers themselves with stock's state there, and
+    the rest of the call advances them as stock's does. From another thread (whose state_dict
+    races with the call's power iteration in stock too), the buffers as they are."""
+    hs = holder.__dict__.get(STATE_ATTR)
+    if hs is None or not hs.users or not (_in_scope(holder) or _enclosing(holder) is not None):
+        return
+    with _LOCK:
+        for name, site in hs.sites.items():
+            unread.drop(holder, name, site)
+
+
 def busy(state: ModuleState) -> bool:
     """Whether a call scope (of any thread) holds values in the modules below an entry."""
     with _LOCK:
