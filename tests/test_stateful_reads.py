@@ -737,3 +737,78 @@ def test_a_value_served_in_eval_is_computed_at_its_reads_once_the_stock_chain_it
     prepared = paramfold.prepare(copy.deepcopy(stock), mode, filter_fn=lambda m, fqn: fqn != "a")
     runs = [_train_then_eval(model, model, "eval no_grad eval train eval", switched="a") for model in (stock, prepared)]
     assert_same_nested(*runs)
+
+
+_CHAINS = {
+    "weight_norm": nn.utils.parametrizations.weight_norm,
+    "orthogonal": nn.utils.parametrizations.orthogonal,
+    "spectral_norm": spectral_norm,
+    "hook weight_norm": nn.utils.weight_norm,
+    "hook spectral_norm": nn.utils.spectral_norm,
+}
+
+
+class MicroBatches(nn.Module):
+    """Runs a backward per micro-batch inside its own forward (gradient accumulation in one call,
+    GradCache style): ``a`` is read again after a backward freed the graph of its first read, and
+    the training spectral_norm ``b`` is read only in the last micro-batch, after a backward."""
+
+    def __init__(self, chain: str):
+        super().__init__()
+        self.a = _CHAINS[chain](nn.Linear(4, 4))
+        self.b = spectral_norm(nn.Linear(4, 2))
+
+    def forward(self, x):
+        total = 0.0
+        chunks = x.chunk(3)
+        for i, chunk in enumerate(chunks):
+            h = torch.tanh(self.a(chunk))
+            if i == len(chunks) - 1:
+                h = self.b(h)
+            loss = h.square().mean()
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+
+class InnerGradient(nn.Module):
+    """Takes the gradient of one pass w.r.t. ``a``'s originals inside the forward (no
+    ``retain_graph``), then reads ``a`` again for the output the step's backward goes through."""
+
+    def __init__(self, chain: str):
+        super().__init__()
+        self.a = _CHAINS[chain](nn.Linear(4, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        inner = self.a(x).square().mean()
+        g = torch.autograd.grad(inner, [p for p in self.a.parameters() if p.dim() > 1 or p.numel() == 4])
+        return self.head(torch.tanh(self.a(x))) + sum(t.norm() for t in g)
+
+
+def _backward_steps(model: nn.Module, call, steps: int = 3) -> list:
+    torch.manual_seed(1)
+    record = []
+    for _ in range(steps):
+        model.zero_grad()
+        out = call(torch.randn(6, 4))
+        if out.requires_grad:
+            out.sum().backward()
+        record.append([out, _buffers(model), grads(model)])
+    return record
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("make", [MicroBatches, InnerGradient])
+@pytest.mark.parametrize("chain", list(_CHAINS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_read_after_a_backward_inside_the_forward_gets_a_graph_of_its_own_like_stock(mode, chain, make, how):
+    # A value computed once per call shares one graph between the call's reads; a backward inside
+    # the forward frees it, and a later read computes afresh, as stock's every read does. Until
+    # 2026-12-05 hoist and auto raised "Trying to backward through the graph a second time".
+    runs = []
+    for prepare in (False, True):
+        torch.manual_seed(0)  # built twice: a hook-based weight_norm's layer cannot be deep-copied
+        model = paramfold.prepare(make(chain), mode) if prepare else make(chain)
+        runs.append(_backward_steps(model, torch.compile(model, backend="eager") if how == "torch.compile" else model))
+    assert_same_nested(*runs)

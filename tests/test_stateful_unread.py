@@ -250,3 +250,33 @@ def test_a_copy_made_inside_the_forward_carries_nothing_of_the_open_call(mode):
     for (name, a), b in zip(replica.state_dict().items(), expected.state_dict().values()):
         assert torch.equal(a, b), name
     assert torch.equal(replica(x), expected(x))
+
+
+class SavesMidway(Branches):
+    """Takes its own ``state_dict()`` between its first and second layer (a checkpoint or EMA
+    snapshot made from a forward hook), before the second layer's power iteration runs."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.saved = []
+
+    def forward(self, x):
+        y = self.a(x)
+        state = self.state_dict()
+        self.saved.append((state, {k: v.clone() for k, v in state.items()}))
+        return self.b(y)
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_state_dict_taken_inside_the_call_holds_the_state_stock_has_there(mode, kind, how):
+    # The scope computed b's value (one power iteration) before the call; the state_dict taken
+    # before b is read holds b's state from before that, as stock's (and a copy made there) does,
+    # and its entries stay the buffers themselves, which the rest of the call advances as in stock.
+    # Until 2026-12-05 hoist and auto showed b one iteration ahead there.
+    stock, prepared = _twins(lambda: SavesMidway(kind), mode)
+    assert_same_nested(*(_steps(m, _runner(m, how), 3) for m in (stock, prepared)))
+    for (expected, expected_then), (actual, actual_then) in zip(stock.saved, prepared.saved):
+        assert_same_tensors(expected_then, actual_then)
+        assert_same_tensors(expected, actual)

@@ -45,7 +45,7 @@ from paramfold.freeze import chain_needs_grad
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
-from paramfold.scope import call_values, compiled_call_impl, copied_between_calls, root_call
+from paramfold.scope import call_values, compiled_call_impl, copied_between_calls, root_call, state_read
 
 
 class _Sealed(type):
@@ -299,6 +299,7 @@ def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> t
             namespace.update((n, _ReadOnce(n)) for n in sorted(names))
             if hooked:
                 namespace["forward"] = _served_once_forward(cls.forward)
+            namespace["state_dict"] = _state_dict_as_stock(cls.state_dict)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
             type.__setattr__(sub, "_paramfold_sealed", True)
     return sub
@@ -322,6 +323,19 @@ def _served_once_forward(forward: Callable) -> Callable:
 
     functools.update_wrapper(served_once_forward, forward, assigned=("__name__", "__qualname__", "__doc__"), updated=())
     return served_once_forward
+
+
+def _state_dict_as_stock(state_dict: Callable) -> Callable:
+    """``state_dict`` that first gives each stateful chain whose value the open call has not read
+    yet its state from before the call (``scope.state_read``): the read-once class's only, so no
+    state_dict outside a training call runs it."""
+
+    def state_dict_as_stock(self: nn.Module, *args, **kwargs):
+        state_read(self)
+        return state_dict(self, *args, **kwargs)
+
+    functools.update_wrapper(state_dict_as_stock, state_dict, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    return state_dict_as_stock
 
 
 class _ForeignSite:

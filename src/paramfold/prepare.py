@@ -20,6 +20,7 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
 from paramfold.randomness import watch as watch_draws
 from paramfold.restore import restore, restore_module
+from paramfold.scope import watch_backward
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for, syncs_before_forward
 from paramfold.sites import Site, find, parametrization_paths
 
@@ -127,6 +128,7 @@ def prepare(
     sharers = _state_sharers(model, sites)
     states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check, sharers)
     install_type_before_parametrizations()
+    watch_backward()
     applied: list[nn.Module] = []
     try:
         for module, (state, cls) in states.items():

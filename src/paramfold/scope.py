@@ -493,6 +493,80 @@ def copied_between_calls(module: nn.Module, replica: nn.Module) -> None:
         _unclaimed(replica, hs)
 
 
+def state_read(holder: nn.Module) -> None:
+    """Before a ``state_dict()`` of ``holder`` taken inside a call this thread has open (a
+    checkpoint or EMA snapshot saved from a forward hook of an earlier layer): each training
+    stateful chain whose value the call has not read yet gets its state from before the scope
+    computed that value, and its reads from now on compute it (:func:`unread.drop`). The
+    state_dict then holds, as stock's does, the buffers themselves with stock's state there, and
+    the rest of the call advances them as stock's does. From another thread (whose state_dict
+    races with the call's power iteration in stock too), the buffers as they are."""
+    hs = holder.__dict__.get(STATE_ATTR)
+    if hs is None or not hs.users or not (_in_scope(holder) or _enclosing(holder) is not None):
+        return
+    with _LOCK:
+        for name, site in hs.sites.items():
+            unread.drop(holder, name, site)
+
+
+def watch_backward() -> None:
+    """Have every backward (``Tensor.backward``, ``torch.autograd.backward``/``grad``: torch's
+    ``_engine_run_backward``) that frees the graphs it runs through (no ``retain_graph``) tell
+    the call scopes this thread has open (:func:`_graphs_freed`). Nothing is added to a call; a
+    backward outside any call checks one thread-local attribute. Installed by the first
+    ``prepare``; where the function is not there (another torch), the values stay shared."""
+    run = getattr(torch.autograd, "_engine_run_backward", None)
+    if run is None or getattr(run, "_paramfold_watch", False):
+        return
+
+    @functools.wraps(run)
+    def engine_run_backward(t_outputs, *args, **kwargs):
+        try:
+            return run(t_outputs, *args, **kwargs)
+        finally:
+            # (outputs, grad_tensors, keep_graph, create_graph, inputs, ...), as torch calls it;
+            # not a compiler's own (aot_autograd tracing the joint graph of a frame in the call)
+            if (leaves.local.claims and not (args[1] if len(args) > 1 else kwargs.get("keep_graph", True))
+                    and not compiling()):
+                _graphs_freed(leaves.local.claims)
+
+    engine_run_backward._paramfold_watch = True  # type: ignore[attr-defined]
+    # Both names, as torch's own patch of it (torch.compiler's make_fx tracing) sets and restores both.
+    torch.autograd._engine_run_backward = engine_run_backward
+    torch.autograd.graph._engine_run_backward = engine_run_backward
+
+
+def _graphs_freed(claims: tuple) -> None:
+    """After a backward inside the forward that may have freed the graph of a value the open scopes
+    computed for the call (gradient accumulation over micro-batches in one forward, an inner
+    gradient step): the value, which every read of the call shares, goes, and each read from now on
+    computes it afresh, with a graph of its own, as stock's every read does (a hook-based norm: its
+    hook is back, and runs at the module's later calls). A training stateful chain whose value is
+    unread yet gets its state from before (:func:`unread.drop`); one read already computes afresh."""
+    with _LOCK:
+        for holder in leaves._holders(claims):
+            values = holder.__dict__
+            hs = values[STATE_ATTR]
+            hooks = []
+            for name, site in hs.sites.items():
+                if site.before is not None:
+                    unread.drop(holder, name, site)
+                    continue
+                value = values.get(name)
+                if not isinstance(value, torch.Tensor) or value.grad_fn is None:
+                    continue
+                if site.hook is None:
+                    if name in hs.installed:
+                        del values[name]
+                elif not (site.once_hook is not None and type(holder) is hs.read_once_class):
+                    hooks.append(site.hook_key)
+            if hooks and hs.hooks_out:
+                taken, order, prepended = hs.hooks_out
+                hooknorms.attach(holder, [(k, h) for k, h in taken if k in hooks], order, prepended)
+                rest = [(k, h) for k, h in taken if k not in hooks]
+                hs.hooks_out = (rest, order, prepended) if rest else ()
+
+
 def busy(state: ModuleState) -> bool:
     """Whether a call scope (of any thread) holds values in the modules below an entry."""
     with _LOCK:

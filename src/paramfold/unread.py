@@ -152,6 +152,19 @@ def put_back(site: SiteState) -> None:
         del parametrize._cache[key]
 
 
+def drop(holder: nn.Module, name: str, site: SiteState) -> None:
+    """Where no read took the value the scope computed for ``site`` yet: its state put back and
+    the value given up, so that the reads (a hook-based norm: the module's calls) from now on in
+    the call compute it afresh from that state, each advancing it, as stock's do."""
+    if site.before is None or not _unread(holder, name, site):
+        return
+    if site.hook is not None:
+        site.once_hook.served = True
+    else:
+        del holder.__dict__[name]
+    put_back(site)
+
+
 def release(holder: nn.Module, name: str, site: SiteState) -> None:
     """At the end of the call (before its values leave ``holder``'s ``__dict__``): put back where
     no read took the value (a hook-based norm: no call of the module was served it)."""
