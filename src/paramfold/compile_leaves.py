@@ -103,11 +103,11 @@ def on_compile_start(args: object = None) -> None:
     local.compile_id = getattr(args, "compile_id", None)
     swapped = local.swapped = []
     stand_ins: dict[int, torch.Tensor] = {}
-    for holder in _holders(claims):
+    for holder in claimed_holders(claims):
         _swap_in(holder, swapped, stand_ins)
 
 
-def _holders(claims: tuple) -> Iterator[nn.Module]:
+def claimed_holders(claims: tuple) -> Iterator[nn.Module]:
     """The holders every scope in ``claims`` (see :class:`_Local`) claimed."""
     while claims:
         claimed, claims = claims
@@ -115,7 +115,7 @@ def _holders(claims: tuple) -> Iterator[nn.Module]:
 
 
 def _any_value_installed(claims: tuple) -> bool:
-    for holder in _holders(claims):
+    for holder in claimed_holders(claims):
         values = holder.__dict__
         if any(isinstance(values.get(name), torch.Tensor) for name in values[STATE_ATTR].sites):
             return True

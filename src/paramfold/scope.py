@@ -544,7 +544,7 @@ def _graphs_freed(claims: tuple) -> None:
     hook is back, and runs at the module's later calls). A training stateful chain whose value is
     unread yet gets its state from before (:func:`unread.drop`); one read already computes afresh."""
     with _LOCK:
-        for holder in leaves._holders(claims):
+        for holder in leaves.claimed_holders(claims):
             values = holder.__dict__
             hs = values[STATE_ATTR]
             hooks = []
