@@ -13,8 +13,12 @@ import warnings
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from helpers import build, grads, seed_model
+from torch import nn
 from torch._dynamo.testing import CompileCounter
+from torch.func import functional_call, jacfwd, jvp
+from torch.nn.utils.parametrizations import weight_norm
 
 import paramfold
 
@@ -234,6 +238,96 @@ def test_detach_params_under_no_grad_lets_frozen_and_trainable_copies_share_grap
     assert stock_frames == 2  # requires_grad mismatch on the layer's parameters
     assert frames == 1
     assert torch.equal(a, b)
+
+
+class GradStepInside(nn.Module):
+    """A forward that re-enables grad around a plain submodule (a test-time adaptation step inside
+    an inference call): ``autograd.grad`` w.r.t. its weight, and a ``backward()`` that accumulates
+    its gradients; or that calls it through ``functional_call`` with another weight."""
+
+    def __init__(self, swap: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = weight_norm(nn.Linear(4, 4))
+        self.lin = nn.Linear(4, 2)  # plain: presented detached under no_grad
+        self.swap = swap
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.swap:
+            return functional_call(self.lin, {"weight": self.lin.weight * 2}, (h,)), self.lin(h)
+        with torch.enable_grad():
+            y = self.lin(h)
+            g = torch.autograd.grad(y.pow(2).sum(), self.lin.weight)[0]
+            self.lin(h.detach().requires_grad_()).pow(2).sum().backward()
+        return self.lin(h), y, g
+
+
+def _grad_step_twins(mode, swap=False):
+    stock = GradStepInside(swap).eval()
+    if mode == "freeze":
+        stock.a.requires_grad_(False)
+    return stock, paramfold.prepare(copy.deepcopy(stock), mode, detach_params_under_no_grad=True)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["enable_grad", "functional_call"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto", "freeze"])
+def test_detach_params_under_no_grad_a_module_called_in_the_forward_reads_stocks_parameters(mode, swap):
+    # Regression: the option's detached parameters stayed in __dict__ for the whole no_grad call:
+    # a module called in an enable_grad region of its forward read them (autograd.grad raised
+    # "element 0 of tensors does not require grad", backward() left lin.weight.grad None), and one
+    # called through functional_call read them instead of the weight it was given.
+    stock, ours = _grad_step_twins(mode, swap)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        with torch.no_grad():
+            expected, actual = stock(x), ours(x)
+        assert all(map(torch.equal, actual, expected))
+        for (name, a), b in zip(stock.named_parameters(), ours.parameters()):
+            assert (a.grad is None) == (b.grad is None), name
+            assert a.grad is None or torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+        "documented limit (README, Notes and limits, detach_params_under_no_grad): inside compiled "
+        "code a module called in an enable_grad region of a no_grad call reads the detached "
+        "parameters of the call's start")))
+    for m in ("hoist", "inline", "auto", "freeze")
+])
+def test_compiled_detach_params_under_no_grad_enable_grad_region(mode):
+    stock, ours = _grad_step_twins(mode)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = stock(x)
+        actual = torch.compile(ours, backend="eager")(x)
+    assert all(map(torch.equal, actual, expected))
+
+
+@pytest.mark.parametrize("how", ["make_dual", "jvp", "jacfwd"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto", "freeze"])
+def test_detach_params_under_no_grad_keeps_forward_mode_derivatives_of_plain_parameters(mode, how):
+    # Regression: the option presented a dual parameter (or torch.func's jvp wrapper) that
+    # functional_call swapped in as param.detach(), which drops its tangent: None or zero.
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), weight_norm(nn.Linear(4, 2))).eval().requires_grad_(False)
+
+    stock, ours = build(), paramfold.prepare(build(), mode, detach_params_under_no_grad=True)
+    x = torch.randn(3, 4)
+    outs = []
+    for model in (stock, ours):
+        p = model[0].weight.detach().clone()
+        f = lambda q, m=model: functional_call(m, {"0.weight": q}, (x,))  # noqa: E731
+        with torch.no_grad():
+            if how == "make_dual":
+                with fwAD.dual_level():
+                    outs.append(list(fwAD.unpack_dual(f(fwAD.make_dual(p, torch.ones_like(p))))))
+            elif how == "jvp":
+                outs.append(list(jvp(f, (p,), (torch.ones_like(p),))))
+            else:
+                outs.append([jacfwd(f)(p)])
+    assert all(map(torch.equal, *outs))
 
 
 @pytest.mark.parametrize("mode", ["auto", "hoist"])

@@ -14,9 +14,10 @@ import copy
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from helpers import RowScale
 from torch import nn
-from torch.func import functional_call, hessian, jacrev
+from torch.func import functional_call, hessian, jacfwd, jacrev, jvp, stack_module_state, vmap
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
 import paramfold
@@ -68,6 +69,136 @@ def test_hessian_through_functional_call_with_the_same_dict_twice_equals_stock(m
     for _ in range(2):
         got = hessian(lambda t: functional_call(ours, params[ours], (t,)).sum())(x)
         assert torch.equal(got, hessian(lambda t: functional_call(stock, params[stock], (t,)).sum())(x))
+
+
+class Transposed(nn.Module):
+    """A custom parametrization whose value is a view of its original."""
+
+    def forward(self, w):
+        return w.T
+
+
+def view_valued(kind: str) -> nn.Module:
+    """A chain whose value is a view of what it computes from: orthogonal on a non-square Linear
+    (householder: ``Q.mT``), or a custom ``w.T`` whose view is of the original itself."""
+    torch.manual_seed(0)
+    if kind == "orthogonal":
+        layer = orthogonal(nn.Linear(4, 3))
+    else:
+        layer = nn.Linear(4, 4)
+        torch.nn.utils.parametrize.register_parametrization(layer, "weight", Transposed())
+    return nn.Sequential(layer, nn.Tanh())
+
+
+def _forward_mode(model: nn.Module, how: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """Derivatives of ``model(x)`` w.r.t. its original (and ``x``, for ``dual_input``), in
+    forward mode, the way ``how`` takes them; the original is a copy of the model's."""
+    name = "0.parametrizations.weight.original"
+    p = model.state_dict()[name].clone()
+    ones = torch.ones_like(p)
+    f = lambda q: functional_call(model, {name: q}, (x,))  # noqa: E731
+    if how == "make_dual":
+        with fwAD.dual_level():
+            return list(fwAD.unpack_dual(f(fwAD.make_dual(p, ones))))
+    if how == "dual_input":
+        with fwAD.dual_level():
+            dual_x = fwAD.make_dual(x, torch.full_like(x, 0.5))
+            return list(fwAD.unpack_dual(functional_call(model, {name: fwAD.make_dual(p, ones)}, (dual_x,))))
+    if how == "jvp":
+        return list(jvp(f, (p,), (ones,)))
+    if how == "jacfwd":
+        return [jacfwd(f)(p)]
+    if how == "forward_jacobian":
+        return [torch.autograd.functional.jacobian(f, p, strategy="forward-mode", vectorize=True)]
+    stacked = torch.stack([p, 2 * p])  # vmap_jvp
+    return list(vmap(lambda q, t: jvp(f, (q,), (t,)))(stacked, torch.ones_like(stacked)))
+
+
+@pytest.mark.parametrize("how", ["make_dual", "dual_input", "jvp", "jacfwd", "forward_jacobian", "vmap_jvp"])
+@pytest.mark.parametrize("kind", ["orthogonal", "transposed"])
+@pytest.mark.parametrize("mode", ["auto", "freeze"])
+def test_forward_mode_derivatives_of_a_view_valued_chain_equal_stock(mode, kind, how):
+    # Regression: freeze kept a value that is a view (of the original, or of what the chain
+    # computed) as value.detach(), which drops forward-AD tangents and jvp's duals: the tangent
+    # w.r.t. the original came out None (make_dual), zero (jvp, jacfwd), or without its part (a
+    # dual input too), in auto (the default) and freeze alike, at the calls the value was frozen.
+    stock = _inference(view_valued(kind))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    for grad in (False, True, False):  # dual inputs do not require grad: frozen under grad too
+        for _ in range(3):  # frozen or computed at every call (auto's, freeze's misses) alike
+            with torch.set_grad_enabled(grad):
+                expected, actual = _forward_mode(stock, how, x), _forward_mode(ours, how, x)
+            assert len(actual) == len(expected)
+            assert all(map(torch.equal, actual, expected))
+    assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["auto", "freeze"])
+def test_a_dual_original_used_again_after_its_tangent_changed_in_place_equals_stock(mode):
+    # A frozen value is keyed on its inputs' identity, versions and bytes, none of which shows a
+    # tangent: a value with tangents serves its own call only, as stock's read is computed at each.
+    torch.manual_seed(0)
+    scaled = nn.Linear(4, 4)
+    torch.nn.utils.parametrize.register_parametrization(scaled, "weight", RowScale())
+    stock = _inference(nn.Sequential(scaled, nn.Tanh(), orthogonal(nn.Linear(4, 3))))  # a value and a view
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    names = ["0.parametrizations.weight.original", "2.parametrizations.weight.original"]
+    results = []
+    for model in (stock, ours):
+        out = []
+        with fwAD.dual_level():
+            duals = {n: fwAD.make_dual(model.state_dict()[n].clone(), torch.ones_like(model.state_dict()[n]))
+                     for n in names}
+            for _ in range(3):
+                out.append(fwAD.unpack_dual(functional_call(model, duals, (x,))).tangent)
+                for dual in duals.values():
+                    fwAD.unpack_dual(dual).tangent.mul_(2)
+        out.append(functional_call(model, duals, (x,)))  # the level ended: no tangent left
+        results.append(out)
+    assert all(map(torch.equal, *results))
+
+
+def test_jvp_over_every_parameter_of_a_training_model_equals_stock():
+    # The same bug in the default mode with grad enabled: torch.func's usual
+    # jvp(functional_call(model, detached params)) of a training model; the detached parameters
+    # require no grad, so auto froze the view-valued chain (4.035 where stock gives 2.362).
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), orthogonal(nn.Linear(4, 3)))
+
+    stock, ours = build(), paramfold.prepare(build(), "auto")
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        outs = []
+        for model in (stock, ours):
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            tangents = {k: torch.ones_like(v) for k, v in params.items()}
+            outs.append(jvp(lambda p, m=model: functional_call(m, p, (x,)), (params,), (tangents,)))
+        assert all(map(torch.equal, *outs))
+
+
+def test_vmap_of_jvp_over_stacked_module_states_equals_stock():
+    def build():
+        torch.manual_seed(0)
+        return _inference(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), orthogonal(nn.Linear(4, 3))))
+
+    x = torch.randn(2, 4)
+    outs = []
+    for prepare in (False, True):
+        models = [build() for _ in range(3)]
+        for k, model in enumerate(models):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1 + 0.1 * k)
+        params, buffers = stack_module_state(models)
+        base = paramfold.prepare(build(), "auto") if prepare else build()
+        tangents = {k: torch.ones_like(v) for k, v in params.items()}
+        call = lambda p, b: functional_call(base, (p, b), (x,))  # noqa: E731
+        with torch.no_grad():
+            outs.append(vmap(lambda p, t, b: jvp(lambda q: call(q, b), (p,), (t,)))(params, tangents, buffers))
+    assert all(map(torch.equal, *outs))
 
 
 def three_kinds() -> nn.Module:

@@ -37,7 +37,9 @@ version counter and armed storage (a forward may edit the value it reads in plac
 ``.data``).
 
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
-inside ``torch.inference_mode()`` also serves later calls that record gradients.
+inside ``torch.inference_mode()`` also serves later calls that record gradients. One computed
+from inputs that carry forward-mode tangents (a dual original, torch.func jvp's wrappers) serves
+its own call only, as stock computed it: none of the keys above shows a tangent.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import ADVICE, held
-from paramfold.state import PLAIN_TENSOR_TYPES, FrozenValue, SiteState, state_for, tensor_label, version_of
+from paramfold.state import (PLAIN_TENSOR_TYPES, FrozenValue, SiteState, carries_tangents, state_for, tensor_label,
+                             version_of)
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -85,6 +88,14 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
                 if site.mode == "freeze":
                     raise random_now(module, name) from None
                 return None  # auto: computed where it is read, drawing as stock does
+            if carries_tangents(value):
+                # Computed from inputs with forward-mode tangents (a dual original, a jvp's
+                # wrappers): stock's value as read, tangents and view included, for this call
+                # only. A frozen value is keyed on its inputs' identity, versions and bytes, none
+                # of which shows their tangents (edited in place, gone when the level ends).
+                release(frozen)
+                site.frozen = None
+                return value
             if type(value) in PLAIN_TENSOR_TYPES and value._base is not None:
                 # A view of an original (a transpose, w[:]): kept as an alias of its storage only,
                 # since a view holds its base, which torch.utils.swap_tensors (module.to() with

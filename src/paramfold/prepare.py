@@ -72,7 +72,8 @@ def prepare(
         detach_params_under_no_grad: also present *plain* parameters to compiled code as
             ``requires_grad=False`` tensors while grad mode is off, so frozen and trainable
             copies of one architecture share graphs under ``no_grad`` (see
-            ``paramfold.recompiles``). Off by default.
+            ``paramfold.recompiles``; README, Notes and limits, for the reads that get the
+            parameters themselves, and the ones inside compiled code that do not). Off by default.
         freeze_check: how freeze and auto tell that a frozen value's inputs changed:
             ``"content"`` (default) also sees writes through ``.data``, numpy or DLPack that
             bump no version counter (a write mark on each input no other tensor shares, the

@@ -66,7 +66,8 @@ from paramfold.freeze import can_freeze, unchanged
 from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
-from paramfold.state import CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, distributed, syncs_before_forward
+from paramfold.state import (CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, carries_tangents, distributed,
+                             syncs_before_forward)
 from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -285,11 +286,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
             else:
                 values[name] = value
                 installed.append(name)
-        if hs.detach_params and not grad:
-            for name, param in holder._parameters.items():
-                if param is not None:
-                    values[name] = param.detach()
-                    installed.append(name)
+        if hs.detach_params:
+            installed += _detach_params(holder, hs, grad)
         for name in kept_before:
             if name not in kept and name not in installed:
                 values.pop(name, None)
@@ -341,11 +339,28 @@ def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bo
             nested.record(site)
             renewed = True
     if hs.detach_params and not grad:
-        for name, param in holder._parameters.items():
-            if param is not None:
-                values[name] = param.detach()  # a parameter replaced since (assign=True, p.data = t)
+        # a parameter replaced since (assign=True, p.data = t); not one a nested call took out
+        _detach_params(holder, hs, grad, {name for name, _ in hs.detached})
     if renewed and hs.kept:
         hs.kept = tuple(list(hs.kept))  # the same names in a new tuple: plans check it by identity
+
+
+def _detach_params(holder: nn.Module, hs: ModuleState, grad: bool, names: set[str] | None = None) -> list[str]:
+    """``detach_params_under_no_grad``: under ``no_grad``, put each plain parameter of ``holder``
+    (of ``names``) in its ``__dict__`` detached for the call, and return their names. Not one that
+    carries forward-mode tangents (a dual tensor, a torch.func jvp's wrapper, swapped in by
+    ``functional_call``), which ``detach()`` drops: the call reads that one itself."""
+    values = holder.__dict__
+    detached = []
+    for name, param in holder._parameters.items() if not grad else ():
+        if param is not None and (names is None or name in names) and not carries_tangents(param):
+            values[name] = param.detach()
+            detached.append((name, param))
+    last = hs.detached
+    if len(detached) != len(last) or not all(a[0] == b[0] and a[1] is b[1] for a, b in zip(detached, last)):
+        hs.detached = tuple(detached)
+        nested.Installs.count += 1  # the nested checks built on the last ones (scope_nested.check_of)
+    return [name for name, _ in detached]
 
 
 def _changes_originals(module: nn.Module | None) -> bool:
@@ -654,6 +669,8 @@ def _nested(module: nn.Module, call: Callable) -> Callable:
         if parametrize._cache_enabled:
             nested.commit(module)
         return call
+    with _LOCK:
+        nested.undetach(module)
     found = nested.changed(module)
     if not found and nested.same_context(nested.local.context):
         return call

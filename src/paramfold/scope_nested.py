@@ -24,6 +24,9 @@ runs the call with those values computed afresh, as stock computes each read: a 
 one computed for another grad mode, autocast state or settings, is put back after (the originals
 come back, the region ends), a value changed in place stays (it is the current one for the rest
 of the call), and a stateful chain whose settings changed is computed at each read from then on.
+The plain parameters ``detach_params_under_no_grad`` presents detached are checked alike: one
+swapped, or any under a call made with grad on again, is taken out for the rest of the call
+(:func:`undetach`), so the module reads the parameter itself, as stock does.
 
 Not seen: reads that are not inside a nested module call (a forward reading ``self.k.weight``
 after changing it); in-place edits through ``.data`` (they bump no version counter); and
@@ -148,6 +151,11 @@ def check_of(entry: nn.Module) -> tuple:
                 column.extend(more)
     plain = [t for t in tensors if type(t) in PLAIN_TENSOR_TYPES]
     ids = list(map(id, plain))
+    for holder in state.holders:  # a detached plain parameter swapped (functional_call): see undetach
+        for name, param in holder.__dict__[STATE_ATTR].detached:
+            dicts.append(holder._parameters)
+            keys.append(name)
+            tensors.append(param)
     check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain, ids,
              *_watched(plain, *own), _watched(plain, *below))
     state.nested_check = check
@@ -232,6 +240,27 @@ def unchanged(check: tuple) -> bool:
     except (LookupError, RuntimeError):  # a key gone, a tensor the snapshot lacks
         return False
     return True
+
+
+def undetach(entry: nn.Module) -> None:
+    """Take out of ``__dict__``, for the rest of the call, each detached plain parameter below
+    ``entry`` that no longer stands for stock's read: where grad mode is on now (a
+    ``torch.enable_grad()`` region of a ``no_grad`` call: stock's read records gradients) or its
+    parameter was swapped (``functional_call``). Reads then get the parameter in
+    ``_parameters``, which under ``no_grad`` computes what its detached alias does. (The caller
+    holds the scope lock.)"""
+    grad = _grad_enabled()
+    for holder in entry.__dict__[STATE_ATTR].holders:
+        hs = holder.__dict__[STATE_ATTR]
+        if not hs.detached:
+            continue
+        params = holder._parameters
+        gone = {name for name, param in hs.detached if grad or params.get(name) is not param}
+        if gone:
+            for name in gone:
+                holder.__dict__.pop(name, None)
+            hs.detached = tuple(d for d in hs.detached if d[0] not in gone)
+            Installs.count += 1
 
 
 def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]:

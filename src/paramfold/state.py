@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import nn
 
 from paramfold import hooknorms
@@ -208,6 +209,14 @@ class SiteState:
 functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
 
 
+def carries_tangents(t: torch.Tensor) -> bool:
+    """Whether ``t`` may carry forward-mode derivatives, which ``detach()`` drops: a dual tensor
+    of the current forward-AD level (``fwAD.make_dual``, put in by ``functional_call``), or a
+    torch.func transform's wrapper (jvp's and jacfwd's carry tangents, at each of their levels;
+    every wrapper is made anew at each call of its transform)."""
+    return functorch_wrapped(t) or forward_ad.unpack_dual(t).tangent is not None
+
+
 def _uncopyable(t: object) -> bool:
     """Whether ``copy.deepcopy`` refuses ``t``: a tensor with an autograd history, or a
     torch.func transform's wrapper."""
@@ -340,6 +349,10 @@ class ModuleState:
     sites: dict[str, SiteState] = dataclasses.field(default_factory=dict)
     #: Whether plain parameters of this module are detached under no_grad.
     detach_params: bool = False
+    #: ``(name, parameter)`` of each plain parameter presented detached in ``__dict__`` by the
+    #: last call scope (under ``no_grad``); a nested call takes out those that stopped standing for
+    #: stock's read (``scope_nested.undetach``).
+    detached: tuple = ()
     #: Instance ``__dict__`` keys holding inline getters' inputs (see ``inline.install_refs``).
     ref_keys: list[str] = dataclasses.field(default_factory=list)
     #: The load_state_dict post-hook that re-syncs them, removed by restore.
@@ -399,7 +412,8 @@ class ModuleState:
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
-        replica = _copy_fields(self, memo, _CACHES | {"prepared_root", "own_dict"})
+        replica = _copy_fields(self, memo, _CACHES | {"prepared_root", "own_dict", "detached"})
+        replica.detached = ()  # the tensors of this module's last call (one with a history, too)
         # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
         replica.covers = frozenset(id(m) for m in replica.entries)
         root = self.prepared_model()
