@@ -545,6 +545,187 @@ def test_freeze_refuses_a_chain_switched_on_to_change_its_buffers_in_eval_before
     assert_same_nested(_buffers(stock), _buffers(ours))
 
 
+class _FlaggedObserver(nn.Module):
+    """Updates a running maximum at every computation while its ``observer_enabled`` buffer is 1
+    (as torch.ao's observers: ``enable_observer`` fills it), in training and eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("observer_enabled", torch.tensor([0], dtype=torch.uint8))
+        self.register_buffer("running_max", torch.ones(()))
+
+    def forward(self, w):
+        if self.observer_enabled[0] == 1:
+            with torch.no_grad():
+                self.running_max.copy_(0.7 * self.running_max + 0.3 * w.abs().max())
+        return w / self.running_max.clone()  # a later update must not change what backward saved
+
+
+class _FlaggedTwiceOrSkipped(TwiceOrSkipped):
+    def __init__(self):
+        super().__init__()
+        parametrize.remove_parametrizations(self.lin, "weight")
+        parametrize.register_parametrization(self.lin, "weight", _FlaggedObserver())
+
+
+def _observer(model: nn.Module, on: bool) -> None:
+    model.lin.parametrizations.weight[0].observer_enabled.fill_(int(on))
+
+
+@pytest.mark.parametrize("compiled", [None, "eager", "aot_eager"])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_a_chain_switched_on_by_a_buffer_flag_after_prepare_is_read_like_stock(mode, compiled):
+    # Regression: prepared with its flag off, the chain was probed again only when a setting
+    # (an attribute) changed, not when a buffer was filled: hoist and auto went on computing it
+    # once per call, so a read twice per call updated the statistic once, and one that skipped
+    # the layer updated it all the same; in eval, auto froze it after its first update.
+    stock, prepared = _twins(_FlaggedTwiceOrSkipped, mode)
+    assert [s.stateful for s in paramfold.find(stock)] == [False]
+    runs = []
+    for model in (stock, prepared):
+        call = torch.compile(model, backend=compiled) if compiled else model
+        torch.manual_seed(1)
+        record = []
+        for step in range(6):
+            if step in (1, 4):
+                _observer(model, on=step == 1)  # on, then off again
+            model.skip = step == 3
+            model.zero_grad()
+            out = call(torch.randn(3, 4))
+            out.square().sum().backward()
+            record.append([out, _buffers(model), grads(model)])
+        model.skip = False
+        model.eval()
+        with torch.no_grad():
+            for step in range(4):
+                if step == 1:
+                    _observer(model, on=True)
+                record.append([call(torch.randn(3, 4)), _buffers(model)])
+        runs.append(record)
+    assert_same_nested(*runs)
+
+
+def test_freeze_refuses_a_chain_switched_on_by_a_buffer_flag_before_it_changes_its_buffers():
+    # Regression: freeze (and auto) in eval served a value frozen after the first call past the
+    # switch, which updated the statistic once; stock updates it at every call.
+    torch.manual_seed(0)
+    model = paramfold.prepare(_FlaggedTwiceOrSkipped().eval().requires_grad_(False), "freeze")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        model(x)
+        _observer(model, on=True)
+        before = _buffers(model)
+        with pytest.raises(paramfold.FoldError, match="lin.weight.*change its own attributes, buffers or originals"):
+            model(x)
+    assert_same_nested(before, _buffers(model))
+    paramfold.restore(model)
+    stock, ours = _twins(lambda: _FlaggedTwiceOrSkipped().eval(), "auto")
+    with torch.no_grad():
+        for step in range(3):
+            if step == 1:
+                for model in (stock, ours):
+                    _observer(model, on=True)
+            assert torch.equal(stock(x), ours(x))
+            assert_same_nested(_buffers(stock), _buffers(ours))
+
+
+def _fake_quantized_twice() -> nn.Module:
+    """torch.ao's FakeQuantize as the parametrization of a layer read twice per call, its
+    observer disabled (``torch.ao.quantization.disable_observer``)."""
+    from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver, disable_observer
+
+    model = TwiceOrSkipped()
+    parametrize.remove_parametrizations(model.lin, "weight")
+    parametrize.register_parametrization(model.lin, "weight", FakeQuantize(
+        observer=MovingAverageMinMaxObserver, quant_min=-128, quant_max=127, dtype=torch.qint8,
+        qscheme=torch.per_tensor_symmetric, averaging_constant=0.3))
+    return model.apply(disable_observer)
+
+
+@pytest.mark.parametrize("compiled", [None, "eager", "aot_eager"])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_torchs_fake_quantize_with_its_observer_enabled_after_prepare_observes_every_read_like_stock(mode, compiled):
+    # Regression: hoist and auto computed it once per call, so the observer saw one of the two
+    # reads (max_val 0.499 where stock's is 0.550), and every output after differed.
+    from torch.ao.quantization import enable_observer
+
+    stock, prepared = _twins(_fake_quantized_twice, mode)
+    runs = []
+    for model in (stock, prepared):
+        call = torch.compile(model, backend=compiled) if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        record = []
+        for step in range(4):
+            if step == 1:
+                model.apply(enable_observer)
+            out = call(torch.randn(3, 4))
+            out.sum().backward()
+            record.append([out, _buffers(model), grads(model)])
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(record)
+    assert_same_nested(*runs)
+
+
+def test_freeze_serves_torchs_fake_quantize_with_its_observer_disabled_and_refuses_it_enabled():
+    # Regression: freeze refused any FakeQuantize, observer disabled or not: the torch.qscheme
+    # it holds was not counted among the values nothing can change in place.
+    from torch.ao.quantization import enable_observer
+
+    stock = _fake_quantized_twice().eval().requires_grad_(False)
+    model = paramfold.prepare(copy.deepcopy(stock), "freeze")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(stock(x), model(x))
+        assert_same_nested(_buffers(stock), _buffers(model))
+        model.apply(enable_observer)
+        before = _buffers(model)
+        with pytest.raises(paramfold.FoldError, match="lin.weight.*change its own attributes, buffers or originals"):
+            model(x)
+        assert_same_nested(before, _buffers(model))
+
+
+class _UpdatesPastAThreshold(nn.Module):
+    """Updates its running scale once the weight's largest entry is above 1: a switch no watch
+    sees, only the computation itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running", torch.ones(()))
+
+    def forward(self, w):
+        if w.abs().max() > 1:
+            self.running.mul_(0.5).add_(0.5 * w.detach().abs().max())
+        return w / self.running
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_a_chain_that_starts_changing_its_buffers_on_its_own_is_seen_where_its_value_is_computed(mode):
+    # Regression: freeze and auto kept the value computed by the first computation that updated
+    # the statistic, keyed on the state after it, and served it at every later call.
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4)
+    parametrize.register_parametrization(stock, "weight", _UpdatesPastAThreshold())
+    stock.eval().requires_grad_(False)
+    prepared = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for step in range(4):
+            if step == 1:
+                for model in (stock, prepared):
+                    model.parametrizations.weight.original.mul_(10)
+            if step == 1 and mode == "freeze":
+                before = _buffers(prepared)
+                with pytest.raises(paramfold.FoldError, match="weight.*change its own attributes, buffers or originals"):
+                    prepared(x)
+                assert_same_nested(before, _buffers(prepared))
+                return
+            assert torch.equal(stock(x), prepared(x))
+            assert_same_nested(_buffers(stock), _buffers(prepared))
+
+
 def test_freezes_refusal_of_a_chain_that_changes_its_buffers_in_eval_gives_advice_that_fits():
     # Regression: it told the user to call model.eval() and model.requires_grad_(False) first,
     # though both were done: no frozen value can serve such a chain, only auto or hoist.

@@ -80,10 +80,11 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
             site.misses += 1
         with torch.inference_mode(False), torch.no_grad(), _outside_transforms(site):
             try:
-                with _NoDraws():
+                with _Unchanging(_storages(site)):
                     value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
-            except _Draw:
-                # A setting its watch does not see (paramfold.randomness) switched it on.
+            except _Stopped:
+                # Something its watch does not see (paramfold.randomness) switched it on: a
+                # condition on its originals, a write that bumped no version counter.
                 site.draws = True
                 if site.mode == "freeze":
                     raise random_now(module, name) from None
@@ -101,7 +102,6 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
                 # since a view holds its base, which torch.utils.swap_tensors (module.to() with
                 # swap_module_params_on_conversion, load_state_dict then) refuses to swap.
                 value = value.detach()
-            # Stateful chains may bump their own buffers while computing; key on the state after.
             site.frozen = frozen = _freeze(site, value, under)
     else:
         site.misses = site.demotions = 0
@@ -122,14 +122,21 @@ def _outside_transforms(site: SiteState) -> contextlib.AbstractContextManager:
     return torch._C._DisableFuncTorch()
 
 
-class _Draw(Exception):
+class _Stopped(Exception):
     pass
 
 
-class _NoDraws(TorchDispatchMode):
+class _Unchanging(TorchDispatchMode):
     """Stops a computation at its first op that would draw random numbers (tagged
-    ``nondeterministic_seeded``: dropout, ``randn_like``, a draw from a private generator),
-    before it runs: no generator moves. Per thread, like every dispatch mode."""
+    ``nondeterministic_seeded``: dropout, ``randn_like``, a draw from a private generator) or
+    write to a tensor of the chain (one of ``storages``: an original, a member's buffer,
+    parameter or tensor attribute, a view of one), before it runs: no generator moves, no state
+    changes. A chain found not to do either (a freeze or auto site) that does it now was switched
+    on since, which stock then does at every read. Per thread, like every dispatch mode."""
+
+    def __init__(self, storages: frozenset[int]) -> None:
+        super().__init__()
+        self.storages = storages
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -141,8 +148,35 @@ class _NoDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags:
-            raise _Draw(func.name())
-        return func(*args, **(kwargs or {}))
+            raise _Stopped(func.name())
+        kwargs = kwargs or {}
+        if func._schema.is_mutable and self.storages and self._writes_held(func, args, kwargs):
+            raise _Stopped(func.name())
+        return func(*args, **kwargs)
+
+    def _writes_held(self, func, args: tuple, kwargs: dict) -> bool:
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            target = args[i] if i < len(args) else kwargs.get(argument.name)
+            for t in target if isinstance(target, (list, tuple)) else (target,):
+                if isinstance(t, torch.Tensor) and _storage_of(t) in self.storages:
+                    return True
+        return False
+
+
+def _storage_of(t: torch.Tensor) -> int | None:
+    try:
+        return _storage_key(t)
+    except Exception:  # no storage (a wrapper subclass, sparse, meta)
+        return None
+
+
+def _storages(site: SiteState) -> frozenset[int]:
+    """The storages of every tensor ``site``'s value is computed from (:func:`_inputs`)."""
+    if _storage_key is None:
+        return frozenset()
+    return frozenset(k for k in (_storage_of(t) for _, _, t in _inputs(site)) if k is not None)
 
 
 def random_now(module: nn.Module, name: str) -> FoldError:
@@ -227,6 +261,12 @@ def _inputs(site: SiteState):
                 yield d, key, t
         if site.hook is None and probed(owner):
             yield from held(owner).tensors  # in a dict or object a custom member holds
+
+
+def own_tensors(site: SiteState) -> list[torch.Tensor]:
+    """The tensors of :func:`_inputs` that ``site``'s chain holds itself: all but its originals."""
+    originals = {id(d.get(k)) for d, k in site.originals}
+    return [t for _, _, t in _inputs(site) if id(t) not in originals]
 
 
 _lazy_clone = getattr(torch, "_lazy_clone", None)

@@ -42,7 +42,7 @@ _STANDARD = frozenset(nn.Module().__dict__)
 #: Values nothing can change in place, or whose state is not followed (see the module docstring).
 _ATOMS = (
     type(None), bool, int, float, complex, str, bytes, range, slice, type(Ellipsis), type(NotImplemented),
-    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Generator, enum.Enum, type,
+    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.qscheme, torch.Generator, enum.Enum, type,
     types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, re.Pattern,
     torch.Tensor, nn.Module,
 )

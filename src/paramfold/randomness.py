@@ -5,21 +5,30 @@ computed where it is read (auto, inline) or refused (hoist, freeze). A chain can
 later, when a dropout probability or a noise scale is set above 0: computed once per call before
 the forward (hoist, auto in a grad call) it would draw before the forward's own random ops, and
 frozen it would repeat one sample. What switches a chain on is one of its settings (its members'
-attributes, submodules, hooks and classes: :func:`~paramfold.freeze.settings`), so each site
-keeps a :class:`SettingsWatch` of them; when one changes, the chain is probed again, as ``find``
-probes it, and ``SiteState.draws`` says how it is served from then on. A chain switched on to
-write its attributes or originals, or to change its buffers where ``prepare`` found it did not (no
-read-once class or freeze refusal was planned for it), is served the same way: stock changes
-them at every read.
+attributes, submodules, hooks and classes: :func:`~paramfold.freeze.settings`) or a tensor it
+holds (a flag buffer: torch.ao's ``enable_observer`` fills ``observer_enabled`` with 1), so each
+site keeps a :class:`SettingsWatch` of them; when one changes, the chain is probed again, as
+``find`` probes it, and ``SiteState.draws`` says how it is served from then on. A chain switched
+on to write its attributes or originals, or to change its buffers where ``prepare`` found it did
+not (no read-once class or freeze refusal was planned for it), is served the same way: stock
+changes them at every read.
+
+A chain switched on by what no watch sees (a condition on its originals, a write that bumped no
+version counter) is seen where its value is computed: a value to freeze is computed under
+``freeze``'s dispatch mode, which stops it before its first write to a tensor of the chain (the
+model left as it was: freeze refuses the call, auto computes it where it is read from then on);
+a value computed for one call (hoist, auto) moves a watched tensor's version counter, and the
+next call probes the chain again. That call's value is stock's first read's (the update ran
+once, as stock's read runs it); a second read in that call is served the same value.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from paramfold.freeze import settings
+from paramfold.freeze import own_tensors, settings
 from paramfold.sites import CannotProbeNow, draws_random_numbers, probed
-from paramfold.state import SiteState
+from paramfold.state import SiteState, tensor_version, version_of
 from paramfold.watch import tag
 
 #: A member's attribute that switches nothing on: ``find``'s probe runs each member in training
@@ -29,9 +38,10 @@ _PROBED_BOTH_WAYS = "training"
 
 class SettingsWatch:
     """The settings of one chain when it was last probed: the empty dicts, the others with their
-    version tags and a shallow copy each (a tag changes at every write, ``train()`` included)."""
+    version tags and a shallow copy each (a tag changes at every write, ``train()`` included),
+    and the version counters of the tensors that may switch it on (:func:`switches`)."""
 
-    __slots__ = ("empty", "full", "tags", "copies")
+    __slots__ = ("empty", "full", "tags", "copies", "tensors", "versions")
 
     def __init__(self, site: SiteState) -> None:
         live = settings(site)
@@ -39,11 +49,15 @@ class SettingsWatch:
         self.full = tuple(d for d in live if d)
         self.tags = list(map(tag, self.full))
         self.copies = tuple(map(dict, self.full))
+        self.tensors = switches(site)
+        self.versions = list(map(tensor_version, self.tensors))
 
     def unchanged(self) -> bool:
         """Whether every setting is as it was probed; a write that put back what was there, or
         only changed a ``training`` flag, counts as unchanged (and is remembered as seen)."""
         if any(self.empty):
+            return False
+        if self.tensors and list(map(tensor_version, self.tensors)) != self.versions:
             return False
         try:
             tags = list(map(tag, self.full))
@@ -67,8 +81,9 @@ class _ProbeAgain:
     """The watch of a copied site: nothing seen yet, so the chain is probed at its next check."""
 
     __slots__ = ()
-    empty = full = ()
+    empty = full = tensors = ()
     tags: list = []
+    versions: list = []
 
     def unchanged(self) -> bool:
         return False
@@ -78,6 +93,16 @@ class _ProbeAgain:
 
 
 PROBE_AGAIN = _ProbeAgain()
+
+
+def switches(site: SiteState) -> tuple:
+    """The tensors ``site``'s chain holds (:func:`~paramfold.freeze.own_tensors`) whose writes may
+    switch it on, with a version counter: none where it changes them itself at its computations
+    (``stateful``, or ``draws``: computed at every read since), nor one that requires grad (a
+    trained parameter, which an optimizer step writes: no switch)."""
+    if site.stateful or site.draws:
+        return ()
+    return tuple(t for t in own_tensors(site) if not t.requires_grad and version_of(t) is not None)
 
 
 def watch(site: SiteState) -> SettingsWatch | None:

@@ -88,6 +88,7 @@ class Plan:
         switched, inside, outside = [], [], []
         links, ordered, stateful, modes, typed, dicted = [], [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
+        switches: list[tuple[torch.Tensor, int]] = []  # hoisted chains' tensors, as last probed
         copied: list[tuple] = []
         forward_keys: list[tuple[dict, str, bool]] = []
         copied_list: list[torch.Tensor] = []
@@ -183,6 +184,7 @@ class Plan:
                     if site.draw_watch is not None:  # a change has the chain probed for draws again
                         empty.update((id(d), d) for d in site.draw_watch.empty)
                         settings.update((id(d), (d, then)) for d, then in zip(site.draw_watch.full, site.draw_watch.tags))
+                        switches.extend(zip(site.draw_watch.tensors, site.draw_watch.versions))
                     # compute()'s steps for a flat chain, without its lookups (the structure tags
                     # pin the modules), and each member's forward where a call of it would be just that.
                     chain = None if site.nested or not calls_its_forward(site.plist) else site.chain
@@ -256,7 +258,7 @@ class Plan:
         # An inference tensor has none (None): it is marked or its bytes are checked.
         marked = set(map(id, armed))
         plan.versioned, versions = _columns(
-            [(t, v) for t, v in zip(plan.inputs, versions) if id(t) not in marked and v is not None], 2)
+            [(t, v) for t, v in zip(plan.inputs, versions) if id(t) not in marked and v is not None] + switches, 2)
         plan.versions = list(versions)
         plan.raw_memory, digests = _columns(raw, 2)
         plan.raw_digests = list(digests)

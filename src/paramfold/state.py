@@ -158,7 +158,8 @@ class SiteState:
     #: Whether the chain draws random numbers now, though prepare's probe found it did not (a
     #: noise scale set above 0 since), or changes its state as prepare did not plan for
     #: (``sites.draws_random_numbers``): computed where it is read, as stock does, or refused by
-    #: freeze. ``draw_watch``: its settings when it was last probed (``paramfold.randomness``).
+    #: freeze. ``draw_watch``: its settings, and the version counters of the tensors that may switch
+    #: it on, when it was last probed (``paramfold.randomness``).
     draws: bool = False
     draw_watch: Any = None
     #: Where this chain shares state with another site's (one stateful member registered on two
