@@ -363,6 +363,11 @@ def test_a_layer_swapped_for_one_sharing_its_stateful_member_is_no_longer_comput
     assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
 
 
+def _wn_sn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_layer_swapped_out_and_changed_moved_or_put_back_is_its_own_or_stocks(mode):
     # Regression: after `model[0] = new`, remove_parametrizations on the old layer made every
@@ -370,8 +375,9 @@ def test_a_layer_swapped_out_and_changed_moved_or_put_back_is_its_own_or_stocks(
     # layer into another model had that model's prepare refused as "a module shared by two
     # models". A layer no longer in its model is dropped from it: the model's calls, its
     # restore, the layer's restore or another model's prepare each treat it as stock would.
-    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    # (Twins are built, not copied: a copy of a stock parametrized module shares its class,
+    # which remove_parametrizations edits.)
+    stock, ours = _wn_sn(), paramfold.prepare(_wn_sn(), mode)
     x = torch.randn(3, 4)
     pairs = []
     for model in (stock, ours):
@@ -387,31 +393,37 @@ def test_a_layer_swapped_out_and_changed_moved_or_put_back_is_its_own_or_stocks(
     (old_s, moved_s, other_s), (old_o, moved_o, other_o) = pairs
     assert torch.equal(ours(x), stock(x))
     assert type(old_o).__mro__ == type(old_s).__mro__ and torch.equal(old_o.weight, old_s.weight)
-    paramfold.prepare(other_o, mode)  # the moved layer's own model
+    paramfold.prepare(other_o, mode)  # the moved layer's own model now
     paramfold.restore(ours)  # leaves the layer prepared for other_o as it is
+    assert "_paramfold" in vars(moved_o)
     for _ in range(2):
         assert torch.equal(other_o(x), other_s(x))
     _assert_same_state(other_s, other_o)
     paramfold.restore(other_o)
-    assert type(moved_o).__name__ == type(moved_s).__name__ == "ParametrizedLinear"
-    assert "_paramfold" not in vars(moved_o)
-    # One put back after a call that found it gone is computed at its reads, like stock's.
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
-    layer = ours[2]
-    ours[2] = nn.Identity()
-    ours(x)
-    ours[2] = layer
+    assert type(moved_o).__mro__[1:] == type(moved_s).__mro__[1:] and "_paramfold" not in vars(moved_o)
+    # A layer put back after a call that found it gone is computed at its reads, like stock's.
+    stock, ours = _wn_sn().train(), paramfold.prepare(_wn_sn().train(), mode)
+    for model in (stock, ours):
+        layer = model[2]
+        model[2] = nn.Identity()
+        model(x)
+        model[2] = layer
     for _ in range(2):
-        assert torch.equal(ours(x), stock(x))
+        outs = [model(x) for model in (stock, ours)]
+        assert torch.equal(outs[1], outs[0])
+        for y in outs:
+            y.sum().backward()
+    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad, p.grad), name
     _assert_same_state(stock, ours)
     paramfold.restore(ours)
     assert [type(m).__mro__[1:] for m in ours.modules()] == [type(m).__mro__[1:] for m in stock.modules()]
     # And a layer swapped out is restored on its own.
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    ours = paramfold.prepare(_wn_sn(), mode)
     layer = ours[2]
     ours[2] = nn.Identity()
     paramfold.restore(layer)
-    assert "_paramfold" not in vars(layer) and type(layer).__mro__[1:] == type(stock[2]).__mro__[1:]
+    assert "_paramfold" not in vars(layer) and type(layer).__mro__[1:] == type(_wn_sn()[2]).__mro__[1:]
 
 
 # --- other entry points and whole-model tools ------------------------------------------------
