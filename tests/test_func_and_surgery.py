@@ -421,6 +421,144 @@ def test_surgery_after_prepare_trains_like_stock_and_restores_to_stock(mode, sur
     assert torch.equal(ours(x), stock(x))
 
 
+def _sn_block() -> nn.Module:
+    """A spectral_norm layer inside a block (its parent is not the root), a weight_norm layer
+    that stays, and a plain head."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.ReLU()),
+                         weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2)).train()
+
+
+def _swap_in_a_layer_sharing_the_member(model: nn.Module, how: str) -> None:
+    """``model[0][0]`` replaced by a new Linear that takes over its spectral_norm member object:
+    torch.ao's ``prepare_qat`` (a qat.Linear, through ``transfer_parametrizations_and_params``),
+    the same by hand, or the member registered on the new layer (put in the block with an item
+    assignment, or in a new ``_modules`` dict)."""
+    old = model[0][0]
+    torch.manual_seed(1)
+    if how == "prepare_qat":
+        model[0].qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+        torch.ao.quantization.prepare_qat(model[0], inplace=True)
+        return
+    new = nn.Linear(4, 4)
+    if how == "transfer":
+        torch.nn.utils.parametrize.transfer_parametrizations_and_params(old, new, "weight")
+    else:
+        torch.nn.utils.parametrize.register_parametrization(new, "weight", old.parametrizations.weight[0])
+    if how == "new_modules_dict":
+        model[0]._modules = {**model[0]._modules, "0": new}
+    else:
+        model[0][0] = new
+
+
+def _sgd_steps(models: dict, optimizers: dict, steps: int) -> None:
+    """``steps`` training steps of each model (a call of ``models[model]``, backward, SGD),
+    outputs bitwise equal to stock's (the first key)."""
+    for step in range(steps):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        outs = []
+        for model, call in models.items():
+            optimizers[model].zero_grad()
+            y = call(x)
+            y.square().sum().backward()
+            optimizers[model].step()
+            outs.append(y)
+        assert torch.equal(outs[1], outs[0]), step
+
+
+@pytest.mark.filterwarnings("ignore:Please use quant_min and quant_max")  # torch.ao's default qconfig
+@pytest.mark.parametrize(("how", "backend"), [
+    ("prepare_qat", None), ("prepare_qat", "aot_eager"), ("transfer", "eager"), ("share_member", None),
+    ("share_member", "aot_eager"), ("new_modules_dict", None),
+])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_swapped_for_one_sharing_its_stateful_member_is_no_longer_computed(mode, how, backend):
+    # Regression: a scope computed every holder listed at prepare, also one swapped out of the
+    # model since. With the new layer sharing the old one's spectral_norm member (prepare_qat's
+    # swap), the member ran two power iterations per call (output off by 0.1 at the first call,
+    # _u, gradients and state_dict after). The swap comes after steady calls (a plan built on
+    # the block's _modules): the calls after it, eager or compiled, train like stock's.
+    stock = _sn_block()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    models = {m: torch.compile(m, backend=backend) if backend else m for m in (stock, ours)}
+    optimizers = {m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (stock, ours)}
+    _sgd_steps(models, optimizers, 3)
+    for model in (stock, ours):
+        _swap_in_a_layer_sharing_the_member(model, how)
+        optimizers[model] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _sgd_steps(models, optimizers, 3)
+    _assert_same_state(stock, ours)
+    stock.eval()
+    ours.eval()
+    with torch.no_grad():
+        assert torch.equal(models[ours](torch.ones(2, 4)), models[stock](torch.ones(2, 4)))
+    paramfold.restore(ours)
+    assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
+
+
+def _wn_sn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_swapped_out_and_changed_moved_or_put_back_is_its_own_or_stocks(mode):
+    # Regression: after `model[0] = new`, remove_parametrizations on the old layer made every
+    # later call of the model raise a FoldError about a module it no longer held; moving the
+    # layer into another model had that model's prepare refused as "a module shared by two
+    # models". A layer no longer in its model is dropped from it: the model's calls, its
+    # restore, the layer's restore or another model's prepare each treat it as stock would.
+    # (Twins are built, not copied: a copy of a stock parametrized module shares its class,
+    # which remove_parametrizations edits.)
+    stock, ours = _wn_sn(), paramfold.prepare(_wn_sn(), mode)
+    x = torch.randn(3, 4)
+    pairs = []
+    for model in (stock, ours):
+        model(x)
+        old = model[0]
+        torch.manual_seed(1)
+        model[0] = nn.Linear(4, 4)
+        torch.nn.utils.parametrize.remove_parametrizations(old, "weight")
+        model(x).sum().backward()
+        moved = model[2]
+        model[2] = nn.Identity()
+        pairs.append((old, moved, nn.Sequential(moved, nn.Tanh())))
+    (old_s, moved_s, other_s), (old_o, moved_o, other_o) = pairs
+    assert torch.equal(ours(x), stock(x))
+    assert type(old_o).__mro__ == type(old_s).__mro__ and torch.equal(old_o.weight, old_s.weight)
+    paramfold.prepare(other_o, mode)  # the moved layer's own model now
+    paramfold.restore(ours)  # leaves the layer prepared for other_o as it is
+    assert "_paramfold" in vars(moved_o)
+    for _ in range(2):
+        assert torch.equal(other_o(x), other_s(x))
+    _assert_same_state(other_s, other_o)
+    paramfold.restore(other_o)
+    assert type(moved_o).__mro__[1:] == type(moved_s).__mro__[1:] and "_paramfold" not in vars(moved_o)
+    # A layer put back after a call that found it gone is computed at its reads, like stock's.
+    stock, ours = _wn_sn().train(), paramfold.prepare(_wn_sn().train(), mode)
+    for model in (stock, ours):
+        layer = model[2]
+        model[2] = nn.Identity()
+        model(x)
+        model[2] = layer
+    for _ in range(2):
+        outs = [model(x) for model in (stock, ours)]
+        assert torch.equal(outs[1], outs[0])
+        for y in outs:
+            y.sum().backward()
+    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad, p.grad), name
+    _assert_same_state(stock, ours)
+    paramfold.restore(ours)
+    assert [type(m).__mro__[1:] for m in ours.modules()] == [type(m).__mro__[1:] for m in stock.modules()]
+    # And a layer swapped out is restored on its own.
+    ours = paramfold.prepare(_wn_sn(), mode)
+    layer = ours[2]
+    ours[2] = nn.Identity()
+    paramfold.restore(layer)
+    assert "_paramfold" not in vars(layer) and type(layer).__mro__[1:] == type(_wn_sn()[2]).__mro__[1:]
+
+
 # --- other entry points and whole-model tools ------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
 from paramfold.randomness import watch as watch_draws
-from paramfold.restore import restore, restore_module
+from paramfold.restore import drop_detached, restore, restore_module
 from paramfold.scope import watch_backward
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for, syncs_before_forward
 from paramfold.sites import Site, find, parametrization_paths
@@ -179,7 +179,7 @@ def _resync_after_load(module: nn.Module, incompatible_keys: object) -> None:
 def _refuse_prepared(model: nn.Module) -> None:
     for path, module in model.named_modules():
         state = module.__dict__.get(STATE_ATTR)
-        if state is None:
+        if state is None or not state.root and drop_detached(module):  # its model holds it no more
             continue
         if not path:
             raise FoldError(

@@ -19,7 +19,7 @@ def restore(model: nn.Module) -> nn.Module:
     Every module gets back its exact class object (stock's per-instance ``Parametrized*``
     classes included); parametrization modules and ``Parameter`` objects were never replaced,
     so optimizers built at any point keep working. Restoring a model that is not prepared
-    does nothing.
+    does nothing; a module taken out of the model it was prepared in is restored on its own.
 
     Example::
 
@@ -39,6 +39,8 @@ def restore(model: nn.Module) -> nn.Module:
                     f"{path!r} was prepared (or is part of a prepared model): restore that one."
                 )
         return model
+    if not state.root and drop_detached(model):
+        return model
     if not state.root:
         raise FoldError(
             f"this {type(model).__name__} is part of a model passed to paramfold.prepare, not that "
@@ -53,6 +55,32 @@ def restore(model: nn.Module) -> nn.Module:
     for module in state.entries:
         restore_module(module)
     return model
+
+
+def drop_detached(module: nn.Module) -> bool:
+    """Restore ``module``, prepared as part of a model that no longer holds it (swapped or moved
+    out of it since ``prepare``), with what below it was prepared for that model and is not in
+    it either, and take them off that model's lists (so that ``restore`` of it leaves a module
+    prepared since for another model alone). False, changing nothing, where the model holds it."""
+    state = state_of(module)
+    root = state.prepared_model()
+    in_model = set() if root is None else set(map(id, root.modules()))
+    if id(module) in in_model:
+        return False
+    gone = [m for m in module.modules()
+            if id(m) not in in_model and (s := state_of(m)) is not None and not s.root and s.prepared_model() is root]
+    if root is not None and state_of(root) is not None:
+        ids = set(map(id, gone))
+        for entry in state_of(root).entries:
+            es = state_of(entry)
+            if es is not None and id(entry) not in ids:
+                es.entries = [m for m in es.entries if id(m) not in ids]
+                es.holders = [m for m in es.holders if id(m) not in ids]
+                es.covers = es.covers - ids
+                es.plan = es.spare_plan = es.nested_check = None
+    for m in gone:
+        restore_module(m)
+    return True
 
 
 def restore_module(module: nn.Module) -> None:

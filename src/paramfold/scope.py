@@ -121,9 +121,11 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
                 raise
             claimed = plan
         else:
-            hooked, pre_hooks = _below_pre_hooks(entry)
+            hooked, pre_hooks, reached_from = _below_pre_hooks(entry)
+            if _left(state, reached_from):
+                _forget_left(state, reached_from)
             claimed = _open_holders(entry, state, grad, hooked)
-            _replan(state, grad, pre_hooks, plan)
+            _replan(state, grad, pre_hooks, plan, reached_from)
     claims = leaves.local.claims
     previous = (_local.covered, nested.local.context, claims, _local.enclosing)
     if previous[0]:  # opened inside another scope of this thread
@@ -153,9 +155,11 @@ def _plan_of(state: ModuleState, grad: bool) -> Plan | None:
     return None
 
 
-def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: Plan | None) -> None:
+def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: Plan | None,
+            reached_from: dict[int, nn.Module | None]) -> None:
     """The entry's plan for its next call, after this one opened the general way; ``last``: the
-    plan of this grad mode that did not hold (:func:`_plan_of`), or None.
+    plan of this grad mode that did not hold (:func:`_plan_of`), or None; ``reached_from``: the
+    module each module below the entry was reached from (:func:`_below_pre_hooks`).
 
     It is built from the scope just opened, reusing the guards of ``last`` where they hold.
     Where ``last`` never served a call (calls alternate no_grad and grad, a rollout and a
@@ -172,7 +176,43 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
         state.plan_wait = state.plan_backoff
     else:
         state.plan_backoff = state.plan_wait = 0
-    state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=pre_hooks, previous=last)
+    state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=pre_hooks, previous=last,
+                            parents=_parents(state.holders, reached_from))
+
+
+def _left(state: ModuleState, reached_from: dict[int, nn.Module | None]) -> bool:
+    """Whether a holder or entry of ``state``'s lists is no longer below its entry (model
+    surgery: ``model[0] = new_layer``, ``prepare_qat``'s swap, a layer moved to another model)."""
+    return not state.covers <= reached_from.keys() or not all(id(h) in reached_from for h in state.holders)
+
+
+def _forget_left(state: ModuleState, reached_from: dict[int, nn.Module | None]) -> None:
+    """Drop from the holders and covers of the entry of ``state``, and of every entry still below
+    it, what is no longer below that entry: a scope computes and claims only what its model holds
+    now (a layer swapped out may share a stateful member with the one swapped in, whose reads
+    alone advance it in stock). A module dropped so stays prepared, alone, until ``restore`` of
+    the model (which still lists it), or of itself, or ``prepare`` of a model holding it now
+    (``paramfold.restore.drop_detached``); put back, it is computed like stock, at its reads."""
+    for below in state.entries:
+        bs = below.__dict__.get(STATE_ATTR)
+        if bs is None or id(below) not in reached_from:
+            continue
+        reached = reached_from if bs is state else _below_pre_hooks(below)[2]
+        bs.holders = [h for h in bs.holders if id(h) in reached]
+        bs.covers = frozenset(i for i in bs.covers if i in reached)
+        bs.plan = bs.spare_plan = bs.nested_check = None
+
+
+def _parents(holders: list[nn.Module], reached_from: dict[int, nn.Module | None]) -> tuple[nn.Module, ...]:
+    """The modules on one path from the entry down to each of ``holders`` (the entry included,
+    the holder not): a write to one's ``_modules`` may take the holder out of the model."""
+    found: dict[int, nn.Module] = {}
+    for holder in holders:
+        module = reached_from[id(holder)]
+        while module is not None and id(module) not in found:
+            found[id(module)] = module
+            module = reached_from[id(module)]
+    return tuple(found.values())
 
 
 def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[int]) -> list[nn.Module]:
@@ -381,12 +421,14 @@ def _changes_originals(module: nn.Module | None) -> bool:
     return any(key not in served for key in hooks)
 
 
-def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...]]:
+def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict[int, nn.Module | None]]:
     """The ids of the modules at or below a module with a forward pre-hook that may change
     originals (:func:`_changes_originals`; all of them for a global one), in ``entry``'s tree,
-    and every forward pre-hook dict read to find them (a steady plan holds while their keys do)."""
+    every forward pre-hook dict read to find them (a steady plan holds while their keys do), and
+    the module each module in the tree (by id) was first reached from (``entry``: None)."""
     hooked: set[int] = set()
     dicts = [_global_forward_pre_hooks]
+    reached_from: dict[int, nn.Module | None] = {id(entry): None}
     stack = [(entry, _changes_originals(None))]
     while stack:
         module, below = stack.pop()
@@ -396,8 +438,9 @@ def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...]]:
             hooked.add(id(module))
         for name, child in module._modules.items():
             if child is not None and name != "parametrizations":  # the chains: computed by the scope
+                reached_from.setdefault(id(child), module)
                 stack.append((child, below))
-    return hooked, tuple(dicts)
+    return hooked, tuple(dicts), reached_from
 
 
 def _enter_scope_class(holder: nn.Module, hs: ModuleState, read_once: bool = True) -> bool:

@@ -72,11 +72,14 @@ class Plan:
 
     @classmethod
     def build(cls, holders: list[nn.Module], grad: bool, shareable: Callable[[ModuleState, bool], tuple | None],
-              pre_hooks: tuple[dict, ...] = (), previous: Plan | None = None) -> Plan | None:
+              pre_hooks: tuple[dict, ...] = (), previous: Plan | None = None,
+              parents: tuple[nn.Module, ...] = ()) -> Plan | None:
         """The plan of a scope just opened over ``holders`` the general way, or None where some
         site is not in a steady state (hook-based norms, DTensors, anything recomputed).
         ``pre_hooks``: the forward pre-hook dicts whose hooks decided that values are installed;
-        ``previous``: the plan this one replaces, whose watch it reuses where that still holds."""
+        ``previous``: the plan this one replaces, whose watch it reuses where that still holds;
+        ``parents``: the modules between the entry and ``holders``, whose ``_modules`` hold them
+        in the model (a layer replaced or moved out writes one)."""
         plan = cls()
         plan.grad = grad
         plan.used = False
@@ -97,6 +100,9 @@ class Plan:
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
+        for parent in parents:
+            structure[id(parent._modules)] = parent._modules
+            links.append((vars(parent), "_modules", parent._modules))
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
