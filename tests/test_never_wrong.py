@@ -778,6 +778,55 @@ def test_stateful_training_chain_in_non_reentrant_checkpoint_is_refused_loudly()
         out.sum().backward()
 
 
+class DirectlyReadInCheckpoint(nn.Module):
+    """A training spectral_norm layer whose weight the checkpointed forward also reads directly
+    (transformers' T5DenseActDense reads ``self.wo.weight.dtype`` before calling ``self.wo``)."""
+
+    def __init__(self, reads: str):
+        super().__init__()
+        self.reads = reads
+        self.block = nn.Module()
+        self.block.wo = spectral_norm(nn.Linear(4, 4))
+        self.block.forward = self.region
+
+    def region(self, x):
+        wo = self.block.wo
+        if self.reads == "direct, call":
+            return wo(x.to(wo.weight.dtype))
+        if self.reads == "call, direct":
+            return wo(x) + 0 * wo.weight.sum()
+        return x @ wo.weight.t() + 0 * wo.weight.sum()  # two direct reads
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("entry", ["eager", "torch.compile"])
+@pytest.mark.parametrize("reads", ["direct, call", "call, direct", "direct, direct"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_directly_read_stateful_chain_in_non_reentrant_checkpoint_is_refused_loudly(mode, reads, entry):
+    # Regression (T5 under gradient_checkpointing_enable(use_reentrant=False) with spectral_norm):
+    # the read-once class serves the first read the scope's value and computes the later ones in
+    # the region under the same read key, so the recomputation took the first read for one
+    # computed there and torch raised a CheckpointError instead of this FoldError.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = DirectlyReadInCheckpoint(reads)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = torch.compile(ours, backend="eager") if entry == "torch.compile" else ours
+    x = torch.randn(2, 4)
+    expected = stock(x)
+    out = run(x)
+    assert torch.equal(expected, out)
+    after_forward = {k: v.clone() for k, v in ours.state_dict().items()}
+    assert_same_tensors(stock.state_dict(), after_forward)
+    expected.sum().backward()  # stock trains
+    with pytest.raises(paramfold.FoldError, match=r"block\.wo\.weight .*checkpoint"):
+        out.sum().backward()
+    # Refused before the recomputation ran the power iteration again.
+    assert_same_tensors(after_forward, ours.state_dict())
+
+
 @pytest.mark.parametrize("entry", ["eager", "torch.compile", "model.compile", "layer.compile"])
 @pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
 def test_parametrize_cached_around_several_calls_equal_to_stock(mode, entry):

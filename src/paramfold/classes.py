@@ -266,6 +266,8 @@ class _ReadOnce(SiteDescriptor):
             return SiteDescriptor.__get__(self, module, owner)
         value = values.pop(self.name, None)
         if value is not None:
+            if not torch.compiler.is_compiling():
+                _note_served(module, self.name)
             return value
         return SiteDescriptor.__get__(self, module, owner)
 
@@ -368,7 +370,10 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
     served, in the forward, a value the call scope computed *before* the region (a plain
     ``__dict__`` read, its gradient flowing through the graph that value recorded then), so it is
     computed again without autograd and outside the region's dispatch modes, as a leaf that
-    requires grad where that value did.
+    requires grad where that value did; except a training stateful chain's, refused: stock runs
+    its power iteration again here. Its read-once class serves the first read the scope's value
+    and computes the later ones here under the same key, so that first read is noted on the
+    frame too (:func:`_note_served`), and any read of such a chain is refused.
     """
     if not parametrized_here(module, name):
         raise AttributeError(name)
@@ -380,18 +385,23 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
             if frame is not None:
                 frame.__dict__.setdefault(_READS, set()).add(_read_key(module, name, site))
             return eager_value(module, name)
-        read_here = frame is not None and _read_key(module, name, site) in frame.__dict__.get(_READS, ())
+        key = _read_key(module, name, site)
+        noted = frame.__dict__ if frame is not None else {}
+        read_here = key in noted.get(_READS, ())
         in_graph = read_here or site is None or site.mode == "inline" or site.at_read or (
             site.subclass and chain_needs_grad(site))
+        # A read-once chain's first read was served the scope's value, its later ones computed
+        # here under the same key: which of them this read replays cannot be told, and the
+        # served one cannot be replayed (below).
+        if site is not None and site.training_stateful and (not in_graph or key in noted.get(_SERVED, ())):
+            raise FoldError(
+                f"{tensor_label(module, name)}: a stateful parametrization (spectral_norm) in "
+                "training mode is read again while torch.utils.checkpoint(use_reentrant=False) "
+                "recomputes its forward; stock would run the power iteration inside the "
+                "checkpointed region, which a value computed once per call cannot reproduce. "
+                "Prepare this module with mode='inline' (filter_fn), or call model.eval()."
+            )
         if not in_graph:
-            if site.training_stateful:
-                raise FoldError(
-                    f"{tensor_label(module, name)}: a stateful parametrization (spectral_norm) in "
-                    "training mode is read again while torch.utils.checkpoint(use_reentrant=False) "
-                    "recomputes its forward; stock would run the power iteration inside the "
-                    "checkpointed region, which a value computed once per call cannot reproduce. "
-                    "Prepare this module with mode='inline' (filter_fn), or call model.eval()."
-                )
             # Outside the region's dispatch modes too: selective checkpointing's cache refuses
             # ops its forward never ran.
             with torch.no_grad(), _disable_current_modes():
@@ -404,6 +414,17 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
 #: The attribute of a ``torch.utils.checkpoint`` frame that holds the :func:`_read_key` of every
 #: read its forward computed where it was read.
 _READS = "_paramfold_computed_at_read"
+#: ... and of every read of a read-once chain its forward served the call scope's value.
+_SERVED = "_paramfold_served"
+
+
+def _note_served(module: nn.Module, name: str) -> None:
+    """Note on the non-reentrant checkpoint region this forward runs in, if any, that the read of
+    ``name`` was served the value the call scope computed before the region (:class:`_ReadOnce`)."""
+    region = checkpoint_frame()
+    if region is not None and region[0] is not None and not region[1]:
+        site = module.__dict__[STATE_ATTR].sites.get(name)
+        region[0].__dict__.setdefault(_SERVED, set()).add(_read_key(module, name, site))
 
 
 def _read_key(module: nn.Module, name: str, site: SiteState | None) -> tuple:
