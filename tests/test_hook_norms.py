@@ -419,6 +419,32 @@ def test_a_parameter_registered_over_a_hook_normed_weight_is_refused(kind, mode,
         ours(x)
 
 
+class _TiesInside(nn.Sequential):
+    def forward(self, x):
+        if getattr(self, "tie", None) is not None:
+            self[2].weight = self.tie
+        return self[2](self[1](self[0](x)))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_parameter_registered_over_a_hook_normed_weight_inside_the_forward_is_not_hidden_after(kind, mode):
+    # The layer below another forward pre-hook: its norm's hook stays in, and the call's scope takes
+    # the last value out of its __dict__ meanwhile, to put back after; not over the tied parameter.
+    stock, ours = (_TiesInside(*_tied_after_norm(kind, False)) for _ in range(2))
+    for model in (stock, ours):
+        model[2].register_forward_pre_hook(lambda m, args: None)
+    paramfold.prepare(ours, mode)
+    x = torch.randn(3, 4)
+    assert torch.equal(stock(x), ours(x))
+    shared = nn.Parameter(torch.ones(6, 4))
+    for model in (stock, ours):
+        model.tie = shared
+        with pytest.raises(TypeError, match="cannot assign"):
+            model(x)
+    assert ours[2].weight is shared and "weight" not in vars(ours[2]) and "weight" not in vars(stock[2])
+
+
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
 def test_a_parameter_registered_over_a_hook_normed_weight_before_prepare_stays_stock(kind, mode):
