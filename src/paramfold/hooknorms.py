@@ -43,13 +43,22 @@ def hook_norms(module: nn.Module) -> Iterator[tuple[int, object, str]]:
     """``(hook key, hook, kind)`` of every hook-based norm on ``module``: torch's own hooks, not a
     subclass (whose call may do more than ``compute_weight``), and only where the tensors it reads
     are the module's registered parameters and buffers, as torch registers them (FSDP1 with
-    ``use_orig_params=False`` leaves plain attributes there, set by its forward). Any other stays a
-    hook and runs as in stock."""
+    ``use_orig_params=False`` leaves plain attributes there, set by its forward), and the tensor it
+    computes is not one (:func:`shadowed`). Any other stays a hook and runs as in stock."""
     weight_norm_cls, spectral_norm_cls = _classes()
     for key, hook in module._forward_pre_hooks.items():
         kind = "weight_norm" if type(hook) is weight_norm_cls else "spectral_norm" if type(hook) is spectral_norm_cls else None
-        if kind is not None and all(k in d for _, d, k in (*originals(module, hook, kind), *state_tensors(module, hook, kind))):
+        if kind is not None and not shadowed(module, hook.name) and all(
+                k in d for _, d, k in (*originals(module, hook, kind), *state_tensors(module, hook, kind))):
             yield key, hook, kind
+
+
+def shadowed(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>``, which a hook-based norm computes, is now a registered parameter or
+    buffer (``module.weight = p``: transformers' ``tie_weights()`` on a normed ``lm_head``). Stock's
+    hook then cannot set it (``TypeError: cannot assign ... as parameter``) at any call; a value the
+    scope wrote into ``__dict__`` would hide it from every read instead."""
+    return name in module._parameters or name in module._buffers
 
 
 def originals(module: nn.Module, hook: object, kind: str) -> list[tuple[str, dict, str]]:

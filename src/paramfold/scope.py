@@ -66,7 +66,7 @@ from paramfold.freeze import can_freeze, unchanged
 from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
-from paramfold.state import (CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, carries_tangents, distributed,
+from paramfold.state import (CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, carries_tangents, distributed,
                              syncs_before_forward)
 from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
@@ -517,7 +517,8 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
         hooknorms.attach(holder, *hs.hooks_out)
         hs.hooks_out = ()
     for name, value in hs.left:  # the call ended before the norm's hook set it again
-        values.setdefault(name, value)
+        if not hooknorms.shadowed(holder, name):  # (not over a parameter registered meanwhile)
+            values.setdefault(name, value)
     hs.left = ()
 
 
@@ -650,6 +651,8 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             names.append(name)
         elif taken.get(site.hook_key, hooks.get(site.hook_key)) is not site.hook:
             changed = True
+        elif name in holder._parameters or name in holder._buffers:  # hooknorms.shadowed, written out
+            raise _shadowed(entry, holder, name, site)
         for d, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
             if d.get(key) is not value:
                 changed = True
@@ -683,6 +686,20 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             "added to one): call paramfold.restore(model), change or wrap it, then prepare again "
             "(the wrapper, for FSDP1)."
         )
+
+
+def _shadowed(entry: nn.Module, holder: nn.Module, name: str, site: SiteState) -> FoldError:
+    path = _path_below(entry, holder)
+    where = "the model" if path == "" else repr(path) if path is not None else "a module"
+    what = "parameter" if name in holder._parameters else "buffer"
+    remove = "remove_weight_norm" if site.hook_kind == "weight_norm" else "remove_spectral_norm"
+    return FoldError(
+        f"{name!r} of {where} ({type(holder).__name__}), which its hook-based torch.nn.utils.{site.hook_kind} "
+        f"computes, was registered as a {what} after paramfold.prepare (module.{name} = p, as transformers' "
+        f"tie_weights() does on a normed lm_head). Stock PyTorch cannot call it either: the norm's hook "
+        f"cannot assign its value over a registered {what} (TypeError). Call paramfold.restore(model), remove "
+        f"the norm first (torch.nn.utils.{remove}(module)), then register or tie the {what}, and prepare again."
+    )
 
 
 def _path_below(entry: nn.Module, module: nn.Module) -> str | None:
