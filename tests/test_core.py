@@ -420,6 +420,58 @@ def test_plain_state_dict_of_a_training_model_leaves_its_state_as_it_was(hooked,
     assert model.training and all(m.training for m in model.modules())
 
 
+class _RunningScale(torch.nn.Module):
+    """A custom stateful chain: a running statistic updated at each read in training."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("rm", torch.ones(()))
+
+    def forward(self, w):
+        if self.training:
+            with torch.no_grad():
+                self.rm.mul_(0.9).add_(0.1 * w.abs().mean())
+        return w / self.rm
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.spectral_norm` is deprecated")
+@pytest.mark.parametrize("where", [0, 1, 3])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_plain_state_dict_taken_inside_a_training_call_is_stocks_and_changes_nothing(mode, where):
+    # Regression: taken from a forward pre-hook, it put back the state the call had advanced
+    # over the one the call's state_dict() had just given back (the chain's next read moved it
+    # once more), and missed the hook-based norm whose hook the call had taken off (its
+    # weight_orig/_u/_v keys instead of weight).
+    def build_model():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+        spectral_norm(model[1])
+        torch.nn.utils.spectral_norm(model[2])
+        parametrize.register_parametrization(model[3], "weight", _RunningScale())
+        return model
+
+    runs = []
+    for prepared in (False, True):
+        model = build_model()
+        if prepared:
+            paramfold.prepare(model, mode)
+        saved = []
+        model[where].register_forward_pre_hook(lambda module, args: saved.append(paramfold.plain_state_dict(model)))
+        record = []
+        for step in range(2):
+            out = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(step)))
+            out.sum().backward()
+            record.append([out, {k: g.clone() for k, g in grads(model).items()}, {k: v.clone() for k, v in model.state_dict().items()}])
+        runs.append((record, saved))
+    (stock, stock_saved), (ours, ours_saved) = runs
+    for (a_out, a_grads, a_sd), (b_out, b_grads, b_sd) in zip(stock, ours):
+        assert torch.equal(a_out, b_out)
+        assert all(torch.equal(a_grads[k], b_grads[k]) for k in a_grads)
+        assert a_sd.keys() == b_sd.keys() and all(torch.equal(a_sd[k], b_sd[k]) for k in a_sd)
+    for a, b in zip(stock_saved, ours_saved):
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_lora_adapters_are_never_frozen():
     # The original is frozen but the parametrization owns trainable A and B: freezing the weight
     # would silently stop their gradients.

@@ -39,14 +39,15 @@ def _classes() -> tuple[type, type]:
     return WeightNorm, SpectralNorm
 
 
-def hook_norms(module: nn.Module) -> Iterator[tuple[int, object, str]]:
+def hook_norms(module: nn.Module, taken_out: tuple = ()) -> Iterator[tuple[int, object, str]]:
     """``(hook key, hook, kind)`` of every hook-based norm on ``module``: torch's own hooks, not a
     subclass (whose call may do more than ``compute_weight``), and only where the tensors it reads
     are the module's registered parameters and buffers, as torch registers them (FSDP1 with
     ``use_orig_params=False`` leaves plain attributes there, set by its forward), and the tensor it
-    computes is not one (:func:`shadowed`). Any other stays a hook and runs as in stock."""
+    computes is not one (:func:`shadowed`). Any other stays a hook and runs as in stock.
+    ``taken_out``: ``(key, hook)`` pairs :func:`detach` took off the module for now, counted too."""
     weight_norm_cls, spectral_norm_cls = _classes()
-    for key, hook in module._forward_pre_hooks.items():
+    for key, hook in (*module._forward_pre_hooks.items(), *taken_out):
         kind = "weight_norm" if type(hook) is weight_norm_cls else "spectral_norm" if type(hook) is spectral_norm_cls else None
         if kind is not None and not shadowed(module, hook.name) and all(
                 k in d for _, d, k in (*originals(module, hook, kind), *state_tensors(module, hook, kind))):

@@ -11,7 +11,7 @@ from paramfold import hooknorms
 from paramfold.compute import compute, has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.sites import parametrization_paths
-from paramfold.state import is_dtensor, version_of
+from paramfold.state import STATE_ATTR, is_dtensor, version_of
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -51,7 +51,9 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         if path in inside:
             continue
         at = f"{path}." if path else ""
-        for _, hook, kind in hooknorms.hook_norms(module):
+        # A call open now (plain_state_dict from a hook) has taken the norms' hooks off for it.
+        hs = module.__dict__.get(STATE_ATTR)
+        for _, hook, kind in hooknorms.hook_norms(module, hs.hooks_out[0] if hs is not None and hs.hooks_out else ()):
             stored = hooknorms.originals(module, hook, kind) + hooknorms.state_tensors(module, hook, kind)
             by_hook_key.update((at + n, (at + hook.name, module, hook, kind)) for n, _, _ in stored)
         if not has_parametrizations(module):
@@ -61,6 +63,9 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
             by_prefix.setdefault(prefix, []).append((f"{path}.{name}" if path else name, module, name))
     plain: dict[str, torch.Tensor] = {}
     computed: list[str] = []
+    # First, as a state_dict() taken inside a call gives the chains the call has not read yet
+    # their state from before it (scope.state_read): that is the state to leave them in.
+    entries = model.state_dict()
     # What a chain may update while computing: its buffers, a hook-based norm's _u/_v.
     state = {id(t): t for m in _parametrization_lists(by_prefix) for t in m.buffers()}
     state.update((id(d[k]), d[k]) for _, module, hook, kind in by_hook_key.values()
@@ -68,7 +73,7 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     before = [(t, version_of(t), t.clone()) for t in state.values()]
     with torch.no_grad():
         try:
-            _compute_into(model, plain, computed, by_prefix, by_hook_key)
+            _compute_into(entries, plain, computed, by_prefix, by_hook_key)
         finally:
             for t, version, then in before:
                 if version_of(t) != version:
@@ -82,9 +87,10 @@ def _parametrization_lists(by_prefix: dict[str, list[tuple[str, nn.Module, str]]
             yield module._modules["parametrizations"][name]
 
 
-def _compute_into(model: nn.Module, plain: dict, computed: list, by_prefix: dict, by_hook_key: dict) -> None:
-    """Fill ``plain`` with ``model``'s entries, each parametrized tensor computed (see :func:`materialised`)."""
-    for key, value in model.state_dict().items():
+def _compute_into(entries: dict, plain: dict, computed: list, by_prefix: dict, by_hook_key: dict) -> None:
+    """Fill ``plain`` with the model's state dict ``entries``, each parametrized tensor computed
+    (see :func:`materialised`)."""
+    for key, value in entries.items():
         if key in by_hook_key:
             fqn, module, hook, kind = by_hook_key[key]
             if fqn not in plain:
