@@ -496,6 +496,42 @@ def test_a_layer_swapped_for_one_sharing_its_stateful_member_is_no_longer_comput
     assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
 
 
+@pytest.mark.parametrize(("where", "calls_before"), [("before", 3), ("after", 3), ("before", 0)])
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_added_after_prepare_sharing_a_stateful_member_is_read_in_forward_order(mode, backend, where,
+                                                                                       calls_before):
+    # Regression: which sites share changing state was decided at prepare only. A layer added
+    # since (computed where read, as stock's) registering a prepared layer's spectral_norm member
+    # and read before it: hoist and auto computed the prepared layer's value at the call's start,
+    # advancing the shared _u before the new layer's read (stock: at each read, in forward order).
+    stock = _sn_block()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    models = {m: torch.compile(m, backend=backend) if backend else m for m in (stock, ours)}
+    optimizers = {m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (stock, ours)}
+    _sgd_steps(models, optimizers, calls_before)
+    for model in (stock, ours):
+        torch.manual_seed(1)
+        new = nn.Linear(4, 4)
+        torch.nn.utils.parametrize.register_parametrization(new, "weight", model[0][0].parametrizations.weight[0])
+        if where == "before":
+            model[0].insert(0, new)
+        else:
+            model[0].append(new)
+        optimizers[model] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _sgd_steps(models, optimizers, 3)
+    _assert_same_state(stock, ours)
+    stock.eval()
+    ours.eval()
+    with torch.no_grad():
+        assert torch.equal(models[ours](torch.ones(2, 4)), models[stock](torch.ones(2, 4)))
+    stock.train()
+    ours.train()
+    _sgd_steps(models, optimizers, 2)
+    _assert_same_state(stock, ours)
+    paramfold.restore(ours)
+
+
 def _wn_sn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))

@@ -20,7 +20,7 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
 from paramfold.randomness import watch as watch_draws
 from paramfold.restore import drop_detached, restore, restore_module
-from paramfold.scope import watch_backward
+from paramfold.scope import parametrized_below, watch_backward
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for, syncs_before_forward
 from paramfold.sites import Site, find, parametrization_paths
 
@@ -126,7 +126,7 @@ def prepare(
     if mode == "freeze":  # after: a chain that draws is refused with advice that serves it (not hoist)
         refuse_unfreezable(selected, "with mode='freeze'")
 
-    sharers = _state_sharers(model, sites)
+    sharers = state_sharers(model, sites)
     states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check, sharers)
     install_type_before_parametrizations()
     watch_backward()
@@ -268,7 +268,7 @@ def _refuse_read_by_read(site: Site, mode: str) -> None:
         )
 
 
-def _state_sharers(model: nn.Module, sites: list[Site]) -> dict[int, tuple[tuple[nn.Module, ...], bool]]:
+def state_sharers(model: nn.Module, sites: list[Site]) -> dict[int, tuple[tuple[nn.Module, ...], bool]]:
     """For each site (by ``id``) whose chain shares state with another's, where one of them is
     stateful: ``(the modules whose training flag says that computing a stateful one changes the
     state, whether one changes it in eval mode too)`` (``SiteState.state_sharers``).
@@ -408,6 +408,8 @@ def _plan(
                 site.hook_keys = hook_keys(site.plist)
         inline = tuple(sorted(inline))
         st.covers = frozenset(id(m) for m in st.entries)
+        if st.entries:
+            st.parametrized = parametrized_below(module)
         st.root = module is model
         st.prepared_root = weakref.ref(model)
         st.prepared_class = prepared_class(base, own, module is top, inline)

@@ -121,11 +121,13 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
                 raise
             claimed = plan
         else:
-            hooked, pre_hooks, reached_from = _below_pre_hooks(entry)
+            hooked, pre_hooks, reached_from, parametrized = _below_pre_hooks(entry)
             if _left(state, reached_from):
                 _forget_left(state, reached_from)
+            shared = parametrized == state.parametrized or _share_with_late(entry, state, parametrized)
             claimed = _open_holders(entry, state, grad, hooked)
-            _replan(state, grad, pre_hooks, plan, reached_from)
+            if shared:
+                _replan(state, grad, pre_hooks, plan, reached_from)
     claims = leaves.local.claims
     previous = (_local.covered, nested.local.context, claims, _local.enclosing)
     if previous[0]:  # opened inside another scope of this thread
@@ -201,6 +203,46 @@ def _forget_left(state: ModuleState, reached_from: dict[int, nn.Module | None]) 
         bs.holders = [h for h in bs.holders if id(h) in reached]
         bs.covers = frozenset(i for i in bs.covers if i in reached)
         bs.plan = bs.spare_plan = bs.nested_check = None
+
+
+def _share_with_late(entry: nn.Module, state: ModuleState, parametrized: tuple[nn.Module, ...]) -> bool:
+    """Take into account, for state sharing, the parametrized modules now below the entry of
+    ``state`` (``parametrized``) that were not when ``prepare`` or an earlier call worked it out:
+    a layer added after ``prepare`` (or put back after a call dropped it) is computed where it is
+    read, as stock's, so a prepared site sharing a stateful member or a state tensor with it is
+    computed at every read too while that state changes (``SiteState.shares_changing_state``),
+    as ``prepare`` has it for the sharers it found. Sharers are only added: a site computed at
+    every read is exact whoever else reads its state. False where it cannot be worked out now
+    (a chain that cannot be probed inside a ``torch.func`` transform): the next call tries again."""
+    known = set(map(id, state.parametrized))
+    if all(id(m) in known for m in parametrized):
+        state.parametrized = parametrized
+        return True
+    from paramfold.prepare import state_sharers  # prepare imports this module
+    from paramfold.sites import CannotProbeNow, find
+    try:
+        found = {id(site): site for site in find(entry)}
+    except CannotProbeNow:
+        state.plan = state.spare_plan = None
+        return False
+    state.parametrized = parametrized
+    changed = False
+    for site_id, (modules, in_eval) in state_sharers(entry, list(found.values())).items():
+        site = found[site_id]
+        hs = site.module.__dict__.get(STATE_ATTR)
+        ss = hs.sites.get(site.tensor_name) if hs is not None else None
+        if ss is None or ss.mode == "inline":
+            continue
+        sharers = tuple(dict.fromkeys((*ss.state_sharers, *modules)))
+        if sharers != ss.state_sharers or (in_eval and not ss.sharers_in_eval):
+            ss.state_sharers, ss.sharers_in_eval = sharers, ss.sharers_in_eval or in_eval
+            changed = True
+    if changed:  # plans built on the old sharers
+        for below in state.entries:
+            bs = below.__dict__.get(STATE_ATTR)
+            if bs is not None:
+                bs.plan = bs.spare_plan = bs.nested_check = None
+    return True
 
 
 def _parents(holders: list[nn.Module], reached_from: dict[int, nn.Module | None]) -> tuple[nn.Module, ...]:
@@ -421,12 +463,15 @@ def _changes_originals(module: nn.Module | None) -> bool:
     return any(key not in served for key in hooks)
 
 
-def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict[int, nn.Module | None]]:
+def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict[int, nn.Module | None],
+                                                  tuple[nn.Module, ...]]:
     """The ids of the modules at or below a module with a forward pre-hook that may change
     originals (:func:`_changes_originals`; all of them for a global one), in ``entry``'s tree,
-    every forward pre-hook dict read to find them (a steady plan holds while their keys do), and
-    the module each module in the tree (by id) was first reached from (``entry``: None)."""
+    every forward pre-hook dict read to find them (a steady plan holds while their keys do),
+    the module each module in the tree (by id) was first reached from (``entry``: None), and
+    the parametrized modules in the tree (:func:`_share_with_late`)."""
     hooked: set[int] = set()
+    parametrized: list[nn.Module] = []
     dicts = [_global_forward_pre_hooks]
     reached_from: dict[int, nn.Module | None] = {id(entry): None}
     stack = [(entry, _changes_originals(None))]
@@ -436,11 +481,18 @@ def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict
         below = below or _changes_originals(module)
         if below:
             hooked.add(id(module))
+        if isinstance(module._modules.get("parametrizations"), nn.ModuleDict):
+            parametrized.append(module)
         for name, child in module._modules.items():
             if child is not None and name != "parametrizations":  # the chains: computed by the scope
                 reached_from.setdefault(id(child), module)
                 stack.append((child, below))
-    return hooked, tuple(dicts), reached_from
+    return hooked, tuple(dicts), reached_from, tuple(parametrized)
+
+
+def parametrized_below(entry: nn.Module) -> tuple[nn.Module, ...]:
+    """The parametrized modules at or below ``entry`` (as a call's general path finds them)."""
+    return _below_pre_hooks(entry)[3]
 
 
 def _enter_scope_class(holder: nn.Module, hs: ModuleState, read_once: bool = True) -> bool:

@@ -163,9 +163,10 @@ class SiteState:
     draws: bool = False
     draw_watch: Any = None
     #: Where this chain shares state with another site's (one stateful member registered on two
-    #: tensors, a buffer held by both; ``prepare._state_sharers``): the members (a hook-based
-    #: norm: its module) whose ``training`` flag says that computing a stateful chain of those
-    #: changes that state, and whether one changes it in eval mode too.
+    #: tensors, a buffer held by both; ``prepare.state_sharers``, ``scope._share_with_late`` for a
+    #: layer added after prepare): the members (a hook-based norm: its module) whose ``training``
+    #: flag says that computing a stateful chain of those changes that state, and whether one
+    #: changes it in eval mode too.
     state_sharers: tuple[nn.Module, ...] = ()
     sharers_in_eval: bool = False
 
@@ -362,6 +363,9 @@ class ModuleState:
     holders: list[nn.Module] = dataclasses.field(default_factory=list)
     #: For entries: every entry at or below this one.
     entries: list[nn.Module] = dataclasses.field(default_factory=list)
+    #: For entries: the parametrized modules below this one when its state sharing was last
+    #: worked out (``prepare``, or a call that found one more: ``scope._share_with_late``).
+    parametrized: tuple[nn.Module, ...] = ()
     #: Whether this is the model passed to ``prepare`` (its class keeps saying so only while
     #: torch's ``remove_parametrizations`` has not unwrapped it).
     root: bool = False
