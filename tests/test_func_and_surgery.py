@@ -407,18 +407,25 @@ def test_surgery_after_prepare_trains_like_stock_and_restores_to_stock(mode, sur
         model(x).sum().backward()
         SURGERIES[surgery](model, kind and _new_layer(kind))
     calls = {model: torch.compile(model, backend="eager") if compiled else model for model in (stock, ours)}
-    for _ in range(2):
-        outs = [calls[model](x) for model in (stock, ours)]
-        assert torch.equal(outs[1], outs[0])
-        for y in outs:
-            y.sum().backward()
-    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
-        assert torch.equal(q.grad, p.grad), name
+    _two_calls_alike(calls, x)
     _assert_same_state(stock, ours)
     paramfold.restore(ours)
     assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
     assert all(type(m).__mro__[1:] == type(s).__mro__[1:] for m, s in zip(ours.modules(), stock.modules()))
     assert torch.equal(ours(x), stock(x))
+
+
+def _two_calls_alike(calls: dict, x: torch.Tensor) -> None:
+    """Two calls and backwards of each model (stock's first) through ``calls[model]``: outputs and
+    accumulated gradients bitwise equal to stock's."""
+    stock, ours = calls
+    for _ in range(2):
+        outs = [call(x) for call in calls.values()]
+        assert torch.equal(outs[1], outs[0])
+        for y in outs:
+            y.sum().backward()
+    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad, p.grad), name
 
 
 def _sn_block() -> nn.Module:
@@ -451,6 +458,25 @@ def _swap_in_a_layer_sharing_the_member(model: nn.Module, how: str) -> None:
         model[0][0] = new
 
 
+def _sn_twins(mode: str, backend: str | None) -> tuple:
+    """Stock's ``_sn_block`` and a prepared copy, each called through ``models[model]`` (compiled
+    with ``backend``), with an SGD optimizer each."""
+    stock = _sn_block()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    models = {m: torch.compile(m, backend=backend) if backend else m for m in (stock, ours)}
+    optimizers = {m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (stock, ours)}
+    return stock, ours, models, optimizers
+
+
+def _eval_alike(models: dict) -> None:
+    """Both models in eval mode, one no_grad call each: outputs bitwise equal (stock's first)."""
+    stock, ours = models
+    stock.eval()
+    ours.eval()
+    with torch.no_grad():
+        assert torch.equal(models[ours](torch.ones(2, 4)), models[stock](torch.ones(2, 4)))
+
+
 def _sgd_steps(models: dict, optimizers: dict, steps: int) -> None:
     """``steps`` training steps of each model (a call of ``models[model]``, backward, SGD),
     outputs bitwise equal to stock's (the first key)."""
@@ -478,20 +504,14 @@ def test_a_layer_swapped_for_one_sharing_its_stateful_member_is_no_longer_comput
     # swap), the member ran two power iterations per call (output off by 0.1 at the first call,
     # _u, gradients and state_dict after). The swap comes after steady calls (a plan built on
     # the block's _modules): the calls after it, eager or compiled, train like stock's.
-    stock = _sn_block()
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
-    models = {m: torch.compile(m, backend=backend) if backend else m for m in (stock, ours)}
-    optimizers = {m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (stock, ours)}
+    stock, ours, models, optimizers = _sn_twins(mode, backend)
     _sgd_steps(models, optimizers, 3)
     for model in (stock, ours):
         _swap_in_a_layer_sharing_the_member(model, how)
         optimizers[model] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _sgd_steps(models, optimizers, 3)
     _assert_same_state(stock, ours)
-    stock.eval()
-    ours.eval()
-    with torch.no_grad():
-        assert torch.equal(models[ours](torch.ones(2, 4)), models[stock](torch.ones(2, 4)))
+    _eval_alike(models)
     paramfold.restore(ours)
     assert [type(m).__name__ for m in ours.modules()] == [type(m).__name__ for m in stock.modules()]
 
@@ -505,10 +525,7 @@ def test_a_layer_added_after_prepare_sharing_a_stateful_member_is_read_in_forwar
     # since (computed where read, as stock's) registering a prepared layer's spectral_norm member
     # and read before it: hoist and auto computed the prepared layer's value at the call's start,
     # advancing the shared _u before the new layer's read (stock: at each read, in forward order).
-    stock = _sn_block()
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
-    models = {m: torch.compile(m, backend=backend) if backend else m for m in (stock, ours)}
-    optimizers = {m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (stock, ours)}
+    stock, ours, models, optimizers = _sn_twins(mode, backend)
     _sgd_steps(models, optimizers, calls_before)
     for model in (stock, ours):
         torch.manual_seed(1)
@@ -521,10 +538,7 @@ def test_a_layer_added_after_prepare_sharing_a_stateful_member_is_read_in_forwar
         optimizers[model] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _sgd_steps(models, optimizers, 3)
     _assert_same_state(stock, ours)
-    stock.eval()
-    ours.eval()
-    with torch.no_grad():
-        assert torch.equal(models[ours](torch.ones(2, 4)), models[stock](torch.ones(2, 4)))
+    _eval_alike(models)
     stock.train()
     ours.train()
     _sgd_steps(models, optimizers, 2)
@@ -577,13 +591,7 @@ def test_a_layer_swapped_out_and_changed_moved_or_put_back_is_its_own_or_stocks(
         model[2] = nn.Identity()
         model(x)
         model[2] = layer
-    for _ in range(2):
-        outs = [model(x) for model in (stock, ours)]
-        assert torch.equal(outs[1], outs[0])
-        for y in outs:
-            y.sum().backward()
-    for (name, p), q in zip(stock.named_parameters(), ours.parameters()):
-        assert torch.equal(q.grad, p.grad), name
+    _two_calls_alike({stock: stock, ours: ours}, x)
     _assert_same_state(stock, ours)
     paramfold.restore(ours)
     assert [type(m).__mro__[1:] for m in ours.modules()] == [type(m).__mro__[1:] for m in stock.modules()]
