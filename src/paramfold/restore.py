@@ -77,7 +77,7 @@ def drop_detached(module: nn.Module) -> bool:
                 es.entries = [m for m in es.entries if id(m) not in ids]
                 es.holders = [m for m in es.holders if id(m) not in ids]
                 es.covers = es.covers - ids
-                es.plan = es.spare_plan = es.nested_check = None
+                es.drop_caches()
     for m in gone:
         restore_module(m)
     return True

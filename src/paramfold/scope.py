@@ -202,7 +202,7 @@ def _forget_left(state: ModuleState, reached_from: dict[int, nn.Module | None]) 
         reached = reached_from if bs is state else _below_pre_hooks(below)[2]
         bs.holders = [h for h in bs.holders if id(h) in reached]
         bs.covers = frozenset(i for i in bs.covers if i in reached)
-        bs.plan = bs.spare_plan = bs.nested_check = None
+        bs.drop_caches()
 
 
 def _share_with_late(entry: nn.Module, state: ModuleState, parametrized: tuple[nn.Module, ...]) -> bool:
@@ -241,7 +241,7 @@ def _share_with_late(entry: nn.Module, state: ModuleState, parametrized: tuple[n
         for below in state.entries:
             bs = below.__dict__.get(STATE_ATTR)
             if bs is not None:
-                bs.plan = bs.spare_plan = bs.nested_check = None
+                bs.drop_caches()
     return True
 
 

@@ -414,6 +414,12 @@ class ModuleState:
         """The model passed to ``prepare``, while it lives."""
         return self.prepared_root() if self.prepared_root is not None else None
 
+    def drop_caches(self) -> None:
+        """Forget what was built from this entry's holders and sites (:data:`_CACHES`: its steady
+        plans, its nested check) after they changed: its next call builds them again."""
+        for name in _CACHES:
+            setattr(self, name, None)
+
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
