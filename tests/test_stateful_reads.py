@@ -13,6 +13,7 @@ stock: compiled runs use ``backend="eager"``, the same ops as stock compiled the
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -491,6 +492,36 @@ def _switch_on(model: nn.Module) -> None:
     model.lin.parametrizations.weight[0].update = True
 
 
+def _switched_runs(stock: nn.Module, prepared: nn.Module, backend: str | None, steps: int, switches: dict,
+                   eval_steps: int = 1, eval_switches: dict | None = None) -> list[list]:
+    """What each model (a ``TwiceOrSkipped``, called through ``torch.compile`` with ``backend``
+    where one is given) records over ``steps`` training steps (``switches[step](model)`` first;
+    the layer skipped at step 3: outputs, buffers, gradients), then ``eval_steps`` eval calls
+    under ``no_grad`` (``eval_switches`` alike: outputs, buffers), for :func:`assert_same_nested`."""
+    runs = []
+    for model in (stock, prepared):
+        call = torch.compile(model, backend=backend) if backend else model
+        torch.manual_seed(1)
+        record = []
+        for step in range(steps):
+            if step in switches:
+                switches[step](model)
+            model.skip = step == 3
+            model.zero_grad()
+            out = call(torch.randn(3, 4))
+            out.square().sum().backward()
+            record.append([out, _buffers(model), grads(model)])
+        model.skip = False
+        model.eval()
+        with torch.no_grad():
+            for step in range(eval_steps):
+                if step in (eval_switches or {}):
+                    eval_switches[step](model)
+                record.append([call(torch.randn(3, 4)), _buffers(model)])
+        runs.append(record)
+    return runs
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("in_eval", [False, True], ids=["training only", "in eval too"])
 @pytest.mark.parametrize("mode", MODES)
@@ -501,25 +532,7 @@ def test_a_chain_switched_on_to_change_its_state_after_prepare_is_read_like_stoc
     # and a call that skipped the layer advanced it all the same.
     stock, prepared = _twins(lambda: _SwitchedOnTwiceOrSkipped(in_eval), mode)
     assert [s.stateful for s in paramfold.find(stock)] == [False]
-    runs = []
-    for model in (stock, prepared):
-        call = torch.compile(model, backend="eager") if compiled else model
-        torch.manual_seed(1)
-        record = []
-        for step in range(5):
-            if step == 1:
-                _switch_on(model)
-            model.skip = step == 3
-            model.zero_grad()
-            out = call(torch.randn(3, 4))
-            out.square().sum().backward()
-            record.append([out, _buffers(model), grads(model)])
-        model.skip = False
-        model.eval()
-        with torch.no_grad():
-            record.append([call(torch.randn(3, 4)), _buffers(model)])
-        runs.append(record)
-    assert_same_nested(*runs)
+    assert_same_nested(*_switched_runs(stock, prepared, "eager" if compiled else None, 5, {1: _switch_on}))
 
 
 def test_freeze_refuses_a_chain_switched_on_to_change_its_buffers_in_eval_before_it_changes_them():
@@ -581,28 +594,8 @@ def test_a_chain_switched_on_by_a_buffer_flag_after_prepare_is_read_like_stock(m
     # the layer updated it all the same; in eval, auto froze it after its first update.
     stock, prepared = _twins(_FlaggedTwiceOrSkipped, mode)
     assert [s.stateful for s in paramfold.find(stock)] == [False]
-    runs = []
-    for model in (stock, prepared):
-        call = torch.compile(model, backend=compiled) if compiled else model
-        torch.manual_seed(1)
-        record = []
-        for step in range(6):
-            if step in (1, 4):
-                _observer(model, on=step == 1)  # on, then off again
-            model.skip = step == 3
-            model.zero_grad()
-            out = call(torch.randn(3, 4))
-            out.square().sum().backward()
-            record.append([out, _buffers(model), grads(model)])
-        model.skip = False
-        model.eval()
-        with torch.no_grad():
-            for step in range(4):
-                if step == 1:
-                    _observer(model, on=True)
-                record.append([call(torch.randn(3, 4)), _buffers(model)])
-        runs.append(record)
-    assert_same_nested(*runs)
+    on, off = functools.partial(_observer, on=True), functools.partial(_observer, on=False)
+    assert_same_nested(*_switched_runs(stock, prepared, compiled, 6, {1: on, 4: off}, eval_steps=4, eval_switches={1: on}))
 
 
 def test_freeze_refuses_a_chain_switched_on_by_a_buffer_flag_before_it_changes_its_buffers():
