@@ -11,6 +11,8 @@ with the eager backend), or checks that paramfold refuses with a ``FoldError``.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -286,6 +288,40 @@ def test_deepcopy_after_a_functional_call_with_tensors_that_have_a_history_equal
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(q.grad, p.grad), name
         _assert_same_state(a, b)
+
+
+@pytest.mark.parametrize(("mode", "kind", "train"), [
+    *((mode, kind, True) for mode in MODES for kind in ("view", "history")),
+    ("auto", "view", False), ("freeze", "view", False),
+])
+def test_tensors_functional_call_put_in_are_let_go_when_the_call_ends(mode, kind, train):
+    # Regression: paramfold kept the tensors a call's values were computed from until the next
+    # call (what nested calls compare with, the steady plan built on them, a frozen value's
+    # inputs). A view of an original (p[:], as fwAD.make_dual's) holds its base, and a later
+    # module.to() with swap_module_params_on_conversion raised "Couldn't swap"; a MAML step's
+    # adapted weights (p * 0.9, with their history) outlived the call. Stock keeps neither.
+    stock = three_kinds() if train else _inference(three_kinds())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    outs, kept = [], []
+    for model in (stock, ours):
+        put_in = {n: p[:] if kind == "view" else p * 0.9 for n, p in model.named_parameters() if "original" in n}
+        probe = weakref.ref(put_in["0.parametrizations.weight.original1"])
+        with torch.set_grad_enabled(train):
+            out = functional_call(model, put_in, (x,))
+        del put_in, out
+        gc.collect()
+        kept.append(probe() is not None)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            model.to(torch.float64)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        with torch.set_grad_enabled(train):
+            outs.append((model(x.double()), model(x.double())))
+    assert kept == [False, False]
+    assert all(map(torch.equal, outs[1], outs[0]))
+    _assert_same_state(stock, ours)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -553,6 +553,9 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
     values = holder.__dict__
     for name, site in hs.sites.items():
         unread.release(holder, name, site)
+        if site.read_for_one_call and nested.let_go(site) and name in hs.kept:
+            values.pop(name, None)
+            hs.kept = tuple(n for n in hs.kept if n != name)
     for name in hs.installed:
         values.pop(name, None)
     hs.installed = ()

@@ -51,9 +51,9 @@ from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, co
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
-from paramfold.freeze import chain_needs_grad
+from paramfold.freeze import chain_needs_grad, release
 from paramfold.sites import probed
-from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState, tensor_label
+from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState, for_one_call, tensor_label
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.watch import tag
@@ -106,7 +106,24 @@ def record(site: SiteState) -> None:
     if not same(read_from, site.read_from) or site.read_chain:
         site.read_from = read_from
         site.read_chain = ()
+        site.read_for_one_call = any(map(for_one_call, read_from))
         Installs.count += 1
+
+
+def let_go(site: SiteState) -> bool:
+    """Forget what ``site`` recorded of tensors put in for the call that just ended (the caller
+    holds the scope lock): stock keeps none of them once the call returns. The next call records
+    what it reads; until then a nested call takes the site's inputs for swapped and computes its
+    value afresh. True where its frozen value was computed from them, and is dropped too."""
+    site.read_from = ()
+    site.read_for_one_call = False
+    Installs.count += 1
+    frozen = site.frozen
+    if frozen is None or not any(for_one_call(w[2]) for w in frozen.watch):
+        return False
+    release(frozen)
+    site.frozen = None
+    return True
 
 
 def check_of(entry: nn.Module) -> tuple:
@@ -127,7 +144,9 @@ def check_of(entry: nn.Module) -> tuple:
     # requires_grad counts: of entry's own sites, of every site below.
     own: tuple[list, list, list] = ([], [], [])
     below: tuple[list, list, list] = ([], [], [])
+    one_call = False
     for holder, name, site in _valued(entry, missing):
+        one_call = one_call or site.read_for_one_call
         if not same(inputs(site), site.read_from) or (
                 site.plist is not None and tuple(site.plist._modules.values()) != (site.read_chain or site.modules)):
             swapped.append((holder, name))
@@ -158,7 +177,8 @@ def check_of(entry: nn.Module) -> tuple:
             tensors.append(param)
     check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain, ids,
              *_watched(plain, *own), _watched(plain, *below))
-    state.nested_check = check
+    # Not kept where it holds tensors put in for one call (let_go): it would keep them past it.
+    state.nested_check = None if one_call else check
     if missing:
         Installs.partial = True
     return check

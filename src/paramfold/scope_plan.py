@@ -130,7 +130,8 @@ class Plan:
                 links.append((values, "max_norm", None))
             structure.update((id(d), d) for d in (holder._modules, plists.__dict__, plists._modules))
             for name, site in hs.sites.items():
-                if site.hook is not None:
+                # (read_for_one_call: it would keep tensors put in for this call alone, and never hold.)
+                if site.hook is not None or site.read_for_one_call:
                     return None
                 plist_dict = site.plist.__dict__
                 structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))

@@ -146,6 +146,9 @@ class SiteState:
     #: The chain the value in ``__dict__`` was computed with, where a nested call computed it with
     #: members appended or removed inside the forward (``scope_nested``); () for ``modules``.
     read_chain: tuple = ()
+    #: Whether ``read_from`` holds a tensor put in for one call (:func:`for_one_call`), which
+    #: the scope lets go of when the call ends (``scope._unclaimed``).
+    read_for_one_call: bool = False
     #: freeze and auto: how many frozen values in a row served no later call (their inputs
     #: changed, or a grad call of auto's dropped them), how many times the site was computed at
     #: every call for that since a value last served one, and the value of :data:`CALLS` until
@@ -217,6 +220,15 @@ def carries_tangents(t: torch.Tensor) -> bool:
     torch.func transform's wrapper (jvp's and jacfwd's carry tangents, at each of their levels;
     every wrapper is made anew at each call of its transform)."""
     return functorch_wrapped(t) or forward_ad.unpack_dual(t).tangent is not None
+
+
+def for_one_call(t: object) -> bool:
+    """Whether ``t``, found in a module's dict, looks put there for one call rather than held by
+    the module: a tensor with an autograd history (``functional_call(model, {n: p + delta})``, a
+    MAML step's adapted weights), a view (of an original: ``p[:]``, ``fwAD.make_dual(p, t)``) or a
+    torch.func transform's wrapper. Kept past its call, it would keep alive what stock frees (the
+    history; a view's base, which ``torch.utils.swap_tensors`` then refuses to swap)."""
+    return isinstance(t, torch.Tensor) and (t.grad_fn is not None or t._is_view() or functorch_wrapped(t))
 
 
 def _uncopyable(t: object) -> bool:
