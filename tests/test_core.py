@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
+from torch import nn
 from helpers import LoRA, build, classes, grads, seed_model
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
@@ -146,6 +148,35 @@ def test_restore_is_exact_and_optimizer_survives():
     _step(model, torch.randn(2, 32), opt)  # optimizer built before prepare still drives the model
     assert all(not torch.equal(p, b) for p, b in zip(params, before_step, strict=True))
     assert paramfold.restore(model) is model  # restoring an unprepared model is a no-op
+
+
+@pytest.mark.parametrize("how", ["bound", "instance_wrapper", "compiled"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto", "freeze"])
+def test_a_forward_bound_while_prepared_runs_after_restore(mode, how):
+    # Regression: a root whose forward is torch's own (nn.Sequential) gets a forward frame of
+    # paramfold's while prepared; one bound then (f = model.forward; Accelerate's mixed-precision
+    # wrapper, model.forward = MethodType(autocast(model.forward.__func__), model); torch.compile
+    # of model.forward) raised AttributeError "'_paramfold_forward'" after restore. Stock runs.
+    outs = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(weight_norm(nn.Linear(4, 3)), nn.Tanh()).eval().requires_grad_(False)
+        if prepare:
+            paramfold.prepare(model, mode)
+        if how == "bound":
+            call = model.forward
+        elif how == "compiled":
+            call = torch.compile(model.forward, backend="eager")
+        else:
+            model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward.__func__), model)
+            call = model
+        x = torch.ones(2, 4)
+        with torch.no_grad():
+            call(x)
+            if prepare:
+                paramfold.restore(model)
+            outs.append(call(x))
+    assert torch.equal(outs[1], outs[0])
 
 
 def test_prepared_context_manager_restores_on_error():

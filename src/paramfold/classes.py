@@ -457,7 +457,10 @@ def _forward_is_torchs(base: type) -> bool:
 def _root_forward(self: nn.Module, *args, **kwargs):
     # A frame of paramfold's own for a torch-defined root forward: torch.compile(model) then calls
     # the root's __call__ eagerly (opening the scope) and compiles this frame, as for user modules.
-    return type(self)._paramfold_forward(self, *args, **kwargs)
+    forward = getattr(type(self), "_paramfold_forward", None)
+    if forward is None:  # restored since this was bound (f = model.forward, Accelerate's wrapper of it)
+        forward = type(self).forward
+    return forward(self, *args, **kwargs)
 
 
 # id(code) -> (code, forward): the code object of _root_forward made for each torch forward.
