@@ -573,3 +573,71 @@ def test_a_max_norm_embedding_looked_up_twice_is_computed_at_each_call_like_stoc
             outs.append([call(i) for _ in range(2)])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def _monitored_calls(kind, mode, where, backend=None, steps=4):
+    """Per model (stock, prepared): what a forward pre-hook reading ``m.weight`` of each normed
+    layer saw before the norm's hook ran, and the outputs, over calls with an update between each
+    (a hook on every module, or one on each layer registered with ``prepend=True``)."""
+    train = mode != "freeze"
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    results = []
+    for prepared in (False, True):
+        model, _ = build(kind, "linear")
+        model.train(train).requires_grad_(train)
+        seen = []
+
+        def monitor(m, args):
+            if isinstance(m, nn.Linear):
+                seen.append(m.weight.detach().clone())
+
+        if where == "prepend":
+            for layer in (model[0], model[2]):
+                layer.register_forward_pre_hook(monitor, prepend=True)
+        if prepared:
+            paramfold.prepare(model, mode)
+        call = torch.compile(model, backend=backend) if backend else model
+        handle = nn.modules.module.register_module_forward_pre_hook(monitor) if where == "global" else None
+        outs = []
+        try:
+            for _ in range(steps):
+                with torch.set_grad_enabled(train):
+                    out = call(x)
+                outs.append(out.detach())
+                if train:
+                    out.square().sum().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(0.1 * p.grad) if p.grad is not None else p.mul_(0.9)
+                        p.grad = None
+        finally:
+            if handle is not None:
+                handle.remove()
+        results.append((seen, outs, {n: b.clone() for n, b in model.named_buffers()}))
+    return results
+
+
+@pytest.mark.parametrize("where", ["global", "prepend"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto", "inline"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_pre_hook_reading_the_weight_before_the_norms_hook_sees_the_last_calls_value(kind, mode, where):
+    # Regression: a forward pre-hook that runs before the norm's own (a global one, a weight
+    # monitor; one registered with prepend=True) and reads m.weight got an AttributeError under
+    # hoist, freeze and auto (the value of the last call is out of __dict__ while the norm's hook
+    # is in); stock gives it that value.
+    (seen_s, outs_s, bufs_s), (seen_o, outs_o, bufs_o) = _monitored_calls(kind, mode, where)
+    assert len(seen_s) == len(seen_o) == 8
+    assert all(torch.equal(a, b) for a, b in zip(seen_s, seen_o))
+    assert all(torch.equal(a, b) for a, b in zip(outs_s, outs_o))
+    _check_equal(bufs_s, bufs_o, "buffer")
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_compiled_global_pre_hook_reading_the_weight_sees_the_last_calls_value(kind, mode):
+    torch._dynamo.reset()
+    (seen_s, outs_s, bufs_s), (seen_o, outs_o, bufs_o) = _monitored_calls(kind, mode, "global", "aot_eager", steps=3)
+    assert len(seen_s) == len(seen_o) == 6
+    assert all(torch.equal(a, b) for a, b in zip(seen_s, seen_o))
+    assert all(torch.equal(a, b) for a, b in zip(outs_s, outs_o))
+    _check_equal(bufs_s, bufs_o, "buffer")

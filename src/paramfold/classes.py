@@ -42,6 +42,7 @@ from paramfold.compute import (autocast_state, checkpoint_frame, compiling_here,
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
+from paramfold.hooknorms import shadowed
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
@@ -92,18 +93,20 @@ def prepared_class(
     names: frozenset[str],
     is_root: bool,
     inline_properties: tuple[tuple[str, property], ...] = (),
+    hooked: frozenset[str] = frozenset(),
 ) -> type:
     """The shared class for modules of ``base`` whose ``names`` are parametrized.
 
     ``inline_properties`` (name, property) pairs read those tensors through generated inline
     getters; every other name gets a :class:`SiteDescriptor` that hoisted or frozen values in the
-    instance ``__dict__`` shadow.
+    instance ``__dict__`` shadow. ``hooked``: the names hook-based norms compute, each given a
+    :class:`LastCallValue`.
     """
-    key = (base, names, is_root, inline_properties)
+    key = (base, names, is_root, inline_properties, hooked)
     with _classes_lock:
         cls = _classes.get(key)
         if cls is None:
-            cls = _classes[key] = _make_class(base, names, is_root, dict(inline_properties))
+            cls = _classes[key] = _make_class(base, names, is_root, dict(inline_properties), hooked)
     return cls
 
 
@@ -134,7 +137,8 @@ def _evict(cls: type) -> None:
                 del _classes[key]
 
 
-def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[str, property]) -> type:
+def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[str, property],
+                hooked: frozenset[str] = frozenset()) -> type:
     namespace: dict[str, object] = {
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
@@ -142,10 +146,14 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         "_paramfold_base": base,
         "_compiled_call_impl": compiled_call_impl,
     }
+    served = frozenset(n for n in hooked if not any(n in vars(c) for c in base.__mro__))  # (not over the class's own)
+    namespace.update((name, LastCallValue(name)) for name in served)
     for name in names:
         namespace[name] = inline.get(name) or SiteDescriptor(name)
-    if names:
-        namespace["__setattr__"] = _make_setattr(base)
+    if names or served:
+        namespace["__setattr__"] = _make_setattr(base, served)
+    if served:
+        namespace["__delattr__"] = _make_delattr(base, served)
     # Pickling refused with a message that says what to do (these classes are not importable,
     # so pickle would otherwise fail with a confusing lookup error); deepcopy supported, as on
     # stock's per-instance classes.
@@ -187,6 +195,40 @@ class SiteDescriptor:
             # through ``parametrize.cached()``'s cache as well.
             return eager_value(module, self.name)
         return read_outside_scope(module, self.name)
+
+
+class LastCallValue:
+    """Class attribute for a tensor a hook-based norm computes (``module.weight``): a *non-data*
+    descriptor, so it is asked only where the instance ``__dict__`` has no value. That is while a
+    call scope has taken out the value the module's last call left, until the norm's own hook,
+    running in the call as in stock, sets it again (``scope._install``: compiled code traced while
+    the hook was out would read it stale). A read before that hook — a global forward pre-hook
+    (a weight monitor), a pre-hook registered with ``prepend=True`` or before the norm, the
+    parent's forward — gets that value, as in stock, whose ``__dict__`` still holds it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None):
+        if module is None:
+            return self
+        state = module.__dict__.get(STATE_ATTR)
+        if state is not None and not shadowed(module, self.name):  # (a parameter registered over it is read)
+            for name, value in state.left:
+                if name == self.name:
+                    return value
+        raise AttributeError(self.name)  # nn.Module.__getattr__ finds what stock finds
+
+
+def _take_last_call_value(module: nn.Module, name: str) -> bool:
+    """Drop the value :class:`LastCallValue` serves for ``name``, as an assignment or ``del`` of the
+    attribute replaces or removes stock's in its ``__dict__`` (``module.weight = p`` removes it
+    before registering ``p``, which it refuses while the attribute is there); whether there was one."""
+    state = module.__dict__.get(STATE_ATTR)
+    if state is None or all(n != name for n, _ in state.left):
+        return False
+    state.left = tuple(pair for pair in state.left if pair[0] != name)
+    return True
 
 
 class _BetweenCalls(SiteDescriptor):
@@ -612,10 +654,12 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     return replica
 
 
-def _make_setattr(base: type):
+def _make_setattr(base: type, last_call_values: frozenset[str] = frozenset()):
     base_setattr = base.__setattr__
 
     def __setattr__(self: nn.Module, name: str, value: object) -> None:
+        if name in last_call_values:
+            _take_last_call_value(self, name)
         # Stock's property setter: assigning to a parametrized tensor goes through right_inverse,
         # where nn.Module.__setattr__ would reach it: not for a Parameter (register_parameter
         # refuses the taken name) or a module (registered as a submodule), which it handles first.
@@ -626,6 +670,17 @@ def _make_setattr(base: type):
             base_setattr(self, name, value)
 
     return __setattr__
+
+
+def _make_delattr(base: type, last_call_values: frozenset[str]):
+    base_delattr = base.__delattr__
+
+    def __delattr__(self: nn.Module, name: str) -> None:
+        if name in last_call_values and name not in self.__dict__ and _take_last_call_value(self, name):
+            return
+        base_delattr(self, name)
+
+    return __delattr__
 
 
 # --- type_before_parametrizations -----------------------------------------------------------

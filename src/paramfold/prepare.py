@@ -412,7 +412,8 @@ def _plan(
             st.parametrized = parametrized_below(module)
         st.root = module is model
         st.prepared_root = weakref.ref(model)
-        st.prepared_class = prepared_class(base, own, module is top, inline)
+        hooked_names = frozenset(n for n, site in st.sites.items() if site.hook is not None and site.mode != "inline")
+        st.prepared_class = prepared_class(base, own, module is top, inline, hooked_names)
         if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
             st.between_class = between_class(st.prepared_class)
         stateful = frozenset(n for n, site in st.sites.items() if site.stateful and site.hook is None and site.mode != "inline")
