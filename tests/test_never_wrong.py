@@ -260,6 +260,169 @@ def test_remove_on_prepared_module_is_refused_at_next_call_and_restores_like_sto
     assert torch.equal(fresh(x), skew_pair()(x))
 
 
+def _classes_alike(ours: nn.Module, stock: nn.Module) -> None:
+    """``ours`` (restored) and ``stock`` have the same classes, as stock's per-instance ones can be
+    compared: names up the MRO, bases, what each class holds (less copyreg's cache of a copied
+    one's slots), what type_before_parametrizations says, and the same instance attributes."""
+    for a, b in zip(ours.modules(), stock.modules(), strict=True):
+        assert [c.__name__ for c in type(a).__mro__] == [c.__name__ for c in type(b).__mro__]
+        assert type(a).__bases__ == type(b).__bases__
+        assert sorted(vars(type(a)).keys() - {"__slotnames__"}) == sorted(vars(type(b)).keys() - {"__slotnames__"})
+        assert P.type_before_parametrizations(a) is P.type_before_parametrizations(b)
+        assert sorted(vars(a)) == sorted(vars(b))
+
+
+class _Double(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def _register_again(how: str, layer: nn.Module) -> None:
+    torch.manual_seed(1)  # spectral_norm's first u
+    if how == "weight_norm":
+        weight_norm(layer)
+    elif how == "spectral_norm":
+        spectral_norm(layer)
+    else:
+        P.register_parametrization(layer, "weight", Skew())
+
+
+def _skew_and_double() -> nn.Module:
+    m = skew_pair()
+    P.register_parametrization(m[0], "bias", _Double())
+    return _inference(m)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("called", [False, True], ids=["fresh", "called"])
+@pytest.mark.parametrize("leave", [True, False])
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "custom"])
+def test_removing_every_parametrization_and_registering_again_restores_to_stocks_class(mode, called, leave, how):
+    # Regression: with freeze (and auto after a no_grad call), removing a prepared module's last
+    # parametrization took its between-calls class one base down to paramfold's shared class,
+    # which register_parametrization then subclassed; restore put the stale stock class back
+    # under it: ParametrizedParametrizedLinear, type_before_parametrizations ParametrizedLinear,
+    # a later remove_parametrizations raised KeyError 'weight', and with the bias's
+    # parametrization removed too every call raised KeyError 'bias'.
+    stock, ours = _skew_and_double(), paramfold.prepare(_skew_and_double(), mode)
+    x = torch.randn(2, 4)
+    if called:
+        with torch.no_grad():
+            ours(x)
+    for m in (stock, ours):
+        P.remove_parametrizations(m[0], "weight", leave_parametrized=leave)
+        P.remove_parametrizations(m[0], "bias", leave_parametrized=leave)
+        _register_again(how, m[0])
+    with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"), torch.no_grad():
+        ours(x)
+    paramfold.restore(ours)
+    _classes_alike(ours, stock)
+    assert_same_tensors(ours.state_dict(), stock.state_dict())
+    assert torch.equal(ours(x), stock(x))
+    copy.deepcopy(ours)  # (stock's class copies with default_deepcopy)
+    for m in (stock, ours):
+        P.remove_parametrizations(m[0], "weight")
+    _classes_alike(ours, stock)
+    assert type(ours[0]) is nn.Linear
+    assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_prepared_root_with_its_parametrization_registered_again_restores_to_stocks_class(mode):
+    # The same for the prepared root itself (its class is a root class of paramfold's).
+    def root() -> nn.Module:
+        torch.manual_seed(0)  # (not a copy: a copy of a stock parametrized module shares its class)
+        return _inference(weight_norm(nn.Linear(4, 4)))
+
+    stock, ours = root(), paramfold.prepare(root(), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ours(x)
+    for m in (stock, ours):
+        P.remove_parametrizations(m, "weight")
+        weight_norm(m)
+    if mode in ("freeze", "auto"):  # (hoist's and inline's root is the plain Linear's again)
+        with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"), torch.no_grad():
+            ours(x)
+    paramfold.restore(ours)
+    _classes_alike(ours, stock)
+    assert torch.equal(ours(x), stock(x))
+    for m in (stock, ours):
+        P.remove_parametrizations(m, "weight")
+    _classes_alike(ours, stock)
+    assert_same_tensors(ours.state_dict(), stock.state_dict())
+    assert torch.equal(ours(x), stock(x))
+
+
+class _Scaled(nn.Module):
+    """A root with a parameter of its own, unparametrized when prepared, over a parametrized layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4, 4))
+        self.layer = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) @ self.scale
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_module_first_parametrized_while_prepared_restores_to_stocks_class(mode):
+    # Regression: restore kept the class register_parametrization had made over paramfold's
+    # class, rebased; made over a class with a __deepcopy__, it had none of its own, so
+    # copy.deepcopy of the restored model raised "Serialization of parametrized modules is only
+    # supported through state_dict()" where stock's copies.
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return _inference(_Scaled())
+
+    stock, ours = model(), paramfold.prepare(model(), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ours(x)
+    for m in (stock, ours):
+        P.register_parametrization(m, "scale", Skew())
+    with torch.no_grad():  # (a module holding no prepared tensor: its new tensor is read as stock's)
+        assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    _classes_alike(ours, stock)
+    assert torch.equal(copy.deepcopy(ours)(x), stock(x))
+    assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+@pytest.mark.parametrize("hook", ["weight_norm", "spectral_norm"])
+def test_a_hook_norm_applied_after_a_removed_parametrization_keeps_its_tensor_after_restore(mode, hook):
+    # Regression: restore popped every site's name from the module's __dict__, also the tensor a
+    # hook-based norm's apply() put there after the parametrization's removal: reading it, and
+    # remove_weight_norm / remove_spectral_norm, raised AttributeError until the next call.
+    apply, remove = {"weight_norm": (nn.utils.weight_norm, nn.utils.remove_weight_norm),
+                     "spectral_norm": (nn.utils.spectral_norm, nn.utils.remove_spectral_norm)}[hook]
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), weight_norm(nn.Linear(4, 4))).eval()
+
+    stock, ours = model(), paramfold.prepare(model(), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ours(x)
+    for m in (stock, ours):
+        P.remove_parametrizations(m[0], "weight")
+        torch.manual_seed(1)
+        apply(m[0])
+    with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"), torch.no_grad():
+        ours(x)
+    paramfold.restore(ours)
+    _classes_alike(ours, stock)
+    assert torch.equal(ours[0].weight, stock[0].weight)
+    assert_same_tensors(ours.state_dict(), stock.state_dict())
+    assert torch.equal(ours(x), stock(x))
+    for m in (stock, ours):
+        remove(m[0])
+    _classes_alike(ours, stock)
+    assert torch.equal(ours(x), stock(x))
+
+
 class _Twice(nn.Module):
     def forward(self, w):
         return w * 2.0

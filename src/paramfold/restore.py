@@ -100,18 +100,49 @@ def restore_module(module: nn.Module) -> None:
         state.load_hook.remove()
     # A library may have wrapped the prepared class since (FSDP2's fully_shard after prepare makes
     # FSDP<Prepared>(FSDPModule, <Prepared>)): keep its wrapper, put the original class back inside.
-    # torch's remove_parametrizations may have unwrapped it to the plain class while prepared; a
-    # prepare that failed midway may not have switched this module's class yet.
+    # A prepare that failed midway may not have switched this module's class yet.
     cls = type(module)
     for inside_or_between in (state.between_class, state.read_once_class):
         if inside_or_between is not None and inside_or_between in cls.__mro__:
             cls = rebased(cls, inside_or_between, state.prepared_class)
-    prepared = next((c for c in cls.__mro__ if "_paramfold_names" in vars(c)), None)
-    if prepared is not None:
-        module.__class__ = rebased(cls, prepared, state.original_class)
-    elif cls is not state.original_class:
-        module.__class__ = state.original_class
+    original = state.original_class
+    plain = original.__bases__[0] if state.stock_names else original
+    # torch's remove_parametrizations of a module's last parametrization takes its class one base
+    # down (paramfold's between-calls class to its prepared class, that to the class it was made
+    # from: the plain class, or stock's for an unselected module), and a register_parametrization
+    # after that makes a class of its own over the one it finds there.
+    under = next((c for c in cls.__mro__ if "_paramfold_names" in vars(c)), None)
+    under = under or next((c for c in (original, plain) if c in cls.__mro__), None)
+    made = next((c for c in cls.__mro__ if c.__bases__ == (under,) and _made_by_parametrize(c)), None)
+    if under is plain:
+        return  # the plain class, and what torch made over it since: stock's own classes
+    if made is not None:
+        # Stock's is made over the plain class (so it copies with parametrize's default_deepcopy
+        # where the plain class has no __deepcopy__, as paramfold's classes have).
+        module.__class__ = rebased(cls, made, _new_stock_class(module, plain))
+        return
+    module.__class__ = original if under is None else rebased(cls, under, original)
     _stock_class_for_now(module, state.stock_names)
+
+
+def _made_by_parametrize(cls: type) -> bool:
+    """Whether ``cls`` is a per-instance class torch's ``parametrize._inject_new_class`` made
+    (or a rebased copy of one), not one of paramfold's."""
+    return cls.__module__ == parametrize.__name__ and "_paramfold_sealed" not in vars(cls)
+
+
+def _new_stock_class(module: nn.Module, plain: type) -> type:
+    """The class stock's ``register_parametrization`` makes for ``module``'s parametrizations now
+    on a module of class ``plain``, built with torch's own helpers. ``module`` keeps its class."""
+    cls = module.__class__
+    module.__class__ = plain
+    try:
+        parametrize._inject_new_class(module)
+        for name in module._modules["parametrizations"]._modules:
+            parametrize._inject_property(module, name)
+        return type(module)
+    finally:
+        module.__class__ = cls
 
 
 def _stock_class_for_now(module: nn.Module, stock_names: frozenset[str]) -> None:

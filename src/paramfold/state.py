@@ -488,9 +488,12 @@ def state_of(module: nn.Module) -> ModuleState | None:
 
 def installed_keys(module: nn.Module, state: ModuleState) -> list[str]:
     """The keys paramfold may have written into a prepared ``module``'s ``__dict__`` besides its
-    state: its sites' values (not a hook-based norm's tensor, which stock keeps there too),
-    inline's inputs, the read-once hooks, and detached parameters."""
-    keys = [name for name, site in state.sites.items() if site.hook is None]
+    state: its sites' values where they are there (not a hook-based norm's tensor, which stock
+    keeps there too; nor a site's name once its parametrization was removed and the name given a
+    value of the user's, such as a hook-based norm's applied since), inline's inputs, the read-once
+    hooks, and detached parameters."""
+    ours = (*state.installed, *state.kept)
+    keys = [name for name, site in state.sites.items() if site.hook is None and name in ours]
     keys += [*state.ref_keys, ONCE_ATTR]
     if state.detach_params:
         keys += list(module._parameters)
