@@ -280,3 +280,73 @@ def test_a_state_dict_taken_inside_the_call_holds_the_state_stock_has_there(mode
     for (expected, expected_then), (actual, actual_then) in zip(stock.saved, prepared.saved):
         assert_same_tensors(expected_then, actual_then)
         assert_same_tensors(expected, actual)
+
+
+@pytest.fixture
+def buffer_copying_hook():
+    """A global buffer registration hook that returns a copy (same values, another tensor), as
+    device placement or offloading hooks do: it runs at every ``self._u = ...`` of spectral_norm's
+    power iteration, which then stores a new tensor in ``_buffers``."""
+    handle = torch.nn.modules.module.register_module_buffer_registration_hook(lambda module, name, value: value.clone())
+    yield handle
+    handle.remove()
+
+
+def _held(model: nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_a_skipped_layer_under_a_buffer_hook_that_stores_copies_keeps_its_state_as_in_stock(
+        mode, how, buffer_copying_hook):
+    # The scope's power iteration for b (skipped at the first call) stored new tensors in b's
+    # _buffers; the put-back restored the old ones' contents only, so b ran one iteration ahead
+    # of stock from then on (until 2026-12-05). As stock, which never ran it: the same tensors
+    # there, with the same contents.
+    stock, prepared = _twins(lambda: Branches("parametrization"), mode)
+    runs = [_runner(m, how) for m in (stock, prepared)]
+    for model, run in zip((stock, prepared), runs):
+        before = _held(model.b)
+        run(torch.randn(3, 4))  # b skipped
+        assert all(t is before[k] for k, t in _held(model.b).items())
+    assert_same_nested(*(_steps(m, run, 4, _use_b_every_other_step) for m, run in zip((stock, prepared), runs)))
+    buffer_copying_hook.remove()
+    assert_same_nested(*(_steps(m, run, 3, _use_b_every_other_step) for m, run in zip((stock, prepared), runs)))
+
+
+@pytest.mark.parametrize("make", [RaisesMidway, MomentumInside, SavesMidway])
+@pytest.mark.parametrize("mode", MODES)
+def test_state_put_back_under_a_buffer_hook_that_stores_copies_is_stock_state(mode, make, buffer_copying_hook):
+    # The other ways a computed value goes unread: an exception before the layer, originals
+    # changed inside the forward (scope_nested.call_changed), a state_dict() taken before the
+    # layer's read (unread.drop).
+    stock, prepared = _twins(lambda: make("parametrization"), mode)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        outs = []
+        for model in (stock, prepared):
+            try:
+                outs.append(model(x))
+            except ValueError:
+                outs.append(None)
+        assert_same_nested(*outs)
+        assert_same_tensors(_buffers(stock), _buffers(prepared))
+    if make is SavesMidway:
+        for (expected, expected_then), (actual, actual_then) in zip(stock.saved, prepared.saved):
+            assert_same_tensors(expected_then, actual_then)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_plain_state_dict_under_a_buffer_hook_that_stores_copies_leaves_the_buffers_as_they_were(
+        mode, buffer_copying_hook):
+    stock, prepared = _twins(lambda: Branches("parametrization"), mode)
+    x = torch.randn(3, 4)
+    before = _held(prepared)
+    values = _buffers(prepared)
+    paramfold.plain_state_dict(prepared)
+    assert all(t is before[k] for k, t in _held(prepared).items())
+    assert_same_tensors(values, _buffers(prepared))
+    stock.use_b = prepared.use_b = True
+    assert torch.equal(stock(x), prepared(x))
+    assert_same_tensors(_buffers(stock), _buffers(prepared))

@@ -28,7 +28,7 @@ from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
-from paramfold.unread import Copies, fusable, put_back, state_tensors
+from paramfold.unread import Copies, fusable, put_back, state_entries
 from paramfold.watch import Watch, layout, tag
 
 _users = attrgetter("users")
@@ -65,7 +65,7 @@ class Plan:
         "armed", "armings",
         "settings_empty",
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
-        "copied_from", "copied_to",
+        "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "own_dicts", "own_keys", "own_set", "until", "missed", "used",
     )
@@ -95,6 +95,7 @@ class Plan:
         copied: list[tuple] = []
         forward_keys: list[tuple[dict, str, bool]] = []
         copied_list: list[torch.Tensor] = []
+        copied_entries: list[tuple[dict, str]] = []
         until: list[int] = []
         missed: list = []
         structure: dict[int, dict] = {}
@@ -202,9 +203,10 @@ class Plan:
                         callees.append(site.plist)  # its call still just its forward, checked live
                     hoisted.append((values, name, holder, site.originals, chain, forwards))
                     if site.training_stateful:  # its state is copied, to put back if unread (paramfold.unread)
-                        tensors = state_tensors(holder, site)
-                        copied.append((site, values, name, len(copied_list), len(copied_list) + len(tensors)))
-                        copied_list.extend(tensors)
+                        entries = state_entries(holder, site)
+                        copied.append((site, values, name, len(copied_list), len(copied_list) + len(entries)))
+                        copied_list.extend(d[k] for d, k in entries)
+                        copied_entries.extend(entries)
                 elif wrapped and site.at_read and name not in values:
                     forward_keys.append((values, name, False))  # computed where read: nothing put there
                 else:
@@ -294,6 +296,7 @@ class Plan:
         plan.hoisted_names = tuple(h[1] for h in hoisted)
         plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to = _columns(copied, 5)
         plan.copied_tensors, plan.copied_dtypes = copied_list, fusable(copied_list)
+        plan.copied_state_dicts, plan.copied_state_keys = map(list, _columns(copied_entries, 2))
         plan.until = min(until) if until else None
         plan.missed = tuple(missed)
         return plan
@@ -329,7 +332,7 @@ class Plan:
         direct = self.direct and self.plain_calls()
         copies = None
         if self.copied_sites:  # training stateful chains: their state now (paramfold.unread)
-            copies = Copies(self.copied_tensors, self.copied_dtypes)
+            copies = Copies(self.copied_tensors, self.copied_state_dicts, self.copied_state_keys, self.copied_dtypes)
             _run(map(setattr, self.copied_sites, repeat("before"),
                      zip(repeat(copies), self.copied_from, self.copied_to, repeat(None), repeat(None))))
         try:

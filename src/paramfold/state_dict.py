@@ -66,10 +66,13 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     # First, as a state_dict() taken inside a call gives the chains the call has not read yet
     # their state from before it (scope.state_read): that is the state to leave them in.
     entries = model.state_dict()
-    # What a chain may update while computing: its buffers, a hook-based norm's _u/_v.
-    state = {id(t): t for m in _parametrization_lists(by_prefix) for t in m.buffers()}
-    state.update((id(d[k]), d[k]) for _, module, hook, kind in by_hook_key.values()
-                 for _, d, k in hooknorms.state_tensors(module, hook, kind))
+    # What a chain may update while computing, and where it is held: its buffers, a hook-based
+    # norm's _u/_v.
+    held = [(m._buffers, k, t) for plist in _parametrization_lists(by_prefix) for m in plist.modules()
+            for k, t in m._buffers.items() if t is not None]
+    held += [(d, k, d[k]) for _, module, hook, kind in by_hook_key.values()
+             for _, d, k in hooknorms.state_tensors(module, hook, kind)]
+    state = {id(t): t for _, _, t in held}
     before = [(t, version_of(t), t.clone()) for t in state.values()]
     with torch.no_grad():
         try:
@@ -78,6 +81,11 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
             for t, version, then in before:
                 if version_of(t) != version:
                     t.copy_(then)
+            # An assignment of the computation may have stored another tensor there (a buffer
+            # registration hook's copy at spectral_norm's `self._u = ...`): the buffer itself again.
+            for d, k, t in held:
+                if d.get(k) is not t:
+                    d[k] = t
     return plain, computed
 
 

@@ -10,12 +10,16 @@ scope had not computed it. Before computing, the scope copies the buffers the ch
 (:class:`Copies`, one ``torch.cat`` for all of a steady plan's); where the value goes unread,
 each buffer that nothing but the scope's computation wrote since is copied back
 (:func:`put_back`). A read takes the value (the read-once class, ``classes.read_once_class``),
-and with it the copy's last use (:func:`release`).
+and with it the copy's last use (:func:`release`). Where the computation's assignment stored
+another tensor in a buffer's dict entry than the one it changed in place (a global buffer
+registration hook returning a copy, for device placement or offloading, runs at spectral_norm's
+``self._u = ...``), the entry gets its tensor back too: stock, which never assigned it, holds
+the same tensor there with the same contents.
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import torch
 from torch import nn
@@ -29,12 +33,17 @@ from paramfold.state import tensor_version as _version
 _dtype = attrgetter("dtype")
 
 
-def state_tensors(holder: nn.Module, site: SiteState) -> list[torch.Tensor]:
-    """The tensors computing ``site``'s value may change in place: its members' buffers (a
-    hook-based spectral_norm's ``<name>_u``/``<name>_v``)."""
+def state_entries(holder: nn.Module, site: SiteState) -> list[tuple[dict, str]]:
+    """Where the tensors computing ``site``'s value may change are held: ``(dict, key)`` of each
+    of its members' buffers (a hook-based spectral_norm's ``<name>_u``/``<name>_v``)."""
     if site.hook is not None:
-        return [d[k] for _, d, k in hooknorms.state_tensors(holder, site.hook, site.hook_kind)]
-    return [b for m in site.chain for b in m._buffers.values() if b is not None]
+        return [(d, k) for _, d, k in hooknorms.state_tensors(holder, site.hook, site.hook_kind)]
+    return [(m._buffers, k) for m in site.chain for k, b in m._buffers.items() if b is not None]
+
+
+def state_tensors(holder: nn.Module, site: SiteState) -> list[torch.Tensor]:
+    """The tensors computing ``site``'s value may change in place (:func:`state_entries`)."""
+    return [d[k] for d, k in state_entries(holder, site)]
 
 
 def fusable(tensors: list[torch.Tensor]) -> tuple | None:
@@ -50,13 +59,14 @@ def fusable(tensors: list[torch.Tensor]) -> tuple | None:
 
 
 class Copies:
-    """Copies of some sites' state tensors taken before the scope computes their values, and
-    their version counters after (:meth:`computed`)."""
+    """Copies of some sites' state tensors, held at ``dicts[i][keys[i]]``, taken before the scope
+    computes their values, and their version counters after (:meth:`computed`)."""
 
-    __slots__ = ("tensors", "copy", "after")
+    __slots__ = ("tensors", "dicts", "keys", "copy", "after", "replaced")
 
-    def __init__(self, tensors: list[torch.Tensor], dtypes: tuple | None = None) -> None:
-        self.tensors = tensors
+    def __init__(self, tensors: list[torch.Tensor], dicts: list[dict], keys: list[str],
+                 dtypes: tuple | None = None) -> None:
+        self.tensors, self.dicts, self.keys = tensors, dicts, keys
         # One op for all where nothing changed their dtypes since ``dtypes`` was taken (through
         # ``.data``, which no dict tag sees); else one clone each.
         copy = None
@@ -67,13 +77,20 @@ class Copies:
                 pass
         self.copy = copy if copy is not None else [t.clone() for t in tensors]
         self.after: list[int] | None = None
+        #: By index, each entry the computation's assignment stored another tensor in: what it
+        #: stored (None: taken out) and that tensor's version then.
+        self.replaced: dict[int, tuple] | None = None
 
     def computed(self) -> None:
-        self.after = list(map(_version, self.tensors))
+        tensors = self.tensors
+        self.after = list(map(_version, tensors))
+        if not all(map(is_, map(dict.get, self.dicts, self.keys), tensors)):
+            self.replaced = {i: (t, None if t is None else _version(t))
+                             for i, t in enumerate(map(dict.get, self.dicts, self.keys)) if t is not tensors[i]}
 
     def put_back_parts(self, lo: int, hi: int) -> list[torch.Tensor | None]:
         """For ``tensors[lo:hi]``, what :meth:`restore` copies back into each: its copy where no
-        one but the computation wrote it since, else None (left as it is)."""
+        one but the computation wrote it (nor its dict entry) since, else None (left as it is)."""
         tensors, copy, after = self.tensors, self.copy, self.after
         if after is None:
             return [None] * (hi - lo)
@@ -84,15 +101,27 @@ class Copies:
             if sum(sizes) != copy.numel() or any(t.dtype != copy.dtype for t in tensors):
                 return [None] * (hi - lo)  # re-described through .data meanwhile: nothing exact to put back
             parts = copy.split(sizes)
-        return [parts[i] if _version(tensors[i]) == after[i] and tensors[i].shape == parts[i].shape else None
-                for i in range(lo, hi)]
+        replaced = self.replaced or {}
+        kept = []
+        for i in range(lo, hi):
+            unwritten = _version(tensors[i]) == after[i] and tensors[i].shape == parts[i].shape
+            if unwritten and i in replaced:  # and the entry holds what the computation stored, unwritten
+                stored, version = replaced[i]
+                unwritten = (self.dicts[i].get(self.keys[i]) is stored
+                             and (stored is None or _version(stored) == version))
+            kept.append(parts[i] if unwritten else None)
+        return kept
 
     def restore(self, lo: int, hi: int) -> None:
-        """Copy back ``tensors[lo:hi]``, each where no one but the computation wrote it since."""
+        """Copy back ``tensors[lo:hi]``, each where no one but the computation wrote it since, into
+        its dict entry again where the computation stored another tensor there."""
+        replaced = self.replaced or ()
         with torch.no_grad():
-            for t, part in zip(self.tensors[lo:hi], self.put_back_parts(lo, hi)):
+            for i, part in enumerate(self.put_back_parts(lo, hi), lo):
                 if part is not None:
-                    t.copy_(part)
+                    self.tensors[i].copy_(part)
+                    if i in replaced:  # straight into the dict: stock ran no assignment (nor its hooks)
+                        self.dicts[i][self.keys[i]] = self.tensors[i]
 
 
 #: ``SiteState.before``: ``(copies, lo, hi, value, cache key)``, one site's part of a
@@ -110,8 +139,10 @@ def take(holder: nn.Module, name: str, site: SiteState) -> None:
         if cache_key in parametrize._cache:
             site.before = None
             return
-    tensors = state_tensors(holder, site)
-    site.before = (Copies(tensors, fusable(tensors)), 0, len(tensors), None, cache_key)
+    entries = state_entries(holder, site)
+    tensors = [d[k] for d, k in entries]
+    copies = Copies(tensors, [d for d, _ in entries], [k for _, k in entries], fusable(tensors))
+    site.before = (copies, 0, len(tensors), None, cache_key)
 
 
 def computed(site: SiteState, value: torch.Tensor | None) -> None:
