@@ -350,3 +350,72 @@ def test_plain_state_dict_under_a_buffer_hook_that_stores_copies_leaves_the_buff
     stock.use_b = prepared.use_b = True
     assert torch.equal(stock(x), prepared(x))
     assert_same_tensors(_buffers(stock), _buffers(prepared))
+
+
+class DividesByItsState(nn.Module):
+    """A custom stateful chain that saves its own buffer for backward (a running normaliser)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, X):
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.9).add_(0.1 * X.norm())
+        return X / self.scale
+
+
+def _saves_its_state(kind: str) -> nn.Module:
+    layer = nn.Linear(4, 4)
+    if kind == "hook":  # an eval call of the hook-based spectral_norm saves weight_u/weight_v themselves
+        return nn.utils.spectral_norm(layer)
+    parametrize.register_parametrization(layer, "weight", DividesByItsState())
+    return layer
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("kind", ["custom", "hook"])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_a_graph_that_saved_a_state_buffer_survives_a_later_call_that_skips_its_layer(mode, kind, how):
+    # Regression: a call that did not read the layer's value put its state back with copy_, which
+    # moved the buffers' version counters where stock never touches them; an earlier call's graph
+    # that saved them (gradient accumulation over two forwards, one backward) then raised
+    # "modified by an inplace operation" at backward. The counters now go back with the contents.
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = _saves_its_state(kind), nn.Linear(4, 4)
+
+        def forward(self, x, use_a):
+            return self.a(x) if use_a else self.b(x)
+
+    stock, prepared = _twins(TwoHeads, mode)
+    x = torch.randn(3, 4)
+    for model in (stock, prepared):
+        run = _runner(model, how)
+        model.eval() if kind == "hook" else model.train()
+        first = run(x, True).sum()  # saves a's state
+        model.train()
+        (first + run(x, False).sum()).backward()  # a skipped
+        model.out = first
+    assert torch.equal(prepared.out, stock.out)
+    assert_same_tensors(grads(stock), grads(prepared))
+    assert_same_tensors(_buffers(stock), _buffers(prepared))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_plain_state_dict_between_forward_and_backward_leaves_the_saved_state_usable(mode):
+    # plain_state_dict runs the chain and puts its state back: the version counters too, so the
+    # forward's graph, which saved the buffer, still runs its backward as stock's does.
+    stock, prepared = _twins(lambda: _saves_its_state("custom"), mode)
+    x = torch.randn(3, 4)
+    for model in (stock, prepared):
+        out = model(x).sum()
+        if model is prepared:
+            paramfold.plain_state_dict(model)
+        else:
+            model.state_dict()
+        out.backward()
+    assert_same_tensors(grads(stock), grads(prepared))
+    assert_same_tensors(_buffers(stock), _buffers(prepared))

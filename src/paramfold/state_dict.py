@@ -12,6 +12,7 @@ from paramfold.compute import compute, has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.sites import parametrization_paths
 from paramfold.state import STATE_ATTR, is_dtensor, version_of
+from paramfold.unread import copy_back
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -80,7 +81,7 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
         finally:
             for t, version, then in before:
                 if version_of(t) != version:
-                    t.copy_(then)
+                    copy_back(t, then, version)
             # An assignment of the computation may have stored another tensor there (a buffer
             # registration hook's copy at spectral_norm's `self._u = ...`): the buffer itself again.
             for d, k, t in held:

@@ -62,11 +62,12 @@ class Copies:
     """Copies of some sites' state tensors, held at ``dicts[i][keys[i]]``, taken before the scope
     computes their values, and their version counters after (:meth:`computed`)."""
 
-    __slots__ = ("tensors", "dicts", "keys", "copy", "after", "replaced")
+    __slots__ = ("tensors", "dicts", "keys", "copy", "versions", "after", "replaced")
 
     def __init__(self, tensors: list[torch.Tensor], dicts: list[dict], keys: list[str],
                  dtypes: tuple | None = None) -> None:
         self.tensors, self.dicts, self.keys = tensors, dicts, keys
+        self.versions = list(map(_version, tensors))
         # One op for all where nothing changed their dtypes since ``dtypes`` was taken (through
         # ``.data``, which no dict tag sees); else one clone each.
         copy = None
@@ -119,9 +120,24 @@ class Copies:
         with torch.no_grad():
             for i, part in enumerate(self.put_back_parts(lo, hi), lo):
                 if part is not None:
-                    self.tensors[i].copy_(part)
+                    copy_back(self.tensors[i], part, self.versions[i])
                     if i in replaced:  # straight into the dict: stock ran no assignment (nor its hooks)
                         self.dicts[i][self.keys[i]] = self.tensors[i]
+
+
+#: Sets tensors' version counters; None in a torch without it (the counter then moves).
+_set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def copy_back(t: torch.Tensor, then: torch.Tensor, version: int | None) -> None:
+    """``t.copy_(then)``, undoing a computation's in-place writes to ``t``, with ``t``'s version
+    counter set back to ``version``, what it was before that computation: stock never wrote it,
+    so a graph recorded earlier that saved ``t`` for its backward (a hook-based spectral_norm's
+    eval call saves ``weight_u`` itself, a chain may divide by its own buffer) must find it as it
+    saved it, not raise autograd's "modified by an inplace operation" at backward."""
+    t.copy_(then)
+    if _set_versions is not None and version is not None:  # (None: an inference tensor, which has none)
+        _set_versions((t,), (version,))
 
 
 #: ``SiteState.before``: ``(copies, lo, hi, value, cache key)``, one site's part of a
