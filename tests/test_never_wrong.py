@@ -2048,6 +2048,182 @@ def test_a_module_built_from_a_prepared_modules_class_works_like_stocks(mode, ro
     assert torch.equal(ours_new(x), stock_new(x))
 
 
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_class_attribute_set_on_a_prepared_layer_is_refused_and_reaches_no_other_module(mode):
+    # Regression: stock gives each parametrized layer a class of its own, so
+    # ``type(layer).forward = f`` changes that layer only; paramfold's class is shared by every
+    # prepared layer of the architecture and cached, so the write silently changed the model's
+    # other layer, another model and models prepared later (also after restore); a property set
+    # there became a _ForeignSite (AttributeError at its read). Such a write is refused, and the
+    # same change made on the module is served like stock's.
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), weight_norm(nn.Linear(4, 4)))
+        return _inference(model) if mode == "freeze" else model
+
+    def patch(forward):
+        return lambda self, x: forward(self, x) * 2.0
+
+    stock_a, stock_b, ours_a, ours_b = build(0), build(1), build(0), build(1)
+    for model in (ours_a, ours_b):
+        paramfold.prepare(model, mode)
+    x = torch.randn(2, 4)
+    cls = type(ours_a[0])
+    before = dict(vars(cls))
+    writes = [(lambda: setattr(cls, "forward", patch(cls.forward)), r"module\.forward = types\.MethodType"),
+              (lambda: setattr(cls, "bias_norm", property(lambda self: self.bias.norm())), "Call paramfold.restore"),
+              (lambda: delattr(cls, "forward"), "Call paramfold.restore")]
+    for write, what_to_do in writes:
+        with pytest.raises(paramfold.FoldError, match=rf"(?s)shared by every prepared Linear.*{what_to_do}"):
+            write()
+    assert dict(vars(cls)) == before
+    # The change made on the module, where stock made it on the layer's own class.
+    type(stock_a[0]).forward = patch(type(stock_a[0]).forward)
+    ours_a[0].forward = types.MethodType(patch(nn.Linear.forward), ours_a[0])
+    later, stock_later = build(1), build(1)
+    paramfold.prepare(later, mode)
+    with torch.no_grad() if mode == "freeze" else contextlib.nullcontext():
+        for ours, stock in ((ours_a, stock_a), (ours_b, stock_b), (later, stock_later)):
+            assert torch.equal(ours(x), stock(x))
+        for model in (ours_a, ours_b, later):
+            paramfold.restore(model)
+        fresh = paramfold.prepare(build(1), mode)
+        assert torch.equal(fresh(x), stock_b(x))
+        paramfold.restore(fresh)
+        # Restored, each layer has stock's class of its own again: the same writes are stock's.
+        for stock, ours in ((stock_a[2], ours_a[2]), (stock_b[0], ours_b[0])):
+            for layer in (stock, ours):
+                type(layer).forward = patch(type(layer).forward)
+                type(layer).bias_norm = property(lambda self: self.bias.norm())
+            assert torch.equal(ours.bias_norm, stock.bias_norm)
+        for ours, stock in ((ours_a, stock_a), (ours_b, stock_b)):
+            assert torch.equal(ours(x), stock(x))
+
+
+class _Holds(nn.Module):
+    """A container of the user's: its class is stock's for every instance, prepared or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _SpectralLinear(nn.Linear):
+    """A layer of the user's class with torch's hook-based spectral_norm."""
+
+
+@pytest.mark.parametrize("kind", ["container", "hook_norm", "unselected"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_class_attribute_set_through_a_class_stock_shares_is_refused_and_made_there_is_stocks(mode, kind):
+    # Regression: where stock's class is not the module's own (a container's, a hook-based norm's
+    # layer's: the user's class; an unselected parametrized module's: its own, shared by its
+    # copies), ``type(module).attr = value`` went to paramfold's class: it missed the user's
+    # class's other instances, was lost at restore, and a property became a _ForeignSite
+    # (AttributeError). Refused, naming the class stock's write changes, which paramfold's class
+    # derives from: made there, it is stock's, in training calls too (a hook-based norm's
+    # read-once class ran the forward its class had when it was made).
+    class Holds(_Holds):  # a class of this test's own: stock's writes reach every instance of it
+        pass
+
+    class Spectral(_SpectralLinear):
+        pass
+
+    def build(seed):
+        torch.manual_seed(seed)
+        if kind == "hook_norm":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model = nn.Sequential(torch.nn.utils.spectral_norm(Spectral(4, 4)), nn.Tanh())
+        else:
+            model = Holds()
+            if kind == "unselected":  # the root: parametrized, left out by filter_fn
+                model.scale = nn.Parameter(torch.ones(4))
+                P.register_parametrization(model, "scale", nn.Identity())
+        return _inference(model) if mode == "freeze" else model
+
+    def module_of(model):  # the module whose class is written
+        return model[0] if kind == "hook_norm" else model
+
+    stock_a, stock_b, ours_a, ours_b = build(0), build(1), build(0), build(1)
+    filter_fn = (lambda m, fqn: fqn == "lin") if kind == "unselected" else None
+    for model in (ours_a, ours_b):
+        paramfold.prepare(model, mode, filter_fn=filter_fn)
+    x = torch.randn(2, 4)
+    cls = type(module_of(ours_a))
+    if kind == "hook_norm" and mode == "inline":
+        assert cls is Spectral  # inline leaves a hook-based norm's layer its class
+        stock_classes = [Spectral]
+    else:
+        before = dict(vars(cls))
+        writes = [(lambda: setattr(cls, "forward", lambda self, inp: inp), r"\.forward = \.\.\.\), which reaches"),
+                  (lambda: setattr(cls, "doubled", property(lambda self: 1)), r"\.doubled = \.\.\.\), which reaches"),
+                  (lambda: delattr(cls, "forward"), r"\(del type\(module\)\.__mro__\[1\]\.forward\)")]
+        for write, what_to_do in writes:
+            with pytest.raises(paramfold.FoldError, match=r"(?s)stock makes it on the module's class .*" + what_to_do):
+                write()
+        assert dict(vars(cls)) == before
+        # Where the message says: the user's class (stock's modules' too), or each module's own.
+        stock_classes = [type(module_of(m)).__mro__[1] for m in (ours_a, ours_b)]
+        if kind == "unselected":
+            stock_classes += [type(module_of(m)) for m in (stock_a, stock_b)]
+        else:
+            assert stock_classes == [type(module_of(stock_a))] * 2
+    for stock_class in set(stock_classes):
+        forward = stock_class.forward
+        stock_class.forward = lambda self, inp, forward=forward: forward(self, inp) * 2.0
+        stock_class.doubled = property(lambda self: 2.0 * next(iter(self.parameters())))
+    grad = contextlib.nullcontext() if mode != "freeze" else torch.no_grad()
+    with grad:
+        for step in range(2):
+            for ours, stock in ((ours_a, stock_a), (ours_b, stock_b)):
+                assert torch.equal(ours(x), stock(x)), step
+                assert torch.equal(module_of(ours).doubled, module_of(stock).doubled)
+        assert_same_tensors(dict(stock_a.state_dict()), dict(ours_a.state_dict()))
+        for model in (ours_a, ours_b):
+            paramfold.restore(model)
+        for ours, stock in ((ours_a, stock_a), (ours_b, stock_b)):
+            assert torch.equal(ours(x), stock(x))  # the patch is kept, as on stock's class
+
+
+def test_a_method_paramfold_defines_on_a_roots_class_is_refused_there():
+    # A prepared nn.Sequential root runs paramfold's forward (which calls nn.Sequential's as it
+    # was at prepare): a forward written to nn.Sequential would not reach it. Refused.
+    model = paramfold.prepare(nn.Sequential(weight_norm(nn.Linear(4, 4))), "hoist")
+    forward = nn.Sequential.forward
+    try:
+        with pytest.raises(paramfold.FoldError, match="defines forward itself"):
+            type(model).forward = lambda self, x: x
+    finally:
+        nn.Sequential.forward = forward
+    assert nn.Sequential.forward is forward and "forward" in vars(type(model))
+    paramfold.restore(model)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_root_prepared_after_its_class_changed_runs_the_class_as_it_is_now(mode):
+    # Regression: the shared class of a root is kept for later prepares, with what it took from
+    # the root's class (nn.Sequential's forward): a root prepared after ``nn.Sequential.forward``
+    # was changed (as the refusal above says to: restore, change, prepare again) ran the old one.
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(weight_norm(nn.Linear(4, 4)))
+        return _inference(model) if mode == "freeze" else model
+
+    x = torch.randn(2, 4)
+    paramfold.restore(paramfold.prepare(build(), mode))
+    forward = nn.Sequential.forward
+    try:
+        nn.Sequential.forward = lambda self, inp: forward(self, inp) * 2.0
+        ours = paramfold.prepare(build(), mode)
+        with torch.no_grad() if mode == "freeze" else contextlib.nullcontext():
+            assert torch.equal(ours(x), build()(x))
+    finally:
+        nn.Sequential.forward = forward
+
+
 # --- a class named like one of torch's parametrizations is not taken for it -------------------
 
 

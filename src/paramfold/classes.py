@@ -11,9 +11,11 @@ Shared classes must never change for one module's sake. torch's ``register_param
 ``remove_parametrizations`` edit ``module.__class__`` (they expect a class of the module's own);
 the :class:`_Sealed` metaclass catches those edits: a property injected for one module becomes a
 :class:`_ForeignSite` that serves only modules parametrized for that name, and the class leaves the
-cache so later prepares get a clean one; deletions are ignored (each descriptor steps aside for a
-module whose parametrization is gone). The changed module is refused at its next call, and
+cache so later prepares get a clean one; deletions of a tensor's descriptor are ignored (each
+steps aside for a module whose parametrization is gone). The changed module is refused at its next call, and
 :func:`paramfold.restore` rebuilds stock's class for its parametrizations as they are then.
+Any other write (``type(module).forward = f``, a property of the user's) is refused with a
+:class:`~paramfold.FoldError` that says where to make it (:func:`_refuse_class_write`).
 
 While prepared, ``type(m)`` is the shared class (a subclass of the user's class, with the same
 name), so ``isinstance`` checks hold; ``torch.nn.utils.parametrize.type_before_parametrizations``
@@ -25,6 +27,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import functools
+import inspect
 import sys
 import threading
 import types
@@ -50,8 +53,8 @@ from paramfold.scope import call_values, compiled_call_impl, copied_between_call
 
 
 class _Sealed(type):
-    """Metaclass of the shared classes: keeps torch's per-module class edits off them, and makes
-    instantiating one build the class it was made from."""
+    """Metaclass of the shared classes: keeps torch's per-module class edits off them, refuses any
+    other class write, and makes instantiating one build the class it was made from."""
 
     def __call__(cls, *args, **kwargs):
         # ``type(module)(...)`` on a prepared module (PEFT's LoRA for a conv builds its adapters
@@ -66,22 +69,87 @@ class _Sealed(type):
         return super().__call__(*args, **kwargs)
 
     def __setattr__(cls, name: str, value: object) -> None:
-        if cls.__dict__.get("_paramfold_sealed") and isinstance(value, property):
+        if not cls.__dict__.get("_paramfold_sealed") or name == "__slotnames__" or _dynamos_patch(cls, name, value):
+            # __slotnames__: copyreg's cache of the class's slots, the same for every module of it.
+            type.__setattr__(cls, name, value)
+        elif _injected_by_torch(value):
             # register_parametrization on a prepared module (torch's _inject_property): torch's
             # property would serve every module of the class. The first time a name comes, a
             # _ForeignSite computes it for the modules parametrized for it; where the class has a
             # descriptor of its own for the name already (a second registration, on this module
             # after a removal or on another), that one stays.
-            if name in cls.__dict__:
-                return
-            _evict(cls)
-            value = _ForeignSite(name)
-        type.__setattr__(cls, name, value)
+            if name not in cls.__dict__:
+                _evict(cls)
+                type.__setattr__(cls, name, _ForeignSite(name))
+        else:
+            _refuse_class_write(cls, name, value)
 
     def __delattr__(cls, name: str) -> None:
-        if cls.__dict__.get("_paramfold_sealed"):
+        if not cls.__dict__.get("_paramfold_sealed"):
+            type.__delattr__(cls, name)
+        elif name in cls._paramfold_names or isinstance(inspect.getattr_static(cls, name, None), _ForeignSite):
             return  # remove_parametrizations on a prepared module: other modules still need it
-        type.__delattr__(cls, name)
+        else:
+            _refuse_class_write(cls, name, _DELETED)
+
+
+def _dynamos_patch(cls: type, name: str, value: object) -> bool:
+    """Whether this is ``torch._dynamo.mutation_guard.ensure_patched`` (dynamo's watch of a module,
+    in torch versions that use it): its marker, and a ``__setattr__`` wrapping the class's own that
+    only records the write, the same for every module of the class."""
+    return name == "___needs_mutation_patch" or (
+        name == "__setattr__" and getattr(value, "__wrapped__", None) is cls.__setattr__)
+
+
+def _injected_by_torch(value: object) -> bool:
+    """Whether ``value`` is the property torch's ``parametrize._inject_property`` makes (its getter
+    is that function's nested ``get_parametrized``)."""
+    fget = value.fget if isinstance(value, property) else None
+    return (getattr(fget, "__module__", None) == parametrize.__name__
+            and getattr(fget, "__qualname__", "").startswith("_inject_property.<locals>."))
+
+
+_DELETED = object()
+
+
+def _refuse_class_write(cls: type, name: str, value: object) -> None:
+    """Refuse ``type(module).name = value`` (or ``del``, ``value`` :data:`_DELETED`) on a prepared
+    module, saying where to make it instead.
+
+    A parametrized module's class is its own in stock; paramfold's is shared by every prepared
+    module of the architecture and kept for later prepares. Any other prepared module's stock
+    class (a container's, a hook-based norm's layer's: the user's; an unselected module's own) is
+    the one paramfold's class derives from, where a write reaches the module as in stock unless
+    paramfold's class defines the name itself (a root's ``forward``). Made there *through*
+    paramfold's class, the write would not be in ``vars(type(module))``, which tools rely on
+    (``mock.patch.object`` would delete the class's own attribute when it unpatches)."""
+    prepared = next(c for c in cls.__mro__ if "_paramfold_names" in vars(c))
+    base, names = prepared._paramfold_base, prepared._paramfold_names
+    deleting = value is _DELETED
+    # A descriptor other than a function (a property) works on the class only.
+    on_module = not deleting and (isinstance(value, types.FunctionType) or not hasattr(type(value), "__get__"))
+    options = [f"set it on the module (module.{name} = ...; a method: module.{name} = "
+               "types.MethodType(function, module))"] if on_module else []
+    if names:
+        where = (f"its class {cls.__name__} is shared by every prepared {base.__name__} whose "
+                 f"{', '.join(sorted(names))} {'is' if len(names) == 1 else 'are'} parametrized, in every "
+                 "model (and kept for models prepared later), where stock's class is the module's own: the "
+                 "change would reach them all")
+        options.append("call paramfold.restore(model) first and change the class then (prepare refuses a "
+                       "parametrized module whose class was changed: leave it out with filter_fn)")
+    elif name in vars(prepared):
+        where = (f"stock makes it on {base.__qualname__}, but paramfold's class {cls.__name__} of the module "
+                 f"defines {name} itself, so it would not reach the module")
+        options.append("call paramfold.restore(model) first, make the change, and prepare again")
+    else:
+        mro = f"type(module).__mro__[{cls.__mro__.index(base)}]"
+        where = (f"stock makes it on the module's class {base.__qualname__} ({mro}), which paramfold's "
+                 f"class {cls.__name__} derives from")
+        there = f"delete it there (del {mro}.{name})" if deleting else f"make it there ({mro}.{name} = ...)"
+        options.insert(0, f"{there}, which reaches the module as in stock")
+    what_to_do = ", or ".join(options)
+    raise FoldError(f"{'del ' if deleting else ''}type(module).{name}{'' if deleting else ' = ...'} on a module "
+                    f"prepared by paramfold: {where}. Nothing was changed. {what_to_do[0].upper()}{what_to_do[1:]}.")
 
 
 _classes: dict[tuple, type] = {}
@@ -105,7 +173,9 @@ def prepared_class(
     key = (base, names, is_root, inline_properties, hooked)
     with _classes_lock:
         cls = _classes.get(key)
-        if cls is None:
+        # A class made before ``base`` changed (``nn.Sequential.forward = f``) would keep running
+        # what it took from it.
+        if cls is None or any(inspect.getattr_static(base, n, None) is not v for n, v in cls._paramfold_taken):
             cls = _classes[key] = _make_class(base, names, is_root, dict(inline_properties), hooked)
     return cls
 
@@ -159,15 +229,19 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
     # stock's per-instance classes.
     namespace["__reduce_ex__"] = _refuse_pickle
     namespace["__prepare_scriptable__"] = _refuse_script
+    taken = ["register_forward_pre_hook", "__deepcopy__"]  # what the class took from base
     namespace["register_forward_pre_hook"] = _recording_prepends(base.register_forward_pre_hook)
     namespace["__deepcopy__"] = _deepcopy_with(getattr(base, "__deepcopy__", _default_deepcopy))
     if is_root:
         namespace["__call__"] = root_call
+        taken.append("__call__")
         if base.__call__ is not nn.Module.__call__:  # the model's own __call__ (it calls super's)
             namespace["_paramfold_call"] = base.__call__
         if _forward_is_torchs(base):
             namespace["forward"] = _root_forward_for(base.forward)
             namespace["_paramfold_forward"] = base.forward
+        taken.append("forward")
+    namespace["_paramfold_taken"] = tuple((n, inspect.getattr_static(base, n, None)) for n in taken)
     prefix = "Parametrized" if names else ""
     meta = _Sealed if type(base) is type else type(f"_Sealed{type(base).__name__}", (_Sealed, type(base)), {})
     cls = meta(f"{prefix}{base.__name__}", (base,), namespace)
@@ -342,16 +416,17 @@ def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> t
             namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
             namespace.update((n, _ReadOnce(n)) for n in sorted(names))
             if hooked:
-                namespace["forward"] = _served_once_forward(cls.forward)
-            namespace["state_dict"] = _state_dict_as_stock(cls.state_dict)
+                namespace["forward"] = _served_once_forward(cls)
+            namespace["state_dict"] = _state_dict_as_stock(cls)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
             type.__setattr__(sub, "_paramfold_sealed", True)
     return sub
 
 
-def _served_once_forward(forward: Callable) -> Callable:
-    """``forward`` run after the module's ``hooknorms.ServedOnce`` stand-ins, where torch's
-    hooks ran before it in stock."""
+def _served_once_forward(cls: type) -> Callable:
+    """``cls.forward`` run after the module's ``hooknorms.ServedOnce`` stand-ins, where torch's
+    hooks ran before it in stock. Looked up at the call: a forward written to the class ``cls``
+    derives from (the user's class of a hook-based norm's layer) is run in training calls too."""
 
     def served_once_forward(self: nn.Module, *args, **kwargs):
         # state.ONCE_ATTR, as an attribute: dynamo traces that for less than a read of __dict__;
@@ -363,22 +438,25 @@ def _served_once_forward(forward: Callable) -> Callable:
                     once.after()
             else:
                 once.served = True
-        return forward(self, *args, **kwargs)
+        return cls.forward(self, *args, **kwargs)
 
-    functools.update_wrapper(served_once_forward, forward, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    functools.update_wrapper(served_once_forward, cls.forward, assigned=("__name__", "__qualname__", "__doc__"),
+                             updated=())
     return served_once_forward
 
 
-def _state_dict_as_stock(state_dict: Callable) -> Callable:
-    """``state_dict`` that first gives each stateful chain whose value the open call has not read
-    yet its state from before the call (``scope.state_read``): the read-once class's only, so no
-    state_dict outside a training call runs it."""
+def _state_dict_as_stock(cls: type) -> Callable:
+    """``cls.state_dict`` (looked up at the call, as ``forward`` in :func:`_served_once_forward`)
+    that first gives each stateful chain whose value the open call has not read yet its state
+    from before the call (``scope.state_read``): the read-once class's only, so no state_dict
+    outside a training call runs it."""
 
     def state_dict_as_stock(self: nn.Module, *args, **kwargs):
         state_read(self)
-        return state_dict(self, *args, **kwargs)
+        return cls.state_dict(self, *args, **kwargs)
 
-    functools.update_wrapper(state_dict_as_stock, state_dict, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+    functools.update_wrapper(state_dict_as_stock, cls.state_dict, assigned=("__name__", "__qualname__", "__doc__"),
+                             updated=())
     return state_dict_as_stock
 
 
