@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
 
 from helpers import Doubled, Ema, assert_same_tensors, classes, grads
 
@@ -270,3 +271,98 @@ def test_a_chain_on_an_original_that_changes_its_state_is_read_like_stock(inner,
         assert torch.equal(*outs), call
         for (name, a), b in zip(stock.state_dict().items(), ours.state_dict().values()):
             assert torch.equal(a, b), (call, name)
+
+
+# --- a hook that changes state, on a member of torch's own or on the ParametrizationList -------
+
+
+def _anneal(module, args, out):
+    """A forward hook annealing the weight by a count of its reads, kept on the module it is on."""
+    module.count += 1
+    return out * (1 + 0.1 * module.count)
+
+
+HOOKED = {"weight_norm member": ("weight_norm", "member"), "weight_norm list": ("weight_norm", "list"),
+          "custom list": ("custom", "list")}
+
+
+def _hook_target(layer: nn.Module, where: str) -> nn.Module:
+    plist = layer.parametrizations.weight
+    return plist[0] if where == "member" else plist
+
+
+class ReadTwiceHooked(nn.Module):
+    """A layer called twice per forward (weight sharing), a counting hook on its chain."""
+
+    def __init__(self, case: str, hooked: bool = True):
+        super().__init__()
+        member, self.where = HOOKED[case]
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+        if member == "weight_norm":
+            weight_norm(self.lin)
+        else:
+            parametrize.register_parametrization(self.lin, "weight", Doubled())
+        _hook_target(self.lin, self.where).count = 0
+        if hooked:
+            self.hook()
+
+    def hook(self):
+        _hook_target(self.lin, self.where).register_forward_hook(_anneal)
+
+    @property
+    def count(self):
+        return _hook_target(self.lin, self.where).count
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("case", HOOKED)
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+def test_hoist_and_freeze_refuse_a_hook_that_changes_state_on_any_chain(case, mode):
+    # Regression: the probe ran only custom members, and never the ParametrizationList's hooks: a
+    # counting hook on weight_norm's member or on a list ran once per call (hoist, auto), not at
+    # each of the two reads, silently.
+    model = ReadTwiceHooked(case)
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    kinds, state = classes(model), {k: v.clone() for k, v in model.state_dict().items()}
+    (site,) = paramfold.find(model)
+    assert site.writes_itself and model.count == 0
+    with pytest.raises(paramfold.FoldError, match="lin.weight: .*changes its own attributes"):
+        paramfold.prepare(model, mode)
+    assert classes(model) == kinds and model.count == 0
+    assert_same_tensors(state, model.state_dict())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("case", HOOKED)
+@pytest.mark.parametrize("mode", ["auto", "inline"])
+def test_a_hook_that_changes_state_on_any_chain_runs_at_every_read_like_stock(mode, case, grad, compiled):
+    stock, ours = ReadTwiceHooked(case), paramfold.prepare(ReadTwiceHooked(case), mode)
+    if not grad:
+        stock.eval(), ours.eval()
+    run = {id(m): (torch.compile(m, backend="eager") if compiled else m) for m in (stock, ours)}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        _outputs_equal(run, (stock, ours), x, grad, at=f"step {step}")
+        assert stock.count == ours.count == 2 * (step + 1), f"step {step}"
+        if grad:
+            assert_same_tensors(grads(stock), grads(ours), at=f"step {step}")
+
+
+@pytest.mark.parametrize("case", HOOKED)
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_hook_that_changes_state_registered_after_prepare_runs_at_every_read_like_stock(mode, case):
+    # Regression: a chain of torch's own members had no watch of its hooks: hoist and auto ran a
+    # hook registered later once per call. Its chain is probed again, and computed where read.
+    stock, ours = ReadTwiceHooked(case, hooked=False), paramfold.prepare(ReadTwiceHooked(case, hooked=False), mode)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        if step == 1:
+            stock.hook(), ours.hook()
+        with torch.no_grad():
+            assert torch.equal(stock(x), ours(x)), step
+        assert stock.count == ours.count, step

@@ -7,7 +7,8 @@ the forward (hoist, auto in a grad call) it would draw before the forward's own 
 frozen it would repeat one sample. What switches a chain on is one of its settings (its members'
 attributes, submodules, hooks and classes: :func:`~paramfold.freeze.settings`) or a tensor it
 holds (a flag buffer: torch.ao's ``enable_observer`` fills ``observer_enabled`` with 1), so each
-site keeps a :class:`SettingsWatch` of them; when one changes, the chain is probed again, as
+site keeps a :class:`SettingsWatch` of them (of a chain of torch's own members, only its hooks:
+:func:`watch`); when one changes, the chain is probed again, as
 ``find`` probes it, and ``SiteState.draws`` says how it is served from then on. A chain switched
 on to write its attributes or originals, or to change its buffers where ``prepare`` found it did
 not (no read-once class or freeze refusal was planned for it), is served the same way: stock
@@ -25,9 +26,11 @@ once, as stock's read runs it); a second read in that call is served the same va
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
+from paramfold.compute import GLOBAL_HOOKS
 from paramfold.freeze import own_tensors, settings
-from paramfold.sites import CannotProbeNow, draws_random_numbers, probed
+from paramfold.sites import CannotProbeNow, draws_random_numbers, probed, runs_hooks
 from paramfold.state import SiteState, tensor_version, version_of
 from paramfold.watch import tag
 
@@ -43,8 +46,8 @@ class SettingsWatch:
 
     __slots__ = ("empty", "full", "tags", "copies", "tensors", "versions")
 
-    def __init__(self, site: SiteState) -> None:
-        live = settings(site)
+    def __init__(self, site: SiteState, live: tuple[dict, ...] | None = None) -> None:
+        live = settings(site) if live is None else live
         self.empty = tuple(d for d in live if not d)
         self.full = tuple(d for d in live if d)
         self.tags = list(map(tag, self.full))
@@ -107,10 +110,22 @@ def switches(site: SiteState) -> tuple:
 
 def watch(site: SiteState) -> SettingsWatch | None:
     """A watch of ``site``'s settings, or None where its chain cannot start drawing: a hook-based
-    norm, or a chain of torch's and torchao's known parametrizations only (nested ones included)."""
-    if site.hook is not None or not any(map(probed, site.plist.modules())):
+    norm. A chain of torch's and torchao's known parametrizations only (nested ones included)
+    starts drawing or writing only by a forward hook or pre-hook registered on its modules (probed
+    then, as a custom member is): a watch of their hook dicts alone, and of the global ones (a
+    frozen value refused for a global hook's draw is served again once it is removed), until one
+    of them has a hook."""
+    if site.hook is not None:
         return None
-    return SettingsWatch(site)
+    modules = tuple(site.plist.modules())
+    if any(map(probed, modules)) or any(map(runs_hooks, filter(_is_list, modules))):
+        return SettingsWatch(site)
+    hooks = tuple(d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks))
+    return SettingsWatch(site, (*hooks, *GLOBAL_HOOKS[:2]))
+
+
+def _is_list(module: nn.Module) -> bool:
+    return isinstance(module, parametrize.ParametrizationList)
 
 
 def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
@@ -125,6 +140,6 @@ def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
         except CannotProbeNow:
             return None
         site.draws = draws
-        site.draw_watch = SettingsWatch(site)
+        site.draw_watch = watch(site)
     return site.draws
 

@@ -189,6 +189,8 @@ class Plan:
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
                     if site.mode != "hoist" or site.stateful:  # training decides them too, and sharing
                         modes.extend((m, m.training) for m in site.chain)
+                    # A global forward hook registered: computed where read from then on (site_values).
+                    empty.update((id(d), d) for d in GLOBAL_HOOKS[:2])
                     if site.draw_watch is not None:  # a change has the chain probed for draws again
                         empty.update((id(d), d) for d in site.draw_watch.empty)
                         settings.update((id(d), (d, then)) for d, then in zip(site.draw_watch.full, site.draw_watch.tags))

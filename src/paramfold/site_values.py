@@ -1,11 +1,12 @@
 """Which value each site gets for a call: frozen, hoisted, or none (computed where it is read).
 
 A call scope (:mod:`paramfold.scope`) asks this module for every site below the entry. The choice
-follows the site's mode and what holds right now: FSDP2-managed and random-drawing chains, and
-values compiled code cannot take as graph inputs (:func:`_at_read`), are computed at each read
-like stock, inside ``parametrize.cached()`` the block's cached value is
-stock's, a freeze or auto site is frozen while it can be (:func:`freezable`), and a site whose
-frozen values keep going stale is hoisted for a while instead (:func:`_demote`).
+follows the site's mode and what holds right now: FSDP2-managed and random-drawing chains,
+values compiled code cannot take as graph inputs (:func:`_at_read`), and every value not frozen
+while a global module forward hook is registered, are computed at each read like stock, inside
+``parametrize.cached()`` the block's cached value is stock's, a freeze or auto site is frozen
+while it can be (:func:`freezable`), and a site whose frozen values keep going stale is hoisted
+for a while instead (:func:`_demote`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from paramfold import hooknorms, randomness
-from paramfold.compute import eager_value
+from paramfold.compute import GLOBAL_HOOKS, eager_value
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, release, unwatched
@@ -24,6 +25,7 @@ from paramfold.held import ADVICE
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, SiteState, distributed, tensor_label
 
 _tracing_state = torch._C._get_tracing_state
+_GLOBAL_FORWARD_HOOKS = GLOBAL_HOOKS[:2]
 
 
 def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: tuple) -> torch.Tensor | None:
@@ -33,6 +35,11 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
         _drop_frozen(site)
         return None
     if _at_read(site, grad):
+        _drop_frozen(site)
+        return None
+    if site.mode != "freeze" and site.hook is None and (_GLOBAL_FORWARD_HOOKS[0] or _GLOBAL_FORWARD_HOOKS[1]):
+        # A global forward hook or pre-hook runs at every call of the chain's modules, so at
+        # every read in stock, in the forward's order: computed where it is read, as stock does.
         _drop_frozen(site)
         return None
     draws = randomness.recheck(holder, name, site)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import operator
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -100,8 +102,9 @@ class Site:
         random: whether the chain (or a nested chain) draws random numbers when it computes
             the tensor, in training or eval mode (DropConnect, weight noise, sampled Bayesian
             weights), from torch's generators, Python's ``random``, NumPy's ``np.random`` or a
-            Python or NumPy generator a member holds: stock then draws at every read, in the
-            forward's order.
+            Python or NumPy generator a member holds, or a forward hook or pre-hook on a member or
+            the ``ParametrizationList`` does: stock then draws at every read, in the forward's
+            order. (Global module hooks are not the chain's: see :mod:`paramfold.site_values`.)
         writes_itself: whether computing the tensor changes the chain's own state outside its
             parameters and buffers (an attribute set, such as a step counter; a tensor attribute
             edited in place) or its originals (a member that edits its input in place,
@@ -258,15 +261,21 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     kinds = [known_kind(m) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
     random = stateful_in_eval = writes_itself = False
-    if any(k is None for k in kinds) and any(is_dtensor(t) for t in originals.values()):
+    dtensors = any(is_dtensor(t) for t in originals.values())
+    if any(k is None for k in kinds) and dtensors:
         kinds = [k or "communication" for k in kinds]
-    elif any(k is None for k in kinds):
+    elif any(k is None for k in kinds) or (runs_hooks(plist) and not dtensors):
+        # A member of torch's with a hook of its own, or on its list, is probed as a custom one:
+        # what the hook draws or writes, stock does at every read.
         # An inner chain's draws come from the probe's own generator.
         inputs = _run_probed(_Probe(stop_at_collectives=False), _computed_originals, plist) if is_nested(plist) else originals
         # A nested chain's value is computed afresh at each read: only the originals are state.
         computed = frozenset(n for n in inputs if parametrize.is_parametrized(plist, n))
         kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(chain, inputs, kinds, computed)
         stateful = stateful or probed_stateful or stateful_in_eval
+        if _forward_hooked(plist):
+            listed_random, listed_writes = _probe_list(plist, frozenset(originals))
+            random, writes_itself = random or listed_random, writes_itself or listed_writes
     return Site(
         module_path=path,
         tensor_name=name,
@@ -281,6 +290,16 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         stateful_in_eval=stateful_in_eval,
         writes_itself=writes_itself,
     )
+
+
+def _forward_hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def runs_hooks(plist: nn.Module) -> bool:
+    """Whether stock's call of ``plist`` runs forward hooks or pre-hooks of its own: the list's,
+    or a member's (a nested chain's are its own site's)."""
+    return _forward_hooked(plist) or any(map(_forward_hooked, members(plist)))
 
 
 def probed(module: nn.Module) -> bool:
@@ -331,8 +350,10 @@ def _computed_originals(plist: nn.Module) -> dict[str, torch.Tensor]:
                 values[n] = getattr(plist, n)
                 continue
             inner = _deepcopy(plist.parametrizations[n])  # its calls change nothing of the model's
+            _call_without_global_hooks(inner)
             state = {k: v.clone() for k, v in (*inner.named_parameters(), *inner.named_buffers())}
             values[n] = torch.func.functional_call(inner, state, ())
+            _call_without_global_hooks(inner, False)
     return values
 
 
@@ -392,6 +413,22 @@ def _probe_unknown(
     return resolved, stateful, stateful_in_eval, random, writes_itself
 
 
+def _probe_list(plist: nn.Module, originals: frozenset[str]) -> tuple[bool, bool]:
+    """``(random, writes_itself)`` of stock's call of the whole ``plist`` (members and originals
+    included), as :func:`_probe_unknown` probes each member: in training and eval mode, with and
+    without grad. For the list's own hooks, which :func:`_probe_unknown` does not run: an original
+    (``originals``: their keys in ``plist``) edited in place counts as a write of its own, a
+    member's buffers as they are for the member."""
+    random = writes_itself = False
+    for grad in (False, True):
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            for training in (True, False):
+                _, _, probe = _probe_call(plist, (), training)
+                random = random or probe.random
+                writes_itself = writes_itself or probe.writes_itself or not probe.changed.isdisjoint(originals)
+    return random, writes_itself
+
+
 def _clone(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` without history (a leaf, as originals are), requiring grad where ``t``
     does and grad is enabled."""
@@ -421,6 +458,7 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
     except Exception:  # cannot be probed without changing it: served as if it wrote itself
         probe.writes_itself = True
         return {}, None, probe
+    _call_without_global_hooks(module)
     state = {
         **{k: _clone(v) for k, v in module.named_parameters()},
         **{k: _clone(v) for k, v in module.named_buffers()},
@@ -439,11 +477,46 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
     except Exception:  # a probe must never break find(); unknown stays "custom"
         out = None
     probe.random = probe.random or any(generator_state(g) != then for g, then in rngs)
-    probe.mutated = any(state[k]._version != v for k, v in versions.items())
+    probe.changed = frozenset(k for k, v in versions.items() if state[k]._version != v)
+    probe.mutated = bool(probe.changed)
     probe.writes_itself = any(now.keys() != then.keys() or not all(map(operator.is_, now.values(), then.values()))
                               for now, then in attributes) or any(t._version != v for t, v in tensors)
     probe.writes_itself = probe.writes_itself or not all(map(same, holdings))
+    _call_without_global_hooks(module, False)
     return state, out, probe
+
+
+def _torch_call_impl_without_global_hooks() -> types.FunctionType | None:
+    """torch's ``nn.Module._call_impl``, the same code, seeing the global module hook dicts empty
+    (None where this torch's is not a function that reads them)."""
+    impl = nn.Module._call_impl
+    names = {f"_global_{kind}_hooks" for kind in ("forward", "forward_pre", "backward", "backward_pre")}
+    if not isinstance(impl, types.FunctionType) or not names <= set(impl.__code__.co_names) or impl.__closure__:
+        return None
+    scope = {**impl.__globals__, **{name: {} for name in names}}
+    return types.FunctionType(impl.__code__, scope, impl.__name__, impl.__defaults__)
+
+
+_CALL_WITHOUT_GLOBAL_HOOKS = _torch_call_impl_without_global_hooks()
+
+
+def _call_without_global_hooks(copied: nn.Module, on: bool = True) -> None:
+    """Have the modules of a probe's copy called without global module hooks: those are the
+    user's, to run on the model's own modules (a counter, an activation list, a profiler would
+    see calls of modules that are not in the model). What they do at a prepared read is stock's
+    anyway: while one is registered, a value not frozen is computed where it is read
+    (:mod:`paramfold.site_values`), and a frozen one refused or computed there where it draws
+    (:mod:`paramfold.freeze`). Only modules whose class calls like ``nn.Module``. ``on=False``
+    takes it off again (the bound call refers to its module: a cycle, which would keep the copy's
+    clones until the garbage collector runs)."""
+    if _CALL_WITHOUT_GLOBAL_HOOKS is None:
+        return
+    for m in copied.modules():
+        if not on:
+            if getattr(vars(m).get("_call_impl"), "__func__", None) is _CALL_WITHOUT_GLOBAL_HOOKS:
+                del vars(m)["_call_impl"]
+        elif "_call_impl" not in vars(m) and inspect.getattr_static(type(m), "_call_impl") is nn.Module._call_impl:
+            vars(m)["_call_impl"] = types.MethodType(_CALL_WITHOUT_GLOBAL_HOOKS, m)
 
 
 @torch.compiler.disable  # the stance is set outside any compiled region
@@ -493,6 +566,7 @@ class _Probe(TorchDispatchMode):
         #: and whether it changed anything else of the module's (an attribute set, a tensor
         #: attribute that is not a buffer edited in place).
         self.mutated = False
+        self.changed: frozenset[str] = frozenset()  # the keys of the clones it changed
         self.writes_itself = False
         self._generator = torch.Generator().manual_seed(0)
 
