@@ -194,6 +194,14 @@ def _fsdp_stock(xs, compiled: bool):
     return {"losses": losses, "comm": comm, "params": after, "last": last, "final": _full(model)}
 
 
+def _watch_installed(model: nn.Module, installed: list, names: tuple[str, ...]) -> list:
+    """Forward hooks on the parametrized layers noting each of ``names`` a call found installed in
+    the layer's ``__dict__`` (a value the call scope computed at the root's call). Not a global
+    pre-hook: while one is registered, hoist and auto compute every value at its read."""
+    return [m.register_forward_hook(lambda m, a, out: installed.extend(k for k in names if k in m.__dict__))
+            for m in model.modules() if parametrize.is_parametrized(m)]
+
+
 def _fsdp_prepared(xs, order: str, mode: str, compiled: bool):
     from torch.distributed.fsdp import FSDPModule
 
@@ -206,14 +214,12 @@ def _fsdp_prepared(xs, order: str, mode: str, compiled: bool):
         paramfold.prepare(model, mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fn = torch.compile(model, backend="aot_eager") if compiled else model
-    installed = []  # hoisted values seen by layers (eager runs only: a global hook changes graphs)
-    hook = None if compiled else nn.modules.module.register_module_forward_pre_hook(
-        lambda m, a: installed.extend(k for k in ("weight",) if k in m.__dict__)
-    )
+    installed = []  # hoisted values seen by layers (eager runs only: a hook changes graphs)
+    hooks = [] if compiled else _watch_installed(model, installed, ("weight",))
     try:
         losses, comm = _train(fn, model, opt, xs, STEPS)
     finally:
-        if hook is not None:
+        for hook in hooks:
             hook.remove()
     after = _full(model)
     paramfold.restore(model)
@@ -571,14 +577,13 @@ def _communication_scenarios(rank: int, record) -> None:
             model = _simple_fsdp(_model(), mesh).eval().requires_grad_(False)
             paramfold.prepare(model, mode)
             installed = []
-            hook = nn.modules.module.register_module_forward_pre_hook(
-                lambda m, a: installed.extend(k for k in ("weight", "bias") if k in m.__dict__)
-            )
+            hooks = _watch_installed(model, installed, ("weight", "bias"))
             try:
                 with torch.no_grad(), _FunctionalCollectives() as comm:
                     outs = [model(x) for x in xs[:2]]
             finally:
-                hook.remove()
+                for hook in hooks:
+                    hook.remove()
             with torch.no_grad(), _FunctionalCollectives() as stock_comm:
                 [stock(x) for x in xs[:2]]
             record(name, outs=_equal(outs, ref), installed=len(installed), comm=dict(comm.counts),
