@@ -419,6 +419,49 @@ def test_a_parameter_registered_over_a_hook_normed_weight_is_refused(kind, mode,
         ours(x)
 
 
+class _Double(nn.Module):
+    def forward(self, X):
+        return X * 2
+
+
+@pytest.mark.parametrize("when", ["before prepare", "after prepare"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto", "inline"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_parametrization_registered_over_a_hook_normed_weight_runs_or_is_refused_as_stock(kind, mode, when):
+    # Regression: `layer.weight = p` then register_parametrization(layer, "weight", ...) on a
+    # hook-normed layer (torchao's unwrap_tensor_subclass after quantize_ does this): stock's hook
+    # cannot assign its value through the parametrization and raises at every call; hoist, freeze
+    # and auto ran, serving the parametrization's value and ignoring the norm. Before prepare the
+    # hook is now left as stock's; after it the call is refused, the model left as it was.
+    models = []
+    for _ in range(2):
+        model = _tied_after_norm(kind, False)
+        models.append(model)
+    stock, ours = models
+
+    def parametrize_weight(model):
+        model[2].weight = nn.Parameter(torch.ones(6, 4), requires_grad=False)
+        parametrize.register_parametrization(model[2], "weight", _Double())
+
+    for model in models if when == "before prepare" else [stock]:
+        parametrize_weight(model)
+    paramfold.prepare(ours, mode)
+    if when == "after prepare":
+        parametrize_weight(ours)
+    x = torch.randn(3, 4)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(RuntimeError, match="right_inverse"):
+        stock(x)
+    refused = paramfold.FoldError if when == "after prepare" and mode != "inline" else RuntimeError
+    with pytest.raises(refused, match="parametrized tensor" if refused is paramfold.FoldError else "right_inverse"):
+        ours(x)
+    _check_equal(before, ours.state_dict(), "state_dict")
+    paramfold.restore(ours)
+    with pytest.raises(RuntimeError, match="right_inverse"):
+        ours(x)
+    _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+
+
 class _TiesInside(nn.Sequential):
     def forward(self, x):
         if getattr(self, "tie", None) is not None:

@@ -59,10 +59,15 @@ def hook_norms(module: nn.Module, taken_out: tuple = ()) -> Iterator[tuple[int, 
 
 def shadowed(module: nn.Module, name: str) -> bool:
     """Whether ``module.<name>``, which a hook-based norm computes, is now a registered parameter or
-    buffer (``module.weight = p``: transformers' ``tie_weights()`` on a normed ``lm_head``). Stock's
-    hook then cannot set it (``TypeError: cannot assign ... as parameter``) at any call; a value the
-    scope wrote into ``__dict__`` would hide it from every read instead."""
-    return name in module._parameters or name in module._buffers
+    buffer (``module.weight = p``: transformers' ``tie_weights()`` on a normed ``lm_head``), or a
+    parametrized tensor (torchao's ``unwrap_tensor_subclass`` registers one). Stock's hook then
+    cannot set it at any call (``TypeError: cannot assign ... as parameter``; the
+    parametrization's ``right_inverse`` raises or refuses); a value the scope wrote into ``__dict__``
+    would hide it from every read instead."""
+    if name in module._parameters or name in module._buffers:
+        return True
+    plists = module._modules.get("parametrizations")
+    return plists is not None and name in plists._modules
 
 
 def originals(module: nn.Module, hook: object, kind: str) -> list[tuple[str, dict, str]]:

@@ -706,7 +706,7 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             names.append(name)
         elif taken.get(site.hook_key, hooks.get(site.hook_key)) is not site.hook:
             changed = True
-        elif name in holder._parameters or name in holder._buffers:  # hooknorms.shadowed, written out
+        elif hooknorms.shadowed(holder, name):
             raise _shadowed(entry, holder, name, site)
         for d, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
             if d.get(key) is not value:
@@ -746,14 +746,17 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
 def _shadowed(entry: nn.Module, holder: nn.Module, name: str, site: SiteState) -> FoldError:
     path = _path_below(entry, holder)
     where = "the model" if path == "" else repr(path) if path is not None else "a module"
-    what = "parameter" if name in holder._parameters else "buffer"
+    what = ("parameter" if name in holder._parameters else "buffer" if name in holder._buffers
+            else "parametrized tensor")
+    how = ("register_parametrization, as torchao's unwrap_tensor_subclass does" if what == "parametrized tensor"
+           else f"module.{name} = p, as transformers' tie_weights() does on a normed lm_head")
     remove = "remove_weight_norm" if site.hook_kind == "weight_norm" else "remove_spectral_norm"
     return FoldError(
         f"{name!r} of {where} ({type(holder).__name__}), which its hook-based torch.nn.utils.{site.hook_kind} "
-        f"computes, was registered as a {what} after paramfold.prepare (module.{name} = p, as transformers' "
-        f"tie_weights() does on a normed lm_head). Stock PyTorch cannot call it either: the norm's hook "
-        f"cannot assign its value over a registered {what} (TypeError). Call paramfold.restore(model), remove "
-        f"the norm first (torch.nn.utils.{remove}(module)), then register or tie the {what}, and prepare again."
+        f"computes, was made a {what} after paramfold.prepare ({how}). Stock PyTorch cannot call it "
+        f"either: the norm's hook cannot assign its value over a {what} (it raises at every call). Call "
+        f"paramfold.restore(model), remove the norm first (torch.nn.utils.{remove}(module)), then make "
+        f"the {what}, and prepare again."
     )
 
 
