@@ -72,3 +72,29 @@ def test_fake_sparsity_freeze_follows_mask_updates():
     for model in (stock, ours):  # a pruner tightening the mask in place
         model[0].parametrizations.weight[0].mask[:8].zero_()
     assert torch.equal(stock(x), ours(x))
+
+
+class _LoRAOnQuantized(torch.nn.Module):
+    """QLoRA: a frozen torchao-quantized base weight (the original) plus a trainable low-rank delta."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = torch.nn.Parameter(torch.randn(2, 8) * 0.1)
+        self.B = torch.nn.Parameter(torch.randn(8, 2) * 0.1)
+
+    def forward(self, W):
+        return W.dequantize() + self.B @ self.A
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_assert_equivalent_checks_a_lora_on_a_quantized_base(mode):
+    # Regression: paramfold.testing's weight-update step called mul_ on every floating tensor
+    # without a gradient, and torchao's Int8Tensor has none (NotImplementedError from its
+    # dispatch), so the check crashed on a model paramfold serves bitwise. A quantized base is
+    # left as it is, as an optimizer leaves a frozen one.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    quantize_(model, Int8WeightOnlyConfig())
+    model[0].weight.requires_grad_(False)
+    parametrize.register_parametrization(model[0], "weight", _LoRAOnQuantized(), unsafe=True)
+    pt.assert_equivalent(model, torch.randn(2, 8), mode, steps=2)

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import paramfold
 from paramfold.compute import has_parametrizations, original_names
@@ -863,7 +864,9 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
 
     with torch.no_grad():
         for reference, *copies in zip(tensors(stock), *map(tensors, others)):
-            if not reference.is_floating_point():
+            # (A tensor subclass made of others, a torchao quantized base weight, may have no
+            # in-place arithmetic: left as it is, as an optimizer leaves a frozen base.)
+            if not reference.is_floating_point() or (reference.grad is None and is_traceable_wrapper_subclass(reference)):
                 continue
             grad = reference.grad
             for tensor in (reference, *copies):
