@@ -717,6 +717,19 @@ def test_a_refused_protocol_0_pickle_names_what_it_references(tmp_path):
     assert "refused to unpickle: it references 'os.system'" in res.stderr and "operand" not in res.stderr
 
 
+def test_a_state_dict_holding_a_tensor_subclass_is_refused_with_advice_that_works(tmp_path):
+    # Regression: a plain state_dict() with a quantized weight (torchao's Int8Tensor; here torch's
+    # own TwoTensor) was refused with "re-save just its state dict", which it already was.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    path = tmp_path / "subclass.pt"
+    torch.save({"weight": TwoTensor(torch.ones(2), torch.ones(2))}, path)
+    res = _cli("audit", str(path))
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert "refused to unpickle" in res.stderr and "TwoTensor" in res.stderr
+    assert "tensor subclasses" in res.stderr and "unwrap_tensor_subclass" in res.stderr
+
+
 def test_a_fifo_is_refused_instead_of_read_forever(tmp_path):
     fifo = tmp_path / "ckpt.pt"
     os.mkfifo(fifo)

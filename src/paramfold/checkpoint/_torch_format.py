@@ -403,8 +403,10 @@ def _torch_load(p: Path, *, legacy: bool = False, **kwargs: Any) -> Any:
                 + ": either corrupt or it needs code execution"
             )
         raise CheckpointError(
-            f"{p}: refused to unpickle: {why}; paramfold reads only tensors and plain containers and never runs pickled code. "
-            "If you trust the file, re-save just its state dict, e.g. torch.save(model.state_dict(), 'clean.pt')"
+            f"{p}: refused to unpickle: {why}; paramfold reads only dense tensors and plain containers and never runs "
+            "pickled code. If you trust the file, re-save its weights as plain tensors: just the state dict "
+            "(torch.save(model.state_dict(), 'clean.pt')), and for tensor subclasses (quantized weights) a model "
+            "whose weights are plain (torchao: torchao.utils.unwrap_tensor_subclass(model) before state_dict())"
         ) from None
     except Exception as e:
         if legacy:
