@@ -80,6 +80,10 @@ _tracing_state = torch._C._get_tracing_state
 # Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
 # without it counts as "maybe": nested calls then see swaps only.
 _eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: True)
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+# Raised by a non-reentrant torch.utils.checkpoint recomputation at the last tensor its forward
+# saved (paramfold.unread.checkpointed).
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 _LOCK = threading.RLock()
 _MISSING = object()
 _COMPILE_STARTS = leaves.START_CALLBACKS
@@ -765,13 +769,18 @@ def _path_below(entry: nn.Module, module: nn.Module) -> str | None:
     return next((p for p, m in entry.named_modules(remove_duplicate=False) if m is module), None)
 
 
-def _close(previous: tuple, claimed: list[nn.Module] | Plan) -> None:
+def _close(previous: tuple, claimed: list[nn.Module] | Plan, stopped: bool = False) -> None:
     _local.covered, nested.local.context, leaves.local.claims, _local.enclosing = previous
     _local.opened = None
     stranded = (leaves.local.swapped or leaves.local.stranded) and leaves.restore_stranded()
+    refused = None
+    if _saved_tensors_hooks(True) is not None:  # maybe a torch.utils.checkpoint region
+        refused = unread.checkpointed(claimed.claimed if type(claimed) is Plan else claimed, stopped)
     _release(claimed)
     if stranded:
         raise leaves.stranded_error()
+    if refused is not None:
+        raise refused
 
 
 def _nested(module: nn.Module, call: Callable) -> Callable:
@@ -848,11 +857,15 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     eager = _eval_frame_callback() is None and self.__dict__.get("_compiled_call_impl") is None
     nested.local.snapshot = nested.snapshot(self) if eager else None
     call = _call_eagerly if not eager and _opens_eagerly(self) else module_call
+    stopped = False
     try:
         return call(self, *args, **kwargs)
+    except _STOP_RECOMPUTATION:
+        stopped = True
+        raise
     finally:
         nested.local.snapshot = snapshot
-        _close_scope(previous, claimed)
+        _close_scope(previous, claimed, stopped)
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -865,12 +878,16 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
     if _local.enclosing is not None and (scope := _enclosing(module)) is not None:
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     previous, claimed = _open_scope(module)
+    stopped = False
     try:
         if _opens_eagerly(module):
             return _call_eagerly(module, *args, **kwargs)
         return compiled(*args, **kwargs)
+    except _STOP_RECOMPUTATION:
+        stopped = True
+        raise
     finally:
-        _close_scope(previous, claimed)
+        _close_scope(previous, claimed, stopped)
 
 
 def _opens_eagerly(entry: nn.Module) -> bool:

@@ -14,7 +14,9 @@ and with it the copy's last use (:func:`release`). Where the computation's assig
 another tensor in a buffer's dict entry than the one it changed in place (a global buffer
 registration hook returning a copy, for device placement or offloading, runs at spectral_norm's
 ``self._u = ...``), the entry gets its tensor back too: stock, which never assigned it, holds
-the same tensor there with the same contents.
+the same tensor there with the same contents. In a non-reentrant ``torch.utils.checkpoint``
+region's recomputation stopped inside compiled code, a read is taken from the forward's
+(:func:`checkpointed`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import hooknorms
+from paramfold.compute import checkpoint_frame
+from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.state import SiteState
+from paramfold.state import STATE_ATTR, SiteState, tensor_label
 from paramfold.state import tensor_version as _version
 
 _dtype = attrgetter("dtype")
@@ -229,6 +233,72 @@ def _unread(holder: nn.Module, name: str, site: SiteState) -> bool:
     if site.hook is not None:
         return site.once_hook is not None and not site.once_hook.served
     return name in holder.__dict__
+
+
+#: On a non-reentrant ``torch.utils.checkpoint`` frame: for each training stateful chain
+#: ``(id(holder), name)``, whether each call scope of the region's forward that computed its value
+#: had it read, in the order those scopes closed.
+_READ = "_paramfold_read_in_forward"
+#: ... and ``(pack hook, {chain: scopes closed})`` of the recomputation running now.
+_REPLAYED = "_paramfold_replayed"
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def checkpointed(holders: list[nn.Module], stopped: bool) -> FoldError | None:
+    """At the close of a call scope over ``holders`` inside a non-reentrant
+    ``torch.utils.checkpoint`` region, before their values are released; ``stopped``: the call
+    ended with the recomputation's early stop. Returns the error to raise once they are.
+
+    The recomputation (at backward) replays the region's forward and stops at the last tensor
+    that forward saved: torch raises ``_StopRecomputationError`` from that save. Raised inside
+    compiled code (the call's own, or a compiled module it calls), it comes before dynamo
+    applies what the code did to Python objects, the read-once class's taking of the value
+    (``__dict__.pop``, a hook-based norm's ``ServedOnce.served``) among them: the value looks
+    unread, and :func:`release` would put back the power iteration that computed it, which stock
+    runs again at that read. So a value the matching scope of the forward read (the forward notes
+    what its scopes read, the recomputation counts its scopes as they close, in the same order)
+    and that requires grad counts as read: stock's read computes it with autograd, saving tensors
+    of its own, so it comes before the stop. One that does not require grad may have been read
+    after the forward's last saved tensor, which stock's recomputation never reaches; which,
+    cannot be seen inside compiled code: refused."""
+    region = checkpoint_frame()
+    if region is None or region[0] is None:
+        return None
+    pending = [(holder, name, site) for holder in holders
+               for name, site in holder.__dict__[STATE_ATTR].sites.items() if site.before is not None]
+    if not pending:
+        return None
+    frame, recomputing = region
+    notes = frame.__dict__
+    if not recomputing:
+        read = notes.setdefault(_READ, {})
+        for holder, name, site in pending:
+            read.setdefault((id(holder), name), []).append(not _unread(holder, name, site))
+        return None
+    pack = _top_saved_tensors_hooks(True)[0]
+    replayed = notes.get(_REPLAYED)
+    if replayed is None or replayed[0] is not pack:  # a recomputation of its own (each backward)
+        replayed = notes[_REPLAYED] = (pack, {})
+    closed, read = replayed[1], notes.get(_READ, {})
+    for holder, name, site in pending:
+        key = (id(holder), name)
+        i = closed[key] = closed.get(key, -1) + 1
+        if not (stopped and i < len(read.get(key, ())) and read[key][i] and _unread(holder, name, site)):
+            continue
+        if not getattr(holder.__dict__.get(name), "requires_grad", False):
+            return FoldError(
+                f"{tensor_label(holder, name)}: a stateful parametrization (spectral_norm) in training "
+                "mode whose inputs do not require grad is read again while torch.utils.checkpoint("
+                "use_reentrant=False) recomputes its forward, which stopped (at the forward's last saved "
+                "tensor) before paramfold saw that read: whether stock's recomputation reaches it and runs "
+                "the power iteration again cannot be told. Prepare this module with mode='inline' "
+                "(filter_fn), or call model.eval()."
+            )
+        if site.hook is not None:
+            site.once_hook.served = True
+        else:
+            del holder.__dict__[name]
+    return None
 
 
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
