@@ -12,6 +12,7 @@ bitwise with stock; compiled runs use ``backend="eager"``, the same ops as stock
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -419,3 +420,247 @@ def test_plain_state_dict_between_forward_and_backward_leaves_the_saved_state_us
         out.backward()
     assert_same_tensors(grads(stock), grads(prepared))
     assert_same_tensors(_buffers(stock), _buffers(prepared))
+
+
+#: A flag none of paramfold's checks watches (a global the chain reads): the steady plan's
+#: computation at the call's start raises, where the flag on the member goes the general way.
+_FAILING = [False]
+
+
+class RaisesOnFlag(nn.Module):
+    """A parametrization that raises while its flag, or the global one, is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def forward(self, X):
+        if self.fail or _FAILING[0]:
+            raise RuntimeError("chain failed")
+        return X * 2
+
+
+class TrainsThenRaises(nn.Module):
+    """A training spectral_norm layer read before a layer whose parametrization raises (or after it)."""
+
+    def __init__(self, kind: str, raising_first: bool = False):
+        super().__init__()
+        self.a = _norm(kind)(nn.Linear(4, 4))
+        self.b = nn.Linear(4, 4)
+        parametrize.register_parametrization(self.b, "weight", RaisesOnFlag())
+        self.raising_first = raising_first
+
+    def forward(self, x):
+        if self.raising_first:
+            return self.a(torch.tanh(self.b(x)))
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.fixture
+def failing_flag():
+    yield _FAILING
+    _FAILING[0] = False
+
+
+def _set_flag(where: str):
+    def set_flag(model: nn.Module, on: bool) -> None:
+        if where == "global":
+            _FAILING[0] = on
+        else:
+            member = model.b.parametrizations.weight[0]
+            if member.fail != on:  # written when it changes only: the calls between are steady
+                member.fail = on
+    return set_flag
+
+
+def _steps_raising(model: nn.Module, call, set_flag, steps: int = 7, failing=(2, 3), grad: bool = True,
+                   width: int = 4) -> list:
+    """Training steps (``grad``) or no_grad calls from one random state, the chain raising at the
+    steps in ``failing`` (the loop catches the error and goes on): outputs, buffers, gradients."""
+    torch.manual_seed(1)
+    record = []
+    for step in range(steps):
+        set_flag(model, step in failing)
+        model.zero_grad()
+        x = torch.randn(3, width)
+        try:
+            with torch.set_grad_enabled(grad):
+                out = call(x)
+        except RuntimeError as error:
+            record.append([str(error), _buffers(model)])
+            continue
+        if grad:
+            out.square().sum().backward()
+        record.append([out, _buffers(model), grads(model)])
+    return record
+
+
+@pytest.mark.parametrize("raising_first", [False, True])
+@pytest.mark.parametrize("where", ["attribute", "global"])
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_a_chain_that_raises_after_a_training_layer_leaves_its_state_as_in_stock(mode, kind, how, where,
+                                                                                 raising_first, failing_flag):
+    # Stock's forward reads the spectral_norm layer first (its power iteration runs), then the
+    # later read raises. Until 2026-12-05 hoist and auto computed every value at the call's start,
+    # where the later chain raised, and put the first layer's _u/_v back as never read: every
+    # later output differed. The failing chain is now computed where it is read, for that call.
+    stock, prepared = _twins(lambda: TrainsThenRaises(kind, raising_first), mode)
+    set_flag = _set_flag(where)
+    records = [_steps_raising(m, _runner(m, how), set_flag) for m in (stock, prepared)]
+    assert records[0][2][0] == "chain failed"
+    assert_same_nested(*records)
+
+
+class RaisesAfterNorm(nn.Sequential):
+    """Two training spectral_norm layers, the second's chain with a member after the norm that
+    raises: its power iteration runs before the error. Wider than 4: a 4x4 iteration converges
+    within a few steps, and one more would leave the same bits."""
+
+    def __init__(self):
+        super().__init__(spectral_norm(nn.Linear(16, 16)), nn.Tanh(), spectral_norm(nn.Linear(16, 16)))
+        parametrize.register_parametrization(self[2], "weight", RaisesOnFlag())
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_chain_raising_after_its_power_iteration_runs_it_once_per_read_as_in_stock(mode, how, failing_flag):
+    # The steady plan computed it at the call's start (the iteration ran, then the member
+    # raised); its state is put back before the general path computes it where it is read.
+    stock, prepared = _twins(RaisesAfterNorm, mode)
+    records = [_steps_raising(m, _runner(m, how), _set_flag("global"), width=16) for m in (stock, prepared)]
+    assert records[0][2][0] == "chain failed"
+    assert_same_nested(*records)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_site_whose_computation_raised_is_served_as_before_once_it_stops(mode, failing_flag, monkeypatch):
+    from paramfold import scope
+    general = []
+    open_general = scope._open_general
+    monkeypatch.setattr(scope, "_open_general", lambda *args: general.append(1) or open_general(*args))
+    torch.manual_seed(0)
+    model = paramfold.prepare(TrainsThenRaises("parametrization"), mode)
+    x = torch.randn(3, 4)
+    opened = []
+    for step in range(6):
+        _FAILING[0] = step in (2, 3)
+        general.clear()
+        try:
+            model(x)
+        except RuntimeError:
+            pass
+        opened.append(len(general))
+    # The first call plans; a call whose chain raises goes the general way, its site computed
+    # where read, and drops the plans built without that; the next call plans again, and the
+    # calls after it are steady, the site computed at the call's start as before.
+    assert opened == [1, 0, 1, 1, 1, 0]
+    assert not model.b.__dict__[paramfold.state.STATE_ATTR].sites["weight"].at_read
+
+
+class CountsThenRaises(nn.Module):
+    """A layer whose forward has a side effect (counts its calls, as a cache or a logger does),
+    then a layer whose parametrization raises."""
+
+    def __init__(self, hook: bool = False):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.utils.weight_norm(nn.Linear(4, 4)) if hook else nn.Linear(4, 4)
+        if not hook:
+            parametrize.register_parametrization(self.b, "weight", RaisesOnFlag())
+        self.calls = 0
+
+    def forward(self, x):
+        y = self.a(x)
+        self.calls += 1
+        return self.b(y)
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_a_frozen_value_whose_computation_raises_raises_at_its_read_as_in_stock(mode, how):
+    # Stock runs the forward up to the read, which raises; the value computed at the call's
+    # start raised before the forward ran (the count stayed behind) until 2026-12-05.
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(CountsThenRaises().eval().requires_grad_(False))
+    stock, prepared = models[0], paramfold.prepare(models[1], mode)
+    records = [_steps_raising(m, _runner(m, how), _set_flag("attribute"), grad=False) + [m.calls]
+               for m in (stock, prepared)]
+    assert records[0][2][0] == "chain failed"
+    assert_same_nested(*records)
+
+
+def _raises_where_g_is_negative(weight_norm):
+    def raising(v, g, dim):
+        if bool((g < 0).any()):
+            raise RuntimeError("chain failed")
+        return weight_norm(v, g, dim)
+    return raising
+
+
+def _negative_g(model: nn.Module, on: bool) -> None:
+    g = model.b.weight_g
+    if bool((g < 0).any()) != on:
+        with torch.no_grad():
+            g.neg_()
+
+
+@pytest.mark.parametrize("how", ["eager", "torch.compile"])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_a_hook_based_norm_whose_hook_raises_after_a_training_layer_leaves_its_state_as_in_stock(mode, how,
+                                                                                                  monkeypatch):
+    # torch's hook-based weight_norm raising for some inputs (its op, patched to raise on a
+    # negative g): the training spectral_norm read before it advances, as in stock.
+    torch_weight_norm = sys.modules["torch.nn.utils.weight_norm"]
+    monkeypatch.setattr(torch_weight_norm, "_weight_norm", _raises_where_g_is_negative(torch_weight_norm._weight_norm))
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(TrainsThenRaises("parametrization"))
+        models[-1].b = nn.utils.weight_norm(nn.Linear(4, 4))
+    stock, prepared = models[0], paramfold.prepare(models[1], mode)
+    records = [_steps_raising(m, _runner(m, how), _negative_g) for m in (stock, prepared)]
+    assert records[0][2][0] == "chain failed"
+    assert_same_nested(*records)
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_frozen_hook_based_norm_whose_hook_raises_raises_at_its_read_as_in_stock(mode, monkeypatch):
+    torch_weight_norm = sys.modules["torch.nn.utils.weight_norm"]
+    monkeypatch.setattr(torch_weight_norm, "_weight_norm", _raises_where_g_is_negative(torch_weight_norm._weight_norm))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(CountsThenRaises(hook=True).eval().requires_grad_(False))
+    stock, prepared = models[0], paramfold.prepare(models[1], mode)
+    records = [_steps_raising(m, m, _negative_g, grad=False) + [m.calls] for m in (stock, prepared)]
+    assert records[0][2][0] == "chain failed"
+    assert_same_nested(*records)
+
+
+class EditsThenCalls(nn.Module):
+    """Edits the raising layer's original in place inside the forward, then calls the block
+    holding it (a momentum update): the call nested in the scope computes its value again."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = TrainsThenRaises("parametrization")
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.block.b.parametrizations.weight.original.mul_(0.99)
+        return self.block(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_after_one_whose_chain_raised_sees_its_originals_edited_inside_the_forward(mode, failing_flag):
+    # The failing call built the block's nested check without the raising site (computed where
+    # read); the next call, whose value of it was computed at its start, must not reuse that check.
+    stock, prepared = _twins(EditsThenCalls, mode)
+    records = [_steps_raising(m, m, _set_flag("global")) for m in (stock, prepared)]
+    assert records[0][2][0] == "chain failed"
+    assert_same_nested(*records)

@@ -120,18 +120,18 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
         if plan is not None and not parametrize._cache_enabled and _tracing_state() is None and holds(plan):
             try:
                 plan.claim()
+            except Exception:
+                # A chain raised: its state and the values computed before it as they were, and
+                # the general path serves the call, that chain computed where it is read.
+                _release(plan.claimed)
+                claimed = _open_general(entry, state, grad, plan)
             except BaseException:
                 _release(plan.claimed)
                 raise
-            claimed = plan
+            else:
+                claimed = plan
         else:
-            hooked, pre_hooks, reached_from, parametrized = _below_pre_hooks(entry)
-            if _left(state, reached_from):
-                _forget_left(state, reached_from)
-            shared = parametrized == state.parametrized or _share_with_late(entry, state, parametrized)
-            claimed = _open_holders(entry, state, grad, hooked)
-            if shared:
-                _replan(state, grad, pre_hooks, plan, reached_from)
+            claimed = _open_general(entry, state, grad, plan)
     claims = leaves.local.claims
     previous = (_local.covered, nested.local.context, claims, _local.enclosing)
     if previous[0]:  # opened inside another scope of this thread
@@ -143,6 +143,34 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
     if leaves.on_compile_start not in _COMPILE_STARTS:
         leaves.ensure_registered()
     return previous, claimed
+
+
+def _open_general(entry: nn.Module, state: ModuleState, grad: bool, plan: Plan | None) -> list[nn.Module]:
+    """Claim the holders below ``entry`` the general way (no steady plan held, or its
+    computation raised), and plan the next call; ``plan``: the plan of this grad mode, or None."""
+    hooked, pre_hooks, reached_from, parametrized = _below_pre_hooks(entry)
+    if _left(state, reached_from):
+        _forget_left(state, reached_from)
+    shared = parametrized == state.parametrized or _share_with_late(entry, state, parametrized)
+    claimed, raised = _open_holders(entry, state, grad, hooked)
+    if raised:
+        _drop_plans(state)
+    elif shared:
+        _replan(state, grad, pre_hooks, plan, reached_from)
+    return claimed
+
+
+def _drop_plans(state: ModuleState) -> None:
+    """After a site's computation raised at a call's start (computed where read in that call
+    instead: ``at_read``, which the scope's nested checks and a checkpoint's recomputation read):
+    the plans and nested checks of every entry of the model, built while it was served as usual,
+    are built again by their next calls, which serve it as usual where it no longer raises."""
+    root = state.prepared_model()
+    root_state = root.__dict__.get(STATE_ATTR) if root is not None else None
+    for module in (*(root_state.entries if root_state is not None else ()), *state.entries):
+        module_state = module.__dict__.get(STATE_ATTR)
+        if module_state is not None:
+            module_state.drop_caches()
 
 
 #: The most calls opened the general way between two plans that were never used (``_replan``).
@@ -261,7 +289,9 @@ def _parents(holders: list[nn.Module], reached_from: dict[int, nn.Module | None]
     return tuple(found.values())
 
 
-def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[int]) -> list[nn.Module]:
+def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[int]) -> tuple[list[nn.Module], bool]:
+    """The holders below ``entry``, claimed with their values installed, and whether computing
+    one of those raised (:func:`_install`)."""
     # Everything that refuses a call is checked before any value is computed, so a refused call
     # leaves the model as it was (no power iteration of an earlier holder has run).
     for holder in state.holders:
@@ -276,6 +306,7 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
                 if site.mode == "freeze" and not distributed(site) and not can_freeze(site):
                     raise site_values.unfreezable(holder, name, site, _path_below(entry, holder))
     claimed: list[nn.Module] = []
+    raised = False
     under = computed_under()  # what frozen values must have been computed under to serve this call
     try:
         for holder in state.holders:
@@ -284,16 +315,19 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
                 _renew_shared(entry, holder, hs, grad, under)
                 hs.users += 1
             else:
-                _install(holder, hs, grad, under, id(holder) in hooked)
+                raised = _install(holder, hs, grad, under, id(holder) in hooked) or raised
             claimed.append(holder)
     except BaseException:
         _release(claimed)
         raise
-    return claimed
+    return claimed, raised
 
 
-def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_read: bool = False) -> None:
+def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_read: bool = False) -> bool:
+    """Install ``holder``'s values for a call; whether computing one of them raised (that one is
+    then computed where it is read)."""
     values = holder.__dict__
+    raised = False
     kept_before = hs.kept
     hs.kept = ()
     unserved = not _enter_scope_class(holder, hs, not at_read)
@@ -312,6 +346,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 # tensor is read, so under FSDP2 after the layer's pre-forward gather, like stock.
                 sync_refs(holder, site)
                 continue
+            site.raised = False
             # A stateful chain training where the class cannot serve only the first read its
             # value (a class of someone else's now), one sharing changing state with another
             # site's (the scope would compute both in module order, not the forward's, and
@@ -345,9 +380,24 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 keep = site.training_stateful
                 if keep:
                     unread.take(holder, name, site)
-                value = site_values.for_call(holder, name, site, grad, under)
+                failed = False
+                try:
+                    value = site_values.for_call(holder, name, site, grad, under)
+                except FoldError:
+                    raise
+                except Exception:
+                    # The chain (a hook-based norm's hook) raised: stock raises at the read, after
+                    # the forward's earlier reads, which advance their states. Computed there, as
+                    # stock does, for this call, from its state as before (put back just below).
+                    value, failed = None, True
                 if keep:
                     unread.computed(site, value)
+                if failed:
+                    raised = site.raised = site.at_read = True
+                    value = values.pop(name, _MISSING)
+                    if site.hook is not None and value is not _MISSING:  # as above
+                        left.append((name, value))
+                    continue
                 if value is None:
                     site.at_read = True
                     values.pop(name, None)
@@ -397,6 +447,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     hs.left = tuple(left)
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
+    return raised
 
 
 def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bool, under: tuple) -> None:

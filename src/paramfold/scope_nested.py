@@ -497,6 +497,8 @@ def _valued(entry: nn.Module, missing: list | None = None):
                     yield holder, name, site
                 elif missing is not None:
                     missing.append(site)
+            elif site.raised and missing is not None:  # valued again from the next call (scope._install)
+                missing.append(site)
 
 
 def _same_settings_of(holder: nn.Module, site: SiteState, snap: tuple) -> bool:

@@ -305,7 +305,8 @@ class Plan:
 
     def claim(self) -> None:
         """Claim every holder (the caller holds the scope lock and has checked :func:`holds`),
-        then compute the hoisted values. On an exception the caller releases ``claimed``."""
+        then compute the hoisted values. On an exception (every training stateful chain's state
+        put back: :meth:`compute_hoisted`) the caller releases ``claimed``."""
         self.used = True
         self.enter()
         if self.missed:  # their frozen values served a call unchanged: the changes were not in a row
@@ -349,9 +350,13 @@ class Plan:
                     for i in range(1, len(chain)):
                         value = forwards[i](chain[i], value)
                 values[name] = value
-        finally:
-            if copies is not None:
+        except BaseException:
+            if copies is not None:  # nothing read yet: every state as before, a chain's that raised midway too
                 copies.computed()
+                _run(map(put_back, self.copied_sites))
+            raise
+        if copies is not None:
+            copies.computed()
 
     def plain_calls(self) -> bool:
         """Whether calling each member in ``callees`` is, right now, exactly calling its class's

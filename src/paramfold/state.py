@@ -123,6 +123,9 @@ class SiteState:
     #: forward pre-hook, FSDP2-sharded originals, a subclass compiled code cannot take): a
     #: checkpointed region's recomputation then computes it with autograd too, as its forward did.
     at_read: bool = False
+    #: Whether computing the value at the last call scope's start raised, so that call computes
+    #: it where it is read (``scope._install``); the next computes it at its start again.
+    raised: bool = False
     #: Hook-based norms (``paramfold.hooknorms``): torch's hook object, its kind and its key in
     #: ``module._forward_pre_hooks``.
     hook: Any = None
