@@ -804,6 +804,82 @@ def test_a_kept_view_of_an_original_does_not_block_swapping_it(mode, event):
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
+class _TwoSum(nn.Module):
+    """Reads a ``TwoTensor`` original's inner tensors (a QLoRA base's ``dequantize()`` does the like)."""
+
+    def forward(self, w):
+        a = w.a.a + w.a.b if isinstance(w.a, type(w)) else w.a
+        return a + 2 * w.b
+
+
+def _two_tensor_layer(kind: str) -> nn.Module:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class SlotTwo(TwoTensor):
+        __slots__ = ("b",)  # an inner tensor outside the wrapper's __dict__
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    w = layer.weight.detach()
+    if kind == "nested":
+        base = TwoTensor(TwoTensor(w.clone(), w * 3), w * 5)
+    else:
+        base = (SlotTwo if kind == "slot" else TwoTensor)(w.clone(), w * 2)
+    layer.weight = nn.Parameter(base, requires_grad=False)
+    P.register_parametrization(layer, "weight", _TwoSum(), unsafe=True)
+    return _inference(layer)
+
+
+INNER_WRITES = {
+    "in_place": lambda w, step: w.b.mul_(1.5),
+    "reassigned": lambda w, step: setattr(w, "b", torch.full((4, 4), 0.25 * step)),
+    "through_data": lambda w, step: w.b.data.add_(0.5),
+    "data_set": lambda w, step: setattr(w.b, "data", torch.full((4, 4), -0.5 * step)),
+    "nested_in_place": lambda w, step: w.a.b.add_(0.125),
+    "slot_reassigned": lambda w, step: setattr(w, "b", torch.full((4, 4), 0.25 * step)),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("write", sorted(INNER_WRITES))
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_write_to_a_wrapper_subclass_originals_inner_tensor_is_seen(mode, write, check, compiled):
+    # Regression: a wrapper subclass original (torchao's Int8Tensor, NF4Tensor; TwoTensor here)
+    # was watched by its own identity, version and description only: an in-place edit,
+    # reassignment or .data write of one of its inner tensors left the old frozen value served.
+    kind = write.split("_")[0] if write.startswith(("nested", "slot")) else "flat"
+    stock, ours = _two_tensor_layer(kind), paramfold.prepare(_two_tensor_layer(kind), mode, freeze_check=check)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for step in range(1, 4):
+            assert torch.equal(run(x), stock(x)), step
+            run(x)  # a steady call between the writes
+            before = stock(x)
+            for model in (stock, ours):
+                INNER_WRITES[write](model.parametrizations.weight.original, step)
+            assert not torch.equal(stock(x), before)  # the write matters
+        assert torch.equal(run(x), stock(x))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_steady_calls_over_a_wrapper_subclass_original_compute_nothing(compiled, monkeypatch):
+    # What watching the inner tensors must not cost: no write, no recomputation.
+    from paramfold import freeze
+
+    computed = []
+    real = freeze.compute
+    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
+    ours = paramfold.prepare(_two_tensor_layer("flat"), "freeze")
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(4):
+            run(x)
+    assert len(computed) == 1
+
+
 # --- 4. inference_mode ----------------------------------------------------------------------
 
 

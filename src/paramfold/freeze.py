@@ -9,7 +9,10 @@ in two ways:
   negative bits: :func:`~paramfold.watch.layout`) of each. Optimizer steps,
   ``load_state_dict`` (``copy_``), in-place ops, ``torch.nn.init.*`` on the tensor,
   ``lerp_``/``torch._foreach_lerp_``, ``assign=True`` loads, ``.data = ...`` (``p.data.t()`` on
-  the same bytes included) and ``.to()`` / ``.half()`` change it;
+  the same bytes included) and ``.to()`` / ``.half()`` change it. A wrapper subclass
+  (``__tensor_flatten__``: torchao's quantized tensors) is keyed so on each of its inner tensors
+  too, recursively, which are inputs like the others (:func:`_watched`), and on its
+  ``__dict__``'s tag (an inner tensor or metadata reassigned);
 * with ``freeze_check="content"`` (the default), writes that bump no version counter —
   through ``.data`` (``p.data.mul_()``, init code, EMA loops), ``.detach().numpy()``, DLPack.
   A host input that is the only tensor on its storage (:func:`unshared`) is watched for writes
@@ -54,7 +57,7 @@ from operator import is_
 import torch
 import xxhash
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from paramfold import hooknorms
 from paramfold.compute import GLOBAL_HOOKS, compute
@@ -176,7 +179,7 @@ def _storages(site: SiteState) -> frozenset[int]:
     """The storages of every tensor ``site``'s value is computed from (:func:`_inputs`)."""
     if _storage_key is None:
         return frozenset()
-    return frozenset(k for k in (_storage_of(t) for _, _, t in _inputs(site)) if k is not None)
+    return frozenset(k for k in (_storage_of(t) for _, _, t in _watched(site)) if k is not None)
 
 
 def random_now(module: nn.Module, name: str) -> FoldError:
@@ -194,7 +197,7 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple) -> FrozenValue:
     """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`)."""
     content = site.freeze_check == "content"
     watch, raw, views, armed = [], [], [], []
-    for d, key, t in _inputs(site):
+    for d, key, t in _watched(site):
         address = _address(t)
         version = version_of(t)
         watch.append((d, key, t, version, address, layout(t)))
@@ -220,7 +223,10 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple) -> FrozenValue:
     if arm(value):
         armed.append(value)
     keys = tuple(map(_storage_key, armed)) if armed else ()
-    live = settings(site)
+    # A wrapper subclass's __dict__ holds its inner tensors and metadata (``w.scale = other``
+    # writes it): its tag is what a steady call checks their identity by, as for a member's.
+    wrappers = {id(w[2]): vars(w[2]) for w in watch if is_traceable_wrapper_subclass(w[2])}
+    live = (*settings(site), *wrappers.values())
     full = tuple(d for d in live if d)
     members = site.chain if site.hook is None else ()
     objects = tuple(o for m in members if probed(m) for o in held(m).objects)  # objects a custom member holds
@@ -261,6 +267,40 @@ def _inputs(site: SiteState):
                 yield d, key, t
         if site.hook is None and probed(owner):
             yield from held(owner).tensors  # in a dict or object a custom member holds
+
+
+def _watched(site: SiteState):
+    """:func:`_inputs`, each followed by the inner tensors of a wrapper subclass
+    (``__tensor_flatten__``: torchao's ``Int8Tensor``, ``NF4Tensor``, ``TwoTensor``), recursively,
+    as ``(the wrapper's __dict__, attribute, tensor)``: an in-place write, a ``.data`` write or a
+    reassignment of one of them (``w.qdata.add_(1)``, ``w.scale = s``) changes what the wrapper
+    computes but not its own version, address or description. An inner tensor kept outside the
+    wrapper's ``__dict__`` (a slot, a property) is looked up by :class:`_Attributes`."""
+    for d, key, t in _inputs(site):
+        yield d, key, t
+        if is_traceable_wrapper_subclass(t):
+            yield from _inner(t)
+
+
+def _inner(wrapper: torch.Tensor):
+    own = vars(wrapper)
+    for name in wrapper.__tensor_flatten__()[0]:
+        t = getattr(wrapper, name)
+        yield own if own.get(name) is t else _Attributes(wrapper), name, t
+        if is_traceable_wrapper_subclass(t):
+            yield from _inner(t)
+
+
+class _Attributes:
+    """An object's attributes as :func:`same_inputs` reads a tensor dict (``get``)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: object) -> None:
+        self.owner = owner
+
+    def get(self, name: str) -> object:
+        return getattr(self.owner, name, None)
 
 
 def own_tensors(site: SiteState) -> list[torch.Tensor]:

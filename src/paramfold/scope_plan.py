@@ -257,10 +257,12 @@ class Plan:
         plan.typed_modules, plan.typed = _columns(typed, 2)
         plan.dicted_objects, plan.dicted = _columns(dicted, 2)
         plan.flag_tensors, plan.flags = _columns(flags, 2)
-        # Inputs without a storage address (tensor subclasses) keep same_inputs' own handling.
+        # Inputs without a storage address (tensor subclasses), and a wrapper subclass's inner
+        # tensors found outside a dict whose tag is checked (freeze._Attributes), keep
+        # same_inputs' own handling.
         addressed, unaddressed = [], []
         for w in watch:
-            (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES else unaddressed).append(w)
+            (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES and isinstance(w[0], dict) else unaddressed).append(w)
         plan.unaddressed = tuple(unaddressed)
         _, _, plan.inputs, versions, addresses, layouts = _columns(addressed, 6)
         plan.addresses = list(addresses)
