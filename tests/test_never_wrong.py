@@ -327,6 +327,49 @@ def test_removing_every_parametrization_and_registering_again_restores_to_stocks
     assert torch.equal(ours(x), stock(x))
 
 
+class _Outer(nn.Linear):
+    """A parametrized layer around a parametrized submodule: with filter_fn selecting only the
+    submodule, prepare leaves the outer one's parametrization as stock's (it is prepared as a
+    container)."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.sub = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sub(nn.functional.linear(x, self.weight, self.bias))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_remove_parametrizations_on_a_module_left_stock_by_filter_fn_is_stocks(mode):
+    # Regression: torch's remove_parametrizations deletes the property from the module's class;
+    # on a module filter_fn left parametrized (prepared as a container, a submodule selected) that
+    # raised KeyError 'weight' (paramfold's class ignored the delete), then a FoldError refusing
+    # the class write. Its base is stock's class made for that module alone: the delete is made
+    # there, and the module, its re-added norm and the restored model are stock's.
+    def outer() -> nn.Module:
+        torch.manual_seed(0)
+        return _inference(weight_norm(_Outer()))
+
+    stock, ours = outer(), paramfold.prepare(outer(), mode, filter_fn=lambda module, path: path == "sub")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ours(x)
+    for m in (stock, ours):
+        P.remove_parametrizations(m, "weight")
+        weight_norm(m)
+    with torch.no_grad():  # its parametrizations are stock's: changed, it runs as stock's
+        assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    _classes_alike(ours, stock)
+    assert_same_tensors(ours.state_dict(), stock.state_dict())
+    assert torch.equal(ours(x), stock(x))
+    for m in (stock, ours):
+        P.remove_parametrizations(m, "weight")
+    _classes_alike(ours, stock)
+    assert torch.equal(ours(x), stock(x))
+
+
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_a_prepared_root_with_its_parametrization_registered_again_restores_to_stocks_class(mode):
     # The same for the prepared root itself (its class is a root class of paramfold's).

@@ -89,6 +89,10 @@ class _Sealed(type):
             type.__delattr__(cls, name)
         elif name in cls._paramfold_names or isinstance(inspect.getattr_static(cls, name, None), _ForeignSite):
             return  # remove_parametrizations on a prepared module: other modules still need it
+        elif _injected_by_torch(vars(cls._paramfold_base).get(name)):
+            # remove_parametrizations on a module prepare left parametrized (filter_fn, a
+            # submodule selected): its base is stock's class made for this module alone.
+            type.__delattr__(cls._paramfold_base, name)
         else:
             _refuse_class_write(cls, name, _DELETED)
 
