@@ -327,6 +327,16 @@ def test_removing_every_parametrization_and_registering_again_restores_to_stocks
     assert torch.equal(ours(x), stock(x))
 
 
+def _called_then_normed_again(stock: nn.Module, ours: nn.Module, x: torch.Tensor) -> None:
+    """A no_grad call of ``ours`` (prepared), then on both models: the weight's parametrization
+    removed and ``weight_norm`` applied again."""
+    with torch.no_grad():
+        ours(x)
+    for m in (stock, ours):
+        P.remove_parametrizations(m, "weight")
+        weight_norm(m)
+
+
 class _Outer(nn.Linear):
     """A parametrized layer around a parametrized submodule: with filter_fn selecting only the
     submodule, prepare leaves the outer one's parametrization as stock's (it is prepared as a
@@ -353,11 +363,7 @@ def test_remove_parametrizations_on_a_module_left_stock_by_filter_fn_is_stocks(m
 
     stock, ours = outer(), paramfold.prepare(outer(), mode, filter_fn=lambda module, path: path == "sub")
     x = torch.randn(2, 4)
-    with torch.no_grad():
-        ours(x)
-    for m in (stock, ours):
-        P.remove_parametrizations(m, "weight")
-        weight_norm(m)
+    _called_then_normed_again(stock, ours, x)
     with torch.no_grad():  # its parametrizations are stock's: changed, it runs as stock's
         assert torch.equal(ours(x), stock(x))
     paramfold.restore(ours)
@@ -379,11 +385,7 @@ def test_a_prepared_root_with_its_parametrization_registered_again_restores_to_s
 
     stock, ours = root(), paramfold.prepare(root(), mode)
     x = torch.randn(2, 4)
-    with torch.no_grad():
-        ours(x)
-    for m in (stock, ours):
-        P.remove_parametrizations(m, "weight")
-        weight_norm(m)
+    _called_then_normed_again(stock, ours, x)
     if mode in ("freeze", "auto"):  # (hoist's and inline's root is the plain Linear's again)
         with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"), torch.no_grad():
             ours(x)
