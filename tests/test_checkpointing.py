@@ -310,3 +310,38 @@ def test_a_frozen_training_spectral_norm_read_after_the_regions_last_save_is_ref
     with pytest.raises(paramfold.FoldError, match=r"sn\.weight .*checkpoint"):
         y.sum().backward()
     assert_same_nested(after_forward, dict(ours.state_dict()))
+
+
+class _BlockRegion(nn.Module):
+    """A region in the prepared model's forward around a block compiled on its own (per-block
+    compile and activation checkpointing), the block holding a training spectral_norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = _TwoLayers()
+
+    def forward(self, x):
+        return checkpoint(self.b, x, use_reentrant=False)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sn, self.wn = spectral_norm(nn.Linear(4, 4)), weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.wn(self.sn(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_region_inside_the_forward_around_a_compiled_block_is_refused_loudly(mode):
+    # Regression: the block's own scope, opened in the recomputation, took checkpoint's early
+    # stop (_StopRecomputationError, raised at the region's last saved tensor) for the chain's
+    # own error and went on, into torch's AssertionError "Unexpected state: target_frame.early_stop
+    # is set". The stop passes through again, and the case is the documented loud refusal.
+    torch.manual_seed(0)
+    model = paramfold.prepare(_BlockRegion(), mode)
+    model.b.compile(backend="eager")
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises((paramfold.FoldError, torch.utils.checkpoint.CheckpointError)):
+        model(x).sum().backward()

@@ -84,6 +84,9 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 # Raised by a non-reentrant torch.utils.checkpoint recomputation at the last tensor its forward
 # saved (paramfold.unread.checkpointed).
 _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+#: Exceptions a value's computation raises that are not the chain's own error (which the call
+#: meets where it reads the value): a refusal, and checkpoint's early stop of its recomputation.
+_NOT_THE_CHAINS = (FoldError, *([_STOP_RECOMPUTATION] if _STOP_RECOMPUTATION else []))
 _LOCK = threading.RLock()
 _MISSING = object()
 _COMPILE_STARTS = leaves.START_CALLBACKS
@@ -120,6 +123,9 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
         if plan is not None and not parametrize._cache_enabled and _tracing_state() is None and holds(plan):
             try:
                 plan.claim()
+            except _NOT_THE_CHAINS:
+                _release(plan.claimed)
+                raise
             except Exception:
                 # A chain raised: its state and the values computed before it as they were, and
                 # the general path serves the call, that chain computed where it is read.
@@ -383,7 +389,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 failed = False
                 try:
                     value = site_values.for_call(holder, name, site, grad, under)
-                except FoldError:
+                except _NOT_THE_CHAINS:
                     raise
                 except Exception:
                     # The chain (a hook-based norm's hook) raised: stock raises at the read, after
