@@ -173,10 +173,17 @@ def _drop_plans(state: ModuleState) -> None:
     are built again by their next calls, which serve it as usual where it no longer raises."""
     root = state.prepared_model()
     root_state = root.__dict__.get(STATE_ATTR) if root is not None else None
-    for module in (*(root_state.entries if root_state is not None else ()), *state.entries):
-        module_state = module.__dict__.get(STATE_ATTR)
-        if module_state is not None:
-            module_state.drop_caches()
+    if root_state is not None:
+        _drop_caches_below(root_state)
+    _drop_caches_below(state)
+
+
+def _drop_caches_below(state: ModuleState) -> None:
+    """Forget the plans and nested checks of every entry of ``state``'s (itself included)."""
+    for below in state.entries:
+        bs = below.__dict__.get(STATE_ATTR)
+        if bs is not None:
+            bs.drop_caches()
 
 
 #: The most calls opened the general way between two plans that were never used (``_replan``).
@@ -276,10 +283,7 @@ def _share_with_late(entry: nn.Module, state: ModuleState, parametrized: tuple[n
             ss.state_sharers, ss.sharers_in_eval = sharers, ss.sharers_in_eval or in_eval
             changed = True
     if changed:  # plans built on the old sharers
-        for below in state.entries:
-            bs = below.__dict__.get(STATE_ATTR)
-            if bs is not None:
-                bs.drop_caches()
+        _drop_caches_below(state)
     return True
 
 
@@ -371,9 +375,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 # sets the value again). The value of the last call is taken out meanwhile:
                 # compiled code traced while the hook was out reads it, and would read it stale
                 # (dynamo does not guard on hooks); missing, it is traced again, with the hooks.
-                value = values.pop(name, _MISSING)
-                if site.hook is not None and value is not _MISSING:
-                    left.append((name, value))
+                _set_aside(values, name, site, left)
                 continue
             frozen = site.frozen
             if (frozen is not None and mode != "hoist" and site_values.freezable(site, grad) and not parametrize._cache_enabled
@@ -400,9 +402,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                     unread.computed(site, value)
                 if failed:
                     raised = site.raised = site.at_read = True
-                    value = values.pop(name, _MISSING)
-                    if site.hook is not None and value is not _MISSING:  # as above
-                        left.append((name, value))
+                    _set_aside(values, name, site, left)
                     continue
                 if value is None:
                     site.at_read = True
@@ -454,6 +454,15 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
     return raised
+
+
+def _set_aside(values: dict, name: str, site: SiteState, left: list) -> None:
+    """Take the last call's value of a site computed where it is read in this call out of its
+    module's ``__dict__`` (``values``); a hook-based norm's goes to ``left``, put back when the
+    call ends if the norm's hook did not set it again (``_unclaimed``)."""
+    value = values.pop(name, _MISSING)
+    if site.hook is not None and value is not _MISSING:
+        left.append((name, value))
 
 
 def _renew_shared(entry: nn.Module, holder: nn.Module, hs: ModuleState, grad: bool, under: tuple) -> None:
