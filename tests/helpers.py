@@ -44,6 +44,21 @@ class Ema(nn.Module):
         return w + self.ema
 
 
+class RunningScale(nn.Module):
+    """A custom stateful member: a running statistic updated at each computation in training, by
+    which it divides (so autograd saves the buffer itself for backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, w):
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.9).add_(0.1 * w.abs().mean())
+        return w / self.scale
+
+
 class Skew(nn.Module):
     """A custom parametrization: the skew-symmetric part below the diagonal (square weights)."""
 

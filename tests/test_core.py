@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 from torch import nn
-from helpers import LoRA, build, classes, grads, seed_model
+from helpers import LoRA, RunningScale, build, classes, grads, seed_model
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
@@ -451,20 +451,6 @@ def test_plain_state_dict_of_a_training_model_leaves_its_state_as_it_was(hooked,
     assert model.training and all(m.training for m in model.modules())
 
 
-class _RunningScale(torch.nn.Module):
-    """A custom stateful chain: a running statistic updated at each read in training."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("rm", torch.ones(()))
-
-    def forward(self, w):
-        if self.training:
-            with torch.no_grad():
-                self.rm.mul_(0.9).add_(0.1 * w.abs().mean())
-        return w / self.rm
-
-
 @pytest.mark.filterwarnings("ignore:`torch.nn.utils.spectral_norm` is deprecated")
 @pytest.mark.parametrize("where", [0, 1, 3])
 @pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
@@ -478,7 +464,7 @@ def test_plain_state_dict_taken_inside_a_training_call_is_stocks_and_changes_not
         model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
         spectral_norm(model[1])
         torch.nn.utils.spectral_norm(model[2])
-        parametrize.register_parametrization(model[3], "weight", _RunningScale())
+        parametrize.register_parametrization(model[3], "weight", RunningScale())
         return model
 
     runs = []

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm
 
-from helpers import assert_same_nested, assert_same_tensors, grads
+from helpers import RunningScale, assert_same_nested, assert_same_tensors, grads
 
 import paramfold
 
@@ -353,25 +353,11 @@ def test_plain_state_dict_under_a_buffer_hook_that_stores_copies_leaves_the_buff
     assert_same_tensors(_buffers(stock), _buffers(prepared))
 
 
-class DividesByItsState(nn.Module):
-    """A custom stateful chain that saves its own buffer for backward (a running normaliser)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("scale", torch.ones(()))
-
-    def forward(self, X):
-        if self.training:
-            with torch.no_grad():
-                self.scale.mul_(0.9).add_(0.1 * X.norm())
-        return X / self.scale
-
-
 def _saves_its_state(kind: str) -> nn.Module:
     layer = nn.Linear(4, 4)
     if kind == "hook":  # an eval call of the hook-based spectral_norm saves weight_u/weight_v themselves
         return nn.utils.spectral_norm(layer)
-    parametrize.register_parametrization(layer, "weight", DividesByItsState())
+    parametrize.register_parametrization(layer, "weight", RunningScale())
     return layer
 
 
