@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import abc
 import copy
 import types
+import typing
 
 import pytest
 import torch
@@ -721,3 +723,66 @@ def test_a_models_own_call_runs_when_prepared(mode, entry):
         expected.sum().backward(), got.sum().backward()
     for (name, a), b in zip(grads(ours).items(), grads(stock).values()):
         assert torch.equal(a, b), name
+
+
+class _AbstractLayer(nn.Module, abc.ABC):
+    @abc.abstractmethod
+    def forward(self, x): ...
+
+
+class _ConcreteLayer(_AbstractLayer):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+_T = typing.TypeVar("_T")
+
+
+class _GenericLinear(nn.Linear, typing.Generic[_T]):
+    pass
+
+
+def _annotated_linear() -> nn.Module:
+    layer = weight_norm(nn.Linear(4, 3))
+    type(layer).__annotations__  # noqa: B018 (the read stores an empty dict in stock's class, as torch.jit.script does)
+    return layer
+
+
+_PYTHON_CLASS_MACHINERY = {
+    "abc": lambda: weight_norm(_ConcreteLayer()),
+    "generic": lambda: weight_norm(_GenericLinear(4, 3)),
+    "annotations_read": _annotated_linear,
+}
+
+
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+@pytest.mark.parametrize("kind", list(_PYTHON_CLASS_MACHINERY))
+def test_classes_python_machinery_adds_to_are_prepared_like_stock(kind, mode):
+    # Regression: ABCMeta (__abstractmethods__, _abc_impl), typing.Generic (__parameters__) and
+    # an annotations read (__annotations__) add keys to the class parametrize makes; prepare
+    # refused such modules as "not the one torch.nn.utils.parametrize made".
+    torch.manual_seed(0)
+    stock = nn.Sequential(_PYTHON_CLASS_MACHINERY[kind](), nn.Linear(3, 2))
+    ours = copy.deepcopy(stock)
+    stock_class, keys = type(ours[0]), set(vars(type(ours[0])))
+    if mode == "freeze":
+        stock.eval().requires_grad_(False), ours.eval().requires_grad_(False)
+    paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4)
+    if mode == "freeze":
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(ours(x), stock(x))
+    else:
+        for _ in range(2):
+            expected, got = stock(x), ours(x)
+            assert torch.equal(got, expected)
+            expected.sum().backward(), got.sum().backward()
+        for (name, a), b in zip(grads(ours).items(), grads(stock).values()):
+            assert torch.equal(a, b), name
+    paramfold.restore(ours)
+    assert type(ours[0]) is stock_class and set(vars(stock_class)) == keys

@@ -27,9 +27,15 @@ from paramfold.sites import Site, find, parametrization_paths
 MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
 
-# What stock parametrize puts in a per-instance class besides one property per tensor.
+# What stock parametrize puts in a per-instance class besides one property per tensor, and what
+# Python's own class machinery adds to any class made over the module's: ``abc.ABCMeta``'s
+# bookkeeping (``class Base(nn.Module, ABC)``, torch.ao's FakeQuantize), ``typing.Generic``'s and
+# ``Protocol``'s, and the ``__annotations__`` dict a read of them stores (``typing.get_type_hints``,
+# ``torch.jit.script``). Each class paramfold makes has its own; none changes how a module behaves.
 _STOCK_CLASS_KEYS = {
     "__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__", "__slotnames__",
+    "__abstractmethods__", "_abc_impl", "__parameters__", "_is_protocol", "__protocol_attrs__",
+    "__non_callable_proto_members__", "__annotations__",
 }
 
 
