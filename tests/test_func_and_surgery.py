@@ -11,6 +11,7 @@ with the eager backend), or checks that paramfold refuses with a ``FoldError``.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import weakref
 
@@ -807,3 +808,43 @@ def test_a_chain_probed_again_inside_vmap_after_a_settings_change(mode):
     with torch.no_grad():
         outs = [torch.vmap(lambda p, m=m: functional_call(m, {"0.bias": p}, (x,)))(stacked) for m in (stock, ours)]
     assert torch.equal(*outs)
+
+
+class _ParameterScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, w):
+        return w * self.s
+
+
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist", "inline"])
+def test_make_fx_of_functional_call_with_fake_tensors_traces_like_stock(mode, tracing_mode):
+    # Regression: functional_call swaps fakes in for a chain member's parameter, which the chain's
+    # settings watch sees as a change; the chain was probed again on the fakes, under make_fx's
+    # modes, its copies' writes taken for its own, and freeze refused the trace ("would draw
+    # random numbers"). Under a dispatch mode a chain is not probed: computed where read, as stock.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 3)
+    torch.nn.utils.parametrize.register_parametrization(stock, "weight", _ParameterScale())
+    stock.eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        ours(x)  # a call first: the settings watch is in place
+    results = []
+    for model in (stock, ours):
+        params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+        def call(p, x, model=model):
+            return functional_call(model, p, (x,))
+
+        graph = make_fx(functools.partial(call, model=model), tracing_mode=tracing_mode)(params, x)
+        results.append(graph(params, x))
+    assert torch.equal(results[1], results[0])
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))

@@ -25,10 +25,11 @@ once, as stock's read runs it); a second read in that call is served the same va
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold.compute import GLOBAL_HOOKS
+from paramfold.compute import GLOBAL_HOOKS, dispatch_modes
 from paramfold.freeze import own_tensors, settings
 from paramfold.sites import CannotProbeNow, draws_random_numbers, probed, runs_hooks
 from paramfold.state import SiteState, tensor_version, version_of
@@ -128,6 +129,19 @@ def _is_list(module: nn.Module) -> bool:
     return isinstance(module, parametrize.ParametrizationList)
 
 
+_MODE_KEYS = getattr(torch._C, "_TorchDispatchModeKey", None)
+#: The modes torch keeps apart from the dispatch mode stack (fake, proxy, functional).
+_INFRA_MODES = tuple(_MODE_KEYS.__members__.values()) if _MODE_KEYS is not None else ()
+
+
+def _tracing() -> bool:
+    """Whether a dispatch mode runs now (``make_fx``'s proxy and fake modes, ``torch.export``'s
+    functionalization, a user's mode): a probe would run on its tensors (fakes swapped in by
+    ``functional_call``), record its ops in the trace and read its copies' writes as the chain's
+    own. The chain is not probed then: computed where it is read, as stock computes it."""
+    return bool(dispatch_modes()) or any(torch._C._get_dispatch_mode(key) is not None for key in _INFRA_MODES)
+
+
 def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
     """Whether ``holder.<name>`` draws random numbers (or changes its state as prepare did not
     plan for: :func:`~paramfold.sites.draws_random_numbers`) now, probed again where its settings
@@ -135,6 +149,8 @@ def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
     cannot be probed now (:class:`~paramfold.sites.CannotProbeNow`: nothing is updated, so a
     later call probes it)."""
     if site.draw_watch is not None and not site.draw_watch.unchanged():
+        if _tracing():
+            return None
         try:
             draws = draws_random_numbers(holder, name, site.stateful, site.stateful_in_eval)
         except CannotProbeNow:
