@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
 
 from helpers import PausedOffMain, assert_same_nested, small_net, twin_nets
 
@@ -94,6 +95,56 @@ def test_a_call_after_a_writer_thread_sees_the_write_while_another_threads_call_
         record.append(model.state_dict())
         results.append(record)
     assert_same_nested(*results)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "hook_weight_norm"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist", "inline"])
+def test_two_overlapping_no_grad_calls_both_see_a_write_made_while_they_are_open(mode, kind):
+    # Regression: two no_grad calls open at once, paused past their first layer while a writer
+    # thread changed the weights in place: the first of them to reach a later layer was refused
+    # ("already being called from another thread"), its nested call finding a value the other
+    # call shares computed from tensors changed since. Stock reads the new weights in both; the
+    # value is now computed again for both (what either's reads compute from then on).
+    def make():
+        torch.manual_seed(0)
+        norm = weight_norm if kind == "weight_norm" else nn.utils.weight_norm
+        return nn.Sequential(norm(nn.Linear(4, 6)), nn.Tanh(), norm(nn.Linear(6, 3))).eval().requires_grad_(False)
+
+    stock, model = make(), paramfold.prepare(make(), mode)
+    x = _input()
+    first, rest = list(stock.children())[0], list(stock.children())[1:]
+    arrived, go = threading.Barrier(3), threading.Event()
+
+    def pause(module, args):
+        if threading.current_thread().name in ("A", "B"):
+            arrived.wait(30), go.wait(30)
+
+    list(model.children())[1].register_forward_pre_hook(pause)
+    results = {}
+
+    def reader():
+        with torch.no_grad():
+            results[threading.current_thread().name] = model(x)
+
+    threads = [threading.Thread(target=reader, name=name) for name in "AB"]
+    for thread in threads:
+        thread.start()
+    try:
+        arrived.wait(30)  # both calls open, past the first layer
+        with torch.no_grad():
+            old = first(x)
+            _write(model), _write(stock)
+    finally:
+        go.set()
+        for thread in threads:
+            thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    with torch.no_grad():
+        expected = old
+        for layer in rest:  # stock: the first layer read the old weights, every later one the new
+            expected = layer(expected)
+        assert torch.equal(results["A"], expected) and torch.equal(results["B"], expected)
+        assert torch.equal(model(x), stock(x))
 
 
 @pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])

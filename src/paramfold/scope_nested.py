@@ -389,7 +389,11 @@ def call_changed(
         with lock:
             for holder, name, swapped, appended in found:
                 hs = holder.__dict__[STATE_ATTR]
-                if hs.users > 1:
+                # Another thread's call shares the value: computed again only where both calls
+                # may share it (under no_grad, one autocast state: ``hs.shareable``) and from the
+                # same tensors changed in place (a writer thread's p.copy_()), which is what
+                # every read of either computes from now on, as stock's do.
+                if hs.users > 1 and (swapped is not False or hs.shareable is None):
                     raise busy(entry)
                 site = hs.sites[name]
                 if swapped is AT_READ:
