@@ -199,7 +199,8 @@ def put_back(site: SiteState) -> None:
         return
     copies, lo, hi, value, key = before
     copies.restore(lo, hi)
-    if key is not None and parametrize._cache_enabled and parametrize._cache.get(key) is value:
+    # (value None: the chain raised before a value was computed, and nothing was cached.)
+    if key is not None and value is not None and parametrize._cache_enabled and parametrize._cache.get(key) is value:
         del parametrize._cache[key]
 
 
