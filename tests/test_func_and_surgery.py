@@ -588,6 +588,36 @@ def _wn_sn() -> nn.Module:
     return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
 
 
+@pytest.mark.parametrize("call_after_swap", [False, True])
+@pytest.mark.parametrize("norm", ["hook_weight_norm", "hook_spectral_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_deep_copy_after_a_hook_normed_layer_was_swapped_out_copies_what_stock_copies(mode, norm, call_after_swap):
+    # Regression: the model's state still listed the layer swapped out (for its restore), and a
+    # deep copy copied it: a hook-based norm's weight is not a leaf, and copy.deepcopy raised
+    # "Only Tensors created explicitly by the user ... support the deepcopy protocol". Stock's
+    # model no longer holds the layer; nor does the copy now.
+    def make():
+        torch.manual_seed(0)
+        norm_fn = nn.utils.weight_norm if norm == "hook_weight_norm" else nn.utils.spectral_norm
+        return nn.Sequential(norm_fn(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2))
+
+    stock, ours = make(), paramfold.prepare(make(), mode)
+    x = torch.randn(3, 4)
+    copies = []
+    for model in (stock, ours):
+        model(x).sum().backward()
+        torch.manual_seed(1)
+        model[0] = nn.Linear(4, 4)
+        if call_after_swap:
+            model(x)
+        copies.append(copy.deepcopy(model))
+    stock_copy, our_copy = copies
+    _two_calls_alike({stock_copy: stock_copy, our_copy: our_copy}, x)
+    _assert_same_state(stock_copy, our_copy)
+    paramfold.restore(our_copy)
+    assert [type(m).__mro__[1:] for m in our_copy.modules()] == [type(m).__mro__[1:] for m in stock_copy.modules()]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_layer_swapped_out_and_changed_moved_or_put_back_is_its_own_or_stocks(mode):
     # Regression: after `model[0] = new`, remove_parametrizations on the old layer made every

@@ -438,8 +438,15 @@ class ModuleState:
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
-        replica = _copy_fields(self, memo, _CACHES | {"prepared_root", "own_dict", "detached"})
+        replica = _copy_fields(self, memo, _CACHES | {"prepared_root", "own_dict", "detached", *_MODULE_LISTS})
         replica.detached = ()  # the tensors of this module's last call (one with a history, too)
+        # The modules the copy holds: those copied before this state, through the module's
+        # ``_modules`` (every one still below it). One swapped out of the model since (which this
+        # one's restore still lists) is not the copy's, as stock's copy does not hold it: copied,
+        # a hook-based norm's layer would raise (its weight is not a leaf).
+        for name in _MODULE_LISTS:
+            kept = [memo[id(m)] for m in getattr(self, name) if id(m) in memo]
+            setattr(replica, name, kept if isinstance(getattr(self, name), list) else tuple(kept))
         # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
         replica.covers = frozenset(id(m) for m in replica.entries)
         root = self.prepared_model()
@@ -473,6 +480,10 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
 _CACHES = frozenset({"plan", "spare_plan", "nested_check"})
 #: SiteState's field that holds what one open call of its module keeps.
 _OPEN_CALL = frozenset({"before"})
+
+
+#: ModuleState's lists of modules (below the module): copied as the copies of those its copy holds.
+_MODULE_LISTS = ("holders", "entries", "parametrized")
 
 
 def _copy_fields(state: Any, memo: dict, dropped: frozenset[str]) -> Any:
