@@ -17,6 +17,9 @@ hook-based norms.
 
 from __future__ import annotations
 
+import io
+import os
+import signal
 import threading
 
 import pytest
@@ -223,6 +226,165 @@ def test_overlapping_inference_mode_and_no_grad_calls_from_two_threads(mode, kin
             thread.join(30)
         assert not thread.is_alive()
         results.append([(t, t.is_inference(), t.requires_grad) for t in (y, out["first"])])
+    assert_same_nested(*results)
+
+
+class _Paused:
+    """Where the other thread's call waits (``at``: "forward" or "chain", or None) until ``go``,
+    having set ``inside``: class attributes, so that the parametrization holds no Event itself."""
+
+    at: str | None = None
+    inside = threading.Event()
+    go = threading.Event()
+
+    @classmethod
+    def here(cls, where: str) -> None:
+        if cls.at == where and threading.current_thread() is not threading.main_thread():
+            cls.inside.set()
+            assert cls.go.wait(30)
+
+
+class _PausedDouble(nn.Module):
+    def forward(self, w):
+        _Paused.here("chain")
+        return w * 2
+
+
+class _PausesOrForks(nn.Module):
+    """Runs ``inner``; off the main thread its forward may pause (:class:`_Paused`), on the main
+    thread after ``_FORKED["fork_inside"] = True`` it first forks once (:func:`_fork`): the child
+    goes on inside the call."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        _Paused.here("forward")
+        if _FORKED.pop("fork_inside", False) and threading.current_thread() is threading.main_thread():
+            _fork()
+        return self.inner(x)
+
+
+_FORKED: dict = {}
+
+
+def _fork() -> None:
+    """``os.fork()`` with a pipe from the child; the child is killed by an alarm after 10 s."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(10)
+        _FORKED["child"] = w
+    else:
+        os.close(w)
+        _FORKED["parent"] = (pid, r)
+
+
+def _in_child(model: nn.Module, x: torch.Tensor, prepared: bool, record: list) -> None:
+    """The child's reads and calls (between calls, no_grad, grad, after restore) sent to the
+    parent after ``record``; never returns."""
+    code = 1
+    try:
+        try:
+            # Read between calls (not a hook-based norm's: README "Threads", a read while another
+            # thread's call is open; in the child that call stays open as it was at the fork).
+            record.append([m.weight.detach() for m in model.inner if parametrize.is_parametrized(m)])
+            with torch.no_grad():
+                record.append(model(x))
+            y = model(x)  # refused ("another thread") where the parent's other call still counted here
+            record += [y.detach(), y.requires_grad]
+            if prepared:
+                paramfold.restore(model)  # refused while a call counts as open
+            with torch.no_grad():
+                record.append(model(x))
+        except Exception as e:  # noqa: BLE001 -- sent to the parent, which compares
+            record = [f"the child raised {e!r}"]
+        buffer = io.BytesIO()
+        torch.save(record, buffer)
+        with os.fdopen(_FORKED.pop("child"), "wb") as pipe:
+            pipe.write(buffer.getvalue())
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _from_child() -> list:
+    pid, r = _FORKED.pop("parent")
+    with os.fdopen(r, "rb") as pipe:
+        data = pipe.read()  # until the child exits (at the latest its alarm's 10 s)
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        hung = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM
+        return ["the child hung (killed by its alarm)" if hung else f"the child failed ({status})"]
+    return torch.load(io.BytesIO(data))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # a multi-threaded process forks (3.12+)
+@pytest.mark.parametrize(("kind", "pause", "fork"), [("custom", "chain", "between_calls"),
+                                                     ("weight_norm", "forward", "between_calls"),
+                                                     ("hook_weight_norm", "forward", "between_calls"),
+                                                     ("weight_norm", "forward", "inside_a_call"),
+                                                     ("hook_weight_norm", "forward", "inside_a_call")])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist", "inline"])
+def test_a_child_forked_while_another_thread_is_inside_a_call_calls_the_model_like_stock(mode, kind, pause, fork):
+    # Regression: os.fork() (DataLoader workers, multiprocessing's fork start method) while
+    # another thread of the parent was inside a call of a prepared model: the child inherited
+    # the scope lock held by that thread (which does not live on in the child) and its first call
+    # hung forever (hoist: the thread computes its values under the lock), or the child counted
+    # that call as open for good: its grad calls and restore were refused ("another thread").
+    # Stock's child calls the model. Now the child gets a new lock and releases the other
+    # threads' calls; a fork from inside a call ("inside_a_call") keeps that call's own scope.
+    results = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        if kind == "custom":
+            layer = nn.Linear(6, 3)  # second: the other thread's call pauses after the first's values
+            parametrize.register_parametrization(layer, "weight", _PausedDouble())
+            inner = nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), layer)
+        else:
+            inner = small_net(kind)
+        model = _PausesOrForks(inner).eval().requires_grad_(mode != "freeze")
+        if prepare:
+            paramfold.prepare(model, mode)
+        x, out = _input(), {}
+        with torch.no_grad():
+            record = [model(x), model(x)]  # steady: frozen values kept, a plan built
+        _write(model)  # the other thread's call computes its values again (freeze too)
+        _Paused.at = pause
+        _Paused.inside.clear(), _Paused.go.clear()
+        thread = threading.Thread(target=lambda: out.setdefault("y", torch.no_grad()(model)(x)))
+        thread.start()
+        try:
+            assert _Paused.inside.wait(30)
+            if fork == "between_calls":
+                _fork()
+                if "child" in _FORKED:
+                    _in_child(model, x, prepare, [])
+            else:
+                _FORKED["fork_inside"] = True
+                y = None
+                try:
+                    with torch.no_grad():
+                        y = model(x)
+                finally:
+                    if "child" in _FORKED:  # the child goes on from here, and no further
+                        _in_child(model, x, prepare, [y])
+                record.append(y)
+            record.append(_from_child())
+        finally:
+            _Paused.at = None
+            _FORKED.pop("fork_inside", None)
+            _Paused.go.set()
+            thread.join(30)
+        assert not thread.is_alive()
+        record.append(out["y"])
+        y = model(x)
+        record += [y, y.requires_grad]
+        results.append(record)
     assert_same_nested(*results)
 
 

@@ -28,6 +28,7 @@ import copy
 import copyreg
 import functools
 import inspect
+import os
 import sys
 import threading
 import types
@@ -158,6 +159,16 @@ def _refuse_class_write(cls: type, name: str, value: object) -> None:
 
 _classes: dict[tuple, type] = {}
 _classes_lock = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    """After ``os.fork()``: a lock another thread of the parent held would never be released in the child."""
+    global _classes_lock
+    _classes_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def prepared_class(

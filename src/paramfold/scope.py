@@ -37,13 +37,17 @@ other's call. A module below an entry called directly from another thread meanwh
 the same way (its ``_compiled_call_impl``); a direct read of a value cannot be seen. In one
 thread, a scope opened inside another (model A's forward calls model B) keeps the enclosing
 scopes' state: a call of one of A's entries inside it (B's forward calls A) is no other claim but
-a call nested in A's scope (:func:`_reentered`).
+a call nested in A's scope (:func:`_reentered`). In a child process made by ``os.fork()`` only the
+forking thread's scopes stay open (:func:`_after_fork_in_child`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from operator import getitem, is_
 from typing import Any
@@ -88,6 +92,9 @@ _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError",
 #: meets where it reads the value): a refusal, and checkpoint's early stop of its recomputation.
 _NOT_THE_CHAINS = (FoldError, *([_STOP_RECOMPUTATION] if _STOP_RECOMPUTATION else []))
 _LOCK = threading.RLock()
+#: Every entry that opened a scope the general way (by id; every plan is built there): where a
+#: child process made by ``os.fork()`` looks for the holders that calls of other threads claimed.
+_OPENED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 _MISSING = object()
 _COMPILE_STARTS = leaves.START_CALLBACKS
 
@@ -154,6 +161,7 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
 def _open_general(entry: nn.Module, state: ModuleState, grad: bool, plan: Plan | None) -> list[nn.Module]:
     """Claim the holders below ``entry`` the general way (no steady plan held, or its
     computation raised), and plan the next call; ``plan``: the plan of this grad mode, or None."""
+    _OPENED[id(entry)] = entry
     hooked, pre_hooks, reached_from, parametrized = _below_pre_hooks(entry)
     if _left(state, reached_from):
         _forget_left(state, reached_from)
@@ -645,6 +653,68 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
         if not hooknorms.shadowed(holder, name):  # (not over a parameter registered meanwhile)
             values.setdefault(name, value)
     hs.left = ()
+
+
+def _after_fork_in_child() -> None:
+    """In a child process made by ``os.fork()`` (a DataLoader worker, multiprocessing's fork start
+    method), where only the forking thread lives on: the calls other threads of the parent had
+    open never end here, so their claims go, as their ends would release them, and the child's
+    calls are served as if no other call were open, as stock's are. The forking thread's own open
+    calls (a fork inside a forward) keep theirs. A scope lock held by another thread, which would
+    never be released here, is replaced; that thread may have been halfway through installing or
+    releasing values, so every holder no call claims now is also cleared of what a call put in."""
+    global _LOCK
+    if _LOCK._is_owned():
+        # Forked from code this thread runs under the lock (a chain computing a value): its own
+        # claim is half made. The bookkeeping stays as it is.
+        return
+    halfway = not _LOCK.acquire(blocking=False)
+    if halfway:
+        _LOCK = threading.RLock()
+        _LOCK.acquire()
+    try:
+        own = Counter(map(id, leaves.claimed_holders(leaves.local.claims)))
+        done: set[int] = set()
+        for entry in list(_OPENED.values()):
+            state = entry.__dict__.get(STATE_ATTR)
+            if state is None:  # restored
+                continue
+            state.drop_caches()  # plans of claims that are gone: the next call builds them again
+            for holder in state.holders:
+                hs = holder.__dict__.get(STATE_ATTR)
+                if hs is None or id(holder) in done:
+                    continue
+                done.add(id(holder))
+                users = own[id(holder)]
+                if hs.users != users or (halfway and not users):
+                    hs.users = users
+                    if not users:
+                        hs.shareable = None
+                        _unclaimed(holder, hs)
+                        _drop_call_values(holder, hs)
+        nested.Installs.count += 1  # the nested checks built on those values
+    finally:
+        _LOCK.release()
+
+
+def _drop_call_values(holder: nn.Module, hs: ModuleState) -> None:
+    """Take out of ``holder``'s ``__dict__`` what a call that will never end put there and had not
+    listed yet (a child of ``os.fork()``): every site's value but a kept frozen one and a
+    hook-based norm's (which stays between calls, as stock's), and parameters put in detached."""
+    values = holder.__dict__
+    for name, site in hs.sites.items():
+        if site.hook is None and name in values and not (
+                name in hs.kept and site.frozen is not None and values[name] is site.frozen.value):
+            del values[name]
+    if any(name not in values for name in hs.kept):
+        hs.kept = tuple(name for name in hs.kept if name in values)
+    if hs.detach_params:
+        for name in holder._parameters:
+            values.pop(name, None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def call_values(module: nn.Module) -> tuple[str, ...]:
