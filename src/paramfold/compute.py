@@ -18,11 +18,17 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from collections.abc import Callable
 from operator import attrgetter, call, itemgetter
+from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.ao.quantization.fake_quantize import FakeQuantizeBase
+from torch.ao.quantization.observer import ObserverBase
 from torch.nn.modules import module as _module_globals
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.utils import parametrize
 from torch.utils._device import DeviceContext
 
@@ -115,16 +121,62 @@ def compute(module: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
-#: torch's modules whose ``forward`` renormalises rows of the ``weight`` it is given, in place,
-#: where ``max_norm`` is set (``F.embedding`` and ``F.embedding_bag`` call ``torch.embedding_renorm_``).
-RENORMING = (nn.Embedding, nn.EmbeddingBag)
+class InPlaceEdit(NamedTuple):
+    """A torch module class whose ``forward`` edits some of the module's own tensors in place:
+    ``names``, in a call of an instance of ``classes`` where ``when`` says so, given the module's
+    attributes ``reads`` (the steady plan, :mod:`paramfold.scope_plan`, pins them)."""
+
+    classes: type | tuple[type, ...]
+    names: frozenset[str]
+    reads: tuple[str, ...]
+    when: Callable[..., bool]
 
 
-def renorms_its_weight(module: nn.Module) -> bool:
-    """Whether a call of ``module`` edits the ``weight`` it reads in place (:data:`RENORMING` with
-    ``max_norm`` set). Stock computes a fresh weight at every read, so a read after the call (a
-    tied head's ``self.emb.weight``) sees no renormalised row; a value served once per call would."""
-    return isinstance(module, RENORMING) and getattr(module, "max_norm", None) is not None
+def _always() -> bool:
+    return True
+
+
+#: Every torch module class (subclasses included) whose ``forward`` edits a tensor of its own in
+#: place (:func:`edits_in_place`). A condition read from a tensor's contents is left out, so the
+#: entry holds at every call (reading one would cost a device sync per call).
+IN_PLACE_EDITS = (
+    # F.embedding and F.embedding_bag renormalise the looked-up rows of the weight they are given
+    # (torch.embedding_renorm_), which a tied head reads after the lookup.
+    InPlaceEdit((nn.Embedding, nn.EmbeddingBag), frozenset({"weight"}), ("max_norm",),
+                lambda max_norm: max_norm is not None),
+    # num_batches_tracked.add_(1), then read again for the momentum=None averaging factor;
+    # F.batch_norm (and SyncBatchNorm's sync) updates the running statistics it is given.
+    InPlaceEdit(_BatchNorm, frozenset({"running_mean", "running_var", "num_batches_tracked"}),
+                ("training", "track_running_stats"), lambda training, track: training and track),
+    # F.instance_norm copies the updated running statistics into the ones it is given where it
+    # uses the input's statistics.
+    InPlaceEdit(_InstanceNorm, frozenset({"running_mean", "running_var"}), ("training", "track_running_stats"),
+                lambda training, track: training or not track),
+    # FakeQuantize copies its observer's qparams into scale and zero_point (observer_enabled[0] == 1),
+    # then reads them to fake-quantize; FusedMovingAvgObsFakeQuantize's fused op writes them (same
+    # flag); _LearnableFakeQuantize writes their .data (copy_, or clamp_ with static_enabled off).
+    InPlaceEdit(FakeQuantizeBase, frozenset({"scale", "zero_point"}), (), _always),
+    # Observers copy the statistics they keep at every non-empty input (FakeQuantize's
+    # calculate_qparams reads min_val and max_val again in the same call; FusedMovingAvgObsFakeQuantize's
+    # fused op writes its observer's): the MinMax and MovingAverage ones, per channel too, min_val
+    # and max_val; HistogramObserver histogram too; ModelReportObserver its own statistics.
+    InPlaceEdit(ObserverBase, frozenset({"min_val", "max_val", "histogram", "epoch_activation_min",
+                                         "epoch_activation_max", "percentile_batches_tracked",
+                                         "average_percentile_ratio", "constant_channels"}), (), _always),
+)
+
+
+def edits_in_place(module: nn.Module, name: str) -> bool:
+    """Whether a call of ``module`` edits its tensor ``name`` in place now (:data:`IN_PLACE_EDITS`).
+
+    Stock computes a fresh tensor at every read, so the edit is lost: a later read in the same
+    call (BatchNorm's ``float(self.num_batches_tracked)`` after its ``add_(1)``, a tied head's
+    ``self.emb.weight`` after a ``max_norm`` lookup, the module's next call) sees the value
+    unedited. A value served once per call would show the edit; such a site is computed where it
+    is read, as stock.
+    """
+    return any(name in edit.names and isinstance(module, edit.classes)
+               and edit.when(*(getattr(module, key, None) for key in edit.reads)) for edit in IN_PLACE_EDITS)
 
 
 def compiling() -> bool:

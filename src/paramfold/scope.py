@@ -60,8 +60,8 @@ from paramfold import compile_leaves as leaves
 from paramfold import hooknorms, site_values, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import (GLOBAL_HOOKS, autocast_state, compiling, computed_under, mode_stack, modes_now,
-                               renorms_its_weight, wraps_its_forward)
+from paramfold.compute import (GLOBAL_HOOKS, autocast_state, compiling, computed_under, edits_in_place, mode_stack,
+                               modes_now, wraps_its_forward)
 from paramfold.compute import dispatch_modes as _dispatch_modes
 from paramfold.compute import function_modes as _function_modes
 from paramfold.errors import FoldError
@@ -368,13 +368,13 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
             # A stateful chain training where the class cannot serve only the first read its
             # value (a class of someone else's now), one sharing changing state with another
             # site's (the scope would compute both in module order, not the forward's, and
-            # whether or not the call reads them), a weight its module's call edits in place
-            # (an embedding's max_norm), and a tensor of a module whose forward is wrapped (a
-            # decorated one, Accelerate's autocast wrapper on the instance: the region it enters
-            # starts after any check of a call; a hook-based norm's hook runs before it):
-            # computed at every read, as stock does.
+            # whether or not the call reads them), a tensor its module's call edits in place
+            # (an embedding's max_norm, a training BatchNorm's num_batches_tracked), and a tensor
+            # of a module whose forward is wrapped (a decorated one, Accelerate's autocast
+            # wrapper on the instance: the region it enters starts after any check of a call; a
+            # hook-based norm's hook runs before it): computed at every read, as stock does.
             site.at_read = (at_read or (unserved and site.training_stateful) or site.shares_changing_state
-                            or (name == "weight" and renorms_its_weight(holder))
+                            or edits_in_place(holder, name)
                             or (wrapped and site.hook is None))
             if site.at_read:
                 # A forward pre-hook may change the originals before the forward reads the

@@ -21,7 +21,7 @@ from operator import attrgetter, contains, getitem, is_
 import torch
 from torch import nn
 
-from paramfold.compute import (GLOBAL_HOOKS, OWN_FORWARD_KEYS, RENORMING, call_path, calls_its_forward, class_forward,
+from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, call_path, calls_its_forward, class_forward,
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
@@ -36,7 +36,6 @@ _kept = attrgetter("kept")
 _training = attrgetter("training")
 _requires_grad = attrgetter("requires_grad")
 _set_class = object.__setattr__
-_UNSET = object()
 #: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``: all empty (and no
 #: ``_compiled_call_impl`` set there by ``module.compile()``) means a call is a call of ``forward``.
 _hooks = hook_dicts
@@ -125,10 +124,13 @@ class Plan:
             wrapped = wraps_its_forward(holder)
             forward_keys.extend((values, key, key in values) for key in OWN_FORWARD_KEYS)
             structure.update((id(d), d) for d in class_dicts(type(holder)))
-            if isinstance(holder, RENORMING):  # its weight served only while no max_norm is set
-                if values.get("max_norm", _UNSET) is not None:
-                    return None
-                links.append((values, "max_norm", None))
+            for edit in IN_PLACE_EDITS:
+                # Which tensors its call edits in place (computed where read) holds while the
+                # attributes that decide it stay the same objects (an embedding's max_norm, training).
+                if isinstance(holder, edit.classes) and not edit.names.isdisjoint(hs.sites):
+                    if not all(key in values for key in edit.reads):
+                        return None
+                    links.extend((values, key, values[key]) for key in edit.reads)
             structure.update((id(d), d) for d in (holder._modules, plists.__dict__, plists._modules))
             for name, site in hs.sites.items():
                 # (read_for_one_call: it would keep tensors put in for this call alone, and never hold.)
