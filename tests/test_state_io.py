@@ -17,10 +17,12 @@ hook-based norms.
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -31,6 +33,9 @@ from torch.nn.utils.parametrizations import weight_norm
 from helpers import PausedOffMain, assert_same_nested, small_net, twin_nets
 
 import paramfold
+from paramfold import scope
+
+restoring = importlib.import_module("paramfold.restore")  # (paramfold.restore is the function)
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_dynamo"),
@@ -386,6 +391,165 @@ def test_a_child_forked_while_another_thread_is_inside_a_call_calls_the_model_li
         record += [y, y.requires_grad]
         results.append(record)
     assert_same_nested(*results)
+
+
+class _WaitsSeen:
+    """The call scopes' lock, with ``waited`` set once a thread has to wait for it."""
+
+    def __init__(self, lock):
+        self.lock, self.waited = lock, threading.Event()
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waited.set()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def _until_blocked(lock: _WaitsSeen, thread: threading.Thread, *also: threading.Event) -> None:
+    """Wait until ``thread`` waits for ``lock``, sets one of ``also``, or has ended."""
+    deadline = time.monotonic() + 30
+    while thread.is_alive() and not lock.waited.is_set() and not any(e.is_set() for e in also):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("where", ["root", "layer", "direct"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist", "inline"])
+def test_a_call_racing_restore_in_another_thread_runs_as_the_prepared_or_the_restored_model(monkeypatch, mode, where):
+    # Regression (hunt hE F5): restore() checked that no call was open under the scope lock, then
+    # restored module after module without it, each losing its paramfold state before getting its
+    # class back. A call made meanwhile in another thread crashed: RecursionError (the root's
+    # state gone, its class still paramfold's, so root_call called itself) or KeyError
+    # '_paramfold' (a layer's state gone, the root's not). Now restore holds the lock throughout:
+    # the call waits, then runs on the restored model, as stock. Here restore is paused inside
+    # one module's restore ("root", "layer": the model called; "direct": that layer called).
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), weight_norm(nn.Linear(6, 3)))
+    model.eval().requires_grad_(mode != "freeze")
+    classes = [type(m) for m in model.modules()]
+    called = model if where == "root" or where == "layer" else model[2]
+    x = _input() if called is model else torch.randn(3, 6, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = called(x)
+    paramfold.prepare(model, mode)
+    target = model if where == "root" else model[2]
+    paused, go, out = threading.Event(), threading.Event(), {}
+    installed_keys = restoring.installed_keys
+
+    def pausing(module, state):
+        if module is target:  # its paramfold state taken out, its class not yet put back
+            paused.set()
+            assert go.wait(30)
+        return installed_keys(module, state)
+
+    def call():
+        try:
+            with torch.no_grad():
+                out["y"] = called(x)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            out["error"] = e
+
+    monkeypatch.setattr(restoring, "installed_keys", pausing)
+    monkeypatch.setattr(scope, "_LOCK", lock := _WaitsSeen(scope._LOCK))
+    restorer = threading.Thread(target=paramfold.restore, args=(model,))
+    caller = threading.Thread(target=call)
+    restorer.start()
+    try:
+        assert paused.wait(30)
+        caller.start()
+        _until_blocked(lock, caller)
+    finally:
+        go.set()
+        restorer.join(30)
+        if caller.ident is not None:
+            caller.join(30)
+    assert not restorer.is_alive() and not caller.is_alive()
+    if "error" in out:
+        raise out["error"]
+    assert torch.equal(out["y"], expected)
+    assert [type(m) for m in model.modules()] == classes
+    with torch.no_grad():
+        assert torch.equal(called(x), expected)
+
+
+class _SwitchPausesPrepare(nn.Sequential):
+    """Pauses ``prepare`` (run in a thread named "preparer") where it switches this module's
+    class, until ``go``; then, where ``fails``, raises there (as a KeyboardInterrupt would)."""
+
+    def __init__(self, *modules: nn.Module, fails: bool) -> None:
+        super().__init__(*modules)
+        self.paused, self.go, self.fails = threading.Event(), threading.Event(), fails
+
+    def __setattr__(self, name, value):
+        if name == "__class__" and threading.current_thread().name == "preparer":
+            self.paused.set()
+            assert self.go.wait(30)
+            if self.fails:
+                raise RuntimeError("prepare interrupted")
+        super().__setattr__(name, value)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["prepared", "prepare_raises"])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist", "inline"])
+def test_a_call_racing_prepare_in_another_thread_runs_as_the_prepared_or_the_stock_model(monkeypatch, mode, fails):
+    # prepare() switches modules one by one, the root before the modules between it and the
+    # parametrized layers: a call made meanwhile in another thread opened its scope on a model
+    # half prepared, and where prepare then failed (and undid what it had done) the call's
+    # open scope lost its modules' state (KeyError '_paramfold' when it ended). Now prepare
+    # holds the scope lock while it switches the model: the call waits, then runs on the model
+    # prepared, or, prepare failing, stock. The call pauses in its forward (PausedOffMain).
+    torch.manual_seed(0)
+    switch = _SwitchPausesPrepare(weight_norm(nn.Linear(4, 6)), nn.Tanh(), fails=fails)
+    model = PausedOffMain(nn.Sequential(switch, weight_norm(nn.Linear(6, 3))))
+    model.eval().requires_grad_(mode != "freeze")
+    classes = [type(m) for m in model.modules()]
+    x, out = _input(), {}
+    with torch.no_grad():
+        expected = model(x)
+
+    def prepare():
+        try:
+            paramfold.prepare(model, mode)
+        except RuntimeError as e:
+            out["prepare"] = e
+
+    def call():
+        try:
+            with torch.no_grad():
+                out["y"] = model(x)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            out["error"] = e
+
+    monkeypatch.setattr(scope, "_LOCK", lock := _WaitsSeen(scope._LOCK))
+    preparer = threading.Thread(target=prepare, name="preparer")
+    caller = threading.Thread(target=call)
+    preparer.start()
+    try:
+        assert switch.paused.wait(30)
+        caller.start()
+        _until_blocked(lock, caller, model.inside)
+        switch.go.set()
+        preparer.join(30)
+    finally:
+        switch.go.set(), model.go.set()
+        preparer.join(30)
+        if caller.ident is not None:
+            caller.join(30)
+    assert not preparer.is_alive() and not caller.is_alive()
+    if "error" in out:
+        raise out["error"]
+    assert torch.equal(out["y"], expected)
+    assert ("prepare" in out) == fails
+    assert ([type(m) for m in model.modules()] == classes) == fails
+    model.inside.clear()
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    paramfold.restore(model)
+    assert [type(m) for m in model.modules()] == classes
 
 
 # --- torch.distributed.checkpoint --------------------------------------------------------------

@@ -20,7 +20,7 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
 from paramfold.randomness import watch as watch_draws
 from paramfold.restore import drop_detached, restore, restore_module
-from paramfold.scope import parametrized_below, watch_backward
+from paramfold.scope import calls_lock, parametrized_below, watch_backward
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for, syncs_before_forward
 from paramfold.sites import Site, find, parametrization_paths
 
@@ -137,20 +137,23 @@ def prepare(
     install_type_before_parametrizations()
     watch_backward()
     applied: list[nn.Module] = []
-    try:
-        for module, (state, cls) in states.items():
-            module.__dict__[STATE_ATTR] = state
-            applied.append(module)
-            inline = [name for name, site in state.sites.items() if site.mode == "inline" and not site.nested]
-            for name in inline:
-                state.ref_keys += install_refs(module, name, state.sites[name])
-            if inline:
-                state.load_hook = module.register_load_state_dict_post_hook(_resync_after_load)
-            module.__class__ = cls
-    except BaseException:
-        for module in applied:
-            restore_module(module)
-        raise
+    # Under the call scopes' lock, as restore: a call made meanwhile in another thread opens its
+    # scope on the whole model prepared, or (this failing) restored.
+    with calls_lock():
+        try:
+            for module, (state, cls) in states.items():
+                module.__dict__[STATE_ATTR] = state
+                applied.append(module)
+                inline = [name for name, site in state.sites.items() if site.mode == "inline" and not site.nested]
+                for name in inline:
+                    state.ref_keys += install_refs(module, name, state.sites[name])
+                if inline:
+                    state.load_hook = module.register_load_state_dict_post_hook(_resync_after_load)
+                module.__class__ = cls
+        except BaseException:
+            for module in applied:
+                restore_module(module)
+            raise
     return model
 
 

@@ -9,7 +9,7 @@ from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.freeze import release
 from paramfold.rebase import rebased
-from paramfold.scope import busy
+from paramfold.scope import busy, calls_lock
 from paramfold.state import STATE_ATTR, installed_keys, state_of
 
 
@@ -30,6 +30,14 @@ def restore(model: nn.Module) -> nn.Module:
         >>> type(paramfold.restore(paramfold.prepare(layer))) is cls
         True
     """
+    # Atomic for calls, which open their scopes under the same lock: a call made meanwhile in
+    # another thread waits, then runs on the model prepared (this refused) or restored, not on a
+    # module whose paramfold state is gone while its class is still paramfold's.
+    with calls_lock():
+        return _restore(model)
+
+
+def _restore(model: nn.Module) -> nn.Module:
     state = state_of(model)
     if state is None:
         for path, module in model.named_modules():

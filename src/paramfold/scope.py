@@ -38,7 +38,9 @@ the same way (its ``_compiled_call_impl``); a direct read of a value cannot be s
 thread, a scope opened inside another (model A's forward calls model B) keeps the enclosing
 scopes' state: a call of one of A's entries inside it (B's forward calls A) is no other claim but
 a call nested in A's scope (:func:`_reentered`). In a child process made by ``os.fork()`` only the
-forking thread's scopes stay open (:func:`_after_fork_in_child`).
+forking thread's scopes stay open (:func:`_after_fork_in_child`). ``restore`` and ``prepare``
+switch a model under the same lock, so a scope opens on the model wholly prepared; a call that
+finds it restored meanwhile runs as the restored model's (:func:`_as_restored`).
 """
 
 from __future__ import annotations
@@ -112,14 +114,19 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan]:
-    state = entry.__dict__[STATE_ATTR]
+def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
+    """Open a call scope of ``entry``: what :func:`_close` takes, or None where ``entry`` was
+    restored since its call found it prepared (restore holds the lock throughout, so a call waits
+    for one under way in another thread and sees the whole model prepared or restored)."""
     grad = torch.is_grad_enabled()
     # What the values are computed under: scope_nested.context(), written out (no Python frame
     # per call while autocast is off).
     context = (grad, autocast_state() if _any_autocast() else None,
                mode_stack() if _function_modes() or _dispatch_modes() else None)
     with _LOCK:
+        state = entry.__dict__.get(STATE_ATTR)
+        if state is None:
+            return None
         CALLS[0] += 1
         if nested.Installs.partial:  # a nested check built without a value this call puts back
             nested.Installs.count += 1
@@ -821,6 +828,12 @@ def _graphs_freed(claims: tuple) -> None:
                 hs.hooks_out = (rest, order, prepended) if rest else ()
 
 
+def calls_lock() -> threading.RLock:
+    """The lock call scopes open and close under (read at each use: a child of ``os.fork()`` has
+    a new one, :func:`_after_fork_in_child`)."""
+    return _LOCK
+
+
 def busy(state: ModuleState) -> bool:
     """Whether a call scope (of any thread) holds values in the modules below an entry."""
     with _LOCK:
@@ -978,15 +991,16 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
     ordinary ``nn.Module.__call__``, or the model's own)."""
     if STATE_ATTR not in self.__dict__:
-        # Restored since something bound this method (``torch.compile(model)`` made while it was
-        # prepared holds ``model.__call__``): the call is the restored module's own, as stock's.
-        return type(self).__call__(self, *args, **kwargs)
+        return _as_restored(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
     if compiling() or _in_scope(self):
         return module_call(self, *args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(self)) is not None:
         return _reentered(scope, module_call, self, *args, **kwargs)
-    previous, claimed = _open_scope(self)
+    opened = _open_scope(self)
+    if opened is None:
+        return _as_restored(self, *args, **kwargs)
+    previous, claimed = opened
     snapshot = nested.local.snapshot
     # Run eagerly (no dynamo callback, no compiled call): its nested calls will check what
     # changed in place against the tensors as they are now.
@@ -1004,6 +1018,16 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _close_scope(previous, claimed, stopped)
 
 
+def _as_restored(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The call of a root restored since its call reached :func:`root_call` (in another thread,
+    or since something bound this method: ``torch.compile(model)`` made while it was prepared
+    holds ``model.__call__``): the restored module's own, as stock's. Its class is read under the
+    lock, after a restore under way in another thread has put it back."""
+    with _LOCK:
+        call = type(self).__call__
+    return call(self, *args, **kwargs)
+
+
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
     if compiling():
         return compiled(*args, **kwargs)
@@ -1013,7 +1037,10 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         return _nested(module, compiled)(*args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(module)) is not None:
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
-    previous, claimed = _open_scope(module)
+    opened = _open_scope(module)
+    if opened is None:  # restored meanwhile: the call stock's _wrapped_call_impl makes
+        return compiled(*args, **kwargs)
+    previous, claimed = opened
     stopped = False
     try:
         if _opens_eagerly(module):
@@ -1064,7 +1091,11 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         return compiled if compiling() else functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
     if id(self) not in local.covered:
-        if self.__dict__[STATE_ATTR].users:
+        state = self.__dict__.get(STATE_ATTR)
+        if state is None:  # being restored in another thread: called as restored, once it is
+            with _LOCK:
+                return None
+        if state.users:
             # Values another thread's scope installed are in this module's __dict__: this call
             # claims them as its own entry would (shares them, or is refused), rather than
             # reading them as they are (without their autograd history, or another autocast's).
