@@ -393,6 +393,197 @@ def test_a_child_forked_while_another_thread_is_inside_a_call_calls_the_model_li
     assert_same_nested(*results)
 
 
+#: Set by a test: the next computation of a _WritePausedDouble off the main thread pauses.
+_PAUSE = {"next": False, "inside": threading.Event(), "go": threading.Event()}
+
+
+class _WritePausedDouble(nn.Module):
+    """``w * 2``; the computation that ``_PAUSE["next"]`` asks for, off the main thread, sets
+    ``inside`` after computing and waits for ``go``: the main thread writes the weights while a
+    value is being computed from them. (Its switches live outside the member, where a frozen
+    value does not watch them.)"""
+
+    def forward(self, w):
+        out = w * 2
+        if _PAUSE["next"] and threading.current_thread() is not threading.main_thread():
+            _PAUSE["next"] = False
+            _PAUSE["inside"].set()
+            assert _PAUSE["go"].wait(30)
+        return out
+
+
+def _paused_net(chain: str) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    if chain == "weight_norm":  # its kernel takes its originals' storages back (freeze.arm's mark)
+        torch.nn.utils.parametrizations.weight_norm(net[0])
+    parametrize.register_parametrization(net[0], "weight", _WritePausedDouble())
+    if chain == "shared":  # a numpy array on the original: hashed, not marked, by the content check
+        net.arrays = [net[0].parametrizations.weight.original.detach().numpy()]
+    return net.eval().requires_grad_(False)
+
+
+def _write_during_a_computation(model: nn.Module, call, write: str) -> torch.Tensor:
+    """Run ``call`` in another thread, writing the weights while its value is computed; its output."""
+    out = {}
+    _PAUSE["inside"].clear(), _PAUSE["go"].clear()
+    _PAUSE["next"] = True
+    thread = threading.Thread(target=lambda: out.setdefault("y", torch.no_grad()(call)(_input())))
+    thread.start()
+    try:
+        assert _PAUSE["inside"].wait(30)
+        with torch.no_grad():
+            if write == "load_state_dict":
+                model.load_state_dict({k: v * 0.5 + 0.25 for k, v in model.state_dict().items()})
+            else:  # no version counter sees it
+                for p in model.parameters():
+                    p.data.mul_(0.5).add_(0.25)
+    finally:
+        _PAUSE["next"] = False
+        _PAUSE["go"].set()
+        thread.join(30)
+    assert not thread.is_alive()
+    return out["y"]
+
+
+@pytest.mark.parametrize("write", ["load_state_dict", "data"])
+@pytest.mark.parametrize("chain", ["custom", "weight_norm", "shared"])
+@pytest.mark.parametrize("freeze_check", ["content", "version"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_write_while_a_value_is_computed_is_seen_by_the_next_call(mode, freeze_check, chain, write):
+    # Regression: a write that landed while another thread's call computed a value to freeze
+    # (a hot swap: load_state_dict, p.copy_ or p.fill_ under no_grad) was never seen: the value's
+    # keys (versions, write marks, bytes) were read after computing it, so the value computed from
+    # the old weights was keyed on the new ones, and every later call served it. Now they are read
+    # before: the next call computes it again. A write through .data, which no version counter
+    # sees, is seen too, also where weight_norm's own kernel clears the write mark meanwhile.
+    results = []
+    for prepare in (False, True):
+        model = _paused_net(chain)
+        if prepare:
+            paramfold.prepare(model, mode, freeze_check=freeze_check)
+        with torch.no_grad():
+            record = [model(_input())]  # frozen, on the way to a steady plan
+            for p in model.parameters():  # changed: the next call computes the value again
+                p.add_(0.125)
+        record.append(_write_during_a_computation(model, model, write))
+        with torch.no_grad():
+            record += [model(_input()), model(_input()), model(_input())]
+        record.append(model.state_dict())
+        results.append(record)
+    # Frozen again, not computed at every call from then on. (A hashed input's write is seen at
+    # the next call, the second change in a row: computed at every call for a while, site_values._demote.)
+    site = model[0].__dict__["_paramfold"].sites["weight"]
+    assert site.frozen is not None or (chain == "shared" and freeze_check == "content" and site.demotions == 1)
+    assert_same_nested(*results)
+
+
+@pytest.mark.parametrize("freeze_check", ["content", "version"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_write_between_two_values_of_one_weight_is_seen_by_the_first(mode, freeze_check):
+    # Regression (steady plan): two layers tied to one weight, and a layer between them whose
+    # value is being computed when a writer thread writes that weight. The first layer's value
+    # was frozen before the write; the second one's arms the weight's storage again after it,
+    # and the plan built at the end of the call took that arming for the first one's: the first
+    # layer's value from before the write served every later call. Now a plan is built only
+    # where each value's armings stand, and the next call computes the first one again.
+    results = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3), nn.Linear(3, 3, bias=False))
+        net[2].weight = net[0].weight
+        parametrize.register_parametrization(net[0], "weight", _Scaled())
+        parametrize.register_parametrization(net[1], "weight", _WritePausedDouble())
+        parametrize.register_parametrization(net[2], "weight", _Scaled())
+        net.eval().requires_grad_(False)
+        if prepare:
+            paramfold.prepare(net, mode, freeze_check=freeze_check)
+        out = {}
+        _PAUSE["inside"].clear(), _PAUSE["go"].clear()
+        _PAUSE["next"] = True
+        thread = threading.Thread(target=lambda: out.setdefault("y", torch.no_grad()(net)(torch.ones(1, 3))))
+        thread.start()
+        try:
+            assert _PAUSE["inside"].wait(30)
+            with torch.no_grad():
+                net[0].parametrizations.weight.original.fill_(0.5)
+        finally:
+            _PAUSE["next"] = False
+            _PAUSE["go"].set()
+            thread.join(30)
+        assert not thread.is_alive()
+        with torch.no_grad():
+            results.append([net(torch.ones(1, 3)), net(torch.ones(1, 3)), net.state_dict()])
+    assert_same_nested(*results)
+
+
+class _Scaled(nn.Module):
+    def forward(self, w):
+        return w * 3
+
+
+class _Switched(nn.Module):
+    """``w * scale``, plus noise where its flag buffer ``on`` is set (as torch.ao's
+    ``observer_enabled`` switches an observer on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("on", torch.zeros(()))
+        self.scale = 1.0
+
+    def forward(self, w):
+        return w * self.scale + torch.randn_like(w) if self.on.item() else w * self.scale
+
+
+class _NoisyInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        parametrize.register_parametrization(self.lin, "weight", _Switched())
+
+    def forward(self, x):
+        return self.lin(x + torch.rand_like(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_switch_written_while_a_chain_is_probed_is_seen_by_the_next_call(mode, monkeypatch):
+    # Regression: a chain whose settings changed is probed again for random draws (paramfold.
+    # randomness), and what it was probed on was watched after the probe: a flag buffer switched
+    # on by another thread just after the probe read it was taken as probed, so the chain, drawing
+    # now, stayed computed at every call's start, before the forward's own draw (stock draws at
+    # the read, after it). Now it is watched from before the probe, and the next call probes
+    # again. (The write is made where the probe returns: deterministic, as a thread's is not.)
+    randomness = importlib.import_module("paramfold.randomness")
+    real = randomness.draws_random_numbers
+    results = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        model = _NoisyInput()
+        switch = model.lin.parametrizations.weight[0]
+        if prepare:
+            paramfold.prepare(model, mode)
+
+        def probed_then_written(*args):
+            found = real(*args)
+            if not switch.on.item():
+                with torch.no_grad():
+                    switch.on.fill_(1)
+            return found
+
+        monkeypatch.setattr(randomness, "draws_random_numbers", probed_then_written)
+        x = _input()[:, :3]
+        record = [model(x)]
+        switch.scale = 2.0  # probed again at the next call
+        if not prepare:
+            with torch.no_grad():
+                switch.on.fill_(1)
+        model(x)  # the call the write raced with: not compared (it draws in another order)
+        torch.manual_seed(1)
+        record += [model(x), model(x), torch.get_rng_state()]
+        results.append(record)
+    assert_same_nested(*results)
+
+
 class _WaitsSeen:
     """The call scopes' lock, with ``waited`` set once a thread has to wait for it."""
 

@@ -39,6 +39,12 @@ default dtype among them; the modes active, under which no frozen value serves);
 version counter and armed storage (a forward may edit the value it reads in place, or through
 ``.data``).
 
+Every key of an input is read before the value is computed (:func:`_fingerprint`), its write
+mark set first: a write that lands meanwhile (another thread's ``load_state_dict``) is a change
+at the next call, which computes the value again. A computation that clears a mark itself
+(weight_norm's host kernel takes its originals' storages back) has it set again where the
+input's version, address and bytes are still those read before (:func:`_freeze`).
+
 Values are computed under ``no_grad`` and outside ``inference_mode``, so a value first needed
 inside ``torch.inference_mode()`` also serves later calls that record gradients. One computed
 from inputs that carry forward-mode tangents (a dual original, torch.func jvp's wrappers) serves
@@ -64,8 +70,8 @@ from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import ADVICE, held
-from paramfold.state import (PLAIN_TENSOR_TYPES, FrozenValue, SiteState, carries_tangents, state_for, tensor_label,
-                             version_of)
+from paramfold.state import (CALLS, PLAIN_TENSOR_TYPES, FrozenValue, SiteState, carries_tangents, state_for,
+                             tensor_label, version_of)
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -82,21 +88,30 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
         if frozen is not None:
             site.misses += 1
         with torch.inference_mode(False), torch.no_grad(), _outside_transforms(site):
+            # Keyed on its inputs as they are before it is computed: a write that lands meanwhile
+            # (another thread's load_state_dict or p.copy_ under no_grad) is a change at the next
+            # call, where keys read after would match the new weights to the old weights' value.
+            prints = _fingerprint(site)
             try:
                 with _Unchanging(_storages(site)):
                     value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
             except _Stopped:
+                _unmark(prints.fresh)
                 # Something its watch does not see (paramfold.randomness) switched it on: a
                 # condition on its originals, a write that bumped no version counter.
                 site.draws = True
                 if site.mode == "freeze":
                     raise random_now(module, name) from None
                 return None  # auto: computed where it is read, drawing as stock does
+            except BaseException:
+                _unmark(prints.fresh)
+                raise
             if carries_tangents(value):
                 # Computed from inputs with forward-mode tangents (a dual original, a jvp's
                 # wrappers): stock's value as read, tangents and view included, for this call
                 # only. A frozen value is keyed on its inputs' identity, versions and bytes, none
                 # of which shows their tangents (edited in place, gone when the level ends).
+                _unmark(prints.fresh)
                 release(frozen)
                 site.frozen = None
                 return value
@@ -105,7 +120,17 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
                 # since a view holds its base, which torch.utils.swap_tensors (module.to() with
                 # swap_module_params_on_conversion, load_state_dict then) refuses to swap.
                 value = value.detach()
-            site.frozen = frozen = _freeze(site, value, under)
+            new = _freeze(site, value, under, prints)
+            if new is None:
+                # An input written while it was computed: the value serves this call, as stock's
+                # read racing with the write does, and the next call computes it again, frozen
+                # (a steady plan would take a value computed for one call for a hoisted one).
+                _unmark(prints.marked)
+                release(frozen)
+                site.frozen = None
+                site.hoist_until = CALLS[0] + 1
+                return value
+            site.frozen = frozen = new
     else:
         site.misses = site.demotions = 0
     return frozen.value
@@ -193,52 +218,106 @@ def random_now(module: nn.Module, name: str) -> FoldError:
     )
 
 
-def _freeze(site: SiteState, value: torch.Tensor, under: tuple) -> FrozenValue:
-    """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`)."""
+class _Fingerprint:
+    """What a value to freeze is keyed on, read from its inputs and settings before it is
+    computed (:func:`_fingerprint`); :func:`_freeze` adds the value's own keys."""
+
+    __slots__ = ("watch", "sizes", "raw", "views", "marked", "fresh", "checks", "empty", "full", "then",
+                 "members", "member_types", "dicted", "dicted_dicts", "ordered", "order")
+
+
+def _fingerprint(site: SiteState) -> _Fingerprint:
+    """Key every input of ``site`` (see :class:`FrozenValue`) as it is now, before its value is
+    computed: an input is armed first (:func:`arm`), then its version, address and bytes are
+    read, so a write at any moment after is seen by one of them."""
     content = site.freeze_check == "content"
-    watch, raw, views, armed = [], [], [], []
+    prints = _Fingerprint()
+    watch, raw, views, marked, fresh, checks = [], [], [], [], [], []
     for d, key, t in _watched(site):
-        address = _address(t)
-        version = version_of(t)
-        watch.append((d, key, t, version, address, layout(t)))
         # With the content check, an input nothing outside torch holds is marked, not read: any
         # later hand-out of a writable pointer to its bytes (numpy, DLPack, data_ptr()) disarms it
         # as a write through torch does. An inference tensor has no version counter: marked or
         # hashed whatever the check.
-        if (not content or unshared(t)) and arm(t):
-            armed.append(t)
+        count = ARMINGS[0]
+        armed = (not content or unshared(t)) and arm(t)
+        version = version_of(t)
+        watch.append((d, key, t, version, _address(t), layout(t)))
+        if armed:
+            marked.append(t)
+            if ARMINGS[0] != count:  # armed now, not by another value: cleared if none is frozen
+                fresh.append(t)
+            # And its bytes as they are now, whatever the check: a computation whose kernel
+            # takes the storage back (weight_norm's on the host) clears the mark itself, and a
+            # write that lands meanwhile through .data then shows only there (see _freeze).
+            checks.append((version, watch[-1][4], _byte_check(t, watch[-1][4])))
             continue
         if not content and version is not None:
             continue
-        view = _bytes(t)
-        if view is None:
-            continue
-        if address and view.device.type == "cpu" and view.is_contiguous():
-            # The tensor's own bytes, read in place (its storage is kept alive by the tensor,
-            # and its address is checked before each read).
-            memory = (ctypes.c_char * view.nbytes).from_address(address)
-            raw.append((memory, digest(memory)))
-        else:
-            views.append((view, view.clone(memory_format=torch.contiguous_format)))
-    if arm(value):
-        armed.append(value)
-    keys = tuple(map(_storage_key, armed)) if armed else ()
+        check = _byte_check(t, watch[-1][4])
+        if check is not None:
+            (raw if isinstance(check[0], ctypes.Array) else views).append(check)
+    prints.watch, prints.raw, prints.views = tuple(watch), tuple(raw), tuple(views)
+    prints.marked, prints.fresh, prints.checks = marked, fresh, checks
+    prints.sizes = tuple(map(len, site.tensor_dicts))
     # A wrapper subclass's __dict__ holds its inner tensors and metadata (``w.scale = other``
     # writes it): its tag is what a steady call checks their identity by, as for a member's.
     wrappers = {id(w[2]): vars(w[2]) for w in watch if is_traceable_wrapper_subclass(w[2])}
     live = (*settings(site), *wrappers.values())
-    full = tuple(d for d in live if d)
+    prints.empty = tuple(d for d in live if not d)
+    prints.full = tuple(d for d in live if d)
+    prints.then = list(map(tag, prints.full))
     members = site.chain if site.hook is None else ()
     objects = tuple(o for m in members if probed(m) for o in held(m).objects)  # objects a custom member holds
     # Every object whose __dict__ is among the settings: ``obj.__dict__ = {...}`` touches no tag.
-    dicted = (*(m for m in site.plist.modules() if m is not site.plist), *objects) if site.hook is None else ()
-    members = (*members, *objects)
-    ordered = tuple(d for d in full if isinstance(d, OrderedDict))  # move_to_end touches no tag either
+    prints.dicted = (*(m for m in site.plist.modules() if m is not site.plist), *objects) if site.hook is None else ()
+    prints.dicted_dicts = tuple(map(vars, prints.dicted))
+    prints.members = (*members, *objects)
+    prints.member_types = tuple(map(type, prints.members))
+    prints.ordered = tuple(d for d in prints.full if isinstance(d, OrderedDict))  # move_to_end touches no tag either
+    prints.order = list(map(list, prints.ordered))
+    return prints
+
+
+def _byte_check(t: torch.Tensor, address: int) -> tuple | None:
+    """``(the bytes in place, their digest)`` of a contiguous host tensor, ``(byte view, copy)``
+    of another, None where its bytes cannot be read (see :func:`same_bytes`)."""
+    view = _bytes(t)
+    if view is None:
+        return None
+    if address and view.device.type == "cpu" and view.is_contiguous():
+        # The tensor's own bytes, read in place (its storage is kept alive by the tensor,
+        # and its address is checked before each read).
+        memory = (ctypes.c_char * view.nbytes).from_address(address)
+        return memory, digest(memory)
+    return view, view.clone(memory_format=torch.contiguous_format)
+
+
+def _same_check(check: tuple) -> bool:
+    """Whether the bytes of a :func:`_byte_check` are as they were."""
+    return same_bytes((check,), ()) if isinstance(check[0], ctypes.Array) else same_bytes((), (check,))
+
+
+def _freeze(site: SiteState, value: torch.Tensor, under: tuple, prints: _Fingerprint) -> FrozenValue | None:
+    """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`),
+    taken before it was computed (``prints``); None where an input was written meanwhile."""
+    for t, (version, address, check) in zip(prints.marked, prints.checks):
+        if is_armed(t):
+            continue  # unwritten since it was keyed
+        # Taken back while the value was computed: by the computation's own kernel, or by a
+        # write. Armed again, then found as it was keyed (version, address, bytes), the value is
+        # from the bytes the mark watches from now on; the values frozen from it before keep the
+        # count they were keyed on (not counted again).
+        if (not arm(t, again=True) or version_of(t) != version or _address(t) != address
+                or check is None or not _same_check(check)):
+            return None
+    armed = list(prints.marked)
+    if arm(value):
+        armed.append(value)
+    keys = tuple(map(_storage_key, armed)) if armed else ()
     return FrozenValue(
-        value, tuple(watch), tuple(map(len, site.tensor_dicts)), tuple(raw), tuple(views),
-        tuple(d for d in live if not d), full, list(map(tag, full)), under, version_of(value),
-        tuple(armed), keys, list(map(_armings.get, keys)), layout(value), members, tuple(map(type, members)),
-        dicted, tuple(map(vars, dicted)), ordered, list(map(list, ordered)),
+        value, prints.watch, prints.sizes, prints.raw, prints.views, prints.empty, prints.full, prints.then, under,
+        version_of(value), tuple(armed), keys, list(map(_armings.get, keys)), layout(value), prints.members,
+        prints.member_types, prints.dicted, prints.dicted_dicts, prints.ordered, prints.order,
     )
 
 
@@ -354,17 +433,24 @@ def release(frozen: FrozenValue | None) -> None:
     in torch (``ctx != nullptr INTERNAL ASSERT FAILED at c10/core/impl/COW.cpp``). Handing out a
     writable pointer takes a marked storage back without a copy (nothing else owns it). A storage
     another frozen value still watches is then computed again for it, at worst."""
-    if frozen is None or is_armed is None:
+    if frozen is not None:
+        _unmark(frozen.armed)
+
+
+def _unmark(tensors) -> None:
+    """Clear the marks of ``tensors`` (:func:`release`)."""
+    if is_armed is None:
         return
-    for t in frozen.armed:
+    for t in tensors:
         if is_armed(t):
             with _plain(t):
                 t.data_ptr()
 
 
-def arm(t: torch.Tensor) -> bool:
+def arm(t: torch.Tensor, again: bool = False) -> bool:
     """Arm ``t``'s storage so that any later write to it is seen (:data:`is_armed` turns False);
-    return whether it could be armed.
+    return whether it could be armed. ``again``: armed again where nothing was written since its
+    count was taken (a value's own computation took it back: :func:`_freeze`), so the count stands.
 
     It uses torch's copy-on-write storages: lazily cloning a tensor and dropping the clone leaves
     its storage marked copy-on-write with no other owner. Reads leave the mark; the first write
@@ -397,6 +483,8 @@ def arm(t: torch.Tensor) -> bool:
         return False
     if not is_armed(t):
         return False
+    if again:
+        return True
     key = _storage_key(t)
     _armings[key] = _armings.get(key, 0) + 1
     ARMINGS[0] += 1
@@ -474,12 +562,17 @@ def unchanged(site: SiteState, frozen: FrozenValue, under: tuple) -> bool:
             or (frozen.ordered and list(map(list, frozen.ordered)) != frozen.order)
             or version_of(frozen.value) != frozen.value_version or layout(frozen.value) != frozen.value_layout
             or not all(map(is_armed, frozen.armed))
-            or list(map(_armings.get, frozen.armed_keys)) != frozen.armed_counts):
+            or not same_armings(frozen)):
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.
     return (same_inputs(frozen.watch) and same_settings(frozen.settings_empty, frozen.settings, frozen.settings_then)
             and same_bytes(frozen.raw, frozen.views))
+
+
+def same_armings(frozen: FrozenValue) -> bool:
+    """Whether no storage ``frozen`` watches was armed afresh since (written, then armed for another value)."""
+    return list(map(_armings.get, frozen.armed_keys)) == frozen.armed_counts
 
 
 def same_inputs(watch: tuple[tuple, ...]) -> bool:

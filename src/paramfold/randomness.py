@@ -47,13 +47,13 @@ class SettingsWatch:
 
     __slots__ = ("empty", "full", "tags", "copies", "tensors", "versions")
 
-    def __init__(self, site: SiteState, live: tuple[dict, ...] | None = None) -> None:
+    def __init__(self, site: SiteState, live: tuple[dict, ...] | None = None, draws: bool | None = None) -> None:
         live = settings(site) if live is None else live
         self.empty = tuple(d for d in live if not d)
         self.full = tuple(d for d in live if d)
         self.tags = list(map(tag, self.full))
         self.copies = tuple(map(dict, self.full))
-        self.tensors = switches(site)
+        self.tensors = switches(site, draws)
         self.versions = list(map(tensor_version, self.tensors))
 
     def unchanged(self) -> bool:
@@ -99,17 +99,17 @@ class _ProbeAgain:
 PROBE_AGAIN = _ProbeAgain()
 
 
-def switches(site: SiteState) -> tuple:
+def switches(site: SiteState, draws: bool | None = None) -> tuple:
     """The tensors ``site``'s chain holds (:func:`~paramfold.freeze.own_tensors`) whose writes may
     switch it on, with a version counter: none where it changes them itself at its computations
-    (``stateful``, or ``draws``: computed at every read since), nor one that requires grad (a
-    trained parameter, which an optimizer step writes: no switch)."""
-    if site.stateful or site.draws:
+    (``stateful``, or ``draws``, ``site.draws`` unless given: computed at every read since), nor
+    one that requires grad (a trained parameter, which an optimizer step writes: no switch)."""
+    if site.stateful or (site.draws if draws is None else draws):
         return ()
     return tuple(t for t in own_tensors(site) if not t.requires_grad and version_of(t) is not None)
 
 
-def watch(site: SiteState) -> SettingsWatch | None:
+def watch(site: SiteState, draws: bool | None = None) -> SettingsWatch | None:
     """A watch of ``site``'s settings, or None where its chain cannot start drawing: a hook-based
     norm. A chain of torch's and torchao's known parametrizations only (nested ones included)
     starts drawing or writing only by a forward hook or pre-hook registered on its modules (probed
@@ -120,9 +120,9 @@ def watch(site: SiteState) -> SettingsWatch | None:
         return None
     modules = tuple(site.plist.modules())
     if any(map(probed, modules)) or any(map(runs_hooks, filter(_is_list, modules))):
-        return SettingsWatch(site)
+        return SettingsWatch(site, draws=draws)
     hooks = tuple(d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks))
-    return SettingsWatch(site, (*hooks, *GLOBAL_HOOKS[:2]))
+    return SettingsWatch(site, (*hooks, *GLOBAL_HOOKS[:2]), draws)
 
 
 def _is_list(module: nn.Module) -> bool:
@@ -151,11 +151,15 @@ def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
     if site.draw_watch is not None and not site.draw_watch.unchanged():
         if _tracing():
             return None
+        # Watched as it is before the probe: a setting or switch written while the probe runs
+        # (another thread) is a change at the next call, which probes again. (A chain found
+        # drawing is computed at every read, as stock's: its watch only sees it switched off.)
+        before = watch(site, draws=False)
         try:
             draws = draws_random_numbers(holder, name, site.stateful, site.stateful_in_eval)
         except CannotProbeNow:
             return None
         site.draws = draws
-        site.draw_watch = watch(site)
+        site.draw_watch = watch(site) if draws else before
     return site.draws
 

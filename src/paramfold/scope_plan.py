@@ -24,7 +24,7 @@ from torch import nn
 from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, call_path, calls_its_forward, class_forward,
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_inputs
+from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_armings, same_inputs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
@@ -167,6 +167,10 @@ class Plan:
                 if name in hs.kept:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
+                    # Armed again since it was frozen (written, then armed for another value frozen
+                    # later in the call): the plan reads no count, and takes ARMINGS as it is now.
+                    if not same_armings(frozen):
+                        return None
                     if site.misses or site.demotions:
                         missed.append(site)
                     watch.extend(frozen.watch)
@@ -282,7 +286,7 @@ class Plan:
         plan.versioned_values, versions = _columns(
             [(t, v) for t, v in zip(plan.values, versions) if id(t) not in marked and v is not None], 2)
         plan.value_versions = list(versions)
-        plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # the counts the general path just checked
+        plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # each value's counts checked above
         plan.settings_empty = tuple(empty.values())
         # One check per call of every dict's tag and every tensor's description. The frozen
         # values' settings and inputs hold what they were computed with, which the general path
