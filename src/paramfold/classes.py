@@ -377,16 +377,15 @@ class _ReadOnce(SiteDescriptor):
     def __get__(self, module: nn.Module | None, owner: type | None = None):
         if module is None:
             return self
+        if inspected_by_dynamo():
+            return self._as_dynamo_sees_it(module)
         values = module.__dict__
-        if torch.compiler.is_compiling():
-            if inspected_by_dynamo():
-                return self._as_dynamo_sees_it(module)
-            # Traced, asked of the same dict reached as a plain one (the state's ``own_dict``):
-            # dynamo guards a plain dict's keys but nothing about a key's absence from
-            # ``module.__dict__``, so code traced after the value was taken (a frame re-entered
-            # or resumed inside the call) would serve a later call where the value is there, unread.
-            if self.name not in values[STATE_ATTR].own_dict:
-                return SiteDescriptor.__get__(self, module, owner)
+        # Traced, asked of the same dict reached as a plain one (the state's ``own_dict``):
+        # dynamo guards a plain dict's keys but nothing about a key's absence from
+        # ``module.__dict__``, so code traced after the value was taken (a frame re-entered or
+        # resumed inside the call) would serve a later call where the value is there, unread.
+        if torch.compiler.is_compiling() and self.name not in values[STATE_ATTR].own_dict:
+            return SiteDescriptor.__get__(self, module, owner)
         value = values.pop(self.name, None)
         if value is not None:
             if not torch.compiler.is_compiling():
