@@ -22,7 +22,7 @@ from torch._dynamo.testing import CompileCounter
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import spectral_norm
 
-from helpers import Ema, assert_same_nested, classes, grads
+from helpers import Ema, RunningScale, assert_same_nested, classes, grads
 
 import paramfold
 
@@ -269,6 +269,149 @@ def test_a_frame_resumed_after_the_value_was_taken_is_not_reused_where_it_is_the
                 record.append([call(sign * torch.rand(3, 4)), _buffers(model)])
         runs.append(record)
     assert_same_nested(*runs)
+
+
+class AsksFirst(nn.Module):
+    """A forward that asks for its training stateful weight the way ``nn.RNNBase`` does
+    (``hasattr``, then a read) or through ``getattr`` with a default."""
+
+    def __init__(self, member: str, pattern: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 4))
+        if member == "spectral_norm":
+            spectral_norm(self, "weight")
+        else:
+            parametrize.register_parametrization(self, "weight", RunningScale())
+        self.pattern = pattern
+
+    def forward(self, x):
+        if self.pattern == "getattr":
+            w = getattr(self, "weight", None)
+        else:
+            w = self.weight if hasattr(self, "weight") else None
+        return x @ w.T
+
+
+def _training_steps(model: nn.Module, call, make_input, steps: int = 3) -> list:
+    torch.manual_seed(1)
+    record = []
+    for _ in range(steps):
+        model.zero_grad()
+        out = call(make_input())
+        out = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() for o in out).backward()
+        record.append([[o.detach() for o in out], _buffers(model), grads(model)])
+    return record
+
+
+def _compiled_like_stock(make, make_input, mode: str, backend: str, stock_make=None) -> None:
+    """``make()`` prepared with ``mode`` and compiled gives, over training steps, the outputs,
+    buffers and gradients of stock's eager calls (of ``stock_make()`` where given); inline, whose
+    chain is stock's property, those of stock compiled the same way, whose guards read it too."""
+    torch.manual_seed(0)
+    prepared = paramfold.prepare(make(), mode)
+    torch.manual_seed(0)
+    stock = (stock_make or make)()
+    stock_call = torch.compile(stock, backend=backend) if mode == "inline" else stock
+    expected = _training_steps(stock, stock_call, make_input)
+    torch._dynamo.reset()
+    assert_same_nested(expected, _training_steps(prepared, torch.compile(prepared, backend=backend), make_input))
+
+
+@pytest.mark.parametrize(("member", "backend"), [("spectral_norm", "eager"), ("spectral_norm", "aot_eager"),
+                                                 ("custom", "eager")])
+@pytest.mark.parametrize("pattern", ["hasattr", "getattr"])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_hasattr_and_getattr_with_a_default_of_a_training_chain_in_compiled_code_read_it_like_stock(
+        mode, pattern, member, backend):
+    # Regression: dynamo builds the guards of a traced hasattr() (getattr with a default is
+    # traced as one) by evaluating it, and the read, on the real module: the read-once
+    # descriptor took the value out of the module's __dict__ then (the call's compiled code had
+    # not run yet), and the guard on it raised InternalTorchDynamoError: KeyError: 'weight',
+    # after two more power iterations. The traced code reads twice for getattr with a default
+    # (a hasattr, then a read), each advancing the chain: stock's compiled graph does too, where
+    # eager stock reads once (README, Notes and limits), so that pattern is compared with eager
+    # stock asking hasattr.
+    stock_pattern = "hasattr" if mode in MODES else pattern
+    _compiled_like_stock(lambda: AsksFirst(member, pattern), lambda: torch.randn(3, 4), mode, backend,
+                         lambda: AsksFirst(member, stock_pattern))
+
+
+def _gru():
+    model = nn.GRU(4, 5)
+    spectral_norm(model, "weight_hh_l0")
+    return model
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mode", [*MODES, "inline", "freeze"])
+def test_a_gru_with_a_training_spectral_norm_compiled_with_allow_rnn_trains_like_stock(mode, backend):
+    # Regression: RNNBase._weights_have_changed and _init_flat_weights ask hasattr(self, name)
+    # of every flat weight before reading it (four reads a call), so every nn.RNN/GRU/LSTM with
+    # a training spectral_norm compiled with allow_rnn raised KeyError in hoist and auto.
+    with torch._dynamo.config.patch(allow_rnn=True):
+        if mode == "freeze":  # inference only: refused, the model left as it was
+            model = _gru()
+            before, state = classes(model), copy.deepcopy(model.state_dict())
+            with pytest.raises(paramfold.FoldError, match="weight_hh_l0"):
+                paramfold.prepare(model, mode)
+            assert classes(model) == before
+            assert_same_nested(state, model.state_dict())
+            return
+        _compiled_like_stock(_gru, lambda: torch.randn(7, 3, 4), mode, backend)
+
+
+class AsksAfterAGraphBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 4))
+        spectral_norm(self, "weight")
+
+    def forward(self, x):
+        x = x @ self.weight.T
+        torch._dynamo.graph_break()
+        return x if hasattr(self, "weight") else -x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hasattr_in_a_frame_compiled_after_the_call_read_the_value_is_refused_as_guards_would_read_it(mode):
+    # The call read the value in the frame before the graph break: the resumed frame's guard for
+    # its hasattr() would read the tensor for real before each later run (no value is left in
+    # __dict__ for it to look at), one power iteration more a call than stock. Refused where
+    # the guard is built, the state as stock's at that point (one read), as for any call that raises.
+    torch.manual_seed(0)
+    prepared = paramfold.prepare(AsksAfterAGraphBreak(), mode)
+    torch.manual_seed(0)
+    stock = AsksAfterAGraphBreak()
+    stock.weight  # noqa: B018 (the read before the graph break)
+    with pytest.raises(paramfold.FoldError, match=r"^weight \(.*hasattr\(\).*mode='inline'"):
+        torch.compile(prepared, backend="eager")(torch.randn(3, 4))
+    assert_same_nested(_buffers(stock), _buffers(prepared))
+    x = torch.randn(3, 4)
+    assert_same_nested(stock(x), prepared(x))  # eagerly: served as stock
+    assert_same_nested(_buffers(stock), _buffers(prepared))
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend fails")
+
+
+@pytest.mark.parametrize("pattern", ["hasattr", "getattr"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_compiled_call_that_fails_to_compile_puts_a_training_chains_state_back(mode, pattern):
+    # The value computed before the call goes unread: its power iteration is put back, as stock,
+    # whose compiled call failed before running any, has its state.
+    torch.manual_seed(0)
+    prepared = paramfold.prepare(AsksFirst("spectral_norm", pattern), mode)
+    torch.manual_seed(0)
+    stock = AsksFirst("spectral_norm", pattern)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        torch.compile(prepared, backend=_failing_backend)(torch.randn(3, 4))
+    assert "weight" not in vars(prepared)
+    assert_same_nested(_buffers(stock), _buffers(prepared))
+    x = torch.randn(3, 4)
+    assert_same_nested(stock(x), prepared(x))
+    assert_same_nested(_buffers(stock), _buffers(prepared))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import scope_nested as nested
 from paramfold.compute import (autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
-                               has_parametrizations, parametrized_here)
+                               has_parametrizations, inspected_by_dynamo, parametrized_here)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
@@ -388,6 +388,8 @@ class _ReadOnce(SiteDescriptor):
     def __get__(self, module: nn.Module | None, owner: type | None = None):
         if module is None:
             return self
+        if inspected_by_dynamo():
+            return self._as_dynamo_sees_it(module)
         values = module.__dict__
         # Traced, asked of the same dict reached as a plain one (the state's ``own_dict``):
         # dynamo guards a plain dict's keys but nothing about a key's absence from
@@ -402,12 +404,43 @@ class _ReadOnce(SiteDescriptor):
             return value
         return SiteDescriptor.__get__(self, module, owner)
 
+    def _as_dynamo_sees_it(self, module: nn.Module) -> torch.Tensor:
+        """A read made for real by dynamo while it compiles: the guards of a traced
+        ``hasattr(module, name)`` or ``getattr(module, name, default)`` evaluate both on the
+        module as they are built. The traced code took the value or computed it afresh, and
+        runs later: this read takes nothing and computes nothing (taking it emptied the dict
+        dynamo was building a guard on, a ``KeyError``; computing it advanced the chain's state).
+
+        Where the value is there, dynamo's guard reads it from ``__dict__`` at later calls too;
+        where a frame of this call took it already (across a graph break, a module compiled on
+        its own), the guard would get it through this descriptor, for real, before every run of
+        the code, each advancing the chain's state, which stock's eager call does not. Refused."""
+        value = module.__dict__.get(self.name)
+        if value is not None:
+            return value
+        raise _RefusedWhileCompiling(
+            f"{tensor_label(module, self.name)}: compiled code asks hasattr() or getattr(..., default) of "
+            "this stateful parametrization in training after an earlier compiled frame of the call read "
+            "it (across a graph break, or from a module compiled on its own): torch.compile's guards "
+            "would read it for real before every later run of that code, each read advancing its state "
+            "(spectral_norm's power iteration), which stock's eager call does not. Read it there as "
+            f"module.{self.name} (without hasattr or a getattr default), remove the graph break, prepare "
+            "this module with mode='inline' (filter_fn; it compiles as stock does, those guard reads "
+            "included), or call model.eval()."
+        )
+
     def __set__(self, module: nn.Module, value: object) -> None:
         module.__dict__[self.name] = value  # as the non-data descriptor lets it be set; read once
 
     def __delete__(self, module: nn.Module) -> None:
         if module.__dict__.pop(self.name, _MISSING) is _MISSING:
             raise AttributeError(self.name)
+
+
+class _RefusedWhileCompiling(FoldError, AssertionError):
+    """A :class:`FoldError` raised from code dynamo runs for real while it compiles: dynamo passes
+    an ``AssertionError`` on as it is, where it re-raises any other exception as an
+    ``InternalTorchDynamoError`` that keeps only its message."""
 
 
 def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> type:

@@ -198,6 +198,16 @@ def compiling_here() -> bool:
             or torch.compiler.is_exporting())
 
 
+def inspected_by_dynamo() -> bool:
+    """Whether this code runs for real inside dynamo's compile of a frame on this thread, called
+    by dynamo itself rather than traced: the guards of a traced ``hasattr(module, name)`` or
+    ``getattr(module, name, default)`` evaluate both on the real module while they are built.
+    Traced, ``is_dynamo_compiling()`` is True; a non-strict export, which runs the model's code
+    for real, opens no ``CompileContext``. (``torch.compiler.is_compiling()`` tells neither: recent
+    torch, 2.13 among them, holds it True for real code during a compile; older torch left it False.)"""
+    return not torch.compiler.is_dynamo_compiling() and torch._guards.CompileContext.try_get() is not None
+
+
 def eager_value(module: nn.Module, name: str) -> torch.Tensor:
     """:func:`compute`, honouring ``parametrize.cached()`` exactly like stock's property."""
     if not parametrize._cache_enabled:
