@@ -675,6 +675,144 @@ def test_a_prepared_root_whose_forward_is_torchs_keeps_its_signature_for_fx_and_
     assert torch.equal(net(x), stock(x))
 
 
+class _ReadsItsWeight(nn.Module):
+    """A user model (fx traces through it) that calls its parametrized layer and reads its
+    weight directly, beside a layer with torch's hook-based spectral_norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = weight_norm(nn.Linear(4, 4))
+        self.sn = torch.nn.utils.spectral_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.sn(self.lin(x) + x @ self.lin.weight.T)
+
+
+class _CallsInner(nn.Module):
+    """An unprepared user root whose forward calls the prepared model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2.0
+
+
+def _fx_graph(gm: torch.fx.GraphModule) -> list:
+    return [(n.op, n.target) for n in gm.graph.nodes]
+
+
+def _fx_around(model: nn.Module, holder: str) -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(nn.Sequential(model) if holder == "Sequential" else _CallsInner(model))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("called", ["not", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("model", ["layer", "user model"])
+@pytest.mark.parametrize("holder", ["Sequential", "user root"])
+def test_fx_trace_of_a_module_holding_a_prepared_model_follows_its_weights_as_stocks(holder, model, called, mode):
+    # Regression: the prepared root's __call__ called nn.Module.__call__ as it was at import, past
+    # fx's patch, and opened its call scope while fx traced: the layer was no leaf, and a value
+    # frozen by an earlier call was recorded as a constant (get_attr), stale after an in-place
+    # edit of its original (and, frozen under inference_mode, raising "Inference tensors cannot
+    # be saved for backward" in a grad call).
+    def build():
+        torch.manual_seed(0)
+        return (weight_norm(nn.Linear(4, 4)) if model == "layer" else _ReadsItsWeight()).eval().requires_grad_(False)
+
+    stock = build()
+    ours = paramfold.prepare(build(), mode)
+    x = torch.randn(2, 4)
+    graphs = []
+    for m in (stock, ours):
+        if called != "not":
+            with getattr(torch, called)():
+                m(x)
+        graphs.append(_fx_around(m, holder))
+    stock_gm, gm = graphs
+    assert _fx_graph(gm) == _fx_graph(stock_gm)
+    for step in range(3):
+        if step:
+            for m in (stock, ours):
+                with torch.no_grad():
+                    m.get_submodule("" if model == "layer" else "lin").parametrizations.weight.original0.mul_(2.0)
+                    if model == "user model":
+                        m.sn.weight_orig.mul_(1.5)
+        xs, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+        expected, out = stock_gm(xs), gm(xo)
+        assert torch.equal(out, expected)
+        expected.sum().backward()
+        out.sum().backward()
+        assert torch.equal(xo.grad, xs.grad)
+        with torch.no_grad():
+            assert torch.equal(gm(x), stock_gm(x))
+            assert torch.equal(ours(x), stock(x))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+@pytest.mark.parametrize("norm", ["parametrization", "hook"])
+@pytest.mark.parametrize("holder", ["Sequential", "user root"])
+def test_fx_trace_of_a_module_holding_a_training_spectral_norm_runs_stocks_power_iterations(holder, norm, mode):
+    # Regression: under fx tracing the prepared root's call scope computed the value (recorded in
+    # the graph) before the forward read it again: two power iterations per GraphModule call where
+    # stock runs one (_u drifted), and torch's hook-based spectral_norm, inlined into the graph
+    # with normalize(..., out=weight_u), raised "div(): functions with out=... arguments don't
+    # support automatic differentiation" where stock records one call_module.
+    def build():
+        torch.manual_seed(0)
+        return (spectral_norm(nn.Linear(4, 4)) if norm == "parametrization"
+                else torch.nn.utils.spectral_norm(nn.Linear(4, 4)))
+
+    def state(m):
+        if norm == "hook":
+            return {"u": m.weight_u, "v": m.weight_v}
+        return dict(m.parametrizations.weight[0].named_buffers())
+
+    stock = build()
+    ours = paramfold.prepare(build(), mode)
+    stock_gm, gm = _fx_around(stock, holder), _fx_around(ours, holder)
+    assert _fx_graph(gm) == _fx_graph(stock_gm)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        expected, out = stock_gm(x), gm(x)
+        assert torch.equal(out, expected)
+        assert_same_tensors(state(stock), state(ours))
+        expected.sum().backward()
+        out.sum().backward()
+        assert_same_tensors(grads(stock), grads(ours))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_fx_trace_through_a_block_compiled_on_its_own_runs_stocks_power_iterations(mode):
+    # Regression: under fx tracing (dynamo's error_on_nested_fx_trace off, so that a compiled
+    # block runs its original code), the call of a block compiled on its own (layer.compile())
+    # opened its call scope: the value was recorded in the graph, then read again by the block's
+    # layer, two power iterations per call where stock runs one.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = spectral_norm(nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(Block())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+        for m in (stock, ours):
+            m[0].compile(backend="eager")
+        stock_gm, gm = _fx_around(stock, "user root"), _fx_around(ours, "user root")
+    assert _fx_graph(gm) == _fx_graph(stock_gm)
+    for _ in range(3):
+        assert torch.equal(gm(x), stock_gm(x))
+        assert_same_tensors(dict(stock[0].lin.parametrizations.weight[0].named_buffers()),
+                            dict(ours[0].lin.parametrizations.weight[0].named_buffers()))
+
+
 def test_an_nn_module_call_patched_before_paramfold_was_imported_is_honoured(tmp_path):
     # Regression: paramfold took nn.Module's call path at import as torch's own; one patched
     # before (a profiler or tracer does so at import) was then skipped by hoist's and auto's
@@ -703,6 +841,31 @@ def test_an_nn_module_call_patched_before_paramfold_was_imported_is_honoured(tmp
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_an_nn_module_call_patched_after_paramfold_was_imported_sees_the_prepared_roots_call(mode):
+    # Regression: the prepared root's __call__ called nn.Module.__call__ as it was at import, so
+    # a patch made since (a profiler's; torch.fx's tracer's) never saw the root's call.
+    seen = []
+    original = nn.Module.__call__
+
+    def patched(self, *args, **kwargs):
+        seen.append(self)
+        return original(self, *args, **kwargs)
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()).requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    outs = []
+    with mock.patch.object(nn.Module, "__call__", patched):
+        for model in (stock, ours):
+            seen.clear()
+            outs.append([model(x) for _ in range(3)])
+            assert sum(m is model for m in seen) == 3
+    assert_same_nested(*outs)
+
 
 # --- 3. freeze never stale ------------------------------------------------------------------
 

@@ -18,6 +18,9 @@ How each entry point reaches a scope:
   ``_compiled_call_impl`` eagerly; entries answer with a wrapper that opens the scope first.
 * Anything dynamo inlines from a bigger compiled region sees no scope and computes values through
   the descriptor in-graph: correct, at stock-like compile cost.
+* While torch.fx traces (``symbolic_trace``, ``make_fx``; its flag and its patch of
+  ``nn.Module.__call__`` are process-wide) no scope opens: every read computes its value like
+  stock, so the trace records stock's graph, not the values.
 
 Calls nested in a scope: a forward may swap or change originals before it calls a submodule
 (``torch.func.functional_call(self.inner, params, x)``, MoCo's momentum update). Every eager call
@@ -55,6 +58,7 @@ from operator import getitem, is_
 from typing import Any
 
 import torch
+import torch.fx._symbolic_trace as _fx
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -79,7 +83,7 @@ from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.watch import tag
 
-_MODULE_CALL = nn.Module.__call__
+_Module = nn.Module
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
 _grad_enabled = torch.is_grad_enabled
 _tracing_state = torch._C._get_tracing_state
@@ -989,11 +993,15 @@ def _reentered(scope: tuple, call: Callable, *args: Any, **kwargs: Any) -> Any:
 
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
-    ordinary ``nn.Module.__call__``, or the model's own)."""
+    ``nn.Module.__call__`` of now, a profiler's or torch.fx's patch included, as stock calls
+    it; or the model's own)."""
     if STATE_ATTR not in self.__dict__:
         return _as_restored(self, *args, **kwargs)
-    module_call = getattr(type(self), "_paramfold_call", _MODULE_CALL)
-    if compiling() or _in_scope(self):
+    module_call = getattr(type(self), "_paramfold_call", None) or _Module.__call__
+    if compiling() or _in_scope(self) or _fx._is_fx_tracing_flag:
+        # torch.fx traces (symbolic_trace, make_fx; in any thread: its patch of nn.Module.__call__
+        # is process-wide): no scope, so every read computes its value like stock's and the trace
+        # records stock's graph (a leaf call_module where stock has one), not the values.
         return module_call(self, *args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(self)) is not None:
         return _reentered(scope, module_call, self, *args, **kwargs)
@@ -1088,7 +1096,9 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:
-        return compiled if compiling() else functools.partial(_scoped_compiled_call, self, compiled)
+        if compiling() or _fx._is_fx_tracing_flag:  # (torch.fx: as in root_call)
+            return compiled
+        return functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
     if id(self) not in local.covered:
         state = self.__dict__.get(STATE_ATTR)
