@@ -746,6 +746,14 @@ class _GenericLinear(nn.Linear, typing.Generic[_T]):
     pass
 
 
+class _Callable(typing.Protocol):
+    def forward(self, x): ...
+
+
+class _ProtocolLinear(nn.Linear, _Callable):
+    pass
+
+
 def _annotated_linear() -> nn.Module:
     layer = weight_norm(nn.Linear(4, 3))
     type(layer).__annotations__  # noqa: B018 (the read stores an empty dict in stock's class, as torch.jit.script does)
@@ -756,6 +764,7 @@ _PYTHON_CLASS_MACHINERY = {
     "abc": lambda: weight_norm(_ConcreteLayer()),
     "generic": lambda: weight_norm(_GenericLinear(4, 3)),
     "annotations_read": _annotated_linear,
+    "protocol": lambda: weight_norm(_ProtocolLinear(4, 3)),
 }
 
 
@@ -786,3 +795,53 @@ def test_classes_python_machinery_adds_to_are_prepared_like_stock(kind, mode):
             assert torch.equal(a, b), name
     paramfold.restore(ours)
     assert type(ours[0]) is stock_class and set(vars(stock_class)) == keys
+
+
+def _tripled(layer: nn.Module) -> None:
+    type(layer).weight = property(lambda self: self.parametrizations.weight() * 3)
+
+
+def _copied_as_itself(layer: nn.Module) -> None:
+    type(layer).__deepcopy__ = lambda self, memo: self
+
+
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+@pytest.mark.parametrize("change", [_tripled, _copied_as_itself], ids=["property", "deepcopy"])
+def test_a_property_or_deepcopy_written_on_stocks_class_is_refused_and_the_model_left_as_it_was(change, mode):
+    # Regression: a property (or __deepcopy__) written on the Parametrized* class torch made was
+    # taken for torch's own by its name: prepare accepted it and paramfold's classes served the
+    # parametrization's value (weight 2x, not the user's 6x) or copied the module.
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 3)), nn.Linear(3, 2)).eval().requires_grad_(False)
+    change(model[0])
+    classes_before, x = [type(m) for m in model.modules()], torch.randn(2, 4)
+    expected = model(x)
+    with pytest.raises(paramfold.FoldError, match="attributes written on it since"):
+        paramfold.prepare(model, mode)
+    assert [type(m) for m in model.modules()] == classes_before
+    assert torch.equal(model(x), expected)
+
+
+class _NeedsKind(nn.Module):
+    def __init_subclass__(cls, *, kind: str, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.kind = kind
+
+
+class _Block(_NeedsKind, nn.Sequential, kind="block"):
+    pass
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_container_whose_init_subclass_refuses_paramfolds_subclass_is_refused_with_a_fold_error(mode):
+    # Regression: paramfold makes a class of its own over the root (a subclass, as FSDP2's
+    # fully_shard does), which runs the class's __init_subclass__: one that needs a keyword made
+    # prepare raise its TypeError. Now a FoldError that says so; the model is left as it was.
+    torch.manual_seed(0)
+    model = _Block(weight_norm(nn.Linear(4, 3)), nn.Linear(3, 2))
+    classes_before, x = [type(m) for m in model.modules()], torch.randn(2, 4)
+    expected = model(x)
+    with pytest.raises(paramfold.FoldError, match="__init_subclass__"):
+        paramfold.prepare(model, mode)
+    assert [type(m) for m in model.modules()] == classes_before
+    assert torch.equal(model(x), expected)

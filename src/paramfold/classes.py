@@ -73,7 +73,7 @@ class _Sealed(type):
         if not cls.__dict__.get("_paramfold_sealed") or name == "__slotnames__" or _dynamos_patch(cls, name, value):
             # __slotnames__: copyreg's cache of the class's slots, the same for every module of it.
             type.__setattr__(cls, name, value)
-        elif _injected_by_torch(value):
+        elif injected_by_torch(value):
             # register_parametrization on a prepared module (torch's _inject_property): torch's
             # property would serve every module of the class. The first time a name comes, a
             # _ForeignSite computes it for the modules parametrized for it; where the class has a
@@ -90,7 +90,7 @@ class _Sealed(type):
             type.__delattr__(cls, name)
         elif name in cls._paramfold_names or isinstance(inspect.getattr_static(cls, name, None), _ForeignSite):
             return  # remove_parametrizations on a prepared module: other modules still need it
-        elif _injected_by_torch(vars(cls._paramfold_base).get(name)):
+        elif injected_by_torch(vars(cls._paramfold_base).get(name)):
             # remove_parametrizations on a module prepare left parametrized (filter_fn, a
             # submodule selected): its base is stock's class made for this module alone.
             type.__delattr__(cls._paramfold_base, name)
@@ -106,7 +106,7 @@ def _dynamos_patch(cls: type, name: str, value: object) -> bool:
         name == "__setattr__" and getattr(value, "__wrapped__", None) is cls.__setattr__)
 
 
-def _injected_by_torch(value: object) -> bool:
+def injected_by_torch(value: object) -> bool:
     """Whether ``value`` is the property torch's ``parametrize._inject_property`` makes (its getter
     is that function's nested ``get_parametrized``)."""
     fget = value.fget if isinstance(value, property) else None
@@ -259,7 +259,15 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
     namespace["_paramfold_taken"] = tuple((n, inspect.getattr_static(base, n, None)) for n in taken)
     prefix = "Parametrized" if names else ""
     meta = _Sealed if type(base) is type else type(f"_Sealed{type(base).__name__}", (_Sealed, type(base)), {})
-    cls = meta(f"{prefix}{base.__name__}", (base,), namespace)
+    try:
+        cls = meta(f"{prefix}{base.__name__}", (base,), namespace)
+    except Exception as exc:  # the model's __init_subclass__ or metaclass refuses a subclass
+        raise FoldError(
+            f"making paramfold's subclass of {base.__qualname__} raised {type(exc).__name__}: {exc} "
+            f"(a __init_subclass__ or metaclass of {base.__qualname__}'s refuses it; paramfold gives "
+            "each prepared module and the model's root a class of its own over the module's): exclude "
+            "this module with filter_fn, or let that hook accept subclasses; the model was not changed."
+        ) from exc
     type.__setattr__(cls, "_paramfold_sealed", True)
     return cls
 

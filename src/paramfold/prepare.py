@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import hooknorms
-from paramfold.classes import (between_class, install_type_before_parametrizations, plain_base, prepared_class,
-                               read_once_class)
+from paramfold.classes import (between_class, injected_by_torch, install_type_before_parametrizations, plain_base,
+                               prepared_class, read_once_class)
 from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
@@ -27,16 +27,37 @@ from paramfold.sites import Site, find, parametrization_paths
 MODES = ("auto", "hoist", "inline", "freeze")
 FilterFn = Callable[[nn.Module, str], bool]
 
-# What stock parametrize puts in a per-instance class besides one property per tensor, and what
-# Python's own class machinery adds to any class made over the module's: ``abc.ABCMeta``'s
+# What Python's own class machinery adds to any class made over the module's: ``abc.ABCMeta``'s
 # bookkeeping (``class Base(nn.Module, ABC)``, torch.ao's FakeQuantize), ``typing.Generic``'s and
 # ``Protocol``'s, and the ``__annotations__`` dict a read of them stores (``typing.get_type_hints``,
 # ``torch.jit.script``). Each class paramfold makes has its own; none changes how a module behaves.
-_STOCK_CLASS_KEYS = {
-    "__getstate__", "__deepcopy__", "__module__", "__doc__", "__dict__", "__weakref__", "__slotnames__",
+_PYTHON_CLASS_KEYS = {
+    "__module__", "__doc__", "__dict__", "__weakref__", "__slotnames__",
     "__abstractmethods__", "_abc_impl", "__parameters__", "_is_protocol", "__protocol_attrs__",
     "__non_callable_proto_members__", "__annotations__",
 }
+#: The functions torch's ``parametrize._inject_new_class`` puts in the class it makes.
+_STOCK_CLASS_FUNCTIONS = {"__getstate__": "getstate", "__deepcopy__": "default_deepcopy"}
+
+
+def _not_stocks(cls: type, names: set[str]) -> list[str]:
+    """The entries of ``cls``'s dict (stock's per-instance ``Parametrized*`` class) that neither
+    torch's ``parametrize`` nor Python's class machinery put there: a property, ``__deepcopy__``
+    or method the user wrote on it, which a class of paramfold's would not keep."""
+    extra = []
+    for key, value in vars(cls).items():
+        if key in _PYTHON_CLASS_KEYS:
+            continue
+        if key in names and injected_by_torch(value):
+            continue
+        if key in _STOCK_CLASS_FUNCTIONS and getattr(value, "__module__", None) == parametrize.__name__ and (
+                getattr(value, "__qualname__", "") == f"_inject_new_class.<locals>.{_STOCK_CLASS_FUNCTIONS[key]}"):
+            continue
+        if key == "__subclasshook__" and getattr(value, "__module__", None) in ("typing", "typing_extensions") and (
+                getattr(value, "__qualname__", "").endswith("_proto_hook")):
+            continue  # typing.Protocol's, for isinstance checks only
+        extra.append(key)
+    return sorted(extra)
 
 
 def prepare(
@@ -232,12 +253,13 @@ def _refuse_unsupported(site: Site) -> None:
     if site.hook_based:
         return
     cls = type(site.module)
-    extra = set(vars(cls)) - _STOCK_CLASS_KEYS - set(site.module.parametrizations)
+    extra = _not_stocks(cls, set(site.module.parametrizations))
     if extra or not isinstance(site.module.parametrizations[site.tensor_name], parametrize.ParametrizationList):
         raise FoldError(
             f"{site.fqn}: its class {cls.__name__} is not the one torch.nn.utils.parametrize made "
-            f"(extra attributes: {sorted(extra)}); paramfold cannot swap it safely. "
-            "Exclude this module with filter_fn."
+            f"(attributes written on it since: {extra}); paramfold's classes would not keep them. "
+            "Define them on the module's own class before registering the parametrization, or "
+            "exclude this module with filter_fn."
         )
 
 
