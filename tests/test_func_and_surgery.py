@@ -618,6 +618,31 @@ def test_a_deep_copy_after_a_hook_normed_layer_was_swapped_out_copies_what_stock
     assert [type(m).__mro__[1:] for m in our_copy.modules()] == [type(m).__mro__[1:] for m in stock_copy.modules()]
 
 
+@pytest.mark.parametrize("called", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_deep_copy_of_a_model_keeping_a_swapped_out_layer_in_an_attribute_restores_it(mode, called):
+    # Regression: the copy's state listed only the modules copied before it (the module's
+    # _modules); a layer taken out of the model but kept in an attribute set later (`m.spare =
+    # [m[2]]`) was copied after it, prepared, yet left out of the copy's lists: restore(copy)
+    # left it with paramfold's state and class.
+    stock, ours = _wn_sn(), paramfold.prepare(_wn_sn(), mode)
+    x = torch.randn(3, 4)
+    for model in (stock, ours):
+        if called:
+            with torch.no_grad():
+                model(x)
+        model.spare = [model[2]]
+        model[2] = nn.Identity()
+    stock_copy, our_copy = copy.deepcopy(stock), copy.deepcopy(ours)
+    paramfold.restore(our_copy)
+    for module, expected in zip(our_copy.modules(), stock_copy.modules()):
+        assert "_paramfold" not in vars(module) and type(module).__mro__[1:] == type(expected).__mro__[1:]
+    spare, expected = our_copy.spare[0], stock_copy.spare[0]
+    assert "_paramfold" not in vars(spare) and type(spare).__mro__[1:] == type(expected).__mro__[1:]
+    with torch.no_grad():
+        assert torch.equal(spare(x), expected(x)) and torch.equal(our_copy(x), stock_copy(x))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_layer_swapped_out_and_changed_moved_or_put_back_is_its_own_or_stocks(mode):
     # Regression: after `model[0] = new`, remove_parametrizations on the old layer made every

@@ -784,6 +784,9 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
         for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
             if hasattr(self, slot):
                 setattr(replica, slot, copy.deepcopy(getattr(self, slot), memo))
+    state, copied = self.__dict__.get(STATE_ATTR), replica.__dict__.get(STATE_ATTR)
+    if state is not None and copied is not None and copied is not state:
+        copied.keep_copied(state, memo)
     copied_between_calls(self, replica)
     return replica
 

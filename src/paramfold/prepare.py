@@ -258,8 +258,8 @@ def _refuse_unsupported(site: Site) -> None:
         raise FoldError(
             f"{site.fqn}: its class {cls.__name__} is not the one torch.nn.utils.parametrize made "
             f"(attributes written on it since: {extra}); paramfold's classes would not keep them. "
-            "Define them on the module's own class before registering the parametrization, or "
-            "exclude this module with filter_fn."
+            "Exclude this module with filter_fn, or define them on the module's own class before "
+            "registering the parametrization."
         )
 
 

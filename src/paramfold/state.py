@@ -425,6 +425,18 @@ class ModuleState:
     #: (``copy.deepcopy(model.layer)``) is part of no prepared model (see :func:`orphaned_copy`).
     prepared_root: Any = None
 
+    def keep_copied(self, original: ModuleState, memo: dict) -> None:
+        """After ``copy.deepcopy`` of a module copied all it holds (this is the copy's state,
+        ``original`` the module's): its lists of modules are the copies of those the copy holds.
+        A module swapped out of the model since (which ``original``'s restore still lists) and not
+        held by it anywhere else is not the copy's, as stock's copy does not hold it: copied, a
+        hook-based norm's layer would raise (its weight is not a leaf)."""
+        for name in _MODULE_LISTS:
+            kept = [memo[id(m)] for m in getattr(original, name) if id(m) in memo]
+            setattr(self, name, kept if isinstance(getattr(original, name), list) else tuple(kept))
+        # Which entries a scope covers is kept by id(): the copy's own entries, not the original's.
+        self.covers = frozenset(id(m) for m in self.entries)
+
     def prepared_model(self) -> nn.Module | None:
         """The model passed to ``prepare``, while it lives."""
         return self.prepared_root() if self.prepared_root is not None else None
@@ -440,15 +452,8 @@ class ModuleState:
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
         replica = _copy_fields(self, memo, _CACHES | {"prepared_root", "own_dict", "detached", *_MODULE_LISTS})
         replica.detached = ()  # the tensors of this module's last call (one with a history, too)
-        # The modules the copy holds: those copied before this state, through the module's
-        # ``_modules`` (every one still below it). One swapped out of the model since (which this
-        # one's restore still lists) is not the copy's, as stock's copy does not hold it: copied,
-        # a hook-based norm's layer would raise (its weight is not a leaf).
-        for name in _MODULE_LISTS:
-            kept = [memo[id(m)] for m in getattr(self, name) if id(m) in memo]
-            setattr(replica, name, kept if isinstance(getattr(self, name), list) else tuple(kept))
-        # Which entries a scope covers is kept by id(): the copy's own entries, not this one's.
-        replica.covers = frozenset(id(m) for m in replica.entries)
+        replica.holders, replica.entries, replica.parametrized = [], [], ()  # (keep_copied, below)
+        replica.covers = frozenset()
         root = self.prepared_model()
         if root is not None and id(root) in memo:  # copied with its model (the memo has it first)
             replica.prepared_root = weakref.ref(memo[id(root)])
