@@ -1131,6 +1131,42 @@ def test_a_signal_while_the_process_exits_after_a_failure_adds_no_second_line(tm
     assert "missing.pt: no such file or folder" in res.stderr
 
 
+def test_a_signal_while_the_process_exits_after_a_command_that_wrote_stdout_says_it_had_completed(tmp_path):
+    # Regression: a SIGTERM after audit's report was printed said "no output was written".
+    res = subprocess.run([sys.executable, "-c", _SIGNAL_AT_EXIT, "SIGTERM", "audit", str(_wn_checkpoint(tmp_path))],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert res.returncode == 143, (res.returncode, res.stderr)
+    assert res.stderr == "paramfold audit: error: interrupted by SIGTERM; the command had completed before it, its output whole\n"
+    assert "2 parametrized sites" in " ".join(res.stdout.split())
+
+
+_IDLE_EXECUTOR_WORKER = textwrap.dedent(
+    """
+    import atexit, concurrent.futures, sys
+    # What inductor's async compile leaves: a worker waiting on its queue, which stops only when
+    # threading's exit hooks run (Python's exit runs them before it joins the threads).
+    executor = concurrent.futures.ThreadPoolExecutor(1)  # kept alive: collected, it stops its worker
+    executor.submit(int).result()
+    atexit.register(print, "atexit ran")
+    from paramfold.__main__ import main
+    sys.argv = ["paramfold", *sys.argv[1:]]
+    main()
+    """
+)
+
+
+def test_the_command_exits_with_an_idle_executor_worker_alive(tmp_path):
+    # Regression: `paramfold bench --backend inductor` printed its table, then hung for ever:
+    # the process's end joined the threads before threading's exit hooks had told the worker to stop.
+    try:
+        res = subprocess.run([sys.executable, "-c", _IDLE_EXECUTOR_WORKER, "audit", str(_wn_checkpoint(tmp_path))],
+                             capture_output=True, text=True, env=ENV, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the command did not exit: the idle executor worker was joined before it was told to stop")
+    assert res.returncode == 0 and res.stderr == "", (res.returncode, res.stderr)
+    assert res.stdout.rstrip().endswith("atexit ran")
+
+
 _SIGNAL_SWALLOWED_IN_AN_IMPORT = textwrap.dedent(
     """
     import signal, sys

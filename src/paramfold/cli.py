@@ -97,10 +97,11 @@ def _say(command: str, message: str) -> None:
 _AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
 #: The output a command has completed (renamed into place), for a failure or signal after it.
 _written: list[str] = []
-#: The command that ran (its _guarded name), and whether an error line was said: for a signal
-#: after the command has ended.
+#: The command that ran (its _guarded name), whether an error line was said and whether the
+#: command has ended (its output complete): for a signal after the command has ended.
 _ran: list[str] = []
 _said: list[bool] = []
+_ended: list[bool] = []
 
 
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
@@ -112,7 +113,12 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     if isinstance(exc, KeyboardInterrupt):
         signame = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
         code = exc.exit_code if isinstance(exc, Interrupted) else 130
-        after = f"{_written[0]} was written whole before it" if _written else _AFTER_INTERRUPT.get(command, "no output was written")
+        if _written:
+            after = f"{_written[0]} was written whole before it"
+        elif _ended:  # while the process exits
+            after = "the command had completed before it, its output whole"
+        else:
+            after = _AFTER_INTERRUPT.get(command, "no output was written")
         return code, f"interrupted by {signame}; {after}"
     if isinstance(exc, FoldError):
         return getattr(exc, "exit_code", 1), str(exc)
@@ -212,9 +218,11 @@ class _Group(_PlainHelpFlag, TyperGroup):
         _written.clear()  # a command called in the same process before this one wrote it, not this one
         _ran.clear()
         _said.clear()
+        _ended.clear()
         with signals_raise(), stdout_quiet_when_closed():
             try:
                 code = self._run_command(args, prog_name, complete_var, **extra)
+                _ended[:] = [True]
             except KeyboardInterrupt as e:  # a signal while an error was being said
                 code = _signal_after(e, 0)
             if standalone_mode and end_process and _ran != ["recompiles"]:
@@ -297,11 +305,12 @@ def _end_process(code: int) -> NoReturn:
 
     Python puts the default handlers back when it shuts down, before it tears down the modules
     (torch's take a few tenths of a second): a SIGTERM then killed the process without a word,
-    exit 143, though the command had ended and OUT was whole. So the exit is done here: other
-    threads are waited for and the ``atexit`` functions run as at a normal exit, with a handled
-    signal now saying ``interrupted by SIGTERM; OUT was written whole before it`` (or ``no output
-    was written``) and exiting with its code, then the process ends with ``os._exit``, without
-    the teardown. ``recompiles`` is not ended this way: the script it ran keeps a normal exit.
+    exit 143, though the command had ended and OUT was whole. So the exit is done here, as
+    Python's own exit does it (threading's exit hooks, other threads joined, the ``atexit``
+    functions), with a handled signal now saying ``interrupted by SIGTERM; OUT was written whole
+    before it`` (or ``the command had completed before it, its output whole``) and exiting with its
+    code, then the process ends with ``os._exit``, without the teardown. ``recompiles`` is not
+    ended this way: the script it ran keeps a normal exit.
     After a failure (its line said) a signal ends the process with the failure's code.
     """
     import atexit
@@ -315,9 +324,10 @@ def _end_process(code: int) -> NoReturn:
         os._exit(exit_code)
 
     on_signal_instead(late)
-    for thread in threading.enumerate():  # as Python's own exit does first
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # Python's own exit, step for step: threading's exit hooks (concurrent.futures' tell idle
+    # executor workers, such as inductor leaves, to stop), then join the non-daemon threads,
+    # then the atexit functions.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     _flush()
     os._exit(code)
