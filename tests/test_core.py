@@ -716,7 +716,11 @@ def test_a_models_own_call_runs_when_prepared(mode, entry):
         run_stock, run = torch.compile(stock, backend="eager"), torch.compile(ours, backend="eager")
     elif entry == "model.compile":
         stock.compile(backend="eager"), ours.compile(backend="eager")
-    x = torch.randn(2, 4)
+    _two_steps_alike(run_stock, run, stock, ours, torch.randn(2, 4))
+
+
+def _two_steps_alike(run_stock, run, stock: nn.Module, ours: nn.Module, x: torch.Tensor) -> None:
+    """Two forward and backward steps of ``run`` equal to ``run_stock``'s, and their gradients."""
     for _ in range(2):
         expected, got = run_stock(x), run(x)
         assert torch.equal(got, expected)
@@ -787,12 +791,7 @@ def test_classes_python_machinery_adds_to_are_prepared_like_stock(kind, mode):
             for _ in range(2):
                 assert torch.equal(ours(x), stock(x))
     else:
-        for _ in range(2):
-            expected, got = stock(x), ours(x)
-            assert torch.equal(got, expected)
-            expected.sum().backward(), got.sum().backward()
-        for (name, a), b in zip(grads(ours).items(), grads(stock).values()):
-            assert torch.equal(a, b), name
+        _two_steps_alike(stock, ours, stock, ours, x)
     paramfold.restore(ours)
     assert type(ours[0]) is stock_class and set(vars(stock_class)) == keys
 

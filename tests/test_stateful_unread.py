@@ -652,20 +652,6 @@ def test_a_call_after_one_whose_chain_raised_sees_its_originals_edited_inside_th
     assert_same_nested(*records)
 
 
-class _RunningMean(nn.Module):
-    """Updates a buffer at each read in training, then subtracts it."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("m", torch.zeros(()))
-
-    def forward(self, X):
-        if self.training:
-            with torch.no_grad():
-                self.m.mul_(0.9).add_(0.1 * X.mean())
-        return X - self.m
-
-
 @pytest.mark.parametrize("mode", [*MODES, "inline"])
 def test_a_stateful_chain_raising_inside_parametrize_cached_raises_its_error_as_in_stock(mode, failing_flag):
     # Regression: inside parametrize.cached(), the put-back of a training stateful chain whose
@@ -676,7 +662,7 @@ def test_a_stateful_chain_raising_inside_parametrize_cached_raises_its_error_as_
     for prepare in (False, True):
         torch.manual_seed(0)
         layer = nn.Linear(4, 4)
-        parametrize.register_parametrization(layer, "weight", _RunningMean())
+        parametrize.register_parametrization(layer, "weight", RunningScale())
         parametrize.register_parametrization(layer, "weight", RaisesOnFlag())
         model = nn.Sequential(layer, nn.Linear(4, 4)).train()
         if prepare:
