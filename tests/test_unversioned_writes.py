@@ -136,6 +136,76 @@ def test_steady_calls_keep_the_storages_armed_and_compute_nothing(backend, check
         assert all(map(freeze.is_armed, armed))
 
 
+@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.parametrize("check", ["version", "content"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_pointer_handed_out_with_nothing_written_keeps_the_frozen_value(mode, check, monkeypatch):
+    # Regression: a kernel that takes a writable pointer and writes nothing (inductor's freezing
+    # packs a frozen weight for MKL so while it compiles) clears a mark; the next call computed
+    # the value again, a new tensor, which compiled code guarded on recompiled for (at every
+    # call with inductor's freezing, then ran eagerly past dynamo's recompile limit). Now a mark
+    # found cleared with the version, address and bytes it was set on is set again, or, where
+    # something else now holds the storage (inductor keeps a view of a frozen weight, a numpy
+    # array made of it), the bytes are checked at every call: a write through it is still seen.
+    computed = []
+    real = freeze.compute
+    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ours(x)
+        first, value = len(computed), ours[0].__dict__["weight"]
+        for t in (value, *_originals(ours)):
+            t.data_ptr()
+        assert torch.equal(ours(x), stock(x))
+        alias = value.detach()  # held, as inductor's compiled code holds it
+        value.data_ptr()
+        for _ in range(2):
+            assert torch.equal(ours(x), stock(x))
+        assert len(computed) == first and ours[0].__dict__["weight"] is value
+        if check == "version":  # which does not see writes through memory handed out before
+            return
+        held = _originals(ours)[0].detach().numpy()
+        assert torch.equal(ours(x), stock(x))
+        _originals(ours)[1].data_ptr()  # a mark cleared, nothing written
+        held *= 2.0
+        _originals(stock)[0].mul_(2.0)
+        assert torch.equal(ours(x), stock(x))
+        held = ours[0].__dict__["weight"].detach().numpy()
+        ours(x)
+        held += 1.0  # the value a forward was given: stock's next read is a fresh one
+        assert torch.equal(ours(x), stock(x))
+    del alias
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_inductor_freezing_compiles_once_for_unchanged_weights_like_stock(mode):
+    # Regression: with torch._inductor.config.freezing, freeze and auto recompiled at every
+    # call (stock: once), then ran eagerly past dynamo's recompile limit: see the test above.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh()).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    counts = []
+    with torch._inductor.config.patch(freezing=True), torch.no_grad():
+        for model in (stock, ours):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("inductor")
+            run = torch.compile(model, backend=counter)
+            for _ in range(5):
+                torch.testing.assert_close(run(x), stock(x))  # inductor may reorder the arithmetic
+            counts.append(counter.frame_count)
+        assert counts == [1, 1]
+        for model in (stock, ours):
+            model[0].parametrizations.weight.original1.mul_(1.5)
+        for _ in range(3):
+            torch.testing.assert_close(run(x), stock(x))  # stock's frozen graph would be stale
+        assert counter.frame_count == 2  # one recompile for the one change
+
+
 def _frozen(model: nn.Module):
     from paramfold.state import STATE_ATTR
 
@@ -554,6 +624,40 @@ def test_a_wrapper_subclass_is_neither_marked_nor_hashed():
 class Double(nn.Module):
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         return w * 2
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_attributes_dynamo_sets_on_a_wrapper_subclass_original_change_nothing(mode, monkeypatch):
+    # Regression: a wrapper subclass's __dict__ (inner tensors, metadata) is watched by its tag,
+    # and dynamo marks a tensor it meets there (_dynamo_static_input_type; inductor's freezing:
+    # _is_frozen_param): the value was computed again after the first compiled call, a new
+    # tensor, which compiled code recompiled for. An entry of the user's is still a change.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    computed = []
+    real = freeze.compute
+    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
+    torch.manual_seed(0)
+    stock = nn.Linear(4, 4)
+    stock.weight = nn.Parameter(TwoTensor(stock.weight.detach().clone(), stock.weight.detach().clone()))
+    P.register_parametrization(stock, "weight", Double())
+    stock.eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+        first = len(computed)
+        original = ours.parametrizations.weight.original
+        original._dynamo_static_input_type = "unguarded"
+        original._is_frozen_param = True
+        for _ in range(2):
+            assert torch.equal(ours(x), stock(x))
+        assert len(computed) == first
+        for model in (stock, ours):
+            model.parametrizations.weight.original.a = model.parametrizations.weight.original.a * 2
+        assert torch.equal(ours(x), stock(x)) and len(computed) == first + 1
+        ours.parametrizations.weight.original.note = "mine"
+        assert torch.equal(ours(x), stock(x)) and len(computed) == first + 2
 
 
 def _complex_model() -> nn.Module:

@@ -12,12 +12,14 @@ in two ways:
   the same bytes included) and ``.to()`` / ``.half()`` change it. A wrapper subclass
   (``__tensor_flatten__``: torchao's quantized tensors) is keyed so on each of its inner tensors
   too, recursively, which are inputs like the others (:func:`_watched`), and on its
-  ``__dict__``'s tag (an inner tensor or metadata reassigned);
+  ``__dict__``'s tag (an inner tensor or metadata reassigned; not what torch's compilers
+  write there: :func:`only_bookkeeping`);
 * with ``freeze_check="content"`` (the default), writes that bump no version counter —
   through ``.data`` (``p.data.mul_()``, init code, EMA loops), ``.detach().numpy()``, DLPack.
   A host input that is the only tensor on its storage (:func:`unshared`) is watched for writes
   (:func:`arm`): any write through torch and any later hand-out of a pointer to its bytes
-  (numpy, DLPack, ``data_ptr()``) is seen, with no byte read per call. An input something else
+  (numpy, DLPack, ``data_ptr()``) is seen, with no byte read per call (a mark cleared with
+  nothing written is set again: :func:`rearm_unwritten`). An input something else
   already holds (a numpy array or DLPack capsule made before, a view, memory torch did not
   allocate) has its bytes checked at every call: hashed in place on the host (:data:`digest`,
   16 bytes kept per input), compared with a copy on a device. Not seen: a write through an
@@ -223,7 +225,7 @@ class _Fingerprint:
     computed (:func:`_fingerprint`); :func:`_freeze` adds the value's own keys."""
 
     __slots__ = ("watch", "sizes", "raw", "views", "marked", "fresh", "checks", "empty", "full", "then",
-                 "members", "member_types", "dicted", "dicted_dicts", "ordered", "order")
+                 "members", "member_types", "dicted", "dicted_dicts", "ordered", "order", "wrapped")
 
 
 def _fingerprint(site: SiteState) -> _Fingerprint:
@@ -263,6 +265,7 @@ def _fingerprint(site: SiteState) -> _Fingerprint:
     # writes it): its tag is what a steady call checks their identity by, as for a member's.
     wrappers = {id(w[2]): vars(w[2]) for w in watch if is_traceable_wrapper_subclass(w[2])}
     live = (*settings(site), *wrappers.values())
+    prints.wrapped = tuple((d, _unbookkept(d)) for d in wrappers.values())
     prints.empty = tuple(d for d in live if not d)
     prints.full = tuple(d for d in live if d)
     prints.then = list(map(tag, prints.full))
@@ -311,14 +314,23 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple, prints: _Fingerp
                 or check is None or not _same_check(check)):
             return None
     armed = list(prints.marked)
+    checks = [(version, address, _in_place(check)) for version, address, check in prints.checks]
     if arm(value):
         armed.append(value)
+        address = _address(value)
+        checks.append((version_of(value), address, _in_place(_byte_check(value, address)) if value.is_contiguous() else None))
     keys = tuple(map(_storage_key, armed)) if armed else ()
     return FrozenValue(
         value, prints.watch, prints.sizes, prints.raw, prints.views, prints.empty, prints.full, prints.then, under,
         version_of(value), tuple(armed), keys, list(map(_armings.get, keys)), layout(value), prints.members,
-        prints.member_types, prints.dicted, prints.dicted_dicts, prints.ordered, prints.order,
+        prints.member_types, prints.dicted, prints.dicted_dicts, prints.ordered, prints.order, armed_checks=tuple(checks),
+        wrapped=prints.wrapped,
     )
+
+
+def _in_place(check: tuple | None) -> tuple | None:
+    """A :func:`_byte_check` of bytes hashed in place (16 bytes kept), else None (not a copy)."""
+    return check if check is not None and isinstance(check[0], ctypes.Array) else None
 
 
 def _inputs(site: SiteState):
@@ -561,18 +573,82 @@ def unchanged(site: SiteState, frozen: FrozenValue, under: tuple) -> bool:
             or (frozen.held and not all(map(is_, map(vars, frozen.held), frozen.held_dicts)))
             or (frozen.ordered and list(map(list, frozen.ordered)) != frozen.order)
             or version_of(frozen.value) != frozen.value_version or layout(frozen.value) != frozen.value_layout
-            or not all(map(is_armed, frozen.armed))
-            or not same_armings(frozen)):
+            or not same_armings(frozen)  # first: a mark is set again only at the count keyed on
+            or not (all(map(is_armed, frozen.armed)) or rearm_unwritten(site, frozen))):
         return False
     # The addresses same_bytes reads are the ones same_inputs just checked; each input's storage
     # is held alive by its tensor.
-    return (same_inputs(frozen.watch) and same_settings(frozen.settings_empty, frozen.settings, frozen.settings_then)
+    return (same_inputs(frozen.watch)
+            and (same_settings(frozen.settings_empty, frozen.settings, frozen.settings_then)
+                 or (bool(frozen.wrapped) and only_bookkeeping(frozen)))
             and same_bytes(frozen.raw, frozen.views))
+
+
+def _bookkeeping(key: str) -> bool:
+    """Whether ``key`` is an attribute torch's compilers set on a tensor they compile with
+    (``_dynamo_static_input_type``, ``mark_dynamic``'s ``_dynamo_dynamic_indices``, inductor's
+    ``_is_frozen_param``): what a tensor holds, not what it computes."""
+    return key.startswith("_dynamo_") or key == "_is_frozen_param"
+
+
+def _unbookkept(d: dict) -> dict:
+    return {k: v for k, v in d.items() if not _bookkeeping(k)}
+
+
+def only_bookkeeping(frozen: FrozenValue) -> bool:
+    """Whether the settings of ``frozen`` that were written since are wrapper subclasses'
+    ``__dict__``s (see :func:`_fingerprint`), written only where :func:`_bookkeeping` says
+    (dynamo marks an original it meets so while it compiles), every other entry the same object
+    as when the value was computed; their tags are then taken as they are now."""
+    wrapped = {id(d) for d, _ in frozen.wrapped}
+    try:
+        if any(frozen.settings_empty):
+            return False
+        now = list(map(tag, frozen.settings))
+        if any(id(d) not in wrapped for d, n, t in zip(frozen.settings, now, frozen.settings_then) if n != t):
+            return False
+    except Exception:  # a copy's entry replaced by a tensor or an array, whose == is elementwise
+        return False
+    for d, then in frozen.wrapped:
+        own = _unbookkept(d)
+        if own.keys() != then.keys() or not all(own[k] is v for k, v in then.items()):
+            return False
+    frozen.settings_then = now
+    return True
 
 
 def same_armings(frozen: FrozenValue) -> bool:
     """Whether no storage ``frozen`` watches was armed afresh since (written, then armed for another value)."""
     return list(map(_armings.get, frozen.armed_keys)) == frozen.armed_counts
+
+
+def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
+    """Whether each of ``frozen``'s storages whose mark was cleared is unwritten: its version,
+    address and bytes are those it was armed with. A kernel that takes a writable pointer and
+    writes nothing clears a mark (inductor's ``freezing`` packs a frozen weight for MKL so while
+    it compiles); computing the value again for that would give it a new identity, which
+    compiled code guards on. Each is then watched as :func:`_fingerprint` watches an input:
+    armed again where nothing else holds its storage (or with ``freeze_check="version"``), its
+    count standing, as that of an input armed again in :func:`_freeze` (the caller checked it is
+    the count the value was keyed on); its bytes checked at every call otherwise (inductor keeps
+    a view of a frozen weight), since a numpy array or DLPack capsule on it writes unseen."""
+    content = site.freeze_check == "content"
+    hashed = []
+    for i, (t, (version, address, check)) in enumerate(zip(frozen.armed, frozen.armed_checks, strict=True)):
+        if is_armed(t):
+            continue
+        if check is None or version_of(t) != version or _address(t) != address or not _same_check(check):
+            return False
+        if (content and not unshared(t)) or not arm(t, again=True):
+            hashed.append(i)
+    if hashed:
+        keep = [i for i in range(len(frozen.armed)) if i not in hashed]
+        frozen.raw += tuple(frozen.armed_checks[i][2] for i in hashed)
+        frozen.armed, frozen.armed_keys, frozen.armed_checks = (
+            tuple(frozen.armed[i] for i in keep), tuple(frozen.armed_keys[i] for i in keep),
+            tuple(frozen.armed_checks[i] for i in keep))
+        frozen.armed_counts = [frozen.armed_counts[i] for i in keep]
+    return True
 
 
 def same_inputs(watch: tuple[tuple, ...]) -> bool:

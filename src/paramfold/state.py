@@ -78,6 +78,14 @@ class FrozenValue:
     #: The ``OrderedDict`` among ``settings`` and their keys in order (``move_to_end`` touches no tag).
     ordered: tuple = ()
     order: list = dataclasses.field(default_factory=list)
+    #: Per tensor of ``armed``: ``(version, storage address, (bytes in place, digest))`` as it was
+    #: armed, or None where its bytes are not one contiguous host buffer. A mark cleared with
+    #: these unchanged is set again (``freeze.rearm_unwritten``): a kernel that takes a writable
+    #: pointer and writes nothing (inductor's freezing packs a frozen weight so) clears it.
+    armed_checks: tuple = ()
+    #: ``(__dict__, its entries but torch's compile bookkeeping)`` of each wrapper subclass
+    #: input (``freeze.only_bookkeeping``): dynamo marks a tensor it meets in its ``__dict__``.
+    wrapped: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)
