@@ -796,6 +796,16 @@ def test_classes_python_machinery_adds_to_are_prepared_like_stock(kind, mode):
     assert type(ours[0]) is stock_class and set(vars(stock_class)) == keys
 
 
+def _refused_and_left_as_it_was(model: nn.Module, mode: str, match: str) -> None:
+    """``prepare`` raises a FoldError matching ``match`` and leaves ``model``'s classes and output as they were."""
+    classes_before, x = [type(m) for m in model.modules()], torch.randn(2, 4)
+    expected = model(x)
+    with pytest.raises(paramfold.FoldError, match=match):
+        paramfold.prepare(model, mode)
+    assert [type(m) for m in model.modules()] == classes_before
+    assert torch.equal(model(x), expected)
+
+
 def _tripled(layer: nn.Module) -> None:
     type(layer).weight = property(lambda self: self.parametrizations.weight() * 3)
 
@@ -813,12 +823,7 @@ def test_a_property_or_deepcopy_written_on_stocks_class_is_refused_and_the_model
     torch.manual_seed(0)
     model = nn.Sequential(weight_norm(nn.Linear(4, 3)), nn.Linear(3, 2)).eval().requires_grad_(False)
     change(model[0])
-    classes_before, x = [type(m) for m in model.modules()], torch.randn(2, 4)
-    expected = model(x)
-    with pytest.raises(paramfold.FoldError, match="attributes written on it since"):
-        paramfold.prepare(model, mode)
-    assert [type(m) for m in model.modules()] == classes_before
-    assert torch.equal(model(x), expected)
+    _refused_and_left_as_it_was(model, mode, "attributes written on it since")
 
 
 class _NeedsKind(nn.Module):
@@ -838,9 +843,4 @@ def test_a_container_whose_init_subclass_refuses_paramfolds_subclass_is_refused_
     # prepare raise its TypeError. Now a FoldError that says so; the model is left as it was.
     torch.manual_seed(0)
     model = _Block(weight_norm(nn.Linear(4, 3)), nn.Linear(3, 2))
-    classes_before, x = [type(m) for m in model.modules()], torch.randn(2, 4)
-    expected = model(x)
-    with pytest.raises(paramfold.FoldError, match="__init_subclass__"):
-        paramfold.prepare(model, mode)
-    assert [type(m) for m in model.modules()] == classes_before
-    assert torch.equal(model(x), expected)
+    _refused_and_left_as_it_was(model, mode, "__init_subclass__")
