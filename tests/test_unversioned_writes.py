@@ -11,6 +11,7 @@ backend). Every test failed on the code before the storages were watched, except
 from __future__ import annotations
 
 import copy
+import gc
 
 import numpy as np
 import pytest
@@ -504,6 +505,29 @@ def test_a_frozen_value_dropped_for_a_call_leaves_no_write_mark_behind(check):
     assert _marked(ours)
     assert torch.equal(ours(x), stock(x))  # records grad: every value dropped
     assert not _marked(ours)
+
+
+@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.parametrize("end", ["restored", "dropped"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_models_prepared_and_dropped_in_a_loop_leave_no_arming_record_behind(mode, end):
+    # Regression: freeze._armings kept an entry for every storage a frozen value was ever keyed
+    # on, after restore and after the model was freed: a process that prepares and drops models
+    # (a server loading versions, a sweep) grew without bound.
+    def once():
+        model = paramfold.prepare(_model(), mode)
+        with torch.no_grad():
+            model(torch.randn(3, 4))
+        if end == "restored":
+            paramfold.restore(model)
+
+    once()
+    gc.collect()
+    before = len(freeze._armings)
+    for _ in range(20):
+        once()
+    gc.collect()
+    assert len(freeze._armings) <= before
 
 
 @pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")

@@ -59,6 +59,7 @@ import contextlib
 import ctypes
 import gc
 import operator
+import weakref
 from collections import OrderedDict
 from operator import is_
 
@@ -309,7 +310,7 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple, prints: _Fingerp
         # Taken back while the value was computed: by the computation's own kernel, or by a
         # write. Armed again, then found as it was keyed (version, address, bytes), the value is
         # from the bytes the mark watches from now on; the values frozen from it before keep the
-        # count they were keyed on (not counted again).
+        # stamp they were keyed on (not stamped again).
         if (not arm(t, again=True) or version_of(t) != version or _address(t) != address
                 or check is None or not _same_check(check)):
             return None
@@ -320,12 +321,12 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple, prints: _Fingerp
         address = _address(value)
         checks.append((version_of(value), address, _in_place(_byte_check(value, address)) if value.is_contiguous() else None))
     keys = tuple(map(_storage_key, armed)) if armed else ()
-    return FrozenValue(
+    return _keep_keys(FrozenValue(
         value, prints.watch, prints.sizes, prints.raw, prints.views, prints.empty, prints.full, prints.then, under,
         version_of(value), tuple(armed), keys, list(map(_armings.get, keys)), layout(value), prints.members,
         prints.member_types, prints.dicted, prints.dicted_dicts, prints.ordered, prints.order, armed_checks=tuple(checks),
         wrapped=prints.wrapped,
-    )
+    ))
 
 
 def _in_place(check: tuple | None) -> tuple | None:
@@ -405,14 +406,39 @@ _lazy_clone = getattr(torch, "_lazy_clone", None)
 is_armed = getattr(torch._C, "_is_cow_tensor", None)
 #: A storage's identity (its StorageImpl's address), read without touching its data.
 _storage_key = getattr(torch._C, "_storage_address", None)
-#: How many times :func:`arm` has armed each storage (by :data:`_storage_key`). One storage may
-#: feed several frozen values (a shared parametrization's buffer, tied weights, views of one flat
-#: buffer, two models): the first to see it disarmed arms it again, so each value records the
-#: count it was computed at, and a later count is a change for the others too.
+#: When :func:`arm` last armed each storage (by :data:`_storage_key`), as :data:`ARMINGS`' count
+#: then: unique to that arming. One storage may feed several frozen values (a shared
+#: parametrization's buffer, tied weights, views of one flat buffer, two models): the first to
+#: see it disarmed arms it again, so each value records the stamp it was computed at, and a later
+#: one is a change for the others too. An entry lives while a frozen value records it
+#: (:func:`_keep_keys`): a process that prepares and drops models does not grow.
 _armings: dict[int, int] = {}
+#: How many live frozen values record each entry of :data:`_armings`.
+_recorders: dict[int, int] = {}
 #: Bumped at every arming anywhere: a steady plan built at one count reads no per-storage count
 #: while it holds.
 ARMINGS = [0]
+
+
+def _keep_keys(frozen: FrozenValue) -> FrozenValue:
+    """Count ``frozen`` among the recorders of its storages' :data:`_armings` entries until it
+    is freed; the last one freed drops them (its storage may be freed too, and its address reused)."""
+    keys = frozen.armed_keys
+    if keys:
+        for key in keys:
+            _recorders[key] = _recorders.get(key, 0) + 1
+        weakref.finalize(frozen, _drop_keys, keys)
+    return frozen
+
+
+def _drop_keys(keys: tuple[int, ...]) -> None:
+    for key in keys:
+        left = _recorders.get(key, 0) - 1
+        if left > 0:
+            _recorders[key] = left
+        else:  # no value compares this entry now: one armed later is stamped afresh
+            _recorders.pop(key, None)
+            _armings.pop(key, None)
 
 
 def plain_underneath(t: torch.Tensor) -> bool:
@@ -462,7 +488,7 @@ def _unmark(tensors) -> None:
 def arm(t: torch.Tensor, again: bool = False) -> bool:
     """Arm ``t``'s storage so that any later write to it is seen (:data:`is_armed` turns False);
     return whether it could be armed. ``again``: armed again where nothing was written since its
-    count was taken (a value's own computation took it back: :func:`_freeze`), so the count stands.
+    stamp was taken (a value's own computation took it back: :func:`_freeze`), so the stamp stands.
 
     It uses torch's copy-on-write storages: lazily cloning a tensor and dropping the clone leaves
     its storage marked copy-on-write with no other owner. Reads leave the mark; the first write
@@ -487,7 +513,7 @@ def arm(t: torch.Tensor, again: bool = False) -> bool:
         with _plain(t):
             if t.device.type != "cpu" or t.layout != torch.strided or t.is_pinned():
                 return False
-            if is_armed(t):  # by another value, and unwritten since: its count stands
+            if is_armed(t):  # by another value, and unwritten since: its stamp stands
                 return True
             with torch.no_grad():
                 _lazy_clone(t.detach())
@@ -497,9 +523,8 @@ def arm(t: torch.Tensor, again: bool = False) -> bool:
         return False
     if again:
         return True
-    key = _storage_key(t)
-    _armings[key] = _armings.get(key, 0) + 1
     ARMINGS[0] += 1
+    _armings[_storage_key(t)] = ARMINGS[0]
     return True
 
 

@@ -62,7 +62,7 @@ class FrozenValue:
     #: watches: each must still be armed, or something wrote to it without a version counter
     #: seeing it (through ``.data``, ``untyped_storage()``, a numpy array taken since).
     armed: tuple[torch.Tensor, ...] = ()
-    #: Their storages' identities and how many times each had been armed (``freeze._armings``).
+    #: Their storages' identities and when each was last armed (``freeze._armings``).
     armed_keys: tuple[int, ...] = ()
     armed_counts: list = dataclasses.field(default_factory=list)
     #: ``value``'s description (``watch.layout``): a forward may re-describe it through ``.data``.
