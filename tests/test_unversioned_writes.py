@@ -507,6 +507,31 @@ def test_a_frozen_value_dropped_for_a_call_leaves_no_write_mark_behind(check):
     assert not _marked(ours)
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("export", [np.from_dlpack, torch.from_dlpack], ids=["numpy", "torch"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_an_original_exported_through_dlpack_itself_is_hashed_and_its_writes_seen(mode, export, when):
+    # Regression: a DLPack export of the tensor itself (not of a detached alias) holds the
+    # tensor, not its storage, so the storage's use count stayed at one: the original was armed
+    # and never hashed, and a write through the exported array left the old value served.
+    stock = _model()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    arrays = []
+    with torch.no_grad():
+        if when == "before":
+            arrays = [export(_originals(m)[0]) for m in (stock, ours)]
+        for _ in range(3):
+            assert torch.equal(ours(x), stock(x))
+        if when == "after":
+            arrays = [export(_originals(m)[0]) for m in (stock, ours)]
+            assert torch.equal(ours(x), stock(x))
+        for array in arrays:
+            array[...] = 0.5
+        for _ in range(2):
+            assert torch.equal(ours(x), stock(x))
+
+
 @pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("end", ["restored", "dropped"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])

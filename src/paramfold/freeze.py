@@ -532,8 +532,10 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def unshared(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the only tensor on its storage: no view, no ``.data`` alias, and so no
-    numpy array or DLPack capsule made from it before now (each holds a tensor on the storage).
+    """Whether ``t`` is the only tensor on its storage and nothing but its Python object holds
+    it: no view, no ``.data`` alias, and so no numpy array or DLPack capsule made from it or
+    from an alias before now (one made of ``t`` itself holds ``t``, one of an alias a tensor on
+    the storage).
 
     With ``freeze_check="content"``, an input that is unshared and :func:`arm`-ed needs no byte
     check: every later way to write its bytes goes through torch or a pointer handed out after
@@ -543,7 +545,8 @@ def unshared(t: torch.Tensor) -> bool:
         return False
     try:
         with _plain(t):
-            return _use_count(t.untyped_storage()._cdata) <= 2  # ``t``'s and the storage object's own
+            # ``t``'s and the storage object's own; ``t`` held by its Python object alone.
+            return _use_count(t.untyped_storage()._cdata) <= 2 and t._use_count() <= 1
     except Exception:  # no storage (meta, sparse), or a torch whose storages do not say
         return False
 
