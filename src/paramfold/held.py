@@ -33,6 +33,7 @@ import types
 import torch
 from torch import nn
 
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.state import ONCE_ATTR, STATE_ATTR, installed_keys
 
 #: ``nn.Module``'s own bookkeeping (hook dicts, ``_parameters``, ``_buffers``, ``_modules``, ...):
@@ -298,3 +299,7 @@ def _contents(obj: object) -> tuple[object, object]:
         except Exception:
             pass
     return obj, id(obj)  # nothing to list: a change inside is not seen
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold.compute import GLOBAL_HOOKS, dispatch_modes
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import own_tensors, settings
 from paramfold.sites import CannotProbeNow, draws_random_numbers, probed, runs_hooks
 from paramfold.state import SiteState, tensor_version, version_of
@@ -163,3 +164,6 @@ def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
         site.draw_watch = watch(site) if draws else before
     return site.draws
 
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())

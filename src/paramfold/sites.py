@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from paramfold.compute import has_parametrizations, is_nested, leaf_originals, members, original_names
+from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import generator_state, generators, global_generator_states, same, set_global_generator_states, snapshot
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
@@ -626,3 +627,7 @@ def _is_cast(args: tuple, out: object) -> bool:
     if out.is_floating_point() or out.is_complex():
         return torch.allclose(out, expected, rtol=0, atol=0, equal_nan=True)  # NaNs cast to NaNs
     return torch.equal(out, expected)
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())
