@@ -507,6 +507,44 @@ def test_a_frozen_value_dropped_for_a_call_leaves_no_write_mark_behind(check):
     assert not _marked(ours)
 
 
+class _Twice(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 2
+
+
+class _Product(nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.w = nn.Parameter(w, requires_grad=False)
+        P.register_parametrization(self, "w", _Twice())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+@pytest.mark.parametrize("describe", [lambda t: t.t(), lambda t: t[:, ::2], lambda t: t.conj(), lambda t: t],
+                         ids=["transposed", "strided", "conjugate", "contiguous"])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["complex64", "complex128"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_complex_original_on_memory_held_elsewhere_is_hashed_whatever_its_layout(mode, dtype, describe):
+    # Regression: a non-contiguous complex128 input (a transposed or strided view, torch's
+    # orthogonal's QR-made base) had no integer type of its element size to be read as, and got
+    # no byte check at all: a write through the memory it shares left the old value served.
+    def build():
+        torch.manual_seed(0)
+        flat = torch.randn(4, 4, dtype=dtype)  # the memory a user keeps
+        return _Product(describe(flat)).eval(), flat
+
+    (stock, stock_flat), (ours, our_flat) = build(), build()
+    paramfold.prepare(ours, mode)
+    x = torch.randn(3, 4, dtype=dtype)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(ours(x), stock(x))
+            for flat in (stock_flat, our_flat):
+                flat.numpy()[0, :] += 1.0
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("export", [np.from_dlpack, torch.from_dlpack], ids=["numpy", "torch"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])

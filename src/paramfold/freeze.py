@@ -722,6 +722,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor | None:
         if t.layout != torch.strided or t.is_meta:
             return None
         t = t.detach()
+        if t.is_complex():  # as (real, imaginary) pairs: complex128 has no integer of its size
+            t = torch.view_as_real(t.conj() if t.is_conj() else t)  # the bytes in memory, not their conjugate
+        if t.is_neg():
+            t = torch._neg_view(t)
         as_int = _SAME_SIZE_INT.get(t.element_size())
         if as_int is not None:
             return t.view(as_int)
