@@ -553,6 +553,104 @@ def test_prepared_model_deepcopies_after_steady_calls(mode, grad):
     assert classes(twin) == classes(stock)
 
 
+class _StaticScaled(nn.Module):
+    """A member whose class holds a staticmethod (as geotorch's Sphere holds parse_radius)."""
+
+    def __init__(self):
+        super().__init__()
+        self.radius = 1.0
+
+    @staticmethod
+    def factor():
+        return 0.5
+
+    def forward(self, w):
+        return w * self.factor() * self.radius
+
+
+class _ClassScaled(_StaticScaled):
+    @classmethod
+    def factor(cls):
+        return 0.5
+
+
+class _AbstractScaled(nn.Module, abc.ABC):
+    @abc.abstractmethod
+    def factor(self): ...
+
+
+class _AbcScaled(_AbstractScaled):
+    def __init__(self):
+        super().__init__()
+        self.radius = 1.0
+
+    def factor(self):
+        return 0.5
+
+    def forward(self, w):
+        return w * self.factor() * self.radius
+
+
+def _sphere(layer):
+    pytest.importorskip("geotorch").sphere(layer, "weight")
+
+
+def _custom(member_class):
+    return lambda layer: parametrize.register_parametrization(layer, "weight", member_class())
+
+
+@pytest.mark.parametrize("freeze_check", ["content", "version"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("register", [_custom(_StaticScaled), _custom(_ClassScaled), _custom(_AbcScaled), _sphere],
+                         ids=["staticmethod", "classmethod", "abc", "geotorch.sphere"])
+def test_a_deep_copy_after_a_frozen_call_freezes_its_own_values(register, mode, freeze_check):
+    # Regression: copy.deepcopy (AveragedModel, an EMA) of a freeze/auto model after a frozen call
+    # raised "cannot pickle 'staticmethod' object" (or 'classmethod', '_abc._abc_data'): the frozen
+    # value's keys hold its members' classes' dicts, which deepcopy tried to copy entry by entry.
+    def build_seq():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).eval()
+        register(model[0]), register(model[2])
+        return model.requires_grad_(False) if mode == "freeze" else model  # auto: frozen under no_grad
+
+    stock, ours = build_seq(), build_seq()
+    paramfold.prepare(ours, mode, freeze_check=freeze_check)
+    x = torch.randn(3, 4)
+
+    def originals(model):
+        return [layer.parametrizations.weight.original for layer in (model[0], model[2])]
+
+    def check(*pairs):
+        with torch.no_grad():
+            for _ in range(2):
+                for model, reference in pairs:
+                    assert torch.equal(model(x), reference(x))
+
+    check((ours, stock))  # frozen from here
+    stock_twin, twin = copy.deepcopy(stock), copy.deepcopy(ours)
+    both = ((ours, stock), (twin, stock_twin))
+    check(*both)
+    for layer, original in zip((twin[0], twin[2]), originals(twin)):  # frozen again, on its own tensors
+        frozen = vars(layer)[STATE_ATTR].sites["weight"].frozen
+        assert frozen is not None and any(w[2] is original for w in frozen.watch)
+    writes = [  # each on a model and its stock reference alike, then both pairs are checked
+        (1, lambda m: originals(m)[0].mul_(2)),  # the copy's original, in place
+        (0, lambda m: originals(m)[1].data.add_(0.5)),  # the original's, through .data (no version bump)
+        (1, lambda m: originals(m)[1].data.mul_(-1)),  # the copy's, through .data
+        (1, lambda m: setattr(m[0].parametrizations.weight[0], "radius", 2.0)),  # the copy's member
+        (0, lambda m: originals(m)[0].add_(1)),  # the original's, in place
+    ]
+    for which, write in writes:
+        with torch.no_grad():
+            write(both[which][0]), write(both[which][1])
+        check(*both)
+    assert not torch.equal(stock_twin(x), stock(x))  # the writes told the copies apart
+    with torch.no_grad():  # a copy of part of the model: a stock module
+        assert torch.equal(copy.deepcopy(twin[2])(x), copy.deepcopy(stock_twin[2])(x))
+    paramfold.restore(twin)
+    check(*both)
+
+
 @pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
 @pytest.mark.parametrize("part", [0, 2, "both"])
 def test_a_deep_copy_of_part_of_a_prepared_model_is_a_stock_module(mode, part):

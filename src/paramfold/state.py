@@ -200,20 +200,24 @@ class SiteState:
 
     def __deepcopy__(self, memo: dict) -> SiteState:
         """A copy for a copied module, without what belongs to one open call of this one
-        (``before``: a copy of the model made inside its forward opens its own calls).
+        (``before``: a copy of the model made inside its forward opens its own calls), and
+        without its frozen value: the copy freezes its own at its first call, keyed on its own
+        tensors and dicts, as stock's copy computes its value at its first read.
+
+        A frozen value is keyed on this module's objects, as they were when it was computed:
+        its inputs (tensors, versions, storage addresses, armed storages, bytes in place), its
+        members' and their classes' dicts (which ``copy.deepcopy`` cannot copy where a class
+        holds a ``staticmethod``, a ``classmethod`` or ``abc.ABC``'s data, and which a copy of
+        the copied module would not follow anyway). None of those keys holds for the copy.
 
         ``read_from`` may hold tensors swapped in for the last call (``torch.func.functional_call``
         with ``p + delta``; inside ``vmap``, its wrappers), which ``copy.deepcopy`` refuses when
         they have an autograd history or are a ``torch.func`` transform's wrappers: the copy then
         starts with none, so its nested calls take its inputs for swapped (computed afresh) until
-        its first call scope records its own. A frozen value computed inside a transform from its
-        wrappers (served to that call only) is left out the same way: the copy computes its own."""
-        dropped = _OPEN_CALL
+        its first call scope records its own."""
+        dropped = _OPEN_CALL | {"frozen"}
         if any(map(_uncopyable, self.read_from)):
             dropped = dropped | {"read_from"}
-        frozen = self.frozen
-        if frozen is not None and (_uncopyable(frozen.value) or any(_uncopyable(w[2]) for w in frozen.watch)):
-            dropped = dropped | {"frozen"}
         replica = _copy_fields(self, memo, dropped)
         if "read_from" in dropped:
             replica.read_from = ()
