@@ -601,6 +601,122 @@ def test_a_parametrization_list_whose_call_does_more_than_its_members_is_called_
         assert torch.equal(compiled(x), stock(x))
 
 
+def _count_steady_calls(monkeypatch) -> list[int]:
+    """How many calls a steady plan served (``scope_plan.Plan.claim``), counted from now."""
+    from paramfold.scope_plan import Plan
+
+    served, claim = [0], Plan.claim
+
+    def counted(plan):
+        served[0] += 1
+        return claim(plan)
+
+    monkeypatch.setattr(Plan, "claim", counted)
+    return served
+
+
+class _HalfList(P.ParametrizationList):
+    def forward(self):
+        return super().forward() * 0.5
+
+
+def _wrap_list_forward(plist: nn.Module) -> None:
+    forward = plist.forward  # an Accelerate-style wrapper, set on the instance
+    plist.forward = lambda: forward() * 0.5
+
+
+def _set_list_call_impl(plist: nn.Module) -> None:
+    plist._call_impl = lambda *args, **kwargs: type(plist).forward(plist) * 0.5
+
+
+def _set_list_class(plist: nn.Module) -> None:
+    plist.__class__ = _HalfList
+
+
+LIST_CHANGES = {"forward set": _wrap_list_forward, "_call_impl set": _set_list_call_impl,
+                "__class__ set": _set_list_class}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("change", list(LIST_CHANGES))
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_call_of_a_parametrization_list_changed_in_the_steady_state_is_followed_like_stock(
+        mode, change, compiled, monkeypatch):
+    # Regression: a frozen value was keyed on the list's hook dicts, not on its own __dict__, class
+    # or class dicts; stock calls the list as a module, so after a forward or _call_impl set on it
+    # (Accelerate wraps each module's forward so) or its __class__ set, freeze and auto kept
+    # serving the value computed before. inline refuses the change, as one to a member.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    served = _count_steady_calls(monkeypatch)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(run(x), stock(x))
+        assert served[0] > 0  # the steady state was reached
+        for m in (stock, ours):
+            LIST_CHANGES[change](m[0].parametrizations.weight)
+        if mode == "inline":
+            before = _state(ours)
+            with pytest.raises(paramfold.FoldError, match="parametrizations of '0'.*changed after paramfold.prepare"):
+                run(x)
+            assert_same_tensors(before, _state(ours))
+            paramfold.restore(ours)
+            assert torch.equal(ours(x), stock(x))
+            return
+        for _ in range(3):
+            assert torch.equal(run(x), stock(x))
+            assert torch.equal(ours[0].weight, stock[0].weight)  # read between calls
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("norm", ["custom", "weight_norm"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_an_original_shadowed_in_its_lists_own_dict_is_read_as_stock_reads_it(mode, norm, compiled, monkeypatch):
+    # Regression: stock's ParametrizationList.forward reads self.original (original0, ...), which
+    # finds an entry of the list's own __dict__ before its _parameters; every mode read the
+    # _parameters entry, and freeze and auto did not see the write at all. The list is called
+    # as a module then, as stock calls it; inline refuses the change.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    if norm == "custom":
+        P.register_parametrization(stock[0], "weight", _Twice())
+    else:
+        weight_norm(stock[0])
+    stock.eval().requires_grad_(mode != "freeze")
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    served = _count_steady_calls(monkeypatch)
+    x = torch.randn(2, 4)
+    name = "original" if norm == "custom" else "original1"
+    with torch.set_grad_enabled(mode != "freeze"):
+        for _ in range(3):
+            assert torch.equal(run(x), stock(x))
+        assert served[0] > 0  # the steady state was reached
+        shadows = []
+        for m in (stock, ours):
+            plist = m[0].parametrizations.weight
+            shadows.append(torch.full_like(plist._parameters[name], 1.5).requires_grad_(mode != "freeze"))
+            plist.__dict__[name] = shadows[-1]
+        if mode == "inline":
+            before = _state(ours)
+            with pytest.raises(paramfold.FoldError, match="parametrizations of '0'.*changed after paramfold.prepare"):
+                run(x)
+            assert_same_tensors(before, _state(ours))
+            return
+        for i in range(4):
+            if i == 2:  # the shadowing tensor edited in place
+                with torch.no_grad():
+                    for t in shadows:
+                        t.mul_(2.0)
+            assert torch.equal(run(x), stock(x))
+            assert torch.equal(ours[0].weight, stock[0].weight)  # read between calls
+
+
 @pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
 def test_a_value_computed_in_graph_checks_its_list_only_outside_compiled_code(mode):
     # Regression: compute()'s check of the list's call (above) ran while dynamo traced a value

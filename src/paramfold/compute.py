@@ -266,13 +266,16 @@ def _through_fx(path: tuple) -> tuple:
 
 def calls_its_forward(plist: nn.Module, through_fx: bool = False) -> bool:
     """Whether stock's call of ``plist``, hooks aside, is exactly ``ParametrizationList.forward``
-    (its members called in turn), so that calling the members is the same: no subclass or patch
-    changed its call or ``forward``, and none is set on the instance. Cheap: it runs per computed
-    value. ``through_fx``: torch.fx's tracer's patch of the call is taken for torch's own (:func:`_through_fx`)."""
+    (its members called in turn on the originals as stored), so that calling the members is the
+    same: no subclass or patch changed its call or ``forward``, none is set on the instance, and
+    no entry of its own ``__dict__`` shadows an original (the forward's ``self.original`` finds
+    that first, where :func:`compute` reads ``_parameters``). Cheap: it runs per computed value.
+    ``through_fx``: torch.fx's tracer's patch of the call is taken for torch's own (:func:`_through_fx`)."""
     own = plist.__dict__
     path = call_path(type(plist))
     return ((path if not through_fx else _through_fx(path)) == _LIST_PATH and "forward" not in own
-            and "_call_impl" not in own and own.get("_compiled_call_impl") is None)
+            and "_call_impl" not in own and own.get("_compiled_call_impl") is None
+            and own.keys().isdisjoint(original_names(plist)))
 
 
 def class_forward(cls: type, through_fx: bool = False) -> types.FunctionType | None:

@@ -31,9 +31,10 @@ in two ways:
   DLPack, a raw pointer, another process).
 
 and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
-(``member.temperature = 0.5``), the dicts and plain objects a custom member holds
-(:mod:`paramfold.held`; one holding a list, set or array is not frozen), their submodules and
-forward hooks, and global forward hooks,
+(``member.temperature = 0.5``), the ``ParametrizationList``'s own (stock calls it as a module: a
+``forward`` set on it, an original shadowed in its ``__dict__``), every module's class, the dicts
+and plain objects a custom member holds (:mod:`paramfold.held`; one holding a list, set or array
+is not frozen), their submodules and forward hooks, and global forward hooks,
 each dict's version tag (:data:`tag`) read when the value was computed; on what it was computed
 under (:func:`~paramfold.compute.computed_under`: the autocast state, so that a value computed
 outside ``torch.autocast`` does not serve a call inside it; torch's numerics settings, the
@@ -273,9 +274,11 @@ def _fingerprint(site: SiteState) -> _Fingerprint:
     members = site.chain if site.hook is None else ()
     objects = tuple(o for m in members if probed(m) for o in held(m).objects)  # objects a custom member holds
     # Every object whose __dict__ is among the settings: ``obj.__dict__ = {...}`` touches no tag.
-    prints.dicted = (*(m for m in site.plist.modules() if m is not site.plist), *objects) if site.hook is None else ()
+    # The list's modules, the list itself included: stock calls it as a module.
+    modules = tuple(site.plist.modules()) if site.hook is None else ()
+    prints.dicted = (*modules, *objects)
     prints.dicted_dicts = tuple(map(vars, prints.dicted))
-    prints.members = (*members, *objects)
+    prints.members = (*modules, *objects)
     prints.member_types = tuple(map(type, prints.members))
     prints.ordered = tuple(d for d in prints.full if isinstance(d, OrderedDict))  # move_to_end touches no tag either
     prints.order = list(map(list, prints.ordered))
@@ -557,17 +560,19 @@ def settings(site: SiteState) -> tuple[dict, ...]:
     if site.hook is not None:
         found = [vars(site.hook)]  # name, dim, eps, n_power_iterations
     else:
-        plist = site.plist
-        found = [plist._forward_hooks, plist._forward_pre_hooks]
-        for m in plist.modules():
-            if m is not plist:
-                # Its parameter and buffer dicts too, empty or not: a tensor entry set where
-                # there was none (``register_buffer("mask", None)``, then ``member.mask = t``)
-                # is a write there, which the inputs' own checks cannot see.
-                found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks, m._parameters, m._buffers]
-                found += class_dicts(type(m))
-                if probed(m):
-                    found += held(m).dicts  # a config dict or object it holds (paramfold.held)
+        # The list itself as its members: stock calls it as a module, so a ``forward`` or
+        # ``_call_impl`` set on it (Accelerate's per-module wrapping), its class or a class
+        # attribute replaced, or an original shadowed in its ``__dict__`` (which its forward's
+        # ``self.original`` finds first) is a write to one of these.
+        found = []
+        for m in site.plist.modules():
+            # Its parameter and buffer dicts too, empty or not: a tensor entry set where
+            # there was none (``register_buffer("mask", None)``, then ``member.mask = t``)
+            # is a write there, which the inputs' own checks cannot see.
+            found += [m.__dict__, m._modules, m._forward_hooks, m._forward_pre_hooks, m._parameters, m._buffers]
+            found += class_dicts(type(m))
+            if probed(m):
+                found += held(m).dicts  # a config dict or object it holds (paramfold.held)
     return (*found, *GLOBAL_HOOKS[:2])  # the forward ones: a frozen value is computed without autograd
 
 

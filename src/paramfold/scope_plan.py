@@ -155,8 +155,10 @@ class Plan:
                                 # and no forward of its own set on it since, nor on its class
                                 structure[id(vars(member))] = vars(member)
                                 structure.update((id(d), d) for d in class_dicts(type(member)))
-                        if not site.signature[3]:
+                        if not site.signature[3]:  # nor the list's call made more than its forward
                             empty.update((id(d), d) for d in _hooks(vars(site.plist)))
+                            typed.append((site.plist, type(site.plist)))
+                            structure.update((id(d), d) for d in class_dicts(type(site.plist)))
                     elif site.hook_keys is not None:  # nested: no hook on its modules, as at prepare
                         if any(site.hook_keys):
                             return None
@@ -299,7 +301,7 @@ class Plan:
                 return None
         except Exception:  # a copy's entry replaced by a tensor, where torch reads no tags
             return None
-        plan.watch = Watch((*structure.values(), *full), (*plan.inputs, *plan.values),
+        plan.watch = Watch((*(d for k, d in structure.items() if k not in settings), *full), (*plan.inputs, *plan.values),
                            previous.watch if previous is not None else None)
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)

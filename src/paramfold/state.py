@@ -67,12 +67,13 @@ class FrozenValue:
     armed_counts: list = dataclasses.field(default_factory=list)
     #: ``value``'s description (``watch.layout``): a forward may re-describe it through ``.data``.
     value_layout: tuple = ()
-    #: The chain's members and their classes (``member.__class__ = Other`` touches no dict), then
-    #: the objects its custom members hold (``paramfold.held``) and theirs.
+    #: The chain's modules (the ``ParametrizationList`` and every module below it) and their
+    #: classes (``member.__class__ = Other`` touches no dict), then the objects its custom members
+    #: hold (``paramfold.held``) and theirs.
     members: tuple = ()
     member_types: tuple = ()
-    #: Every object whose ``__dict__`` is among ``settings`` (the chain's modules below the list, the
-    #: held objects) and the ``__dict__`` each had (``obj.__dict__ = {...}`` touches no tag).
+    #: Every object whose ``__dict__`` is among ``settings`` (the chain's modules, the list included,
+    #: the held objects) and the ``__dict__`` each had (``obj.__dict__ = {...}`` touches no tag).
     held: tuple = ()
     held_dicts: tuple = ()
     #: The ``OrderedDict`` among ``settings`` and their keys in order (``move_to_end`` touches no tag).
