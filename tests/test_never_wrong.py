@@ -815,6 +815,34 @@ class _CallsInner(nn.Module):
         return self.inner(x) * 2.0
 
 
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_calls_follow_torch_2_15_s_thread_local_fx_flag(mode, monkeypatch):
+    # Regression: torch 2.15 replaced torch.fx's module-global _is_fx_tracing_flag with a
+    # thread-local (_is_fx_tracing_tls.flag); every call of a prepared model read the global and
+    # raised AttributeError there. This torch's fx is made to look like 2.15's.
+    import torch.fx._symbolic_trace as fx_trace
+
+    import paramfold.scope as scope
+
+    tls = threading.local()
+    monkeypatch.delattr(fx_trace, "_is_fx_tracing_flag")
+    monkeypatch.setattr(scope, "_FX_TRACING", tls)
+    torch.manual_seed(0)
+    stock = spectral_norm(nn.Linear(4, 4)).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+        tls.flag = True  # this thread traces: no scope opens, every read computed like stock's
+        opened = paramfold.state.CALLS[0]
+        assert torch.equal(ours(x), stock(x))
+        assert paramfold.state.CALLS[0] == opened
+        tls.flag = False
+        stock.parametrizations.weight.original.mul_(2.0)
+        ours.parametrizations.weight.original.mul_(2.0)
+        assert torch.equal(ours(x), stock(x))
+
+
 def _fx_graph(gm: torch.fx.GraphModule) -> list:
     return [(n.op, n.target) for n in gm.graph.nodes]
 

@@ -18,9 +18,10 @@ How each entry point reaches a scope:
   ``_compiled_call_impl`` eagerly; entries answer with a wrapper that opens the scope first.
 * Anything dynamo inlines from a bigger compiled region sees no scope and computes values through
   the descriptor in-graph: correct, at stock-like compile cost.
-* While torch.fx traces (``symbolic_trace``, ``make_fx``; its flag and its patch of
-  ``nn.Module.__call__`` are process-wide) no scope opens: every read computes its value like
-  stock, so the trace records stock's graph, not the values.
+* While torch.fx traces (``symbolic_trace``, ``make_fx``; its patch of ``nn.Module.__call__`` is
+  process-wide, its flag too until torch 2.14 and the tracing thread's own from 2.15) no scope
+  opens: every read computes its value like stock, so the trace records stock's graph, not the
+  values.
 
 Calls nested in a scope: a forward may swap or change originals before it calls a submodule
 (``torch.func.functional_call(self.inner, params, x)``, MoCo's momentum update). Every eager call
@@ -117,6 +118,11 @@ class _Local(threading.local):
 
 _local = _Local()
 
+
+#: torch.fx's "tracing now" flag, read in place (no Python frame): the module global
+#: ``_is_fx_tracing_flag`` until torch 2.14 (None here), the attribute ``flag`` of the thread-local
+#: ``_is_fx_tracing_tls`` from torch 2.15, which removed the global.
+_FX_TRACING = getattr(_fx, "_is_fx_tracing_tls", None)
 
 def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
     """Open a call scope of ``entry``: what :func:`_close` takes, or None where ``entry`` was
@@ -998,9 +1004,10 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if STATE_ATTR not in self.__dict__:
         return _as_restored(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", None) or _Module.__call__
-    if compiling() or _in_scope(self) or _fx._is_fx_tracing_flag:
-        # torch.fx traces (symbolic_trace, make_fx; in any thread: its patch of nn.Module.__call__
-        # is process-wide): no scope, so every read computes its value like stock's and the trace
+    if compiling() or _in_scope(self) or (
+            _fx._is_fx_tracing_flag if _FX_TRACING is None else getattr(_FX_TRACING, "flag", False)):
+        # torch.fx traces (symbolic_trace, make_fx; until torch 2.14 in any thread: its flag was
+        # process-wide): no scope, so every read computes its value like stock's and the trace
         # records stock's graph (a leaf call_module where stock has one), not the values.
         return module_call(self, *args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(self)) is not None:
@@ -1096,7 +1103,8 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:
-        if compiling() or _fx._is_fx_tracing_flag:  # (torch.fx: as in root_call)
+        if compiling() or (_fx._is_fx_tracing_flag if _FX_TRACING is None  # (torch.fx: as in root_call)
+                           else getattr(_FX_TRACING, "flag", False)):
             return compiled
         return functools.partial(_scoped_compiled_call, self, compiled)
     local = _local
