@@ -2038,6 +2038,138 @@ def test_a_weight_read_after_changing_it_in_the_same_forward(mode):
             assert torch.equal(model(x), stock(x))
 
 
+class _Invertible(Doubled):
+    def right_inverse(self, w):
+        return w / 2
+
+
+class _AssignsThenReads(nn.Module):
+    """Assigns a parametrized tensor inside its forward (stock's property setter: right_inverse
+    writes the originals), then reads it again, without a module call in between: its own
+    (an EMA statistic kept in a parametrized buffer) or its child's weight (``self.child.weight
+    = w``, or ``setattr(self.child, "weight", w)``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.register_buffer("t", torch.zeros(4))
+        P.register_parametrization(self, "t", _Invertible())
+        self.child = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.how == "own":
+                self.t = self.t + x.mean(0)
+            elif self.how == "child":
+                self.child.weight = self.child.weight * 0.5 + 0.1
+            else:
+                setattr(self.child, "weight", self.child.weight * 0.5 + 0.1)
+        return x @ self.child.weight.t() + self.t + self.child(x)
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("how", ["own", "child", "setattr"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_tensor_assigned_in_a_forward_then_read_there_is_stocks(mode, how, backend):
+    # Regression (until 2026-12-05 hoist, freeze and auto served the value computed at the
+    # call's start to the read after the assignment, eagerly too).
+    torch._dynamo.reset()
+    stock, model = _inference(_AssignsThenReads(how)), paramfold.prepare(_inference(_AssignsThenReads(how)), mode)
+    run_stock, run = (stock, model) if backend is None else (torch.compile(stock, backend=backend),
+                                                            torch.compile(model, backend=backend))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            assert torch.equal(run(x), run_stock(x))
+            assert_same_tensors(stock.state_dict(), model.state_dict())
+
+
+class _AssignsSpectral(nn.Module):
+    """A training spectral_norm's weight assigned inside the forward, read directly, then by a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = spectral_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight = self.lin.parametrizations.weight.original * 0.9
+        return x @ self.lin.weight.t() + self.lin(x)
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_training_stateful_tensor_assigned_in_a_forward_runs_its_state_like_stock(mode, backend):
+    # The value the scope computed at the call's start (one power iteration) goes unread: its
+    # state is put back, and each read after the assignment runs the iteration, as stock's.
+    torch._dynamo.reset()
+    stock, model = _AssignsSpectral(), paramfold.prepare(_AssignsSpectral(), mode)
+    run_stock, run = (stock, model) if backend is None else (torch.compile(stock, backend=backend),
+                                                            torch.compile(model, backend=backend))
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        out_s, out = run_stock(x), run(x)
+        assert torch.equal(out, out_s)
+        out_s.sum().backward()
+        out.sum().backward()
+        assert_same_tensors(grads(stock), grads(model))
+        assert_same_tensors(stock.state_dict(), model.state_dict())
+
+
+class _DeletesInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("t", torch.ones(4))
+        P.register_parametrization(self, "t", _Invertible())
+
+    def forward(self, x):
+        y = x + self.t
+        del self.t
+        return y + self.t
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_del_of_a_parametrized_tensor_raises_like_stock(mode):
+    # Stock's property has no deleter. Until 2026-12-05 a del inside a call deleted the call's
+    # value from __dict__ (and between calls a kept frozen value) instead of raising.
+    stock, model = _DeletesInForward().eval(), paramfold.prepare(_DeletesInForward().eval(), mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for m in (stock, model):
+            with pytest.raises(AttributeError, match="has no deleter"):
+                m(x)
+            with pytest.raises(AttributeError, match="has no deleter"):
+                del m.t
+            assert torch.equal(m.t, torch.ones(4))
+
+
+class _RightInverseThenReads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("t", torch.zeros(4))
+        P.register_parametrization(self, "t", _Invertible())
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.parametrizations.t.right_inverse(self.t + x.mean(0))
+        return x + self.t
+
+
+@pytest.mark.parametrize(
+    "mode", ["inline", *(pytest.param(m, marks=_READ_WITHOUT_A_CALL_LIMIT) for m in ("hoist", "freeze", "auto"))]
+)
+def test_right_inverse_called_directly_then_a_read_in_the_same_forward(mode):
+    # Assigning through the name (module.t = v) is seen (above); torch's ParametrizationList
+    # called directly writes the originals as an in-place edit does.
+    x = torch.randn(2, 4)
+    stock, model = _RightInverseThenReads().eval(), paramfold.prepare(_RightInverseThenReads().eval(), mode)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), stock(x))
+
+
 @pytest.mark.parametrize("mode", ["hoist", "auto"])
 def test_buffers_replaced_by_module_to_between_calls_are_not_taken_for_a_swap(mode):
     # Regression (found by test_stateful): .to(dtype) replaces buffers (spectral_norm's _u/_v)

@@ -50,7 +50,7 @@ from paramfold.hooknorms import shadowed
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
-from paramfold.scope import call_values, compiled_call_impl, copied_between_calls, root_call, state_read
+from paramfold.scope import assigned, call_values, compiled_call_impl, copied_between_calls, root_call, state_read
 
 
 class _Sealed(type):
@@ -237,7 +237,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         namespace[name] = inline.get(name) or SiteDescriptor(name)
     if names or served:
         namespace["__setattr__"] = _make_setattr(base, served)
-    if served:
+    if names or served:
         namespace["__delattr__"] = _make_delattr(base, served)
     # Pickling refused with a message that says what to do (these classes are not importable,
     # so pickle would otherwise fail with a confusing lookup error); deepcopy supported, as on
@@ -802,7 +802,10 @@ def _make_setattr(base: type, last_call_values: frozenset[str] = frozenset()):
         # refuses the taken name) or a module (registered as a submodule), which it handles first.
         plists = self.__dict__.get("_modules", {}).get("parametrizations")
         if plists is not None and name in plists._modules and not isinstance(value, (nn.Parameter, nn.Module)):
-            plists._modules[name].right_inverse(value)
+            try:
+                plists._modules[name].right_inverse(value)
+            finally:  # (also where it raised: it may have written some originals)
+                assigned(self, name)
         else:
             base_setattr(self, name, value)
 
@@ -815,6 +818,11 @@ def _make_delattr(base: type, last_call_values: frozenset[str]):
     def __delattr__(self: nn.Module, name: str) -> None:
         if name in last_call_values and name not in self.__dict__ and _take_last_call_value(self, name):
             return
+        plists = self.__dict__.get("_modules", {}).get("parametrizations")
+        if plists is not None and name in plists._modules:
+            # Stock's property has no deleter; object.__delattr__ would delete the value a call
+            # scope put in __dict__ (the non-data SiteDescriptor lets it) instead of refusing.
+            raise AttributeError(f"property of {type(self).__name__!r} object has no deleter")
         base_delattr(self, name)
 
     return __delattr__

@@ -780,6 +780,25 @@ def state_read(holder: nn.Module) -> None:
             unread.drop(holder, name, site)
 
 
+def assigned(holder: nn.Module, name: str) -> None:
+    """After ``holder.<name> = value`` ran stock's property setter (``right_inverse``, which writes
+    the originals): the value a call scope put in ``holder``'s ``__dict__`` for ``name`` (or a
+    frozen value kept there) was computed from the originals before, and leaves it, so the reads
+    from now on compute it from the new ones, as stock's do. A training stateful chain's value no
+    read took yet gets its state from before the scope computed it (:func:`unread.drop`): stock
+    runs the power iteration at the read after the assignment, not at the call's start."""
+    hs = holder.__dict__.get(STATE_ATTR)
+    site = hs.sites.get(name) if hs is not None else None
+    if site is None or name not in holder.__dict__:
+        return
+    with _LOCK:
+        unread.drop(holder, name, site)
+        holder.__dict__.pop(name, None)
+        if name in hs.kept:
+            hs.kept = tuple(n for n in hs.kept if n != name)
+        nested.Installs.count += 1  # the nested checks built with that value
+
+
 def watch_backward() -> None:
     """Have every backward (``Tensor.backward``, ``torch.autograd.backward``/``grad``: torch's
     ``_engine_run_backward``) that frees the graphs it runs through (no ``retain_graph``) tell

@@ -29,7 +29,8 @@ swapped, or any under a call made with grad on again, is taken out for the rest 
 (:func:`undetach`), so the module reads the parameter itself, as stock does.
 
 Not seen: reads that are not inside a nested module call (a forward reading ``self.k.weight``
-after changing it); in-place edits through ``.data`` (they bump no version counter); and
+after changing its originals; an assignment ``self.k.weight = w`` is seen where it is made, by the
+prepared class's ``__setattr__``: ``scope.assigned``); in-place edits through ``.data`` (they bump no version counter); and
 anything inside compiled code, where nested calls are traced, not called (README, Notes and
 limits).
 """
