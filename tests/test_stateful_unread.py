@@ -32,7 +32,14 @@ HOWS = ["eager", "torch.compile", "module.compile", "layer.compile"]
 
 
 def _norm(kind: str):
+    if kind == "custom":
+        return _running_scale
     return spectral_norm if kind == "parametrization" else nn.utils.spectral_norm
+
+
+def _running_scale(layer: nn.Module) -> nn.Module:
+    parametrize.register_parametrization(layer, "weight", RunningScale())
+    return layer
 
 
 class Branches(nn.Module):
@@ -128,7 +135,7 @@ class MomentumInside(nn.Module):
 
     def forward(self, x):
         with torch.no_grad():
-            original = self.lin.parametrizations.weight.original if self.kind == "parametrization" else self.lin.weight_orig
+            original = self.lin.weight_orig if self.kind == "hook" else self.lin.parametrizations.weight.original
             original.mul_(0.9)
         return self.lin(x)
 
@@ -357,8 +364,7 @@ def _saves_its_state(kind: str) -> nn.Module:
     layer = nn.Linear(4, 4)
     if kind == "hook":  # an eval call of the hook-based spectral_norm saves weight_u/weight_v themselves
         return nn.utils.spectral_norm(layer)
-    parametrize.register_parametrization(layer, "weight", RunningScale())
-    return layer
+    return _norm("custom")(layer)
 
 
 @pytest.mark.parametrize("how", ["eager", "torch.compile"])
@@ -677,3 +683,40 @@ def test_a_stateful_chain_raising_inside_parametrize_cached_raises_its_error_as_
         record.append(_buffers(model))
         records.append(record)
     assert_same_nested(*records)
+
+
+class WritesStateOfB(Branches):
+    """Writes the skipped layer's state itself (loads another), then calls the other layer."""
+
+    def forward(self, x):
+        for buffer in self.b.buffers():
+            buffer.fill_(0.5)
+        return self.a(x)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.nn.utils.weight_norm.*is deprecated")
+@pytest.mark.parametrize("make", [Branches, MomentumInside, WritesStateOfB])
+@pytest.mark.parametrize("kind", [*KINDS, "custom"])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_a_training_stateful_chain_of_inference_tensors_keeps_its_state_as_in_stock(mode, kind, make):
+    # Regression: built inside torch.inference_mode(), its state tensors have no version counter;
+    # hoist and auto raised "RuntimeError: Inference tensors do not track version counter" where
+    # stock ran. Outside inference mode stock's power iteration raises torch's own error.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        with torch.inference_mode():
+            return make(kind)
+
+    stock, prepared = build(), paramfold.prepare(build(), mode)
+    assert all(b.is_inference() for b in prepared.buffers())
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        for step in range(4):
+            _use_b_every_other_step(stock, step), _use_b_every_other_step(prepared, step)
+            assert torch.equal(stock(x), prepared(x)), step
+            assert_same_tensors(stock.state_dict(), prepared.state_dict(), step)
+    with torch.no_grad():
+        for model in (stock, prepared):
+            with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+                model(x)
+    assert_same_tensors(stock.state_dict(), prepared.state_dict())

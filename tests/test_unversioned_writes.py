@@ -704,7 +704,7 @@ def test_a_wrapper_subclass_is_neither_marked_nor_hashed():
     from torch.testing._internal.two_tensor import TwoTensor
 
     t = TwoTensor(torch.randn(4), torch.randn(4))
-    assert not freeze.plain_underneath(t) and not freeze.arm(t) and freeze._bytes(t) is None
+    assert not freeze.plain_underneath(t) and not freeze.arm(t) and freeze.bitwise(t) is None
     assert freeze.plain_underneath(torch.randn(4).as_subclass(Tagged))
 
 
@@ -775,3 +775,66 @@ def test_an_original_given_its_conjugate_or_negative_bit_is_seen(mode, view, che
             assert torch.equal(run(x), stock(x)), step
             change(stock, step), change(ours, step)
         assert torch.equal(run(x), stock(x))
+
+
+class ScaleByBuffer(nn.Module):
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * self.scale
+
+
+class EditsBetweenCalls(nn.Module):
+    """Calls its layer, edits in place what the layer's weight is computed from, calls it again."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.a = nn.Linear(4, 4)
+        if kind == "original":
+            weight_norm(self.a)
+        elif kind == "hook":
+            nn.utils.weight_norm(self.a)
+        else:  # a member's buffer, contiguous, or strided (not contiguous)
+            scale = torch.full((4, 4), 1.5) if kind == "buffer" else torch.full((4, 8), 1.5)[:, ::2]
+            P.register_parametrization(self.a, "weight", ScaleByBuffer(scale))
+
+    def edited(self) -> torch.Tensor:
+        if self.kind == "original":
+            return self.a.parametrizations.weight.original0
+        if self.kind == "hook":
+            return self.a.weight_g
+        return self.a.parametrizations.weight[0].scale
+
+    def forward(self, x):
+        y = self.a(x)
+        self.edited().mul_(1.5)
+        return self.a(y) + self.a(x)  # a third read: after a value computed again for the second
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.nn.utils.weight_norm.*is deprecated")
+@pytest.mark.parametrize("kind", ["original", "hook", "buffer", "strided buffer"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_an_inference_tensor_edited_inside_the_forward_is_read_edited_by_a_later_call(mode, kind):
+    # Regression: the nested calls saw in-place edits by version counter only, which an inference
+    # tensor lacks: hoist, freeze and auto served the second call the value from the call's start.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        with torch.inference_mode():
+            return EditsBetweenCalls(kind).eval().requires_grad_(False)
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    assert ours.edited().is_inference()
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        for step in range(3):
+            assert torch.equal(ours(x), stock(x)), step
+            assert_same_state(stock, ours)
+
+
+def assert_same_state(stock: nn.Module, ours: nn.Module) -> None:
+    expected, actual = stock.state_dict(), ours.state_dict()
+    assert list(expected) == list(actual)
+    assert all(torch.equal(expected[k], actual[k]) for k in expected)

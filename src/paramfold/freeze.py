@@ -288,7 +288,7 @@ def _fingerprint(site: SiteState) -> _Fingerprint:
 def _byte_check(t: torch.Tensor, address: int) -> tuple | None:
     """``(the bytes in place, their digest)`` of a contiguous host tensor, ``(byte view, copy)``
     of another, None where its bytes cannot be read (see :func:`same_bytes`)."""
-    view = _bytes(t)
+    view = bitwise(t)
     if view is None:
         return None
     if address and view.device.type == "cpu" and view.is_contiguous():
@@ -486,6 +486,14 @@ def _unmark(tensors) -> None:
         if is_armed(t):
             with _plain(t):
                 t.data_ptr()
+
+
+def mark(t: torch.Tensor) -> int | None:
+    """The count ``t``'s storage was last armed at (:data:`_armings`; 0 where not by :func:`arm`)
+    while its mark stands, so nothing was written to it since; None where it has no mark."""
+    if is_armed is None or _storage_key is None or not is_armed(t):
+        return None
+    return _armings.get(_storage_key(t), 0)
 
 
 def arm(t: torch.Tensor, again: bool = False) -> bool:
@@ -718,7 +726,7 @@ digest = xxhash.xxh3_128_intdigest
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor | None:
+def bitwise(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` viewed as integers of its element size (bitwise comparable: NaN and -0.0 included),
     or None where there are no bytes to read (wrapper subclasses, sparse and meta tensors)."""
     if not plain_underneath(t):

@@ -15,8 +15,9 @@ call begins. A forward may then change their inputs before it calls a submodule:
 
 Every eager call of an entry reads its ``_compiled_call_impl`` (``scope._get_compiled_call_impl``),
 which checks the entry's :func:`check_of` columns: the tensors below it are the ones its values
-were computed from (always), and, where the scope was opened eagerly, their version counters and
-storage addresses are those of when it opened (:func:`snapshot`), as are, for the entry's own
+were computed from (always), and, where the scope was opened eagerly, their version counters (an
+inference tensor, which has none: :class:`Unversioned`) and storage addresses are those of when
+it opened (:func:`snapshot`), as are, for the entry's own
 values (read inside its calls), the originals' ``requires_grad``, the chain members' training
 modes and the custom members' attributes; and that the grad mode and autocast state are those
 the values were computed under (``local.context``). Where something differs, :func:`call_changed`
@@ -37,6 +38,7 @@ limits).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 from collections.abc import Callable
@@ -52,9 +54,9 @@ from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, co
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
-from paramfold.freeze import chain_needs_grad, release
+from paramfold.freeze import chain_needs_grad, digest, mark, release
 from paramfold.sites import probed
-from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState, for_one_call, tensor_label
+from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState, for_one_call, tensor_label, version_of
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.watch import tag
@@ -69,7 +71,8 @@ AT_READ = "at read"
 class _Local(threading.local):
     #: What the values below the entry whose scope this thread opened eagerly were computed
     #: from, taken when it opened (None otherwise): ``(values, {id: storage address}, {id:
-    #: version tag})``, ``values`` holding each plain tensor's version counter (by ``id``) and
+    #: version tag})``, ``values`` holding each plain tensor's version counter (by ``id``; an
+    #: inference tensor's :attr:`Unversioned.version`) and
     #: ``requires_grad`` (by :func:`_flag`), and each chain member's training mode (by ``id``; a
     #: hook-based norm: its module's), the addresses the plain tensors', the tags the custom
     #: members' ``__dict__``'s.
@@ -189,8 +192,14 @@ def _watched(plain: list, modes: list, settings: list, flagged: list) -> tuple:
     """``(objects, attributes, keys, dicts, their ids)``: see :func:`check_of`."""
     modes, settings = list(dict.fromkeys(modes)), list({id(d): d for d in settings}.values())
     flagged = list({id(t): t for t in flagged}.values())
-    objects = [*plain, *flagged, *modes]
-    attributes = ["_version"] * len(plain) + ["requires_grad"] * len(flagged) + ["training"] * len(modes)
+    versioned = plain
+    try:
+        list(map(_version, plain))
+    except RuntimeError:  # an inference tensor has no version counter: its Unversioned stands in
+        versioned = [t if version_of(t) is not None else Unversioned(t) for t in plain]
+    objects = [*versioned, *flagged, *modes]
+    attributes = (["_version" if o is t else "version" for o, t in zip(versioned, plain)]
+                  + ["requires_grad"] * len(flagged) + ["training"] * len(modes))
     return objects, attributes, [*map(id, plain), *map(_flag, flagged), *map(id, modes)], settings, list(map(id, settings))
 
 
@@ -540,13 +549,47 @@ def _put_settings(then: list[tuple[dict, int, object]]) -> None:
             d[key] = value
 
 
+class Unversioned:
+    """Stands in for an inference tensor's version counter (made inside
+    ``torch.inference_mode()``, it has none, and a write to it there moves nothing) in the
+    checks and the snapshot: :attr:`version` changes where the tensor may have been written. It
+    is what freeze watches such an input by between calls: its write mark, where it has one
+    (armed by a frozen value: any write through torch, ``.data`` included, clears it), read
+    for free; else a hash of its bytes on the host, read at each check (the nested calls' cost
+    grows with the bytes of such inputs, not with their computation); else (device memory,
+    never marked, or bytes not contiguous) a fresh object at each read: the value is computed
+    again at every nested call, as stock's read computes it."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def version(self) -> object:
+        t = self.tensor
+        count = mark(t)
+        if count is not None:  # armed afresh since is a change too
+            return count
+        if t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous():
+            # Its bytes in place (a plain tensor: PLAIN_TENSOR_TYPES), at its address now.
+            return ~digest((ctypes.c_char * t.nbytes).from_address(_data_ptr(t)))
+        return object()
+
+
+def _version_of(t: torch.Tensor) -> object:
+    """What the snapshot holds for ``t``'s version counter (:func:`_watched`)."""
+    version = version_of(t)
+    return version if version is not None else Unversioned(t).version
+
+
 def _moved(tensors: tuple, snap: tuple) -> bool:
     versions, addresses = snap[0], snap[1]
     for t in tensors:
         if type(t) not in PLAIN_TENSOR_TYPES:
             continue
         try:
-            if versions[id(t)] != _version(t) or addresses[id(t)] != _data_ptr(t):
+            if versions[id(t)] != _version_of(t) or addresses[id(t)] != _data_ptr(t):
                 return True
         except (LookupError, RuntimeError):
             return True
@@ -562,7 +605,7 @@ def refresh(site: SiteState) -> None:
     for t in site.read_from:
         if type(t) in PLAIN_TENSOR_TYPES:
             try:
-                snap[0][id(t)], snap[1][id(t)] = _version(t), _data_ptr(t)
+                snap[0][id(t)], snap[1][id(t)] = _version_of(t), _data_ptr(t)
             except RuntimeError:
                 pass
 

@@ -31,7 +31,8 @@ from paramfold import hooknorms
 from paramfold.compute import checkpoint_frame
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.state import STATE_ATTR, SiteState, tensor_label
+from paramfold.freeze import bitwise
+from paramfold.state import STATE_ATTR, SiteState, tensor_label, version_of
 from paramfold.state import tensor_version as _version
 
 _dtype = attrgetter("dtype")
@@ -71,7 +72,10 @@ class Copies:
     def __init__(self, tensors: list[torch.Tensor], dicts: list[dict], keys: list[str],
                  dtypes: tuple | None = None) -> None:
         self.tensors, self.dicts, self.keys = tensors, dicts, keys
-        self.versions = list(map(_version, tensors))
+        try:
+            self.versions = list(map(_version, tensors))
+        except RuntimeError:  # an inference tensor, which has none (version_of)
+            self.versions = list(map(version_of, tensors))
         # One op for all where nothing changed their dtypes since ``dtypes`` was taken (through
         # ``.data``, which no dict tag sees); else one clone each.
         copy = None
@@ -88,9 +92,12 @@ class Copies:
 
     def computed(self) -> None:
         tensors = self.tensors
-        self.after = list(map(_version, tensors))
+        try:
+            self.after = list(map(_version, tensors))
+        except RuntimeError:  # an inference tensor: its bytes instead (stamp)
+            self.after = list(map(stamp, tensors))
         if not all(map(is_, map(dict.get, self.dicts, self.keys), tensors)):
-            self.replaced = {i: (t, None if t is None else _version(t))
+            self.replaced = {i: (t, None if t is None else stamp(t))
                              for i, t in enumerate(map(dict.get, self.dicts, self.keys)) if t is not tensors[i]}
 
     def put_back_parts(self, lo: int, hi: int) -> list[torch.Tensor | None]:
@@ -109,11 +116,10 @@ class Copies:
         replaced = self.replaced or {}
         kept = []
         for i in range(lo, hi):
-            unwritten = _version(tensors[i]) == after[i] and tensors[i].shape == parts[i].shape
+            unwritten = unwritten_since(tensors[i], after[i]) and tensors[i].shape == parts[i].shape
             if unwritten and i in replaced:  # and the entry holds what the computation stored, unwritten
-                stored, version = replaced[i]
-                unwritten = (self.dicts[i].get(self.keys[i]) is stored
-                             and (stored is None or _version(stored) == version))
+                stored, then = replaced[i]
+                unwritten = self.dicts[i].get(self.keys[i]) is stored and (stored is None or unwritten_since(stored, then))
             kept.append(parts[i] if unwritten else None)
         return kept
 
@@ -129,6 +135,28 @@ class Copies:
                         self.dicts[i][self.keys[i]] = self.tensors[i]
 
 
+def stamp(t: torch.Tensor) -> int | torch.Tensor | None:
+    """What shows whether ``t`` is written from now on (:func:`unwritten_since`): its version
+    counter; for an inference tensor, which has none (it can be written in place inside
+    ``torch.inference_mode()``, where no counter moves), a copy of its bytes (a chain's state
+    vectors: small). None where neither can be read."""
+    version = version_of(t)
+    if version is not None:
+        return version
+    now = bitwise(t)
+    return None if now is None else now.clone()
+
+
+def unwritten_since(t: torch.Tensor, then: int | torch.Tensor | None) -> bool:
+    """Whether ``t`` is as :func:`stamp` found it: the same version, or the same bytes (a write
+    storing exactly the bytes there is not told apart: put back, what the computation wrote is
+    undone)."""
+    if not isinstance(then, torch.Tensor):
+        return version_of(t) == then
+    now = bitwise(t)
+    return now is not None and now.shape == then.shape and torch.equal(now, then)
+
+
 #: Sets tensors' version counters; None in a torch without it (the counter then moves).
 _set_versions = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
@@ -139,6 +167,12 @@ def copy_back(t: torch.Tensor, then: torch.Tensor, version: int | None) -> None:
     so a graph recorded earlier that saved ``t`` for its backward (a hook-based spectral_norm's
     eval call saves ``weight_u`` itself, a chain may divide by its own buffer) must find it as it
     saved it, not raise autograd's "modified by an inplace operation" at backward."""
+    if version is None and t.is_inference():
+        # No counter to set. Writable only inside inference_mode, and only the computation
+        # wrote it (outside, it raised stock's error before writing): its bytes put back.
+        with torch.inference_mode():
+            t.copy_(then)
+        return
     t.copy_(then)
     if _set_versions is not None and version is not None:  # (None: an inference tensor, which has none)
         _set_versions((t,), (version,))
