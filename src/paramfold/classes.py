@@ -367,14 +367,17 @@ def _drop_kept(module: nn.Module, name: str) -> None:
 
 
 def between_class(cls: type) -> type:
-    """The class a prepared module with frozen values has *between* calls.
+    """The class a prepared module whose values a call scope puts in its ``__dict__`` (hoisted or
+    frozen) has *between* calls, from ``prepare`` on.
 
     Inside a call scope a module has ``cls``, whose non-data :class:`SiteDescriptor` lets the
     values in its ``__dict__`` reach compiled code as plain tensors. Frozen values stay there after
     the call, so the next call finds every module dict unchanged: nothing to write, and dynamo's
     guards skip the tensors of dicts whose version tag did not move. Between calls the module
-    has this subclass instead, whose data descriptors compute each read like stock; compiled code
-    guards on the module's class, so code compiled outside a scope never reads a kept value.
+    has this subclass instead, whose data descriptors compute each read like stock whatever its
+    ``__dict__`` holds (a kept value, or a tensor the user put there under the name, which
+    stock's property hides too); compiled code guards on the module's class, so code compiled
+    outside a scope never reads a kept value.
     """
     key = ("between", cls)
     with _classes_lock:

@@ -376,6 +376,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 sync_refs(holder, site)
                 continue
             site.raised = False
+            if site.hook is None:
+                _set_aside_foreign(values, name, site, hs, kept_before)
             # A stateful chain training where the class cannot serve only the first read its
             # value (a class of someone else's now), one sharing changing state with another
             # site's (the scope would compute both in module order, not the forward's, and
@@ -473,6 +475,16 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
     return raised
+
+
+def _set_aside_foreign(values: dict, name: str, site: SiteState, hs: ModuleState, kept: tuple[str, ...]) -> None:
+    """Keep aside what the user put in a holder's ``__dict__`` (``values``) under the name of a
+    site served from there (``vars(layer)[name] = t`` between calls): stock's class's property
+    hides it from every read, and its ``__dict__`` keeps it, which ``restore`` gives back
+    (``ModuleState.foreign``). Anything there but this site's kept frozen value is the user's."""
+    value = values.get(name, _MISSING)
+    if value is not _MISSING and not (name in kept and site.frozen is not None and value is site.frozen.value):
+        hs.foreign[name] = values.pop(name)
 
 
 def _set_aside(values: dict, name: str, site: SiteState, left: list) -> None:
@@ -650,13 +662,12 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
     hs.installed = ()
     if hs.read_once_class is not None and type(holder) is hs.read_once_class:
         object.__setattr__(holder, "__class__", hs.prepared_class)
-    if hs.kept:
-        if type(holder) is hs.prepared_class and hs.between_class is not None:
-            object.__setattr__(holder, "__class__", hs.between_class)
-        else:  # a class of someone else's now: nothing would hide kept values
-            for name in hs.kept:
-                values.pop(name, None)
-            hs.kept = ()
+    if type(holder) is hs.prepared_class and hs.between_class is not None:
+        object.__setattr__(holder, "__class__", hs.between_class)
+    elif hs.kept:  # a class of someone else's now: nothing would hide kept values
+        for name in hs.kept:
+            values.pop(name, None)
+        hs.kept = ()
     if hs.hooks_out:
         hooknorms.attach(holder, *hs.hooks_out)
         hs.hooks_out = ()
@@ -889,8 +900,13 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
     if changed:
         path = _path_below(entry, holder)
         where = "the model" if path == "" else repr(path) if path is not None else "a module"
+        now = type(holder)
+        if now is hs.prepared_class and hs.between_class is not None and not hs.users:
+            # torch's remove_parametrizations took it one class down from its between-calls
+            # class, where stock's module is now the class its parametrized one was made over.
+            now = now.__bases__[0]
         raise FoldError(
-            f"parametrizations of {where} ({type(holder).__name__}, prepared as a "
+            f"parametrizations of {where} ({now.__name__}, prepared as a "
             f"{hs.original_class.__name__}) changed after paramfold.prepare "
             "(registered, removed or replaced, a hook-based norm removed, a _parameters/_buffers "
             "dict under them replaced, their originals taken out by a wrapper that flattens "
