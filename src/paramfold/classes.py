@@ -384,7 +384,7 @@ def between_class(cls: type) -> type:
         sub = _classes.get(key)
         if sub is None:
             names = [n for n in cls._paramfold_names if isinstance(vars(cls).get(n), SiteDescriptor)]
-            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_paramfold_between": True}
             namespace.update((n, _BetweenCalls(n)) for n in names)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
             type.__setattr__(sub, "_paramfold_sealed", True)
@@ -798,6 +798,10 @@ def _make_setattr(base: type, last_call_values: frozenset[str] = frozenset()):
     base_setattr = base.__setattr__
 
     def __setattr__(self: nn.Module, name: str, value: object) -> None:
+        if name == "__class__" and value is type(self).__bases__[0] and vars(type(self)).get("_paramfold_between"):
+            # torch's remove_parametrizations of the last one takes the class one level down,
+            # from the between-calls class to the prepared one: stock's is the class below that.
+            value = value.__bases__[0]
         if name in last_call_values:
             _take_last_call_value(self, name)
         # Stock's property setter: assigning to a parametrized tensor goes through right_inverse,

@@ -900,13 +900,8 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
     if changed:
         path = _path_below(entry, holder)
         where = "the model" if path == "" else repr(path) if path is not None else "a module"
-        now = type(holder)
-        if now is hs.prepared_class and hs.between_class is not None and not hs.users:
-            # torch's remove_parametrizations took it one class down from its between-calls
-            # class, where stock's module is now the class its parametrized one was made over.
-            now = now.__bases__[0]
         raise FoldError(
-            f"parametrizations of {where} ({now.__name__}, prepared as a "
+            f"parametrizations of {where} ({type(holder).__name__}, prepared as a "
             f"{hs.original_class.__name__}) changed after paramfold.prepare "
             "(registered, removed or replaced, a hook-based norm removed, a _parameters/_buffers "
             "dict under them replaced, their originals taken out by a wrapper that flattens "
