@@ -452,6 +452,51 @@ def test_a_forward_that_re_describes_the_value_it_read_gets_a_fresh_one_next_cal
             assert torch.equal(ours(x), stock(x)), step
 
 
+class ReturnsItsWeights(nn.Module):
+    """Returns its parametrized weights (tied-embedding style): stock's are fresh tensors at every
+    read, freeze's the values it keeps for the next call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = weight_norm(nn.Linear(4, 4))
+        self.b = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.b(self.a(x)), self.a.weight, self.b.weight
+
+
+def _swap_data(wa: torch.Tensor, wb: torch.Tensor) -> None:
+    wa.data, wb.data = wb.data, wa.data
+
+
+#: What a caller may do to the weights the forward returned: give one another storage.
+STORAGE_EDITS = {"set_": lambda wa, wb: wa.set_(wb), "data": lambda wa, wb: setattr(wa, "data", wb.data),
+                 "swap": _swap_data}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("edit", sorted(STORAGE_EDITS))
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_returned_value_given_another_storage_by_the_caller_is_computed_again(mode, edit, compiled):
+    # Regression: ``w.data = other`` bumps no version and leaves the value on a storage whose mark
+    # is ``other``'s, which no check compared: both paths kept serving the edited value. After
+    # ``w.set_(other)`` the general path saw the version move, the steady plan (which reads no
+    # version of a marked value) did not.
+    torch.manual_seed(0)
+    stock = ReturnsItsWeights().eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    run = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(5):  # its steady state
+            assert torch.equal(run(x)[0], stock(x)[0])
+        for model in (stock, run):
+            _, wa, wb = model(x)
+            STORAGE_EDITS[edit](wa, wb)
+        for step in range(3):
+            assert torch.equal(run(x)[0], stock(x)[0]), step
+
+
 def _marked(model: nn.Module) -> list[str]:
     """The model's parameters and buffers whose storage is still copy-on-write (freeze.arm's mark)."""
     return [name for name, t in (*model.named_parameters(), *model.named_buffers()) if freeze.is_armed(t)]

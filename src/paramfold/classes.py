@@ -367,21 +367,24 @@ def _drop_kept(module: nn.Module, name: str) -> None:
 
 
 def between_class(cls: type) -> type:
-    """The class a prepared module with frozen values has *between* calls.
+    """The class a prepared module whose values a call scope puts in its ``__dict__`` (hoisted or
+    frozen) has *between* calls, from ``prepare`` on.
 
     Inside a call scope a module has ``cls``, whose non-data :class:`SiteDescriptor` lets the
     values in its ``__dict__`` reach compiled code as plain tensors. Frozen values stay there after
     the call, so the next call finds every module dict unchanged: nothing to write, and dynamo's
     guards skip the tensors of dicts whose version tag did not move. Between calls the module
-    has this subclass instead, whose data descriptors compute each read like stock; compiled code
-    guards on the module's class, so code compiled outside a scope never reads a kept value.
+    has this subclass instead, whose data descriptors compute each read like stock whatever its
+    ``__dict__`` holds (a kept value, or a tensor the user put there under the name, which
+    stock's property hides too); compiled code guards on the module's class, so code compiled
+    outside a scope never reads a kept value.
     """
     key = ("between", cls)
     with _classes_lock:
         sub = _classes.get(key)
         if sub is None:
             names = [n for n in cls._paramfold_names if isinstance(vars(cls).get(n), SiteDescriptor)]
-            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_paramfold_between": True}
             namespace.update((n, _BetweenCalls(n)) for n in names)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
             type.__setattr__(sub, "_paramfold_sealed", True)
@@ -795,6 +798,10 @@ def _make_setattr(base: type, last_call_values: frozenset[str] = frozenset()):
     base_setattr = base.__setattr__
 
     def __setattr__(self: nn.Module, name: str, value: object) -> None:
+        if name == "__class__" and value is type(self).__bases__[0] and vars(type(self)).get("_paramfold_between"):
+            # torch's remove_parametrizations of the last one takes the class one level down,
+            # from the between-calls class to the prepared one: stock's is the class below that.
+            value = value.__bases__[0]
         if name in last_call_values:
             _take_last_call_value(self, name)
         # Stock's property setter: assigning to a parametrized tensor goes through right_inverse,

@@ -301,6 +301,7 @@ def _fold_into(module: nn.Module, named: dict[str, torch.Tensor]) -> None:
             del module._load_state_dict_pre_hooks[key]
     module.__class__ = base
     for name, tensor in named.items():
+        module.__dict__.pop(name, None)  # a tensor the user put there, hidden by the property until now
         if isinstance(tensor, nn.Parameter):
             module.register_parameter(name, tensor)
         else:

@@ -328,7 +328,7 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple, prints: _Fingerp
         value, prints.watch, prints.sizes, prints.raw, prints.views, prints.empty, prints.full, prints.then, under,
         version_of(value), tuple(armed), keys, list(map(_armings.get, keys)), layout(value), prints.members,
         prints.member_types, prints.dicted, prints.dicted_dicts, prints.ordered, prints.order, armed_checks=tuple(checks),
-        wrapped=prints.wrapped,
+        wrapped=prints.wrapped, value_address=_address(value),
     ))
 
 
@@ -607,13 +607,16 @@ def same_settings(empty: tuple[dict, ...], full: tuple[dict, ...], then: list) -
 def unchanged(site: SiteState, frozen: FrozenValue, under: tuple) -> bool:
     """Whether every input of ``frozen`` is as it was: same tensor, version, storage address and
     description (:func:`~paramfold.watch.layout`), each armed storage unwritten (and, with
-    ``freeze_check="content"``, the same bytes), and ``under`` what it was computed under."""
+    ``freeze_check="content"``, the same bytes), and ``under`` what it was computed under; and
+    the value itself: its version, description and storage address (a forward hands it out, and
+    the caller's ``w.data = other`` bumps no version and leaves the mark of ``other``'s storage)."""
     # Runs for every frozen site at every call: flat loops, cheapest tests first.
     if (tuple(map(len, site.tensor_dicts)) != frozen.sizes or under != frozen.under
             or not all(map(is_, map(type, frozen.members), frozen.member_types))
             or (frozen.held and not all(map(is_, map(vars, frozen.held), frozen.held_dicts)))
             or (frozen.ordered and list(map(list, frozen.ordered)) != frozen.order)
             or version_of(frozen.value) != frozen.value_version or layout(frozen.value) != frozen.value_layout
+            or _address(frozen.value) != frozen.value_address
             or not same_armings(frozen)  # first: a mark is set again only at the count keyed on
             or not (all(map(is_armed, frozen.armed)) or rearm_unwritten(site, frozen))):
         return False

@@ -445,13 +445,15 @@ def _plan(
         st.prepared_root = weakref.ref(model)
         hooked_names = frozenset(n for n, site in st.sites.items() if site.hook is not None and site.mode != "inline")
         st.prepared_class = prepared_class(base, own, module is top, inline, hooked_names)
-        if any(site.mode in ("freeze", "auto") and site.hook is None for site in st.sites.values()):
+        if any(site.mode != "inline" and site.hook is None for site in st.sites.values()):
+            # Its values are put in its __dict__ for calls: between calls (from now on) a read
+            # goes through a data descriptor, as stock's property, whatever that dict holds.
             st.between_class = between_class(st.prepared_class)
         stateful = frozenset(n for n, site in st.sites.items() if site.stateful and site.hook is None and site.mode != "inline")
         hooked = any(site.stateful and site.hook is not None for site in st.sites.values())
         if stateful or hooked:
             st.read_once_class = read_once_class(st.prepared_class, stateful, hooked)
-        planned[module] = (st, st.prepared_class)
+        planned[module] = (st, st.between_class or st.prepared_class)
     if top is not model and top in states:
         # The wrapper keeps its class and opens no scope: restore(model) and busy checks find
         # the wrapped module's entries and holders through it.

@@ -104,6 +104,8 @@ def restore_module(module: nn.Module) -> None:
         release(site.frozen)  # no copy-on-write mark left on the model's storages
     for key in installed_keys(module, state):
         module.__dict__.pop(key, None)
+    for name, value in state.foreign.items():  # unless put there again since
+        module.__dict__.setdefault(name, value)
     if state.load_hook is not None:
         state.load_hook.remove()
     # A library may have wrapped the prepared class since (FSDP2's fully_shard after prepare makes

@@ -382,6 +382,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 sync_refs(holder, site)
                 continue
             site.raised = False
+            if site.hook is None:
+                _set_aside_foreign(values, name, site, hs, kept_before)
             # A stateful chain training where the class cannot serve only the first read its
             # value (a class of someone else's now), one sharing changing state with another
             # site's (the scope would compute both in module order, not the forward's, and
@@ -479,6 +481,16 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
     return raised
+
+
+def _set_aside_foreign(values: dict, name: str, site: SiteState, hs: ModuleState, kept: tuple[str, ...]) -> None:
+    """Keep aside what the user put in a holder's ``__dict__`` (``values``) under the name of a
+    site served from there (``vars(layer)[name] = t`` between calls): stock's class's property
+    hides it from every read, and its ``__dict__`` keeps it, which ``restore`` gives back
+    (``ModuleState.foreign``). Anything there but this site's kept frozen value is the user's."""
+    value = values.get(name, _MISSING)
+    if value is not _MISSING and not (name in kept and site.frozen is not None and value is site.frozen.value):
+        hs.foreign[name] = values.pop(name)
 
 
 def _set_aside(values: dict, name: str, site: SiteState, left: list) -> None:
@@ -656,13 +668,12 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
     hs.installed = ()
     if hs.read_once_class is not None and type(holder) is hs.read_once_class:
         object.__setattr__(holder, "__class__", hs.prepared_class)
-    if hs.kept:
-        if type(holder) is hs.prepared_class and hs.between_class is not None:
-            object.__setattr__(holder, "__class__", hs.between_class)
-        else:  # a class of someone else's now: nothing would hide kept values
-            for name in hs.kept:
-                values.pop(name, None)
-            hs.kept = ()
+    if type(holder) is hs.prepared_class and hs.between_class is not None:
+        object.__setattr__(holder, "__class__", hs.between_class)
+    elif hs.kept:  # a class of someone else's now: nothing would hide kept values
+        for name in hs.kept:
+            values.pop(name, None)
+        hs.kept = ()
     if hs.hooks_out:
         hooknorms.attach(holder, *hs.hooks_out)
         hs.hooks_out = ()

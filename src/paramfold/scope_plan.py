@@ -25,6 +25,7 @@ from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, c
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_armings, same_inputs
+from paramfold.freeze import _address
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
@@ -61,6 +62,7 @@ class Plan:
         "stateful", "mode_modules", "modes", "typed_modules", "typed", "dicted_objects", "dicted", "flag_tensors", "flags",
         "inputs", "versioned", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
+        "addressed_values", "value_addresses", "other_values", "other_value_addresses",
         "armed", "armings",
         "settings_empty",
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
@@ -169,6 +171,9 @@ class Plan:
                 if name in hs.kept:
                     if frozen is None or values.get(name) is not frozen.value:
                         return None
+                    # Still there: a tensor put in its place (``vars(layer)[name] = t``) is ignored
+                    # by stock, whose class's property wins, and set aside by the general path.
+                    links.append((values, name, frozen.value))
                     # Armed again since it was frozen (written, then armed for another value frozen
                     # later in the call): the plan reads no count, and takes ARMINGS as it is now.
                     if not same_armings(frozen):
@@ -176,7 +181,7 @@ class Plan:
                     if site.misses or site.demotions:
                         missed.append(site)
                     watch.extend(frozen.watch)
-                    kept.append((frozen.value, frozen.value_version, frozen.value_layout))
+                    kept.append((frozen.value, frozen.value_version, frozen.value_layout, frozen.value_address))
                     armed.extend(frozen.armed)
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
@@ -212,6 +217,7 @@ class Plan:
                         callees.extend(chain)
                         callees.append(site.plist)  # its call still just its forward, checked live
                     hoisted.append((values, name, holder, site.originals, chain, forwards))
+                    forward_keys.append((values, name, False))  # nothing put there between calls
                     if site.training_stateful:  # its state is copied, to put back if unread (paramfold.unread)
                         entries = state_entries(holder, site)
                         copied.append((site, values, name, len(copied_list), len(copied_list) + len(entries)))
@@ -223,7 +229,7 @@ class Plan:
                     return None
             claimed.append(holder)
             states.append(hs)
-            between_calls = hs.between_class if hs.kept else hs.prepared_class
+            between_calls = hs.between_class or hs.prepared_class
             types.append(between_calls)
             kepts.append(hs.kept)
             installed.append(hs.installed)
@@ -284,10 +290,17 @@ class Plan:
         plan.raw_memory, digests = _columns(raw, 2)
         plan.raw_digests = list(digests)
         plan.views = tuple(views)
-        plan.values, versions, value_layouts = _columns(kept, 3)
+        plan.values, versions, value_layouts, value_addresses = _columns(kept, 4)
         plan.versioned_values, versions = _columns(
             [(t, v) for t, v in zip(plan.values, versions) if id(t) not in marked and v is not None], 2)
         plan.value_versions = list(versions)
+        # A value's storage replaced (``w.set_(other)``, ``w.data = other`` on a value a forward
+        # returned) bumps no version, or writes no storage: the mark read may be ``other``'s.
+        plain = [type(t) in PLAIN_TENSOR_TYPES for t in plan.values]
+        plan.addressed_values, addresses = _columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if p], 2)
+        plan.value_addresses = list(addresses)
+        plan.other_values, addresses = _columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if not p], 2)
+        plan.other_value_addresses = list(addresses)
         plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # each value's counts checked above
         plan.settings_empty = tuple(empty.values())
         # One check per call of every dict's tag and every tensor's description. The frozen
@@ -446,6 +459,9 @@ def holds(plan: Plan) -> bool:
         if list(map(_data_ptr, plan.inputs)) != plan.addresses or not same_inputs(plan.unaddressed):
             return False
         if list(map(_version, plan.versioned_values)) != plan.value_versions:  # edited in place by a forward
+            return False
+        if list(map(_data_ptr, plan.addressed_values)) != plan.value_addresses or (
+                plan.other_values and list(map(_address, plan.other_values)) != plan.other_value_addresses):
             return False
         # Written without a version bump, or armed again since (for another value on the storage).
         if plan.armings != ARMINGS[0] or (plan.armed and not all(map(is_armed, plan.armed))):

@@ -87,6 +87,9 @@ class FrozenValue:
     #: ``(__dict__, its entries but torch's compile bookkeeping)`` of each wrapper subclass
     #: input (``freeze.only_bookkeeping``): dynamo marks a tensor it meets in its ``__dict__``.
     wrapped: tuple = ()
+    #: ``value``'s storage address when it was computed: a caller that edits the value a forward
+    #: returned (``w.data = other``, ``w.set_(other)``) gives it another storage, armed or not.
+    value_address: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -411,11 +414,15 @@ class ModuleState:
     #: Hook-based norms' values of the last call, ``(name, value)``, taken out of ``__dict__``
     #: while their hooks run in a call (``scope._install``), put back if the call ended first.
     left: tuple = ()
-    #: For holders with frozen values: the class the module has between calls (a subclass of
-    #: ``prepared_class`` whose data descriptors compute every read like stock), and the names
-    #: whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
+    #: For holders with hoisted or frozen values: the class the module has between calls (a
+    #: subclass of ``prepared_class`` whose data descriptors compute every read like stock), and
+    #: the names whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
     between_class: type | None = None
     kept: tuple[str, ...] = ()
+    #: What the user put in the module's ``__dict__`` under a site's name (``vars(layer)[name] =
+    #: t``), which stock keeps there, hidden by its class's property: set aside by the next call
+    #: (``scope._install``), whose value goes there, and put back by ``restore``.
+    foreign: dict = dataclasses.field(default_factory=dict)
     #: For holders with a stateful chain (not inline) or hook-based spectral_norm: the class it has
     #: inside a call scope while one trains (``classes.read_once_class``: the first read of such a
     #: value, or call of the module, takes it; later ones compute afresh, as stock's all do).
@@ -524,8 +531,10 @@ def installed_keys(module: nn.Module, state: ModuleState) -> list[str]:
     keeps there too; nor a site's name once its parametrization was removed and the name given a
     value of the user's, such as a hook-based norm's applied since), inline's inputs, the read-once
     hooks, and detached parameters."""
-    ours = (*state.installed, *state.kept)
-    keys = [name for name, site in state.sites.items() if site.hook is None and name in ours]
+    values = module.__dict__
+    # A kept frozen value by identity: a tensor put there under its name since is the user's.
+    keys = [name for name, site in state.sites.items() if site.hook is None and (
+        name in state.installed or (name in state.kept and site.frozen is not None and values.get(name) is site.frozen.value))]
     keys += [*state.ref_keys, ONCE_ATTR]
     if state.detach_params:
         keys += list(module._parameters)
