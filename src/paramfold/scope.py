@@ -124,6 +124,7 @@ _local = _Local()
 #: ``_is_fx_tracing_tls`` from torch 2.15, which removed the global.
 _FX_TRACING = getattr(_fx, "_is_fx_tracing_tls", None)
 
+
 def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
     """Open a call scope of ``entry``: what :func:`_close` takes, or None where ``entry`` was
     restored since its call found it prepared (restore holds the lock throughout, so a call waits
