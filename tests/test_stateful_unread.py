@@ -162,6 +162,45 @@ def test_originals_changed_inside_the_forward_run_the_power_iteration_once_as_in
     assert_same_nested(*(_steps(m, m, 3) for m in (stock, prepared)))
 
 
+class MomentumThenTwoCalls(nn.Module):
+    """MoCo's momentum update of a key encoder inside the forward, then two calls of it (a
+    discriminator scoring two batches): each forward's first call computes afresh."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.j = nn.Linear(4, 4)
+        self.k = _norm(kind)(nn.Linear(4, 4))
+
+    def forward(self, x):
+        y = self.j(x)
+        with torch.no_grad():
+            original = self.k.weight_orig if self.kind == "hook" else self.k.parametrizations.weight.original
+            original.add_(0.01)
+        return self.k(y) + self.k(x)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_originals_changed_before_two_calls_of_a_layer_compute_afresh_at_every_forward(mode, kind, grad):
+    # Until 2026-12-05, with the hook-based norm, hoist and auto served from the second forward
+    # on the value computed before the update: the nested check built at the layer's second call
+    # (after its first had run the hook) left the layer out and outlived the call. With grad,
+    # backward raised "modified by an inplace operation"; under no_grad, outputs and weight_u drifted.
+    stock, prepared = _twins(lambda: MomentumThenTwoCalls(kind), mode)
+    record = []
+    for model in (stock, prepared):
+        if grad:
+            record.append(_steps(model, model, 4))
+        else:
+            torch.manual_seed(1)
+            with torch.no_grad():
+                record.append([[model(torch.randn(3, 4)), _buffers(model)] for _ in range(4)])
+        record[-1].append(dict(model.state_dict()))
+    assert_same_nested(*record)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_inside_parametrize_cached_a_layer_read_by_a_later_call_advances_once_as_in_stock(mode):
     # The block's first call skips b: the value computed for it leaves the cache with its state

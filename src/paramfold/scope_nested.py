@@ -496,7 +496,8 @@ def _commit(holder: nn.Module, name: str, site: SiteState, value: torch.Tensor |
 def _valued(entry: nn.Module, missing: list | None = None):
     """The sites below ``entry`` whose values are in their modules' ``__dict__``; ``missing``
     gets those whose value is not there now but may be in a later call scope (a read-once value
-    taken, one :func:`call_changed` set aside)."""
+    taken, a hook-based norm's value served, one :func:`call_changed` set aside): a check built
+    without them must not serve that scope (``Installs.partial``)."""
     for holder in entry.__dict__[STATE_ATTR].holders:
         values = holder.__dict__
         hs = values[STATE_ATTR]
@@ -505,13 +506,13 @@ def _valued(entry: nn.Module, missing: list | None = None):
             # where read (below a forward pre-hook: a hook-based norm's hook then stays in and
             # puts stock's own value in __dict__), and a hook-based spectral_norm training whose
             # value served the module's first call (its later calls run the hook)
-            if site.mode != "inline" and not site.at_read and not (
-                    site.once_hook is not None and site.once_hook.served and type(holder) is hs.read_once_class):
+            served = site.once_hook is not None and site.once_hook.served and type(holder) is hs.read_once_class
+            if site.mode != "inline" and not site.at_read and not served:
                 if name in values:
                     yield holder, name, site
                 elif missing is not None:
                     missing.append(site)
-            elif site.raised and missing is not None:  # valued again from the next call (scope._install)
+            elif (site.raised or served) and missing is not None:  # valued again from the next call (scope._install)
                 missing.append(site)
 
 
