@@ -246,6 +246,10 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
     namespace["__prepare_scriptable__"] = _refuse_script
     taken = ["register_forward_pre_hook", "__deepcopy__"]  # what the class took from base
     namespace["register_forward_pre_hook"] = _recording_prepends(base.register_forward_pre_hook)
+    if names:
+        taken += ["register_parameter", "register_buffer"]
+        namespace["register_parameter"] = _registering(base.register_parameter, names)
+        namespace["register_buffer"] = _registering(base.register_buffer, names)
     namespace["__deepcopy__"] = _deepcopy_with(getattr(base, "__deepcopy__", _default_deepcopy))
     if is_root:
         namespace["__call__"] = root_call
@@ -792,6 +796,24 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
         copied.keep_copied(state, memo)
     copied_between_calls(self, replica)
     return replica
+
+
+def _registering(register: Callable, names: frozenset[str]) -> Callable:
+    """``register_parameter`` / ``register_buffer`` of a prepared class: torch's
+    ``remove_parametrizations`` registers the original under the name it took the parametrization
+    off; where a call scope put that name's value in the module's ``__dict__`` (the call is open:
+    a hook baking the weight in), stock's module has none there, and torch's check of the name
+    would refuse it ("attribute ... already exists") after the parametrization is gone. The value
+    leaves first, as after an assignment (:func:`~paramfold.scope.assigned`)."""
+
+    def method(self: nn.Module, name: str, *args: Any, **kwargs: Any) -> None:
+        if name in names and name in self.__dict__:
+            plists = self.__dict__.get("_modules", {}).get("parametrizations")
+            if plists is None or name not in plists._modules:
+                assigned(self, name)
+        return register(self, name, *args, **kwargs)
+
+    return method
 
 
 def _make_setattr(base: type, last_call_values: frozenset[str] = frozenset()):
