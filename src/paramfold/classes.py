@@ -50,8 +50,8 @@ from paramfold.hooknorms import shadowed
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
-from paramfold.scope import (assigned, call_values, compiled_call_impl, copied_between_calls, hook_value_replaced,
-                             root_call, state_read)
+from paramfold.scope import (assigned, call_values, compiled_call_impl, copied_between_calls, copied_hook_values,
+                             hook_value_replaced, root_call, state_read)
 
 
 class _Sealed(type):
@@ -779,6 +779,9 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     if found is not None:
         return found
     call_only = call_values(self)  # values a call open now installed: not the module's own
+    for now, then in copied_hook_values(self):  # (wherever the copy meets it: a dict holding it too)
+        memo[id(now)] = copy.deepcopy(then, memo)
+        copy._keep_alive(now, memo)  # type: ignore[attr-defined]
     if not has_parametrizations(self):
         rv = object.__reduce_ex__(self, 4)
         if call_only and isinstance(rv[2], dict):

@@ -78,7 +78,7 @@ from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
 from paramfold.state import (CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, carries_tangents, distributed,
-                             syncs_before_forward)
+                             syncs_before_forward, tensor_label)
 from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -372,6 +372,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     hook_keys: list[int] = []
     onces: list[hooknorms.ServedOnce] = []
     left: list[tuple[str, object]] = []
+    replaced: list[tuple[str, object]] = []
     renewed = False
     wrapped = wraps_its_forward(holder)
     try:
@@ -438,6 +439,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                     continue
             nested.record(site)
             if site.hook is not None:  # hook-based norm: like stock, the value stays; its hook is out meanwhile
+                replaced.append((name, values.get(name, _MISSING)))
                 values[name] = value
                 hook_keys.append(site.hook_key)
                 if site.stateful:  # its hook runs at the module's later calls in this one (read-once class)
@@ -479,6 +481,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     if (onces or runs_onces or ONCE_ATTR in values) and values.get(ONCE_ATTR) != tuple(onces):
         values[ONCE_ATTR] = tuple(onces)
     hs.left = tuple(left)
+    hs.replaced = tuple(replaced)
     hs.users = 1
     hs.shareable = _shareable(hs, grad)
     return raised
@@ -666,7 +669,7 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
             hs.kept = tuple(n for n in hs.kept if n != name)
     for name in hs.installed:
         values.pop(name, None)
-    hs.installed = ()
+    hs.installed = hs.replaced = ()
     if hs.read_once_class is not None and type(holder) is hs.read_once_class:
         object.__setattr__(holder, "__class__", hs.prepared_class)
     if type(holder) is hs.prepared_class and hs.between_class is not None:
@@ -751,6 +754,43 @@ def call_values(module: nn.Module) -> tuple[str, ...]:
     attributes: a copy of the module leaves them out, see :func:`copied_between_calls`)."""
     hs = module.__dict__.get(STATE_ATTR)
     return hs.installed if hs is not None and hs.users else ()
+
+
+def copied_hook_values(module: nn.Module) -> list[tuple[object, object]]:
+    """For a copy of ``module`` made now: ``(value, last)`` for each hook-based norm's value in
+    ``module.__dict__`` that the copy holds ``last`` for instead. An open call computed and stored
+    this call's value up front, where stock's ``__dict__`` holds the last call's until the
+    module's call in this one runs the norm's hook: a copy made before that (from a forward hook
+    of an earlier layer) holds the last call's, as stock's does (and copies where stock's does: a
+    value of a grad call is no graph leaf, which ``copy.deepcopy`` refuses). A training
+    spectral_norm's read-once class tells whether the module was called yet; where nothing does
+    (weight_norm, an eval spectral_norm) and only the last call's value copies, refused."""
+    hs = module.__dict__.get(STATE_ATTR)
+    if hs is None or not hs.users or not hs.replaced:
+        return []
+    values, substitutes = module.__dict__, []
+    for name, last in hs.replaced:
+        value = values.get(name, _MISSING)
+        if value is last or value is _MISSING or last is _MISSING:
+            continue
+        once = hs.sites[name].once_hook
+        if once is not None and once in values.get(ONCE_ATTR, ()):
+            if not once.served:  # (served: the module was called, and its value is stock's)
+                substitutes.append((value, last))
+        elif _copyable(last) and not _copyable(value):  # (else: this call's, a leaf, or raises as stock's)
+            raise FoldError(
+                f"copy.deepcopy of {tensor_label(module, name)}, computed by a hook-based "
+                f"torch.nn.utils.{hs.sites[name].hook_kind}, during a call that computed it: stock's copy "
+                "holds the module's value of the last call before the module's call in this one, and this "
+                "call's after, which paramfold cannot tell apart here (one of them, a value computed with "
+                "grad, is no graph leaf and cannot be copied). Copy between calls, or prepare this module "
+                "with mode='inline' (filter_fn).")
+    return substitutes
+
+
+def _copyable(value: object) -> bool:
+    """Whether ``copy.deepcopy`` copies ``value`` as a tensor would: a non-leaf tensor refuses."""
+    return not isinstance(value, torch.Tensor) or value.is_leaf
 
 
 def copied_between_calls(module: nn.Module, replica: nn.Module) -> None:

@@ -414,6 +414,10 @@ class ModuleState:
     #: Hook-based norms' values of the last call, ``(name, value)``, taken out of ``__dict__``
     #: while their hooks run in a call (``scope._install``), put back if the call ended first.
     left: tuple = ()
+    #: Hook-based norms' values of the last call, ``(name, value)``, that the open call's values
+    #: replaced in ``__dict__`` (``scope._install``): stock's ``__dict__`` holds them until the
+    #: module's call in this one, and so does a copy made before it (``scope.copied_hook_values``).
+    replaced: tuple = ()
     #: For holders with hoisted or frozen values: the class the module has between calls (a
     #: subclass of ``prepared_class`` whose data descriptors compute every read like stock), and
     #: the names whose frozen values stay in ``__dict__`` meanwhile, for the next call to reuse.
@@ -470,8 +474,10 @@ class ModuleState:
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
-        replica = _copy_fields(self, memo, _CACHES | {"prepared_root", "own_dict", "detached", *_MODULE_LISTS})
-        replica.detached = ()  # the tensors of this module's last call (one with a history, too)
+        dropped = _CACHES | {"prepared_root", "own_dict", "detached", "replaced", *_MODULE_LISTS}
+        replica = _copy_fields(self, memo, dropped)
+        # The tensors of this module's last call (one with a history, too).
+        replica.detached = replica.replaced = ()
         replica.holders, replica.entries, replica.parametrized = [], [], ()  # (keep_copied, below)
         replica.covers = frozenset()
         root = self.prepared_model()

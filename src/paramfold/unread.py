@@ -246,6 +246,10 @@ def drop(holder: nn.Module, name: str, site: SiteState) -> None:
         return
     if site.hook is not None:
         site.once_hook.served = True
+        # Until the module's call runs the norm's hook, stock's __dict__ holds the last call's value.
+        for replaced, last in holder.__dict__[STATE_ATTR].replaced:
+            if replaced == name and isinstance(last, torch.Tensor):
+                holder.__dict__[name] = last
     else:
         del holder.__dict__[name]
     put_back(site)
