@@ -670,11 +670,18 @@ def test_a_call_of_a_parametrization_list_changed_in_the_steady_state_is_followe
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("norm", ["custom", "weight_norm"])
 @pytest.mark.parametrize("mode", ALL_MODES)
-def test_an_original_shadowed_in_its_lists_own_dict_is_read_as_stock_reads_it(mode, norm, compiled, monkeypatch):
+def test_an_original_shadowed_in_its_lists_own_dict_is_read_as_stock_reads_it(mode, norm, compiled, monkeypatch, request):
     # Regression: stock's ParametrizationList.forward reads self.original (original0, ...), which
     # finds an entry of the list's own __dict__ before its _parameters; every mode read the
     # _parameters entry, and freeze and auto did not see the write at all. The list is called
-    # as a module then, as stock calls it; inline refuses the change.
+    # as a module then, as stock calls it. inline's getter reads the list's _parameters: not
+    # refused, since FSDP1 (use_orig_params=True) puts its unsharded views in that __dict__ at
+    # every forward, where inline is exact (tests/test_distributed.py); eagerly inline reads it
+    # as stock does.
+    if mode == "inline" and compiled:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "documented limit (README, Notes and limits): with inline, compiled code does not read a tensor "
+            "the user puts in a ParametrizationList's __dict__ over an original as stock reads it")))
     torch._dynamo.reset()
     torch.manual_seed(0)
     stock = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
@@ -697,12 +704,6 @@ def test_an_original_shadowed_in_its_lists_own_dict_is_read_as_stock_reads_it(mo
             plist = m[0].parametrizations.weight
             shadows.append(torch.full_like(plist._parameters[name], 1.5).requires_grad_(mode != "freeze"))
             plist.__dict__[name] = shadows[-1]
-        if mode == "inline":
-            before = _state(ours)
-            with pytest.raises(paramfold.FoldError, match="parametrizations of '0'.*changed after paramfold.prepare"):
-                run(x)
-            assert_same_tensors(before, _state(ours))
-            return
         for i in range(4):
             if i == 2:  # the shadowing tensor edited in place
                 with torch.no_grad():

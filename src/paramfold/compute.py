@@ -264,18 +264,19 @@ def _through_fx(path: tuple) -> tuple:
     return (wrapped, *path[1:])
 
 
-def calls_its_forward(plist: nn.Module, through_fx: bool = False) -> bool:
+def calls_its_forward(plist: nn.Module, through_fx: bool = False, shadowed: bool = True) -> bool:
     """Whether stock's call of ``plist``, hooks aside, is exactly ``ParametrizationList.forward``
     (its members called in turn on the originals as stored), so that calling the members is the
     same: no subclass or patch changed its call or ``forward``, none is set on the instance, and
     no entry of its own ``__dict__`` shadows an original (the forward's ``self.original`` finds
     that first, where :func:`compute` reads ``_parameters``). Cheap: it runs per computed value.
-    ``through_fx``: torch.fx's tracer's patch of the call is taken for torch's own (:func:`_through_fx`)."""
+    ``through_fx``: torch.fx's tracer's patch of the call is taken for torch's own (:func:`_through_fx`);
+    ``shadowed=False``: an original shadowed in its ``__dict__`` is not asked about."""
     own = plist.__dict__
     path = call_path(type(plist))
     return ((path if not through_fx else _through_fx(path)) == _LIST_PATH and "forward" not in own
             and "_call_impl" not in own and own.get("_compiled_call_impl") is None
-            and own.keys().isdisjoint(original_names(plist)))
+            and (not shadowed or own.keys().isdisjoint(original_names(plist))))
 
 
 def class_forward(cls: type, through_fx: bool = False) -> types.FunctionType | None:
