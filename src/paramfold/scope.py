@@ -851,24 +851,6 @@ def assigned(holder: nn.Module, name: str) -> None:
         nested.Installs.count += 1  # the nested checks built with that value
 
 
-def hook_value_replaced(holder: nn.Module, name: str) -> None:
-    """Before ``holder.<name> = value`` or ``del holder.<name>`` of a tensor a hook-based norm
-    computes (``layer.weight``), inside a call: stock's hook sets it again at the module's next
-    call, from the originals. The value the scope computed serves in the hook's place only while
-    that value is in ``__dict__``, so the hook comes back for the rest of the call (a training spectral_norm's stand-in,
-    :class:`hooknorms.ServedOnce`, runs it at each later call already); where no call took that
-    value yet, the power iteration the scope ran for it is undone (:func:`unread.drop`): the hook
-    runs it at the next call, as stock's does."""
-    hs = holder.__dict__.get(STATE_ATTR)
-    site = hs.sites.get(name) if hs is not None else None
-    if site is None or site.hook is None or not hs.users:
-        return
-    with _LOCK:
-        unread.drop(holder, name, site)
-        if not (site.once_hook is not None and type(holder) is hs.read_once_class):
-            _hooks_back(holder, hs, [site.hook_key])
-
-
 def watch_backward() -> None:
     """Have every backward (``Tensor.backward``, ``torch.autograd.backward``/``grad``: torch's
     ``_engine_run_backward``) that frees the graphs it runs through (no ``retain_graph``) tell
@@ -920,17 +902,11 @@ def _graphs_freed(claims: tuple) -> None:
                         del values[name]
                 elif not (site.once_hook is not None and type(holder) is hs.read_once_class):
                     hooks.append(site.hook_key)
-            _hooks_back(holder, hs, hooks)
-
-
-def _hooks_back(holder: nn.Module, hs: ModuleState, keys: list[int]) -> None:
-    """Put the hook-based norms' hooks at ``keys`` that the open scope took out back in their
-    places, for the rest of the call: they run at the module's later calls, as stock's do."""
-    if keys and hs.hooks_out:
-        taken, order, prepended = hs.hooks_out
-        hooknorms.attach(holder, [(k, h) for k, h in taken if k in keys], order, prepended)
-        rest = [(k, h) for k, h in taken if k not in keys]
-        hs.hooks_out = (rest, order, prepended) if rest else ()
+            if hooks and hs.hooks_out:
+                taken, order, prepended = hs.hooks_out
+                hooknorms.attach(holder, [(k, h) for k, h in taken if k in hooks], order, prepended)
+                rest = [(k, h) for k, h in taken if k not in hooks]
+                hs.hooks_out = (rest, order, prepended) if rest else ()
 
 
 def calls_lock() -> threading.RLock:
