@@ -822,7 +822,8 @@ def test_calls_follow_torch_2_15_s_thread_local_fx_flag(mode, monkeypatch):
 
     tls = threading.local()
     monkeypatch.delattr(fx_trace, "_is_fx_tracing_flag")
-    monkeypatch.setattr(scope, "_FX_TRACING", tls)
+    monkeypatch.setattr(fx_trace, "_is_fx_tracing_tls", tls, raising=False)
+    monkeypatch.setattr(scope, "_fx_tracing", scope._fx_tracing_reader(fx_trace))
     torch.manual_seed(0)
     stock = spectral_norm(nn.Linear(4, 4)).eval().requires_grad_(False)
     ours = paramfold.prepare(copy.deepcopy(stock), mode)

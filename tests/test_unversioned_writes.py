@@ -32,6 +32,15 @@ class Cast(nn.Module):
         return w.to(torch.bfloat16).to(torch.float32)
 
 
+@pytest.fixture
+def computed(monkeypatch) -> list:
+    """The calls of ``freeze.compute`` (a frozen value computed again) during the test."""
+    calls = []
+    real = freeze.compute
+    monkeypatch.setattr(freeze, "compute", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 4))
@@ -111,12 +120,9 @@ def test_a_storage_shared_by_two_originals_is_told_apart_by_address():
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("check", ["version", "content"])
-def test_steady_calls_keep_the_storages_armed_and_compute_nothing(backend, check, monkeypatch):
+def test_steady_calls_keep_the_storages_armed_and_compute_nothing(backend, check, computed):
     # What arming must not cost: reading a frozen value (in compiled code, with any backend)
     # leaves its storage armed, so steady calls compute no value again.
-    computed = []
-    real = freeze.compute
-    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
     stock = _model()
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze", freeze_check=check)
     run = torch.compile(ours, backend=backend)
@@ -140,7 +146,7 @@ def test_steady_calls_keep_the_storages_armed_and_compute_nothing(backend, check
 @pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("check", ["version", "content"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
-def test_a_pointer_handed_out_with_nothing_written_keeps_the_frozen_value(mode, check, monkeypatch):
+def test_a_pointer_handed_out_with_nothing_written_keeps_the_frozen_value(mode, check, computed):
     # Regression: a kernel that takes a writable pointer and writes nothing (inductor's freezing
     # packs a frozen weight for MKL so while it compiles) clears a mark; the next call computed
     # the value again, a new tensor, which compiled code guarded on recompiled for (at every
@@ -148,9 +154,6 @@ def test_a_pointer_handed_out_with_nothing_written_keeps_the_frozen_value(mode, 
     # found cleared with the version, address and bytes it was set on is set again, or, where
     # something else now holds the storage (inductor keeps a view of a frozen weight, a numpy
     # array made of it), the bytes are checked at every call: a write through it is still seen.
-    computed = []
-    real = freeze.compute
-    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
     stock = _model()
     ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
     x = torch.randn(3, 4)
@@ -759,16 +762,13 @@ class Double(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
-def test_attributes_dynamo_sets_on_a_wrapper_subclass_original_change_nothing(mode, monkeypatch):
+def test_attributes_dynamo_sets_on_a_wrapper_subclass_original_change_nothing(mode, computed):
     # Regression: a wrapper subclass's __dict__ (inner tensors, metadata) is watched by its tag,
     # and dynamo marks a tensor it meets there (_dynamo_static_input_type; inductor's freezing:
     # _is_frozen_param): the value was computed again after the first compiled call, a new
     # tensor, which compiled code recompiled for. An entry of the user's is still a change.
     from torch.testing._internal.two_tensor import TwoTensor
 
-    computed = []
-    real = freeze.compute
-    monkeypatch.setattr(freeze, "compute", lambda *a: computed.append(a) or real(*a))
     torch.manual_seed(0)
     stock = nn.Linear(4, 4)
     stock.weight = nn.Parameter(TwoTensor(stock.weight.detach().clone(), stock.weight.detach().clone()))

@@ -366,8 +366,7 @@ _MISSING = object()
 
 def _drop_kept(module: nn.Module, name: str) -> None:
     state = module.__dict__.get(STATE_ATTR)
-    if state is not None and name in state.kept:
-        state.kept = tuple(n for n in state.kept if n != name)
+    if state is not None and state.drop_kept(name):
         module.__dict__.pop(name, None)
 
 

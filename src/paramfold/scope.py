@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -119,10 +120,17 @@ class _Local(threading.local):
 _local = _Local()
 
 
-#: torch.fx's "tracing now" flag, read in place (no Python frame): the module global
-#: ``_is_fx_tracing_flag`` until torch 2.14 (None here), the attribute ``flag`` of the thread-local
-#: ``_is_fx_tracing_tls`` from torch 2.15, which removed the global.
-_FX_TRACING = getattr(_fx, "_is_fx_tracing_tls", None)
+def _fx_tracing_reader(fx: types.ModuleType) -> Callable[[], bool]:
+    """A reader of torch.fx's "tracing now" flag that runs no Python frame (calls count them):
+    the module global ``_is_fx_tracing_flag`` until torch 2.14, the attribute ``flag`` of the
+    thread-local ``_is_fx_tracing_tls`` from torch 2.15, which removed the global."""
+    tls = getattr(fx, "_is_fx_tracing_tls", None)
+    if tls is None:
+        return functools.partial(getattr, fx, "_is_fx_tracing_flag")
+    return functools.partial(getattr, tls, "flag", False)
+
+
+_fx_tracing = _fx_tracing_reader(_fx)
 
 
 def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
@@ -664,9 +672,8 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
     values = holder.__dict__
     for name, site in hs.sites.items():
         unread.release(holder, name, site)
-        if site.read_for_one_call and nested.let_go(site) and name in hs.kept:
+        if site.read_for_one_call and nested.let_go(site) and hs.drop_kept(name):
             values.pop(name, None)
-            hs.kept = tuple(n for n in hs.kept if n != name)
     for name in hs.installed:
         values.pop(name, None)
     hs.installed = hs.replaced = ()
@@ -846,8 +853,7 @@ def assigned(holder: nn.Module, name: str) -> None:
     with _LOCK:
         unread.drop(holder, name, site)
         holder.__dict__.pop(name, None)
-        if name in hs.kept:
-            hs.kept = tuple(n for n in hs.kept if n != name)
+        hs.drop_kept(name)
         nested.Installs.count += 1  # the nested checks built with that value
 
 
@@ -1075,8 +1081,7 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if STATE_ATTR not in self.__dict__:
         return _as_restored(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", None) or _Module.__call__
-    if compiling() or _in_scope(self) or (
-            _fx._is_fx_tracing_flag if _FX_TRACING is None else getattr(_FX_TRACING, "flag", False)):
+    if compiling() or _in_scope(self) or _fx_tracing():
         # torch.fx traces (symbolic_trace, make_fx; until torch 2.14 in any thread: its flag was
         # process-wide): no scope, so every read computes its value like stock's and the trace
         # records stock's graph (a leaf call_module where stock has one), not the values.
@@ -1174,8 +1179,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # with a call that computes their values afresh (paramfold.scope_nested).
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:
-        if compiling() or (_fx._is_fx_tracing_flag if _FX_TRACING is None  # (torch.fx: as in root_call)
-                           else getattr(_FX_TRACING, "flag", False)):
+        if compiling() or _fx_tracing():  # (torch.fx: as in root_call)
             return compiled
         return functools.partial(_scoped_compiled_call, self, compiled)
     local = _local

@@ -408,8 +408,7 @@ def call_changed(
                 site = hs.sites[name]
                 if swapped is AT_READ:
                     holder.__dict__.pop(name, None)
-                    if name in hs.kept:  # not to be served by the next call either without a check
-                        hs.kept = tuple(n for n in hs.kept if n != name)
+                    hs.drop_kept(name)  # not to be served by the next call either without a check
                     continue
                 read_once = site.stateful and type(holder) is hs.read_once_class  # training
                 if read_once and site.hook is not None:

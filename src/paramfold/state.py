@@ -461,6 +461,14 @@ class ModuleState:
         # Which entries a scope covers is kept by id(): the copy's own entries, not the original's.
         self.covers = frozenset(id(m) for m in self.entries)
 
+    def drop_kept(self, name: str) -> bool:
+        """Stop keeping ``name``'s frozen value for the next call; whether it was kept. ``kept``
+        becomes a new tuple: steady plans check it by identity."""
+        if name not in self.kept:
+            return False
+        self.kept = tuple(n for n in self.kept if n != name)
+        return True
+
     def prepared_model(self) -> nn.Module | None:
         """The model passed to ``prepare``, while it lives."""
         return self.prepared_root() if self.prepared_root is not None else None
