@@ -684,3 +684,130 @@ def test_a_compiled_global_pre_hook_reading_the_weight_sees_the_last_calls_value
     assert all(torch.equal(a, b) for a, b in zip(seen_s, seen_o))
     assert all(torch.equal(a, b) for a, b in zip(outs_s, outs_o))
     _check_equal(bufs_s, bufs_o, "buffer")
+
+
+class _ReplacesTheWeight(nn.Module):
+    """Assigns (or deletes) ``layer.weight`` inside the forward, before or between the layer's two
+    calls: stock's pre-hook computes the weight again at the layer's next call."""
+
+    def __init__(self, kind, action, when):
+        super().__init__()
+        self.layer = _norm(kind)(nn.Linear(6, 6))
+        self.action, self.when = action, when
+
+    def replace(self):
+        if self.action == "assign":
+            # (Not read from layer.weight: a read before the layer's first call is documented to
+            # get this call's value, not the last call's.)
+            self.layer.weight = torch.full((6, 6), 0.5)
+            return self.layer.weight.sum()  # the assigned tensor, until the layer's next call
+        del self.layer.weight
+        return 0.0
+
+    def forward(self, x):
+        read = self.replace() if self.when == "before" else 0.0
+        y = self.layer(x)
+        if self.when == "between":
+            read = self.replace()
+        return y + self.layer(x).tanh() + read
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("when", ["before", "between"])
+@pytest.mark.parametrize("action", ["assign", "del"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_the_weight_assigned_or_deleted_inside_the_forward_is_computed_again_at_the_next_call(
+        kind, mode, train, action, when, backend):
+    # Regression: hoist, freeze and auto served the layer's next call the assigned tensor (and
+    # raised AttributeError after del), where stock's pre-hook computes the weight again.
+    if mode == "freeze" and train and kind == "spectral_norm":
+        pytest.skip("freeze refuses a training spectral_norm")
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    grad = mode != "freeze"
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_ReplacesTheWeight(kind, action, when).train(train).requires_grad_(grad))
+    stock, ours = models
+    paramfold.prepare(ours, mode)
+    if backend:
+        torch._dynamo.reset()
+    run = torch.compile(ours, backend=backend) if backend else ours
+    for _ in range(3):
+        with torch.set_grad_enabled(grad):
+            out_s, out_o = stock(x), run(x)
+        assert torch.equal(out_s, out_o)
+        if grad:
+            out_s.square().sum().backward()
+            out_o.square().sum().backward()
+            _check_equal({n: p.grad for n, p in stock.named_parameters()}, {n: p.grad for n, p in ours.named_parameters()}, "grad")
+            with torch.no_grad():
+                for p in (*stock.parameters(), *ours.parameters()):
+                    p.sub_(0.1 * p.grad)
+                    p.grad = None
+        _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
+        _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+
+
+class _NormRunsItsHook(nn.Module):
+    """A forward where torch's norm hook itself runs, and assigns ``layer.weight``, inside the
+    call: a training spectral_norm's layer called twice (its second call runs the hook), or a
+    layer with another forward pre-hook (which keeps the norm's hook in: it runs at every call)."""
+
+    def __init__(self, kind, path):
+        super().__init__()
+        self.layer = _norm(kind)(nn.Linear(6, 6))
+        self.path = path
+        if path == "kept_in":
+            self.layer.register_forward_pre_hook(lambda m, args: None)
+
+    def forward(self, x):
+        y = self.layer(x)
+        return y + self.layer(y.tanh()) if self.path == "twice" else y
+
+
+@pytest.mark.parametrize("path", ["twice", "kept_in"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_the_norms_own_assignment_of_its_weight_changes_nothing_and_compiles_as_one_frame(kind, mode, train, path):
+    # Regression (the first fix of the in-forward assignment above, reverted): torch's hook sets
+    # layer.weight itself whenever it runs, and that reached the path for a user's assignment,
+    # whose lock broke the compiled forward (a second frame; the kept-in hook run eagerly).
+    if mode == "freeze" and train and kind == "spectral_norm":
+        pytest.skip("freeze refuses a training spectral_norm")
+    if path == "twice" and not (train and kind == "spectral_norm"):
+        pytest.skip("served both calls: the hook does not run")
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    grad = mode != "freeze"
+    frames, breaks, runs = [], [], []
+    for prepared in (False, True):
+        torch.manual_seed(0)
+        model = _NormRunsItsHook(kind, path).train(train).requires_grad_(grad)
+        if prepared:
+            paramfold.prepare(model, mode)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        counter = CompileCounterWithBackend("eager")
+        run = torch.compile(model, backend=counter)
+        record = []
+        for _ in range(3):
+            with torch.set_grad_enabled(grad):
+                out = run(x)
+            if grad:
+                out.square().sum().backward()
+            record.append((out.detach(), {n: p.grad for n, p in model.named_parameters()},
+                           {n: b.clone() for n, b in model.named_buffers()}, model.state_dict()))
+            model.zero_grad(set_to_none=True)
+        frames.append(counter.frame_count)
+        breaks.append(sum(torch._dynamo.utils.counters["graph_break"].values()))
+        runs.append(record)
+    assert frames[1] == frames[0] == 1
+    assert breaks[1] == breaks[0] == 0
+    for (out_s, grads_s, bufs_s, sd_s), (out_o, grads_o, bufs_o, sd_o) in zip(*runs):
+        assert torch.equal(out_s, out_o)
+        _check_equal(grads_s, grads_o, "grad")
+        _check_equal(bufs_s, bufs_o, "buffer")
+        _check_equal(sd_s, sd_o, "state_dict")

@@ -51,7 +51,7 @@ from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
 from paramfold.scope import (assigned, call_values, compiled_call_impl, copied_between_calls, copied_hook_values,
-                             root_call, state_read)
+                             hook_value_replaced, root_call, state_read)
 
 
 class _Sealed(type):
@@ -829,6 +829,7 @@ def _make_setattr(base: type, last_call_values: frozenset[str] = frozenset()):
             value = value.__bases__[0]
         if name in last_call_values:
             _take_last_call_value(self, name)
+            hook_value_replaced(self, name)
         # Stock's property setter: assigning to a parametrized tensor goes through right_inverse,
         # where nn.Module.__setattr__ would reach it: not for a Parameter (register_parameter
         # refuses the taken name) or a module (registered as a submodule), which it handles first.
@@ -848,8 +849,10 @@ def _make_delattr(base: type, last_call_values: frozenset[str]):
     base_delattr = base.__delattr__
 
     def __delattr__(self: nn.Module, name: str) -> None:
-        if name in last_call_values and name not in self.__dict__ and _take_last_call_value(self, name):
-            return
+        if name in last_call_values:
+            hook_value_replaced(self, name)
+            if name not in self.__dict__ and _take_last_call_value(self, name):
+                return
         plists = self.__dict__.get("_modules", {}).get("parametrizations")
         if plists is not None and name in plists._modules:
             # Stock's property has no deleter; object.__delattr__ would delete the value a call

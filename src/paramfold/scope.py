@@ -857,6 +857,37 @@ def assigned(holder: nn.Module, name: str) -> None:
         nested.Installs.count += 1  # the nested checks built with that value
 
 
+def hook_value_replaced(holder: nn.Module, name: str) -> None:
+    """Before ``holder.<name> = value`` or ``del holder.<name>`` of a tensor a hook-based norm
+    computes (``layer.weight``), inside a call: stock's hook sets it again at the module's next
+    call, from the originals. Where the module's next call in this one would be served the value
+    the scope computed instead (the hook is out, and no :class:`hooknorms.ServedOnce` stand-in
+    of a training spectral_norm has served it yet), the hook comes back for the rest of the call;
+    where no call took that value yet, the power iteration the scope ran for it is undone
+    (:func:`unread.drop`): the hook runs it at the next call, as stock's does.
+
+    Where the module's next call runs the hook anyway, nothing is to be done: that is also where
+    the hook itself runs and sets the value (kept in, or run by its stand-in at a later call),
+    so its own write returns here before anything else, traced without a graph break."""
+    hs = holder.__dict__.get(STATE_ATTR)
+    site = hs.sites.get(name) if hs is not None else None
+    if site is None or site.hook is None:
+        return
+    once = site.once_hook
+    if once is not None and once.served and type(holder) is hs.read_once_class:
+        return  # its stand-in runs the hook at each later call of the module
+    taken = hs.hooks_out[0] if hs.hooks_out else ()
+    for key, _ in taken:
+        if key == site.hook_key:
+            break
+    else:
+        return  # the hook is in: it runs at the module's next call
+    with _LOCK:
+        unread.drop(holder, name, site)
+        if not (once is not None and type(holder) is hs.read_once_class):
+            _hooks_back(holder, hs, [site.hook_key])
+
+
 def watch_backward() -> None:
     """Have every backward (``Tensor.backward``, ``torch.autograd.backward``/``grad``: torch's
     ``_engine_run_backward``) that frees the graphs it runs through (no ``retain_graph``) tell
@@ -908,11 +939,17 @@ def _graphs_freed(claims: tuple) -> None:
                         del values[name]
                 elif not (site.once_hook is not None and type(holder) is hs.read_once_class):
                     hooks.append(site.hook_key)
-            if hooks and hs.hooks_out:
-                taken, order, prepended = hs.hooks_out
-                hooknorms.attach(holder, [(k, h) for k, h in taken if k in hooks], order, prepended)
-                rest = [(k, h) for k, h in taken if k not in hooks]
-                hs.hooks_out = (rest, order, prepended) if rest else ()
+            _hooks_back(holder, hs, hooks)
+
+
+def _hooks_back(holder: nn.Module, hs: ModuleState, keys: list[int]) -> None:
+    """Put the hook-based norms' hooks at ``keys`` that the open scope took out back in their
+    places, for the rest of the call: they run at the module's later calls, as stock's do."""
+    if keys and hs.hooks_out:
+        taken, order, prepended = hs.hooks_out
+        hooknorms.attach(holder, [(k, h) for k, h in taken if k in keys], order, prepended)
+        rest = [(k, h) for k, h in taken if k not in keys]
+        hs.hooks_out = (rest, order, prepended) if rest else ()
 
 
 def calls_lock() -> threading.RLock:
