@@ -50,8 +50,9 @@ from paramfold.hooknorms import shadowed
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
-from paramfold.scope import (assigned, call_values, compiled_call_impl, copied_between_calls, copied_hook_values,
-                             hook_value_replaced, root_call, state_read)
+from paramfold.scope import compiled_call_impl, root_call
+from paramfold.scope_midcall import (assigned, call_values, copied_between_calls, copied_hook_values,
+                                     hook_value_replaced, state_read)
 
 
 class _Sealed(type):
@@ -511,7 +512,7 @@ def _served_once_forward(cls: type) -> Callable:
 def _state_dict_as_stock(cls: type) -> Callable:
     """``cls.state_dict`` (looked up at the call, as ``forward`` in :func:`_served_once_forward`)
     that first gives each stateful chain whose value the open call has not read yet its state
-    from before the call (``scope.state_read``): the read-once class's only, so no state_dict
+    from before the call (``scope_midcall.state_read``): the read-once class's only, so no state_dict
     outside a training call runs it."""
 
     def state_dict_as_stock(self: nn.Module, *args, **kwargs):
@@ -807,7 +808,7 @@ def _registering(register: Callable, names: frozenset[str]) -> Callable:
     off; where a call scope put that name's value in the module's ``__dict__`` (the call is open:
     a hook baking the weight in), stock's module has none there, and torch's check of the name
     would refuse it ("attribute ... already exists") after the parametrization is gone. The value
-    leaves first, as after an assignment (:func:`~paramfold.scope.assigned`)."""
+    leaves first, as after an assignment (:func:`~paramfold.scope_midcall.assigned`)."""
 
     def method(self: nn.Module, name: str, *args: Any, **kwargs: Any) -> None:
         if name in names and name in self.__dict__:

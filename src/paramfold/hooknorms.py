@@ -17,12 +17,12 @@ as every call does in stock; a module whose calls do not reach that ``forward`` 
 instance: :func:`calls_class_forward`) keeps its hook in, which runs at every call as in stock.
 :func:`attach` puts the very same hook object back at its key, in its place among the others,
 when the scope closes, or as soon as the forward assigns or deletes ``module.<name>``
-(``scope.hook_value_replaced``: stock's hook computes it again at the module's next call; the
+(``scope_midcall.hook_value_replaced``: stock's hook computes it again at the module's next call; the
 hook's own assignment, wherever it runs, leaves all as it is).
 Outside a scope the hook is where torch put it and runs as in stock (a layer called on its own,
 a bigger compiled region). As in stock, ``module.weight`` keeps the last value after a call (and
 a copy of the module made during a call, before its call there, holds that one:
-``scope.copied_hook_values``). Where a call keeps the hook in (a forward pre-hook that may change
+``scope_midcall.copied_hook_values``). Where a call keeps the hook in (a forward pre-hook that may change
 the originals runs before it), that value is out of ``__dict__`` until the hook sets it again
 (``scope._install``), and the module's class serves it to any read before
 (``classes.LastCallValue``: a global pre-hook, one registered with ``prepend=True``), as stock's.

@@ -20,7 +20,8 @@ from paramfold.freeze import refuse_unfreezable
 from paramfold.inline import chain_signature, hook_keys, inline_property, install_refs, sync_refs
 from paramfold.randomness import watch as watch_draws
 from paramfold.restore import drop_detached, restore, restore_module
-from paramfold.scope import calls_lock, parametrized_below, watch_backward
+from paramfold.scope import calls_lock, parametrized_below
+from paramfold.scope_midcall import watch_backward
 from paramfold.state import FREEZE_CHECKS, STATE_ATTR, ModuleState, state_for, syncs_before_forward
 from paramfold.sites import Site, find, parametrization_paths
 

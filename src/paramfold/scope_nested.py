@@ -31,7 +31,7 @@ swapped, or any under a call made with grad on again, is taken out for the rest 
 
 Not seen: reads that are not inside a nested module call (a forward reading ``self.k.weight``
 after changing its originals; an assignment ``self.k.weight = w`` is seen where it is made, by the
-prepared class's ``__setattr__``: ``scope.assigned``); in-place edits through ``.data`` (they bump no version counter); and
+prepared class's ``__setattr__``: ``scope_midcall.assigned``); in-place edits through ``.data`` (they bump no version counter); and
 anything inside compiled code, where nested calls are traced, not called (README, Notes and
 limits).
 """

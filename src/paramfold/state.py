@@ -416,7 +416,7 @@ class ModuleState:
     left: tuple = ()
     #: Hook-based norms' values of the last call, ``(name, value)``, that the open call's values
     #: replaced in ``__dict__`` (``scope._install``): stock's ``__dict__`` holds them until the
-    #: module's call in this one, and so does a copy made before it (``scope.copied_hook_values``).
+    #: module's call in this one, and so does a copy made before it (``scope_midcall.copied_hook_values``).
     replaced: tuple = ()
     #: For holders with hoisted or frozen values: the class the module has between calls (a
     #: subclass of ``prepared_class`` whose data descriptors compute every read like stock), and

@@ -65,7 +65,7 @@ def materialised(model: nn.Module) -> tuple[dict[str, torch.Tensor], list[str]]:
     plain: dict[str, torch.Tensor] = {}
     computed: list[str] = []
     # First, as a state_dict() taken inside a call gives the chains the call has not read yet
-    # their state from before it (scope.state_read): that is the state to leave them in.
+    # their state from before it (scope_midcall.state_read): that is the state to leave them in.
     entries = model.state_dict()
     # What a chain may update while computing, and where it is held: its buffers, a hook-based
     # norm's _u/_v.
