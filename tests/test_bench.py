@@ -480,6 +480,21 @@ def test_cli_table_and_plot(tmp_path):  # matplotlib is in the test extra
     assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask  # as open(), not mkstemp's 0600
 
 
+def test_plot_without_matplotlib_is_refused_before_any_work(tmp_path, monkeypatch):
+    # Regression: the whole bench ran first (minutes with the defaults), then the figure failed
+    # with "ImportError ... (unexpected)" and exit code 1.
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` meets where it is not installed
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: ran.append(a))
+    res = CliRunner().invoke(app, ["bench", "--layers", "1", "--plot", str(tmp_path / "ratios.png")])
+    assert res.exit_code == 2 and not ran
+    assert res.stderr.strip().splitlines() == [
+        "paramfold bench: error: --plot needs matplotlib: pip install 'paramfold[plot]'"]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

@@ -439,9 +439,15 @@ def bench(
     import json
 
     if plot is not None:
+        from paramfold.bench.plot import require_matplotlib
         from paramfold.output import check_output
 
         check_output(plot, suffixes=(".png",))
+        try:
+            require_matplotlib()
+        except ImportError as exc:
+            _say("bench", str(exc))
+            raise typer.Exit(2) from None
 
     from rich.console import Console
 

@@ -24,7 +24,7 @@ from typing import Any
 from paramfold.bench.result import BenchResult, SweepResult
 from paramfold.output import atomic_output
 
-__all__ = ["plot_ratios", "plot_sweep"]
+__all__ = ["plot_ratios", "plot_sweep", "require_matplotlib"]
 
 _GREY, _BLUE = "#888888", "#3572b0"
 
@@ -40,6 +40,12 @@ def _pyplot() -> Any:
             "--plot needs matplotlib: pip install 'paramfold[plot]'"
         ) from exc
     return plt
+
+
+def require_matplotlib() -> None:
+    """Raise ``ImportError`` saying what to install where matplotlib cannot be imported: checked
+    before a bench runs, not after its minutes of work."""
+    _pyplot()
 
 
 def _title(result: BenchResult, layers: str) -> str:
