@@ -651,6 +651,100 @@ def test_a_deep_copy_after_a_frozen_call_freezes_its_own_values(register, mode, 
     check(*both)
 
 
+class _CopiesItself(nn.Linear):
+    """A layer whose class has a ``__deepcopy__`` of its own (which stock's copy, and paramfold's, call)."""
+
+    def __deepcopy__(self, memo):
+        replica = self.__class__.__new__(self.__class__)
+        memo[id(self)] = replica
+        object.__setattr__(replica, "__dict__", copy.deepcopy(self.__dict__, memo))
+        return replica
+
+
+def _restored_like_stock(ours, stock, x, planted=False):
+    """``ours`` restored: bitwise stock's outputs and state_dict, every module's class and
+    ``vars()`` keys as stock's, and a tensor ``planted`` in a layer's ``__dict__`` kept there."""
+    paramfold.restore(ours)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+    mine, theirs = ours.state_dict(), stock.state_dict()
+    assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+    def described(m):  # (stock's parametrized classes are per instance)
+        return type(m).__name__, parametrize.type_before_parametrizations(m), sorted(vars(m))
+
+    pairs = list(zip(ours.modules(), stock.modules()))
+    assert [described(a) for a, _ in pairs] == [described(b) for _, b in pairs]
+    if planted:
+        assert all(torch.equal(vars(a)["weight"], vars(b)["weight"]) for a, b in pairs if "weight" in vars(b))
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["", "planted"])
+@pytest.mark.parametrize("called", [False, True], ids=["restored", "called"])
+@pytest.mark.parametrize("when", ["between_calls", "in_a_hook"])
+@pytest.mark.parametrize("copied", ["model", "AveragedModel", "part", "a_copy"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_deep_copy_holds_none_of_the_originals_frozen_values(mode, copied, when, called, planted):
+    # Regression: a deep copy (AveragedModel, an EMA) of a freeze/auto model after a frozen call
+    # kept the original's frozen value in its layers' __dict__, which its state no longer knew as
+    # paramfold's: its next call set it aside as the user's, restore put it back, and torch's
+    # remove_parametrizations then raised KeyError "attribute 'weight' already exists" after
+    # taking the property off (the layer read that stale tensor).
+    from torch.optim.swa_utils import AveragedModel
+
+    def build_seq():
+        torch.manual_seed(0)
+        model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), _CopiesItself(4, 4)).eval()
+        parametrize.register_parametrization(model[2], "weight", LoRA(4, 4))
+        return model.requires_grad_(False) if mode == "freeze" else model  # auto: frozen under no_grad
+
+    def copy_of(model):
+        if copied == "AveragedModel":
+            return AveragedModel(model).module
+        if copied == "a_copy":
+            return copy.deepcopy(copy.deepcopy(model))
+        return copy.deepcopy(model[2] if copied == "part" else model)
+
+    stock, ours = build_seq(), build_seq()
+    paramfold.prepare(ours, mode)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))  # frozen from here
+    if planted:  # the user's, hidden by stock's property: a copy and restore keep it
+        for model in (ours, stock):
+            vars(model[2])["weight"] = torch.full((4, 4), 7.0)
+    taken = []
+    for model in (ours, stock):
+        if when == "between_calls":
+            taken.append(copy_of(model))
+        else:  # from a forward hook, after the first layer's call
+            handle = model[1].register_forward_hook(  # (the copy holds it: copies once)
+                lambda *_, m=model: None if len(taken) == 2 else taken.append(copy_of(m)))
+            with torch.no_grad():
+                model(x)
+            handle.remove()
+    mine, theirs = taken
+    if called:
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(mine(x), theirs(x))
+    _restored_like_stock(mine, theirs, x, planted)
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))
+    _restored_like_stock(ours, stock, x, planted)
+    # torch's removal works on the copy (not on both: stock's copy shares its original's class,
+    # whose property the removal deletes).
+    for a, b in zip(mine.modules(), theirs.modules()):
+        if planted and "weight" in vars(b):  # (stock's removal refuses it: taken out of both)
+            vars(a).pop("weight"), vars(b).pop("weight")
+        for name in list(getattr(b, "parametrizations", {})):
+            parametrize.remove_parametrizations(a, name)
+            parametrize.remove_parametrizations(b, name)
+    with torch.no_grad():
+        assert torch.equal(mine(x), theirs(x))
+    assert [sorted(vars(a)) for a in mine.modules()] == [sorted(vars(b)) for b in theirs.modules()]
+
+
 @pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
 @pytest.mark.parametrize("part", [0, 2, "both"])
 def test_a_deep_copy_of_part_of_a_prepared_model_is_a_stock_module(mode, part):

@@ -51,8 +51,8 @@ from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
 from paramfold.scope import compiled_call_impl, root_call
-from paramfold.scope_midcall import (assigned, call_values, copied_between_calls, copied_hook_values,
-                                     hook_value_replaced, state_read)
+from paramfold.scope_midcall import (assigned, copied_between_calls, copied_hook_values,
+                                     hook_value_replaced, not_copied, state_read)
 
 
 class _Sealed(type):
@@ -737,8 +737,11 @@ def _deepcopy_with(copier: Callable[[nn.Module, dict], nn.Module]) -> Callable[[
             # class has none to find, so stock copies the wrapper itself: so do we.
             return copy._reconstruct(asked, memo, *asked.__reduce_ex__(4))  # type: ignore[attr-defined]
         orphan = orphaned_copy(self, memo)
+        left_out = not_copied(self) if copier is not _default_deepcopy else ()
         replica = copier(self, memo)
         if copier is not _default_deepcopy:
+            for name in left_out:  # (the class's own copier copied them)
+                replica.__dict__.pop(name, None)
             copied_between_calls(self, replica)
         if orphan:
             restore_module(replica)
@@ -778,19 +781,19 @@ def _default_deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     found = memo.get(id(self))
     if found is not None:
         return found
-    call_only = call_values(self)  # values a call open now installed: not the module's own
+    left_out = not_copied(self)  # values paramfold put there: not the module's own
     for now, then in copied_hook_values(self):  # (wherever the copy meets it: a dict holding it too)
         memo[id(now)] = copy.deepcopy(then, memo)
         copy._keep_alive(now, memo)  # type: ignore[attr-defined]
     if not has_parametrizations(self):
         rv = object.__reduce_ex__(self, 4)
-        if call_only and isinstance(rv[2], dict):
-            rv = (rv[0], rv[1], {k: v for k, v in rv[2].items() if k not in call_only}, *rv[3:])
+        if left_out and isinstance(rv[2], dict):
+            rv = (rv[0], rv[1], {k: v for k, v in rv[2].items() if k not in left_out}, *rv[3:])
         replica = copy._reconstruct(self, memo, *rv)  # type: ignore[attr-defined]
     else:
         replica = self.__new__(type(self))
         memo[id(self)] = replica
-        own = {k: v for k, v in self.__dict__.items() if k not in call_only} if call_only else self.__dict__
+        own = {k: v for k, v in self.__dict__.items() if k not in left_out} if left_out else self.__dict__
         object.__setattr__(replica, "__dict__", copy.deepcopy(own, memo))
         for slot in copyreg._slotnames(type(self)):  # type: ignore[attr-defined]
             if hasattr(self, slot):

@@ -7,8 +7,8 @@ between two reads that stock's next read would see, the shared value must give w
 * ``layer.weight = t`` or ``del layer.weight`` (:func:`assigned`, :func:`hook_value_replaced`):
   the reads, or a hook-based norm's next call, compute it from the new originals;
 * ``copy.deepcopy`` of a module during the call (:func:`copied_between_calls`,
-  :func:`copied_hook_values`): the copy is an ordinary model, as stock's is, holding what
-  stock's would hold;
+  :func:`copied_hook_values`, :func:`not_copied`): the copy is an ordinary model, as stock's is,
+  holding what stock's would hold;
 * ``state_dict()`` taken during the call (:func:`state_read`): a training stateful chain's
   buffers hold stock's state there;
 * a backward that frees the graphs it runs through (:func:`watch_backward`): the values lose
@@ -32,14 +32,18 @@ from paramfold.compute import compiling
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.scope import _MISSING, _enclosing, _in_scope, _unclaimed, calls_lock
-from paramfold.state import ONCE_ATTR, STATE_ATTR, ModuleState, tensor_label
+from paramfold.state import ONCE_ATTR, STATE_ATTR, ModuleState, kept_values, tensor_label
 
 
-def call_values(module: nn.Module) -> tuple[str, ...]:
-    """The names in ``module.__dict__`` whose values an open call scope installed (not stock's
-    attributes: a copy of the module leaves them out, see :func:`copied_between_calls`)."""
+def not_copied(module: nn.Module) -> tuple[str, ...]:
+    """The names in ``module.__dict__`` whose values paramfold put there, not stock's attributes,
+    which a copy of the module leaves out: those an open call scope installed (see
+    :func:`copied_between_calls`), and the frozen values kept for the next call (the copy freezes
+    its own: a kept one, keyed on this module's tensors, would be taken for the user's there)."""
     hs = module.__dict__.get(STATE_ATTR)
-    return hs.installed if hs is not None and hs.users else ()
+    if hs is None:
+        return ()
+    return (*(hs.installed if hs.users else ()), *kept_values(module, hs))
 
 
 def copied_hook_values(module: nn.Module) -> list[tuple[object, object]]:

@@ -481,11 +481,13 @@ class ModuleState:
 
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
-        this module's objects (plans, ``nested_check``): the copy's first calls build its own."""
-        dropped = _CACHES | {"prepared_root", "own_dict", "detached", "replaced", *_MODULE_LISTS}
+        this module's objects (plans, ``nested_check``): the copy's first calls build its own.
+        Nor does it keep frozen values: its sites' are dropped (``SiteState.__deepcopy__``), and
+        the module's copy leaves those kept in ``__dict__`` out (``scope_midcall.not_copied``)."""
+        dropped = _CACHES | {"prepared_root", "own_dict", "detached", "replaced", "kept", *_MODULE_LISTS}
         replica = _copy_fields(self, memo, dropped)
         # The tensors of this module's last call (one with a history, too).
-        replica.detached = replica.replaced = ()
+        replica.detached = replica.replaced = replica.kept = ()
         replica.holders, replica.entries, replica.parametrized = [], [], ()  # (keep_copied, below)
         replica.covers = frozenset()
         root = self.prepared_model()
@@ -539,16 +541,22 @@ def state_of(module: nn.Module) -> ModuleState | None:
     return module.__dict__.get(STATE_ATTR)
 
 
+def kept_values(module: nn.Module, state: ModuleState) -> list[str]:
+    """The names under which ``module``'s ``__dict__`` holds the frozen values kept for its next
+    call, by identity: a tensor put there under its name since is the user's."""
+    values = module.__dict__
+    return [name for name, site in state.sites.items()
+            if name in state.kept and site.frozen is not None and values.get(name) is site.frozen.value]
+
+
 def installed_keys(module: nn.Module, state: ModuleState) -> list[str]:
     """The keys paramfold may have written into a prepared ``module``'s ``__dict__`` besides its
     state: its sites' values where they are there (not a hook-based norm's tensor, which stock
     keeps there too; nor a site's name once its parametrization was removed and the name given a
     value of the user's, such as a hook-based norm's applied since), inline's inputs, the read-once
     hooks, and detached parameters."""
-    values = module.__dict__
-    # A kept frozen value by identity: a tensor put there under its name since is the user's.
-    keys = [name for name, site in state.sites.items() if site.hook is None and (
-        name in state.installed or (name in state.kept and site.frozen is not None and values.get(name) is site.frozen.value))]
+    kept = kept_values(module, state)
+    keys = [name for name, site in state.sites.items() if site.hook is None and (name in state.installed or name in kept)]
     keys += [*state.ref_keys, ONCE_ATTR]
     if state.detach_params:
         keys += list(module._parameters)
