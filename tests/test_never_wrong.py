@@ -2696,6 +2696,54 @@ def test_a_class_attribute_set_on_a_prepared_layer_is_refused_and_reaches_no_oth
             assert torch.equal(ours(x), stock(x))
 
 
+@pytest.mark.parametrize("leave", [True, False])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_class_attribute_del_of_a_parametrized_name_is_refused_not_ignored(mode, leave):
+    # Regression: ``del type(layer).weight`` (a parametrized name) was ignored without a word, so
+    # the layer kept its weight where stock's lost it (stock deletes the property of the layer's
+    # own class: ``layer.weight`` then raises AttributeError): the class's __delattr__ took every
+    # such del for torch's remove_parametrizations, which deletes its property that way. The
+    # user's is refused like any class write, between calls and inside a call, also for a name
+    # registered after prepare; torch's removal of either still works as before.
+    stock, ours = _inference(skew_pair()), paramfold.prepare(_inference(skew_pair()), mode)
+    x = torch.randn(2, 4)
+    classes = {type(layer) for layer in ours}
+
+    def refused(i, name, in_a_call):
+        layer = ours[i]
+        before = [dict(vars(cls)) for cls in classes]
+        match = rf"(?s)del type\(module\)\.{name} .*shared by every prepared Linear.*Call paramfold\.restore"
+        if in_a_call:
+            handle = ours[1].register_forward_pre_hook(lambda module, args: delattr(type(layer), name))
+            with pytest.raises(paramfold.FoldError, match=match):
+                ours(x)
+            handle.remove()
+        else:
+            with pytest.raises(paramfold.FoldError, match=match):
+                delattr(type(layer), name)
+        assert [dict(vars(cls)) for cls in classes] == before
+        assert torch.equal(getattr(layer, name), getattr(stock[i], name))
+
+    for in_a_call in (False, True):
+        for i in (0, 2):
+            refused(i, "weight", in_a_call)
+            assert torch.equal(ours(x), stock(x))
+    for model in (ours, stock):
+        P.register_parametrization(model[2], "bias", nn.Tanh())
+    classes = {type(layer) for layer in ours}
+    refused(2, "bias", in_a_call=False)
+    for layer in (ours, stock):
+        P.remove_parametrizations(layer[2], "bias", leave_parametrized=leave)
+        P.remove_parametrizations(layer[0], "weight", leave_parametrized=leave)
+    assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()))
+    assert torch.equal(ours[2].weight, stock[2].weight)  # still parametrized, its class still serving it
+    with pytest.raises(paramfold.FoldError, match="changed after paramfold.prepare"):
+        ours(x)
+    paramfold.restore(ours)
+    assert torch.equal(ours(x), stock(x))
+    assert [type(layer).__mro__[1:] for layer in ours] == [type(layer).__mro__[1:] for layer in stock]
+
+
 class _Holds(nn.Module):
     """A container of the user's: its class is stock's for every instance, prepared or not."""
 

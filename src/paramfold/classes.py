@@ -11,10 +11,11 @@ Shared classes must never change for one module's sake. torch's ``register_param
 ``remove_parametrizations`` edit ``module.__class__`` (they expect a class of the module's own);
 the :class:`_Sealed` metaclass catches those edits: a property injected for one module becomes a
 :class:`_ForeignSite` that serves only modules parametrized for that name, and the class leaves the
-cache so later prepares get a clean one; deletions of a tensor's descriptor are ignored (each
-steps aside for a module whose parametrization is gone). The changed module is refused at its next call, and
-:func:`paramfold.restore` rebuilds stock's class for its parametrizations as they are then.
-Any other write (``type(module).forward = f``, a property of the user's) is refused with a
+cache so later prepares get a clean one; ``remove_parametrizations``' deletion of a tensor's
+descriptor is ignored (each steps aside for a module whose parametrization is gone). The changed
+module is refused at its next call, and :func:`paramfold.restore` rebuilds stock's class for its
+parametrizations as they are then. Any other write (``type(module).forward = f``, a property of
+the user's, ``del type(module).weight`` of the user's) is refused with a
 :class:`~paramfold.FoldError` that says where to make it (:func:`_refuse_class_write`).
 
 While prepared, ``type(m)`` is the shared class (a subclass of the user's class, with the same
@@ -91,13 +92,25 @@ class _Sealed(type):
         if not cls.__dict__.get("_paramfold_sealed"):
             type.__delattr__(cls, name)
         elif name in cls._paramfold_names or isinstance(inspect.getattr_static(cls, name, None), _ForeignSite):
-            return  # remove_parametrizations on a prepared module: other modules still need it
+            # remove_parametrizations on a prepared module: other modules still need it, so it
+            # stays. The user's ``del type(module).weight`` is refused like any class write.
+            if not _torchs_removal(sys._getframe(1)):
+                _refuse_class_write(cls, name, _DELETED)
         elif injected_by_torch(vars(cls._paramfold_base).get(name)):
             # remove_parametrizations on a module prepare left parametrized (filter_fn, a
             # submodule selected): its base is stock's class made for this module alone.
             type.__delattr__(cls._paramfold_base, name)
         else:
             _refuse_class_write(cls, name, _DELETED)
+
+
+def _torchs_removal(caller: types.FrameType) -> bool:
+    """Whether ``caller`` (of the class's ``__delattr__``) is torch's ``remove_parametrizations``
+    deleting its property, not the user's ``del type(module).name``. Nothing on the module tells
+    them apart: torch deletes the property before the parametrization, and with
+    ``leave_parametrized=False`` reads nothing through the module first. Its frame has the
+    function's globals and name, also where dynamo runs code it made from the function."""
+    return caller.f_globals is vars(parametrize) and caller.f_code.co_name == "remove_parametrizations"
 
 
 def _dynamos_patch(cls: type, name: str, value: object) -> bool:
