@@ -2770,10 +2770,10 @@ def test_a_class_attribute_set_through_a_class_stock_shares_is_refused_and_made_
     # derives from: made there, it is stock's, in training calls too (a hook-based norm's
     # read-once class ran the forward its class had when it was made).
     class Holds(_Holds):  # a class of this test's own: stock's writes reach every instance of it
-        pass
+        tag = "the class's own"
 
     class Spectral(_SpectralLinear):
-        pass
+        tag = "the class's own"
 
     def build(seed):
         torch.manual_seed(seed)
@@ -2803,11 +2803,21 @@ def test_a_class_attribute_set_through_a_class_stock_shares_is_refused_and_made_
     else:
         before = dict(vars(cls))
         writes = [(lambda: setattr(cls, "forward", lambda self, inp: inp), r"\.forward = \.\.\.\), which reaches"),
-                  (lambda: setattr(cls, "doubled", property(lambda self: 1)), r"\.doubled = \.\.\.\), which reaches"),
-                  (lambda: delattr(cls, "forward"), r"\(del type\(module\)\.__mro__\[1\]\.forward\)")]
+                  (lambda: setattr(cls, "doubled", property(lambda self: 1)), r"\.doubled = \.\.\.\), which reaches")]
+        deletable = "tag" in vars(type(module_of(stock_a)))  # (not the per-module class torch made)
+        if deletable:
+            writes.append((lambda: delattr(cls, "tag"), r"\(del type\(module\)\.__mro__\[1\]\.tag\)"))
         for write, what_to_do in writes:
             with pytest.raises(paramfold.FoldError, match=r"(?s)stock makes it on the module's class .*" + what_to_do):
                 write()
+        # Names stock's class has none of its own (inherited, or a hook-based norm's weight, the
+        # instance's): stock's del raises AttributeError (the message pointed at a del raising it too).
+        for name in ("forward", "weight", *(() if deletable else ("tag",))):
+            with pytest.raises(AttributeError) as ours_raised:
+                delattr(cls, name)
+            with pytest.raises(AttributeError) as stock_raised:
+                delattr(type(module_of(stock_a)), name)
+            assert str(ours_raised.value) == str(stock_raised.value)
         assert dict(vars(cls)) == before
         # Where the message says: the user's class (stock's modules' too), or each module's own.
         stock_classes = [type(module_of(m)).__mro__[1] for m in (ours_a, ours_b)]

@@ -157,6 +157,8 @@ def _refuse_class_write(cls: type, name: str, value: object) -> None:
                  "change would reach them all")
         options.append("call paramfold.restore(model) first and change the class then (prepare refuses a "
                        "parametrized module whose class was changed: leave it out with filter_fn)")
+    elif deleting and name not in vars(base):  # stock's class (the user's) has none of its own: stock's del raises
+        raise AttributeError(f"type object '{base.__name__}' has no attribute '{name}'")
     elif name in vars(prepared):
         where = (f"stock makes it on {base.__qualname__}, but paramfold's class {cls.__name__} of the module "
                  f"defines {name} itself, so it would not reach the module")
