@@ -28,7 +28,11 @@ in two ways:
   as a plain one. ``freeze_check="version"`` reads no bytes: besides identity, address and version it watches
   each host input's storage for writes (:func:`arm`), which sees ``.data`` writes and every
   other write made through torch, but not one through memory exported before (a numpy array,
-  DLPack, a raw pointer, another process).
+  DLPack, a raw pointer, another process). An input whose mark is found cleared with no version
+  bump while something besides it holds its storage (a numpy array or DLPack export taken
+  after the value was computed) is the exception: its bytes are hashed at every call from then
+  on, and in the values computed after while that holds (:func:`rearm_unwritten`,
+  :func:`_exported_since`).
 
 and on what the chain reads besides tensors (:func:`settings`): its members' plain attributes
 (``member.temperature = 0.5``), the ``ParametrizationList``'s own (stock calls it as a module: a
@@ -235,15 +239,18 @@ def _fingerprint(site: SiteState) -> _Fingerprint:
     computed: an input is armed first (:func:`arm`), then its version, address and bytes are
     read, so a write at any moment after is seen by one of them."""
     content = site.freeze_check == "content"
+    exported = _exported_since(site.frozen) if not content else frozenset()
     prints = _Fingerprint()
     watch, raw, views, marked, fresh, checks = [], [], [], [], [], []
     for d, key, t in _watched(site):
         # With the content check, an input nothing outside torch holds is marked, not read: any
         # later hand-out of a writable pointer to its bytes (numpy, DLPack, data_ptr()) disarms it
-        # as a write through torch does. An inference tensor has no version counter: marked or
+        # as a write through torch does. With the version check, every input is marked but one
+        # exported after the value before was computed (_exported_since) that something still
+        # holds: its writes stay seen. An inference tensor has no version counter: marked or
         # hashed whatever the check.
         count = ARMINGS[0]
-        armed = (not content or unshared(t)) and arm(t)
+        armed = (unshared(t) or not (content or _address(t) in exported)) and arm(t)
         version = version_of(t)
         watch.append((d, key, t, version, _address(t), layout(t)))
         if armed:
@@ -255,7 +262,7 @@ def _fingerprint(site: SiteState) -> _Fingerprint:
             # write that lands meanwhile through .data then shows only there (see _freeze).
             checks.append((version, watch[-1][4], _byte_check(t, watch[-1][4])))
             continue
-        if not content and version is not None:
+        if not content and version is not None and watch[-1][4] not in exported:
             continue
         check = _byte_check(t, watch[-1][4])
         if check is not None:
@@ -672,10 +679,11 @@ def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
     writes nothing clears a mark (inductor's ``freezing`` packs a frozen weight for MKL so while
     it compiles); computing the value again for that would give it a new identity, which
     compiled code guards on. Each is then watched as :func:`_fingerprint` watches an input:
-    armed again where nothing else holds its storage (or with ``freeze_check="version"``), its
-    count standing, as that of an input armed again in :func:`_freeze` (the caller checked it is
-    the count the value was keyed on); its bytes checked at every call otherwise (inductor keeps
-    a view of a frozen weight), since a numpy array or DLPack capsule on it writes unseen."""
+    armed again where nothing else holds its storage, its count standing, as that of an input
+    armed again in :func:`_freeze` (the caller checked it is the count the value was keyed on);
+    its bytes checked at every call otherwise, since a numpy array or DLPack capsule on it
+    writes unseen. So with ``freeze_check="version"`` too, but for the value's own storage
+    (inductor keeps a view of a frozen weight; a write to the value is not stock's to see)."""
     content = site.freeze_check == "content"
     hashed = []
     for i, (t, (version, address, check)) in enumerate(zip(frozen.armed, frozen.armed_checks, strict=True)):
@@ -683,7 +691,7 @@ def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
             continue
         if check is None or version_of(t) != version or _address(t) != address or not _same_check(check):
             return False
-        if (content and not unshared(t)) or not arm(t, again=True):
+        if ((content or t is not frozen.value) and not unshared(t)) or not arm(t, again=True):
             hashed.append(i)
     if hashed:
         keep = [i for i in range(len(frozen.armed)) if i not in hashed]
@@ -693,6 +701,22 @@ def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
             tuple(frozen.armed_checks[i] for i in keep))
         frozen.armed_counts = [frozen.armed_counts[i] for i in keep]
     return True
+
+
+def _exported_since(frozen: FrozenValue | None) -> frozenset[int]:
+    """With the version check, the addresses of ``frozen``'s inputs that something took a
+    pointer to after it was computed and holds (a numpy array, DLPack): hashed since
+    (:func:`rearm_unwritten`), or found with their mark cleared, no version bump and their
+    storage shared (the write through the array is what computes the value again). They stay
+    hashed, not armed, in the value computed next: a write through the array is seen at every
+    call, not at the first only."""
+    if frozen is None:
+        return frozenset()
+    found = {*(ctypes.addressof(memory) for memory, _ in frozen.raw), *(view.data_ptr() for view, _ in frozen.views)}
+    for t, (version, address, _) in zip(frozen.armed, frozen.armed_checks, strict=True):
+        if t is not frozen.value and not is_armed(t) and version_of(t) == version and not unshared(t):
+            found.add(address)
+    return frozenset(found)
 
 
 def same_inputs(watch: tuple[tuple, ...]) -> bool:

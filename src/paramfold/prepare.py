@@ -107,7 +107,8 @@ def prepare(
             bump no version counter (a write mark on each input no other tensor shares, the
             bytes of the others checked at every call); ``"version"`` trusts identity, storage,
             version counters and write marks alone, which miss writes through memory exported
-            before the value was computed (a numpy array, DLPack) — use it only if nothing
+            before the value was computed (a numpy array, DLPack; one exported after has its
+            bytes checked at every call from the next call on, while something holds it) — use it only if nothing
             writes the weights that way.
 
     ``state_dict()`` keys and values are unchanged, :func:`paramfold.restore` undoes
