@@ -751,6 +751,80 @@ def test_the_weight_assigned_or_deleted_inside_the_forward_is_computed_again_at_
         _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
 
 
+class _AssignsThenSwitches(nn.Module):
+    """Assigns ``layer.weight`` after the layer's call, then calls the layer again under other
+    settings (its training mode flipped, its requires_grad flipped, an autocast region) and reads
+    ``layer.weight`` after: stock's hook computed it again at that call and stored it."""
+
+    def __init__(self, kind, how):
+        super().__init__()
+        self.layer = _norm(kind)(nn.Linear(6, 6))
+        self.how = how
+
+    def switch(self):
+        if self.how == "flip":
+            self.layer.train(not self.layer.training)
+        elif self.how == "rg":
+            self.layer.requires_grad_(not self.layer.bias.requires_grad)
+
+    def forward(self, x):
+        y = self.layer(x)
+        self.layer.weight = torch.full((6, 6), 0.5)
+        self.switch()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.how == "autocast"):
+            z = self.layer(y).float()
+        self.switch()
+        return z + self.layer.weight.sum()
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("how", ["flip", "rg", "autocast"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_the_weight_assigned_inside_the_forward_is_the_hooks_after_a_call_under_other_settings(
+        kind, mode, train, how, backend):
+    # Regression: hoist, freeze and auto computed the layer's second call's weight afresh for
+    # the changed settings and put the assigned tensor back after it, over the value the norm's
+    # hook (back in since the assignment) stored: the read after it, and the model after the
+    # forward, got the assigned tensor, where stock's get the hook's value.
+    if mode == "freeze" and train and kind == "spectral_norm":
+        pytest.skip("freeze refuses a training spectral_norm")
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    grad = mode != "freeze"
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_AssignsThenSwitches(kind, how).train(train).requires_grad_(grad))
+    stock, ours = models
+    paramfold.prepare(ours, mode)
+    if backend:
+        torch._dynamo.reset()
+    run = torch.compile(ours, backend=backend) if backend else ours
+    for _ in range(3):
+        with torch.set_grad_enabled(grad):
+            out_s, out_o = stock(x), run(x)
+        assert torch.equal(out_s, out_o)
+        assert torch.equal(stock.layer.weight, ours.layer.weight)
+        if grad:
+            try:
+                out_s.square().sum().backward()
+            except RuntimeError:  # an eval spectral_norm switched to training: its power iteration
+                with pytest.raises(RuntimeError, match="inplace"):  # wrote a buffer the graph saved
+                    out_o.square().sum().backward()
+                grad = False  # the later calls without grad
+            else:
+                out_o.square().sum().backward()
+                _check_equal({n: p.grad for n, p in stock.named_parameters()},
+                             {n: p.grad for n, p in ours.named_parameters()}, "grad")
+                with torch.no_grad():
+                    for p in (*stock.parameters(), *ours.parameters()):
+                        p.sub_(0.1 * p.grad)
+                        p.grad = None
+        _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
+        _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+
+
 class _NormRunsItsHook(nn.Module):
     """A forward where torch's norm hook itself runs, and assigns ``layer.weight``, inside the
     call: a training spectral_norm's layer called twice (its second call runs the hook), or a

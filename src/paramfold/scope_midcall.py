@@ -159,12 +159,8 @@ def hook_value_replaced(holder: nn.Module, name: str) -> None:
     once = site.once_hook
     if once is not None and once.served and type(holder) is hs.read_once_class:
         return  # its stand-in runs the hook at each later call of the module
-    taken = hs.hooks_out[0] if hs.hooks_out else ()
-    for key, _ in taken:
-        if key == site.hook_key:
-            break
-    else:
-        return  # the hook is in: it runs at the module's next call
+    if nested.hook_in(hs, site):
+        return  # it runs at the module's next call
     with calls_lock():
         unread.drop(holder, name, site)
         if not (once is not None and type(holder) is hs.read_once_class):

@@ -56,7 +56,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
 from paramfold.freeze import chain_needs_grad, digest, mark, release
 from paramfold.sites import probed
-from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, SiteState, for_one_call, tensor_label, version_of
+from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState, SiteState, for_one_call, tensor_label, version_of
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.watch import tag
@@ -504,8 +504,10 @@ def _valued(entry: nn.Module, missing: list | None = None):
             # inline computes where it reads, and so does a site the scope left to be computed
             # where read (below a forward pre-hook: a hook-based norm's hook then stays in and
             # puts stock's own value in __dict__), and a hook-based spectral_norm training whose
-            # value served the module's first call (its later calls run the hook)
-            served = site.once_hook is not None and site.once_hook.served and type(holder) is hs.read_once_class
+            # value served the module's first call (its later calls run the hook), and a hook-based
+            # norm whose hook the call put back in (scope_midcall: its module's later calls run it)
+            served = ((site.once_hook is not None and site.once_hook.served and type(holder) is hs.read_once_class)
+                      or hook_in(hs, site))
             if site.mode != "inline" and not site.at_read and not served:
                 if name in values:
                     yield holder, name, site
@@ -513,6 +515,18 @@ def _valued(entry: nn.Module, missing: list | None = None):
                     missing.append(site)
             elif (site.raised or served) and missing is not None:  # valued again from the next call (scope._install)
                 missing.append(site)
+
+
+def hook_in(hs: ModuleState, site: SiteState) -> bool:
+    """Whether ``site`` is a hook-based norm's whose hook is in its module's pre-hooks, not taken
+    out by the open scope (never taken out, or put back for the rest of the call): the module's
+    calls run it, and it sets the value, as stock's does."""
+    if site.hook is None:
+        return False
+    for key, _ in hs.hooks_out[0] if hs.hooks_out else ():
+        if key == site.hook_key:
+            return False
+    return True
 
 
 def _same_settings_of(holder: nn.Module, site: SiteState, snap: tuple) -> bool:
