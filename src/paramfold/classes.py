@@ -510,7 +510,8 @@ def _served_once_call(cls: type) -> Callable:
     skips stock's hooks (``layer.forward(x)`` reads the value its hook set at the last call, or
     one assigned since). Eagerly the stand-ins run in ``forward`` (:func:`_served_once_forward`),
     after the nested check of ``_compiled_call_impl`` (a call with changed originals marks the
-    value served there, and the hook then runs); this marks the call for it. Traced, where
+    value served there, and the hook then runs); this marks the call for it (an entry's call
+    that opens its scope reached the class's ``__call__`` before: ``scope._open`` marks it). Traced, where
     nothing is checked at nested calls, they run here, and ``cls.forward`` straight after, as
     dynamo's own call of a module without hooks does (no frame more than stock's)."""
     stocks_call = cls.__call__ is nn.Module.__call__  # not a root's call (scope.root_call)
