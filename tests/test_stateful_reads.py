@@ -507,6 +507,44 @@ def test_a_layer_with_a_forward_set_on_the_instance_advances_at_each_call_like_s
     assert_same_nested(*runs)
 
 
+class CallsThenForward(nn.Module):
+    """The layer's call, then its ``forward`` called directly, which skips torch's pre-hook: stock
+    reads there the weight its hook set at the call, or the tensor the forward assigned since."""
+
+    def __init__(self, assign: bool):
+        super().__init__()
+        self.assign = assign
+        self.layer = nn.utils.spectral_norm(nn.Linear(6, 6))
+
+    def forward(self, x):
+        y = self.layer(x)
+        if self.assign:
+            self.layer.weight = self.layer.weight_orig * 0.5
+        return self.layer.forward(y)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("mode", [*MODES, "inline"])
+def test_a_forward_called_directly_after_the_layers_call_runs_no_hook_like_stock(mode, assign, compiled):
+    # Regression: until 2026-12-05 the read-once class's forward took every run of it for a call
+    # of the module and ran torch's hook at the direct one too (hoist and auto: one power
+    # iteration more per call, and an assigned weight ignored).
+    stock, prepared = _twins(lambda: CallsThenForward(assign), mode)
+    runs = []
+    for model in (stock, prepared):
+        call = torch.compile(model, backend="eager") if compiled else model
+        torch.manual_seed(1)
+        record = []
+        for _ in range(3):
+            model.zero_grad()
+            out = call(torch.randn(3, 6))
+            out.square().sum().backward()
+            record.append([out, _buffers(model), grads(model)])
+        runs.append(record)
+    assert_same_nested(*runs)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_restore_after_training_calls_leaves_the_modules_as_stock_has_them(mode, kind):

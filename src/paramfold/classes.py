@@ -42,7 +42,7 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import scope_nested as nested
-from paramfold.compute import (autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
+from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
                                has_parametrizations, inspected_by_dynamo, parametrized_here)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
@@ -477,8 +477,9 @@ class _RefusedWhileCompiling(FoldError, AssertionError):
 def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> type:
     """The class a prepared module has inside a call scope while a *stateful* chain of ``names``
     trains (spectral_norm's power iteration): ``cls`` with a :class:`_ReadOnce` for each, and
-    with ``hooked`` (a hook-based spectral_norm) a ``forward`` that first runs the module's
-    ``hooknorms.ServedOnce`` stand-ins.
+    with ``hooked`` (a hook-based spectral_norm) a ``__call__`` and a ``forward`` that first run
+    the module's ``hooknorms.ServedOnce`` stand-ins at a call of the module (not at a ``forward``
+    called directly, which skips stock's hooks).
 
     Stock computes such a tensor at every read (a hook-based norm: at every call of the module),
     and each advances the chain's state. The scope computes it once, before the call; the first
@@ -495,6 +496,7 @@ def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> t
             namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
             namespace.update((n, _ReadOnce(n)) for n in sorted(names))
             if hooked:
+                namespace["__call__"] = _served_once_call(cls)
                 namespace["forward"] = _served_once_forward(cls)
             namespace["state_dict"] = _state_dict_as_stock(cls)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
@@ -502,15 +504,53 @@ def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> t
     return sub
 
 
+def _served_once_call(cls: type) -> Callable:
+    """``cls.__call__`` run after the module's ``hooknorms.ServedOnce`` stand-ins, where torch's
+    hooks ran in stock: at the module's calls only, not at a ``forward`` called directly, which
+    skips stock's hooks (``layer.forward(x)`` reads the value its hook set at the last call, or
+    one assigned since). Eagerly the stand-ins run in ``forward`` (:func:`_served_once_forward`),
+    after the nested check of ``_compiled_call_impl`` (a call with changed originals marks the
+    value served there, and the hook then runs); this marks the call for it (an entry's call
+    that opens its scope reached the class's ``__call__`` before: ``scope._open`` marks it). Traced, where
+    nothing is checked at nested calls, they run here, and ``cls.forward`` straight after, as
+    dynamo's own call of a module without hooks does (no frame more than stock's)."""
+    stocks_call = cls.__call__ is nn.Module.__call__  # not a root's call (scope.root_call)
+
+    def served_once_call(self: nn.Module, *args, **kwargs):
+        onces = self._paramfold_once  # state.ONCE_ATTR
+        if torch.compiler.is_compiling() and stocks_call and not (
+                self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
+                or self._backward_pre_hooks or any(GLOBAL_HOOKS)):
+            for once in onces:  # hooknorms.ServedOnce's protocol, written out: a frame less to trace
+                if once.served:
+                    once.hook(self, args)
+                else:
+                    once.served = True
+            return cls.forward(self, *args, **kwargs)
+        for once in onces:
+            once.called = True
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        finally:
+            for once in onces:
+                once.called = False
+
+    return served_once_call
+
+
 def _served_once_forward(cls: type) -> Callable:
-    """``cls.forward`` run after the module's ``hooknorms.ServedOnce`` stand-ins, where torch's
-    hooks ran before it in stock. Looked up at the call: a forward written to the class ``cls``
-    derives from (the user's class of a hook-based norm's layer) is run in training calls too."""
+    """``cls.forward`` run after the module's ``hooknorms.ServedOnce`` stand-ins where the module
+    was called (:func:`_served_once_call`), not where its ``forward`` is called directly. Looked
+    up at the call: a forward written to the class ``cls`` derives from (the user's class of a
+    hook-based norm's layer) is run in training calls too."""
 
     def served_once_forward(self: nn.Module, *args, **kwargs):
         # state.ONCE_ATTR, as an attribute: dynamo traces that for less than a read of __dict__;
         # hooknorms.ServedOnce's protocol is written out here, a frame less to trace.
         for once in self._paramfold_once:
+            if not once.called:
+                continue
+            once.called = False  # (a forward of the module's called directly inside this one)
             if once.served:
                 once.hook(self, args)
                 if not torch.compiler.is_compiling():

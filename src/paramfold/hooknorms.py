@@ -11,9 +11,10 @@ While a call scope is open (hoist or freeze), the scope computes the value with 
 are stock's, once per call — stores it as ``module.weight``, and takes the hook out of
 ``module._forward_pre_hooks`` (:func:`detach`): compiled code then sees a module without hooks,
 exactly like the plain model. While a spectral_norm trains, the module's class for the call has
-a ``forward`` that runs a :class:`ServedOnce` first: the module's first call in the scope is served
-the value, each later call (a discriminator scoring two batches in one forward) runs torch's hook,
-as every call does in stock; a module whose calls do not reach that ``forward`` (one set on the
+a ``__call__`` and a ``forward`` that run a :class:`ServedOnce` first: the module's first call in
+the scope is served the value, each later call (a discriminator scoring two batches in one
+forward) runs torch's hook, as every call does in stock, and a ``forward`` called directly
+(``layer.forward(x)``, which skips stock's hooks) runs none; a module whose calls do not reach that ``forward`` (one set on the
 instance: :func:`calls_class_forward`) keeps its hook in, which runs at every call as in stock.
 :func:`attach` puts the very same hook object back at its key, in its place among the others,
 when the scope closes, or as soon as the forward assigns or deletes ``module.<name>``
@@ -106,17 +107,20 @@ def calls_class_forward(module: nn.Module) -> bool:
 
 class ServedOnce:
     """Stands in for a training spectral_norm's hook, taken out while a call scope is open: the
-    read-once class's ``forward`` (``classes.read_once_class``) serves the module's first call
-    the value the scope computed (and ran the power iteration for), and marks it ``served``; at
-    each later call it runs torch's ``hook``, which computes and stores it afresh, as stock's every
-    call does, then (eagerly) ``after``: the scope's check of what changed takes the hook's own
-    buffer updates as they are. Not a forward pre-hook: dynamo traces a module with hooks through
-    all of ``_call_impl``, several times the cost of one more ``forward``."""
+    read-once class's ``__call__`` and ``forward`` (``classes.read_once_class``) serve the
+    module's first call the value the scope computed (and ran the power iteration for), and mark
+    it ``served``; at each later call they run torch's ``hook``, which computes and stores it
+    afresh, as stock's every call does, then (eagerly) ``after``: the scope's check of what
+    changed takes the hook's own buffer updates as they are. ``called``: the module's call is
+    on its way to its ``forward`` (a ``forward`` called directly runs no hook, as in stock). Not
+    a forward pre-hook: dynamo traces a module with hooks through all of ``_call_impl``, several
+    times the cost of one more ``forward``."""
 
     def __init__(self, hook: object, after: Callable[[], None]) -> None:
         self.hook = hook
         self.after = after
         self.served = False
+        self.called = False
 
 
 def detach(module: nn.Module, keys: list[int]) -> tuple[list[tuple[int, object]], tuple[int, ...], list[int]]:

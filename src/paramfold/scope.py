@@ -171,6 +171,10 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
                 claimed = plan
         else:
             claimed = _open_general(entry, state, grad, plan)
+    # The entry's own call comes next, through the class's __call__ it had before the scope
+    # switched it to its read-once class: its forward runs the stand-ins (classes._served_once_call).
+    for once in entry.__dict__.get(ONCE_ATTR, ()):
+        once.called = True
     claims = leaves.local.claims
     previous = (_local.covered, nested.local.context, claims, _local.enclosing)
     if previous[0]:  # opened inside another scope of this thread
@@ -454,7 +458,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                     once = site.once_hook
                     if once is None:
                         once = site.once_hook = hooknorms.ServedOnce(site.hook, functools.partial(nested.refresh, site))
-                    once.served = False
+                    once.served = once.called = False
                     onces.append(once)
             elif site.frozen is not None and value is site.frozen.value and not _functorch_wrapped(value):
                 # (A value computed inside a torch.func transform from its wrappers serves that

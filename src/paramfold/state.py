@@ -21,7 +21,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 
 STATE_ATTR = "_paramfold"
 #: Where a holder with a stateful hook-based norm keeps its ``hooknorms.ServedOnce`` stand-ins
-#: (instance ``__dict__``), for its read-once class's ``forward``.
+#: (instance ``__dict__``), for its read-once class's ``__call__`` and ``forward``.
 ONCE_ATTR = "_paramfold_once"
 
 #: How freeze tells that a frozen value's inputs changed (``prepare(..., freeze_check=...)``).
