@@ -59,6 +59,22 @@ def _check_equal(stock, ours, what):
         assert (a is None and b is None) or torch.equal(a, b), f"{what} {n}"
 
 
+def _backward_and_step(stock: nn.Module, ours: nn.Module, out_s: torch.Tensor, out_o: torch.Tensor) -> None:
+    """A backward of each output (stock's first), gradients bitwise equal, the same SGD step on both."""
+    out_s.square().sum().backward()
+    out_o.square().sum().backward()
+    _check_equal({n: p.grad for n, p in stock.named_parameters()}, {n: p.grad for n, p in ours.named_parameters()}, "grad")
+    with torch.no_grad():
+        for p in (*stock.parameters(), *ours.parameters()):
+            p.sub_(0.1 * p.grad)
+            p.grad = None
+
+
+def _same_state(stock: nn.Module, ours: nn.Module) -> None:
+    _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
+    _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+
+
 def _run(kind, layer, mode, train, compile_backend=None, steps=3, container=Pair):
     stock, x = build(kind, layer, container)
     ours, _ = build(kind, layer, container)
@@ -76,15 +92,8 @@ def _run(kind, layer, mode, train, compile_backend=None, steps=3, container=Pair
             out_s, out_o = stock(x), run(x)
         assert torch.equal(out_s, out_o)
         if grad:
-            out_s.square().sum().backward()
-            out_o.square().sum().backward()
-            _check_equal({n: p.grad for n, p in stock.named_parameters()}, {n: p.grad for n, p in ours.named_parameters()}, "grad")
-            with torch.no_grad():
-                for p in (*stock.parameters(), *ours.parameters()):
-                    p.sub_(0.1 * p.grad)
-                    p.grad = None
-        _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
-        _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+            _backward_and_step(stock, ours, out_s, out_o)
+        _same_state(stock, ours)
     paramfold.restore(ours)
     after = _hooks(ours)
     assert [(p, [(k, id(h)) for k, h in hs]) for p, hs in after] == [(p, [(k, id(h)) for k, h in hs]) for p, hs in hooks]
@@ -740,15 +749,8 @@ def test_the_weight_assigned_or_deleted_inside_the_forward_is_computed_again_at_
             out_s, out_o = stock(x), run(x)
         assert torch.equal(out_s, out_o)
         if grad:
-            out_s.square().sum().backward()
-            out_o.square().sum().backward()
-            _check_equal({n: p.grad for n, p in stock.named_parameters()}, {n: p.grad for n, p in ours.named_parameters()}, "grad")
-            with torch.no_grad():
-                for p in (*stock.parameters(), *ours.parameters()):
-                    p.sub_(0.1 * p.grad)
-                    p.grad = None
-        _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
-        _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+            _backward_and_step(stock, ours, out_s, out_o)
+        _same_state(stock, ours)
 
 
 class _AssignsThenSwitches(nn.Module):
@@ -808,21 +810,12 @@ def test_the_weight_assigned_inside_the_forward_is_the_hooks_after_a_call_under_
         assert torch.equal(stock.layer.weight, ours.layer.weight)
         if grad:
             try:
-                out_s.square().sum().backward()
+                _backward_and_step(stock, ours, out_s, out_o)
             except RuntimeError:  # an eval spectral_norm switched to training: its power iteration
                 with pytest.raises(RuntimeError, match="inplace"):  # wrote a buffer the graph saved
                     out_o.square().sum().backward()
                 grad = False  # the later calls without grad
-            else:
-                out_o.square().sum().backward()
-                _check_equal({n: p.grad for n, p in stock.named_parameters()},
-                             {n: p.grad for n, p in ours.named_parameters()}, "grad")
-                with torch.no_grad():
-                    for p in (*stock.parameters(), *ours.parameters()):
-                        p.sub_(0.1 * p.grad)
-                        p.grad = None
-        _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
-        _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
+        _same_state(stock, ours)
 
 
 class _NormRunsItsHook(nn.Module):

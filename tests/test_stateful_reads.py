@@ -152,18 +152,25 @@ def test_every_read_of_a_training_spectral_norm_advances_it_as_in_stock(mode, co
     stock, prepared = _twins(ReadsThrice, mode)
     runs = []
     for model in (stock, prepared):
-        call = torch.compile(model, backend="eager") if compiled else model
-        torch.manual_seed(1)
-        record = []
-        for _ in range(3):
-            model.zero_grad()
-            out = call(torch.randn(3, 4))
-            out.sum().backward()
-            record.append([out, _buffers(model), grads(model)])
+        record = _training_calls(model, compiled, width=4)
         # a read between calls computes like stock (and advances it: training)
         record.append([model.layer.weight, _buffers(model)])
         runs.append(record)
     assert_same_nested(*runs)
+
+
+def _training_calls(model: nn.Module, compiled: bool, width: int) -> list:
+    """Three training calls of ``model`` (compiled with the eager backend or not), each with a
+    backward: each call's output, buffers and gradients."""
+    call = torch.compile(model, backend="eager") if compiled else model
+    torch.manual_seed(1)
+    record = []
+    for _ in range(3):
+        model.zero_grad()
+        out = call(torch.randn(3, width))
+        out.sum().backward()
+        record.append([out, _buffers(model), grads(model)])
+    return record
 
 
 class CallsItself(nn.Module):
@@ -531,18 +538,7 @@ def test_a_forward_called_directly_after_the_layers_call_runs_no_hook_like_stock
     # of the module and ran torch's hook at the direct one too (hoist and auto: one power
     # iteration more per call, and an assigned weight ignored).
     stock, prepared = _twins(lambda: CallsThenForward(assign), mode)
-    runs = []
-    for model in (stock, prepared):
-        call = torch.compile(model, backend="eager") if compiled else model
-        torch.manual_seed(1)
-        record = []
-        for _ in range(3):
-            model.zero_grad()
-            out = call(torch.randn(3, 6))
-            out.square().sum().backward()
-            record.append([out, _buffers(model), grads(model)])
-        runs.append(record)
-    assert_same_nested(*runs)
+    assert_same_nested(*(_training_calls(model, compiled, width=6) for model in (stock, prepared)))
 
 
 @pytest.mark.parametrize("kind", KINDS)
