@@ -70,6 +70,20 @@ def _backward_and_step(stock: nn.Module, ours: nn.Module, out_s: torch.Tensor, o
             p.grad = None
 
 
+def _stock_and_prepared(build, mode: str, backend: str | None) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """Two models from one seed, the second prepared in ``mode``, and what runs it (compiled with
+    ``backend`` after a dynamo reset, or itself)."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(build())
+    stock, ours = models
+    paramfold.prepare(ours, mode)
+    if backend:
+        torch._dynamo.reset()
+    return stock, ours, torch.compile(ours, backend=backend) if backend else ours
+
+
 def _same_state(stock: nn.Module, ours: nn.Module) -> None:
     _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
     _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
@@ -735,15 +749,7 @@ def test_the_weight_assigned_or_deleted_inside_the_forward_is_computed_again_at_
         pytest.skip("freeze refuses a training spectral_norm")
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
     grad = mode != "freeze"
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(_ReplacesTheWeight(kind, action, when).train(train).requires_grad_(grad))
-    stock, ours = models
-    paramfold.prepare(ours, mode)
-    if backend:
-        torch._dynamo.reset()
-    run = torch.compile(ours, backend=backend) if backend else ours
+    stock, ours, run = _stock_and_prepared(lambda: _ReplacesTheWeight(kind, action, when).train(train).requires_grad_(grad), mode, backend)
     for _ in range(3):
         with torch.set_grad_enabled(grad):
             out_s, out_o = stock(x), run(x)
@@ -794,15 +800,7 @@ def test_the_weight_assigned_inside_the_forward_is_the_hooks_after_a_call_under_
         pytest.skip("freeze refuses a training spectral_norm")
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
     grad = mode != "freeze"
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(_AssignsThenSwitches(kind, how).train(train).requires_grad_(grad))
-    stock, ours = models
-    paramfold.prepare(ours, mode)
-    if backend:
-        torch._dynamo.reset()
-    run = torch.compile(ours, backend=backend) if backend else ours
+    stock, ours, run = _stock_and_prepared(lambda: _AssignsThenSwitches(kind, how).train(train).requires_grad_(grad), mode, backend)
     for _ in range(3):
         with torch.set_grad_enabled(grad):
             out_s, out_o = stock(x), run(x)
