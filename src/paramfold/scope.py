@@ -79,7 +79,7 @@ from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds
 from paramfold.state import (CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, carries_tangents, distributed,
-                             syncs_before_forward)
+                             kept_values, syncs_before_forward)
 from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -744,10 +744,9 @@ def _drop_call_values(holder: nn.Module, hs: ModuleState) -> None:
     """Take out of ``holder``'s ``__dict__`` what a call that will never end put there and had not
     listed yet (a child of ``os.fork()``): every site's value but a kept frozen one and a
     hook-based norm's (which stays between calls, as stock's), and parameters put in detached."""
-    values = holder.__dict__
+    values, kept = holder.__dict__, kept_values(holder, hs)
     for name, site in hs.sites.items():
-        if site.hook is None and name in values and not (
-                name in hs.kept and site.frozen is not None and values[name] is site.frozen.value):
+        if site.hook is None and name in values and name not in kept:
             del values[name]
     if any(name not in values for name in hs.kept):
         hs.kept = tuple(name for name in hs.kept if name in values)
