@@ -84,6 +84,20 @@ def _stock_and_prepared(build, mode: str, backend: str | None) -> tuple[nn.Modul
     return stock, ours, torch.compile(ours, backend=backend) if backend else ours
 
 
+def _steps_like_stock(stock: nn.Module, ours: nn.Module, run: nn.Module, x: torch.Tensor, grad: bool,
+                      steps: int) -> None:
+    """``steps`` calls of ``stock`` and of ``run`` (``ours``, compiled or not), each followed, with
+    ``grad``, by a backward and an SGD step of both: outputs, gradients, buffers and state_dicts
+    bitwise equal at each."""
+    for _ in range(steps):
+        with torch.set_grad_enabled(grad):
+            out_s, out_o = stock(x), run(x)
+        assert torch.equal(out_s, out_o)
+        if grad:
+            _backward_and_step(stock, ours, out_s, out_o)
+        _same_state(stock, ours)
+
+
 def _same_state(stock: nn.Module, ours: nn.Module) -> None:
     _check_equal(dict(stock.named_buffers()), dict(ours.named_buffers()), "buffer")
     _check_equal(stock.state_dict(), ours.state_dict(), "state_dict")
@@ -101,13 +115,7 @@ def _run(kind, layer, mode, train, compile_backend=None, steps=3, container=Pair
     assert sorted(ours.state_dict()) == keys
     run = torch.compile(ours, backend=compile_backend) if compile_backend else ours
     grad = mode != "freeze"
-    for _ in range(steps):
-        with torch.set_grad_enabled(grad):
-            out_s, out_o = stock(x), run(x)
-        assert torch.equal(out_s, out_o)
-        if grad:
-            _backward_and_step(stock, ours, out_s, out_o)
-        _same_state(stock, ours)
+    _steps_like_stock(stock, ours, run, x, grad, steps)
     paramfold.restore(ours)
     after = _hooks(ours)
     assert [(p, [(k, id(h)) for k, h in hs]) for p, hs in after] == [(p, [(k, id(h)) for k, h in hs]) for p, hs in hooks]
@@ -750,13 +758,7 @@ def test_the_weight_assigned_or_deleted_inside_the_forward_is_computed_again_at_
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
     grad = mode != "freeze"
     stock, ours, run = _stock_and_prepared(lambda: _ReplacesTheWeight(kind, action, when).train(train).requires_grad_(grad), mode, backend)
-    for _ in range(3):
-        with torch.set_grad_enabled(grad):
-            out_s, out_o = stock(x), run(x)
-        assert torch.equal(out_s, out_o)
-        if grad:
-            _backward_and_step(stock, ours, out_s, out_o)
-        _same_state(stock, ours)
+    _steps_like_stock(stock, ours, run, x, grad, 3)
 
 
 class _AssignsThenSwitches(nn.Module):
