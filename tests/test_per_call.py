@@ -535,6 +535,39 @@ def test_a_rebuilt_plan_reuses_the_guard_manager_while_its_guards_hold(monkeypat
         assert len(managers) == 2 and ours.__dict__["_paramfold"].plan.watch.same()
 
 
+@pytest.mark.parametrize("mode", ["freeze", "hoist", "auto"])
+def test_a_plan_rebuilt_after_a_setting_changed_reuses_the_guard_manager(mode, monkeypatch):
+    # A plan is built inside the scope of the call that opened the general way, where the holders
+    # have the scope's class and the hoisted values are put in: a watch that checked either could
+    # not be reused there, and every rebuild would build a guard manager (milliseconds) again.
+    watch = importlib.import_module("paramfold.watch")
+    if not watch._USE_GUARD_MANAGER:
+        pytest.skip("this torch's guard manager is not used (paramfold.watch)")
+    managers = []
+    real = watch._guard_manager
+    monkeypatch.setattr(watch, "_guard_manager", lambda *a: managers.append(a) or real(*a))
+    stock = _trainable_seed() if mode == "auto" else _seed_pair(2)[0]  # auto, trainable, grad: hoisted
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = make_input(BenchConfig(layers=2, width=16))
+    with torch.set_grad_enabled(mode == "auto"):
+        for call in range(3):
+            assert torch.equal(ours(x), stock(x)), call
+        state = ours.__dict__["_paramfold"]
+        first = state.plan
+        assert first is not None and len(managers) == 1
+        assert (len(first.hoisted) > 0) is (mode != "freeze")
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        try:
+            torch.use_deterministic_algorithms(True)  # what values are computed under changed
+            for call in range(3):
+                assert torch.equal(ours(x), stock(x)), call
+            again = state.plan
+            assert again is not first and importlib.import_module("paramfold.scope_plan").holds(again)
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        assert again.watch._root is first.watch._root and len(managers) == 1
+
+
 def test_calls_alternating_grad_modes_build_plans_only_now_and_then(monkeypatch):
     # A rollout under no_grad and a training step with grad, in turn: each call opens the general
     # way (the other mode's call changed what a plan relies on), so a plan built after it is never

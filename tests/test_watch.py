@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from paramfold import watch as watch_module
-from paramfold.watch import Watch
+from paramfold.watch import Identities, Watch
 
 
 @pytest.fixture(params=["guard-manager", "python"])
@@ -130,3 +130,69 @@ def test_a_large_watch_is_built_in_linear_time():
     watched = Watch([{"k": i} for i in range(n)], [torch.zeros(1) for _ in range(n)])
     assert watched._root is not None
     assert _most_children(watched._root) <= 64
+
+
+class Other(nn.Module):
+    pass
+
+
+def _three_modules() -> list[nn.Module]:
+    modules = [nn.Module() for _ in range(3)]
+    for m in modules:
+        m.alpha = 1.0
+    return modules
+
+
+IDENTITY_CHANGES = {
+    "class set": ("types", lambda m: setattr(m, "__class__", Other)),
+    "__dict__ replaced": ("dicts", lambda m: object.__setattr__(m, "__dict__", dict(vars(m)))),
+    "entry replaced by an equal object": ("entries", lambda m: vars(m).__setitem__("_modules", dict(m._modules))),
+    "entry removed": ("entries", lambda m: vars(m).pop("_modules")),
+    "key added": ("keys", lambda m: setattr(m, "forward", print)),
+    "key removed": ("keys", lambda m: delattr(m, "alpha")),
+}
+
+
+def _identities(kind: str, modules: list[nn.Module]) -> Identities:
+    columns = {
+        "types": [(m, type(m)) for m in modules],
+        "dicts": [(m, vars(m)) for m in modules],
+        "entries": [(vars(m), "_modules", m._modules) for m in modules],
+        "keys": [(vars(m), key, key in vars(m)) for m in modules for key in ("alpha", "forward")],
+    }
+    return Identities(**{kind: columns[kind]})
+
+
+@pytest.mark.parametrize("kind, change", list(IDENTITY_CHANGES.values()), ids=list(IDENTITY_CHANGES))
+def test_a_replaced_identity_is_seen(path, kind, change):
+    modules = _three_modules()
+    watched = Watch([], [], ids=_identities(kind, modules))
+    assert watched.same() and watched.same()
+    change(modules[1])
+    assert not watched.same()
+
+
+@pytest.mark.parametrize("kind", ["entries", "keys"])
+def test_other_writes_to_a_dict_whose_entries_are_watched_are_not_changes(path, kind):
+    # A holder's __dict__ is written at every call (the values a scope puts in): only the
+    # watched entry or key counts.
+    modules = _three_modules()
+    watched = Watch([], [], ids=_identities(kind, modules))
+    modules[1].beta = torch.zeros(1)
+    modules[1].alpha = 2.0 if kind == "entries" else modules[1].alpha
+    del modules[1].beta
+    assert watched.same()
+
+
+def test_a_watch_of_other_identities_does_not_reuse_the_guards(path):
+    # The guards of a watch whose identities are checked by other keys hold for nothing they
+    # would have to check: a present key "alpha" passes a guard built for "alpha" only.
+    modules = _three_modules()
+    first = Watch([], [], ids=Identities(keys=[(vars(m), "alpha", True) for m in modules]))
+    other = Watch([], [], first, Identities(keys=[(vars(m), "gamma", False) for m in modules]))
+    again = Watch([], [], first, Identities(keys=[(vars(m), "alpha", True) for m in modules]))
+    assert other.same() and again.same()
+    if path == "guard-manager":
+        assert other._root is not first._root and again._root is first._root
+    modules[0].gamma = 1.0
+    assert not other.same() and again.same()

@@ -30,7 +30,7 @@ from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.unread import Copies, fusable, put_back, state_entries
-from paramfold.watch import Watch, layout, tag
+from paramfold.watch import Identities, Watch, layout, tag
 
 _users = attrgetter("users")
 _kept = attrgetter("kept")
@@ -59,7 +59,7 @@ class Plan:
         "grad", "claimed", "states", "types", "kepts", "installing", "installed", "shareable", "ones",
         "switched", "inside", "outside",
         "link_dicts", "link_keys", "links", "ordered", "order",
-        "stateful", "mode_modules", "modes", "typed_modules", "typed", "dicted_objects", "dicted", "flag_tensors", "flags",
+        "stateful", "mode_modules", "modes", "flag_tensors", "flags",
         "inputs", "versioned", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
         "addressed_values", "value_addresses", "other_values", "other_value_addresses",
@@ -68,7 +68,7 @@ class Plan:
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
-        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "own_dicts", "own_keys", "own_set", "until", "missed", "used",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
     )
 
     @classmethod
@@ -90,7 +90,7 @@ class Plan:
         plan.under = computed_under()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, inside, outside = [], [], []
-        links, ordered, stateful, modes, typed, dicted = [], [], [], [], [], []
+        links, value_links, ordered, stateful, modes, typed, dicted = [], [], [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
         switches: list[tuple[torch.Tensor, int]] = []  # hoisted chains' tensors, as last probed
         copied: list[tuple] = []
@@ -173,7 +173,8 @@ class Plan:
                         return None
                     # Still there: a tensor put in its place (``vars(layer)[name] = t``) is ignored
                     # by stock, whose class's property wins, and set aside by the general path.
-                    links.append((values, name, frozen.value))
+                    # (Checked apart from the watch, whose guards a value frozen again still fits.)
+                    value_links.append((values, name, frozen.value))
                     # Armed again since it was frozen (written, then armed for another value frozen
                     # later in the call): the plan reads no count, and takes ARMINGS as it is now.
                     if not same_armings(frozen):
@@ -217,7 +218,6 @@ class Plan:
                         callees.extend(chain)
                         callees.append(site.plist)  # its call still just its forward, checked live
                     hoisted.append((values, name, holder, site.originals, chain, forwards))
-                    forward_keys.append((values, name, False))  # nothing put there between calls
                     if site.training_stateful:  # its state is copied, to put back if unread (paramfold.unread)
                         entries = state_entries(holder, site)
                         copied.append((site, values, name, len(copied_list), len(copied_list) + len(entries)))
@@ -260,16 +260,12 @@ class Plan:
                     structure[id(own)] = own
                 empty.update((id(d), d) for d in _hooks(own))
             typed.extend(zip(plan.callees, plan.callee_types))
-        plan.link_dicts, plan.link_keys, plan.links = _columns(links, 3)
-        plan.own_dicts, plan.own_keys, own_set = _columns(forward_keys, 3)
-        plan.own_set = list(own_set)
+        plan.link_dicts, plan.link_keys, plan.links = _columns(value_links, 3)
         # The key lists of chains longer than one, their order (a copy's equality would not see
         # it where tags cannot be read).
         plan.ordered, plan.order = ordered, list(map(list, ordered))
         plan.stateful = tuple(stateful)
         plan.mode_modules, plan.modes = _columns(modes, 2)
-        plan.typed_modules, plan.typed = _columns(typed, 2)
-        plan.dicted_objects, plan.dicted = _columns(dicted, 2)
         plan.flag_tensors, plan.flags = _columns(flags, 2)
         # Inputs without a storage address (tensor subclasses), and a wrapper subclass's inner
         # tensors found outside a dict whose tag is checked (freeze._Attributes), keep
@@ -314,8 +310,13 @@ class Plan:
                 return None
         except Exception:  # a copy's entry replaced by a tensor, where torch reads no tags
             return None
+        # Each member's class and __dict__, and the entries and keys of dicts a call writes (a
+        # holder's __dict__), checked with the tags in one pass. Not what a scope changes (the
+        # holders' classes, the hoisted values it puts in): the plan is built inside one, where
+        # the last plan's watch would not hold, and those are checked apart.
+        ids = Identities(types=typed, dicts=dicted, entries=links, keys=forward_keys)
         plan.watch = Watch((*(d for k, d in structure.items() if k not in settings), *full), (*plan.inputs, *plan.values),
-                           previous.watch if previous is not None else None)
+                           previous.watch if previous is not None else None, ids)
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
@@ -437,17 +438,15 @@ def holds(plan: Plan) -> bool:
             return False
         if not all(map(is_, map(type, plan.claimed), plan.types)):
             return False
-        if not all(map(is_, map(type, plan.typed_modules), plan.typed)):  # a member's __class__ set
-            return False
-        if plan.dicted and not all(map(is_, map(vars, plan.dicted_objects), plan.dicted)):  # a held object's __dict__ replaced
-            return False
         if any(plan.pre_hooks_empty) or list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # one added or removed
             return False
-        if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):
+        if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):  # a kept value replaced
             return False
-        # A forward set on a holder or taken off it, or a value put where one is computed at its read.
-        if list(map(contains, plan.own_dicts, plan.own_keys)) != plan.own_set:
+        if any(map(contains, plan.hoisted_dicts, plan.hoisted_names)):  # a tensor put where a value is hoisted to
             return False
+        # The structure's tags, the inputs' and values' descriptions, the holders' and members'
+        # classes and __dict__s, a forward set on a holder or taken off it, a value put where one
+        # is computed at its read.
         if not plan.watch.same() or list(map(list, plan.ordered)) != plan.order:
             return False
         if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):

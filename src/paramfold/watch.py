@@ -1,4 +1,4 @@
-"""Whether dicts were written, or tensors re-described, since a moment: one by one or in one pass.
+"""Whether dicts were written, tensors re-described or objects replaced since a moment, in one pass.
 
 Freshness checks key on every dict a value is found through (a module's ``__dict__``, its
 ``_modules``, ``_parameters``, a chain member's attributes): any write to a dict gives it a new
@@ -8,17 +8,22 @@ strides, ``requires_grad``, conjugate and negative bits — which ``p.data = p.d
 ``p.data = p.data[:3]`` or ``p.data = p.data.conj()`` changes without touching its version
 counter, storage or bytes.
 
-A steady call checks a few hundred dicts and tensors. Read one by one from Python, each costs
-one or more calls into torch; dynamo's guard manager, which checks the same things before every
-compiled call (``DICT_VERSION``, ``TENSOR_MATCH``), reads a whole tuple of them in one C++ pass,
-five to eight times faster. :class:`Watch` uses it where this torch's guard manager behaves as
-relied on (tried once, on probes, at import), and compares from Python otherwise: the answer is
-the same either way.
+They also key on identities no tag shows: an object's class (``m.__class__ = C``), its
+``__dict__`` (``m.__dict__ = {...}``), and, in a dict that is written for other reasons (a
+module's ``__dict__``, where a call puts its values), one entry's object or one key's presence.
+
+A steady call checks a few hundred dicts and tensors and as many identities. Read one by one from
+Python, each costs one or more calls; dynamo's guard manager, which checks the same things before
+every compiled call (``DICT_VERSION``, ``TENSOR_MATCH``, ``TYPE_MATCH``, ``ID_MATCH``,
+``DICT_CONTAINS``), reads a whole tuple of them in one C++ pass, two to eight times faster.
+:class:`Watch` uses it where this torch's guard manager behaves as relied on (tried once, on
+probes, at import), and compares from Python otherwise: the answer is the same either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import contains, getitem, is_
 from typing import Any
 
 import torch
@@ -80,26 +85,88 @@ def chunked(items: tuple) -> tuple[tuple, ...]:
     return tuple(items[i:i + _CHUNK] for i in range(0, len(items), _CHUNK))
 
 
-def _guard_manager(dicts: tuple[dict, ...], tensors: tuple[torch.Tensor, ...]) -> Any:
-    """A dynamo ``RootGuardManager`` whose ``check(chunked((*dicts, *tensors)))`` is True while
-    no dict was written and no tensor re-described (:func:`layout`) since now."""
+def _guard_manager(dicts: tuple[dict, ...], tensors: tuple[torch.Tensor, ...], ids: Identities = None) -> Any:
+    """A dynamo ``RootGuardManager`` whose ``check(chunked((*dicts, *tensors, *ids.objects())))``
+    is True while no dict was written, no tensor re-described (:func:`layout`) and none of
+    ``ids`` replaced since now."""
     from torch._C._dynamo.guards import RootGuardManager
     from torch._dynamo.guards import GuardManagerType
 
+    ids = ids if ids is not None else Identities()
+    manager = GuardManagerType.GUARD_MANAGER
     root = RootGuardManager()
-    chunks = [root.tuple_getitem_manager(c, f"watched[{c}]", chunk, GuardManagerType.GUARD_MANAGER)
-              for c, chunk in enumerate(chunked((*dicts, *tensors)))]
+    chunks = [root.tuple_getitem_manager(c, f"watched[{c}]", chunk, manager)
+              for c, chunk in enumerate(chunked((*dicts, *tensors, *ids.objects())))]
 
     def item(i: int, obj: object) -> Any:
         c, j = divmod(i, _CHUNK)
-        return chunks[c].tuple_getitem_manager(j, f"watched[{c}][{j}]", obj, GuardManagerType.GUARD_MANAGER)
+        return chunks[c].tuple_getitem_manager(j, f"watched[{c}][{j}]", obj, manager)
 
     for i, d in enumerate(dicts):
         item(i, d).add_dict_version_guard(d, [f"watched item {i} unwritten"], None)
-    for i, t in enumerate(tensors, len(dicts)):
+    i = len(dicts)
+    for t in tensors:
         item(i, t).add_tensor_match_guard(t, list(t.size()), list(t.stride()), f"watched item {i}",
                                           [f"watched item {i} as described"], None, type(t), torch._C._dispatch_keys(t))
+        i += 1
+    for obj, cls in zip(ids.typed, ids.types):
+        item(i, obj).add_type_match_guard(id(cls), [f"watched item {i} of its class"], None)
+        i += 1
+    for obj, d in zip(ids.dicted, ids.dicts):
+        own = item(i, obj).get_generic_dict_manager(f"watched item {i}.__dict__", d, manager)
+        own.add_id_match_guard(id(d), [f"watched item {i} with its __dict__"], None)
+        i += 1
+    for d, key, value in zip(ids.entry_dicts, ids.entry_keys, ids.entry_values):
+        entry = item(i, d).dict_getitem_manager(key, f"watched item {i}[{key!r}]", value, manager)
+        entry.add_id_match_guard(id(value), [f"watched item {i}[{key!r}] the same object"], None)
+        i += 1
+    for d, key, present in zip(ids.key_dicts, ids.key_names, ids.key_present):
+        item(i, d).add_dict_contains_guard(present, key, [f"watched item {i} with {key!r} or without"], None)
+        i += 1
     return root
+
+
+class Identities:
+    """Identities a :class:`Watch` checks besides tags and descriptions, as parallel columns:
+    ``types``, (object, its class); ``dicts``, (object, its ``__dict__``); ``entries``, (dict,
+    key, the object at that key); ``keys``, (dict, key, whether the dict has it). Each object
+    named is held, so no check compares the address of one freed since."""
+
+    __slots__ = ("typed", "types", "dicted", "dicts", "entry_dicts", "entry_keys", "entry_values",
+                 "key_dicts", "key_names", "key_present")
+
+    def __init__(self, types: Iterable[tuple[object, type]] = (), dicts: Iterable[tuple[object, dict]] = (),
+                 entries: Iterable[tuple[dict, object, object]] = (),
+                 keys: Iterable[tuple[dict, object, bool]] = ()) -> None:
+        self.typed, self.types = _columns(types, 2)
+        self.dicted, self.dicts = _columns(dicts, 2)
+        self.entry_dicts, self.entry_keys, self.entry_values = _columns(entries, 3)
+        self.key_dicts, self.key_names, present = _columns(keys, 3)
+        self.key_present = list(present)
+
+    def objects(self) -> tuple:
+        """The objects a guard manager looks each identity up from, in its order."""
+        return (*self.typed, *self.dicted, *self.entry_dicts, *self.key_dicts)
+
+    def shape(self) -> tuple:
+        """What decides which guards check which identity: a guard manager built for identities
+        of another shape checks other things."""
+        return len(self.typed), len(self.dicted), self.entry_keys, self.key_names, tuple(self.key_present)
+
+    def same(self) -> bool:
+        """From Python: whether every identity is as it was."""
+        try:
+            return (all(map(is_, map(type, self.typed), self.types))
+                    and all(map(is_, map(vars, self.dicted), self.dicts))
+                    and all(map(is_, map(getitem, self.entry_dicts, self.entry_keys), self.entry_values))
+                    and list(map(contains, self.key_dicts, self.key_names)) == self.key_present)
+        except (LookupError, TypeError):  # a key gone; an object without a __dict__ now
+            return False
+
+
+def _columns(rows: Iterable[tuple], width: int) -> tuple[tuple, ...]:
+    rows = tuple(rows)
+    return tuple(zip(*rows)) if rows else ((),) * width
 
 
 def _tensor_changes() -> tuple:
@@ -146,9 +213,42 @@ def _guard_manager_works() -> bool:
             change(tensors[-1])
             if root.check(chunked(tensors)) is not False:
                 return False
+        for identities, change in _identity_changes():
+            probes = tuple(nn.Module() for _ in range(_CHUNK + 1))
+            for probe in probes:
+                probe.alpha = 0.0
+            ids = Identities(**identities(probes))
+            root = _guard_manager((), (), ids)
+            watched = chunked(ids.objects())
+            if root.check(watched) is not True or not ids.same():
+                return False
+            change(probes[-1])
+            if root.check(watched) is not False or ids.same():
+                return False
         return True
     except Exception:
         return False
+
+
+class _Probe(nn.Module):
+    pass
+
+
+def _identity_changes() -> tuple:
+    """Replacements :class:`Identities` must see, each as (its columns for probe modules, change
+    the last probe)."""
+    types = lambda probes: {"types": [(m, type(m)) for m in probes]}
+    dicts = lambda probes: {"dicts": [(m, vars(m)) for m in probes]}
+    entries = lambda probes: {"entries": [(vars(m), "_modules", m._modules) for m in probes]}
+    keys = lambda probes: {"keys": [(vars(m), key, key in vars(m)) for m in probes for key in ("alpha", "forward")]}
+    return (
+        (types, lambda m: setattr(m, "__class__", _Probe)),
+        (dicts, lambda m: object.__setattr__(m, "__dict__", dict(vars(m)))),
+        (entries, lambda m: vars(m).__setitem__("_modules", dict(m._modules))),
+        (entries, lambda m: vars(m).pop("_modules")),
+        (keys, lambda m: vars(m).pop("alpha")),
+        (keys, lambda m: vars(m).__setitem__("forward", m.forward)),
+    )
 
 
 _USE_GUARD_MANAGER = _guard_manager_works()
@@ -168,39 +268,53 @@ class Watch:
     >>> watch.same()
     False
 
-    ``previous``: a watch whose guards are reused where they hold for these dicts and tensors
-    (the same dicts, unwritten since it was made; tensors described alike), instead of built again.
+    ``ids``: the :class:`Identities` checked as well (an object's class, its ``__dict__``, one
+    entry or key of a dict that is written for other reasons).
+
+    >>> ids = Identities(types=[(layer, nn.Linear)], keys=[(vars(layer), "forward", False)])
+    >>> watch = Watch([], [], ids=ids)
+    >>> layer.forward = print
+    >>> watch.same()
+    False
+
+    ``previous``: a watch whose guards are reused where they hold for these dicts, tensors and
+    identities (the same dicts, unwritten since it was made; tensors described alike; the same
+    objects), instead of built again.
     """
 
-    __slots__ = ("dicts", "tensors", "tags", "layouts", "others", "other_layouts", "watched", "_root")
+    __slots__ = ("dicts", "tensors", "ids", "tags", "layouts", "others", "other_layouts", "watched", "_root")
 
     def __init__(self, dicts: Iterable[dict] = (), tensors: Iterable[torch.Tensor] = (),
-                 previous: Watch | None = None) -> None:
+                 previous: Watch | None = None, ids: Identities | None = None) -> None:
         tensors = tuple(tensors)
         self.dicts = tuple(dicts)
         # Tensor subclasses are described from Python: the probes tried plain tensors only.
         self.tensors = tuple(t for t in tensors if type(t) in PLAIN_TENSOR_TYPES)
         self.others = tuple(t for t in tensors if type(t) not in PLAIN_TENSOR_TYPES)
-        self.watched = chunked((*self.dicts, *self.tensors))
+        self.ids = ids if ids is not None else Identities()
+        self.watched = chunked((*self.dicts, *self.tensors, *self.ids.objects()))
         self.other_layouts = list(map(layout, self.others))
         self._root = None
         if previous is not None and previous._fits(self):
-            # The same dicts, unwritten since ``previous`` was made, and tensors described as its
-            # were: its guards hold for these, and building them again would cost more than a
-            # call (dynamo's guard manager is built through Python, one accessor per object).
+            # The same dicts, unwritten since ``previous`` was made, tensors described as its
+            # were and the same identities: its guards hold for these, and building them again
+            # would cost more than a call (dynamo's guard manager is built through Python, one
+            # accessor per object).
             self._root, self.tags, self.layouts = previous._root, previous.tags, previous.layouts
             return
         self.tags = list(map(tag, self.dicts))
         self.layouts = list(map(layout, self.tensors))
         if _USE_GUARD_MANAGER and self.watched:
             try:
-                self._root = _guard_manager(self.dicts, self.tensors)
+                self._root = _guard_manager(self.dicts, self.tensors, self.ids)
             except Exception:  # something the guards do not take: compare from Python
                 self._root = None
 
     def _fits(self, other: Watch) -> bool:
-        """Whether this watch's guards hold for ``other``'s dicts and tensors as they are now."""
-        if self._root is None or len(self.dicts) != len(other.dicts) or len(self.tensors) != len(other.tensors):
+        """Whether this watch's guards check what ``other``'s would, and hold for its dicts,
+        tensors and identities as they are now."""
+        if (self._root is None or len(self.dicts) != len(other.dicts) or len(self.tensors) != len(other.tensors)
+                or self.ids.shape() != other.ids.shape()):
             return False
         try:
             return self._root.check(other.watched) is True
@@ -215,7 +329,8 @@ class Watch:
         root = self._root
         if root is not None:
             return root.check(self.watched)
-        return list(map(tag, self.dicts)) == self.tags and list(map(layout, self.tensors)) == self.layouts
+        return (list(map(tag, self.dicts)) == self.tags and list(map(layout, self.tensors)) == self.layouts
+                and self.ids.same())
 
 
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
