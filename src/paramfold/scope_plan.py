@@ -4,9 +4,11 @@ Opening a scope the general way (:mod:`paramfold.scope`) walks every holder and 
 that nothing changed, then installs or reuses each value. Once a model is in its steady state —
 every site served from a frozen value kept in its module's ``__dict__``, or hoisted — an entry
 keeps a :class:`Plan`: everything those choices depend on, flattened into parallel tuples.
-:func:`holds` checks all of it, and :meth:`Plan.claim` / :meth:`Plan.release` do the scope's
-bookkeeping, with ``map`` over C-level callables (``operator.is_``, ``attrgetter``, a hash),
-so the interpreter runs the same bytecode whether a model has 4 sites or 4,000; only the hoisted
+:func:`holds` checks all of it — most in one C++ pass of dynamo's guard manager
+(:class:`~paramfold.watch.Watch`), the rest with ``map`` over C-level callables
+(``operator.is_``, ``attrgetter``, a hash) — and :meth:`Plan.claim` / :meth:`Plan.release` do
+the scope's bookkeeping the same way, so the interpreter runs the same bytecode whether a model
+has 4 sites or 4,000; only the hoisted
 sites' own parametrization calls run per site. A failed check sends the call down the general
 path, which rebuilds the plan: the plan makes a call cheaper, never different.
 """
