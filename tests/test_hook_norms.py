@@ -818,6 +818,41 @@ def test_the_weight_assigned_inside_the_forward_is_the_hooks_after_a_call_under_
         _same_state(stock, ours)
 
 
+class _BackwardThenTrains(nn.Module):
+    """A backward inside the forward that frees the graph of the layer's value, then the layer,
+    in eval mode, switched to training and called again, and its weight read after."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.layer = _norm(kind)(nn.Linear(6, 6))
+
+    def forward(self, x):
+        y = self.layer(x)
+        y.square().sum().backward()
+        self.layer.train()
+        z = self.layer(y.detach())
+        self.layer.eval()
+        return z + self.layer.weight.sum()
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_a_layer_switched_to_training_after_a_backward_inside_the_forward_runs_like_stock(kind, mode, backend):
+    # Regression (fixed with the put-back after an assignment, d52b61d): the backward freed the
+    # value's graph, which puts the norm's hook back in for the rest of the call; the layer's next
+    # call, in training, went through the nested check, which refused an eval spectral_norm
+    # switched to training with a FoldError (eager hoist and auto), where stock's hook runs.
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    stock, ours, run = _stock_and_prepared(lambda: _BackwardThenTrains(kind).eval(), mode, backend)
+    for _ in range(3):
+        out_s, out_o = stock(x), run(x)
+        assert torch.equal(out_s, out_o)
+        assert torch.equal(stock.layer.weight, ours.layer.weight)
+        _check_equal({n: p.grad for n, p in stock.named_parameters()}, {n: p.grad for n, p in ours.named_parameters()}, "grad")
+        _same_state(stock, ours)
+
+
 class _NormRunsItsHook(nn.Module):
     """A forward where torch's norm hook itself runs, and assigns ``layer.weight``, inside the
     call: a training spectral_norm's layer called twice (its second call runs the hook), or a
