@@ -506,16 +506,22 @@ def test_weights_updated_before_every_call_are_computed_at_every_call_without_fi
         assert len(state.plan.values) == len(sites)
 
 
-def test_a_rebuilt_plan_reuses_the_guard_manager_while_its_guards_hold(monkeypatch):
-    # Building dynamo's guard manager costs more than a call of the seed (one accessor per
-    # watched dict and tensor, through Python); a plan rebuilt with the same dicts, unwritten,
-    # and tensors described alike (a frozen value recomputed) keeps the last one.
+@pytest.fixture
+def managers(monkeypatch) -> list:
+    """The arguments of every guard manager ``paramfold.watch`` builds from now on."""
     watch = importlib.import_module("paramfold.watch")
     if not watch._USE_GUARD_MANAGER:
         pytest.skip("this torch's guard manager is not used (paramfold.watch)")
-    managers = []
+    built = []
     real = watch._guard_manager
-    monkeypatch.setattr(watch, "_guard_manager", lambda *a: managers.append(a) or real(*a))
+    monkeypatch.setattr(watch, "_guard_manager", lambda *a: built.append(a) or real(*a))
+    return built
+
+
+def test_a_rebuilt_plan_reuses_the_guard_manager_while_its_guards_hold(managers):
+    # Building dynamo's guard manager costs more than a call of the seed (one accessor per
+    # watched dict and tensor, through Python); a plan rebuilt with the same dicts, unwritten,
+    # and tensors described alike (a frozen value recomputed) keeps the last one.
     stock, _, x = _seed_pair(2)
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
     with torch.no_grad():
@@ -536,16 +542,10 @@ def test_a_rebuilt_plan_reuses_the_guard_manager_while_its_guards_hold(monkeypat
 
 
 @pytest.mark.parametrize("mode", ["freeze", "hoist", "auto"])
-def test_a_plan_rebuilt_after_a_setting_changed_reuses_the_guard_manager(mode, monkeypatch):
+def test_a_plan_rebuilt_after_a_setting_changed_reuses_the_guard_manager(mode, managers):
     # A plan is built inside the scope of the call that opened the general way, where the holders
     # have the scope's class and the hoisted values are put in: a watch that checked either could
     # not be reused there, and every rebuild would build a guard manager (milliseconds) again.
-    watch = importlib.import_module("paramfold.watch")
-    if not watch._USE_GUARD_MANAGER:
-        pytest.skip("this torch's guard manager is not used (paramfold.watch)")
-    managers = []
-    real = watch._guard_manager
-    monkeypatch.setattr(watch, "_guard_manager", lambda *a: managers.append(a) or real(*a))
     stock = _trainable_seed() if mode == "auto" else _seed_pair(2)[0]  # auto, trainable, grad: hoisted
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
     x = make_input(BenchConfig(layers=2, width=16))
