@@ -380,6 +380,42 @@ def test_the_steady_check_reads_no_version_counter_of_a_write_marked_tensor(chec
             assert torch.equal(ours(x), stock(x))
 
 
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_the_steady_check_reads_the_members_classes_and_dicts_in_the_guard_managers_pass(mode, managers, monkeypatch):
+    # Four Python maps (members' classes, their __dict__s, the dict entries and keys the plan
+    # pins) read one object each per call; the guard manager reads them with the tags. Each
+    # replacement is still seen, and its call is stock's.
+    watch = importlib.import_module("paramfold.watch")
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    from_python = []
+    real = watch.Identities.same
+    monkeypatch.setattr(watch.Identities, "same", lambda self: from_python.append(self) or real(self))
+    stock, _, x = _seed_pair(3)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(ours(x), stock(x))
+        plan = ours.__dict__["_paramfold"].plan
+        ids = plan.watch.ids
+        members = [m for layer in ours.seq for plist in layer.linear.parametrizations.values() for m in (plist, *plist)]
+        assert {id(m) for m in ids.typed} >= ({id(m) for m in members} if mode != "hoist" else set())
+        assert len(ids.key_names) >= 2 * len(ours.seq) and plan.watch._root is not None
+        assert scope_plan.holds(plan) and from_python == []
+        base = type(ours.seq[1].linear.parametrizations.weight[0])
+        doubled = type("Doubled", (base,), {"forward": lambda self, t: 2 * base.forward(self, t)})
+        changes = [lambda m: setattr(m.seq[1].linear.parametrizations.weight[0], "__class__", doubled),
+                   lambda m: setattr(m.seq[2].linear, "forward", m.seq[2].linear.forward)]
+        if mode != "hoist":  # hoist reads a member's attributes at every call: its __dict__ is not pinned
+            changes.append(lambda m: object.__setattr__(m.seq[0].linear.parametrizations.weight[0], "__dict__",
+                                                        dict(vars(m.seq[0].linear.parametrizations.weight[0]))))
+        for change in changes:
+            for model in (stock, ours):
+                change(model)
+            assert not scope_plan.holds(ours.__dict__["_paramfold"].plan)
+            assert torch.equal(ours(x), stock(x))
+    assert from_python == []
+
+
 class _KeyEncoder(nn.Module):
     """MoCo-style: a grad call whose forward runs another encoder under no_grad."""
 
