@@ -577,6 +577,64 @@ def test_a_member_whose_class_is_swapped_after_prepare_is_never_served_stale(mod
         assert torch.equal(compiled(x), stock(x))
 
 
+def _doubling_hook(module, args, out):
+    return out * 2
+
+
+def _with_dict(obj, **entries) -> None:
+    """Replace ``obj``'s whole ``__dict__`` by a copy with ``entries`` (the old dict unwritten)."""
+    object.__setattr__(obj, "__dict__", {**vars(obj), **entries})
+
+
+def _members_doubled(holder: nn.Module) -> None:
+    """The holder's ``__dict__`` replaced by a copy whose ``_modules`` holds a copy of its
+    parametrizations, each member's class a subclass that doubles."""
+    plists = copy.deepcopy(holder.parametrizations)
+    for plist in plists.values():
+        for member in plist:
+            base = type(member)
+            member.__class__ = type("Doubled" + base.__name__, (base,), {"forward": lambda self, *a, _b=base: 2 * _b.forward(self, *a)})
+    _with_dict(holder, _modules={**holder._modules, "parametrizations": plists})
+
+
+WHOLE_DICT_REPLACED = {
+    "holder's, other parametrizations": lambda m: _members_doubled(m.seq[0].linear),
+    "member's, with a forward hook": lambda m: _with_dict(m.seq[1].linear.parametrizations.weight[0],
+                                                        _forward_hooks={0: _doubling_hook}),
+    "list's, with a forward hook": lambda m: _with_dict(m.seq[1].linear.parametrizations.weight,
+                                                      _forward_hooks={0: _doubling_hook}),
+    "parent's, layers swapped": lambda m: _with_dict(m.seq, _modules=dict(zip(m.seq._modules, reversed(m.seq._modules.values())))),
+}
+
+
+@pytest.mark.parametrize("change", list(WHOLE_DICT_REPLACED.values()), ids=list(WHOLE_DICT_REPLACED))
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_modules_whole_dict_replaced_after_steady_calls_is_never_served_stale(mode, change):
+    # Regression: a steady plan checked the tags of these dicts, and entries of the holders' and
+    # parents', but not that each was still its module's __dict__: after `obj.__dict__ = {...}`
+    # (the old dict unwritten) freeze and auto served the old parametrizations' values, and
+    # hoist called a member's forward directly, without the hook its new dict holds.
+    from paramfold.bench import BenchConfig, build_model, make_input
+    config = BenchConfig(layers=3, width=16)
+    torch.manual_seed(0)
+    stock = build_model(config).eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = make_input(config)
+    with torch.no_grad():
+        for _ in range(3):  # up to the steady plan
+            assert torch.equal(ours(x), stock(x))
+        for model in (stock, ours):
+            change(model)
+        expected = stock(x)
+        for _ in range(2):
+            try:
+                out = ours(x)
+            except paramfold.FoldError as e:  # a refusal is not a silent difference
+                assert "changed after paramfold.prepare" in str(e)
+                continue
+            assert torch.equal(out, expected)
+
+
 class _PlusOneList(P.ParametrizationList):
     def forward(self):
         return super().forward() + 1.0

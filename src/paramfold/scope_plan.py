@@ -92,7 +92,7 @@ class Plan:
         plan.under = computed_under()  # the frozen values were just checked against it
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, inside, outside = [], [], []
-        links, value_links, ordered, stateful, modes, typed, dicted = [], [], [], [], [], [], []
+        links, value_links, ordered, stateful, modes, typed = [], [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
         switches: list[tuple[torch.Tensor, int]] = []  # hoisted chains' tensors, as last probed
         copied: list[tuple] = []
@@ -104,9 +104,21 @@ class Plan:
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
+        # Each module (and object a frozen chain holds) whose __dict__'s tag or entries are
+        # checked, with that __dict__ by identity: ``obj.__dict__ = {...}`` leaves the old one
+        # unwritten.
+        dicted: dict[int, tuple[object, dict]] = {}
+
+        def pin_dicts(pairs) -> bool:
+            for obj, d in pairs:
+                if dicted.setdefault(id(obj), (obj, d))[1] is not d:  # pinned as another dict
+                    return False
+            return True
+
         for parent in parents:
             structure[id(parent._modules)] = parent._modules
             links.append((vars(parent), "_modules", parent._modules))
+            pin_dicts([(parent, vars(parent))])
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
@@ -123,6 +135,7 @@ class Plan:
             # tag (any write changes it): the holder's own __dict__, which the scope writes
             # values to, and the chain members' (hoist reads their attributes live) by the key.
             links.append((values, "_modules", holder._modules))
+            pin_dicts([(holder, values), (plists, vars(plists))])
             # Whether its forward is wrapped (decides which of its values are computed where read):
             # the keys of its own __dict__ that set one, and its classes' dicts.
             wrapped = wraps_its_forward(holder)
@@ -143,6 +156,8 @@ class Plan:
                 plist_dict = site.plist.__dict__
                 structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))
                 links.extend(pin for pin in site.dict_pins if pin[0] is not plist_dict)
+                if not pin_dicts((m, vars(m)) for m in site.plist.modules()):  # the list's and members'
+                    return None
                 if len(site.modules) > 1:
                     ordered.append(site.plist._modules)
                 frozen = site.frozen
@@ -190,7 +205,8 @@ class Plan:
                     views.extend(frozen.views)
                     empty.update((id(d), d) for d in frozen.settings_empty)
                     typed.extend(zip(frozen.members, frozen.member_types))
-                    dicted.extend(zip(frozen.held, frozen.held_dicts))
+                    if not pin_dicts(zip(frozen.held, frozen.held_dicts)):
+                        return None
                     ordered.extend(frozen.ordered)
                     settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
@@ -316,7 +332,7 @@ class Plan:
         # holder's __dict__), checked with the tags in one pass. Not what a scope changes (the
         # holders' classes, the hoisted values it puts in): the plan is built inside one, where
         # the last plan's watch would not hold, and those are checked apart.
-        ids = Identities(types=typed, dicts=dicted, entries=links, keys=forward_keys)
+        ids = Identities(types=typed, dicts=dicted.values(), entries=links, keys=forward_keys)
         plan.watch = Watch((*(d for k, d in structure.items() if k not in settings), *full), (*plan.inputs, *plan.values),
                            previous.watch if previous is not None else None, ids)
         plan.hoisted = tuple(hoisted)
