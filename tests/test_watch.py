@@ -196,3 +196,18 @@ def test_a_watch_of_other_identities_does_not_reuse_the_guards(path):
         assert other._root is not first._root and again._root is first._root
     modules[0].gamma = 1.0
     assert not other.same() and again.same()
+
+
+def test_a_watch_rooted_after_checks_builds_its_guards_after_that_many_unchanged_checks():
+    # A plan's watch is built in the call that opens the general way (a model's first, compiling
+    # one among them) and may never be checked: its guard manager is built at its first check.
+    modules = _three_modules()
+    watched = Watch([vars(m) for m in modules], [torch.zeros(2)], ids=_identities("types", modules), rooted_after=2)
+    assert watched._root is None and watched.same() and watched._root is None
+    modules[0].beta = 1.0  # a changed check builds nothing
+    assert not watched.same() and watched._root is None
+    del modules[0].beta
+    watched = Watch([vars(m) for m in modules], [torch.zeros(2)], ids=_identities("types", modules), rooted_after=1)
+    assert watched.same() and watched._root is not None
+    modules[2].__class__ = Other
+    assert not watched.same()

@@ -279,13 +279,16 @@ class Watch:
 
     ``previous``: a watch whose guards are reused where they hold for these dicts, tensors and
     identities (the same dicts, unwritten since it was made; tensors described alike; the same
-    objects), instead of built again.
+    objects), instead of built again. ``rooted_after``: how many checks :meth:`same` makes from
+    Python before it builds the guard manager (which costs milliseconds for a few hundred objects,
+    and pays only where it is checked again and again); 0 builds it at once.
     """
 
-    __slots__ = ("dicts", "tensors", "ids", "tags", "layouts", "others", "other_layouts", "watched", "_root")
+    __slots__ = ("dicts", "tensors", "ids", "tags", "layouts", "others", "other_layouts", "watched", "_root",
+                 "_unrooted")
 
     def __init__(self, dicts: Iterable[dict] = (), tensors: Iterable[torch.Tensor] = (),
-                 previous: Watch | None = None, ids: Identities | None = None) -> None:
+                 previous: Watch | None = None, ids: Identities | None = None, rooted_after: int = 0) -> None:
         tensors = tuple(tensors)
         self.dicts = tuple(dicts)
         # Tensor subclasses are described from Python: the probes tried plain tensors only.
@@ -295,6 +298,7 @@ class Watch:
         self.watched = chunked((*self.dicts, *self.tensors, *self.ids.objects()))
         self.other_layouts = list(map(layout, self.others))
         self._root = None
+        self._unrooted = rooted_after if _USE_GUARD_MANAGER and self.watched else -1
         if previous is not None and previous._fits(self):
             # The same dicts, unwritten since ``previous`` was made, tensors described as its
             # were and the same identities: its guards hold for these, and building them again
@@ -304,11 +308,16 @@ class Watch:
             return
         self.tags = list(map(tag, self.dicts))
         self.layouts = list(map(layout, self.tensors))
-        if _USE_GUARD_MANAGER and self.watched:
-            try:
-                self._root = _guard_manager(self.dicts, self.tensors, self.ids)
-            except Exception:  # something the guards do not take: compare from Python
-                self._root = None
+        if self._unrooted == 0:
+            self._build()
+
+    def _build(self) -> None:
+        """Build the guard manager, now that everything is as it was (else compare from Python)."""
+        self._unrooted = -1
+        try:
+            self._root = _guard_manager(self.dicts, self.tensors, self.ids)
+        except Exception:  # something the guards do not take: compare from Python
+            self._root = None
 
     def _fits(self, other: Watch) -> bool:
         """Whether this watch's guards check what ``other``'s would, and hold for its dicts,
@@ -329,8 +338,14 @@ class Watch:
         root = self._root
         if root is not None:
             return root.check(self.watched)
-        return (list(map(tag, self.dicts)) == self.tags and list(map(layout, self.tensors)) == self.layouts
-                and self.ids.same())
+        if not (list(map(tag, self.dicts)) == self.tags and list(map(layout, self.tensors)) == self.layouts
+                and self.ids.same()):
+            return False
+        if self._unrooted > 0:
+            self._unrooted -= 1
+            if self._unrooted == 0:  # everything as it was, just checked: the guards take it as it is now
+                self._build()
+        return True
 
 
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
