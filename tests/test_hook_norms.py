@@ -913,3 +913,57 @@ def test_the_norms_own_assignment_of_its_weight_changes_nothing_and_compiles_as_
         _check_equal(grads_s, grads_o, "grad")
         _check_equal(bufs_s, bufs_o, "buffer")
         _check_equal(sd_s, sd_o, "state_dict")
+
+
+class _WeightNormDoubled(torch.nn.utils.weight_norm.__globals__["WeightNorm"]):
+    def compute_weight(self, module):
+        return super().compute_weight(module) * 2
+
+
+def _norm_hook(layer: nn.Module):
+    return next(h for h in layer._forward_pre_hooks.values() if hasattr(h, "compute_weight"))
+
+
+HOOK_OR_LAYER_REPLACED = {
+    "hook's __dict__, another dim": ("weight_norm", lambda m: object.__setattr__(
+        _norm_hook(m[0]), "__dict__", {**vars(_norm_hook(m[0])), "dim": 1})),
+    "spectral hook's __dict__, another dim": ("spectral_norm", lambda m: object.__setattr__(
+        _norm_hook(m[0]), "__dict__", {**vars(_norm_hook(m[0])), "dim": 1})),
+    "hook's class": ("weight_norm", lambda m: setattr(_norm_hook(m[0]), "__class__", _WeightNormDoubled)),
+    "layer's __dict__, other originals": ("weight_norm", lambda m: object.__setattr__(m[0], "__dict__", {
+        **vars(m[0]), "_parameters": {k: nn.Parameter(v.detach() * 1.5, requires_grad=v.requires_grad)
+                                      for k, v in m[0]._parameters.items()}})),
+}
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+@pytest.mark.parametrize("change", list(HOOK_OR_LAYER_REPLACED.values()), ids=list(HOOK_OR_LAYER_REPLACED))
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_norms_hook_or_layer_replaced_wholesale_is_never_served_stale(mode, change, backend):
+    # Regression: freeze and auto checked the tag of the hook's __dict__ (`hook.dim = 1` was
+    # seen) but not that it was still the hook's, nor the hook's class, and read the layer's
+    # originals through the `_parameters` dict captured at prepare, which a layer's new __dict__
+    # no longer holds: all three served the old value at every later call.
+    kind, replace = change
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def build():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return nn.Sequential(_norm(kind)(nn.Linear(16, 16)), nn.Tanh(), _norm(kind)(nn.Linear(16, 16))).eval()
+
+    stock, ours, run = _stock_and_prepared(lambda: build().requires_grad_(False), mode, backend)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(run(x), stock(x))
+        for model in (stock, ours):
+            replace(model)
+        for _ in range(2):
+            expected = stock(x)
+            try:
+                out = run(x)
+            except paramfold.FoldError as e:  # a refusal is not a silent difference
+                assert "changed after paramfold.prepare" in str(e)
+                continue
+            assert torch.equal(out, expected)
+        _same_state(stock, ours)

@@ -281,9 +281,10 @@ def _fingerprint(site: SiteState) -> _Fingerprint:
     members = site.chain if site.hook is None else ()
     objects = tuple(o for m in members if probed(m) for o in held(m).objects)  # objects a custom member holds
     # Every object whose __dict__ is among the settings: ``obj.__dict__ = {...}`` touches no tag.
-    # The list's modules, the list itself included: stock calls it as a module.
-    modules = tuple(site.plist.modules()) if site.hook is None else ()
-    prints.dicted = (*modules, *objects)
+    # The list's modules, the list itself included: stock calls it as a module; a hook-based
+    # norm's hook object, whose attributes (name, dim, eps) and class decide its value.
+    modules = tuple(site.plist.modules()) if site.hook is None else (site.hook,)
+    prints.dicted = tuple(o for o in (*modules, *objects) if hasattr(o, "__dict__"))
     prints.dicted_dicts = tuple(map(vars, prints.dicted))
     prints.members = (*modules, *objects)
     prints.member_types = tuple(map(type, prints.members))

@@ -792,8 +792,8 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             changed = True
         elif hooknorms.shadowed(holder, name):
             raise _shadowed(entry, holder, name, site)
-        for d, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
-            if d.get(key) is not value:
+        for owner, key, value in site.dict_pins:  # the tensor dicts every mode reads as captured
+            if vars(owner).get(key) is not value:  # its __dict__ as it is now: one replaced holds another
                 changed = True
         for d, key in site.originals:  # an original taken out of its dict (prune's reparametrization)
             if key not in d:
@@ -820,8 +820,9 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             f"parametrizations of {where} ({type(holder).__name__}, prepared as a "
             f"{hs.original_class.__name__}) changed after paramfold.prepare "
             "(registered, removed or replaced, a hook-based norm removed, a _parameters/_buffers "
-            "dict under them replaced, their originals taken out by a wrapper that flattens "
-            "parameters such as FSDP1 with use_orig_params=False, or, with mode='inline', a hook "
+            "dict under them replaced (or a whole __dict__ holding one), their originals taken out "
+            "by a wrapper that flattens parameters such as FSDP1 with use_orig_params=False, or, "
+            "with mode='inline', a hook "
             "added to one): call paramfold.restore(model), change or wrap it, then prepare again "
             "(the wrapper, for FSDP1)."
         )

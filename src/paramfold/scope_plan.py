@@ -155,7 +155,7 @@ class Plan:
                     return None
                 plist_dict = site.plist.__dict__
                 structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))
-                links.extend(pin for pin in site.dict_pins if pin[0] is not plist_dict)
+                links.extend((vars(owner), key, d) for owner, key, d in site.dict_pins if owner is not site.plist)
                 if not pin_dicts((m, vars(m)) for m in site.plist.modules()):  # the list's and members'
                     return None
                 if len(site.modules) > 1:

@@ -108,10 +108,11 @@ class SiteState:
     #: Every non-empty ``_parameters``/``_buffers`` dict of the ParametrizationList and its
     #: members (a hook-based norm's: its module's).
     tensor_dicts: tuple[dict, ...]
-    #: ``(owner.__dict__, "_parameters" or "_buffers", dict)`` for each of ``tensor_dicts``: the
-    #: dicts are read as captured, so a wholesale replacement (``m._parameters = {...}``) must be
-    #: caught before a captured one is trusted.
-    dict_pins: tuple[tuple[dict, str, dict], ...] = ()
+    #: ``(owner, "_parameters" or "_buffers", dict)`` for each of ``tensor_dicts``: the dicts are
+    #: read as captured, so a wholesale replacement (``m._parameters = {...}``, or the owner's
+    #: whole ``__dict__`` replaced by one holding another) must be caught before a captured one is
+    #: trusted: ``vars(owner)[name] is dict``, the owner's ``__dict__`` read as it is now.
+    dict_pins: tuple[tuple[nn.Module, str, dict], ...] = ()
     #: Whether an original is itself parametrized (computed through the inner chain).
     nested: bool = False
     freeze_check: str = "content"
@@ -345,9 +346,9 @@ def site_state(module: nn.Module, name: str, mode: str, stateful: bool, freeze_c
     )
 
 
-def _dict_pins(modules: Iterable[nn.Module]) -> tuple[tuple[dict, str, dict], ...]:
-    """``(module.__dict__, name, dict)`` of each module's ``_parameters`` and ``_buffers``."""
-    return tuple((m.__dict__, attr, m.__dict__[attr]) for m in modules for attr in ("_parameters", "_buffers"))
+def _dict_pins(modules: Iterable[nn.Module]) -> tuple[tuple[nn.Module, str, dict], ...]:
+    """``(module, name, dict)`` of each module's ``_parameters`` and ``_buffers``."""
+    return tuple((m, attr, m.__dict__[attr]) for m in modules for attr in ("_parameters", "_buffers"))
 
 
 def state_for(site: Any, mode: str, freeze_check: str = "content") -> SiteState:
