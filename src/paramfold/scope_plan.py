@@ -118,7 +118,8 @@ class Plan:
         for parent in parents:
             structure[id(parent._modules)] = parent._modules
             links.append((vars(parent), "_modules", parent._modules))
-            pin_dicts([(parent, vars(parent))])
+            if not pin_dicts([(parent, vars(parent))]):
+                return None
         for holder in holders:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
@@ -135,7 +136,8 @@ class Plan:
             # tag (any write changes it): the holder's own __dict__, which the scope writes
             # values to, and the chain members' (hoist reads their attributes live) by the key.
             links.append((values, "_modules", holder._modules))
-            pin_dicts([(holder, values), (plists, vars(plists))])
+            if not pin_dicts([(holder, values), (plists, vars(plists))]):
+                return None
             # Whether its forward is wrapped (decides which of its values are computed where read):
             # the keys of its own __dict__ that set one, and its classes' dicts.
             wrapped = wraps_its_forward(holder)
@@ -328,8 +330,8 @@ class Plan:
                 return None
         except Exception:  # a copy's entry replaced by a tensor, where torch reads no tags
             return None
-        # Each member's class and __dict__, and the entries and keys of dicts a call writes (a
-        # holder's __dict__), checked with the tags in one pass. Not what a scope changes (the
+        # Each member's class, every pinned __dict__, and the entries and keys of dicts a call
+        # writes (a holder's __dict__), checked with the tags in one pass. Not what a scope changes (the
         # holders' classes, the hoisted values it puts in): the plan is built inside one, where
         # the last plan's watch would not hold, and those are checked apart. Its guard manager
         # (about 10 ms for the seed's 64 sites) is built at the plan's first use, not in the call
@@ -465,9 +467,9 @@ def holds(plan: Plan) -> bool:
             return False
         if any(map(contains, plan.hoisted_dicts, plan.hoisted_names)):  # a tensor put where a value is hoisted to
             return False
-        # The structure's tags, the inputs' and values' descriptions, the holders' and members'
-        # classes and __dict__s, a forward set on a holder or taken off it, a value put where one
-        # is computed at its read.
+        # The structure's tags, the inputs' and values' descriptions, the members' classes, every
+        # checked module's __dict__, a forward set on a holder or taken off it, a value put where
+        # one is computed at its read.
         if not plan.watch.same() or list(map(list, plan.ordered)) != plan.order:
             return False
         if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):
