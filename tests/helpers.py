@@ -311,3 +311,19 @@ def default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+def calls_like_stock_or_refused(stock: nn.Module, run, x: torch.Tensor, calls: int, each=None) -> None:
+    """``calls`` calls of ``stock`` and of ``run`` on ``x``: each output bitwise stock's, or a
+    ``FoldError`` saying the parametrizations changed after ``prepare`` (a refusal is not a
+    silent difference); ``each(expected, out)`` after every call served."""
+    for _ in range(calls):
+        expected = stock(x)
+        try:
+            out = run(x)
+        except paramfold.FoldError as e:
+            assert "changed after paramfold.prepare" in str(e)
+            continue
+        assert torch.equal(out, expected)
+        if each is not None:
+            each(expected, out)
