@@ -822,9 +822,8 @@ def _check_unchanged(entry: nn.Module, holder: nn.Module, hs: ModuleState) -> No
             "(registered, removed or replaced, a hook-based norm removed, a _parameters/_buffers "
             "dict under them replaced (or a whole __dict__ holding one), their originals taken out "
             "by a wrapper that flattens parameters such as FSDP1 with use_orig_params=False, or, "
-            "with mode='inline', a hook "
-            "added to one): call paramfold.restore(model), change or wrap it, then prepare again "
-            "(the wrapper, for FSDP1)."
+            "with mode='inline', a hook added to one): call paramfold.restore(model), change or "
+            "wrap it, then prepare again (the wrapper, for FSDP1)."
         )
 
 

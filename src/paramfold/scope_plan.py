@@ -32,7 +32,7 @@ from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.unread import Copies, fusable, put_back, state_entries
-from paramfold.watch import Identities, Watch, layout, tag
+from paramfold.watch import Identities, Watch, columns, layout, tag
 
 _users = attrgetter("users")
 _kept = attrgetter("kept")
@@ -261,7 +261,7 @@ class Plan:
         plan.claimed, plan.states, plan.types, plan.kepts = claimed, tuple(states), tuple(types), tuple(kepts)
         # Released, a holder has nothing installed: only the holders that install values (hoisted
         # or detached ones, not kept ones) have their names written at each claim.
-        plan.installing, plan.installed = _columns([(hs, names) for hs, names in zip(states, installed) if names], 2)
+        plan.installing, plan.installed = columns([(hs, names) for hs, names in zip(states, installed) if names], 2)
         plan.shareable, plan.ones = tuple(shares), [1] * len(states)
         plan.switched, plan.inside, plan.outside = tuple(switched), tuple(inside), tuple(outside)
         plan.callees = tuple(callees)
@@ -280,13 +280,13 @@ class Plan:
                     structure[id(own)] = own
                 empty.update((id(d), d) for d in _hooks(own))
             typed.extend(zip(plan.callees, plan.callee_types))
-        plan.link_dicts, plan.link_keys, plan.links = _columns(value_links, 3)
+        plan.link_dicts, plan.link_keys, plan.links = columns(value_links, 3)
         # The key lists of chains longer than one, their order (a copy's equality would not see
         # it where tags cannot be read).
         plan.ordered, plan.order = ordered, list(map(list, ordered))
         plan.stateful = tuple(stateful)
-        plan.mode_modules, plan.modes = _columns(modes, 2)
-        plan.flag_tensors, plan.flags = _columns(flags, 2)
+        plan.mode_modules, plan.modes = columns(modes, 2)
+        plan.flag_tensors, plan.flags = columns(flags, 2)
         # Inputs without a storage address (tensor subclasses), and a wrapper subclass's inner
         # tensors found outside a dict whose tag is checked (freeze._Attributes), keep
         # same_inputs' own handling.
@@ -294,28 +294,28 @@ class Plan:
         for w in watch:
             (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES and isinstance(w[0], dict) else unaddressed).append(w)
         plan.unaddressed = tuple(unaddressed)
-        _, _, plan.inputs, versions, addresses, layouts = _columns(addressed, 6)
+        _, _, plan.inputs, versions, addresses, layouts = columns(addressed, 6)
         plan.addresses = list(addresses)
         # A write-marked tensor's version counter needs no reading: whatever bumps it (an in-place
         # op, copy_, an optimizer step) writes its storage, which clears the mark checked below.
         # An inference tensor has none (None): it is marked or its bytes are checked.
         marked = set(map(id, armed))
-        plan.versioned, versions = _columns(
+        plan.versioned, versions = columns(
             [(t, v) for t, v in zip(plan.inputs, versions) if id(t) not in marked and v is not None] + switches, 2)
         plan.versions = list(versions)
-        plan.raw_memory, digests = _columns(raw, 2)
+        plan.raw_memory, digests = columns(raw, 2)
         plan.raw_digests = list(digests)
         plan.views = tuple(views)
-        plan.values, versions, value_layouts, value_addresses = _columns(kept, 4)
-        plan.versioned_values, versions = _columns(
+        plan.values, versions, value_layouts, value_addresses = columns(kept, 4)
+        plan.versioned_values, versions = columns(
             [(t, v) for t, v in zip(plan.values, versions) if id(t) not in marked and v is not None], 2)
         plan.value_versions = list(versions)
         # A value's storage replaced (``w.set_(other)``, ``w.data = other`` on a value a forward
         # returned) bumps no version, or writes no storage: the mark read may be ``other``'s.
         plain = [type(t) in PLAIN_TENSOR_TYPES for t in plan.values]
-        plan.addressed_values, addresses = _columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if p], 2)
+        plan.addressed_values, addresses = columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if p], 2)
         plan.value_addresses = list(addresses)
-        plan.other_values, addresses = _columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if not p], 2)
+        plan.other_values, addresses = columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if not p], 2)
         plan.other_value_addresses = list(addresses)
         plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # each value's counts checked above
         plan.settings_empty = tuple(empty.values())
@@ -323,7 +323,7 @@ class Plan:
         # values' settings and inputs hold what they were computed with, which the general path
         # just found unchanged; the structure as that path leaves it, having checked just now that
         # everything is prepare's.
-        full, then = _columns(list(settings.values()), 2)
+        full, then = columns(list(settings.values()), 2)
         try:
             if (list(map(tag, full)) != list(then) or list(map(layout, plan.inputs)) != list(layouts)
                     or list(map(layout, plan.values)) != list(value_layouts)):
@@ -343,9 +343,9 @@ class Plan:
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
-        plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to = _columns(copied, 5)
+        plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to = columns(copied, 5)
         plan.copied_tensors, plan.copied_dtypes = copied_list, fusable(copied_list)
-        plan.copied_state_dicts, plan.copied_state_keys = map(list, _columns(copied_entries, 2))
+        plan.copied_state_dicts, plan.copied_state_keys = map(list, columns(copied_entries, 2))
         plan.until = min(until) if until else None
         plan.missed = tuple(missed)
         return plan
@@ -441,10 +441,6 @@ def _plain_call(module: nn.Module) -> bool:
     (:func:`~paramfold.compute.class_forward`); the instance's part is
     :func:`~paramfold.compute.overrides_its_call`, the class's as it is now :meth:`Plan.plain_calls`."""
     return class_forward(type(module)) is not None
-
-
-def _columns(rows: list[tuple], width: int) -> tuple[tuple, ...]:
-    return tuple(zip(*rows)) if rows else ((),) * width
 
 
 def holds(plan: Plan) -> bool:

@@ -138,10 +138,10 @@ class Identities:
     def __init__(self, types: Iterable[tuple[object, type]] = (), dicts: Iterable[tuple[object, dict]] = (),
                  entries: Iterable[tuple[dict, object, object]] = (),
                  keys: Iterable[tuple[dict, object, bool]] = ()) -> None:
-        self.typed, self.types = _columns(types, 2)
-        self.dicted, self.dicts = _columns(dicts, 2)
-        self.entry_dicts, self.entry_keys, self.entry_values = _columns(entries, 3)
-        self.key_dicts, self.key_names, present = _columns(keys, 3)
+        self.typed, self.types = columns(types, 2)
+        self.dicted, self.dicts = columns(dicts, 2)
+        self.entry_dicts, self.entry_keys, self.entry_values = columns(entries, 3)
+        self.key_dicts, self.key_names, present = columns(keys, 3)
         self.key_present = list(present)
 
     def objects(self) -> tuple:
@@ -164,7 +164,8 @@ class Identities:
             return False
 
 
-def _columns(rows: Iterable[tuple], width: int) -> tuple[tuple, ...]:
+def columns(rows: Iterable[tuple], width: int) -> tuple[tuple, ...]:
+    """``rows`` of ``width`` items as ``width`` parallel tuples (empty ones where there is no row)."""
     rows = tuple(rows)
     return tuple(zip(*rows)) if rows else ((),) * width
 
