@@ -101,7 +101,7 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
             # call, where keys read after would match the new weights to the old weights' value.
             prints = _fingerprint(site)
             try:
-                with _Unchanging(_storages(site)):
+                with _Unchanging(_storages(prints)):
                     value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
             except _Stopped:
                 _unmark(prints.fresh)
@@ -208,11 +208,12 @@ def _storage_of(t: torch.Tensor) -> int | None:
         return None
 
 
-def _storages(site: SiteState) -> frozenset[int]:
-    """The storages of every tensor ``site``'s value is computed from (:func:`_inputs`)."""
+def _storages(prints: _Fingerprint) -> frozenset[int]:
+    """The storages of every tensor a value is computed from, as :func:`_fingerprint` found them
+    (:func:`_watched`)."""
     if _storage_key is None:
         return frozenset()
-    return frozenset(k for k in (_storage_of(t) for _, _, t in _watched(site)) if k is not None)
+    return frozenset(k for k in (_storage_of(w[2]) for w in prints.watch) if k is not None)
 
 
 def random_now(module: nn.Module, name: str) -> FoldError:
