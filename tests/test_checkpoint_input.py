@@ -17,6 +17,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -214,6 +217,86 @@ def test_a_pickle_that_runs_code_or_a_whole_module_is_refused_never_run(tmp_path
         for args in (["audit", path], ["fold", path, tmp_path / "o.safetensors"]):
             _one_line_error(_run(*args), args[0], 1, "refused to unpickle", name)
     assert not marker.exists() and _files(tmp_path) == before
+
+
+def _with_prelude(src: Path, dst: Path, prelude: bytes) -> None:
+    """``src`` (a torch.save zip) with pickle opcodes run before its data.pkl's own."""
+    with zipfile.ZipFile(src) as z:
+        records = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as w:
+        for name, data in records.items():
+            w.writestr(name, b"\x80\x02" + prelude + data[2:] if name.endswith("/data.pkl") else data)
+
+
+def _build_on_global(module: str, name: str, attribute: str, value: bytes) -> bytes:
+    """Opcodes that set ``attribute`` of the global ``module.name`` to the pickled ``value``
+    (BUILD with a slot state: ``setattr``), then drop it."""
+    key = attribute.encode()
+    return (b"c" + module.encode() + b"\n" + name.encode() + b"\n"  # GLOBAL
+            + b"N}X" + struct.pack("<I", len(key)) + key + value + b"s\x86b0")  # (None, {attr: value}) BUILD POP
+
+
+class _StubWithState:
+    """Pickles as a tensor rebuilt by torch's own function, then given a state (BUILD)."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def __reduce__(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TypedStorage is deprecated
+            storage = torch.ones(2).storage()
+        from collections import OrderedDict
+        return torch._utils._rebuild_tensor_v2, (storage, 0, (2,), (1,), False, OrderedDict()), self.state
+
+
+def test_a_pickle_that_sets_attributes_of_what_it_names_is_refused_and_later_files_read_right(tmp_path):
+    # Regression (2026-12-05 hunt): BUILD on the allowed global _rebuild_tensor_v2 set its
+    # __defaults__ to ({"neg": True},) for the rest of the process: the file itself audited fine,
+    # and every .pt read after it (the other shards of its index) came back negated.
+    clean = tmp_path / "clean.pt"
+    torch.save({"lin.weight": torch.arange(6.0).view(2, 3)}, clean)
+    want = torch.load(clean, weights_only=True)["lin.weight"]
+    negates = b"}X\x03\x00\x00\x00neg\x88s\x85"  # ({"neg": True},)
+    rot13 = b"X\x05\x00\x00\x00rot13\x85"  # ("rot13",)
+    hostile = {
+        "defaults": _build_on_global("torch._utils", "_rebuild_tensor_v2", "__defaults__", negates),
+        "codec": _build_on_global("_codecs", "encode", "__defaults__", rot13),
+        "dict": _build_on_global("torch._utils", "_rebuild_tensor_v2", "__dict__", b"}"),
+    }
+    for case, prelude in hostile.items():
+        _with_prelude(clean, tmp_path / f"{case}.pt", prelude)
+    torch.save({"w": _StubWithState({"shape": (10**6,)})}, tmp_path / "stub.pt")
+    torch.save({"w": _StubWithState({"neg": True})}, tmp_path / "stub_neg.pt")
+    for case in [*hostile, "stub", "stub_neg"]:
+        before = _files(tmp_path)
+        _one_line_error(_run("audit", tmp_path / f"{case}.pt"), "audit", 1, "does not unpickle", "BUILD")
+        out = tmp_path / "o.safetensors"
+        res = _run("fold", clean, out)
+        assert res.exit_code == 0, (case, res.output)
+        assert _same(load_file(out)["lin.weight"], want), case
+        out.unlink()
+        assert _files(tmp_path) == before, case
+
+
+def test_a_pickles_global_or_codec_imports_nothing(tmp_path):
+    # A name the reader refuses was looked up with getattr(torch, name), which imports a lazily
+    # loaded submodule (torch.onnx); _codecs.encode imported the encodings module named.
+    pt = tmp_path / "g.pt"
+    torch.save({"w": torch.ones(2)}, pt)
+    _with_prelude(pt, tmp_path / "onnx.pt", b"ctorch\nonnx\n0")
+    _with_prelude(pt, tmp_path / "codec.pt", b"c_codecs\nencode\nX\x01\x00\x00\x00aX\x05\x00\x00\x00cp037\x86R0")
+    script = (
+        "import sys\n"
+        "from paramfold.checkpoint import CheckpointError, open_checkpoint\n"
+        f"for name in ('onnx', 'codec'):\n"
+        f"    try:\n        open_checkpoint({str(tmp_path)!r} + f'/{{name}}.pt')\n"
+        "    except CheckpointError as e:\n        print(str(e).count(chr(10)))\n"
+        "print('torch.onnx' in sys.modules, 'encodings.cp037' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "0", "False", "False"], done.stdout
 
 
 # -- dtypes, views, shared storages saved by torch.save --------------------------------------------

@@ -216,8 +216,17 @@ class _Refused(Exception):
         self.name = name
 
 
+class _Unbuildable:
+    """An object pickle's BUILD opcode may not change (its attributes, set past any check)."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise ValueError("it sets attributes of a function or tensor it names (pickle's BUILD), which torch.save never writes")
+
+
 @dataclass(frozen=True)
-class _StorageStub:
+class _StorageStub(_Unbuildable):
     """A storage named by ``data.pkl``: its record key, element dtype (or bytes) and size."""
 
     key: str
@@ -235,7 +244,7 @@ class _StorageStub:
 
 
 @dataclass(frozen=True)
-class _TensorStub:
+class _TensorStub(_Unbuildable):
     """A tensor described by ``data.pkl``, its data still in the archive."""
 
     storage: _StorageStub
@@ -293,37 +302,66 @@ def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any, state: Any = N
     return data
 
 
-class _PlainTensorType:
-    """What ``torch.Tensor`` / ``nn.Parameter`` unpickle to here (a marker, never instantiated)."""
+class _Global(_Unbuildable):
+    """What a global of :data:`_SAFE_GLOBALS` unpickles to: ``fn`` (None: a marker) behind an
+    object that pickle's BUILD cannot change. BUILD sets attributes on whatever object the pickle
+    names; on a module-level function it would change that function for every later file read
+    in the process (``__defaults__``: every tensor read negated), so no function is handed out
+    bare, and BUILD on one of these is refused."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fn is None:
+            raise ValueError("a tensor type called")
+        return self.fn(*args)
+
+
+#: What ``torch.Tensor`` / ``nn.Parameter`` unpickle to here: a marker, never called.
+_PlainTensorType = _Global(None)
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
-    if new_type is not _PlainTensorType or func not in (_rebuild_v2, _rebuild_v3, _rebuild_parameter):
+    if new_type is not _PlainTensorType or not isinstance(func, _Global) or func.fn not in (
+            _rebuild_v2, _rebuild_v3, _rebuild_parameter):
         raise ValueError("a tensor subclass")
     return func(*args)
+
+
+def _encode(text: Any, encoding: Any = "utf-8") -> bytes:
+    # How protocol 2 pickles bytes (torch's own write latin1). Any other name would import an
+    # encodings module of the attacker's choosing.
+    if encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise ValueError(f"_codecs.encode with encoding {reprlib.repr(encoding)}")
+    return str(text).encode(encoding)
 
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {}
 for _dt, _storage_name in _dtype_to_storage_type_map().items():
     _STORAGE_DTYPES.setdefault(_storage_name, _dt)
 
+#: The globals a checkpoint's pickle may name, and what each unpickles to. Types are torch's and
+#: Python's own (immutable: BUILD on them fails), functions are wrapped (:class:`_Global`).
 _SAFE_GLOBALS: dict[tuple[str, str], Any] = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._utils", "_rebuild_tensor_v2"): _Global(_rebuild_v2),
+    ("torch._utils", "_rebuild_tensor_v3"): _Global(_rebuild_v3),
+    ("torch._utils", "_rebuild_parameter"): _Global(_rebuild_parameter),
+    ("torch._utils", "_rebuild_parameter_with_state"): _Global(_rebuild_parameter),
+    ("torch._tensor", "_rebuild_from_type_v2"): _Global(_rebuild_from_type_v2),
     ("torch._tensor", "Tensor"): _PlainTensorType,
     ("torch", "Tensor"): _PlainTensorType,
     ("torch.nn.parameter", "Parameter"): _PlainTensorType,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch", "Size"): tuple,
-    ("torch", "device"): lambda *args: "device",  # where a tensor was: irrelevant to its bytes
+    ("torch", "device"): _Global(lambda *args: "device"),  # where a tensor was: irrelevant to its bytes
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
-    ("_codecs", "encode"): lambda text, encoding="utf-8": str(text).encode(str(encoding)),
+    ("_codecs", "encode"): _Global(_encode),
 }
 
 
@@ -344,7 +382,8 @@ class _StubUnpickler(pickle.Unpickler):
         if module == "torch":
             if name in _STORAGE_DTYPES:
                 return ("storage-type", _STORAGE_DTYPES[name])
-            dtype = getattr(torch, name, None) if not name.startswith("_") else None
+            # (torch's namespace as it is: its getattr would import a lazily loaded submodule)
+            dtype = vars(torch).get(name) if not name.startswith("_") else None
             if isinstance(dtype, torch.dtype):
                 return dtype
         raise _Refused(f"{module}.{name}")
