@@ -896,21 +896,31 @@ def test_a_bench_device_other_than_cpu_or_cuda_is_a_usage_error(device):
     _one_line_error(res, "bench", 2, "cpu or cuda")  # was exit 1, "(unexpected)", after running
 
 
-def test_a_truncated_deflate_record_is_called_corrupt_not_unexpected(tmp_path):
+@pytest.mark.parametrize("case", ["deflated", "broken_deflate", "bzip2_bomb", "byteorder"])
+def test_a_compressed_data_pkl_or_byteorder_is_refused_before_it_is_inflated(tmp_path, case):
+    # Regression (2026-12-05 hunt): data.pkl was inflated whole before any check: a 2 KB file
+    # whose bzip2 record held a pickle and then 1 GiB of zeros took 2.3 GB and audited fine. Only
+    # tensor records were required to be stored (torch.save never compresses).
     good = _wn_checkpoint(tmp_path)
-    bad = tmp_path / "deflated.pt"
+    bad = tmp_path / f"{case}.pt"
+    target = "byteorder" if case == "byteorder" else "data.pkl"
+    kind = zipfile.ZIP_BZIP2 if case == "bzip2_bomb" else zipfile.ZIP_DEFLATED
     with zipfile.ZipFile(good) as z, zipfile.ZipFile(bad, "w") as out:
         for info in z.infolist():
-            out.writestr(info.filename, z.read(info),
-                         compress_type=zipfile.ZIP_DEFLATED if info.filename.endswith("data.pkl") else zipfile.ZIP_STORED)
-    data = bytearray(bad.read_bytes())
-    name = next(i for i in zipfile.ZipFile(bad).infolist() if i.filename.endswith("data.pkl"))
-    body = name.header_offset + 30 + len(name.filename.encode()) + len(name.extra)
-    data[body:body + 8] = b"\xff" * 8  # the deflate stream's first bytes
-    bad.write_bytes(bytes(data))
+            data = z.read(info)
+            if case == "bzip2_bomb" and info.filename.endswith(target):
+                data += bytes(8 << 20)  # after the pickle's STOP: never read by an unpickler
+            out.writestr(info.filename, data,
+                         compress_type=kind if info.filename.endswith(target) else zipfile.ZIP_STORED)
+    if case == "broken_deflate":
+        data = bytearray(bad.read_bytes())
+        name = next(i for i in zipfile.ZipFile(bad).infolist() if i.filename.endswith("data.pkl"))
+        body = name.header_offset + 30 + len(name.filename.encode()) + len(name.extra)
+        data[body:body + 8] = b"\xff" * 8  # the deflate stream's first bytes
+        bad.write_bytes(bytes(data))
+    assert bad.stat().st_size < 64 << 10
     res = _run("audit", str(bad))
-    _one_line_error(res, "audit", 1, "corrupt")
-    assert "unexpected" not in res.stderr
+    _one_line_error(res, "audit", 1, f"/{target} is compressed", "re-save it")
 
 
 def test_a_terminal_escape_sequence_in_a_key_is_shown_not_sent(tmp_path):
