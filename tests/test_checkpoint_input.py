@@ -299,6 +299,32 @@ def test_a_pickles_global_or_codec_imports_nothing(tmp_path):
     assert done.stdout.split() == ["0", "0", "False", "False"], done.stdout
 
 
+def test_a_weight_norm_with_an_empty_norm_dim_is_refused_in_one_line_not_a_crash(tmp_path):
+    # Regression (2026-12-05 hunt): torch._weight_norm's fused kernels divide by zero where g is
+    # empty: fold died of SIGFPE (exit 136, nothing on stderr) and left its .partial file. Run in a
+    # child process, which the crash kills instead of the test run.
+    p = "m.parametrizations.weight."
+    cases = {
+        "rows": {p + "original0": torch.rand(0, 1), p + "original1": torch.randn(0, 3)},
+        "legacy": {"m.weight_g": torch.rand(0, 1), "m.weight_v": torch.randn(0, 3)},
+        "last": {p + "original0": torch.rand(1, 1, 0), p + "original1": torch.randn(2, 3, 0)},
+    }
+    for case, sd in cases.items():
+        folder = tmp_path / case
+        folder.mkdir()
+        save_file(sd, folder / "in.safetensors")
+        done = subprocess.run([sys.executable, "-m", "paramfold", "fold", "in.safetensors", "out.safetensors"],
+                              cwd=folder, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, (case, done.returncode, done.stderr)
+        assert done.stderr.startswith("paramfold fold: error: cannot fold") and done.stderr.count("\n") == 1, done.stderr
+        assert "is empty" in done.stderr and sorted(os.listdir(folder)) == ["in.safetensors"], case
+    # Empty where torch computes it (no inputs: Linear(0, 3)): folded to stock's own value.
+    stock = weight_norm(nn.Linear(0, 3))
+    torch.save(stock.state_dict(), tmp_path / "ok.pt")
+    fold_checkpoint(tmp_path / "ok.pt", tmp_path / "ok.safetensors")
+    assert _same(load_file(tmp_path / "ok.safetensors")["weight"], stock.weight.detach())
+
+
 # -- dtypes, views, shared storages saved by torch.save --------------------------------------------
 
 

@@ -202,6 +202,13 @@ def _fold_tensors(site: CheckpointSite, t: dict[str, torch.Tensor], stored: dict
             g, v = t[f"{site.tensor}_g"], t[f"{site.tensor}_v"]
         else:
             g, v = t["original0"], t["original1"]
+        if g.numel() == 0:
+            # torch._weight_norm's fused kernels divide by zero there (SIGFPE: the process dies);
+            # stock's weight_norm cannot be put on such a layer (its right_inverse raises).
+            raise CheckpointError(
+                f"cannot fold '{site.key}' (weight_norm): its g {list(g.shape)} is empty (v {list(v.shape)}), a "
+                "norm over no rows that torch cannot compute; re-save the checkpoint from a working model"
+            )
         # parametrizations._WeightNorm.forward (and the legacy hook's compute_weight) call exactly this.
         dim = site.params["dim"]
         if dim is None:
