@@ -747,6 +747,21 @@ def test_help_and_version_to_a_full_disk_are_one_line(args):
     assert "No space left on device" in res.stderr
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["recompiles", "--json"], ["recompiles"], ["audit", "--json"], ["audit"]])
+def test_a_report_to_a_full_disk_is_one_line_and_exit_1(tmp_path, args):
+    # Regression (2026-12-05 hunt): recompiles --json printed its report into the buffer, whose
+    # flush at the end dropped the error: the report was lost with exit 0 and no word.
+    script = tmp_path / "quiet.py"
+    script.write_text("x = 1\n")
+    tail = ["--", sys.executable, str(script)] if args[0] == "recompiles" else [str(_wn_checkpoint(tmp_path))]
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-c", "from paramfold.cli import main; main()", *args, *tail],
+                             stdout=full, stderr=subprocess.PIPE, text=True, env=ENV, timeout=120)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, (res.returncode, res.stderr)
+    assert "No space left on device" in res.stderr
+
+
 def test_an_audit_table_into_a_pipe_closed_early_ends_quietly(tmp_path):
     # Regression: rich's own broken-pipe exit was reported as "exited early (sys.exit(1))".
     torch.manual_seed(0)

@@ -109,7 +109,9 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     if as_json:
-        print(report.to_json())  # nowhere where stdout was closed from the start (None)
+        # Flushed here, so that a write that fails (a full disk) fails the command, as the table does:
+        # nowhere where stdout was closed from the start (None).
+        print(report.to_json(), flush=True)
     else:
         report.print()
     if interrupted is not None:
