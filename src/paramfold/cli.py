@@ -451,11 +451,12 @@ def bench(
 
     from rich.console import Console
 
-    from paramfold.bench import BenchConfig, run_bench, run_sweep
-    from paramfold.bench.config import parse_layer_counts
-    from paramfold.signals import raise_if_interrupted
+    from paramfold.signals import raise_if_interrupted, signals_deferred
 
-    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
+    with signals_deferred():  # a signal during the imports is raised after them
+        from paramfold.bench import BenchConfig, run_bench, run_sweep
+        from paramfold.bench.config import parse_layer_counts
+    raise_if_interrupted()
 
     err = Console(stderr=True)
     try:
@@ -473,9 +474,18 @@ def bench(
         raise typer.Exit(2) from None
 
     def run(on_progress: Callable[[int, int, str], None]) -> Any:
+        def step(done: int, total: int, label: str) -> None:
+            # A safe point: a signal whose exception a GC callback or torch dropped stops the run
+            # here, not after every measurement is done.
+            raise_if_interrupted()
+            on_progress(done, total, label)
+
         if sizes:
-            return run_sweep(config, sizes, on_progress=on_progress)
-        return run_bench(config, on_progress=on_progress)
+            result = run_sweep(config, sizes, on_progress=step)
+        else:
+            result = run_bench(config, on_progress=step)
+        raise_if_interrupted()
+        return result
 
     if err.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -562,12 +572,13 @@ def audit(
     if fold_out is not None:  # before anything is imported or read
         check_output(fold_out, suffixes=FOLD_SUFFIXES)
 
-    from paramfold.audit import audit_checkpoint
-    from paramfold.checkpoint import open_checkpoint
-    from paramfold.audit_render import print_report
-    from paramfold.signals import raise_if_interrupted
+    from paramfold.signals import raise_if_interrupted, signals_deferred
 
-    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
+    with signals_deferred():  # a signal during the imports is raised after them
+        from paramfold.audit import audit_checkpoint
+        from paramfold.audit_render import print_report
+        from paramfold.checkpoint import open_checkpoint
+    raise_if_interrupted()
     with open_checkpoint(path) as ckpt:
         if fold_out is not None:  # refused before the report is printed
             check_output(fold_out, inputs=ckpt.files)
@@ -609,11 +620,12 @@ def fold(
 def _fold(path: str, out: str, model: Optional[str], dtype: Optional[str], err: bool = False) -> None:
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``:
     after ``audit --json``, where stdout holds the JSON document alone, so do ``--model``'s prints)."""
-    from paramfold.fold import fold_checkpoint
-    from paramfold.signals import raise_if_interrupted
+    from paramfold.signals import raise_if_interrupted, signals_deferred
     from paramfold.terminal import stdout_to_stderr
 
-    raise_if_interrupted()  # a signal during the imports, whose exception torch's may have dropped
+    with signals_deferred():  # a signal during the imports is raised after them
+        from paramfold.fold import fold_checkpoint
+    raise_if_interrupted()
     _written.clear()
     with stdout_to_stderr() if err else contextlib.nullcontext():
         summary = fold_checkpoint(path, out, model_factory=model, dtype=dtype).summary()
@@ -652,8 +664,11 @@ def recompiles_command(
 
     Example: paramfold recompiles -- python train.py --epochs 1
     """
-    from paramfold.recompiles.script import run_script
+    from paramfold.signals import raise_if_interrupted, signals_deferred
 
+    with signals_deferred():  # a signal during the imports is raised after them
+        from paramfold.recompiles.script import run_script
+    raise_if_interrupted()
     raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
 
 

@@ -13,7 +13,8 @@ import contextlib
 import signal
 from collections.abc import Callable, Iterator
 
-__all__ = ["HANDLED_SIGNALS", "Interrupted", "on_signal_instead", "raise_if_interrupted", "signal_arrived", "signals_raise"]
+__all__ = ["HANDLED_SIGNALS", "Interrupted", "on_signal_instead", "raise_if_interrupted", "signal_arrived",
+           "signals_deferred", "signals_raise"]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
 HANDLED_SIGNALS = tuple(
@@ -45,6 +46,8 @@ class _SignalState:
         self.arrived: list[int] = []
         #: Called with the signal number instead of raising, once set (:func:`on_signal_instead`).
         self.instead: Callable[[int], None] | None = None
+        #: How many :func:`signals_deferred` blocks are open: a signal is then recorded, not raised.
+        self.deferred = 0
 
 
 _signals = _SignalState()
@@ -68,14 +71,27 @@ def signals_raise() -> Iterator[None]:
         yield
         return
 
+    import sys
+
     def handler(signum: int, frame: object) -> None:
         _signals.arrived.append(signum)
         if _signals.instead is not None:
             _signals.instead(signum)
-        raise Interrupted(signum)
+        if not _signals.deferred:
+            raise Interrupted(signum)
 
-    saved = (_signals.arrived, _signals.instead)
-    _signals.arrived, _signals.instead = [], None
+    given_hook = sys.unraisablehook
+
+    def unraisable(info: object) -> None:
+        # Raised where Python cannot propagate it (a weakref or GC callback, a __del__): Python
+        # prints "Exception ignored in ..." with a traceback and goes on. It is recorded: the
+        # next raise_if_interrupted raises it again.
+        if not isinstance(getattr(info, "exc_value", None), Interrupted):
+            given_hook(info)
+
+    saved = (_signals.arrived, _signals.instead, _signals.deferred)
+    _signals.arrived, _signals.instead, _signals.deferred = [], None, 0
+    sys.unraisablehook = unraisable
     old = {}
     for sig in HANDLED_SIGNALS:
         with contextlib.suppress(OSError, ValueError):
@@ -91,7 +107,20 @@ def signals_raise() -> Iterator[None]:
     finally:
         for sig, previous in old.items():
             signal.signal(sig, previous)
-        _signals.arrived, _signals.instead = saved
+        sys.unraisablehook = given_hook
+        _signals.arrived, _signals.instead, _signals.deferred = saved
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """While active, a handled signal is recorded, not raised: around imports of C extensions
+    (torch's), where an exception raised inside a C++ call of Python code ends the process
+    (``std::terminate``, exit 134). Call :func:`raise_if_interrupted` after it."""
+    _signals.deferred += 1
+    try:
+        yield
+    finally:
+        _signals.deferred -= 1
 
 
 def signal_arrived() -> int | None:
