@@ -325,6 +325,43 @@ def test_a_weight_norm_with_an_empty_norm_dim_is_refused_in_one_line_not_a_crash
     assert _same(load_file(tmp_path / "ok.safetensors")["weight"], stock.weight.detach())
 
 
+class _Rebuilt:
+    """Pickles as torch's own rebuild of a tensor with the given shape and stride (no data)."""
+
+    def __init__(self, shape: tuple, stride: tuple) -> None:
+        self.shape, self.stride = shape, stride
+
+    def __reduce__(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TypedStorage is deprecated
+            storage = torch.empty(0).storage()
+        from collections import OrderedDict
+        return torch._utils._rebuild_tensor_v2, (storage, 0, self.shape, self.stride, False, OrderedDict())
+
+
+def test_an_impossible_empty_shape_or_a_nul_in_a_shard_name_is_one_line(tmp_path):
+    # Regression (2026-12-05 hunt): an empty tensor of shape (2**40, 2**40, 0), which torch.load
+    # refuses, audited fine and fold failed on "numel: integer multiplication overflow
+    # (unexpected)"; a NUL byte in an index's shard name was "ValueError: embedded null byte (unexpected)".
+    torch.save({"w": _Rebuilt((2**40, 2**40, 0), (0, 0, 1))}, tmp_path / "huge.pt")
+    with pytest.raises(Exception):
+        torch.load(tmp_path / "huge.pt", weights_only=True)
+    save_file({"a": torch.ones(2)}, tmp_path / "a.safetensors")
+    (tmp_path / "n.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "a\u0000.safetensors"}}))
+    before = _files(tmp_path)
+    for name, words in (("huge.pt", ("corrupt", "impossible shape")), ("n.safetensors.index.json", ("not a valid checkpoint index", "NUL"))):
+        for args in (["audit", tmp_path / name], ["fold", tmp_path / name, tmp_path / "o.safetensors"]):
+            _one_line_error(_run(*args), args[0], 1, *words)
+    assert _files(tmp_path) == before
+
+
+def test_a_complex32_tensor_is_read_without_torchs_experimental_warning(tmp_path):
+    torch.save({"c": torch.zeros(2, dtype=torch.complex32)}, tmp_path / "c.pt")
+    done = subprocess.run([sys.executable, "-m", "paramfold", "audit", str(tmp_path / "c.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "experimental" not in done.stderr, done.stderr
+
+
 # -- dtypes, views, shared storages saved by torch.save --------------------------------------------
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import pickle
 import re
 import reprlib
@@ -153,6 +154,8 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
             raise CheckpointError(f"{p}: record {rec.filename} is compressed; torch.save never compresses: re-save it")
         elem = element_size(t.dtype)
         storage_bytes = t.storage.numel * (elem if t.storage.typed else 1)
+        if math.prod(n for n in t.shape if n > 0) >= 1 << 63:  # torch.load refuses such a size, empty or not
+            raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: tensor '{k}' has an impossible shape {reprlib.repr(list(t.shape))}")
         span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
         needed = (t.offset + span) * elem if span else 0
         if (storage_bytes != rec.file_size or needed > rec.file_size or t.offset < 0 or min(t.stride, default=0) < 0

@@ -6,6 +6,7 @@ The other names here are shared by the modules of this package and are not part 
 
 from __future__ import annotations
 
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,9 @@ class TensorInfo:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    with warnings.catch_warnings():  # complex32's "ComplexHalf support is experimental": not our line
+        warnings.simplefilter("ignore")
+        return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

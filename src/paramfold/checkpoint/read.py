@@ -327,6 +327,8 @@ def _open_index(index: Path) -> Checkpoint:
         # Named inside the index's folder, checked on the name: a shard may be a link out of it
         # (Hugging Face's cache links each snapshot's files to blobs named by hash).
         named = Path(shard)
+        if "\0" in shard:  # no file can be named so (os.stat would raise ValueError)
+            raise CheckpointError(f"{index}: not a valid checkpoint index (shard name {shard!r} holds a NUL byte)")
         if not shard or named.is_absolute() or ".." in named.parts:
             raise CheckpointError(f"{index}: shard '{shard}' lies outside the index's folder")
         sp = index.parent / named
