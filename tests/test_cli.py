@@ -1311,3 +1311,19 @@ def test_a_signal_during_the_heavy_imports_is_raised_after_them():
         assert done
         raise_if_interrupted()
     assert raised.value.signum == signal.SIGTERM
+
+
+def test_the_fold_summary_shows_a_control_character_in_outs_name_escaped(tmp_path):
+    # Regression (2026-12-05 hunt): error lines escaped it, the summary printed it raw (a newline
+    # split the one-line summary, an escape sequence reached the terminal).
+    out = tmp_path / "o\nut\x1b[2J.safetensors"
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
+    assert res.exit_code == 0 and out.exists(), res.output
+    assert res.stdout.count("\n") == 1 and "\x1b" not in res.stdout and "o\\nut\\x1b[2J" in res.stdout, res.stdout
+
+
+def test_an_empty_folder_names_every_suffix_looked_for(tmp_path):
+    from paramfold.checkpoint.common import PT_SUFFIXES
+
+    res = _run("audit", str(tmp_path))
+    _one_line_error(res, "audit", 2, "no checkpoint in this folder", *(f"*{s}" for s in PT_SUFFIXES))

@@ -621,7 +621,7 @@ def _fold(path: str, out: str, model: Optional[str], dtype: Optional[str], err: 
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``:
     after ``audit --json``, where stdout holds the JSON document alone, so do ``--model``'s prints)."""
     from paramfold.signals import raise_if_interrupted, signals_deferred
-    from paramfold.terminal import stdout_to_stderr
+    from paramfold.terminal import printable, stdout_to_stderr
 
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.fold import fold_checkpoint
@@ -630,7 +630,7 @@ def _fold(path: str, out: str, model: Optional[str], dtype: Optional[str], err: 
     with stdout_to_stderr() if err else contextlib.nullcontext():
         summary = fold_checkpoint(path, out, model_factory=model, dtype=dtype).summary()
     _written.append(out)
-    typer.echo(summary, err=err)
+    typer.echo(printable(summary), err=err)  # (OUT's name may hold a newline or an escape sequence)
 
 
 # --- recompiles ---------------------------------------------------------------------------------

@@ -280,8 +280,8 @@ def _open_folder(folder: Path) -> Checkpoint:
         return open_checkpoint(singles[0])
     if not singles:
         raise CheckpointError(
-            f"{folder}: no checkpoint in this folder (looked for *.safetensors.index.json, "
-            "*.safetensors, *.pt, *.pth, *.bin)",
+            f"{folder}: no checkpoint in this folder (looked for *.safetensors.index.json, *.safetensors, "
+            f"{', '.join('*' + s for s in PT_SUFFIXES)})",
             exit_code=2,
         )
     names = ", ".join(q.name for q in singles[:4])
