@@ -3402,3 +3402,42 @@ def test_a_copy_of_a_hook_based_norm_layer_made_during_a_grad_call_is_stocks(nor
         assert_same_tensors(want.state_dict(), got.state_dict(), step)
         with torch.no_grad():
             assert torch.equal(got.eval()(x), want.eval()(x)), step
+
+
+@pytest.mark.parametrize("read_between", [False, True], ids=["calls_only", "weight_read_between"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_kept_value_replaced_inside_a_call_leaves_with_the_call(mode, read_between):
+    # Regression (2026-12-05 hunt): a forward that edits an original in place between two calls
+    # of its layer got a value computed afresh for the second, which stayed in the layer's
+    # __dict__ where the kept frozen value had been; the next call took it for the user's and
+    # restore gave it back (a stale tensor in vars(layer), hidden by stock's property).
+    edit = [False]
+
+    class EditsBetween(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = weight_norm(nn.Linear(4, 4))
+
+        def forward(self, x):
+            y = self.lin(x)
+            if edit[0]:
+                with torch.no_grad():
+                    self.lin.parametrizations.weight.original0.mul_(1.5)
+            return y + self.lin(x)
+
+    torch.manual_seed(0)
+    stock = EditsBetween().eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    for step in [False, False, False, True, False, False, False, True, True, False]:  # plans serve the quiet ones
+        edit[0] = step
+        assert torch.equal(ours(x), stock(x)), step
+        if read_between:
+            assert torch.equal(ours.lin.weight, stock.lin.weight), step
+        hs = vars(ours.lin)[paramfold.state.STATE_ATTR]
+        frozen = hs.sites["weight"].frozen
+        there = vars(ours.lin).get("weight")
+        assert there is None or (frozen is not None and there is frozen.value), step  # only the kept frozen value
+    paramfold.restore(ours)
+    assert set(vars(ours.lin)) == set(vars(stock.lin))
+    assert torch.equal(ours(x), stock(x)) and torch.equal(ours.lin.weight, stock.lin.weight)

@@ -447,6 +447,10 @@ def call_changed(
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from,
                                      site.read_chain, value if read_once else None, settings))
+                if not swapped and hs.drop_kept(name):
+                    # A kept frozen value replaced for the rest of the call (its inputs changed in
+                    # place): this one leaves when the call ends, as any value installed for it.
+                    hs.installed = (*hs.installed, name)
                 holder.__dict__[name] = value
                 site.read_from = inputs(site)  # calls nested in this one use the new value
                 if site.plist is not None:

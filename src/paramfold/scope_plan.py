@@ -418,7 +418,8 @@ class Plan:
     def release(self) -> bool:
         """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
         meanwhile (the caller holds the scope lock); False leaves it to the general release."""
-        if list(map(_users, self.states)) != self.ones or not all(map(is_, map(type, self.switched), self.inside)):
+        if (list(map(_users, self.states)) != self.ones or not all(map(is_, map(type, self.switched), self.inside))
+                or not all(map(is_, map(_kept, self.states), self.kepts))):  # a kept value replaced in the call
             return False
         if self.copied_sites:
             # Where no read took a training stateful chain's value, its state as before the call.
