@@ -616,3 +616,51 @@ def test_torch_compile_wrapper_made_while_prepared_calls_the_restored_model_like
     assert torch.equal(compiled(x), stock(x))
     paramfold.prepare(ours, mode)
     assert torch.equal(compiled(x), stock(x))
+
+
+class _ScaledByAttribute(nn.Linear):
+    def forward(self, x):  # a quantizer's scale kept on the Parameter object
+        return nn.functional.linear(x, self.weight * getattr(self.weight, "qscale", 1.0), self.bias)
+
+
+class _SetsItsWeight(nn.Linear):
+    def forward(self, x):
+        self.weight.set_(self.weight.detach() * 0.5)
+        return super().forward(x)
+
+
+def _halve_weight_data(module, args):
+    module.weight.data = module.weight.data * 0.5  # a pre-hook masking the weight, mask/requant style
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["auto", "hoist", "inline", "freeze"])
+@pytest.mark.parametrize("case", ["data_in_pre_hook", "set_in_forward", "attribute_on_the_parameter"])
+def test_detach_params_under_no_grad_gives_the_parameter_what_the_call_does_to_it(case, mode, compiled):
+    # Regression (2026-12-05 hunt): the detached alias standing for a plain Parameter in the call
+    # took `.data =` and `set_` for itself (stock's Parameter keeps them: halved at every call, so
+    # outputs differed from the second call on), and had none of the Parameter's attributes.
+    def build_one():
+        torch.manual_seed(0)
+        lin = {"data_in_pre_hook": nn.Linear, "set_in_forward": _SetsItsWeight,
+               "attribute_on_the_parameter": _ScaledByAttribute}[case](8, 8)
+        # (set_ on a leaf that requires grad raises, no_grad or not: stock's model is frozen there.)
+        trainable = mode != "freeze" and case != "set_in_forward"
+        model = nn.Sequential(weight_norm(nn.Linear(8, 8)), lin).eval().requires_grad_(trainable)
+        if case == "data_in_pre_hook":
+            lin.register_forward_pre_hook(_halve_weight_data)
+        lin.weight.qscale = 3.0
+        return model
+
+    stock = build_one()
+    ours = paramfold.prepare(build_one(), mode, detach_params_under_no_grad=True)
+    run_stock, run_ours = ((torch.compile(stock, backend="eager"), torch.compile(ours, backend="eager"))
+                           if compiled else (stock, ours))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(run_ours(x), run_stock(x))
+            assert torch.equal(ours[1].weight, stock[1].weight) and ours[1].weight._version == stock[1].weight._version
+    assert type(ours[1].weight) is nn.Parameter and ours[1].weight.qscale == 3.0
+    paramfold.restore(ours)
+    assert torch.equal(ours(x), stock(x))

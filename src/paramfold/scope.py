@@ -559,7 +559,14 @@ def _detach_params(holder: nn.Module, hs: ModuleState, grad: bool, names: set[st
     detached = []
     for name, param in holder._parameters.items() if not grad else ():
         if param is not None and (names is None or name in names) and not carries_tangents(param):
-            values[name] = param.detach()
+            alias = param.detach()
+            if type(alias) is torch.Tensor:
+                # The Parameter's own attributes (a quantizer's ``weight.qscale``), read and written
+                # through the alias as on the Parameter; its data and metadata follow when it
+                # leaves (nested.settle_detached). (A wrapper subclass's __dict__ holds its inner
+                # tensors, detached in its alias: not shared.)
+                alias.__dict__ = param.__dict__
+            values[name] = alias
             detached.append((name, param))
     last = hs.detached
     if len(detached) != len(last) or not all(a[0] == b[0] and a[1] is b[1] for a, b in zip(detached, last)):
@@ -678,6 +685,8 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
         unread.release(holder, name, site)
         if site.read_for_one_call and nested.let_go(site) and hs.drop_kept(name):
             values.pop(name, None)
+    if hs.detached:
+        nested.settle_detached(holder, hs.detached)
     for name in hs.installed:
         values.pop(name, None)
     hs.installed = hs.replaced = ()

@@ -287,10 +287,32 @@ def undetach(entry: nn.Module) -> None:
         params = holder._parameters
         gone = {name for name, param in hs.detached if grad or params.get(name) is not param}
         if gone:
+            settle_detached(holder, [d for d in hs.detached if d[0] in gone])
             for name in gone:
                 holder.__dict__.pop(name, None)
             hs.detached = tuple(d for d in hs.detached if d[0] not in gone)
             Installs.count += 1
+
+
+def settle_detached(holder: nn.Module, detached) -> None:
+    """Give each parameter of ``detached`` (``(name, parameter)``) what the call did to the
+    detached alias standing for it in ``holder.__dict__`` and stock's call would have done to the
+    parameter: ``alias.data = t`` or ``alias.set_(t)`` (a pre-hook masking or requantizing the
+    weight under ``no_grad``) gave the alias other data or metadata, which the parameter then
+    takes (``param.data = alias``, as stock's ``.data`` write leaves it; values written in place
+    are in their shared storage already)."""
+    values = holder.__dict__
+    for name, param in detached:
+        alias = values.get(name)
+        if type(alias) is not torch.Tensor or alias is param:
+            continue  # replaced by the call (a Parameter registered under the name: not an alias)
+        try:
+            moved = (_data_ptr(alias) != _data_ptr(param) or alias.shape != param.shape or alias.dtype != param.dtype
+                     or alias.stride() != param.stride() or alias.device != param.device)
+        except RuntimeError:  # no storage (a torch.func transform's wrapper): nothing set on it
+            continue
+        if moved:
+            param.data = alias
 
 
 def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]:
