@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib
 import inspect
 import subprocess
@@ -3441,3 +3442,32 @@ def test_a_kept_value_replaced_inside_a_call_leaves_with_the_call(mode, read_bet
     paramfold.restore(ours)
     assert set(vars(ours.lin)) == set(vars(stock.lin))
     assert torch.equal(ours(x), stock(x)) and torch.equal(ours.lin.weight, stock.lin.weight)
+
+
+def test_a_claim_ending_between_the_two_reads_of_compiled_call_impl_still_calls_the_layer(monkeypatch):
+    # Regression (2026-12-05 hunt): nn.Module._wrapped_call_impl reads _compiled_call_impl twice
+    # (`is not None`, then the call); paramfold's answer depends on claims and changes other
+    # threads make, so another thread's call ending in between turned the first read's wrapper
+    # into None at the second: "TypeError: 'NoneType' object is not callable" in a serving thread.
+    # The other thread's claim is simulated: set before the call, gone once the first read answered.
+    from paramfold import scope
+    from paramfold.state import STATE_ATTR
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()).eval()
+    ours = paramfold.prepare(copy.deepcopy(stock), "hoist")
+    layer, x = ours[0], torch.randn(2, 4)
+    hs = vars(layer)[STATE_ATTR]
+
+    class EndsTheOtherClaim:
+        @staticmethod
+        def partial(*args, **kwargs):
+            made = functools.partial(*args, **kwargs)
+            hs.users = 0  # the other thread's call released the layer meanwhile
+            return made
+
+    monkeypatch.setattr(scope, "functools", EndsTheOtherClaim)
+    with torch.no_grad():
+        hs.users = 1
+        out = layer(x)
+    assert hs.users == 0 and torch.equal(out, stock[0](x))

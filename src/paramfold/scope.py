@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import types
 import weakref
@@ -115,6 +116,9 @@ class _Local(threading.local):
     #: A's forward calls model B), innermost first: ``(covered, context, snapshot, enclosing)``
     #: of each, for a call of one of their entries made inside (:func:`_reentered`).
     enclosing: tuple | None = None
+    #: ``(frame of nn.Module._wrapped_call_impl, module, answer)``: what ``_compiled_call_impl``
+    #: answered that frame's first read with, for its second (see :func:`_answered`).
+    answered: tuple | None = None
 
 
 _local = _Local()
@@ -1026,16 +1030,36 @@ def _through_cache(entry: nn.Module) -> bool:
 _call_eagerly = torch.compiler.disable(nn.Module._call_impl)
 
 
+def _answered(module: nn.Module, answer: Callable) -> Callable:
+    """``answer``, kept for the second read of ``_compiled_call_impl`` that
+    ``nn.Module._wrapped_call_impl`` makes (``if self._compiled_call_impl is not None: return
+    self._compiled_call_impl(...)``): computed again there, it could be None where another
+    thread changed what it depends on in between (a claim count, a write that changes the
+    nested check), and the call would fail on calling None."""
+    caller = sys._getframe(2)  # (1: the property's getter)
+    if caller.f_code is _WRAPPED_CALL:
+        _local.answered = (caller, module, answer)
+    return answer
+
+
+_WRAPPED_CALL = nn.Module._wrapped_call_impl.__code__
+
+
 def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     # nn.Module._wrapped_call_impl reads this at every eager call of an entry: where the call is
     # nested in a scope and tensors below were swapped or changed since it opened, it answers
     # with a call that computes their values afresh (paramfold.scope_nested).
+    local = _local
+    answered = local.answered
+    if answered is not None:  # the second read of a _wrapped_call_impl: the first one's answer
+        local.answered = None
+        if answered[1] is self and answered[0] is sys._getframe(1):
+            return answered[2]
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:
         if compiling() or _fx_tracing():  # (torch.fx: as in root_call)
             return compiled
-        return functools.partial(_scoped_compiled_call, self, compiled)
-    local = _local
+        return _answered(self, functools.partial(_scoped_compiled_call, self, compiled))
     if id(self) not in local.covered:
         state = self.__dict__.get(STATE_ATTR)
         if state is None:  # being restored in another thread: called as restored, once it is
@@ -1045,7 +1069,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
             # Values another thread's scope installed are in this module's __dict__: this call
             # claims them as its own entry would (shares them, or is refused), rather than
             # reading them as they are (without their autograd history, or another autocast's).
-            return functools.partial(_scoped_compiled_call, self, self._call_impl)
+            return _answered(self, functools.partial(_scoped_compiled_call, self, self._call_impl))
         return None
     if local.opened is self:
         local.opened = None
@@ -1076,7 +1100,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
             pass
     call = self._call_impl
     wrapped = _nested(self, call)
-    return None if wrapped is call else wrapped
+    return None if wrapped is call else _answered(self, wrapped)
 
 
 def _set_compiled_call_impl(self: nn.Module, value: Callable | None) -> None:
