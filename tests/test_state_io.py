@@ -17,6 +17,7 @@ hook-based norms.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import io
 import os
@@ -61,6 +62,48 @@ def _write(model: nn.Module) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5).add_(0.125)
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_writer_thread_holding_calls_lock_runs_beside_serving_threads(mode):
+    # The 2026-12-05 hunt's unserialized writer (p.copy_ in a loop while three threads served)
+    # crashed torch's copy-on-write bookkeeping that freeze's write marks use (internal asserts, an
+    # abort, a hang): torch leaves concurrent reads and writes of a tensor to its users. Holding
+    # paramfold.calls_lock() serializes the writes with every mark; the last call computes from
+    # the last write.
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(16, 16)), nn.Tanh(), weight_norm(nn.Linear(16, 16)))
+    model = model.eval().requires_grad_(False)
+    stock = copy.deepcopy(model)
+    paramfold.prepare(model, mode)
+    x, errors, stop = torch.randn(2, 16), [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                with torch.no_grad():
+                    model(x)
+            except Exception as e:  # noqa: BLE001 (collected for the assertion)
+                errors.append(repr(e))
+
+    def writer():
+        for v in range(1, 80):
+            with paramfold.calls_lock(), torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.full_like(p, 0.01 * v))
+            time.sleep(0.0002)
+        stop.set()
+
+    threads = [threading.Thread(target=reader) for _ in range(3)] + [threading.Thread(target=writer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    with torch.no_grad():
+        for p in stock.parameters():
+            p.copy_(torch.full_like(p, 0.01 * 79))
+        assert torch.equal(model(x), stock(x))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

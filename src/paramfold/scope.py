@@ -773,8 +773,27 @@ if hasattr(os, "register_at_fork"):
 
 
 def calls_lock() -> threading.RLock:
-    """The lock call scopes open and close under (read at each use: a child of ``os.fork()`` has
-    a new one, :func:`_after_fork_in_child`)."""
+    """The lock every call of a prepared model computes, checks and marks its values under.
+
+    Hold it while another thread writes weights that calls read (an EMA or weight-sync thread,
+    hot-swapped weights): torch leaves concurrent reads and writes of one tensor to its users
+    (stock's model then reads torn values), and ``freeze``/``auto`` mark the storages their
+    values are keyed on copy-on-write, whose bookkeeping an unserialized write can corrupt
+    (torch's internal asserts, a crash or a hang). Writes made under it are seen by the next
+    call, or by the next module call of one that is open. Read it at each use: a child of
+    ``os.fork()`` has a new one.
+
+    >>> import torch, paramfold
+    >>> from torch.nn.utils.parametrizations import weight_norm
+    >>> model = torch.nn.Sequential(weight_norm(torch.nn.Linear(2, 2))).eval()
+    >>> model = paramfold.prepare(model.requires_grad_(False), "freeze")
+    >>> x, bias = torch.ones(1, 2), model[0].bias
+    >>> before = model(x)
+    >>> with paramfold.calls_lock(), torch.no_grad():  # in the writer thread: weight_norm's g doubled
+    ...     _ = model[0].parametrizations.weight.original0.mul_(2.0)
+    >>> torch.allclose(model(x) - bias, 2 * (before - bias))  # the next call computes it again
+    True
+    """
     return _LOCK
 
 
