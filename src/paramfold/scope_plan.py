@@ -28,6 +28,7 @@ from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, c
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_armings, same_inputs
 from paramfold.freeze import _address
+from paramfold.scope_nested import Installs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
@@ -70,7 +71,7 @@ class Plan:
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
-        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count",
     )
 
     @classmethod
@@ -365,6 +366,7 @@ class Plan:
     def enter(self) -> None:
         """:meth:`claim`'s bookkeeping: the holders' classes and claim counts, as the general path leaves them."""
         _run(map(_set_class, self.switched, repeat("__class__"), self.inside))
+        self.count = Installs.count
         states = self.states
         _run(map(setattr, states, repeat("users"), self.ones))
         _run(map(setattr, self.installing, repeat("installed"), self.installed))
@@ -419,7 +421,7 @@ class Plan:
         """Undo :meth:`claim` where no other scope shares a holder and no class was swapped
         meanwhile (the caller holds the scope lock); False leaves it to the general release."""
         if (list(map(_users, self.states)) != self.ones or not all(map(is_, map(type, self.switched), self.inside))
-                or not all(map(is_, map(_kept, self.states), self.kepts))):  # a kept value replaced in the call
+                or Installs.count != self.count):  # values computed again inside the call (a kept one replaced)
             return False
         if self.copied_sites:
             # Where no read took a training stateful chain's value, its state as before the call.
