@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
+import time
 import warnings
 
 import pytest
@@ -664,3 +666,72 @@ def test_detach_params_under_no_grad_gives_the_parameter_what_the_call_does_to_i
     assert type(ours[1].weight) is nn.Parameter and ours[1].weight.qscale == 3.0
     paramfold.restore(ours)
     assert torch.equal(ours(x), stock(x))
+
+
+def _write_the_parameter_itself(module, args):
+    module._parameters["weight"].data = torch.full((4, 4), 9.0)
+
+
+def _half_through_the_alias(module, args):
+    module.weight.data = module.weight.data.half()
+
+
+def _zero_then_replace(module, args):
+    module.weight.data = torch.zeros(4, 4)
+    module.weight = nn.Parameter(torch.ones(4, 4))
+
+
+@pytest.mark.parametrize("case", ["parameter_written_itself", "shared_parameter", "alias_then_replaced"])
+def test_detach_params_under_no_grad_settles_only_what_the_call_did_to_the_alias(case):
+    # Regression (2026-12-05 review of 8061400): the alias was compared with its Parameter as it
+    # is at the call's end, so a write made on the Parameter itself (through _parameters, or
+    # through another module sharing it) looked like the alias having moved, and was undone; and
+    # an alias replaced after a write through it gave its Parameter nothing.
+    hook = {"parameter_written_itself": _write_the_parameter_itself, "shared_parameter": _half_through_the_alias,
+            "alias_then_replaced": _zero_then_replace}[case]
+
+    def build_one():
+        torch.manual_seed(0)
+        model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+        if case == "shared_parameter":
+            model[2].weight = model[1].weight
+        return model
+
+    finals = []
+    for prepare in (False, True):
+        model = build_one()
+        if prepare:
+            paramfold.prepare(model, "auto", detach_params_under_no_grad=True)
+        old = model[1]._parameters["weight"]
+        model[1].register_forward_pre_hook(hook)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                model(torch.ones(1, 4))
+            except RuntimeError:
+                pass  # (the shared case's second layer computes in float32 with float16 weights)
+        finals.append((old.dtype, old.shape, old.detach().clone().float()))
+    (dtype, shape, data), (dtype2, shape2, data2) = finals
+    assert (dtype, shape) == (dtype2, shape2) and torch.equal(data, data2)
+
+
+def test_compiled_call_impl_read_by_no_python_frame_answers_like_stock():
+    # Regression (2026-12-05 review of 4d2e1c4): read from a thread whose target is a C function,
+    # the getter looked two frames up for _wrapped_call_impl and raised ValueError.
+    import _thread
+    import operator
+    import threading
+
+    model = paramfold.prepare(nn.Sequential(weight_norm(nn.Linear(2, 2))), "hoist")
+    model.compile()  # a compiled call impl set: the getter answers with a callable
+    failures, finished = [], threading.Event()
+    saved = sys.unraisablehook
+    sys.unraisablehook = lambda info: failures.append(info.exc_type)
+    try:
+        _thread.start_new_thread(operator.attrgetter("_compiled_call_impl"), (model,))  # no Python frame
+        _thread.start_new_thread(finished.set, ())
+        assert finished.wait(30)
+        time.sleep(0.2)
+    finally:
+        sys.unraisablehook = saved
+    assert failures == []

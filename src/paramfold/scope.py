@@ -571,6 +571,9 @@ def _detach_params(holder: nn.Module, hs: ModuleState, grad: bool, names: set[st
                 # tensors, detached in its alias: not shared.)
                 alias.__dict__ = param.__dict__
             values[name] = alias
+            layout = nested.layout_of(alias)
+            if layout is not None:
+                hs.aliases[name] = (param, alias, layout)
             detached.append((name, param))
     last = hs.detached
     if len(detached) != len(last) or not all(a[0] == b[0] and a[1] is b[1] for a, b in zip(detached, last)):
@@ -689,8 +692,8 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
         unread.release(holder, name, site)
         if site.read_for_one_call and nested.let_go(site) and hs.drop_kept(name):
             values.pop(name, None)
-    if hs.detached:
-        nested.settle_detached(holder, hs.detached)
+    if hs.aliases:
+        nested.settle_detached(hs)
     for name in hs.installed:
         values.pop(name, None)
     hs.installed = hs.replaced = ()
@@ -1055,7 +1058,10 @@ def _answered(module: nn.Module, answer: Callable) -> Callable:
     self._compiled_call_impl(...)``): computed again there, it could be None where another
     thread changed what it depends on in between (a claim count, a write that changes the
     nested check), and the call would fail on calling None."""
-    caller = sys._getframe(2)  # (1: the property's getter)
+    try:
+        caller = sys._getframe(2)  # (1: the property's getter)
+    except ValueError:  # read by no Python frame (a thread whose target is a C function)
+        return answer
     if caller.f_code is _WRAPPED_CALL:
         _local.answered = (caller, module, answer)
     return answer
@@ -1072,7 +1078,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     answered = local.answered
     if answered is not None:  # the second read of a _wrapped_call_impl: the first one's answer
         local.answered = None
-        if answered[1] is self and answered[0] is sys._getframe(1):
+        if answered[1] is self and sys._getframe(0).f_back is answered[0]:
             return answered[2]
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:

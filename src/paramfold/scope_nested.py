@@ -287,32 +287,42 @@ def undetach(entry: nn.Module) -> None:
         params = holder._parameters
         gone = {name for name, param in hs.detached if grad or params.get(name) is not param}
         if gone:
-            settle_detached(holder, [d for d in hs.detached if d[0] in gone])
+            settle_detached(hs, gone)
             for name in gone:
                 holder.__dict__.pop(name, None)
             hs.detached = tuple(d for d in hs.detached if d[0] not in gone)
             Installs.count += 1
 
 
-def settle_detached(holder: nn.Module, detached) -> None:
-    """Give each parameter of ``detached`` (``(name, parameter)``) what the call did to the
-    detached alias standing for it in ``holder.__dict__`` and stock's call would have done to the
-    parameter: ``alias.data = t`` or ``alias.set_(t)`` (a pre-hook masking or requantizing the
-    weight under ``no_grad``) gave the alias other data or metadata, which the parameter then
-    takes (``param.data = alias``, as stock's ``.data`` write leaves it; values written in place
-    are in their shared storage already)."""
-    values = holder.__dict__
-    for name, param in detached:
-        alias = values.get(name)
-        if type(alias) is not torch.Tensor or alias is param:
-            continue  # replaced by the call (a Parameter registered under the name: not an alias)
-        try:
-            moved = (_data_ptr(alias) != _data_ptr(param) or alias.shape != param.shape or alias.dtype != param.dtype
-                     or alias.stride() != param.stride() or alias.device != param.device)
-        except RuntimeError:  # no storage (a torch.func transform's wrapper): nothing set on it
-            continue
-        if moved:
+def settle_detached(hs: ModuleState, names=None) -> None:
+    """Give each parameter presented detached in this call (``hs.aliases``, those of ``names``)
+    what the call did to its alias and stock's call would have done to the parameter:
+    ``alias.data = t`` or ``alias.set_(t)`` (a pre-hook masking or requantizing the weight under
+    ``no_grad``) gave the alias other data or layout, which the parameter then takes
+    (``param.data = alias``, as stock's ``.data`` write leaves it; values written in place are in
+    their shared storage already). A parameter written itself meanwhile (through
+    ``_parameters``, or another module sharing it) keeps its own write; an alias replaced in the
+    module since (``module.weight = nn.Parameter(...)``) still gives its parameter what was done
+    to it before."""
+    aliases = hs.aliases
+    for name in list(aliases) if names is None else [n for n in names if n in aliases]:
+        param, alias, then = aliases.pop(name)
+        now = layout_of(alias) if type(alias) is torch.Tensor else then
+        if now is not None and now != then and layout_of(param) == then:
             param.data = alias
+
+
+_storage_address = getattr(torch._C, "_storage_address", None)
+
+
+def layout_of(t: torch.Tensor) -> tuple | None:
+    """What ``.data =``, ``set_`` or ``resize_`` change of a tensor: its storage, data address,
+    shape, strides and dtype; None where it has no storage (a torch.func transform's wrapper)."""
+    try:
+        storage = _storage_address(t) if _storage_address is not None else t.untyped_storage()._cdata
+        return storage, _data_ptr(t), t.shape, t.stride(), t.dtype
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]:

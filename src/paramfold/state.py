@@ -387,6 +387,9 @@ class ModuleState:
     #: last call scope (under ``no_grad``); a nested call takes out those that stopped standing for
     #: stock's read (``scope_nested.undetach``).
     detached: tuple = ()
+    #: ``{name: (parameter, its detached alias, the alias's layout then)}`` of the open call, for
+    #: what the call does to an alias to reach its parameter (``scope_nested.settle_detached``).
+    aliases: dict = dataclasses.field(default_factory=dict)
     #: Instance ``__dict__`` keys holding inline getters' inputs (see ``inline.install_refs``).
     ref_keys: list[str] = dataclasses.field(default_factory=list)
     #: The load_state_dict post-hook that re-syncs them, removed by restore.
@@ -485,10 +488,11 @@ class ModuleState:
         this module's objects (plans, ``nested_check``): the copy's first calls build its own.
         Nor does it keep frozen values: its sites' are dropped (``SiteState.__deepcopy__``), and
         the module's copy leaves those kept in ``__dict__`` out (``scope_midcall.not_copied``)."""
-        dropped = _CACHES | {"prepared_root", "own_dict", "detached", "replaced", "kept", *_MODULE_LISTS}
+        dropped = _CACHES | {"prepared_root", "own_dict", "detached", "aliases", "replaced", "kept", *_MODULE_LISTS}
         replica = _copy_fields(self, memo, dropped)
         # The tensors of this module's last call (one with a history, too).
         replica.detached = replica.replaced = replica.kept = ()
+        replica.aliases = {}
         replica.holders, replica.entries, replica.parametrized = [], [], ()  # (keep_copied, below)
         replica.covers = frozenset()
         root = self.prepared_model()
