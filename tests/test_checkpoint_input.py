@@ -353,6 +353,23 @@ def test_an_impossible_empty_shape_or_a_nul_in_a_shard_name_is_one_line(tmp_path
         for args in (["audit", tmp_path / name], ["fold", tmp_path / name, tmp_path / "o.safetensors"]):
             _one_line_error(_run(*args), args[0], 1, *words)
     assert _files(tmp_path) == before
+    # torch counts elements left to right: (2**62, 0, 2) is a valid empty tensor, read as torch reads it.
+    torch.save({"w": torch.empty(2**62, 0, 2)}, tmp_path / "wide.pt")
+    res = _run("fold", tmp_path / "wide.pt", tmp_path / "wide_out.pt")
+    assert res.exit_code == 0, res.output
+    assert torch.load(tmp_path / "wide_out.pt", weights_only=True)["w"].shape == (2**62, 0, 2)
+
+
+def test_a_protocol_2_checkpoint_naming_builtins_reads_like_torch_load(tmp_path):
+    # Regression (2026-12-05 review): protocol 2 names builtins as Python 2's __builtin__, and a
+    # set or complex in the checkpoint was refused as an unknown global ('__builtin__.set').
+    sd = {"w": torch.arange(4.0)}
+    torch.save({"state_dict": sd, "epochs": {1, 2}, "z": complex(1, 2)}, tmp_path / "p2.pt", pickle_protocol=2)
+    want = torch.load(tmp_path / "p2.pt", weights_only=True)["state_dict"]
+    res = _run("fold", tmp_path / "p2.pt", tmp_path / "o.safetensors")
+    assert res.exit_code == 0, res.output
+    got = load_file(tmp_path / "o.safetensors")
+    assert set(got) == set(want) and all(_same(got[k], want[k]) for k in want)
 
 
 def test_a_complex32_tensor_is_read_without_torchs_experimental_warning(tmp_path):

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import collections
 import io
-import math
 import pickle
 import re
 import reprlib
@@ -154,7 +153,7 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
             raise CheckpointError(f"{p}: record {rec.filename} is compressed; torch.save never compresses: re-save it")
         elem = element_size(t.dtype)
         storage_bytes = t.storage.numel * (elem if t.storage.typed else 1)
-        if math.prod(n for n in t.shape if n > 0) >= 1 << 63:  # torch.load refuses such a size, empty or not
+        if _numel_overflows(t.shape):  # torch.load refuses such a size, empty or not
             raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: tensor '{k}' has an impossible shape {reprlib.repr(list(t.shape))}")
         span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
         needed = (t.offset + span) * elem if span else 0
@@ -168,6 +167,17 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
         _check_expansion(p, k, info, rec.file_size)
         entries[k] = Entry(info, p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
     return entries, root
+
+
+def _numel_overflows(shape: tuple[int, ...]) -> bool:
+    """Whether torch's element count of ``shape`` overflows: a product taken left to right, so
+    (2**40, 2**40, 0) does and (2**62, 0, 2) does not (c10's ``safe_multiplies``)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+        if numel >= 1 << 63:
+            return True
+    return False
 
 
 #: How many bytes more than its storage holds a tensor's value may have (an expanded view: a
@@ -383,6 +393,8 @@ class _StubUnpickler(pickle.Unpickler):
     """
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # Python 2's name for builtins, which protocol 2 writes
+            module = "builtins"
         found = _SAFE_GLOBALS.get((module, name))
         if found is not None:
             return found
