@@ -783,8 +783,10 @@ def calls_lock() -> threading.RLock:
     (stock's model then reads torn values), and ``freeze``/``auto`` mark the storages their
     values are keyed on copy-on-write, whose bookkeeping an unserialized write can corrupt
     (torch's internal asserts, a crash or a hang). Writes made under it are seen by the next
-    call, or by the next module call of one that is open. Read it at each use: a child of
-    ``os.fork()`` has a new one.
+    call, or by the next module call of one that is open; the forward's own reads run outside it
+    (inline's originals, plain parameters: torn by a write as stock's are). Do not call the model
+    holding it where its forward waits on other threads that call its modules. Read it at each
+    use: a child of ``os.fork()`` has a new one.
 
     >>> import torch, paramfold
     >>> from torch.nn.utils.parametrizations import weight_norm
