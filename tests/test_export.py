@@ -401,3 +401,34 @@ def test_torch_jit_script_of_a_prepared_model_is_refused_with_the_ways_to_script
     assert torch.equal(torch.jit.script(folded_copy(ours))(x), stock(x))
     with pytest.raises(Exception, match="Parametrization is not working with scripting"):
         torch.jit.script(paramfold.restore(ours))(x)  # as stock
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("mode", [None, "hoist", "auto", "inline"])
+@pytest.mark.parametrize("legacy", [False, True], ids=["parametrize", "hook_based"])
+def test_an_export_under_inference_mode_runs_in_grad_mode_and_keeps_requires_grad(legacy, mode, frozen):
+    # Regression (2026-12-05 hunt): values folded inside the caller's inference_mode were inference
+    # tensors, so the program failed in grad mode ("Inference tensors cannot be saved for
+    # backward"); and torch's remove_weight_norm / remove_spectral_norm, which fold the hook-based
+    # norms, registered a weight that requires grad for a frozen model too.
+    def build_one():
+        if legacy:
+            return _legacy_model()
+        torch.manual_seed(0)
+        return nn.Sequential(weight_norm(nn.Conv1d(4, 8, 3, padding=1)), nn.Tanh(),
+                             spectral_norm(nn.Conv1d(8, 4, 3, padding=1))).eval()
+
+    stock, ours = build_one().requires_grad_(not frozen), build_one().requires_grad_(not frozen)
+    if mode is not None:
+        paramfold.prepare(ours, mode)
+    x = torch.randn(2, 4, 16)
+    with torch.inference_mode():
+        want = stock(x).clone()
+        ep = paramfold.export(ours, (x,))
+        plain = folded_copy(ours)
+    for module in (ep.module(), plain):
+        params = dict(module.named_parameters())
+        assert not any(p.is_inference() for p in params.values())
+        assert {k: p.requires_grad for k, p in params.items()} == {k: not frozen for k in params}
+        out = module(x)  # grad mode
+        assert torch.equal(out, want) and out.requires_grad is not frozen

@@ -116,7 +116,10 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
 
     values: dict[tuple, torch.Tensor] = {}
     folded: list[tuple[Site, torch.Tensor]] = []
-    with torch.no_grad():
+    # Outside inference_mode, as stock's parameters are whatever mode export is called in: an
+    # inference tensor would make the program fail in grad mode ("Inference tensors cannot be
+    # saved for backward").
+    with torch.inference_mode(False), torch.no_grad():
         for site in sites:
             # Tied sites (same originals, same chain) share one tensor, as tied plain weights do.
             key = (tuple(id(t) for t in site.originals.values()), tuple(id(m) for m in site.chain))
@@ -205,11 +208,16 @@ def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, 
     from torch.nn.utils import remove_spectral_norm, remove_weight_norm
     from torch.nn.utils.spectral_norm import SpectralNorm
 
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         for module, hook in legacy:
             copied = memo[id(module)]
-            remove = remove_spectral_norm if isinstance(hook, SpectralNorm) else remove_weight_norm
-            remove(copied, hook.name)
+            spectral = isinstance(hook, SpectralNorm)
+            originals = [module._parameters.get(hook.name + suffix) for suffix in (("_orig",) if spectral else ("_g", "_v"))]
+            (remove_spectral_norm if spectral else remove_weight_norm)(copied, hook.name)
+            # torch's remove_* registers a new Parameter that requires grad: trainable only where
+            # the tensors it is computed from were (a frozen model's weight stays frozen).
+            weight = copied._parameters[hook.name]
+            weight.requires_grad_(any(p is not None and p.requires_grad for p in originals) and weight.is_floating_point())
 
 
 def _sharing_memo(model: nn.Module, folded_modules: set[nn.Module]) -> dict[int, Any]:
