@@ -284,6 +284,18 @@ def _fsdp_scenarios(rank: int, record) -> None:
         with record.guard(name):
             got = _fsdp_eval(xs, "after", mode, compiled=True)
             record(name, outs=_equal(got["outs"], ref["outs"]), comm=got["comm"], stock_comm=ref["comm"])
+    with record.guard("fsdp/structure"):
+        # (2026-12-05 hunt: compare recursed into a DTensor's device mesh, an inner object of its
+        # __tensor_flatten__ on torch 2.13: AttributeError 'DeviceMesh' object has no attribute 'is_nested'.)
+        from paramfold.testing import assert_same_structure, structure
+
+        model = _model()
+        _fsdp(model)
+        paramfold.prepare(model, "auto")
+        snapshot = structure(model)
+        assert_same_structure(structure(model), snapshot)
+        paramfold.restore(model)
+        record("fsdp/structure", same=True)
     for hooked in (False, True):
         name = f"fsdp/plain_state_dict/{'hook' if hooked else 'parametrize'}"
         with record.guard(name):
@@ -683,6 +695,10 @@ def _records(ranks: list[dict], name: str) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------- tests
+
+
+def test_structure_snapshots_of_an_fsdp2_sharded_model_compare_equal(ranks):
+    assert _record(ranks, "fsdp/structure") == {"same": True}
 
 
 @pytest.mark.parametrize("compiled", ["eager", "aot_eager"])

@@ -240,7 +240,11 @@ def compare(
         if actual.__tensor_flatten__() != (names, meta):
             raise AssertionError(f"{what}: tensor subclass metadata differs")
         for inner in names:
-            compare(f"{what}.{inner}", getattr(actual, inner), getattr(expected, inner), tol, sides)
+            ours, stocks = getattr(actual, inner), getattr(expected, inner)
+            if isinstance(ours, torch.Tensor) or isinstance(stocks, torch.Tensor):
+                compare(f"{what}.{inner}", ours, stocks, tol, sides)
+            elif ours != stocks:  # an opaque inner object (a DTensor's device mesh): compared as a value
+                raise AssertionError(f"{what}.{inner}: {mine} has {ours!r}, {theirs} has {stocks!r}")
         return
     if actual.is_nested or expected.is_nested:
         if not (actual.is_nested and expected.is_nested):
