@@ -422,3 +422,25 @@ def test_generate_under_autocast_then_without_like_stock(mode):
                 results.append(generate(model, do_sample=True, top_k=0, max_new_tokens=3))
         assert_same_nested(*results, f"autocast {enabled}")
     assert_same_state(stock, ours)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids, use_cache=False).logits
+
+
+def test_assert_equivalent_compiled_over_several_steps_holds_a_parametrized_llama():
+    # Regression (2026-12-05 hunt): from the second step, where eager stock differed, the check
+    # held the persistent compiled candidate to stock compiled afresh from the same state, both
+    # accumulating into the .grad the earlier steps left, which two compilations of stock itself
+    # round differently: a false difference on a Llama (with or without parametrizations). Each
+    # step's gradients are now its own, as after zero_grad().
+    import paramfold.testing as pt
+
+    model = _Logits(llama()).train()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(5))
+    pt.assert_equivalent(model, ids, "hoist", steps=2, compile={"backend": "aot_eager"})

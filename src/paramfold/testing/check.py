@@ -163,7 +163,8 @@ def assert_equivalent(
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
     Between steps every floating parameter and parametrized buffer is updated in place on both
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
-    and rate ``lr``, or a 1% shrink where there is none), so stale hoisted or frozen values
+    and rate ``lr``, or a 1% shrink where there is none; then every gradient is set to ``None``,
+    as ``zero_grad()`` does), so stale hoisted or frozen values
     would show; before each step and after the last every parametrized tensor is also read as an
     attribute outside any forward (parametrizations in eval mode) and must equal stock's, and so
     must the ``module.weight`` a hook-based ``weight_norm``/``spectral_norm`` keeps (in stock the
@@ -874,6 +875,13 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
                     tensor.add_(grad, alpha=-lr)
                 else:
                     tensor.mul_(0.99)
+    # Then zero_grad(set_to_none=True), as a training loop does: each step's gradients are its
+    # own. (Accumulated into the last step's, a compiled candidate and stock compiled afresh from
+    # the same state, the reference where eager stock differs, round them differently: two
+    # compilations of stock itself do.)
+    for model in (stock, *others):
+        for param in model.parameters():
+            param.grad = None
 
 
 def _reordered_originals(model: nn.Module) -> set[int]:
