@@ -456,7 +456,6 @@ def bench(
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.bench import BenchConfig, run_bench, run_sweep
         from paramfold.bench.config import parse_layer_counts
-    raise_if_interrupted()
 
     err = Console(stderr=True)
     try:
@@ -572,13 +571,12 @@ def audit(
     if fold_out is not None:  # before anything is imported or read
         check_output(fold_out, suffixes=FOLD_SUFFIXES)
 
-    from paramfold.signals import raise_if_interrupted, signals_deferred
+    from paramfold.signals import signals_deferred
 
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.audit import audit_checkpoint
         from paramfold.audit_render import print_report
         from paramfold.checkpoint import open_checkpoint
-    raise_if_interrupted()
     with open_checkpoint(path) as ckpt:
         if fold_out is not None:  # refused before the report is printed
             check_output(fold_out, inputs=ckpt.files)
@@ -620,12 +618,11 @@ def fold(
 def _fold(path: str, out: str, model: Optional[str], dtype: Optional[str], err: bool = False) -> None:
     """What `fold` and `audit --fold-out` share: fold, then one summary line (on stderr with ``err``:
     after ``audit --json``, where stdout holds the JSON document alone, so do ``--model``'s prints)."""
-    from paramfold.signals import raise_if_interrupted, signals_deferred
+    from paramfold.signals import signals_deferred
     from paramfold.terminal import printable, stdout_to_stderr
 
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.fold import fold_checkpoint
-    raise_if_interrupted()
     _written.clear()
     with stdout_to_stderr() if err else contextlib.nullcontext():
         summary = fold_checkpoint(path, out, model_factory=model, dtype=dtype).summary()
@@ -664,11 +661,10 @@ def recompiles_command(
 
     Example: paramfold recompiles -- python train.py --epochs 1
     """
-    from paramfold.signals import raise_if_interrupted, signals_deferred
+    from paramfold.signals import signals_deferred
 
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.recompiles.script import run_script
-    raise_if_interrupted()
     raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
 
 

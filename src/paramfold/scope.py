@@ -1080,7 +1080,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     answered = local.answered
     if answered is not None:  # the second read of a _wrapped_call_impl: the first one's answer
         local.answered = None
-        if answered[1] is self and sys._getframe(0).f_back is answered[0]:
+        if answered[1] is self and sys._getframe(0).f_back is answered[0]:  # (f_back: None for a frame-less read)
             return answered[2]
     compiled = self.__dict__.get("_compiled_call_impl")
     if compiled is not None:

@@ -54,7 +54,7 @@ from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, co
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
-from paramfold.freeze import chain_needs_grad, digest, mark, release
+from paramfold.freeze import _storage_key, chain_needs_grad, digest, mark, release
 from paramfold.sites import probed
 from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState, SiteState, for_one_call, tensor_label, version_of
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -312,14 +312,11 @@ def settle_detached(hs: ModuleState, names=None) -> None:
             param.data = alias
 
 
-_storage_address = getattr(torch._C, "_storage_address", None)
-
-
 def layout_of(t: torch.Tensor) -> tuple | None:
     """What ``.data =``, ``set_`` or ``resize_`` change of a tensor: its storage, data address,
     shape, strides and dtype; None where it has no storage (a torch.func transform's wrapper)."""
     try:
-        storage = _storage_address(t) if _storage_address is not None else t.untyped_storage()._cdata
+        storage = _storage_key(t) if _storage_key is not None else t.untyped_storage()._cdata
         return storage, _data_ptr(t), t.shape, t.stride(), t.dtype
     except (RuntimeError, NotImplementedError):
         return None

@@ -113,14 +113,15 @@ def signals_raise() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """While active, a handled signal is recorded, not raised: around imports of C extensions
-    (torch's), where an exception raised inside a C++ call of Python code ends the process
-    (``std::terminate``, exit 134). Call :func:`raise_if_interrupted` after it."""
+    """While active, a handled signal is recorded, not raised, and is raised when the block ends
+    (:func:`raise_if_interrupted`): around imports of C extensions (torch's), where an exception
+    raised inside a C++ call of Python code ends the process (``std::terminate``, exit 134)."""
     _signals.deferred += 1
     try:
         yield
     finally:
         _signals.deferred -= 1
+    raise_if_interrupted()
 
 
 def signal_arrived() -> int | None:

@@ -117,14 +117,14 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
             if len(pickles) != 1:
                 raise CheckpointError(f"{p}: not a PyTorch checkpoint (a zip archive without one data.pkl)")
             prefix = pickles[0].filename[: -len("data.pkl")]
-            small = [pickles[0], *([z.NameToInfo[prefix + "byteorder"]] if prefix + "byteorder" in z.NameToInfo else [])]
-            for rec in small:
+            order = z.NameToInfo.get(prefix + "byteorder")
+            for rec in (pickles[0], order):
                 # Stored, so no more bytes come out than the file holds: a deflated or bzip2 record
                 # of a few KiB can unpack to gigabytes before a single byte of it is checked.
-                if rec.compress_type != zipfile.ZIP_STORED:
+                if rec is not None and rec.compress_type != zipfile.ZIP_STORED:
                     raise CheckpointError(f"{p}: record {rec.filename} is compressed; torch.save never compresses: re-save it")
             data = z.read(pickles[0])  # zipfile checks its CRC-32
-            byteorder = z.read(small[1]) if len(small) > 1 else b"little"
+            byteorder = z.read(order) if order is not None else b"little"
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, RuntimeError, zlib.error) as e:
