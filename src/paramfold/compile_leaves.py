@@ -27,6 +27,12 @@ thread's next compile starts or ends, or as the scope closes, and the call, whic
 on them, is refused as its scope closes (:func:`restore_stranded`): its gradients would have
 stopped at a stand-in.
 
+A compile may also clear the write marks of the frozen values it reads
+(:func:`paramfold.freeze.arm`): inductor's ``freezing`` packs each weight, through a writable
+pointer, and keeps a view of it. Marks that stood as the compile began and that it cleared with
+nothing written are set again as it ends (same callbacks), where later calls would otherwise
+take the view for an array a caller made and hash the value's bytes at every call.
+
 ``torch._dynamo.config.install_free_tensors`` and ``prepare_freezing`` make dynamo copy a
 module's tensor attributes into the graph, where a value (a stand-in, or a value of one call)
 would stay: a compile under a scope with either on is refused.
@@ -35,13 +41,15 @@ would stay: a compile under a scope with either on is refused.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.freeze import rearm_compiled, standing_marks
 from paramfold.state import STATE_ATTR
 from paramfold.state import innermost_transform as _transform
 
@@ -63,6 +71,13 @@ class _Local(threading.local):
     #: Whether stand-ins outlived the compile that installed them (code may have run on them):
     #: the scope that closes next refuses its call.
     stranded: bool = False
+    #: The write marks of the frozen values this thread's scopes serve that stood as the compile
+    #: began (:func:`paramfold.freeze.standing_marks`): set again as it ends, where it cleared them.
+    marks: list | tuple = ()
+
+
+#: ``paramfold.scope.calls_lock``, set by that module (which imports this one): marks are set under it.
+scope_lock: Callable[[], Any] | None = None
 
 
 local = _Local()
@@ -88,6 +103,7 @@ def on_compile_start(args: object = None) -> None:
     claims = local.claims
     if not claims:
         return
+    local.marks = standing_marks(claimed_holders(claims))
     if _bakes_module_tensors() and _any_value_installed(claims):
         raise FoldError(
             "torch._dynamo.config.install_free_tensors (or prepare_freezing) makes dynamo copy a "
@@ -149,11 +165,28 @@ def _restore() -> None:
 def _on_compile_end(args: object = None) -> None:
     if local.swapped:
         _restore_after(getattr(args, "compile_id", None))
+    if local.marks:
+        _rearm()
 
 
 def _on_bytecode(code: object, new_code: object) -> None:
     if local.swapped:
         _restore_after(str(_current_compile_id()))
+    if local.marks:
+        _rearm()
+
+
+def _rearm() -> None:
+    """Set again the marks the compile cleared (:func:`paramfold.freeze.rearm_compiled`). Where
+    another thread holds the scope lock (which may be waiting for this compile to end), they are
+    left cleared: the next call hashes those values' bytes instead, exact either way."""
+    marks, local.marks = local.marks, ()
+    lock = scope_lock() if scope_lock is not None else None
+    if lock is not None and lock.acquire(blocking=False):
+        try:
+            rearm_compiled(marks)
+        finally:
+            lock.release()
 
 
 def _restore_after(compile_id: object) -> None:

@@ -66,6 +66,7 @@ import gc
 import operator
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterable
 from operator import is_
 
 import torch
@@ -78,8 +79,8 @@ from paramfold.compute import GLOBAL_HOOKS, compute
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import ADVICE, held
-from paramfold.state import (CALLS, PLAIN_TENSOR_TYPES, FrozenValue, SiteState, carries_tangents, state_for,
-                             tensor_label, version_of)
+from paramfold.state import (CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, FrozenValue, SiteState, carries_tangents,
+                             state_for, tensor_label, version_of)
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -684,16 +685,18 @@ def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
     armed again where nothing else holds its storage, its count standing, as that of an input
     armed again in :func:`_freeze` (the caller checked it is the count the value was keyed on);
     its bytes checked at every call otherwise, since a numpy array or DLPack capsule on it
-    writes unseen. So with ``freeze_check="version"`` too, but for the value's own storage
-    (inductor keeps a view of a frozen weight; a write to the value is not stock's to see)."""
-    content = site.freeze_check == "content"
+    writes unseen. So with ``freeze_check="version"`` too, the value's own storage included: a
+    forward may return the value, and an array taken of it then writes what later calls read
+    (stock's next read is a fresh tensor). A mark that a compile cleared (inductor's freezing
+    packs a frozen weight, and keeps a view of it) is set again as that compile ends
+    (:func:`rearm_compiled`), before anything else can hold the storage."""
     hashed = []
     for i, (t, (version, address, check)) in enumerate(zip(frozen.armed, frozen.armed_checks, strict=True)):
         if is_armed(t):
             continue
         if check is None or version_of(t) != version or _address(t) != address or not _same_check(check):
             return False
-        if ((content or t is not frozen.value) and not unshared(t)) or not arm(t, again=True):
+        if not unshared(t) or not arm(t, again=True):
             hashed.append(i)
     if hashed:
         keep = [i for i in range(len(frozen.armed)) if i not in hashed]
@@ -703,6 +706,34 @@ def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
             tuple(frozen.armed_checks[i] for i in keep))
         frozen.armed_counts = [frozen.armed_counts[i] for i in keep]
     return True
+
+
+def standing_marks(holders: Iterable[nn.Module]) -> list[tuple[torch.Tensor, tuple]]:
+    """The frozen values of ``holders``' sites whose marks stand now, each with what it was armed
+    with: the marks a compile beginning now may clear (:func:`rearm_compiled`)."""
+    found = []
+    if is_armed is None:
+        return found
+    for holder in holders:
+        hs = holder.__dict__.get(STATE_ATTR)
+        for site in (hs.sites.values() if hs is not None else ()):
+            frozen = site.frozen
+            if frozen is not None:
+                found += [(t, check) for t, check in zip(frozen.armed, frozen.armed_checks)
+                          if t is frozen.value and is_armed(t)]
+    return found
+
+
+def rearm_compiled(marks: list[tuple[torch.Tensor, tuple]]) -> None:
+    """Set again each mark of :func:`standing_marks` that the compile now ending cleared with
+    nothing written (its version, address and bytes those it was armed with): a compiler that
+    packs a weight takes a writable pointer to it (inductor's ``freezing``) and keeps a view of
+    it, which :func:`rearm_unwritten` would take for an array a caller made, and hash at every
+    call. No code but the compiler's ran since the compile began. The caller holds the scope lock."""
+    for t, (version, address, check) in marks:
+        if (not is_armed(t) and check is not None and version_of(t) == version and _address(t) == address
+                and _same_check(check)):
+            arm(t, again=True)
 
 
 def _exported_since(frozen: FrozenValue | None) -> frozenset[int]:

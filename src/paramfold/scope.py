@@ -802,6 +802,9 @@ def calls_lock() -> threading.RLock:
     return _LOCK
 
 
+leaves.scope_lock = calls_lock
+
+
 def busy(state: ModuleState) -> bool:
     """Whether a call scope (of any thread) holds values in the modules below an entry."""
     with _LOCK:
