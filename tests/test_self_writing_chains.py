@@ -368,3 +368,27 @@ def test_a_hook_that_changes_state_registered_after_prepare_runs_at_every_read_l
         with torch.no_grad():
             assert torch.equal(stock(x), ours(x)), step
         assert stock.count == ours.count, step
+
+
+class HoldsAMappingProxy(nn.Module):
+    """Reads a read-only view of a config: changes nothing, but cannot be deep-copied."""
+
+    def __init__(self):
+        super().__init__()
+        import types
+
+        self.config = types.MappingProxyType({"scale": 2.0})
+
+    def forward(self, w):
+        return w * self.config["scale"]
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+def test_a_member_the_probe_cannot_copy_is_refused_for_what_it_is(mode):
+    # Regression: the refusal said only that the chain changes its own attributes each time it
+    # computes the tensor; this one changes nothing, but its probe runs on a copy, and
+    # copy.deepcopy of a mappingproxy fails, so paramfold cannot tell.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5))
+    parametrize.register_parametrization(model[0], "weight", HoldsAMappingProxy())
+    _refused_and_left_as_it_was(model, mode, "copy.deepcopy of a member failed")

@@ -220,7 +220,8 @@ def _storages(prints: _Fingerprint) -> frozenset[int]:
 def random_now(module: nn.Module, name: str) -> FoldError:
     return FoldError(
         f"the parametrization of {tensor_label(module, name)} would draw random numbers (or "
-        "change its own attributes, buffers or originals) to compute the value to freeze, which it "
+        "change its own attributes, buffers or originals, or compute another value with grad "
+        "enabled than under no_grad) to compute the value to freeze, which it "
         "did not when paramfold.prepare probed it (a dropout probability or noise scale set above 0 "
         "since, or a flag that switches on an update): stock does that at every read, which a "
         "frozen value cannot. It was stopped before doing so. Call paramfold.restore(model) and "

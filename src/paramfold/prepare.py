@@ -282,7 +282,16 @@ def _read_by_read(site: Site, mode: str) -> str | None:
             "computes the tensor (a step counter, a tensor attribute that is not a registered buffer, an "
             "original it edits in place, a parametrization of an original that changes its state, as "
             "spectral_norm's power iteration), and stock changes them at every read, which a value "
-            "computed before the call (hoist) or once for many calls (freeze) cannot reproduce"
+            "computed before the call (hoist) or once for many calls (freeze) cannot reproduce; or "
+            "paramfold could not tell, since copy.deepcopy of a member failed (it holds an object "
+            "that cannot be copied: a mappingproxy, a memoryview, a lock), and the probe runs on a copy"
+        )
+    if site.grad_dependent:
+        return (
+            f"its parametrization ({site.kind}) computes another value with grad enabled than under "
+            "no_grad from the same tensors (a branch on torch.is_grad_enabled(), say), and stock computes it "
+            "in the grad mode of each read, which a value computed before the call (hoist, under the "
+            "call's mode, not a region's inside the forward) or once for many calls (freeze) cannot follow"
         )
     # A stateful chain read several times per forward (torch's RNNs read each weight up to four
     # times in _update_flat_weights) is served by the read-once class: the first read takes the

@@ -111,6 +111,11 @@ class Site:
             edited in place) or its originals (a member that edits its input in place,
             ``X.clamp_()``, where the input is an original or a view of one), or the probe could
             not tell (a member that cannot be copied): stock changes it at every read.
+        grad_dependent: whether a custom member computes another value, or runs other ops, with
+            grad enabled than under ``no_grad``, from the same tensors, none requiring grad (a
+            straight-through estimator taken only where gradients are recorded,
+            ``if torch.is_grad_enabled():``): stock's read then depends on the grad mode it is
+            made in, which one value for a call, or for many, cannot follow.
     """
 
     module_path: str
@@ -128,6 +133,7 @@ class Site:
     random: bool = False
     stateful_in_eval: bool = False
     writes_itself: bool = False
+    grad_dependent: bool = False
 
     @property
     def fqn(self) -> str:
@@ -261,7 +267,7 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
     originals = {p: d[k] for p, d, k in leaf_originals(plist)}
     kinds = [known_kind(m) for m in chain]
     stateful = any(k in _STATEFUL_KINDS for k in kinds)
-    random = stateful_in_eval = writes_itself = False
+    random = stateful_in_eval = writes_itself = grad_dependent = False
     dtensors = any(is_dtensor(t) for t in originals.values())
     if any(k is None for k in kinds) and dtensors:
         kinds = [k or "communication" for k in kinds]
@@ -272,8 +278,11 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         inputs = _run_probed(_Probe(stop_at_collectives=False), _computed_originals, plist) if is_nested(plist) else originals
         # A nested chain's value is computed afresh at each read: only the originals are state.
         computed = frozenset(n for n in inputs if parametrize.is_parametrized(plist, n))
+        unknown = [k is None for k in kinds]
         kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(chain, inputs, kinds, computed)
         stateful = stateful or probed_stateful or stateful_in_eval
+        if not (random or writes_itself or stateful):  # (each already served at every read, or as stock)
+            grad_dependent = _grad_dependent(chain, unknown, inputs)
         if _forward_hooked(plist):
             listed_random, listed_writes = _probe_list(plist, frozenset(originals))
             random, writes_itself = random or listed_random, writes_itself or listed_writes
@@ -290,6 +299,7 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         random=random,
         stateful_in_eval=stateful_in_eval,
         writes_itself=writes_itself,
+        grad_dependent=grad_dependent,
     )
 
 
@@ -319,7 +329,7 @@ def draws_random_numbers(module: nn.Module, name: str, stateful: bool = False, s
     ``stateful_in_eval``: the verdicts it was prepared with): a flag switched on since, which no
     read-once class or freeze refusal was planned for."""
     site = _make_site("", module, name)
-    if site.random or site.writes_itself:
+    if site.random or site.writes_itself or site.grad_dependent:
         return True
     if (site.stateful and not stateful) or (site.stateful_in_eval and not stateful_in_eval):
         return True
@@ -430,7 +440,60 @@ def _probe_list(plist: nn.Module, originals: frozenset[str]) -> tuple[bool, bool
     return random, writes_itself
 
 
-def _clone(t: torch.Tensor) -> torch.Tensor:
+def _grad_dependent(chain: tuple[nn.Module, ...], unknown: list[bool], originals: dict[str, torch.Tensor]) -> bool:
+    """Whether a custom member of ``chain`` (``unknown``: which are) computes another value, or
+    runs other ops, with grad enabled than under ``no_grad``: the chain probed in both, from the
+    same tensors, none requiring grad (where one does, a value for a grad call is not frozen, and
+    the chain is computed under the call's grad mode), in training and eval mode. What a value
+    computed under ``no_grad`` serves a grad call with, stock computes anew in that mode."""
+    runs = []
+    for grad in (False, True):
+        for training in (True, False):
+            with torch.inference_mode(False), torch.set_grad_enabled(grad):
+                value: object = tuple(_clone(t, plain=True) for t in originals.values())
+                outputs, ops = [], []
+                for module, probed_here in zip(chain, unknown):
+                    args = value if isinstance(value, tuple) else (value,)
+                    _, value, probe = _probe_call(module, args, training, plain=True)
+                    if value is None:  # it raised: nothing to compare
+                        return False
+                    if probed_here:
+                        outputs.append(value)
+                        ops.append(probe.ops)
+            runs.append((outputs, ops))
+    return any(ops != runs[i][1] or not _same_bits(outputs, runs[i][0]) for i, (outputs, ops) in enumerate(runs[2:]))
+
+
+def _same_bits(a: object, b: object) -> bool:
+    """Whether ``a`` and ``b`` hold tensors in the same places, equal bit for bit (NaNs and -0.0
+    included) as far as their values can be read (not on the meta device)."""
+    leaves, others = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    if len(leaves) != len(others):
+        return False
+    for x, y in zip(leaves, others):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+                return False
+            continue
+        if type(x) is not type(y) or x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.is_meta or y.is_meta:  # no values (a model built on the meta device): the ops tell
+            continue
+        try:
+            with torch.no_grad():
+                same = torch.equal(x.detach().reshape(-1).contiguous().view(torch.uint8),
+                                   y.detach().reshape(-1).contiguous().view(torch.uint8))
+        except Exception:  # no bytes to view (a wrapper subclass): its own equality, where it has one
+            try:
+                same = bool(torch.equal(x, y))
+            except Exception:
+                continue
+        if not same:
+            return False
+    return True
+
+
+def _clone(t: torch.Tensor, plain: bool = False) -> torch.Tensor:
     """A copy of ``t`` without history (a leaf, as originals are), requiring grad where ``t``
     does and grad is enabled."""
     try:
@@ -438,7 +501,7 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
             c = t.clone()
     except Exception:  # a tensor subclass without clone: probed as it is, as before
         return t
-    if t.requires_grad and torch.is_grad_enabled():
+    if t.requires_grad and torch.is_grad_enabled() and not plain:
         try:
             return c.requires_grad_()
         except RuntimeError:  # inside a torch.func transform (a probe again after a settings change)
@@ -446,8 +509,9 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return c
 
 
-def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, object, _Probe]:
-    """``module(*args)`` on a copy of it, with clones of its own parameters and buffers, in the
+def _probe_call(module: nn.Module, args: tuple, training: bool, plain: bool = False) -> tuple[dict, object, _Probe]:
+    """``module(*args)`` on a copy of it, with clones of its own parameters and buffers (none
+    requiring grad where ``plain``), in the
     given mode: ``(the clones, the output or None where it raised, what the probe saw)``. The
     module itself is never called: a call may change its Python attributes (a step counter) or
     tensors it holds outside its parameters and buffers."""
@@ -461,8 +525,8 @@ def _probe_call(module: nn.Module, args: tuple, training: bool) -> tuple[dict, o
         return {}, None, probe
     _call_without_global_hooks(module)
     state = {
-        **{k: _clone(v) for k, v in module.named_parameters()},
-        **{k: _clone(v) for k, v in module.named_buffers()},
+        **{k: _clone(v, plain) for k, v in module.named_parameters()},
+        **{k: _clone(v, plain) for k, v in module.named_buffers()},
     }
     versions = {k: v._version for k, v in state.items()}
     module.train(training)
@@ -569,9 +633,11 @@ class _Probe(TorchDispatchMode):
         self.mutated = False
         self.changed: frozenset[str] = frozenset()  # the keys of the clones it changed
         self.writes_itself = False
+        self.ops: list = []  # every op it saw, in order
         self._generator = torch.Generator().manual_seed(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
         collective = func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
         if collective and self._stop_at_collectives:
             raise _Collective(func.name())
