@@ -225,7 +225,7 @@ def test_prepare_refuses_twice_and_unknown_mode():
     paramfold.prepare(model)
     with pytest.raises(paramfold.FoldError, match="already prepared"):
         paramfold.prepare(model)
-    with pytest.raises(paramfold.FoldError, match="restore that one"):
+    with pytest.raises(paramfold.FoldError, match=r"paramfold\.restore\(model\.get_submodule\('0'\)\)"):
         paramfold.restore(torch.nn.Sequential(model))
 
 
@@ -254,6 +254,38 @@ def test_a_prepared_submodule_is_refused_with_the_way_out_that_fits():
     pt.assert_same_structure(before, pt.structure(b))
     x = torch.randn(2, 4)
     assert torch.equal(b(x), stock_b(x))  # as the message says: the other model still runs it exactly
+
+
+class _Named(torch.nn.Module):
+    def __init__(self, shared: torch.nn.Module) -> None:
+        super().__init__()
+        self.s, self.o = shared, torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.o(self.s(x))
+
+
+def test_a_refusal_about_a_part_of_a_prepared_model_names_the_model_to_restore():
+    # Regression: prepare(parent[0]) after prepare(parent) said to restore parent[0] first, which
+    # restore refuses (only restore(parent) does); restore(b) of a model never prepared that
+    # shares a layer with a prepared one said to restore the layer, refused too, and neither
+    # named the model to restore.
+    parent = paramfold.prepare(torch.nn.Sequential(build("weight_norm"), torch.nn.Tanh()), "hoist")
+    with pytest.raises(paramfold.FoldError, match=r"part of a model prepared by paramfold \(a Sequential\).*"
+                       r"paramfold\.restore\(\) on that model first"):
+        paramfold.prepare(parent[0], "auto")
+    with pytest.raises(paramfold.FoldError, match=r"part of a model passed to paramfold\.prepare \(a Sequential\)"):
+        paramfold.restore(parent[0])
+    paramfold.restore(parent)
+    paramfold.prepare(parent[0], "auto")  # the way out the first message gives
+    torch.manual_seed(0)
+    shared = weight_norm(torch.nn.Linear(4, 4))
+    a, b = _Named(shared), torch.nn.Sequential(shared)
+    paramfold.prepare(a, "hoist")
+    with pytest.raises(paramfold.FoldError, match=r"submodule '0' is part of another model passed to it \(a _Named\)"):
+        paramfold.restore(b)
+    paramfold.restore(a)
+    assert paramfold.restore(b) is b  # nothing prepared left: does nothing
 
 
 def test_checkpoints_cross_load_between_prepared_and_stock():

@@ -213,10 +213,18 @@ def _refuse_prepared(model: nn.Module) -> None:
         state = module.__dict__.get(STATE_ATTR)
         if state is None or not state.root and drop_detached(module):  # its model holds it no more
             continue
-        if not path:
+        if not path and state.root:
             raise FoldError(
                 "cannot prepare this model: it is already prepared by paramfold. Call "
                 "paramfold.restore() on it first to prepare it again (another mode, filter_fn)."
+            )
+        if not path:  # a part of a prepared model, prepared with it (restore refuses it alone)
+            root = state.prepared_model()
+            raise FoldError(
+                f"cannot prepare this model: it is part of a model prepared by paramfold"
+                f"{'' if root is None else f' (a {type(root).__name__})'}, prepared with it. Call "
+                "paramfold.restore() on that model first, then prepare this part alone, or prepare "
+                "that model again with filter_fn choosing what to prepare."
             )
         if state.root:  # a copy of a prepared model (AveragedModel, an EMA), or one prepared alone
             raise FoldError(

@@ -10,7 +10,7 @@ from paramfold.errors import FoldError
 from paramfold.freeze import release
 from paramfold.rebase import rebased
 from paramfold.scope import busy, calls_lock
-from paramfold.state import STATE_ATTR, installed_keys, state_of
+from paramfold.state import STATE_ATTR, ModuleState, installed_keys, state_of
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -41,19 +41,27 @@ def _restore(model: nn.Module) -> nn.Module:
     state = state_of(model)
     if state is None:
         for path, module in model.named_modules():
-            if state_of(module) is not None:
+            found = state_of(module)
+            if found is None:
+                continue
+            if found.root:
                 raise FoldError(
                     f"this model is not the one passed to paramfold.prepare, but its submodule "
-                    f"{path!r} was prepared (or is part of a prepared model): restore that one."
+                    f"{path!r} was: call paramfold.restore(model.get_submodule({path!r}))."
                 )
+            raise FoldError(
+                f"this model is not the one passed to paramfold.prepare, but its submodule {path!r} "
+                f"is part of another model passed to it{_named(found)}, which shares the module with "
+                "this one: restore that model."
+            )
         return model
     if not state.root and drop_detached(model):
         return model
     if not state.root:
         raise FoldError(
-            f"this {type(model).__name__} is part of a model passed to paramfold.prepare, not that "
-            "model itself: restore the model you prepared (restoring part of it would leave the "
-            "rest calling into modules that are no longer prepared)."
+            f"this {type(model).__name__} is part of a model passed to paramfold.prepare{_named(state)}, "
+            "not that model itself: restore the model you prepared (restoring part of it would leave "
+            "the rest calling into modules that are no longer prepared)."
         )
     if busy(state):
         raise FoldError(
@@ -63,6 +71,12 @@ def _restore(model: nn.Module) -> nn.Module:
     for module in state.entries:
         restore_module(module)
     return model
+
+
+def _named(state: ModuleState) -> str:
+    """`` (a <class of the prepared model>)``, while that model lives; else nothing."""
+    root = state.prepared_model()
+    return "" if root is None else f" (a {type(root).__name__})"
 
 
 def drop_detached(module: nn.Module) -> bool:
