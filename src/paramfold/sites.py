@@ -279,10 +279,15 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         # A nested chain's value is computed afresh at each read: only the originals are state.
         computed = frozenset(n for n in inputs if parametrize.is_parametrized(plist, n))
         unknown = [k is None for k in kinds]
-        kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(chain, inputs, kinds, computed)
+        runs: list = []
+        kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(
+            chain, inputs, kinds, computed, runs)
         stateful = stateful or probed_stateful or stateful_in_eval
         if not (random or writes_itself or stateful):  # (each already served at every read, or as stock)
-            grad_dependent = _grad_dependent(chain, unknown, inputs)
+            if not any(t.requires_grad for t in (*inputs.values(), *_own_tensors(chain))):
+                grad_dependent = _differ(runs)  # the grad run's tensors required no grad either
+            else:
+                grad_dependent = _grad_dependent(chain, unknown, inputs)
         if _forward_hooked(plist):
             listed_random, listed_writes = _probe_list(plist, frozenset(originals))
             random, writes_itself = random or listed_random, writes_itself or listed_writes
@@ -373,9 +378,13 @@ def _probe_unknown(
     originals: dict[str, torch.Tensor],
     kinds: list[str | None],
     computed: frozenset[str] = frozenset(),
+    runs: list | None = None,
 ) -> tuple[list[str], bool, bool, bool, bool]:
     """Run the chain on cloned state to tell casts from custom maps, find buffer mutation, random
     draws and other writes: ``(kinds, stateful, stateful_in_eval, random, writes_itself)``.
+    ``runs`` (a list) is given the outputs and ops of the members of unknown kind, per run:
+    ``(outputs, ops)`` in training then eval mode, under ``no_grad`` then with grad enabled
+    (:func:`_differ`).
     A write to a clone of an original (not to one of the ``computed`` inputs, a nested chain's
     fresh values) counts as the chain writing itself.
 
@@ -390,9 +399,13 @@ def _probe_unknown(
     """
     resolved: list[str] = []
     stateful = stateful_in_eval = random = writes_itself = False
+    unknown = [k is None for k in kinds]
+    runs = runs if runs is not None else []
     # Outside inference_mode too (a call inside it probes a chain again after its settings
     # changed): the clones must be ordinary tensors, whose version counters show writes.
     for grad in (False, True):
+        trained, evaluated = ([], []), ([], [])  # (outputs, ops) of the members found unknown
+        runs.extend((trained, evaluated))
         with torch.inference_mode(False), torch.set_grad_enabled(grad):
             # Clones of the originals too: a member (or its pre-hook) may edit its input in place,
             # as stock's then edits the original at every read (a view of it shares its counter).
@@ -401,6 +414,8 @@ def _probe_unknown(
             for i, (module, kind) in enumerate(zip(chain, kinds)):
                 args = value if isinstance(value, tuple) else (value,)
                 state, out, probe = _probe_call(module, args, training=True)
+                if unknown[i]:
+                    trained[0].append(out), trained[1].append(probe.ops)
                 if grad:
                     kind = resolved[i]
                 if probe.mutated and kind not in _STATELESS_KINDS:
@@ -409,7 +424,9 @@ def _probe_unknown(
                     collective = probe.collective
                     kind = "communication" if collective else "cast" if not state and _is_cast(args, out) else "custom"
                 if not probe.collective:
-                    in_eval = _probe_call(module, args, training=False)[2]
+                    _, in_eval_out, in_eval = _probe_call(module, args, training=False)
+                    if unknown[i]:
+                        evaluated[0].append(in_eval_out), evaluated[1].append(in_eval.ops)
                     random = random or in_eval.random
                     stateful_in_eval = stateful_in_eval or (in_eval.mutated and kind not in _STATELESS_KINDS)
                     writes_itself = writes_itself or in_eval.writes_itself
@@ -455,13 +472,33 @@ def _grad_dependent(chain: tuple[nn.Module, ...], unknown: list[bool], originals
                 for module, probed_here in zip(chain, unknown):
                     args = value if isinstance(value, tuple) else (value,)
                     _, value, probe = _probe_call(module, args, training, plain=True)
-                    if value is None:  # it raised: nothing to compare
-                        return False
                     if probed_here:
                         outputs.append(value)
                         ops.append(probe.ops)
             runs.append((outputs, ops))
-    return any(ops != runs[i][1] or not _same_bits(outputs, runs[i][0]) for i, (outputs, ops) in enumerate(runs[2:]))
+    return _differ(runs)
+
+
+def _differ(runs: list) -> bool:
+    """Whether the runs with grad enabled (the last two of ``runs``: training, eval) gave other
+    values, or ran other ops, than the ``no_grad`` ones (the first two). A member that raised
+    (its output None) in either is not compared."""
+    if len(runs) != 4:
+        return False
+    for (outputs, ops), (then_outputs, then_ops) in zip(runs[2:], runs[:2]):
+        if len(outputs) != len(then_outputs):
+            return False
+        for out, then, op, then_op in zip(outputs, then_outputs, ops, then_ops):
+            if out is None or then is None:
+                return False
+            if op != then_op or not _same_bits(out, then):
+                return True
+    return False
+
+
+def _own_tensors(chain: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+    """The parameters and buffers of the chain's members (copied into each probe as clones)."""
+    return [t for m in chain for t in (*m.parameters(), *m.buffers())]
 
 
 def _same_bits(a: object, b: object) -> bool:
