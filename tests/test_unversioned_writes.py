@@ -217,6 +217,32 @@ def test_an_array_of_a_returned_value_written_after_a_call_is_seen_by_both_check
             assert torch.equal(run(x)[0], stock(x)[0])
 
 
+@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+def test_marks_noted_by_another_compile_are_not_set_again():
+    # The marks a compile noted as it began are set again only as that compile ends: where its
+    # end was not seen on this thread (its end callback ran in another thread's compile), a
+    # later compile's end drops them, since code ran since (here a numpy array taken of the
+    # value a forward returned, which a mark set again would hide).
+    from paramfold import compile_leaves
+
+    torch.manual_seed(0)
+    model = paramfold.prepare(_ReturnsItsWeight().eval().requires_grad_(False), "freeze")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            value = model(x)[1]
+    marks = freeze.standing_marks([model.d])
+    assert [t for t, _ in marks] == [value]
+    array = value.numpy()
+    assert not freeze.is_armed(value)
+    for noted_by, ending in (("0/1", "0/2"), ("0/1", "0/1")):
+        compile_leaves.local.marks, compile_leaves.local.marks_for = list(marks), noted_by
+        compile_leaves._rearm(ending)
+        assert compile_leaves.local.marks == ()
+        assert freeze.is_armed(value) is (noted_by == ending)  # the same compile's: set again
+    del array
+
+
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_inductor_freezing_compiles_once_for_unchanged_weights_like_stock(mode):
     # Regression: with torch._inductor.config.freezing, freeze and auto recompiled at every

@@ -72,8 +72,10 @@ class _Local(threading.local):
     #: the scope that closes next refuses its call.
     stranded: bool = False
     #: The write marks of the frozen values this thread's scopes serve that stood as the compile
-    #: began (:func:`paramfold.freeze.standing_marks`): set again as it ends, where it cleared them.
+    #: began (:func:`paramfold.freeze.standing_marks`): set again as it ends, where it cleared them;
+    #: and that compile.
     marks: list | tuple = ()
+    marks_for: object = None
 
 
 #: ``paramfold.scope.calls_lock``, set by that module (which imports this one): marks are set under it.
@@ -103,7 +105,7 @@ def on_compile_start(args: object = None) -> None:
     claims = local.claims
     if not claims:
         return
-    local.marks = standing_marks(claimed_holders(claims))
+    local.marks, local.marks_for = standing_marks(claimed_holders(claims)), getattr(args, "compile_id", None)
     if _bakes_module_tensors() and _any_value_installed(claims):
         raise FoldError(
             "torch._dynamo.config.install_free_tensors (or prepare_freezing) makes dynamo copy a "
@@ -166,21 +168,25 @@ def _on_compile_end(args: object = None) -> None:
     if local.swapped:
         _restore_after(getattr(args, "compile_id", None))
     if local.marks:
-        _rearm()
+        _rearm(getattr(args, "compile_id", None))
 
 
 def _on_bytecode(code: object, new_code: object) -> None:
     if local.swapped:
         _restore_after(str(_current_compile_id()))
     if local.marks:
-        _rearm()
+        _rearm(str(_current_compile_id()))
 
 
-def _rearm() -> None:
-    """Set again the marks the compile cleared (:func:`paramfold.freeze.rearm_compiled`). Where
-    another thread holds the scope lock (which may be waiting for this compile to end), they are
-    left cleared: the next call hashes those values' bytes instead, exact either way."""
+def _rearm(compile_id: object) -> None:
+    """Set again the marks the compile that noted them cleared (:func:`paramfold.freeze.rearm_compiled`).
+    Marks another compile noted (whose end this thread did not see: its end callback ran in
+    another thread) are dropped, not set: code ran since. Where another thread holds the scope
+    lock (which may be waiting for this compile to end), they are left cleared: the next call
+    hashes those values' bytes instead, exact either way."""
     marks, local.marks = local.marks, ()
+    if local.marks_for is not None and compile_id != local.marks_for:
+        return
     lock = scope_lock() if scope_lock is not None else None
     if lock is not None and lock.acquire(blocking=False):
         try:
