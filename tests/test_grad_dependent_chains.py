@@ -127,3 +127,79 @@ def test_a_switch_to_asking_the_grad_mode_after_prepare_is_followed_or_refused(m
             return
         for _ in range(2):
             assert torch.equal(ours(x), stock(x))
+
+
+class Identity(nn.Module):
+    def forward(self, w):
+        return w
+
+
+class TracksInTraining(nn.Module):
+    """Changes its state in training only (a running scale), and asks the grad mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, w):
+        if self.training:
+            with torch.no_grad():
+                self.seen.add_(1.0)
+        return w * (2.0 if torch.is_grad_enabled() else 3.0)
+
+
+def _nested() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    parametrize.register_parametrization(model[0], "weight", Cast())
+    parametrize.register_parametrization(model[0].parametrizations.weight, "original", ScaledByMode())
+    return model.eval().requires_grad_(False)
+
+
+def _list_hooked() -> nn.Module:
+    model = _model(Identity)
+    model[0].parametrizations.weight.register_forward_hook(
+        lambda module, args, out: out * (2.0 if torch.is_grad_enabled() else 3.0))
+    return model
+
+
+def _stateful_in_training() -> nn.Module:
+    return _model(TracksInTraining)
+
+
+ELSEWHERE = {"on an original": _nested, "a hook on the list": _list_hooked,
+             "stateful in training": _stateful_in_training}
+
+
+@pytest.mark.parametrize("case", ELSEWHERE)
+def test_a_grad_dependence_anywhere_in_the_chain_is_found_and_served_like_stock(case):
+    # Regression (the hunt on this fix): not found where the asking member sits on an original
+    # (the outer site was not flagged), in a forward hook on the ParametrizationList, or in a
+    # chain that changes its state in training (not asked at all, yet frozen in eval).
+    build = ELSEWHERE[case]
+    assert [s.grad_dependent for s in paramfold.find(build())] == [True]
+    with pytest.raises(paramfold.FoldError, match="with grad enabled than under no_grad"):
+        paramfold.prepare(build(), "freeze")
+    stock, ours = build(), paramfold.prepare(build(), "auto")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for grad in (False, True, True, False):
+        with torch.set_grad_enabled(grad):
+            assert torch.equal(ours(x), stock(x)), grad
+
+
+_DRAWN = [0]
+
+
+class ChangesFromRunToRun(nn.Module):
+    """Its bits change at every run whatever the grad mode, as a nondeterministic kernel's may."""
+
+    def forward(self, w):
+        _DRAWN[0] += 1
+        return w + torch.tensor(_DRAWN[0] * 1e-3)  # the same ops each run, other bits
+
+
+def test_a_member_whose_bits_change_from_run_to_run_is_not_taken_for_one_that_asks():
+    # Regression: torch.linalg.lstsq's bits change from run to run on CPU; one no_grad run against
+    # one grad run took that for grad dependence, and freeze and hoist refused the chain.
+    (site,) = paramfold.find(_model(ChangesFromRunToRun))
+    assert not site.grad_dependent

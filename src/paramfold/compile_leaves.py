@@ -29,9 +29,10 @@ stopped at a stand-in.
 
 A compile may also clear the write marks of the frozen values it reads
 (:func:`paramfold.freeze.arm`): inductor's ``freezing`` packs each weight, through a writable
-pointer, and keeps a view of it. Marks that stood as the compile began and that it cleared with
-nothing written are set again as it ends (same callbacks), where later calls would otherwise
-take the view for an array a caller made and hash the value's bytes at every call.
+pointer, and keeps a view of it. With ``freeze_check="version"``, marks that stood as the compile
+began and that it cleared with nothing written are set again as it ends (same callbacks), where
+later calls would otherwise take the view for an array a caller made and hash the value's bytes
+at every call (as the content check does).
 
 ``torch._dynamo.config.install_free_tensors`` and ``prepare_freezing`` make dynamo copy a
 module's tensor attributes into the graph, where a value (a stand-in, or a value of one call)

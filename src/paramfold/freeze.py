@@ -711,7 +711,10 @@ def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
 
 def standing_marks(holders: Iterable[nn.Module]) -> list[tuple[torch.Tensor, tuple]]:
     """The frozen values of ``holders``' sites whose marks stand now, each with what it was armed
-    with: the marks a compile beginning now may clear (:func:`rearm_compiled`)."""
+    with: the marks a compile beginning now may clear (:func:`rearm_compiled`). With
+    ``freeze_check="version"`` only: another thread may take a pointer to a value while this one
+    compiles, which the compiler's own view cannot be told from; the content check hashes what
+    something else holds, whoever it is."""
     found = []
     if is_armed is None:
         return found
@@ -719,7 +722,7 @@ def standing_marks(holders: Iterable[nn.Module]) -> list[tuple[torch.Tensor, tup
         hs = holder.__dict__.get(STATE_ATTR)
         for site in (hs.sites.values() if hs is not None else ()):
             frozen = site.frozen
-            if frozen is not None:
+            if frozen is not None and site.freeze_check == "version":
                 found += [(t, check) for t, check in zip(frozen.armed, frozen.armed_checks)
                           if t is frozen.value and is_armed(t)]
     return found
@@ -730,7 +733,8 @@ def rearm_compiled(marks: list[tuple[torch.Tensor, tuple]]) -> None:
     nothing written (its version, address and bytes those it was armed with): a compiler that
     packs a weight takes a writable pointer to it (inductor's ``freezing``) and keeps a view of
     it, which :func:`rearm_unwritten` would take for an array a caller made, and hash at every
-    call. No code but the compiler's ran since the compile began. The caller holds the scope lock."""
+    call. Only this thread's compile ran since it began, where no other thread took a pointer to
+    the value meanwhile (which the version check does not see: README). The caller holds the scope lock."""
     for t, (version, address, check) in marks:
         if (not is_armed(t) and check is not None and version_of(t) == version and _address(t) == address
                 and _same_check(check)):

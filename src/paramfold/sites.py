@@ -222,7 +222,8 @@ def _attach_nested(every: dict[tuple[str, str], Site]) -> list[Site]:
         # state, so the outer site is one that changes itself at every read.
         changes = any(c.writes_itself or c.stateful or c.stateful_in_eval for c in children)
         return dataclasses.replace(site, nested=children, random=site.random or any(c.random for c in children),
-                                   writes_itself=site.writes_itself or changes)
+                                   writes_itself=site.writes_itself or changes,
+                                   grad_dependent=site.grad_dependent or any(c.grad_dependent for c in children))
 
     return [attach(key, site) for key, site in every.items() if id(site) not in nested_ids]
 
@@ -283,14 +284,20 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         kinds, probed_stateful, stateful_in_eval, random, writes_itself = _probe_unknown(
             chain, inputs, kinds, computed, runs)
         stateful = stateful or probed_stateful or stateful_in_eval
-        if not (random or writes_itself or stateful):  # (each already served at every read, or as stock)
-            if not any(t.requires_grad for t in (*inputs.values(), *_own_tensors(chain))):
-                grad_dependent = _differ(runs)  # the grad run's tensors required no grad either
-            else:
-                grad_dependent = _grad_dependent(chain, unknown, inputs)
+        # Whether it computes another value with grad enabled: not asked of a chain served at
+        # every read already; of a chain that changes its state in training, asked in eval only
+        # (in training its value is computed in each call's mode: the read-once class).
+        asked = not (random or writes_itself or stateful_in_eval)
+        if asked:
+            if any(t.requires_grad for t in (*inputs.values(), *_own_tensors(chain))):
+                runs = _plain_runs(chain, unknown, inputs)  # the grad run's clones required grad
+            grad_dependent = _differ(runs, stateful, lambda: _plain_runs(chain, unknown, inputs, (False,)))
         if _forward_hooked(plist):
             listed_random, listed_writes = _probe_list(plist, frozenset(originals))
             random, writes_itself = random or listed_random, writes_itself or listed_writes
+            if asked and not (grad_dependent or random or writes_itself):  # the list's hooks, in its call
+                grad_dependent = _differ(_plain_runs((plist,), [True], {}), stateful,
+                                         lambda: _plain_runs((plist,), [True], {}, (False,)))
     return Site(
         module_path=path,
         tensor_name=name,
@@ -457,14 +464,14 @@ def _probe_list(plist: nn.Module, originals: frozenset[str]) -> tuple[bool, bool
     return random, writes_itself
 
 
-def _grad_dependent(chain: tuple[nn.Module, ...], unknown: list[bool], originals: dict[str, torch.Tensor]) -> bool:
-    """Whether a custom member of ``chain`` (``unknown``: which are) computes another value, or
-    runs other ops, with grad enabled than under ``no_grad``: the chain probed in both, from the
-    same tensors, none requiring grad (where one does, a value for a grad call is not frozen, and
-    the chain is computed under the call's grad mode), in training and eval mode. What a value
-    computed under ``no_grad`` serves a grad call with, stock computes anew in that mode."""
+def _plain_runs(chain: tuple[nn.Module, ...], unknown: list[bool], originals: dict[str, torch.Tensor],
+                grads: tuple[bool, ...] = (False, True)) -> list:
+    """The chain run under each of ``grads`` (``no_grad``, then grad enabled), in training then
+    eval mode, from clones of ``originals`` and of the members' own tensors, none requiring grad
+    (where one does, a value for a grad call is not frozen, and the chain is computed under the
+    call's grad mode): ``(outputs, ops)`` of the members ``unknown`` says, per run (:func:`_differ`)."""
     runs = []
-    for grad in (False, True):
+    for grad in grads:
         for training in (True, False):
             with torch.inference_mode(False), torch.set_grad_enabled(grad):
                 value: object = tuple(_clone(t, plain=True) for t in originals.values())
@@ -476,24 +483,42 @@ def _grad_dependent(chain: tuple[nn.Module, ...], unknown: list[bool], originals
                         outputs.append(value)
                         ops.append(probe.ops)
             runs.append((outputs, ops))
-    return _differ(runs)
+    return runs
 
 
-def _differ(runs: list) -> bool:
-    """Whether the runs with grad enabled (the last two of ``runs``: training, eval) gave other
-    values, or ran other ops, than the ``no_grad`` ones (the first two). A member that raised
-    (its output None) in either is not compared."""
+def _differ(runs: list, eval_only: bool = False, again: Callable[[], list] | None = None) -> bool:
+    """Whether a custom member computes another value, or runs other ops, with grad enabled than
+    under ``no_grad``: the runs with grad enabled (the last two of ``runs``: training, eval)
+    against the ``no_grad`` ones (the first two); in eval mode only where ``eval_only``. A member
+    that raised (its output None) in either is not compared. Where only values differ, ``again``
+    (the ``no_grad`` runs made anew) tells a member whose bits change from run to run in one mode
+    (a nondeterministic kernel: ``torch.linalg.lstsq``) from one that asks the grad mode."""
     if len(runs) != 4:
         return False
-    for (outputs, ops), (then_outputs, then_ops) in zip(runs[2:], runs[:2]):
+    pairs = [1] if eval_only else [0, 1]
+    values = False
+    for i in pairs:
+        (outputs, ops), (then_outputs, then_ops) = runs[2 + i], runs[i]
         if len(outputs) != len(then_outputs):
             return False
         for out, then, op, then_op in zip(outputs, then_outputs, ops, then_ops):
             if out is None or then is None:
                 return False
-            if op != then_op or not _same_bits(out, then):
+            if op != then_op:
                 return True
-    return False
+            values = values or not _same_bits(out, then)
+    if not values or again is None:
+        return values
+    for _ in range(_REPEATS):
+        repeated = again()
+        if not all(len(repeated[i][0]) == len(runs[i][0]) and all(map(_same_bits, repeated[i][0], runs[i][0]))
+                   for i in pairs):
+            return False  # its bits change in one mode: what they are in the other tells nothing
+    return True
+
+
+#: How many times :func:`_differ` runs a chain again under ``no_grad`` to see its bits change.
+_REPEATS = 3
 
 
 def _own_tensors(chain: tuple[nn.Module, ...]) -> list[torch.Tensor]:
@@ -647,6 +672,10 @@ class _Collective(Exception):
     pass
 
 
+#: The arguments of an op a probe records with it (:attr:`_Probe.ops`), by their ``repr``.
+_PLAIN_ARGUMENTS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
 class _Probe(TorchDispatchMode):
     """What a probe's ops do: it is stopped at its first collective, before it is issued (on
     one rank it would hang), and notes whether it draws random numbers (any op tagged
@@ -670,11 +699,13 @@ class _Probe(TorchDispatchMode):
         self.mutated = False
         self.changed: frozenset[str] = frozenset()  # the keys of the clones it changed
         self.writes_itself = False
-        self.ops: list = []  # every op it saw, in order
+        self.ops: list = []  # every op it saw, in order, with its plain arguments
         self._generator = torch.Generator().manual_seed(0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
+        # with its plain arguments: a branch may change only a constant (``w * 2.0``)
+        self.ops.append((func, *(repr(a) for a in args if a is None or isinstance(a, _PLAIN_ARGUMENTS)),
+                         *(f"{k}={v!r}" for k, v in (kwargs or {}).items() if v is None or isinstance(v, _PLAIN_ARGUMENTS))))
         collective = func.namespace in ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
         if collective and self._stop_at_collectives:
             raise _Collective(func.name())
