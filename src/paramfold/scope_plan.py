@@ -26,8 +26,9 @@ from torch import nn
 from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, call_path, calls_its_forward, class_forward,
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import ARMINGS, class_dicts, digest, is_armed, same_armings, same_inputs
+from paramfold.freeze import ARMINGS, arm, class_dicts, digest, is_armed, same_armings, same_inputs, unshared
 from paramfold.freeze import _address
+from paramfold.freeze import _same_check as same_check
 from paramfold.scope_nested import Installs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -66,7 +67,7 @@ class Plan:
         "inputs", "versioned", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
         "addressed_values", "value_addresses", "other_values", "other_value_addresses",
-        "armed", "armings",
+        "armed", "armings", "armed_checks", "value_ids",
         "settings_empty",
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
@@ -95,6 +96,7 @@ class Plan:
         switched, inside, outside = [], [], []
         links, value_links, ordered, stateful, modes, typed = [], [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
+        armed_checks: list[tuple] = []
         switches: list[tuple[torch.Tensor, int]] = []  # hoisted chains' tensors, as last probed
         copied: list[tuple] = []
         forward_keys: list[tuple[dict, str, bool]] = []
@@ -204,6 +206,7 @@ class Plan:
                     watch.extend(frozen.watch)
                     kept.append((frozen.value, frozen.value_version, frozen.value_layout, frozen.value_address))
                     armed.extend(frozen.armed)
+                    armed_checks.extend(frozen.armed_checks)
                     raw.extend(frozen.raw)
                     views.extend(frozen.views)
                     empty.update((id(d), d) for d in frozen.settings_empty)
@@ -319,6 +322,7 @@ class Plan:
         plan.other_values, addresses = columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if not p], 2)
         plan.other_value_addresses = list(addresses)
         plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # each value's counts checked above
+        plan.armed_checks, plan.value_ids = tuple(armed_checks), frozenset(map(id, plan.values))
         plan.settings_empty = tuple(empty.values())
         # One check per call of every dict's tag and every tensor's description. The frozen
         # values' settings and inputs hold what they were computed with, which the general path
@@ -446,6 +450,22 @@ def _plain_call(module: nn.Module) -> bool:
     return class_forward(type(module)) is not None
 
 
+def _rearm_values(plan: Plan) -> bool:
+    """Whether each mark found cleared is a kept value's that nothing wrote (its version, address
+    and bytes those it was armed with) and nothing else holds, set again: a kernel of the
+    compiled code that takes a writable pointer only to read clears it at every call (inductor's
+    mkldnn convolutions on a conv weight), and the general path would find the same at every
+    call, through a walk of every site (:func:`paramfold.freeze.rearm_unwritten`, which also
+    takes an input's mark, or a value something else holds, to a byte check at every call)."""
+    for t, (version, address, check) in zip(plan.armed, plan.armed_checks):
+        if is_armed(t):
+            continue
+        if (id(t) not in plan.value_ids or check is None or _version(t) != version or _address(t) != address
+                or not unshared(t) or not same_check(check) or not arm(t, again=True)):
+            return False
+    return True
+
+
 def holds(plan: Plan) -> bool:
     """Whether everything ``plan`` was built on is unchanged: the checks of the general path
     (:func:`paramfold.scope._check_unchanged`, :func:`paramfold.freeze.unchanged` and the mode
@@ -485,7 +505,8 @@ def holds(plan: Plan) -> bool:
                 plan.other_values and list(map(_address, plan.other_values)) != plan.other_value_addresses):
             return False
         # Written without a version bump, or armed again since (for another value on the storage).
-        if plan.armings != ARMINGS[0] or (plan.armed and not all(map(is_armed, plan.armed))):
+        if plan.armings != ARMINGS[0] or (plan.armed and not all(map(is_armed, plan.armed))
+                                          and not _rearm_values(plan)):
             return False
         if any(plan.settings_empty):  # freeze.same_settings' other half
             return False
