@@ -201,11 +201,7 @@ def test_an_array_of_a_returned_value_written_after_a_call_is_seen_by_both_check
     # returned, kept over one more call and then written, changed every later call's output
     # (by 5.36 here): the value's own mark, cleared by the array, was set again at that call
     # although the array still held the storage. Stock's next read is a fresh tensor.
-    torch.manual_seed(0)
-    stock = _ReturnsItsWeight().eval().requires_grad_(False)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
-    run = torch.compile(ours, backend="eager") if compiled else ours
-    x = torch.randn(3, 4)
+    stock, run, x = _stock_and_prepared(_ReturnsItsWeight, mode, check, compiled)
     with torch.no_grad():
         for _ in range(3):
             run(x)
@@ -217,17 +213,22 @@ def test_an_array_of_a_returned_value_written_after_a_call_is_seen_by_both_check
             assert torch.equal(run(x)[0], stock(x)[0])
 
 
-class _TakesAPointer(nn.Module):
+def _stock_and_prepared(cls: type[nn.Module], mode: str, check: str, compiled: bool):
+    """``(stock, the prepared twin's callable, an input)``: ``cls()`` in eval needing no grad,
+    and its copy prepared with ``mode`` and ``check``, compiled with the eager backend or not."""
+    torch.manual_seed(0)
+    stock = cls().eval().requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
+    return stock, torch.compile(ours, backend="eager") if compiled else ours, torch.randn(3, 4)
+
+
+class _TakesAPointer(_ReturnsItsWeight):
     """Takes a writable pointer to its frozen weight at every call and writes nothing, as an
     mkldnn convolution of inductor's compiled code does."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.d = weight_norm(nn.Linear(4, 4))
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.d.weight.data_ptr()
-        return self.d(x), self.d.weight
+        return super().forward(x)
 
 
 @pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
@@ -246,11 +247,7 @@ def test_a_value_whose_mark_a_kernel_takes_at_every_call_keeps_the_steady_plan(m
     general = []
     open_general = scope._open_general
     monkeypatch.setattr(scope, "_open_general", lambda *args: general.append(1) or open_general(*args))
-    torch.manual_seed(0)
-    stock = _TakesAPointer().eval().requires_grad_(False)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode, freeze_check=check)
-    run = torch.compile(ours, backend="eager") if compiled else ours
-    x = torch.randn(3, 4)
+    stock, run, x = _stock_and_prepared(_TakesAPointer, mode, check, compiled)
     with torch.no_grad():
         for _ in range(3):
             run(x)

@@ -315,6 +315,13 @@ def _same_check(check: tuple) -> bool:
     return same_bytes((check,), ()) if isinstance(check[0], ctypes.Array) else same_bytes((), (check,))
 
 
+def unwritten(t: torch.Tensor, armed_check: tuple) -> bool:
+    """Whether ``t`` is as it was armed: ``armed_check`` is its ``(version, address, byte check)``
+    then (:attr:`FrozenValue.armed_checks`); False where its bytes cannot be read."""
+    version, address, check = armed_check
+    return check is not None and version_of(t) == version and _address(t) == address and _same_check(check)
+
+
 def _freeze(site: SiteState, value: torch.Tensor, under: tuple, prints: _Fingerprint) -> FrozenValue | None:
     """``value`` with the fingerprint of every input it was computed from (see :class:`FrozenValue`),
     taken before it was computed (``prints``); None where an input was written meanwhile."""
@@ -325,8 +332,7 @@ def _freeze(site: SiteState, value: torch.Tensor, under: tuple, prints: _Fingerp
         # write. Armed again, then found as it was keyed (version, address, bytes), the value is
         # from the bytes the mark watches from now on; the values frozen from it before keep the
         # stamp they were keyed on (not stamped again).
-        if (not arm(t, again=True) or version_of(t) != version or _address(t) != address
-                or check is None or not _same_check(check)):
+        if not arm(t, again=True) or not unwritten(t, (version, address, check)):
             return None
     armed = list(prints.marked)
     checks = [(version, address, _in_place(check)) for version, address, check in prints.checks]
@@ -692,10 +698,10 @@ def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:
     packs a frozen weight, and keeps a view of it) is set again as that compile ends
     (:func:`rearm_compiled`), before anything else can hold the storage."""
     hashed = []
-    for i, (t, (version, address, check)) in enumerate(zip(frozen.armed, frozen.armed_checks, strict=True)):
+    for i, (t, armed_check) in enumerate(zip(frozen.armed, frozen.armed_checks, strict=True)):
         if is_armed(t):
             continue
-        if check is None or version_of(t) != version or _address(t) != address or not _same_check(check):
+        if not unwritten(t, armed_check):
             return False
         if not unshared(t) or not arm(t, again=True):
             hashed.append(i)
@@ -735,9 +741,8 @@ def rearm_compiled(marks: list[tuple[torch.Tensor, tuple]]) -> None:
     it, which :func:`rearm_unwritten` would take for an array a caller made, and hash at every
     call. Only this thread's compile ran since it began, where no other thread took a pointer to
     the value meanwhile (which the version check does not see: README). The caller holds the scope lock."""
-    for t, (version, address, check) in marks:
-        if (not is_armed(t) and check is not None and version_of(t) == version and _address(t) == address
-                and _same_check(check)):
+    for t, armed_check in marks:
+        if not is_armed(t) and unwritten(t, armed_check):
             arm(t, again=True)
 
 

@@ -219,10 +219,9 @@ def _refuse_prepared(model: nn.Module) -> None:
                 "paramfold.restore() on it first to prepare it again (another mode, filter_fn)."
             )
         if not path:  # a part of a prepared model, prepared with it (restore refuses it alone)
-            root = state.prepared_model()
             raise FoldError(
                 f"cannot prepare this model: it is part of a model prepared by paramfold"
-                f"{'' if root is None else f' (a {type(root).__name__})'}, prepared with it. Call "
+                f"{state.prepared_model_label()}, prepared with it. Call "
                 "paramfold.restore() on that model first, then prepare this part alone, or prepare "
                 "that model again with filter_fn choosing what to prepare."
             )
@@ -232,10 +231,9 @@ def _refuse_prepared(model: nn.Module) -> None:
                 f"model of its own (a copy of a prepared model, as AveragedModel/EMA makes, is prepared too). "
                 f"Call paramfold.restore(model.get_submodule({path!r})) first, then prepare this model."
             )
-        root = state.prepared_model()
         raise FoldError(
             f"cannot prepare this model: its submodule {path!r} ({type(module).__name__}) is already "
-            f"prepared by paramfold, as part of another model{'' if root is None else f' (a {type(root).__name__})'}: a "
+            f"prepared by paramfold, as part of another model{state.prepared_model_label()}: a "
             "module shared by two models is prepared for one of them. Prepare one model that holds both "
             "(a parent calling each), or restore the other model first; the unprepared model still "
             "runs the shared module exactly, computing its tensors where they are read."

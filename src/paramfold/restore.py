@@ -10,7 +10,7 @@ from paramfold.errors import FoldError
 from paramfold.freeze import release
 from paramfold.rebase import rebased
 from paramfold.scope import busy, calls_lock
-from paramfold.state import STATE_ATTR, ModuleState, installed_keys, state_of
+from paramfold.state import STATE_ATTR, installed_keys, state_of
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -51,7 +51,7 @@ def _restore(model: nn.Module) -> nn.Module:
                 )
             raise FoldError(
                 f"this model is not the one passed to paramfold.prepare, but its submodule {path!r} "
-                f"is part of another model passed to it{_named(found)}, which shares the module with "
+                f"is part of another model passed to it{found.prepared_model_label()}, which shares the module with "
                 "this one: restore that model."
             )
         return model
@@ -59,7 +59,7 @@ def _restore(model: nn.Module) -> nn.Module:
         return model
     if not state.root:
         raise FoldError(
-            f"this {type(model).__name__} is part of a model passed to paramfold.prepare{_named(state)}, "
+            f"this {type(model).__name__} is part of a model passed to paramfold.prepare{state.prepared_model_label()}, "
             "not that model itself: restore the model you prepared (restoring part of it would leave "
             "the rest calling into modules that are no longer prepared)."
         )
@@ -71,12 +71,6 @@ def _restore(model: nn.Module) -> nn.Module:
     for module in state.entries:
         restore_module(module)
     return model
-
-
-def _named(state: ModuleState) -> str:
-    """`` (a <class of the prepared model>)``, while that model lives; else nothing."""
-    root = state.prepared_model()
-    return "" if root is None else f" (a {type(root).__name__})"
 
 
 def drop_detached(module: nn.Module) -> bool:

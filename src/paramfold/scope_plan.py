@@ -26,9 +26,8 @@ from torch import nn
 from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, call_path, calls_its_forward, class_forward,
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import ARMINGS, arm, class_dicts, digest, is_armed, same_armings, same_inputs, unshared
+from paramfold.freeze import ARMINGS, arm, class_dicts, digest, is_armed, same_armings, same_inputs, unshared, unwritten
 from paramfold.freeze import _address
-from paramfold.freeze import _same_check as same_check
 from paramfold.scope_nested import Installs
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
@@ -457,11 +456,10 @@ def _rearm_values(plan: Plan) -> bool:
     mkldnn convolutions on a conv weight), and the general path would find the same at every
     call, through a walk of every site (:func:`paramfold.freeze.rearm_unwritten`, which also
     takes an input's mark, or a value something else holds, to a byte check at every call)."""
-    for t, (version, address, check) in zip(plan.armed, plan.armed_checks):
+    for t, armed_check in zip(plan.armed, plan.armed_checks):
         if is_armed(t):
             continue
-        if (id(t) not in plan.value_ids or check is None or _version(t) != version or _address(t) != address
-                or not unshared(t) or not same_check(check) or not arm(t, again=True)):
+        if id(t) not in plan.value_ids or not unwritten(t, armed_check) or not unshared(t) or not arm(t, again=True):
             return False
     return True
 

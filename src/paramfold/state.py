@@ -477,6 +477,11 @@ class ModuleState:
         """The model passed to ``prepare``, while it lives."""
         return self.prepared_root() if self.prepared_root is not None else None
 
+    def prepared_model_label(self) -> str:
+        """`` (a <class of the model passed to prepare>)`` for a message, while that model lives; else ``""``."""
+        root = self.prepared_model()
+        return "" if root is None else f" (a {type(root).__name__})"
+
     def drop_caches(self) -> None:
         """Forget what was built from this entry's holders and sites (:data:`_CACHES`: its steady
         plans, its nested check) after they changed: its next call builds them again."""
