@@ -22,6 +22,7 @@ from torch.nn.utils.parametrizations import weight_norm
 
 import paramfold
 from paramfold import freeze
+from paramfold.state import STATE_ATTR
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # see conftest.py
@@ -323,9 +324,80 @@ def test_inductor_freezing_compiles_once_for_unchanged_weights_like_stock(mode, 
         assert counter.frame_count == 2  # one recompile for the one change
 
 
-def _frozen(model: nn.Module):
-    from paramfold.state import STATE_ATTR
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_hoist_under_inductor_freezing_compiles_once_for_unchanged_weights_like_stock(backend):
+    # Regression: under inductor's freezing dynamo keys the code it compiles under no_grad on the
+    # identity of each module's tensor attributes; hoist's values, new at every call, recompiled
+    # at every call (8 frames for 12 calls, stock 1), then ran eagerly past the recompile limit.
+    from torch._dynamo.testing import CompileCounterWithBackend
 
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), weight_norm(nn.Linear(6, 3))).eval()
+    ours = paramfold.prepare(copy.deepcopy(stock), "hoist")
+    x = torch.randn(3, 4)
+    exact = torch.testing.assert_close if backend == "inductor" else _bitwise  # inductor may reorder
+    counts = []
+    with torch._inductor.config.patch(freezing=True), torch.no_grad():
+        for model in (stock, ours):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend(backend)
+            run = torch.compile(model, backend=counter)
+            for _ in range(6):
+                exact(run(x), stock(x))
+            counts.append(counter.frame_count)
+        assert counts == [1, 1]
+        assert len(list(_frozen(ours))) == 2
+        plan = vars(ours)[STATE_ATTR].plan  # the steady calls were served by the steady plan
+        assert plan.used and plan.freezing is True
+        for model in (stock, ours):
+            model[2].parametrizations.weight.original0.mul_(1.5)
+        for _ in range(3):
+            exact(run(x), stock(x))  # a new value for the changed weight (stock's graph keeps the old one)
+        assert counter.frame_count == 2
+    with torch.no_grad():  # freezing off: the steady plan keeps serving the frozen values, exact
+        exact(run(x), stock(x))
+        ours[2].parametrizations.weight.original0.mul_(2.0)  # the general path: computed at every call again
+        stock[2].parametrizations.weight.original0.mul_(2.0)
+        exact(run(x), stock(x))
+        assert list(_frozen(ours)) == []
+    with torch._inductor.config.patch(freezing=True):  # grad calls: hoisted, gradients to the originals
+        ours(x).sum().backward()
+        stock(x).sum().backward()
+        assert list(_frozen(ours)) == []
+    for a, b in zip(stock.parameters(), ours.parameters()):
+        _bitwise(b.grad, a.grad)
+
+
+def test_hoist_plan_built_before_inductor_freezing_gives_way_at_a_compile_under_it():
+    # Calls made before freezing was turned on leave a steady plan that computes hoist's values at
+    # every call; a compile under freezing ends it, so the next call freezes them: two frames
+    # (the first compile keyed on a hoisted value), then none (before: one per call).
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh()).eval()
+    ours = paramfold.prepare(copy.deepcopy(stock), "hoist")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            _bitwise(ours(x), stock(x))
+        plan = vars(ours)[STATE_ATTR].plan
+        assert plan.used and plan.freezing is False and list(_frozen(ours)) == []
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        run = torch.compile(ours, backend=counter)
+        with torch._inductor.config.patch(freezing=True):
+            for _ in range(6):
+                _bitwise(run(x), stock(x))
+    assert counter.frame_count == 2
+    assert len(list(_frozen(ours))) == 1
+
+
+def _bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and torch.equal(actual.view(torch.int32), expected.view(torch.int32))
+
+
+def _frozen(model: nn.Module):
     for module in model.modules():
         state = module.__dict__.get(STATE_ATTR)
         for site in getattr(state, "sites", {}).values():

@@ -51,7 +51,8 @@ from torch import nn
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import rearm_compiled, standing_marks
-from paramfold.state import STATE_ATTR
+from paramfold.site_values import freezing_now
+from paramfold.state import CALLS, STATE_ATTR
 from paramfold.state import innermost_transform as _transform
 
 _dynamo = torch._dynamo
@@ -107,6 +108,8 @@ def on_compile_start(args: object = None) -> None:
     if not claims:
         return
     local.marks, local.marks_for = standing_marks(claimed_holders(claims)), getattr(args, "compile_id", None)
+    if not torch.is_grad_enabled() and freezing_now():
+        _end_hoisting_plans(claims)
     if _bakes_module_tensors() and _any_value_installed(claims):
         raise FoldError(
             "torch._dynamo.config.install_free_tensors (or prepare_freezing) makes dynamo copy a "
@@ -124,6 +127,16 @@ def on_compile_start(args: object = None) -> None:
     stand_ins: dict[int, torch.Tensor] = {}
     for holder in claimed_holders(claims):
         _swap_in(holder, swapped, stand_ins)
+
+
+def _end_hoisting_plans(claims: tuple) -> None:
+    """Under inductor's freezing this compile keys its code on each value's identity: a steady
+    plan built while freezing was off, which computes hoist's values afresh at every call, gives
+    way at the next call to the general path, which freezes them (site_values.freezing_now)."""
+    while claims:
+        claimed, claims = claims
+        if getattr(claimed, "freezing", None) is False:
+            claimed.until = CALLS[0]
 
 
 def claimed_holders(claims: tuple) -> Iterator[nn.Module]:

@@ -78,7 +78,9 @@ def prepare(
       tensors. A stateful chain in training read again in the same call (a discriminator
       scoring two batches in one forward) is computed afresh at each later read, so
       spectral_norm's power iteration advances at every read, as in stock (and where the call
-      does not read the tensor, its state is put back: ``paramfold.unread``).
+      does not read the tensor, its state is put back: ``paramfold.unread``). With inductor's
+      ``freezing`` on, ``no_grad`` calls are served as auto serves them (freezing keys compiled
+      code on each value's identity, so a fresh value per call would recompile every call).
     * ``"inline"``: tensors are computed inside compiled code through a lean path, so inductor
       can fuse the parametrization math into its consumers.
     * ``"freeze"``: tensors are materialised once (inference) and re-materialised by themselves

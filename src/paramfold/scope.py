@@ -423,7 +423,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 _set_aside(values, name, site, left)
                 continue
             frozen = site.frozen
-            if (frozen is not None and mode != "hoist" and site_values.freezable(site, grad) and not parametrize._cache_enabled
+            if (frozen is not None and (mode != "hoist" or (not grad and site_values.freezing_now()))
+                    and site_values.freezable(site, grad) and not parametrize._cache_enabled
                     and unchanged(site, frozen, under)):
                 value = frozen.value  # the fast path: nothing changed since the last call
                 site.misses = site.demotions = 0

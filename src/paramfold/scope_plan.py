@@ -29,6 +29,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import ARMINGS, arm, class_dicts, digest, is_armed, same_armings, same_inputs, unshared, unwritten
 from paramfold.freeze import _address
 from paramfold.scope_nested import Installs
+from paramfold.site_values import freezing_now
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
@@ -71,7 +72,7 @@ class Plan:
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
-        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count", "freezing",
     )
 
     @classmethod
@@ -91,6 +92,13 @@ class Plan:
         plan.pre_hooks = tuple(d for d in pre_hooks if d)
         plan.pre_hook_keys = list(map(list, plan.pre_hooks))
         plan.under = computed_under()  # the frozen values were just checked against it
+        # Whether inductor's freezing was on, where it decides how hoist sites are served (in
+        # no_grad calls: site_values.freezing_now), else None. Not read at each call: a compile
+        # under it ends a plan that hoists them (compile_leaves.on_compile_start); one that
+        # freezes them serves exact values with it off as well.
+        plan.freezing = None
+        if not grad and any(s.mode == "hoist" for h in holders for s in h.__dict__[STATE_ATTR].sites.values()):
+            plan.freezing = freezing_now()
         claimed, states, types, kepts, installed, shares = [], [], [], [], [], []
         switched, inside, outside = [], [], []
         links, value_links, ordered, stateful, modes, typed = [], [], [], [], [], []
@@ -222,9 +230,10 @@ class Plan:
                     # nothing that decides it changed, nor a computed-at-every-call period ended.
                     if site.hoist_until > CALLS[0]:  # freeze and auto: computed at every call for now
                         until.append(site.hoist_until)
-                    if site.mode != "hoist":  # what decides freeze's refusal and auto's choice
+                    as_auto = site.mode != "hoist" or plan.freezing
+                    if as_auto:  # what decides freeze's refusal and auto's choice
                         flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
-                    if site.mode != "hoist" or site.stateful:  # training decides them too, and sharing
+                    if as_auto or site.stateful:  # training decides them too, and sharing
                         modes.extend((m, m.training) for m in site.chain)
                     # A global forward hook registered: computed where read from then on (site_values).
                     empty.update((id(d), d) for d in GLOBAL_HOOKS[:2])

@@ -6,10 +6,14 @@ values compiled code cannot take as graph inputs (:func:`_at_read`), and every v
 while a global module forward hook is registered, are computed at each read like stock, inside
 ``parametrize.cached()`` the block's cached value is stock's, a freeze or auto site is frozen
 while it can be (:func:`freezable`), and a site whose frozen values keep going stale is hoisted
-for a while instead (:func:`_demote`).
+for a while instead (:func:`_demote`). Under inductor's ``freezing`` a hoist site is served as an
+auto one in ``no_grad`` calls (:func:`freezing_now`).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 from torch import nn
@@ -50,7 +54,9 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
             raise random_now(holder, name)
         _drop_frozen(site)
         return None
-    if site.mode == "hoist":
+    if site.mode == "hoist" and (grad or not freezing_now()):
+        if site.frozen is not None:  # frozen while inductor's freezing was on
+            _drop_frozen(site)
         return _hoisted(holder, name, site, grad)
     if parametrize._cache_enabled:
         if site.hook is not None:
@@ -95,6 +101,20 @@ def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: 
 #: it was), and for how many calls: the first time, then four times as many each time, up to the
 #: most.
 _MISSES, _FIRST_PERIOD, _LONGEST_PERIOD = 2, 8, 1024
+
+
+def freezing_now() -> bool:
+    """Whether inductor's ``freezing`` is on. Code dynamo compiles under ``no_grad`` then takes
+    each module's tensor attributes as constants, keyed on their identity (inductor folds them
+    in): a value computed afresh at every call, as hoist's, would make every call recompile, up to
+    dynamo's recompile limit and then run eagerly. So in ``no_grad`` calls a hoist site is served
+    as an auto one: frozen where it can be, the same tensor while its inputs stay the same, a new
+    one once they change (a recompile, where the plain model's code keeps the old weights folded
+    in)."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is None:  # not imported yet: only its environment variable can have set it
+        return os.environ.get("TORCHINDUCTOR_FREEZING") == "1"
+    return bool(config.freezing)
 
 
 def _drop_frozen(site: SiteState) -> None:
