@@ -110,8 +110,11 @@ def prepare(
             bytes of the others checked at every call); ``"version"`` trusts identity, storage,
             version counters and write marks alone, which miss writes through memory exported
             before the value was computed (a numpy array, DLPack; one exported after has its
-            bytes checked at every call from the next call on, while something holds it) — use it only if nothing
-            writes the weights that way.
+            bytes checked at every call from the next call on, while something holds it), and
+            writes that bump no version counter into memory no mark can watch (device memory,
+            an mmap-loaded checkpoint: ``.data``, ``torch.distributed``'s in-place collectives)
+            — use it only if nothing writes the weights that way, or bump their counters after
+            such a write (``torch.autograd.graph.increment_version``).
 
     ``state_dict()`` keys and values are unchanged, :func:`paramfold.restore` undoes
     everything, and if anything fails the model is left exactly as it was.
