@@ -872,6 +872,25 @@ def test_each_suggested_fix_removes_the_recompile_or_says_there_is_none():
             assert _graphs(lambda: resized(True)) == (1, [])
             assert _graphs(lambda: resized(False))[0] == 2  # the settings alone: the first change recompiles
 
+        def pruned(marked: str):  # called with the parameter it was built with, then given smaller ones
+            m = make()
+            c, x = _compile(m), torch.randn(2, 4)
+            if marked == "all":
+                torch._dynamo.mark_dynamic(m.weight, 0)
+            c(x)
+            for n in (3, 2, 3):
+                m.weight = nn.Parameter(torch.randn(n, 4))
+                if marked:
+                    torch._dynamo.mark_dynamic(m.weight, 0)
+                c(x)
+
+        # Regression: the fix said to mark "every new parameter put there", after which the first
+        # change still recompiled: the one there at the first call is marked too.
+        with torch._dynamo.config.patch(force_parameter_static_shapes=False, force_nn_module_property_static_shapes=False):
+            assert _graphs(lambda: pruned("new"))[0] == 2
+            assert _graphs(lambda: pruned("all")) == (1, [])
+        assert "there before the first call" in fix
+
     # a parameter's requires_grad flipped with grad mode on: no fix exists, and the one for no_grad
     # (detach_params_under_no_grad) is named for no_grad only
     import paramfold
@@ -893,6 +912,28 @@ def test_each_suggested_fix_removes_the_recompile_or_says_there_is_none():
     assert _graphs(lambda: frozen_layer(False, True))[0] == 2  # indeed: nothing removes it
     assert _graphs(lambda: frozen_layer(True, False))[0] == 2
     assert _graphs(lambda: frozen_layer(True, True)) == (1, [])  # the no_grad fix works
+
+    # Regression: inline's originals, read in the graph through its getter, were named an "input"
+    # to make consistent with .detach(), which the user cannot reach; the fix names the modes whose
+    # values detach_params_under_no_grad serves without grad.
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def frozen_original(mode: str):
+        torch.manual_seed(0)
+        m = nn.Sequential(Block(), Block())
+        weight_norm(m[1].proj)
+        paramfold.prepare(m, mode, detach_params_under_no_grad=True)
+        c = _compile(m)
+        with torch.no_grad():
+            c(torch.randn(2, 16))
+            m[1].proj.parametrizations.weight.requires_grad_(False)
+            c(torch.randn(2, 16))
+
+    graphs, (g,) = _graphs(lambda: frozen_original("inline"))
+    assert graphs == 2 and g.category == "requires_grad" and "_paramfold_weight_original" in g.tensor
+    assert 'prepare the models with "auto" or "hoist"' in g.fix and ".detach()" not in g.fix
+    assert _graphs(lambda: frozen_original("hoist")) == (1, [])
+    assert _graphs(lambda: frozen_original("auto")) == (1, [])
 
 
 @pytest.mark.skipif(not GRAPH_BREAKS_REPORTED, reason="torch < 2.6 logs no create_symbol event")

@@ -63,7 +63,10 @@ CATEGORIES = (
 FIXES: dict[str, str] = {
     "shape": (
         "torch._dynamo.mark_dynamic({tensor}, {dim}) before the first call (or compile with "
-        "dynamic=True); torch makes the dim dynamic by itself only after it changed once"
+        "dynamic=True; with neither, torch makes the dim dynamic by itself after it changed once, "
+        "unless compiled with dynamic=False); where a weight's shape fixes that dim (models of "
+        "different widths called through one compiled function), marking it raises "
+        "ConstraintViolationError: that is one graph per width"
     ),
     "shape:size01": (
         "expected: sizes 0 and 1 are specialised, even on a dim marked dynamic; "
@@ -94,9 +97,10 @@ FIXES: dict[str, str] = {
         "parameter/buffer {tensor} changed shape; before the first call set "
         "torch._dynamo.config.force_parameter_static_shapes = False (and "
         "force_nn_module_property_static_shapes = False where it belongs to a module of torch's "
-        "own, nn.Linear & co.) and torch._dynamo.mark_dynamic(...) dim {dim} of every new "
-        "parameter/buffer put there: one graph serves all shapes; with the settings alone, the "
-        "first change still recompiles and later ones reuse its graph"
+        "own, nn.Linear & co.) and torch._dynamo.mark_dynamic(...) dim {dim} of the "
+        "parameter/buffer there before the first call and of every new one put there: one graph "
+        "serves all shapes; with the settings alone, the first change still recompiles and later "
+        "ones reuse its graph"
     ),
     "requires_grad": (
         "a parameter's requires_grad differs from the call the graph was made for (frozen vs "
@@ -104,6 +108,14 @@ FIXES: dict[str, str] = {
         "paramfold.prepare(..., detach_params_under_no_grad=True) and one graph serves both; with "
         "grad mode on nothing removes it: keep requires_grad consistent, or accept one graph per "
         "requires_grad setting"
+    ),
+    "requires_grad:inline": (
+        "parametrization original {tensor}, read by mode \"inline\"'s getter inside the graph, "
+        "requires grad in one call and not in another (frozen vs trainable copies): "
+        "detach_params_under_no_grad does not reach it; under torch.no_grad()/inference_mode "
+        "prepare the models with \"auto\" or \"hoist\" and detach_params_under_no_grad=True "
+        "(their values carry no requires_grad there) and one graph serves both, or accept one "
+        "graph per requires_grad setting"
     ),
     "requires_grad:input": (
         "input {tensor} requires grad in one call and not in another; make it consistent "
@@ -213,6 +225,9 @@ _OBJ_ID = re.compile(r"___check_(obj|type)_id\((?P<source>[^,]+),\s*(?P<id>\d+)?
 _TYPE_NAMED = re.compile(r"type=<class '[^']*'>")
 # The class torch.nn.utils.parametrize._inject_new_class makes for each parametrized module.
 _PARAMETRIZED_TYPE = re.compile(r"type=<class 'torch\.nn\.utils\.parametrize\.(?P<cls>Parametrized\w*)'>")
+# An original as inline's getter reads it: the dict it lives in, kept on the module as
+# ``_paramfold_<name>_<original>`` (paramfold.inline.ref_keys, DictRef's ``d``).
+_INLINE_ORIGINAL = re.compile(r"\._paramfold_\w+\.d\[")
 _GLOBAL_STATE = "GLOBAL_STATE changed:"
 _IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line invalidated")
 _COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
@@ -266,6 +281,8 @@ def classify(reason: str) -> GuardFailure:
 def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]:
     if m := _REQUIRES_GRAD.match(expr):
         f = m.groupdict()
+        if _INLINE_ORIGINAL.search(f["tensor"]):
+            return "requires_grad", "inline", f
         return "requires_grad", None if _is_param(f["tensor"]) else "input", f
     if expr.startswith(_GLOBAL_STATE):
         states = expr[len(_GLOBAL_STATE):].split()
