@@ -258,6 +258,33 @@ def test_prepared_root_inside_a_bigger_compiled_model_is_still_correct():
     _assert_same_tensors(dict(inner.named_buffers()), dict(stock_inner.named_buffers()))
 
 
+@pytest.mark.parametrize("mode", ["auto", "hoist", "freeze", "inline"])
+def test_copies_of_a_prepared_model_share_the_graph_of_a_function_compiled_around_them_like_stock(mode):
+    # Regression: in a compiled function taking the model as an argument (TRL's scoring of a
+    # reward ensemble), dynamo traced the entries' _compiled_call_impl, whose check of this
+    # thread's open scopes guarded on each module's identity: a graph per copy (4 for 4 copies,
+    # 8 and dynamo's recompile limit for 10), where stock's copies share one.
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()), weight_norm(nn.Linear(4, 2)))
+    base.eval().requires_grad_(False)
+    counts = []
+    for prepared in (False, True):
+        models = [copy.deepcopy(base) for _ in range(4)]
+        if prepared:
+            for model in models:
+                paramfold.prepare(model, mode)
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        score = torch.compile(lambda model, x: model(x).sum(-1), backend=counter)
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            for _ in range(2):
+                for model in models:
+                    assert torch.equal(score(model, x), base(x).sum(-1))
+        counts.append(counter.frame_count)
+    assert counts == [1, 1]
+
+
 def _assert_same_tensors(actual: dict, expected: dict) -> None:
     assert actual.keys() == expected.keys()
     for name, e in expected.items():

@@ -135,6 +135,27 @@ def test_a_prepared_root_whose_parametrizations_torch_removed_restores_to_stocks
     assert torch.equal(root(x), stock(x))
 
 
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_compiled_wrapper_of_a_root_whose_parametrizations_torch_removed_calls_it_as_stock(mode):
+    # Regression: torch.compile(model) holds the bound __call__ of the class the root had when
+    # wrapped (paramfold's); after remove_parametrizations unwrapped the root's class (minLoRA's
+    # merge_lora on a LoRA'd Linear), its calls were refused as "changed after
+    # paramfold.prepare", where the root's own calls (and stock's wrapper) run the plain module.
+    torch.manual_seed(0)
+    stock = _inference(weight_norm(nn.Linear(5, 3)))
+    root = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 5)
+    torch._dynamo.reset()
+    ours, theirs = torch.compile(root, backend="eager"), torch.compile(stock, backend="eager")
+    assert torch.equal(ours(x), theirs(x))
+    for model in (stock, root):
+        P.remove_parametrizations(model, "weight", leave_parametrized=True)
+    assert torch.equal(ours(x), theirs(x))
+    assert torch.equal(ours(x), root(x))
+    assert paramfold.restore(root) is root
+    assert torch.equal(ours(x), theirs(x))
+
+
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
 def test_register_on_prepared_module_does_not_poison_other_modules_or_models(mode):
     # After a call, freeze and auto keep their values in the modules for the next call.

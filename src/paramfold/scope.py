@@ -962,8 +962,10 @@ def _reentered(scope: tuple, call: Callable, *args: Any, **kwargs: Any) -> Any:
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a prepared root: opens a scope, then the model class's ``__call__`` (the
     ``nn.Module.__call__`` of now, a profiler's or torch.fx's patch included, as stock calls
-    it; or the model's own)."""
-    if STATE_ATTR not in self.__dict__:
+    it; or the model's own). Bound before its class was switched since (``torch.compile(model)``
+    holds ``model.__call__``): the call of its class now, as stock's wrapper calls it (a restored
+    root, one whose last parametrization torch removed, unwrapping paramfold's class)."""
+    if STATE_ATTR not in self.__dict__ or type(self).__call__ is not root_call:
         return _as_restored(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", None) or _Module.__call__
     if compiling() or _in_scope(self) or _fx_tracing():
@@ -995,10 +997,11 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _as_restored(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The call of a root restored since its call reached :func:`root_call` (in another thread,
-    or since something bound this method: ``torch.compile(model)`` made while it was prepared
-    holds ``model.__call__``): the restored module's own, as stock's. Its class is read under the
-    lock, after a restore under way in another thread has put it back."""
+    """The call of a root restored (or its class unwrapped) since its call reached
+    :func:`root_call` (in another thread, or since something bound this method:
+    ``torch.compile(model)`` made while it was prepared holds ``model.__call__``): its class's
+    own, as stock's. Its class is read under the lock, after a restore under way in another
+    thread has put it back."""
     with _LOCK:
         call = type(self).__call__
     return call(self, *args, **kwargs)
@@ -1091,7 +1094,10 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         if compiling() or _fx_tracing():  # (torch.fx: as in root_call)
             return compiled
         return _answered(self, functools.partial(_scoped_compiled_call, self, compiled))
-    if id(self) not in local.covered:
+    covered = local.covered
+    # (Empty first: traced inside a function compiled around the model, where no scope is open,
+    # dynamo then guards on no module's identity, so copies of one model share its graphs.)
+    if not covered or id(self) not in covered:
         state = self.__dict__.get(STATE_ATTR)
         if state is None:  # being restored in another thread: called as restored, once it is
             with _LOCK:
