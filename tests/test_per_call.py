@@ -79,6 +79,24 @@ def test_steady_call_python_work_does_not_grow_with_the_number_of_sites(mode, ch
     assert extra[8] <= STEADY_FRAMES, extra
 
 
+@pytest.mark.parametrize("entry", ["uncompiled", "method"])
+def test_a_steady_call_dynamo_does_not_run_opens_its_scope_without_compiler_disable(entry):
+    # Regression: the scope's open and close always ran through torch.compiler.disable's wrapper
+    # (its frames and eval-frame switches, about 1.5 us each), needed only where dynamo's callback
+    # is set: torch.compile(model), whose first frame is the root's call. An uncompiled call, or
+    # model.compile()'s (whose compiled code starts below the root), runs the plain model's.
+    stock, plain, x = _seed_pair(2)
+    ours = paramfold.prepare(stock, "auto")
+    if entry == "method":
+        torch._dynamo.reset()
+        ours.compile(backend="eager")
+        plain.compile(backend="eager")
+    with torch.no_grad():
+        assert torch.equal(ours(x), plain(x))
+        frames, plain_frames = _python_frames(ours, x), _python_frames(plain, x)
+    assert frames["_fn"] == plain_frames["_fn"], (frames, plain_frames)
+
+
 def _bytecode(fn) -> int:
     """Bytecode instructions the interpreter runs in one call of ``fn``."""
     count = 0
