@@ -393,6 +393,46 @@ def test_hoist_plan_built_before_inductor_freezing_gives_way_at_a_compile_under_
     assert len(list(_frozen(ours))) == 1
 
 
+@pytest.mark.parametrize("mode", ["auto", "hoist"])
+def test_calls_alternating_grad_modes_under_inductor_freezing_compile_like_stock(mode):
+    # Regression: a grad call dropped a trainable chain's frozen value (and after two such the
+    # site was computed at every call for a while), so each no_grad call brought a new value
+    # and, under freezing, recompiled: 8 frames for 16 alternating calls (stock 2), then eager.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), weight_norm(nn.Linear(16, 4))).eval()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 8)
+    counts = []
+    with torch._inductor.config.patch(freezing=True):
+        for model in (stock, ours):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("eager")
+            run = torch.compile(model, backend=counter)
+            for grad in (False, True) * 8:
+                with torch.set_grad_enabled(grad):
+                    _bitwise(run(x), stock(x))
+            counts.append(counter.frame_count)
+        assert counts == [2, 2]
+        # A training step between: the kept value's inputs changed, so the next no_grad call
+        # computes it again (a recompile for the new value), never serving the old one.
+        for model in (stock, ours):
+            model(x).sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+        for grad in (False, True, False):
+            with torch.set_grad_enabled(grad):
+                _bitwise(run(x), stock(x))
+        for a, b in zip(stock.parameters(), ours.parameters()):
+            _bitwise(b.grad, a.grad)
+    with torch.no_grad():  # freezing off: the kept values dropped at the next grad call, exact throughout
+        _bitwise(run(x), stock(x))
+    _bitwise(run(x), stock(x))
+    assert list(_frozen(ours)) == []
+
+
 def _bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert actual.dtype == expected.dtype and torch.equal(actual.view(torch.int32), expected.view(torch.int32))
 

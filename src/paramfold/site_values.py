@@ -55,7 +55,9 @@ def for_call(holder: nn.Module, name: str, site: SiteState, grad: bool, under: t
         _drop_frozen(site)
         return None
     if site.mode == "hoist" and (grad or not freezing_now()):
-        if site.frozen is not None:  # frozen while inductor's freezing was on
+        # Frozen while inductor's freezing was on: dropped once it is off; kept through a grad
+        # call while it is on, for the next no_grad call (_uncached).
+        if site.frozen is not None and not (grad and freezing_now()):
             _drop_frozen(site)
         return _hoisted(holder, name, site, grad)
     if parametrize._cache_enabled:
@@ -88,9 +90,12 @@ def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: 
         if site.misses >= (1 if site.demotions else _MISSES):
             _demote(site)
         return value
-    if site.frozen is not None:
+    if site.frozen is not None and not freezing_now():
         # Not for this call (auto with grad on a trainable chain): dropped, and counted as a
-        # frozen value that served no later call, as one whose inputs changed is.
+        # frozen value that served no later call, as one whose inputs changed is. Under
+        # inductor's freezing it is kept for the next no_grad call, whose compiled code is keyed
+        # on its identity (a new one would recompile it at every switch of grad mode): that call
+        # checks it as any other.
         _drop_frozen(site)
         site.misses += 1
     return _hoisted(holder, name, site, grad)
