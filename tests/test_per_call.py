@@ -79,22 +79,25 @@ def test_steady_call_python_work_does_not_grow_with_the_number_of_sites(mode, ch
     assert extra[8] <= STEADY_FRAMES, extra
 
 
-@pytest.mark.parametrize("entry", ["uncompiled", "method"])
-def test_a_steady_call_dynamo_does_not_run_opens_its_scope_without_compiler_disable(entry):
+@pytest.mark.parametrize("entry", ["uncompiled", "method", "model"])
+def test_a_steady_call_opens_its_scope_without_compiler_disables_wrapper(entry):
     # Regression: the scope's open and close always ran through torch.compiler.disable's wrapper
-    # (its frames and eval-frame switches, about 1.5 us each), needed only where dynamo's callback
-    # is set: torch.compile(model), whose first frame is the root's call. An uncompiled call, or
-    # model.compile()'s (whose compiled code starts below the root), runs the plain model's.
+    # (a dozen Python calls and four eval-frame switches each, about 1.5 us). Where dynamo's
+    # callback is set (torch.compile(model), whose first frame is the root's call) they run with
+    # it switched off by two C calls; an uncompiled call, or model.compile()'s, needs neither.
     stock, plain, x = _seed_pair(2)
     ours = paramfold.prepare(stock, "auto")
+    torch._dynamo.reset()
     if entry == "method":
-        torch._dynamo.reset()
         ours.compile(backend="eager")
         plain.compile(backend="eager")
+    elif entry == "model":
+        ours, plain = torch.compile(ours, backend="eager"), torch.compile(plain, backend="eager")
     with torch.no_grad():
         assert torch.equal(ours(x), plain(x))
         frames, plain_frames = _python_frames(ours, x), _python_frames(plain, x)
     assert frames["_fn"] == plain_frames["_fn"], (frames, plain_frames)
+    assert frames["_outside_dynamo"] == (2 if entry == "model" else 0)
 
 
 def _bytecode(fn) -> int:

@@ -927,10 +927,21 @@ def _nested(module: nn.Module, call: Callable) -> Callable:
     return functools.partial(nested.call_changed, module, found, _LOCK, _concurrent, call)
 
 
-# Both run eagerly even when dynamo is active around them: the scope's work must never be traced.
-# (Called so only where its callback is set: the wrapper's own work is about 1.5 us a call.)
-_open_scope = torch.compiler.disable(_open)
-_close_scope = torch.compiler.disable(_close)
+_set_eval_frame = getattr(torch._C._dynamo.eval_frame, "set_eval_frame", None)
+
+
+def _outside_dynamo(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` with dynamo's callback off, as ``torch.compiler.disable`` runs it (the
+    scope's work, chains' forwards among it, must never be compiled), through two C calls
+    instead of its wrapper's dozen Python ones (about 1.5 us a call). Needed only where the
+    callback is set: ``torch.compile(model)``, whose first frame is the root's call."""
+    if _set_eval_frame is None:  # a torch without it
+        return torch.compiler.disable(fn)(*args)
+    prior = _set_eval_frame(None)
+    try:
+        return fn(*args)
+    finally:
+        _set_eval_frame(prior)
 
 
 def _in_scope(module: nn.Module) -> bool:
@@ -977,9 +988,9 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if _local.enclosing is not None and (scope := _enclosing(self)) is not None:
         return _reentered(scope, module_call, self, *args, **kwargs)
     # Dynamo's callback set (torch.compile(model): this frame is its first, run eagerly): the
-    # scope's work must not be compiled, so it runs with the callback off (_open_scope).
+    # scope's work must not be compiled, so it runs with the callback off (_outside_dynamo).
     dynamo = _eval_frame_callback() is not None
-    opened = _open_scope(self) if dynamo else _open(self)
+    opened = _outside_dynamo(_open, self) if dynamo else _open(self)
     if opened is None:
         return _as_restored(self, *args, **kwargs)
     previous, claimed = opened
@@ -997,7 +1008,10 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         raise
     finally:
         nested.local.snapshot = snapshot
-        (_close_scope if dynamo else _close)(previous, claimed, stopped)
+        if dynamo:
+            _outside_dynamo(_close, previous, claimed, stopped)
+        else:
+            _close(previous, claimed, stopped)
 
 
 def _as_restored(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -1021,7 +1035,7 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
     if _local.enclosing is not None and (scope := _enclosing(module)) is not None:
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     dynamo = _eval_frame_callback() is not None
-    opened = _open_scope(module) if dynamo else _open(module)
+    opened = _outside_dynamo(_open, module) if dynamo else _open(module)
     if opened is None:  # restored meanwhile: the call stock's _wrapped_call_impl makes
         return compiled(*args, **kwargs)
     previous, claimed = opened
@@ -1034,7 +1048,10 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         stopped = True
         raise
     finally:
-        (_close_scope if dynamo else _close)(previous, claimed, stopped)
+        if dynamo:
+            _outside_dynamo(_close, previous, claimed, stopped)
+        else:
+            _close(previous, claimed, stopped)
 
 
 def _opens_eagerly(entry: nn.Module) -> bool:
