@@ -69,8 +69,8 @@ from paramfold import compile_leaves as leaves
 from paramfold import hooknorms, site_values, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
-from paramfold.compute import (GLOBAL_HOOKS, autocast_state, compiling, computed_under, edits_in_place, mode_stack,
-                               modes_now, wraps_its_forward)
+from paramfold.compute import (GLOBAL_HOOKS, autocast_state, compiling, compiling_here, computed_under, edits_in_place,
+                               mode_stack, modes_now, wraps_its_forward)
 from paramfold.compute import dispatch_modes as _dispatch_modes
 from paramfold.compute import function_modes as _function_modes
 from paramfold.errors import FoldError
@@ -89,6 +89,7 @@ from paramfold.watch import tag
 _Module = nn.Module
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
 _grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
 # Whether dynamo is about to compile the frames this one calls (torch.compile(model)); a torch
 # without it counts as "maybe": nested calls then see swaps only.
@@ -980,7 +981,8 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if STATE_ATTR not in self.__dict__ or type(self).__call__ is not root_call:
         return _as_restored(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", None) or _Module.__call__
-    if compiling() or _in_scope(self) or _fx_tracing():
+    # (compiling() and _in_scope() written out: no Python frame of paramfold's per call.)
+    if (_is_compiling() and compiling_here()) or id(self) in _local.covered or _fx_tracing():
         # torch.fx traces (symbolic_trace, make_fx; until torch 2.14 in any thread: its flag was
         # process-wide): no scope, so every read computes its value like stock's and the trace
         # records stock's graph (a leaf call_module where stock has one), not the values.
@@ -999,7 +1001,8 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # changed in place against the tensors as they are now.
     eager = not dynamo and self.__dict__.get("_compiled_call_impl") is None
     nested.local.snapshot = nested.snapshot(self) if eager else None
-    call = _call_eagerly if not eager and _opens_eagerly(self) else module_call
+    call = (_call_eagerly if not eager and ((parametrize._cache_enabled and _through_cache(self)) or _transform() is not None)
+            else module_call)  # _opens_eagerly, written out
     stopped = False
     try:
         return call(self, *args, **kwargs)

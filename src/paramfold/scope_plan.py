@@ -373,7 +373,8 @@ class Plan:
             for site in self.missed:
                 site.misses = site.demotions = 0
             self.missed = ()
-        self.compute_hoisted()
+        if self.hoisted or self.copied_sites:
+            self.compute_hoisted()
 
     def enter(self) -> None:
         """:meth:`claim`'s bookkeeping: the holders' classes and claim counts, as the general path leaves them."""
