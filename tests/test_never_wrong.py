@@ -156,6 +156,31 @@ def test_a_compiled_wrapper_of_a_root_whose_parametrizations_torch_removed_calls
     assert torch.equal(ours(x), theirs(x))
 
 
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_prepared_root_given_a_subclass_whose_call_calls_super_runs_like_stock(mode):
+    # Regression (2026-12-06, hours old): the root's call took any class whose __call__ was not
+    # paramfold's for an unwrapped one and called that class's __call__, which called super()'s,
+    # paramfold's again: RecursionError at every call.
+    def with_call_override(model: nn.Module) -> None:
+        base = type(model)
+
+        def __call__(self, *args, **kwargs):
+            return super(cls, self).__call__(*args, **kwargs) * 2.0
+
+        cls = type(f"Scaled{base.__name__}", (base,), {"__call__": __call__})
+        model.__class__ = cls
+
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh(), weight_norm(nn.Linear(6, 3))))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    assert torch.equal(ours(x), stock(x))
+    for model in (stock, ours):
+        with_call_override(model)
+    for _ in range(2):
+        assert torch.equal(ours(x), stock(x))
+
+
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
 def test_register_on_prepared_module_does_not_poison_other_modules_or_models(mode):
     # After a call, freeze and auto keep their values in the modules for the next call.

@@ -978,7 +978,8 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     it; or the model's own). Bound before its class was switched since (``torch.compile(model)``
     holds ``model.__call__``): the call of its class now, as stock's wrapper calls it (a restored
     root, one whose last parametrization torch removed, unwrapping paramfold's class)."""
-    if STATE_ATTR not in self.__dict__ or type(self).__call__ is not root_call:
+    state = self.__dict__.get(STATE_ATTR)
+    if state is None or not isinstance(self, state.prepared_class):  # (a subclass's __call__ may call this one)
         return _as_restored(self, *args, **kwargs)
     module_call = getattr(type(self), "_paramfold_call", None) or _Module.__call__
     # (compiling() and _in_scope() written out: no Python frame of paramfold's per call.)
