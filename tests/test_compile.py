@@ -285,6 +285,48 @@ def test_copies_of_a_prepared_model_share_the_graph_of_a_function_compiled_aroun
     assert counts == [1, 1]
 
 
+class _CountingRuns:
+    """A backend that counts the graphs it compiles and each run of them."""
+
+    def __init__(self) -> None:
+        self.compiles = self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+@pytest.mark.parametrize("change", ["restore", "remove"])
+def test_a_wrapper_made_while_prepared_runs_compiled_code_once_the_root_is_plain_again(change):
+    # Regression: torch.compile(model) of a root whose forward is torch's (nn.Sequential,
+    # nn.Linear) made while prepared binds the root's call; once restored (or its last
+    # parametrization removed, unwrapping its class) every frame of its calls was one dynamo
+    # skips, so they ran uncompiled, where stock's wrapper runs its graph.
+    torch.manual_seed(0)
+    layer = weight_norm(nn.Linear(4, 6))
+    stock = (nn.Sequential(layer, nn.Tanh()) if change == "restore" else layer).eval()  # removed: the root's own
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto")
+    x = torch.randn(3, 4)
+    backends = _CountingRuns(), _CountingRuns()
+    theirs, mine = (torch.compile(m, backend=b) for m, b in zip((stock, ours), backends))
+    with torch.no_grad():
+        assert torch.equal(mine(x), theirs(x))
+        if change == "restore":
+            paramfold.restore(ours)
+        else:
+            for model in (stock, ours):
+                torch.nn.utils.parametrize.remove_parametrizations(model, "weight")
+        runs = [b.runs for b in backends]
+        for _ in range(3):
+            assert torch.equal(mine(x), theirs(x))
+    assert [b.runs - r for b, r in zip(backends, runs)] == [3, 3]
+
+
 def _assert_same_tensors(actual: dict, expected: dict) -> None:
     assert actual.keys() == expected.keys()
     for name, e in expected.items():

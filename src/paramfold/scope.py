@@ -1026,7 +1026,17 @@ def _as_restored(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     thread has put it back."""
     with _LOCK:
         call = type(self).__call__
+    if _eval_frame_callback() is not None:
+        return _restored_call(call, self, *args, **kwargs)
     return call(self, *args, **kwargs)
+
+
+def _restored_call(call: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # A frame dynamo compiles (kept out of run_module_eagerly_as_frames): a torch.compile(model)
+    # made while prepared bound the root's call, not torch's wrapper of a module whose forward is
+    # torch's (wrap_inline), every frame of whose call dynamo skips; its restored calls compile
+    # here, as stock's wrapper compiles them.
+    return call(module, *args, **kwargs)
 
 
 def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -1178,4 +1188,4 @@ compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
 # __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
 # eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
 # forward).
-run_module_eagerly_as_frames(globals())
+run_module_eagerly_as_frames(globals(), keep=(_restored_call,))
