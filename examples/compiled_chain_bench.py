@@ -49,10 +49,11 @@ class CompiledChains:
     def __init__(self, compiled):
         self.compiled, self.models, self.calls = compiled, weakref.WeakSet(), 0
         self._on, self._pending = False, []
-        self._claim, self._open_scope = Plan.claim, scope._open_scope
+        self._claim, self._open = Plan.claim, scope._open
         Plan.claim = lambda plan: self._claim_then_defer(plan)
-        # The compiled call must run outside the disabled scope code, as a frame dynamo skips.
-        scope._open_scope = run_eagerly_as_frame(self._open_then_compute)
+        # Where the scope opens (with dynamo's callback off, under torch.compile(model)); the
+        # compiled chains then run as frames of their own (a compiled function sets its callback).
+        scope._open = run_eagerly_as_frame(self._open_then_compute)
 
     def _claim_then_defer(self, plan):
         if not self._on:
@@ -63,7 +64,7 @@ class CompiledChains:
     def _open_then_compute(self, entry):
         self._on = entry in self.models
         try:
-            opened = self._open_scope(entry)
+            opened = self._open(entry)
         finally:
             self._on = False
         while self._pending:

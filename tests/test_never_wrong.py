@@ -181,6 +181,48 @@ def test_a_prepared_root_given_a_subclass_whose_call_calls_super_runs_like_stock
         assert torch.equal(ours(x), stock(x))
 
 
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_compiled_wrapper_made_before_the_root_got_a_call_override_runs_it_like_stocks(mode):
+    # Regression: torch.compile(model) of a root whose forward is torch's binds paramfold's call;
+    # stock's wrapper calls the module (torch's wrap_inline), so a __call__ of a subclass the
+    # root is given later runs through it. Ours skipped it: the output without the override's +1.
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 4)).eval()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 8)
+    torch._dynamo.reset()
+    wrappers = [torch.compile(model, backend="eager") for model in (stock, ours)]
+    assert torch.equal(wrappers[1](x), wrappers[0](x))
+    for model in (stock, ours):
+        base = type(model)
+        model.__class__ = type("PlusOne", (base,), {"__call__": lambda self, *a, base=base: base.__call__(self, *a) + 1})
+    for _ in range(2):
+        assert torch.equal(wrappers[1](x), wrappers[0](x))
+        assert torch.equal(ours(x), stock(x))
+    assert torch.equal(wrappers[1](x), stock[2](stock[1](stock[0](x))) + 1)
+
+
+def test_paramfolds_class_on_a_module_it_did_not_prepare_is_refused_and_a_captured_call_runs_like_stocks():
+    # Regression: a prepared root's class set back after restore (or given to another module)
+    # recursed without end at the next call; so did a class whose __call__ calls the prepared
+    # class's, captured before the swap (orig = type(m).__call__), which stands for nn.Module's.
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh()))
+    ours = paramfold.prepare(copy.deepcopy(stock), "auto")
+    x = torch.randn(2, 4)
+    prepared_class = type(ours)
+    orig = prepared_class.__call__
+    ours.__class__ = type("Instrumented", (nn.Sequential,), {"__call__": lambda self, *a: orig(self, *a)})
+    assert torch.equal(ours(x), stock(x))
+    ours.__class__ = prepared_class
+    paramfold.restore(ours)
+    ours.__class__ = prepared_class
+    with pytest.raises(paramfold.FoldError, match="set the module's class to the one it had before"):
+        ours(x)
+    ours.__class__ = nn.Sequential
+    assert torch.equal(ours(x), stock(x))
+
+
 @pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
 def test_register_on_prepared_module_does_not_poison_other_modules_or_models(mode):
     # After a call, freeze and auto keep their values in the modules for the next call.

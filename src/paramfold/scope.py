@@ -120,6 +120,8 @@ class _Local(threading.local):
     #: ``(frame of nn.Module._wrapped_call_impl, module, answer)``: what ``_compiled_call_impl``
     #: answered that frame's first read with, for its second (see :func:`_answered`).
     answered: tuple | None = None
+    #: The modules whose call :func:`_as_restored` is handing to their class's ``__call__``.
+    handing: frozenset[int] = frozenset()
 
 
 _local = _Local()
@@ -929,6 +931,7 @@ def _nested(module: nn.Module, call: Callable) -> Callable:
 
 
 _set_eval_frame = getattr(torch._C._dynamo.eval_frame, "set_eval_frame", None)
+_EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
 
 
 def _outside_dynamo(fn: Callable, *args: Any) -> Any:
@@ -988,6 +991,12 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # process-wide): no scope, so every read computes its value like stock's and the trace
         # records stock's graph (a leaf call_module where stock has one), not the values.
         return module_call(self, *args, **kwargs)
+    if (type(self).__call__ is not root_call and "_paramfold_forward" in vars(state.prepared_class)
+            and sys._getframe(1).f_code.co_filename == _EVAL_FRAME_FILE):
+        # Bound before the root was given a subclass with a __call__ of its own, by a
+        # torch.compile(model) wrapper (dynamo's frame calls it): stock's wrapper of a root whose
+        # forward is torch's calls the module (torch's wrap_inline), so its class's __call__ now.
+        return _as_restored(self, *args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(self)) is not None:
         return _reentered(scope, module_call, self, *args, **kwargs)
     # Dynamo's callback set (torch.compile(model): this frame is its first, run eagerly): the
@@ -1026,9 +1035,24 @@ def _as_restored(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     thread has put it back."""
     with _LOCK:
         call = type(self).__call__
-    if _eval_frame_callback() is not None:
-        return _restored_call(call, self, *args, **kwargs)
-    return call(self, *args, **kwargs)
+    if call is root_call:
+        raise FoldError(
+            f"{type(self).__name__} is a class paramfold made for a prepared model, on a module that is not "
+            "prepared with it (its class set back after paramfold.restore, or given to another module): "
+            "set the module's class to the one it had before paramfold.prepare, or prepare it"
+        )
+    handing = _local.handing
+    if id(self) in handing:
+        # Back here from that call: its class's __call__ calls paramfold's, captured before the
+        # class was replaced (``orig = type(m).__call__``), where stock's was nn.Module's.
+        return _Module.__call__(self, *args, **kwargs)
+    _local.handing = handing | {id(self)}
+    try:
+        if _eval_frame_callback() is not None:
+            return _restored_call(call, self, *args, **kwargs)
+        return call(self, *args, **kwargs)
+    finally:
+        _local.handing = handing
 
 
 def _restored_call(call: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
