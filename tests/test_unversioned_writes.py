@@ -11,6 +11,7 @@ backend). Every test failed on the code before the storages were watched, except
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 
 import numpy as np
@@ -23,6 +24,7 @@ from torch.nn.utils.parametrizations import weight_norm
 import paramfold
 from paramfold import freeze
 from paramfold.state import STATE_ATTR
+from paramfold.testing.compare import BITWISE, compare_outputs
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # see conftest.py
@@ -433,8 +435,8 @@ def test_calls_alternating_grad_modes_under_inductor_freezing_compile_like_stock
     assert list(_frozen(ours)) == []
 
 
-def _bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.dtype == expected.dtype and torch.equal(actual.view(torch.int32), expected.view(torch.int32))
+#: Bit for bit, dtype, shape and strides included (the checker's own comparison).
+_bitwise = functools.partial(compare_outputs, at="", tol=BITWISE)
 
 
 def _frozen(model: nn.Module):
