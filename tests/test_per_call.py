@@ -698,3 +698,28 @@ def test_rollouts_between_training_steps_are_served_by_each_grad_mode_s_plan(tra
     assert claims.count(False) >= 10 and claims.count(True) >= 10, claims
     if not trainable:
         assert len(fingerprints) == fingerprinted and len(claims) == 24
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline"])
+def test_calls_switching_autocast_are_served_by_each_state_s_plan(mode, monkeypatch):
+    # A no_grad call, then one under autocast, in turn (mixed-precision eval beside full-precision
+    # checks). A plan serves only calls under the autocast state it was made under; with one plan
+    # per grad mode, each call found the other state's plan, opened the general way and planned
+    # again: about 20x stock's Python calls. Each state now keeps its own plan.
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    claims, builds = [], []
+    real_claim, real_build = scope_plan.Plan.claim, scope_plan.Plan.build
+    monkeypatch.setattr(scope_plan.Plan, "claim", lambda self: claims.append(self) or real_claim(self))
+    monkeypatch.setattr(scope_plan.Plan, "build", classmethod(lambda cls, *a, **k: builds.append(a) or real_build(*a, **k)))
+    stock = _seed_pair(2)[0]
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = make_input(BenchConfig(layers=2, width=16))
+    with torch.no_grad():
+        for call in range(16):
+            if call == 6:
+                claims.clear()
+                built = len(builds)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(call % 2)):
+                assert torch.equal(ours(x), stock(x)), call
+    assert len(builds) == built and len(claims) == 10
+    assert len({id(plan) for plan in claims}) == 2

@@ -160,7 +160,10 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
         plan = state.plan
         if plan is None or plan.grad is not grad:  # written out: no frame on the steady path
             plan = _plan_of(state, grad)
-        if plan is not None and not parametrize._cache_enabled and _tracing_state() is None and holds(plan):
+        usable = plan is not None and not parametrize._cache_enabled and _tracing_state() is None
+        if usable and not holds(plan):
+            plan, usable = _after_miss(state, grad, plan)
+        if usable:
             try:
                 plan.claim()
             except _NOT_THE_CHAINS:
@@ -235,16 +238,58 @@ def _drop_caches_below(state: ModuleState) -> None:
 _LONGEST_WAIT = 64
 
 
+#: The most plans an entry keeps besides its current one (``ModuleState.spare_plans``).
+_SPARES = 3
+
+
 def _plan_of(state: ModuleState, grad: bool) -> Plan | None:
-    """The entry's last plan of this grad mode, made ``state.plan`` (the other mode's is kept as
-    ``state.spare_plan``: calls alternating grad modes are each served by their own), or None."""
-    plan, spare = state.plan, state.spare_plan
-    if plan is not None and plan.grad is grad:
-        return plan
-    if spare is not None and spare.grad is grad:
-        state.plan, state.spare_plan = spare, plan
-        return spare
+    """The entry's last plan of this grad mode, made ``state.plan`` (the one it replaces is kept
+    in ``state.spare_plans``: calls alternating grad modes are each served by their own), or None."""
+    if state.plan is not None and state.plan.grad is grad:
+        return state.plan
+    for spare in state.spare_plans:
+        if spare.grad is grad:
+            _make_current(state, spare)
+            return spare
     return None
+
+
+def _after_miss(state: ModuleState, grad: bool, failed: Plan) -> tuple[Plan | None, bool]:
+    """After ``failed``, the current plan of this grad mode, did not hold: ``(plan, True)`` for
+    a spare plan made under what a value computed now is computed under (autocast, numerics,
+    modes) that holds, now current (calls switching autocast on and off each served by their
+    own); else ``(last, False)``, ``last`` the plan of this state that did not hold, for
+    :func:`_replan` to replace, or None where there is none (``failed``, another state's, kept
+    as a spare)."""
+    under = computed_under()
+    if failed.under == under:
+        return failed, False  # not a switch of state: something changed
+    for spare in state.spare_plans:
+        if spare.grad is grad and spare.under == under:
+            if holds(spare):
+                _make_current(state, spare)
+                return spare, True
+            _make_current(state, spare)
+            return spare, False
+    state.spare_plans = _kept_spares(failed, state.spare_plans)
+    state.plan = None
+    return None, False
+
+
+def _make_current(state: ModuleState, plan: Plan) -> None:
+    """``plan``, one of ``state.spare_plans``, made the current plan; the current one a spare."""
+    spares = tuple(p for p in state.spare_plans if p is not plan)
+    state.spare_plans = _kept_spares(state.plan, spares)
+    state.plan = plan
+
+
+def _kept_spares(plan: Plan | None, spares: tuple) -> tuple:
+    """``plan`` put first among ``spares``, one plan per grad mode and computed-under state, at
+    most :data:`_SPARES` of them."""
+    if plan is None:
+        return spares
+    key = (plan.grad, plan.under)
+    return (plan, *(p for p in spares if (p.grad, p.under) != key))[:_SPARES]
 
 
 def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: Plan | None,
@@ -254,12 +299,14 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
     module each module below the entry was reached from (:func:`_below_pre_hooks`).
 
     It is built from the scope just opened, reusing the guards of ``last`` where they hold.
-    Where ``last`` never served a call (calls alternate no_grad and grad, a rollout and a
-    training step, or something changes between every two calls), building one at every call
-    would cost more than it saves: the next is built after 1, then 2, 4, ... up to
-    :data:`_LONGEST_WAIT` such calls, and at once after a plan that served one."""
+    The plan it replaces is kept as a spare where it was made for the other grad mode or under
+    another autocast or numerics state (:func:`_spare_that_holds`). Where ``last`` never served
+    a call (calls alternate no_grad and grad, a rollout and a training step, or something
+    changes between every two calls), building one at every call would cost more than it saves:
+    the next is built after 1, then 2, 4, ... up to :data:`_LONGEST_WAIT` such calls, and at
+    once after a plan that served one."""
     if last is None and state.plan is not None:
-        state.spare_plan = state.plan  # the other grad mode's, kept aside
+        state.spare_plans = _kept_spares(state.plan, state.spare_plans)  # another state's, kept aside
     if last is not None and not last.used:
         if state.plan_wait:
             state.plan_wait -= 1  # ``last`` stays: its check fails fast, and a plan that holds is exact
@@ -268,6 +315,8 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
         state.plan_wait = state.plan_backoff
     else:
         state.plan_backoff = state.plan_wait = 0
+    if last is None:  # guards to reuse where they hold: another state's plan, kept aside
+        last = next((spare for spare in state.spare_plans if spare.grad is grad), None)
     state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=pre_hooks, previous=last,
                             parents=_parents(state.holders, reached_from))
 
@@ -313,7 +362,7 @@ def _share_with_late(entry: nn.Module, state: ModuleState, parametrized: tuple[n
     try:
         found = {id(site): site for site in find(entry)}
     except CannotProbeNow:
-        state.plan = state.spare_plan = None
+        state.plan, state.spare_plans = None, ()
         return False
     state.parametrized = parametrized
     changed = False

@@ -442,7 +442,7 @@ class ModuleState:
     #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one,
     #: and the last one of the other grad mode, whose guards a plan rebuilt for that mode reuses.
     plan: Any = None
-    spare_plan: Any = None
+    spare_plans: tuple = ()
     #: For entries: calls to open the general way before building a plan again, and the current
     #: wait (``scope._replan``).
     plan_wait: int = 0
@@ -487,6 +487,7 @@ class ModuleState:
         plans, its nested check) after they changed: its next call builds them again."""
         for name in _CACHES:
             setattr(self, name, None)
+        self.spare_plans = ()
 
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
@@ -496,7 +497,7 @@ class ModuleState:
         dropped = _CACHES | {"prepared_root", "own_dict", "detached", "aliases", "replaced", "kept", *_MODULE_LISTS}
         replica = _copy_fields(self, memo, dropped)
         # The tensors of this module's last call (one with a history, too).
-        replica.detached = replica.replaced = replica.kept = ()
+        replica.detached = replica.replaced = replica.kept = replica.spare_plans = ()
         replica.aliases = {}
         replica.holders, replica.entries, replica.parametrized = [], [], ()  # (keep_copied, below)
         replica.covers = frozenset()
@@ -528,7 +529,7 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
 
 
 #: ModuleState's fields that hold what a call scope derived from the module, not its state.
-_CACHES = frozenset({"plan", "spare_plan", "nested_check"})
+_CACHES = frozenset({"plan", "spare_plans", "nested_check"})
 #: SiteState's field that holds what one open call of its module keeps.
 _OPEN_CALL = frozenset({"before"})
 
