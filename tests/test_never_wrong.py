@@ -167,6 +167,40 @@ def test_a_prepared_root_given_a_subclass_whose_call_calls_super_runs_like_stock
         assert torch.equal(ours(x), stock(x))
 
 
+class _Recursive(nn.Module):
+    """A root with a ``__call__`` of its own whose forward calls the root again through a method
+    bound once (``self.__dict__["again"]``), as a tree-recursive model holding its call does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def __call__(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return super().__call__(x, depth) * 2.0
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))
+        return self.__dict__["again"](y, depth + 1) if depth < 2 else y
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_root_recursing_through_its_call_bound_while_prepared_runs_each_level_s_call_after_restore(mode):
+    # Regression (33a2786): after restore, the call bound while prepared handed the first level
+    # to the class's __call__ and took every later level for a class calling paramfold's captured
+    # call, running nn.Module's: each level's * 2 but the first was lost.
+    torch.manual_seed(0)
+    stock = _inference(_Recursive())
+    ours = copy.deepcopy(stock)
+    stock.__dict__["again"] = stock.__call__
+    x = torch.randn(3, 4)
+    paramfold.prepare(ours, mode)
+    ours.__dict__["again"] = ours.__call__
+    assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    assert torch.equal(ours.__dict__["again"](x), stock(x))
+    assert torch.equal(ours(x), stock(x))
+
+
 @pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
 def test_a_compiled_wrapper_made_before_the_root_got_a_call_override_runs_it_like_stocks(mode):
     # Regression: torch.compile(model) of a root whose forward is torch's binds paramfold's call;

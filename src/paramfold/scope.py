@@ -120,8 +120,9 @@ class _Local(threading.local):
     #: ``(frame of nn.Module._wrapped_call_impl, module, answer)``: what ``_compiled_call_impl``
     #: answered that frame's first read with, for its second (see :func:`_answered`).
     answered: tuple | None = None
-    #: The modules whose call :func:`_as_restored` is handing to their class's ``__call__``.
-    handing: frozenset[int] = frozenset()
+    #: The modules whose call :func:`_as_restored` is handing to their class's ``__call__``, by
+    #: id, each with that frame of ``_as_restored``.
+    handing: dict[int, types.FrameType] = {}
 
 
 _local = _Local()
@@ -1091,17 +1092,36 @@ def _as_restored(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "set the module's class to the one it had before paramfold.prepare, or prepare it"
         )
     handing = _local.handing
-    if id(self) in handing:
-        # Back here from that call: its class's __call__ calls paramfold's, captured before the
-        # class was replaced (``orig = type(m).__call__``), where stock's was nn.Module's.
+    outer = handing.get(id(self))
+    if outer is not None and not _called_since(self, outer):
+        # Back here from that call before any call of the module's forward: its class's
+        # __call__ calls paramfold's, captured before the class was replaced
+        # (``orig = type(m).__call__``), where stock's was nn.Module's.
         return _Module.__call__(self, *args, **kwargs)
-    _local.handing = handing | {id(self)}
+    _local.handing = {**handing, id(self): sys._getframe()}
     try:
         if _eval_frame_callback() is not None:
             return _restored_call(call, self, *args, **kwargs)
         return call(self, *args, **kwargs)
     finally:
         _local.handing = handing
+
+
+_CALL_FRAMES = frozenset({_Module._call_impl.__code__, _Module._wrapped_call_impl.__code__})
+
+
+def _called_since(module: nn.Module, outer: types.FrameType) -> bool:
+    """Whether, between :func:`_as_restored`'s frame ``outer`` and this call, ``module`` was
+    called (``nn.Module``'s call) or its forward runs: a forward that calls the root again
+    through a method bound while it was prepared, a recursion stock runs through the class's
+    ``__call__`` at every level."""
+    forward = getattr(getattr(type(module), "forward", None), "__code__", None)
+    frame = sys._getframe(2)
+    while frame is not None and frame is not outer:
+        if (frame.f_code in _CALL_FRAMES or frame.f_code is forward) and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _restored_call(call: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
