@@ -167,6 +167,36 @@ def test_a_prepared_root_given_a_subclass_whose_call_calls_super_runs_like_stock
         assert torch.equal(ours(x), stock(x))
 
 
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_restore_of_a_root_given_a_subclass_using_zero_argument_super_keeps_it_working(mode):
+    # Regression: restore rebuilds a subclass given to the root after prepare on the root's own
+    # class; its methods' zero-argument super() still named the subclass made on paramfold's
+    # class, so every call after restore raised TypeError ("obj must be an instance or subtype").
+    def subclassed(model: nn.Module) -> nn.Module:
+        class Shifted(type(model)):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return super().forward(x) + self.shift
+
+            @property
+            def shift(self) -> float:
+                return 1.0
+
+        model.__class__ = Shifted
+        return model
+
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(weight_norm(nn.Linear(4, 6)), nn.Tanh()))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    subclassed(stock)
+    subclassed(ours)
+    assert torch.equal(ours(x), stock(x))
+    paramfold.restore(ours)
+    assert type(ours).__name__ == "Shifted" and type(ours).__mro__[1] is nn.Sequential
+    for _ in range(2):
+        assert torch.equal(ours(x), stock(x))
+
+
 class _Recursive(nn.Module):
     """A root with a ``__call__`` of its own whose forward calls the root again through a method
     bound once (``self.__dict__["again"]``), as a tree-recursive model holding its call does."""
