@@ -732,3 +732,28 @@ def test_nested_tensor_and_numpy_outputs_are_compared(mode):
 def test_the_not_reproducible_message_names_stocks_two_runs():
     with pytest.raises(AssertionError, match=r"not reproducible.*\(output differs from its first "):
         pt.assert_equivalent(_Schedule(), torch.randn(2, 4), "hoist")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_chain_member_s_own_parameters_in_a_layer_called_twice_are_held_to_the_order_paramfold_sums_in(mode, compiled):
+    # Regression: a LoRA member's A and B, read by a layer called twice per forward, get their
+    # gradient summed once per forward, as the originals do (bitwise stock's under
+    # parametrize.cached()); the checker allowed that order for the originals only, and failed
+    # a correct model on "grad of 'b.parametrizations.weight.0.A' ... differs from stock".
+    from helpers import LoRA
+    from torch.nn.utils import parametrize
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.b = nn.Linear(8, 8)
+            parametrize.register_parametrization(self.b, "weight", LoRA(8, 8, rank=3))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.b(x)))
+
+    torch.manual_seed(1)
+    pt.assert_equivalent(Twice(), torch.randn(5, 8), mode, steps=2,
+                         compile={"backend": "aot_eager"} if compiled else None)

@@ -618,14 +618,21 @@ def _in_backward() -> bool:
 
 
 def _originals_of(model: nn.Module, paths: set[str]) -> set[int]:
-    """The ids of the originals of the parametrized modules at ``paths``."""
+    """The ids of the originals of the parametrized modules at ``paths``, and of the parameters
+    of their chains' members (a LoRA member's ``A`` and ``B``): every tensor whose gradient sums
+    one term per computation of the value."""
     return {
-        id(getattr(plist, name))
+        id(tensor)
         for path, module in _parametrized(model)
         if path in paths
         for plist in module.parametrizations.values()
-        for name in original_names(plist)
+        for tensor in _chain_tensors(plist)
     }
+
+
+def _chain_tensors(plist: nn.Module) -> list[torch.Tensor]:
+    """A parametrization list's originals and its members' own parameters."""
+    return [*(getattr(plist, name) for name in original_names(plist)), *plist.parameters()]
 
 
 #: Seed of the loss weights (:func:`_loss`).
@@ -896,9 +903,8 @@ def _reordered_originals(model: nn.Module) -> set[int]:
         if path in inside or not has_parametrizations(module):
             continue
         for plist in module.parametrizations.values():
-            for name in original_names(plist):
-                if calls.get(id(module), 0) > 1:
-                    repeated.add(id(getattr(plist, name)))
+            if calls.get(id(module), 0) > 1:
+                repeated.update(map(id, _chain_tensors(plist)))
     return repeated | _tied_originals(model)
 
 
