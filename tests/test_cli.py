@@ -1124,6 +1124,24 @@ def test_bench_threads_beyond_the_ceiling_are_a_usage_error_before_any_work(monk
     assert "1 to 1024; 0 leaves torch's setting" in " ".join(_run("bench", "--help", env={"COLUMNS": "200"}).stdout.split())
 
 
+def test_bench_negative_threads_say_the_lowest_accepted_value_is_0(monkeypatch):
+    # Regression: "threads must be at least 1, got -1", where 0 (torch's setting) is accepted.
+    def no_work(*a, **k):
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(bench, "run_bench", no_work)
+    _one_line_error(_run("bench", "--threads", "-1"), "bench", 2, "threads must be at least 0 (0 leaves torch's setting), got -1")
+
+
+def test_no_command_prints_the_help_and_one_error_line():
+    # Regression: exit 2 with the help on stdout and nothing on stderr, where README says every
+    # failure ends with one line there.
+    res = _run()
+    assert "audit" in res.stdout and "bench" in res.stdout
+    _one_line_error(res, "", 2, "no command given", "audit", "recompiles")
+    _one_line_error(_run("--debug"), "", 2, "Missing command")
+
+
 _SIGNAL_AT_EXIT = textwrap.dedent(
     """
     import atexit, signal, sys

@@ -246,6 +246,7 @@ class _Group(_PlainHelpFlag, TyperGroup):
             message = e.format_message()
             if message:
                 typer.echo(message)
+            _say("", f"no command given: name one of {', '.join(self.commands)} (paramfold <command> --help)")
             code = 2
         except click.exceptions.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else self._command_named(args)
@@ -459,6 +460,8 @@ def bench(
 
     err = Console(stderr=True)
     try:
+        if threads < 0:  # 0 is an answer of its own: torch's setting
+            raise ValueError(f"threads must be at least 0 (0 leaves torch's setting), got {threads}")
         config = BenchConfig(
             model=model, layers=layers, width=width, backend=backend, entry=entry, train=train, grad=grad,
             repeats=repeats, threads=threads or None, steady_rounds=steady_rounds,
