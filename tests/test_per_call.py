@@ -723,3 +723,52 @@ def test_calls_switching_autocast_are_served_by_each_state_s_plan(mode, monkeypa
                 assert torch.equal(ours(x), stock(x)), call
     assert len(builds) == built and len(claims) == 10
     assert len({id(plan) for plan in claims}) == 2
+
+
+class _ModeScale(nn.Module):
+    """A parametrization whose value depends on its own training flag."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * (2.0 if self.training else 3.0)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_training_step_and_an_eval_call_in_turn_are_each_served_by_their_plan(mode, monkeypatch):
+    # A step in train mode, then an eval call under no_grad, in turn (a rollout or validation
+    # after every step): model.train() and model.eval() write every module's __dict__, so each
+    # plan's tags failed and every call opened the general way (2.5x stock's Python calls). A
+    # plan now takes a dict written back to what it held, and a structure module's training
+    # flag switched; the value of a chain that reads its own flag follows it, as stock's.
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    claims, builds = [], []
+    real_claim, real_build = scope_plan.Plan.claim, scope_plan.Plan.build
+    monkeypatch.setattr(scope_plan.Plan, "claim", lambda self: claims.append(self) or real_claim(self))
+    monkeypatch.setattr(scope_plan.Plan, "build", classmethod(lambda cls, *a, **k: builds.append(a) or real_build(*a, **k)))
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.0))
+    P.register_parametrization(stock[2], "weight", _ModeScale())
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(4, 8)
+    for step in range(12):
+        if step == 4:
+            claims.clear()
+            built = len(builds)
+        for model in (stock, ours):
+            model.train()
+        outs = [model(x) for model in (stock, ours)]
+        assert torch.equal(outs[1], outs[0]), step
+        for out in outs:
+            out.sum().backward()
+        assert_same_tensors({n: p.grad for n, p in ours.named_parameters()},
+                            {n: p.grad for n, p in stock.named_parameters()}, step)
+        for model in (stock, ours):
+            model.zero_grad()
+            model.eval()
+        with torch.no_grad():
+            assert torch.equal(ours(x), stock(x)), step
+    if mode != "auto":  # auto freezes the eval call's values: its own plan check, at each switch
+        assert len(builds) == built and len(claims) == 16
+    for model in (stock, ours):  # a no_grad call in train mode: the chain's value for training
+        model.train()
+    with torch.no_grad():
+        assert torch.equal(ours(x), stock(x))

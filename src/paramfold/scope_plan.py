@@ -351,8 +351,13 @@ class Plan:
         # that builds the plan (a model's first, compiling one among them): a plan that never
         # serves a call costs none.
         ids = Identities(types=typed, dicts=dicted.values(), entries=links, keys=forward_keys)
-        plan.watch = Watch((*(d for k, d in structure.items() if k not in settings), *full), (*plan.inputs, *plan.values),
-                           previous.watch if previous is not None else None, ids, rooted_after=1)
+        # A switch of the structure's modules' training flags (model.train(), model.eval()) is
+        # let through where nothing else changed (Watch.same_but_training): the flags that decide
+        # a value are checked apart (modes, stateful), and a chain a frozen value was computed
+        # by, or whose draws are watched, has its members' dicts among the settings, held whole.
+        fixed = [d for k, d in structure.items() if k not in settings]
+        plan.watch = Watch((*fixed, *full), (*plan.inputs, *plan.values),
+                           previous.watch if previous is not None else None, ids, rooted_after=1, flags_free=len(fixed))
         plan.hoisted = tuple(hoisted)
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
@@ -497,7 +502,7 @@ def holds(plan: Plan) -> bool:
         # The structure's tags, the inputs' and values' descriptions, the members' classes, every
         # checked module's __dict__, a forward set on a holder or taken off it, a value put where
         # one is computed at its read.
-        if not plan.watch.same() or list(map(list, plan.ordered)) != plan.order:
+        if not (plan.watch.same() or plan.watch.same_but_training()) or list(map(list, plan.ordered)) != plan.order:
             return False
         if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):
             return False

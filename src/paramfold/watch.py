@@ -255,6 +255,11 @@ def _identity_changes() -> tuple:
 _USE_GUARD_MANAGER = _guard_manager_works()
 
 
+#: How many checks in a row a watch that took a written-back dict or a ``training`` switch
+#: makes from Python before it builds its guard manager again (:meth:`Watch.same_but_training`).
+_REROOT_AFTER = 64
+
+
 class Watch:
     """``dicts``' version tags and ``tensors``' descriptions (:func:`layout`) now; :meth:`same`
     says whether all are as they were.
@@ -286,12 +291,17 @@ class Watch:
     """
 
     __slots__ = ("dicts", "tensors", "ids", "tags", "layouts", "others", "other_layouts", "watched", "_root",
-                 "_unrooted")
+                 "_unrooted", "copies", "flags_free")
 
     def __init__(self, dicts: Iterable[dict] = (), tensors: Iterable[torch.Tensor] = (),
-                 previous: Watch | None = None, ids: Identities | None = None, rooted_after: int = 0) -> None:
+                 previous: Watch | None = None, ids: Identities | None = None, rooted_after: int = 0,
+                 flags_free: int = -1) -> None:
         tensors = tuple(tensors)
         self.dicts = tuple(dicts)
+        # The dicts as they are now, for :meth:`same_but_training` (where ``flags_free`` >= 0), and
+        # how many of them, first, may have their ``training`` entry switched.
+        self.copies = [dict(d) for d in self.dicts] if flags_free >= 0 else None
+        self.flags_free = flags_free
         # Tensor subclasses are described from Python: the probes tried plain tensors only.
         self.tensors = tuple(t for t in tensors if type(t) in PLAIN_TENSOR_TYPES)
         self.others = tuple(t for t in tensors if type(t) not in PLAIN_TENSOR_TYPES)
@@ -330,6 +340,38 @@ class Watch:
             return self._root.check(other.watched) is True
         except Exception:
             return False
+
+    def same_but_training(self) -> bool:
+        """After :meth:`same` said False: whether every dict written since holds the same keys and
+        objects as then (written and written back: ``model.train()`` then ``model.eval()``), but
+        for the ``training`` entry of the first ``flags_free`` dicts, which may differ, with the
+        tensors described and the identities as then; if so, the watch takes the dicts as they are
+        now and checks from Python until it has held for :data:`_REROOT_AFTER` checks in a row (its
+        guards would cost more to build again at every switch than they save), then builds its
+        guard manager again."""
+        copies = self.copies
+        if copies is None or (self.others and list(map(layout, self.others)) != self.other_layouts):
+            return False
+        try:
+            if list(map(layout, self.tensors)) != self.layouts or not self.ids.same():
+                return False
+            tags = list(map(tag, self.dicts))
+        except Exception:
+            return False
+        flags_free = self.flags_free
+        for i, (d, then) in enumerate(zip(self.dicts, copies)):
+            if tags[i] == self.tags[i]:
+                continue
+            if len(d) != len(then):
+                return False
+            for (key, value), (key_then, value_then) in zip(d.items(), then.items()):
+                if key is not key_then and key != key_then:
+                    return False
+                if value is not value_then and (key != "training" or i >= flags_free):
+                    return False
+            copies[i] = dict(d)
+        self.tags, self._root, self._unrooted = tags, None, _REROOT_AFTER
+        return True
 
     def same(self) -> bool:
         """Whether no dict was written and no tensor re-described since (a dict copy compared by
