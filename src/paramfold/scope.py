@@ -256,22 +256,21 @@ def _plan_of(state: ModuleState, grad: bool) -> Plan | None:
 
 
 def _after_miss(state: ModuleState, grad: bool, failed: Plan) -> tuple[Plan | None, bool]:
-    """After ``failed``, the current plan of this grad mode, did not hold: ``(plan, True)`` for
-    a spare plan made under what a value computed now is computed under (autocast, numerics,
-    modes) that holds, now current (calls switching autocast on and off each served by their
-    own); else ``(last, False)``, ``last`` the plan of this state that did not hold, for
-    :func:`_replan` to replace, or None where there is none (``failed``, another state's, kept
-    as a spare)."""
+    """After ``failed``, the current plan of this grad mode, did not hold: ``(plan, True)`` for a
+    spare plan of this grad mode, made under what a value computed now is computed under
+    (autocast, numerics, modes), that holds, now current: calls switching autocast, or the
+    ``requires_grad`` that decides auto's choice (pix2pix's ``set_requires_grad``), each served
+    by their own plan. Spares tried that do not hold are dropped. Else ``(last, False)``:
+    ``last`` the plan of this state that did not hold, for :func:`_replan` to replace, or None
+    where ``failed`` is another state's (kept as a spare)."""
     under = computed_under()
-    if failed.under == under:
-        return failed, False  # not a switch of state: something changed
-    for spare in state.spare_plans:
-        if spare.grad is grad and spare.under == under:
-            if holds(spare):
-                _make_current(state, spare)
-                return spare, True
+    for spare in [p for p in state.spare_plans if p.grad is grad and p.under == under]:
+        if holds(spare):
             _make_current(state, spare)
-            return spare, False
+            return spare, True
+        state.spare_plans = tuple(p for p in state.spare_plans if p is not spare)
+    if failed.under == under:
+        return failed, False
     state.spare_plans = _kept_spares(failed, state.spare_plans)
     state.plan = None
     return None, False
@@ -285,12 +284,19 @@ def _make_current(state: ModuleState, plan: Plan) -> None:
 
 
 def _kept_spares(plan: Plan | None, spares: tuple) -> tuple:
-    """``plan`` put first among ``spares``, one plan per grad mode and computed-under state, at
-    most :data:`_SPARES` of them."""
-    if plan is None:
-        return spares
-    key = (plan.grad, plan.under)
-    return (plan, *(p for p in spares if (p.grad, p.under) != key))[:_SPARES]
+    """``plan`` put first among ``spares``, at most :data:`_SPARES` of them (the least recently
+    current dropped)."""
+    return spares if plan is None else (plan, *spares)[:_SPARES]
+
+
+def _still_served(plan: Plan) -> bool:
+    """Whether the values ``plan`` serves from the modules' ``__dict__`` are still those there
+    (none changed: it failed on something else, such as a flag its choice depends on), so it
+    may serve again and keeping it holds no value the model no longer has."""
+    try:
+        return all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links))
+    except LookupError:
+        return False
 
 
 def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: Plan | None,
@@ -301,13 +307,16 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
 
     It is built from the scope just opened, reusing the guards of ``last`` where they hold.
     The plan it replaces is kept as a spare where it was made for the other grad mode or under
-    another autocast or numerics state (:func:`_spare_that_holds`). Where ``last`` never served
+    another autocast or numerics state, or served calls with values still there
+    (:func:`_after_miss` tries it again). Where ``last`` never served
     a call (calls alternate no_grad and grad, a rollout and a training step, or something
     changes between every two calls), building one at every call would cost more than it saves:
     the next is built after 1, then 2, 4, ... up to :data:`_LONGEST_WAIT` such calls, and at
     once after a plan that served one."""
     if last is None and state.plan is not None:
         state.spare_plans = _kept_spares(state.plan, state.spare_plans)  # another state's, kept aside
+    elif last is not None and last.used and _still_served(last):
+        state.spare_plans = _kept_spares(last, state.spare_plans)  # may hold again (a flag switched back)
     if last is not None and not last.used:
         if state.plan_wait:
             state.plan_wait -= 1  # ``last`` stays: its check fails fast, and a plan that holds is exact
