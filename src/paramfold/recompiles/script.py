@@ -28,6 +28,7 @@ import types
 from paramfold.errors import FoldError
 from paramfold.terminal import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
+from paramfold.signals import Interrupted, signal_arrived
 
 __all__ = ["ScriptError", "run_script"]
 
@@ -47,7 +48,8 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     the recompile limit, raises :class:`RecompileLimitError` after the report is printed, with exit
     code 3 where the script succeeded, else with the script's own code (the failure it reports
     comes first). A Ctrl-C or a handled signal in the script is raised again
-    after the report of what ran before it.
+    after the report of what ran before it; a ``KeyboardInterrupt`` the script raised itself is
+    its failure (its traceback, 130, as python).
     """
     tokens = list(command)
     if tokens and tokens[0].startswith("-") and tokens[0] != "-m":  # a mistyped option of ours, before --
@@ -102,7 +104,11 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
                     print(e.code, file=sys.stderr)
                     code = 1
             except KeyboardInterrupt as e:  # the report of what ran so far is still printed
-                interrupted = e
+                if isinstance(e, Interrupted) or signal_arrived() is not None:
+                    interrupted = e
+                else:  # raised by the script itself, no signal: as python, its traceback and 130
+                    _print_script_traceback(e)
+                    code = 130
             except Exception as e:
                 _print_script_traceback(e)
                 code = 1
