@@ -627,6 +627,21 @@ def test_a_damaged_legacy_non_zip_file_is_called_that_not_a_zip_or_an_index_erro
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "legacy.pt"]
 
 
+def test_an_intact_legacy_file_torch_cannot_read_is_told_to_be_saved_again_in_the_zip_format(tmp_path):
+    # Regression: a legacy (non-zip) file of an intact state dict with a uint16 tensor, which
+    # torch's legacy reader cannot load, was only called truncated or corrupt, to re-download.
+    src = tmp_path / "legacy_u16.pt"
+    torch.save({"w": torch.randn(3), "ids": torch.tensor([1, 60000], dtype=torch.int32).to(torch.uint16)}, src,
+               _use_new_zipfile_serialization=False)
+    try:
+        torch.load(src, weights_only=True)
+    except Exception:
+        pass
+    else:
+        pytest.skip("this torch's legacy reader reads uint16")
+    _one_line_error(_run("fold", src, tmp_path / "o.pt"), "fold", 1, "uint16", "torch.save's default zip format")
+
+
 class _WithExtraState(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -472,8 +472,9 @@ def _torch_load(p: Path, *, legacy: bool = False, **kwargs: Any) -> Any:
         if legacy:
             detail = first_line(e) if str(e).strip() else "it ends early"
             raise CheckpointError(
-                f"{p}: truncated or corrupt PyTorch checkpoint (legacy non-zip format: {detail}); "
-                "re-download or re-save it"
+                f"{p}: truncated or corrupt PyTorch checkpoint (legacy non-zip format: {detail}), or an intact "
+                "one holding what torch's legacy reader cannot read (uint16, uint32, uint64 and float8 tensors: re-save "
+                "such a file with torch.save's default zip format); re-download or re-save it"
             ) from None
         if "central directory" in str(e) or isinstance(e, (EOFError, zipfile.BadZipFile)):
             raise CheckpointError(f"{p}: truncated or corrupt PyTorch checkpoint (the zip archive is incomplete)") from None
