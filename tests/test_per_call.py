@@ -700,17 +700,24 @@ def test_rollouts_between_training_steps_are_served_by_each_grad_mode_s_plan(tra
         assert len(fingerprints) == fingerprinted and len(claims) == 24
 
 
-@pytest.mark.parametrize("mode", ["hoist", "inline"])
-def test_calls_switching_autocast_are_served_by_each_state_s_plan(mode, monkeypatch):
-    # A no_grad call, then one under autocast, in turn (mixed-precision eval beside full-precision
-    # checks). A plan serves only calls under the autocast state it was made under; with one plan
-    # per grad mode, each call found the other state's plan, opened the general way and planned
-    # again: about 20x stock's Python calls. Each state now keeps its own plan.
+@pytest.fixture
+def plan_counts(monkeypatch):
+    """``(claims, builds)``: the steady plans that served a call, and the arguments of each plan built."""
     scope_plan = importlib.import_module("paramfold.scope_plan")
     claims, builds = [], []
     real_claim, real_build = scope_plan.Plan.claim, scope_plan.Plan.build
     monkeypatch.setattr(scope_plan.Plan, "claim", lambda self: claims.append(self) or real_claim(self))
     monkeypatch.setattr(scope_plan.Plan, "build", classmethod(lambda cls, *a, **k: builds.append(a) or real_build(*a, **k)))
+    return claims, builds
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline"])
+def test_calls_switching_autocast_are_served_by_each_state_s_plan(mode, plan_counts):
+    # A no_grad call, then one under autocast, in turn (mixed-precision eval beside full-precision
+    # checks). A plan serves only calls under the autocast state it was made under; with one plan
+    # per grad mode, each call found the other state's plan, opened the general way and planned
+    # again: about 20x stock's Python calls. Each state now keeps its own plan.
+    claims, builds = plan_counts
     stock = _seed_pair(2)[0]
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
     x = make_input(BenchConfig(layers=2, width=16))
@@ -733,17 +740,13 @@ class _ModeScale(nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
-def test_a_training_step_and_an_eval_call_in_turn_are_each_served_by_their_plan(mode, monkeypatch):
+def test_a_training_step_and_an_eval_call_in_turn_are_each_served_by_their_plan(mode, plan_counts):
     # A step in train mode, then an eval call under no_grad, in turn (a rollout or validation
     # after every step): model.train() and model.eval() write every module's __dict__, so each
     # plan's tags failed and every call opened the general way (2.5x stock's Python calls). A
     # plan now takes a dict written back to what it held, and a structure module's training
     # flag switched; the value of a chain that reads its own flag follows it, as stock's.
-    scope_plan = importlib.import_module("paramfold.scope_plan")
-    claims, builds = [], []
-    real_claim, real_build = scope_plan.Plan.claim, scope_plan.Plan.build
-    monkeypatch.setattr(scope_plan.Plan, "claim", lambda self: claims.append(self) or real_claim(self))
-    monkeypatch.setattr(scope_plan.Plan, "build", classmethod(lambda cls, *a, **k: builds.append(a) or real_build(*a, **k)))
+    claims, builds = plan_counts
     torch.manual_seed(0)
     stock = nn.Sequential(weight_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(0.0))
     P.register_parametrization(stock[2], "weight", _ModeScale())
@@ -774,16 +777,12 @@ def test_a_training_step_and_an_eval_call_in_turn_are_each_served_by_their_plan(
         assert torch.equal(ours(x), stock(x))
 
 
-def test_a_discriminator_whose_requires_grad_is_switched_at_every_step_is_served_by_its_plans(monkeypatch):
+def test_a_discriminator_whose_requires_grad_is_switched_at_every_step_is_served_by_its_plans(plan_counts):
     # pix2pix's set_requires_grad(D, False) around the generator's step, True around D's: auto's
     # choice for a site depends on its originals' requires_grad, so each switch failed the plan,
     # and the general path planned again at every call (2.2x stock's Python calls per GAN step).
     # The plan that served the other setting is kept, and serves again when it holds.
-    scope_plan = importlib.import_module("paramfold.scope_plan")
-    claims, builds = [], []
-    real_claim, real_build = scope_plan.Plan.claim, scope_plan.Plan.build
-    monkeypatch.setattr(scope_plan.Plan, "claim", lambda self: claims.append(self) or real_claim(self))
-    monkeypatch.setattr(scope_plan.Plan, "build", classmethod(lambda cls, *a, **k: builds.append(a) or real_build(*a, **k)))
+    claims, builds = plan_counts
     torch.manual_seed(0)
     stock = nn.Sequential(spectral_norm(nn.Linear(8, 8)), nn.LeakyReLU(0.2), spectral_norm(nn.Linear(8, 1)))
     ours = paramfold.prepare(copy.deepcopy(stock), "auto")
