@@ -27,19 +27,18 @@ def rebased(cls: type, old: type, new: type) -> type:
         (k, name if k == "__qualname__" else v) for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")
     )
     try:
-        return _derived(name, bases, namespace, cls)
+        derived = _derived(name, bases, namespace)
     except TypeError:  # an unhashable class attribute: build it uncached
-        return _derived.__wrapped__(name, bases, namespace, cls)
+        derived = _derived.__wrapped__(name, bases, namespace)
+    for key, value in namespace:  # (once: a cached class has its own already)
+        if vars(derived).get(key) is value and (own := _in_class(value, cls, derived)) is not value:
+            setattr(derived, key, own)
+    return derived
 
 
 @functools.cache
-def _derived(name: str, bases: tuple[type, ...], namespace: tuple[tuple[str, object], ...], cls: type) -> type:
-    derived = type(name, bases, dict(namespace))
-    for key, value in namespace:
-        own = _in_class(value, cls, derived)
-        if own is not value:
-            setattr(derived, key, own)
-    return derived
+def _derived(name: str, bases: tuple[type, ...], namespace: tuple[tuple[str, object], ...]) -> type:
+    return type(name, bases, dict(namespace))
 
 
 def _in_class(value: object, old: type, new: type) -> object:

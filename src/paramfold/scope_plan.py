@@ -72,7 +72,7 @@ class Plan:
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
-        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count", "freezing",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count", "freezing", "site_states",
     )
 
     @classmethod
@@ -111,6 +111,7 @@ class Plan:
         copied_entries: list[tuple[dict, str]] = []
         until: list[int] = []
         missed: list = []
+        site_states: list[tuple] = []
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
@@ -173,6 +174,8 @@ class Plan:
                 if len(site.modules) > 1:
                     ordered.append(site.plist._modules)
                 frozen = site.frozen
+                site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch, site.state_sharers,
+                                    site.hoist_until, frozen))
                 if site.mode == "inline":
                     # Computed where it is read, from the dicts its getter keeps in the holder's
                     # __dict__ (pinned by key, as scope's sync_refs puts them); the getter calls
@@ -365,6 +368,7 @@ class Plan:
         plan.copied_tensors, plan.copied_dtypes = copied_list, fusable(copied_list)
         plan.copied_state_dicts, plan.copied_state_keys = map(list, columns(copied_entries, 2))
         plan.until = min(until) if until else None
+        plan.site_states = tuple(site_states)
         plan.missed = tuple(missed)
         return plan
 
@@ -479,6 +483,17 @@ def _rearm_values(plan: Plan) -> bool:
     return True
 
 
+def _sites_as_built(plan: Plan) -> bool:
+    """Whether each site's choices are those ``plan`` was built on: where a chain is computed,
+    whether it draws, its watch of its settings, its sharers, its frozen value. A dict written
+    and written back since (:meth:`~paramfold.watch.Watch.same_but_training`) holds what it held
+    then, but a call meanwhile may have changed a choice from it (a chain found drawing while a
+    setting was switched), which a plan kept aside since does not know."""
+    return all(site.at_read is at_read and site.raised is raised and site.draws is draws and site.draw_watch is watch
+               and site.state_sharers is sharers and site.hoist_until == until and site.frozen is frozen
+               for site, at_read, raised, draws, watch, sharers, until, frozen in plan.site_states)
+
+
 def holds(plan: Plan) -> bool:
     """Whether everything ``plan`` was built on is unchanged: the checks of the general path
     (:func:`paramfold.scope._check_unchanged`, :func:`paramfold.freeze.unchanged` and the mode
@@ -502,7 +517,8 @@ def holds(plan: Plan) -> bool:
         # The structure's tags, the inputs' and values' descriptions, the members' classes, every
         # checked module's __dict__, a forward set on a holder or taken off it, a value put where
         # one is computed at its read.
-        if not (plan.watch.same() or plan.watch.same_but_training()) or list(map(list, plan.ordered)) != plan.order:
+        if not (plan.watch.same() or (_sites_as_built(plan) and plan.watch.same_but_training())) or (
+                list(map(list, plan.ordered)) != plan.order):
             return False
         if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):
             return False

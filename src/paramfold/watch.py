@@ -22,6 +22,7 @@ probes, at import), and compares from Python otherwise: the answer is the same e
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from operator import contains, getitem, is_
 from typing import Any
@@ -255,6 +256,12 @@ def _identity_changes() -> tuple:
 _USE_GUARD_MANAGER = _guard_manager_works()
 
 
+def _snapshot(d: dict) -> dict:
+    """``d``'s entries, a tensor's by a weak reference: a watch keeps no tensor alive (a tensor
+    ``functional_call`` put in for one call is let go when the call ends)."""
+    return {key: weakref.ref(value) if isinstance(value, torch.Tensor) else value for key, value in d.items()}
+
+
 #: How many checks in a row a watch that took a written-back dict or a ``training`` switch
 #: makes from Python before it builds its guard manager again (:meth:`Watch.same_but_training`).
 _REROOT_AFTER = 64
@@ -300,7 +307,7 @@ class Watch:
         self.dicts = tuple(dicts)
         # The dicts as they are now, for :meth:`same_but_training` (where ``flags_free`` >= 0), and
         # how many of them, first, may have their ``training`` entry switched.
-        self.copies = [dict(d) for d in self.dicts] if flags_free >= 0 else None
+        self.copies = list(map(_snapshot, self.dicts)) if flags_free >= 0 else None
         self.flags_free = flags_free
         # Tensor subclasses are described from Python: the probes tried plain tensors only.
         self.tensors = tuple(t for t in tensors if type(t) in PLAIN_TENSOR_TYPES)
@@ -367,9 +374,11 @@ class Watch:
             for (key, value), (key_then, value_then) in zip(d.items(), then.items()):
                 if key is not key_then and key != key_then:
                     return False
+                if type(value_then) is weakref.ref:
+                    value_then = value_then()
                 if value is not value_then and (key != "training" or i >= flags_free):
                     return False
-            copies[i] = dict(d)
+            copies[i] = _snapshot(d)
         self.tags, self._root, self._unrooted = tags, None, _REROOT_AFTER
         return True
 
