@@ -78,7 +78,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import can_freeze, unchanged
 from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
-from paramfold.scope_plan import Plan, holds
+from paramfold.scope_plan import Plan, holds, sites_as_built
 from paramfold.state import (CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, carries_tangents, distributed,
                              kept_values, syncs_before_forward)
 from paramfold.state import functorch_wrapped as _functorch_wrapped
@@ -265,7 +265,7 @@ def _after_miss(state: ModuleState, grad: bool, failed: Plan) -> tuple[Plan | No
     where ``failed`` is another state's (kept as a spare)."""
     under = computed_under()
     for spare in [p for p in state.spare_plans if p.grad is grad and p.under == under]:
-        if holds(spare):
+        if sites_as_built(spare) and holds(spare):  # (a call since may have changed a site's choice)
             _make_current(state, spare)
             return spare, True
         state.spare_plans = tuple(p for p in state.spare_plans if p is not spare)

@@ -483,7 +483,7 @@ def _rearm_values(plan: Plan) -> bool:
     return True
 
 
-def _sites_as_built(plan: Plan) -> bool:
+def sites_as_built(plan: Plan) -> bool:
     """Whether each site's choices are those ``plan`` was built on: where a chain is computed,
     whether it draws, its watch of its settings, its sharers, its frozen value. A dict written
     and written back since (:meth:`~paramfold.watch.Watch.same_but_training`) holds what it held
@@ -517,7 +517,7 @@ def holds(plan: Plan) -> bool:
         # The structure's tags, the inputs' and values' descriptions, the members' classes, every
         # checked module's __dict__, a forward set on a holder or taken off it, a value put where
         # one is computed at its read.
-        if not (plan.watch.same() or (_sites_as_built(plan) and plan.watch.same_but_training())) or (
+        if not (plan.watch.same() or (sites_as_built(plan) and plan.watch.same_but_training())) or (
                 list(map(list, plan.ordered)) != plan.order):
             return False
         if any(map(_training, plan.stateful)) or not all(map(is_, map(_training, plan.mode_modules), plan.modes)):
