@@ -22,7 +22,6 @@ probes, at import), and compares from Python otherwise: the answer is the same e
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from operator import contains, getitem, is_
 from typing import Any
@@ -256,10 +255,15 @@ def _identity_changes() -> tuple:
 _USE_GUARD_MANAGER = _guard_manager_works()
 
 
+class _TensorAt(int):
+    """A tensor's ``id`` in a dict's snapshot: a watch keeps no tensor alive of its own (a tensor
+    ``functional_call`` put in for one call is let go when the call ends; a weak reference would
+    stop ``torch.utils.swap_tensors``). It stands for that tensor only where the watch holds it."""
+
+
 def _snapshot(d: dict) -> dict:
-    """``d``'s entries, a tensor's by a weak reference: a watch keeps no tensor alive (a tensor
-    ``functional_call`` put in for one call is let go when the call ends)."""
-    return {key: weakref.ref(value) if isinstance(value, torch.Tensor) else value for key, value in d.items()}
+    """``d``'s entries as they are now, a tensor's as a :class:`_TensorAt`."""
+    return {key: _TensorAt(id(value)) if isinstance(value, torch.Tensor) else value for key, value in d.items()}
 
 
 #: How many checks in a row a watch that took a written-back dict or a ``training`` switch
@@ -366,6 +370,7 @@ class Watch:
         except Exception:
             return False
         flags_free = self.flags_free
+        held = set(map(id, (*self.tensors, *self.others)))
         for i, (d, then) in enumerate(zip(self.dicts, copies)):
             if tags[i] == self.tags[i]:
                 continue
@@ -374,8 +379,10 @@ class Watch:
             for (key, value), (key_then, value_then) in zip(d.items(), then.items()):
                 if key is not key_then and key != key_then:
                     return False
-                if type(value_then) is weakref.ref:
-                    value_then = value_then()
+                if type(value_then) is _TensorAt:  # the same tensor, one this watch holds
+                    if id(value) == value_then and value_then in held:
+                        continue
+                    return False
                 if value is not value_then and (key != "training" or i >= flags_free):
                     return False
             copies[i] = _snapshot(d)
