@@ -211,3 +211,29 @@ def test_a_watch_rooted_after_checks_builds_its_guards_after_that_many_unchanged
     assert watched.same() and watched._root is not None
     modules[2].__class__ = Other
     assert not watched.same()
+
+
+def test_a_dict_written_back_or_a_training_flag_switched_is_told_apart_from_a_change():
+    # Watch.same_but_training: what a steady plan takes after model.train() / model.eval().
+    from paramfold.watch import Watch
+
+    structure, member = nn.Linear(2, 2), nn.Linear(2, 2)
+    weight = structure.weight
+    watch = Watch([vars(structure), vars(member), structure._parameters], [weight, structure.bias], flags_free=1)
+    assert watch.same()
+    structure.train(False)
+    assert not watch.same() and watch.same_but_training()  # a structure module's flag switched
+    assert watch.same()  # taken as it is now
+    member.train(False)
+    member.train(True)
+    assert not watch.same() and watch.same_but_training()  # written back: the same objects
+    member.train(False)
+    assert not watch.same() and not watch.same_but_training()  # a member's flag: held whole
+    member.train(True)
+    assert watch.same_but_training()
+    structure.weight = nn.Parameter(weight.detach().clone())
+    assert not watch.same_but_training()  # another tensor, where the same was
+    structure.weight = weight
+    assert watch.same_but_training()  # the tensor the watch holds, put back
+    structure.extra = 1.0
+    assert not watch.same_but_training()  # a key added
