@@ -290,11 +290,16 @@ def _kept_spares(plan: Plan | None, spares: tuple) -> tuple:
 
 
 def _still_served(plan: Plan) -> bool:
-    """Whether the values ``plan`` serves from the modules' ``__dict__`` are still those there
-    (none changed: it failed on something else, such as a flag its choice depends on), so it
-    may serve again and keeping it holds no value the model no longer has."""
+    """Whether the values ``plan`` keeps in the modules' ``__dict__`` (frozen ones) and the
+    tensors they were computed from are all still where they were (it failed on something
+    else, such as the ``requires_grad`` its choice depends on), so it may serve again, and
+    keeping it holds no value or original the model no longer has. (A plan that hoists holds
+    the dicts its originals are read from, not the tensors.)"""
+    if plan.unaddressed:
+        return False
     try:
-        return all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links))
+        return (all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links))
+                and all(map(is_, map(getitem, plan.input_dicts, plan.input_keys), plan.inputs)))
     except LookupError:
         return False
 

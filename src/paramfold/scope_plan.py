@@ -64,7 +64,7 @@ class Plan:
         "switched", "inside", "outside",
         "link_dicts", "link_keys", "links", "ordered", "order",
         "stateful", "mode_modules", "modes", "flag_tensors", "flags",
-        "inputs", "versioned", "versions", "addresses", "watch",
+        "input_dicts", "input_keys", "inputs", "versioned", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
         "addressed_values", "value_addresses", "other_values", "other_value_addresses",
         "armed", "armings", "armed_checks", "value_ids",
@@ -309,7 +309,7 @@ class Plan:
         for w in watch:
             (addressed if w[4] and type(w[2]) in PLAIN_TENSOR_TYPES and isinstance(w[0], dict) else unaddressed).append(w)
         plan.unaddressed = tuple(unaddressed)
-        _, _, plan.inputs, versions, addresses, layouts = columns(addressed, 6)
+        plan.input_dicts, plan.input_keys, plan.inputs, versions, addresses, layouts = columns(addressed, 6)
         plan.addresses = list(addresses)
         # A write-marked tensor's version counter needs no reading: whatever bumps it (an in-place
         # op, copy_, an optimizer step) writes its storage, which clears the mark checked below.
