@@ -485,19 +485,19 @@ class ModuleState:
     def drop_caches(self) -> None:
         """Forget what was built from this entry's holders and sites (:data:`_CACHES`: its steady
         plans, its nested check) after they changed: its next call builds them again."""
-        for name in _CACHES:
-            setattr(self, name, None)
-        self.spare_plans = ()
+        for name, empty in _CACHES.items():
+            setattr(self, name, empty)
 
     def __deepcopy__(self, memo: dict) -> ModuleState:
         """A copy for a copied module (``copy.deepcopy(model)``), without the caches built from
         this module's objects (plans, ``nested_check``): the copy's first calls build its own.
         Nor does it keep frozen values: its sites' are dropped (``SiteState.__deepcopy__``), and
         the module's copy leaves those kept in ``__dict__`` out (``scope_midcall.not_copied``)."""
-        dropped = _CACHES | {"prepared_root", "own_dict", "detached", "aliases", "replaced", "kept", *_MODULE_LISTS}
+        dropped = _CACHES.keys() | {"prepared_root", "own_dict", "detached", "aliases", "replaced", "kept", *_MODULE_LISTS}
         replica = _copy_fields(self, memo, dropped)
+        replica.drop_caches()
         # The tensors of this module's last call (one with a history, too).
-        replica.detached = replica.replaced = replica.kept = replica.spare_plans = ()
+        replica.detached = replica.replaced = replica.kept = ()
         replica.aliases = {}
         replica.holders, replica.entries, replica.parametrized = [], [], ()  # (keep_copied, below)
         replica.covers = frozenset()
@@ -528,8 +528,9 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
     return root is None or id(root) not in memo
 
 
-#: ModuleState's fields that hold what a call scope derived from the module, not its state.
-_CACHES = frozenset({"plan", "spare_plans", "nested_check"})
+#: ModuleState's fields that hold what a call scope derived from the module, not its state, each
+#: with its value when nothing is built.
+_CACHES = {"plan": None, "spare_plans": (), "nested_check": None}
 #: SiteState's field that holds what one open call of its module keeps.
 _OPEN_CALL = frozenset({"before"})
 
@@ -538,7 +539,7 @@ _OPEN_CALL = frozenset({"before"})
 _MODULE_LISTS = ("holders", "entries", "parametrized")
 
 
-def _copy_fields(state: Any, memo: dict, dropped: frozenset[str]) -> Any:
+def _copy_fields(state: Any, memo: dict, dropped: set[str] | frozenset[str]) -> Any:
     """A deep copy of the dataclass ``state`` whose fields named in ``dropped`` are None."""
     replica = copy.copy(state)
     memo[id(state)] = replica
