@@ -245,6 +245,143 @@ def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlap
         assert torch.equal(compiled(x), stock(x))
 
 
+class _PausedEagerly(PausedOffMain):
+    """:class:`PausedOffMain` whose pause is left out where dynamo traces it: a function compiled
+    around the model inlines it whole (no graph break at the thread check)."""
+
+    def forward(self, x):
+        if torch.compiler.is_dynamo_compiling():
+            return self.inner(x)
+        return super().forward(x)
+
+
+def _paused_twins(kind: str, mode: str, eval_only: bool = False) -> tuple[nn.Module, PausedOffMain]:
+    """A stock net and the same net inside :class:`_PausedEagerly`, prepared with ``mode`` (both
+    in eval with no grad where ``eval_only``)."""
+    stock, ours = small_net(kind), _PausedEagerly(small_net(kind))
+    if eval_only:
+        for model in (stock, ours):
+            model.eval().requires_grad_(False)
+    return stock, paramfold.prepare(ours, mode)
+
+
+def _times_two(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x) * 2
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "custom", "hook_weight_norm"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_function_compiled_around_the_model_while_another_threads_call_is_open_waits_for_it(mode, kind):
+    # Regression: dynamo compiling a function around a prepared model, on a thread with no call
+    # scope of it open, read the modules as another thread's open call had left them: that
+    # call's values (computed under its no_grad: no gradient reached the originals, silently),
+    # its classes ("Guard failed on the same frame it was created" where that call ended during
+    # the compile). Now the compile waits for that call to end (paramfold.compile_reads).
+    stock, ours = _paused_twins(kind, mode)
+    x = _input()
+    with torch.no_grad():
+        expected_other = stock(x)
+    other: dict = {}
+
+    def call_in_thread():
+        with torch.no_grad():
+            other["out"] = ours(x)
+
+    thread = threading.Thread(target=call_in_thread)
+    thread.start()
+    try:
+        assert ours.inside.wait(30)  # its values are installed now, its call waits in forward
+        threading.Timer(0.3, ours.go.set).start()
+        compiled = torch.compile(_times_two, backend="eager")
+        compiled(ours, x).square().sum().backward()
+    finally:
+        ours.go.set()
+        thread.join(30)
+    _times_two(stock, x).square().sum().backward()
+    assert torch.equal(other["out"], expected_other)
+    assert_same_nested(_grads(stock), _grads(ours.inner))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_compile_that_another_threads_open_call_keeps_waiting_is_refused_and_changes_nothing(monkeypatch, mode):
+    from paramfold import compile_reads
+
+    monkeypatch.setattr(compile_reads, "WAIT_S", 0.2)
+    stock, ours = _paused_twins("weight_norm", mode)
+    x = _input()
+    thread = threading.Thread(target=torch.no_grad()(ours), args=(x,))
+    thread.start()
+    compiled = torch.compile(_times_two, backend="eager")
+    try:
+        assert ours.inside.wait(30)
+        with pytest.raises(paramfold.FoldError, match="another thread"):
+            compiled(ours, x)
+    finally:
+        ours.go.set()
+        thread.join(30)
+    assert not thread.is_alive()
+    compiled(ours, x).square().sum().backward()  # alone again: compiled, and trains like stock
+    _times_two(stock, x).square().sum().backward()
+    assert_same_nested(_grads(stock), _grads(ours.inner))
+    assert_same_nested(stock.state_dict(), ours.inner.state_dict())
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_a_call_while_another_thread_compiles_a_function_that_read_the_model_runs_like_stocks(mode, grad):
+    # Regression: an eager call made while another thread compiled a function around the model
+    # (no scope of the model open there) installed its values and switched the modules' classes
+    # under dynamo, which then traced them, or failed with "Guard failed on the same frame it was
+    # created" where that call was still open as dynamo checked the new code's guards. Now such a
+    # call installs nothing: computed where read, as stock's, without waiting for the compile.
+    if mode == "freeze" and grad:
+        pytest.skip("freeze serves no grad calls of a trainable model")
+    stock, ours = _paused_twins("weight_norm", mode, eval_only=mode == "freeze")
+    x = _input()
+    entered, leave = threading.Event(), threading.Event()
+
+    def pausing_backend(gm, example_inputs):
+        entered.set()  # dynamo has read the model, and holds its compile lock
+        assert leave.wait(30)
+        return gm.forward
+
+    results: dict = {}
+
+    def call_in_thread():
+        with torch.set_grad_enabled(grad):
+            results["out"] = ours(x)  # waits in forward (PausedOffMain) until ours.go
+
+    other = threading.Thread(target=call_in_thread)
+
+    def open_a_call_during_the_compile():
+        assert entered.wait(30)
+        other.start()
+        assert ours.inside.wait(30)  # that call is open; now the compile ends
+        leave.set()
+
+    conductor = threading.Thread(target=open_a_call_during_the_compile)
+    conductor.start()
+    compiled = torch.compile(_times_two, backend=pausing_backend)
+    try:
+        with torch.no_grad():
+            out = compiled(ours, x)
+    finally:
+        leave.set()
+        ours.go.set()
+        conductor.join(30)
+        other.join(30)
+    assert not other.is_alive()
+    with torch.no_grad():
+        assert torch.equal(out, _times_two(stock, x))
+    with torch.set_grad_enabled(grad):
+        expected = stock(x)
+    assert torch.equal(results["out"], expected)
+    if grad:
+        for output in (results["out"], expected):
+            output.square().sum().backward()
+        assert_same_nested(_grads(stock), _grads(ours.inner))
+
+
 @pytest.mark.parametrize(("first", "second"), [("inference_mode", "no_grad"), ("no_grad", "inference_mode")])
 @pytest.mark.parametrize("kind", ["weight_norm", "hook_weight_norm"])
 @pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])

@@ -42,6 +42,7 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import scope_nested as nested
+from paramfold.compile_reads import ATTRIBUTE, ReadByCompile, RefusedWhileCompiling
 from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
                                has_parametrizations, inspected_by_dynamo, parametrized_here)
 from paramfold.errors import FoldError
@@ -248,6 +249,8 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         "_paramfold_base": base,
         "_compiled_call_impl": compiled_call_impl,
     }
+    if not any(ATTRIBUTE in vars(c) for c in base.__mro__):
+        namespace[ATTRIBUTE] = ReadByCompile()
     served = frozenset(n for n in hooked if not any(n in vars(c) for c in base.__mro__))  # (not over the class's own)
     namespace.update((name, LastCallValue(name)) for name in served)
     for name in names:
@@ -449,7 +452,7 @@ class _ReadOnce(SiteDescriptor):
         value = module.__dict__.get(self.name)
         if value is not None:
             return value
-        raise _RefusedWhileCompiling(
+        raise RefusedWhileCompiling(
             f"{tensor_label(module, self.name)}: compiled code asks hasattr() or getattr(..., default) of "
             "this stateful parametrization in training after an earlier compiled frame of the call read "
             "it (across a graph break, or from a module compiled on its own): torch.compile's guards "
@@ -466,12 +469,6 @@ class _ReadOnce(SiteDescriptor):
     def __delete__(self, module: nn.Module) -> None:
         if module.__dict__.pop(self.name, _MISSING) is _MISSING:
             raise AttributeError(self.name)
-
-
-class _RefusedWhileCompiling(FoldError, AssertionError):
-    """A :class:`FoldError` raised from code dynamo runs for real while it compiles: dynamo passes
-    an ``AssertionError`` on as it is, where it re-raises any other exception as an
-    ``InternalTorchDynamoError`` that keeps only its message."""
 
 
 def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> type:

@@ -178,7 +178,14 @@ def _restore() -> None:
             values[name] = value
 
 
+#: Called as dynamo's compile ends, after the new code's guards were checked on the frame
+#: (``paramfold.compile_reads`` drops its marks there).
+END_HOOKS: list[Callable[[], None]] = []
+
+
 def _on_compile_end(args: object = None) -> None:
+    for hook in END_HOOKS:
+        hook()
     if local.swapped:
         _restore_after(getattr(args, "compile_id", None))
     if local.marks:

@@ -66,6 +66,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
+from paramfold import compile_reads as reads
 from paramfold import hooknorms, site_values, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
@@ -107,6 +108,7 @@ _LOCK = threading.RLock()
 _OPENED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 _MISSING = object()
 _COMPILE_STARTS = leaves.START_CALLBACKS
+_MARKED = reads.MARKED
 
 
 class _Local(threading.local):
@@ -144,7 +146,10 @@ _fx_tracing = _fx_tracing_reader(_fx)
 def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
     """Open a call scope of ``entry``: what :func:`_close` takes, or None where ``entry`` was
     restored since its call found it prepared (restore holds the lock throughout, so a call waits
-    for one under way in another thread and sees the whole model prepared or restored)."""
+    for one under way in another thread and sees the whole model prepared or restored), or ``()``
+    where another thread compiles code that read its modules with no scope of theirs open
+    (:mod:`paramfold.compile_reads`): the call then runs with no scope, each value computed where
+    it is read, as stock's."""
     grad = torch.is_grad_enabled()
     # What the values are computed under: scope_nested.context(), written out (no Python frame
     # per call while autocast is off).
@@ -154,6 +159,8 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
         state = entry.__dict__.get(STATE_ATTR)
         if state is None:
             return None
+        if _MARKED and reads.read_elsewhere(state.holders):
+            return ()
         CALLS[0] += 1
         if nested.Installs.partial:  # a nested check built without a value this call puts back
             nested.Installs.count += 1
@@ -1069,6 +1076,8 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     opened = _outside_dynamo(_open, self) if dynamo else _open(self)
     if opened is None:
         return _as_restored(self, *args, **kwargs)
+    if not opened:
+        return module_call(self, *args, **kwargs)
     previous, claimed = opened
     snapshot = nested.local.snapshot
     # Run eagerly (no dynamo callback, no compiled call): its nested calls will check what
@@ -1157,7 +1166,7 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     dynamo = _eval_frame_callback() is not None
     opened = _outside_dynamo(_open, module) if dynamo else _open(module)
-    if opened is None:  # restored meanwhile: the call stock's _wrapped_call_impl makes
+    if not opened:  # restored meanwhile (None), or no scope now (()): the call stock's _wrapped_call_impl makes
         return compiled(*args, **kwargs)
     previous, claimed = opened
     stopped = False
