@@ -757,3 +757,30 @@ def test_a_chain_member_s_own_parameters_in_a_layer_called_twice_are_held_to_the
     torch.manual_seed(1)
     pt.assert_equivalent(Twice(), torch.randn(5, 8), mode, steps=2,
                          compile={"backend": "aot_eager"} if compiled else None)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm_eval"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_hook_based_norm_in_a_layer_called_twice_is_held_to_the_order_paramfold_sums_in(mode, norm, compiled):
+    # Regression: paramfold computes a hook-based norm's weight once per forward (its hook out
+    # meanwhile), and both calls of the layer read it: the originals' (weight_g, weight_v)
+    # gradients are summed once, bitwise those of stock computing the weight once per forward.
+    # The checker's reference copy computed it at each call, as stock's hook does, and failed
+    # the correct model on "grad of 'b.weight_g' ... differs from stock (bitwise)".
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            norm_of = nn.utils.weight_norm if norm == "weight_norm" else nn.utils.spectral_norm
+            self.b = norm_of(nn.Linear(8, 8))
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.b(x)))
+
+    model = Twice()
+    if norm == "spectral_norm_eval":
+        model.eval()
+    torch.manual_seed(1)
+    pt.assert_equivalent(model, torch.randn(5, 8), mode, steps=2,
+                         compile={"backend": "aot_eager"} if compiled else None)

@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import paramfold
 from paramfold.compute import has_parametrizations, original_names
 from paramfold.held import global_generator_states, set_global_generator_states
-from paramfold.hooknorms import hook_norms
+from paramfold import hooknorms
 from paramfold.sites import parametrization_paths
 from paramfold.testing.compare import (
     BITWISE,
@@ -583,8 +583,9 @@ def _compare_step(
 
 @contextlib.contextmanager
 def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
-    """Counts, for each parametrized module of ``model`` (by path), how many times the block
-    called it or read one of its parametrized tensors, whichever is more: stock computes a tensor
+    """Counts, for each parametrized module of ``model`` and each with a hook-based norm (by
+    path), how many times the block called it or read one of its parametrized tensors, whichever
+    is more: stock computes a tensor
     at every read (its ``ParametrizationList`` is called), so a forward that reads a module's
     weight directly besides calling it (a tied output projection) reads it twice. Calls during
     backward (a checkpointed region's recomputation) are not counted: they replay the forward's."""
@@ -604,6 +605,8 @@ def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
         handles.append(module.register_forward_pre_hook(counter(path, path)))
         for name, plist in module.parametrizations.items():
             handles.append(plist.register_forward_pre_hook(counter(path, (path, name))))
+    for path, module in dict.fromkeys((path, module) for path, module, _, _ in _hook_norms(model)):
+        handles.append(module.register_forward_pre_hook(counter(path, (path, "hook-based norm"))))
     try:
         yield counts
     finally:
@@ -621,13 +624,24 @@ def _originals_of(model: nn.Module, paths: set[str]) -> set[int]:
     """The ids of the originals of the parametrized modules at ``paths``, and of the parameters
     of their chains' members (a LoRA member's ``A`` and ``B``): every tensor whose gradient sums
     one term per computation of the value."""
-    return {
+    found = {
         id(tensor)
         for path, module in _parametrized(model)
         if path in paths
         for plist in module.parametrizations.values()
         for tensor in _chain_tensors(plist)
     }
+    for path, module, hook, kind in _hook_norms(model):
+        if path in paths:
+            found.update(id(tensors[key]) for _, tensors, key in hooknorms.originals(module, hook, kind))
+    return found
+
+
+def _hook_norms(model: nn.Module) -> list[tuple[str, nn.Module, Any, str]]:
+    """``(path, module, hook, kind)`` of every hook-based norm paramfold serves in ``model``."""
+    inside = parametrization_paths(model)
+    return [(path, module, hook, kind) for path, module in model.named_modules() if path not in inside
+            for _, hook, kind in hooknorms.hook_norms(module)]
 
 
 def _chain_tensors(plist: nn.Module) -> list[torch.Tensor]:
@@ -697,7 +711,7 @@ def _compare_reads(
         for path, module in stock.named_modules():
             if path in inside:
                 continue
-            for _, hook, kind in hook_norms(module):
+            for _, hook, kind in hooknorms.hook_norms(module):
                 # A plain attribute torch's pre-hook writes at each call of the module.
                 where = f"{path}.{hook.name}" if path else hook.name
                 where = f"{where} (hook-based {kind})"
@@ -788,7 +802,8 @@ def _once_per_forward(model: nn.Module) -> Iterator[None]:
     at each read (so a gradient hook registered on a read acts on that read's gradient only, as
     in stock). A chain whose computation moves its buffers (spectral_norm's power iteration in
     training) gives its first read that value and computes again at each later read; one that
-    draws random numbers is computed at every read instead. So the gradients of the originals
+    draws random numbers is computed at every read instead. A hook-based norm's tensor is
+    computed once per forward too, where it moves no buffer. So the gradients of the originals
     are summed in paramfold's order, from stock's values."""
     plists = [m for _, module in _parametrized(model) for m in module.parametrizations.values()]
     plists += [m for m in model.modules() if isinstance(m, parametrize.ParametrizationList) and m not in plists]
@@ -822,6 +837,15 @@ def _once_per_forward(model: nn.Module) -> Iterator[None]:
                 return value
         return forward
 
+    # A hook-based norm that moves no buffer (weight_norm; spectral_norm in eval) is computed
+    # once too, and each call of its module gets a view of that value, where stock's hook
+    # computes it at every call. (In training, spectral_norm's hook runs at each call in both.)
+    hooked: list[tuple[nn.Module, int, Any]] = []
+    for _, module, hook, kind in _hook_norms(model):
+        if kind == "weight_norm" or not module.training:
+            key = next(k for k, h in module._forward_pre_hooks.items() if h is hook)
+            hooked.append((module, key, hook))
+            module._forward_pre_hooks[key] = _serving(hook.name, hooknorms.compute(module, hook, kind))
     for plist in plists:
         plist.__dict__["forward"] = once(plist)
     try:
@@ -829,6 +853,15 @@ def _once_per_forward(model: nn.Module) -> Iterator[None]:
     finally:
         for plist in plists:
             plist.__dict__.pop("forward", None)
+        for module, key, hook in hooked:
+            module._forward_pre_hooks[key] = hook
+
+
+def _serving(name: str, value: torch.Tensor) -> Callable[[nn.Module, Any], None]:
+    """A forward pre-hook that sets ``module.<name>`` to a view of ``value`` at each call."""
+    def serve(module: nn.Module, args: Any) -> None:
+        setattr(module, name, value.view_as(value))
+    return serve
 
 
 #: A chain's buffer versions, torch's global CPU generator state and its own generators' states.
