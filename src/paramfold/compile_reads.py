@@ -74,7 +74,9 @@ class ReadByCompile:
 
 def read_by_this_compile(module: nn.Module, state: ModuleState) -> None:
     """Mark ``module`` read by this thread's compile; where another thread's open call holds
-    values in it, wait for that call to end (new claims wait for the compile meanwhile)."""
+    values in it, wait for that call to end (calls opened meanwhile by other threads install
+    nothing, :func:`read_elsewhere`, unless they share a call still open: that can outlast the
+    wait, which then refuses the compile)."""
     if leaves.on_compile_start not in leaves.START_CALLBACKS:  # (torch._dynamo.reset() clears them)
         leaves.ensure_registered()  # its end callback drops the marks
     me = threading.get_ident()
