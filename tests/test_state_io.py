@@ -314,7 +314,7 @@ def test_a_compile_that_another_threads_open_call_keeps_waiting_is_refused_and_c
     compiled = torch.compile(_times_two, backend="eager")
     try:
         assert ours.inside.wait(30)
-        with pytest.raises(paramfold.FoldError, match="another thread"):
+        with pytest.raises(paramfold.FoldError, match="calls of that model from other threads hold"):
             compiled(ours, x)
     finally:
         ours.go.set()
@@ -380,6 +380,91 @@ def test_a_call_while_another_thread_compiles_a_function_that_read_the_model_run
         for output in (results["out"], expected):
             output.square().sum().backward()
         assert_same_nested(_grads(stock), _grads(ours.inner))
+
+
+class _ReadsDirectly(nn.Module):
+    """Reads its first layer's weight itself (``F.linear(x, inner[0].weight)``, as a tied weight
+    is read); eagerly, a call from a thread named in ``gates`` first sets that gate's ``inside``
+    and waits for its ``go``."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.gates = {name: (threading.Event(), threading.Event()) for name in ("B", "C")}
+
+    def forward(self, x):
+        if not torch.compiler.is_dynamo_compiling() and threading.current_thread().name in self.gates:
+            inside, go = self.gates[threading.current_thread().name]
+            inside.set()
+            assert go.wait(30)
+        layer = self.inner[0]
+        return nn.functional.linear(x, layer.weight, layer.bias)
+
+
+@pytest.mark.parametrize("other", ["no_grad", "grad"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_call_made_during_a_compile_and_outlasting_it_reads_no_values_a_later_call_installs(monkeypatch, mode, other):
+    # Regression (a hunt of the change that made calls during another thread's compile run with
+    # no scope): such a call, still running when the compile ended, was counted nowhere, so a
+    # third thread's call opened a scope and installed its values, which the first call's forward
+    # then read directly (a no_grad call's values: no gradient for the originals, silently; a grad
+    # call's: "Trying to backward through the graph a second time"). Now no call installs values
+    # while one runs with no scope on the same modules: the later call waits for it
+    # (compile_reads.WAIT_S), then runs with no scope too.
+    from paramfold import compile_reads
+
+    monkeypatch.setattr(compile_reads, "WAIT_S", 0.2)
+    stock, ours = small_net("weight_norm"), paramfold.prepare(_ReadsDirectly(small_net("weight_norm")), mode)
+    x = _input()
+    entered, leave = threading.Event(), threading.Event()
+
+    def pausing_backend(gm, example_inputs):
+        entered.set()
+        assert leave.wait(30)
+        return gm.forward
+
+    results: dict = {}
+
+    def call(name: str, grad: bool) -> None:
+        with torch.set_grad_enabled(grad):
+            out = ours(x)
+        if grad:
+            out.sum().backward()
+        results[name] = out.detach()
+
+    b = threading.Thread(target=call, args=("B", True), name="B")
+    c = threading.Thread(target=call, args=("C", other == "grad"), name="C")
+
+    def during_the_compile():
+        assert entered.wait(30)
+        b.start()  # runs with no scope, and waits in its forward
+        assert ours.gates["B"][0].wait(30)
+        leave.set()
+
+    conductor = threading.Thread(target=during_the_compile)
+    conductor.start()
+    try:
+        with torch.no_grad():
+            torch.compile(_times_two, backend=pausing_backend)(ours, x)
+        c.start()  # the compile has ended; B's call is still open
+        assert ours.gates["C"][0].wait(30)
+        ours.gates["B"][1].set()
+        b.join(30)
+    finally:
+        leave.set()
+        for _, go in ours.gates.values():
+            go.set()
+        for thread in (conductor, b, c):
+            if thread.is_alive() or thread.ident is not None:
+                thread.join(30)
+    assert not any(thread.is_alive() for thread in (conductor, b, c))
+    layer = stock[0]
+    expected = nn.functional.linear(x, layer.weight, layer.bias)
+    expected.sum().backward()
+    if other == "grad":
+        nn.functional.linear(x, layer.weight, layer.bias).sum().backward()
+    assert torch.equal(results["B"], expected.detach()) and torch.equal(results["C"], expected.detach())
+    assert_same_nested(_grads(stock), _grads(ours.inner))
 
 
 @pytest.mark.parametrize(("first", "second"), [("inference_mode", "no_grad"), ("no_grad", "inference_mode")])

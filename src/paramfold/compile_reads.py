@@ -41,8 +41,11 @@ from paramfold.state import STATE_ATTR, ModuleState
 
 #: The attribute dynamo reads of each module it takes into a trace (torch 2.13-2.15).
 ATTRIBUTE = "_is_fsdp_managed_module"
-#: How long a compile waits for another thread's open call of a module it reads to end.
+#: How long a compile waits for another thread's open call of a module it reads to end, and a
+#: call for another thread's call that runs with no scope on its modules.
 WAIT_S = 2.0
+#: How long a compile waits for the scope lock (``paramfold.calls_lock()``, a writer may hold it).
+LOCK_WAIT_S = 30.0
 #: id(module) -> the ident of the thread whose compile read it. Read without the lock on every
 #: call (empty: nothing to check); written under the scope lock.
 MARKED: dict[int, int] = {}
@@ -75,30 +78,37 @@ class ReadByCompile:
 def read_by_this_compile(module: nn.Module, state: ModuleState) -> None:
     """Mark ``module`` read by this thread's compile; where another thread's open call holds
     values in it, wait for that call to end (calls opened meanwhile by other threads install
-    nothing, :func:`read_elsewhere`, unless they share a call still open: that can outlast the
+    nothing, :func:`unscoped`, unless they share a call still open: that can outlast the
     wait, which then refuses the compile)."""
     if leaves.on_compile_start not in leaves.START_CALLBACKS:  # (torch._dynamo.reset() clears them)
         leaves.ensure_registered()  # its end callback drops the marks
     me = threading.get_ident()
     lock = leaves.scope_lock()
-    deadline = time.monotonic() + WAIT_S
+    start = time.monotonic()
     while True:
-        # (Bounded: a thread holding the lock may be waiting for this compile to end.)
-        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            try:
-                MARKED[id(module)] = me
-                if not _values_of_another_call(module, state):
-                    return
-            finally:
-                lock.release()
-        if time.monotonic() >= deadline:
+        # Bounded: a thread holding the lock may be waiting for this compile to end (a writer
+        # holding paramfold.calls_lock() that calls a compiled model needing a compile).
+        if not lock.acquire(timeout=max(0.0, start + LOCK_WAIT_S - time.monotonic())):
+            raise RefusedWhileCompiling(
+                f"torch.compile is tracing a {type(module).__name__} of a prepared model, and another "
+                f"thread has held paramfold.calls_lock() for {LOCK_WAIT_S:g} s (a writer, or a call "
+                "that waits for this compile): call again once it is let go."
+            )
+        try:
+            MARKED[id(module)] = me
+            if not _values_of_another_call(module, state):
+                return
+        finally:
+            lock.release()
+        if time.monotonic() >= start + WAIT_S:
             raise RefusedWhileCompiling(
                 f"torch.compile is tracing a {type(module).__name__} of a prepared model on this thread "
-                "while a call of that model from another thread holds its values in the module: the "
-                f"compiled code would be traced on that call's values, and that call did not end in "
-                f"{WAIT_S:g} s. Call again once the other thread's call has ended, compile the model "
-                "itself (torch.compile(model) or model.compile(): its calls open their own scope), or "
-                "give each thread its own copy.deepcopy(model)."
+                "while calls of that model from other threads hold their values in the module: the "
+                "compiled code would be traced on those values, and for "
+                f"{WAIT_S:g} s there was no moment without one (calls of other threads that share them "
+                "overlap). Compile while no other thread calls the model (a warm-up call first), "
+                "compile the model itself (torch.compile(model) or model.compile(): its calls open "
+                "their own scope), or give each thread its own copy.deepcopy(model)."
             )
         time.sleep(0.001)
 
@@ -112,25 +122,87 @@ def _values_of_another_call(module: nn.Module, state: ModuleState) -> bool:
     return not any(holder is module for holder in leaves.claimed_holders(leaves.local.claims))
 
 
-def read_elsewhere(holders: Iterable[nn.Module]) -> bool:
+class _Local(threading.local):
+    #: The calls with no scope open on this thread (its own nested calls wait for none of them).
+    bare: int = 0
+
+
+local = _Local()
+#: How many calls with no scope run now, in all threads (read without the lock on every call).
+BARE = [0]
+
+
+class Bare:
+    """What :func:`paramfold.scope._open` answers where a call must run with no scope (falsy, as
+    no scope is): the call counts on each holder's ``bare`` until :meth:`end`, so that no other
+    call installs values under it while it runs, wherever its forward reads them (a tied weight
+    read directly: ``F.linear(x, self.layer.weight)``)."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self, holders: Iterable[nn.Module]) -> None:  # (under the scope lock)
+        self.holders = tuple(holders)
+        for holder in self.holders:
+            holder.__dict__[STATE_ATTR].bare += 1
+        BARE[0] += 1
+        local.bare += 1
+
+    def __bool__(self) -> bool:
+        return False
+
+    def end(self) -> None:
+        with leaves.scope_lock():
+            for holder in self.holders:
+                state = holder.__dict__.get(STATE_ATTR)
+                if state is not None and state.bare:  # (gone: restored meanwhile)
+                    state.bare -= 1
+            BARE[0] -= 1
+        local.bare -= 1
+
+
+def wait_for_bare(holders: list[nn.Module]) -> None:
+    """Before a call claims ``holders`` (without the scope lock): let the calls of other threads
+    that run with no scope on them end first (up to ``WAIT_S``; past that the call runs with no
+    scope too), unless another thread's compile reads them now (the call runs with none then)."""
+    if local.bare:
+        return
+    deadline = time.monotonic() + WAIT_S
+    while any(getattr(holder.__dict__.get(STATE_ATTR), "bare", 0) for holder in holders) and time.monotonic() < deadline:
+        if MARKED and any(id(holder) in MARKED for holder in holders) and _compiling_elsewhere():
+            return
+        time.sleep(0.001)
+
+
+def unscoped(holders: list[nn.Module]) -> bool:
     """Whether a call that claims ``holders`` must run with no scope (asked under the scope lock,
-    where :data:`MARKED` is not empty): another thread compiles now, and its compile read one of
-    them while no call scope held any (where one does, the call is claimed as any overlapping call
-    is: shared or refused, :mod:`paramfold.scope`). Drops the marks of compiles that ended."""
+    where :data:`MARKED` is not empty or :data:`BARE` counts a call): another call runs with no
+    scope on them (:func:`wait_for_bare` waited for it), or another thread compiles now and its
+    compile read one of them while no call scope held any (where one does, the call is claimed
+    as any overlapping call is: shared or refused, :mod:`paramfold.scope`). Drops the marks of
+    compiles that ended."""
+    if BARE[0] and any(holder.__dict__[STATE_ATTR].bare for holder in holders):
+        return True
+    if not MARKED:
+        return False
     me = threading.get_ident()
     if torch._guards.CompileContext.try_get() is None:  # this thread's own: ended
         for key in [key for key, ident in MARKED.items() if ident == me]:
             del MARKED[key]
     if not any(MARKED.get(id(holder), me) != me for holder in holders):
         return False
-    if _compile_lock.acquire(blocking=False):  # no other thread compiles: their marks are old
-        try:
-            for key in [key for key, ident in MARKED.items() if ident != me]:
-                del MARKED[key]
-        finally:
-            _compile_lock.release()
+    if not _compiling_elsewhere():  # their marks are old
+        for key in [key for key, ident in MARKED.items() if ident != me]:
+            del MARKED[key]
         return False
     return not any(holder.__dict__[STATE_ATTR].users for holder in holders)
+
+
+def _compiling_elsewhere() -> bool:
+    """Whether another thread holds dynamo's compile lock now (compiles a frame)."""
+    if not _compile_lock.acquire(blocking=False):
+        return True
+    _compile_lock.release()
+    return False
 
 
 def _drop_own_marks() -> None:

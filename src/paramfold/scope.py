@@ -108,7 +108,7 @@ _LOCK = threading.RLock()
 _OPENED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
 _MISSING = object()
 _COMPILE_STARTS = leaves.START_CALLBACKS
-_MARKED = reads.MARKED
+_MARKED, _BARE = reads.MARKED, reads.BARE
 
 
 class _Local(threading.local):
@@ -146,21 +146,24 @@ _fx_tracing = _fx_tracing_reader(_fx)
 def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
     """Open a call scope of ``entry``: what :func:`_close` takes, or None where ``entry`` was
     restored since its call found it prepared (restore holds the lock throughout, so a call waits
-    for one under way in another thread and sees the whole model prepared or restored), or ``()``
-    where another thread compiles code that read its modules with no scope of theirs open
+    for one under way in another thread and sees the whole model prepared or restored), or a
+    falsy :class:`~paramfold.compile_reads.Bare` where another thread compiles code that read its
+    modules with no scope of theirs open, or a call of another thread runs with no scope on them
     (:mod:`paramfold.compile_reads`): the call then runs with no scope, each value computed where
-    it is read, as stock's."""
+    it is read, as stock's, and ends it."""
     grad = torch.is_grad_enabled()
     # What the values are computed under: scope_nested.context(), written out (no Python frame
     # per call while autocast is off).
     context = (grad, autocast_state() if _any_autocast() else None,
                mode_stack() if _function_modes() or _dispatch_modes() else None)
+    if _BARE[0] and (state := entry.__dict__.get(STATE_ATTR)) is not None:
+        reads.wait_for_bare(state.holders)  # (outside the lock)
     with _LOCK:
         state = entry.__dict__.get(STATE_ATTR)
         if state is None:
             return None
-        if _MARKED and reads.read_elsewhere(state.holders):
-            return ()
+        if (_MARKED or _BARE[0]) and reads.unscoped(state.holders):
+            return reads.Bare(state.holders)
         CALLS[0] += 1
         if nested.Installs.partial:  # a nested check built without a value this call puts back
             nested.Installs.count += 1
@@ -1077,7 +1080,10 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if opened is None:
         return _as_restored(self, *args, **kwargs)
     if not opened:
-        return module_call(self, *args, **kwargs)
+        try:
+            return module_call(self, *args, **kwargs)
+        finally:
+            opened.end()
     previous, claimed = opened
     snapshot = nested.local.snapshot
     # Run eagerly (no dynamo callback, no compiled call): its nested calls will check what
@@ -1166,8 +1172,13 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     dynamo = _eval_frame_callback() is not None
     opened = _outside_dynamo(_open, module) if dynamo else _open(module)
-    if not opened:  # restored meanwhile (None), or no scope now (()): the call stock's _wrapped_call_impl makes
+    if opened is None:  # restored meanwhile: the call stock's _wrapped_call_impl makes
         return compiled(*args, **kwargs)
+    if not opened:  # no scope now (compile_reads.Bare)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            opened.end()
     previous, claimed = opened
     stopped = False
     try:

@@ -410,6 +410,9 @@ class ModuleState:
     #: names installed, and under what another thread's call may share them (``scope._shareable``:
     #: None where it may not, else the autocast state they were computed under).
     users: int = 0
+    #: For holders: how many calls (of any thread) run with no scope now, each value computed
+    #: where it is read (``paramfold.compile_reads.Bare``): no call installs values meanwhile.
+    bare: int = 0
     installed: tuple[str, ...] = ()
     shareable: tuple | None = None
     #: Hook-based norms' hooks taken out of ``_forward_pre_hooks`` while values are installed,
