@@ -759,6 +759,35 @@ def test_a_chain_member_s_own_parameters_in_a_layer_called_twice_are_held_to_the
                          compile={"backend": "aot_eager"} if compiled else None)
 
 
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_chain_member_shared_by_layers_called_out_of_module_order_is_held_to_the_order_paramfold_sums_in(mode):
+    # Regression: one LoRA member registered on every layer (Tied-LoRA), the layers called in
+    # reverse: paramfold computes each weight at the forward's start, in module order, so the
+    # shared A and B sum their gradient terms in that order (bitwise stock's under
+    # parametrize.cached() in module order); the checker allowed that only for tied originals,
+    # and failed the correct model on "grad of 'ls.0.parametrizations.weight.0.A' ... differs".
+    from helpers import LoRA
+    from torch.nn.utils import parametrize
+
+    class Reversed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            shared = LoRA(8, 8, rank=2)
+            for layer in self.layers:
+                parametrize.register_parametrization(layer, "weight", shared)
+                layer.parametrizations.weight.original.requires_grad_(False)
+
+        def forward(self, x):
+            for layer in reversed(self.layers):
+                x = x + torch.tanh(layer(x))
+            return x
+
+    torch.manual_seed(1)
+    pt.assert_equivalent(Reversed(), torch.randn(5, 8), mode, steps=2)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
 @pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm_eval"])
 @pytest.mark.parametrize("mode", ["hoist", "auto"])

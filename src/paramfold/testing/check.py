@@ -942,15 +942,16 @@ def _reordered_originals(model: nn.Module) -> set[int]:
 
 
 def _tied_originals(model: nn.Module) -> set[int]:
-    """Originals shared by several sites."""
+    """Originals shared by several sites, and the parameters of chain members several sites share
+    (one LoRA pair or scale registered on several layers: Tied-LoRA)."""
     users: dict[int, int] = {}
     inside = parametrization_paths(model)
     for path, module in model.named_modules():
         if path in inside or not has_parametrizations(module):
             continue
         for plist in module.parametrizations.values():
-            for name in original_names(plist):
-                users[id(getattr(plist, name))] = users.get(id(getattr(plist, name)), 0) + 1
+            for key in set(map(id, _chain_tensors(plist))):
+                users[key] = users.get(key, 0) + 1
     return {key for key, count in users.items() if count > 1}
 
 
