@@ -964,12 +964,19 @@ def plain_base(module: nn.Module) -> type:
     ``FSDPModule`` mixin), so here the stock class is found in the MRO and replaced there:
     ``FSDPLinear(FSDPModule, Linear)``, one class shared by all such modules.
     """
-    cls = type(module)
-    names = set(module._modules["parametrizations"]._modules) if "parametrizations" in module._modules else set()
-    stock = next((c for c in cls.__mro__ if names and all(type(vars(c).get(n)) is property for n in names)), None)
+    cls, stock = type(module), parametrized_class(module)
     if stock is None or stock is cls:
         return parametrize.type_before_parametrizations(module)
     return rebased(cls, stock, stock.__bases__[0])
+
+
+def parametrized_class(module: nn.Module) -> type | None:
+    """The per-instance class stock ``parametrize`` made for ``module`` (with a property for each
+    parametrized tensor): its class, or the base of a wrapper a library made of it since (FSDP2's
+    ``FSDPParametrizedLinear(FSDPModule, ParametrizedLinear)``); None where it has none."""
+    names = set(module._modules["parametrizations"]._modules) if "parametrizations" in module._modules else set()
+    return next((c for c in type(module).__mro__ if names and all(type(vars(c).get(n)) is property for n in names)),
+                None)
 
 
 # Run eagerly when dynamo meets them as frames of their own (a frame it falls back on calls

@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import hooknorms
-from paramfold.classes import (between_class, injected_by_torch, install_type_before_parametrizations, plain_base,
-                               prepared_class, read_once_class)
+from paramfold.classes import (between_class, injected_by_torch, install_type_before_parametrizations, parametrized_class,
+                               plain_base, prepared_class, read_once_class)
 from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.freeze import refuse_unfreezable
@@ -265,7 +265,8 @@ def _selected(filter_fn: FilterFn | None, module: nn.Module, fqn: str) -> bool:
 def _refuse_unsupported(site: Site) -> None:
     if site.hook_based:
         return
-    cls = type(site.module)
+    # (Stock's class: a wrapper class made of it since, FSDP2's, is kept by paramfold's classes.)
+    cls = parametrized_class(site.module) or type(site.module)
     extra = _not_stocks(cls, set(site.module.parametrizations))
     if extra or not isinstance(site.module.parametrizations[site.tensor_name], parametrize.ParametrizationList):
         raise FoldError(
