@@ -467,6 +467,42 @@ def test_a_call_made_during_a_compile_and_outlasting_it_reads_no_values_a_later_
     assert_same_nested(_grads(stock), _grads(ours.inner))
 
 
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_restore_while_another_thread_compiles_a_function_that_read_the_model_waits_for_that_compile(mode):
+    # Regression (2026-12-06 hunt): restore made while dynamo compiled a function around the
+    # prepared model on another thread took the modules' state away before dynamo built that
+    # code's guards on them: its InternalTorchDynamoError "KeyError: '_paramfold'". Now restore
+    # waits for such a compile to end (paramfold.compile_reads.switching).
+    stock, ours = twin_nets("weight_norm", mode)
+    x = _input()
+    entered, leave = threading.Event(), threading.Event()
+
+    def pausing_backend(gm, example_inputs):
+        entered.set()
+        assert leave.wait(30)
+        return gm.forward
+
+    restored = threading.Event()
+
+    def restore_during_the_compile():
+        assert entered.wait(30)
+        paramfold.restore(ours)
+        restored.set()
+
+    thread = threading.Thread(target=restore_during_the_compile)
+    thread.start()
+    threading.Timer(0.3, leave.set).start()  # restore has waited meanwhile
+    try:
+        out = torch.compile(_times_two, backend=pausing_backend)(ours, x)
+    finally:
+        leave.set()
+        thread.join(30)
+    assert restored.is_set() and not any("_paramfold" in m.__dict__ for m in ours.modules())
+    out.square().sum().backward()
+    _times_two(stock, x).square().sum().backward()
+    assert_same_nested(_grads(stock), _grads(ours))
+
+
 @pytest.mark.parametrize(("first", "second"), [("inference_mode", "no_grad"), ("no_grad", "inference_mode")])
 @pytest.mark.parametrize("kind", ["weight_norm", "hook_weight_norm"])
 @pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])

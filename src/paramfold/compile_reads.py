@@ -27,9 +27,10 @@ no more, the others' where it can take the compile lock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -219,3 +220,28 @@ def _drop_own_marks() -> None:
 
 
 leaves.END_HOOKS.append(_drop_own_marks)
+
+
+@contextlib.contextmanager
+def switching(modules: list[nn.Module]) -> Iterator[None]:
+    """The scope lock, held while ``restore`` switches ``modules`` back, taken once no compile of
+    another thread reads them (dynamo would build that code's guards on modules whose state is
+    gone: its ``KeyError: '_paramfold'``). Waits for such a compile to end, up to ``LOCK_WAIT_S``."""
+    lock = leaves.scope_lock()
+    start = time.monotonic()
+    while True:
+        lock.acquire()
+        me = threading.get_ident()
+        if not (MARKED and any(MARKED.get(id(m), me) != me for m in modules) and _compiling_elsewhere()):
+            break
+        lock.release()
+        if not _compile_lock.acquire(timeout=max(0.0, start + LOCK_WAIT_S - time.monotonic())):
+            raise FoldError(
+                f"another thread has been compiling code that reads this model for {LOCK_WAIT_S:g} s: "
+                "restore it once that compile has ended; the model was not changed."
+            )
+        _compile_lock.release()
+    try:
+        yield
+    finally:
+        lock.release()

@@ -5,11 +5,12 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold import compile_reads as reads
 from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.freeze import release
 from paramfold.rebase import rebased
-from paramfold.scope import busy, calls_lock
+from paramfold.scope import busy
 from paramfold.state import STATE_ATTR, installed_keys, state_of
 
 
@@ -33,7 +34,8 @@ def restore(model: nn.Module) -> nn.Module:
     # Atomic for calls, which open their scopes under the same lock: a call made meanwhile in
     # another thread waits, then runs on the model prepared (this refused) or restored, not on a
     # module whose paramfold state is gone while its class is still paramfold's.
-    with calls_lock():
+    # Likewise for a compile in another thread that reads the model (paramfold.compile_reads).
+    with reads.switching(list(model.modules())):
         return _restore(model)
 
 
