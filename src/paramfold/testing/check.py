@@ -165,7 +165,8 @@ def assert_equivalent(
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
     and rate ``lr``, or a 1% shrink where there is none; then every gradient is set to ``None``,
     as ``zero_grad()`` does), so stale hoisted or frozen values
-    would show; before each step and after the last every parametrized tensor is also read as an
+    would show from the second step on: with the default ``steps=1`` no forward runs after an
+    update, so pass ``steps=2`` or more to check freshness; before each step and after the last every parametrized tensor is also read as an
     attribute outside any forward (parametrizations in eval mode) and must equal stock's, and so
     must the ``module.weight`` a hook-based ``weight_norm``/``spectral_norm`` keeps (in stock the
     value of the layer's last call: a layer a call skips keeps it, where hoist and auto compute it
