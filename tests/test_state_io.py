@@ -906,14 +906,23 @@ class _WaitsSeen:
     def __init__(self, lock):
         self.lock, self.waited = lock, threading.Event()
 
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self.lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.waited.set()
+        return self.lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+
     def __enter__(self):
-        if not self.lock.acquire(blocking=False):
-            self.waited.set()
-            self.lock.acquire()
+        self.acquire()
         return self
 
     def __exit__(self, *exc):
-        self.lock.release()
+        self.release()
 
 
 def _until_blocked(lock: _WaitsSeen, thread: threading.Thread, *also: threading.Event) -> None:
