@@ -245,6 +245,19 @@ def test_a_call_while_another_thread_compiles_claims_the_values_like_any_overlap
         assert torch.equal(compiled(x), stock(x))
 
 
+def _held_compile():
+    """A ``torch.compile`` backend that holds the compile open: once dynamo has traced (and holds
+    its compile lock), it sets ``entered`` and waits for ``leave``. ``(backend, entered, leave)``."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def pausing_backend(gm, example_inputs):
+        entered.set()
+        assert leave.wait(30)
+        return gm.forward
+
+    return pausing_backend, entered, leave
+
+
 class _PausedEagerly(PausedOffMain):
     """:class:`PausedOffMain` whose pause is left out where dynamo traces it: a function compiled
     around the model inlines it whole (no graph break at the thread check)."""
@@ -338,12 +351,7 @@ def test_a_call_while_another_thread_compiles_a_function_that_read_the_model_run
         pytest.skip("freeze serves no grad calls of a trainable model")
     stock, ours = _paused_twins("weight_norm", mode, eval_only=mode == "freeze")
     x = _input()
-    entered, leave = threading.Event(), threading.Event()
-
-    def pausing_backend(gm, example_inputs):
-        entered.set()  # dynamo has read the model, and holds its compile lock
-        assert leave.wait(30)
-        return gm.forward
+    pausing_backend, entered, leave = _held_compile()
 
     results: dict = {}
 
@@ -416,12 +424,7 @@ def test_a_call_made_during_a_compile_and_outlasting_it_reads_no_values_a_later_
     monkeypatch.setattr(compile_reads, "WAIT_S", 0.2)
     stock, ours = small_net("weight_norm"), paramfold.prepare(_ReadsDirectly(small_net("weight_norm")), mode)
     x = _input()
-    entered, leave = threading.Event(), threading.Event()
-
-    def pausing_backend(gm, example_inputs):
-        entered.set()
-        assert leave.wait(30)
-        return gm.forward
+    pausing_backend, entered, leave = _held_compile()
 
     results: dict = {}
 
@@ -475,12 +478,7 @@ def test_restore_while_another_thread_compiles_a_function_that_read_the_model_wa
     # waits for such a compile to end (paramfold.compile_reads.switching).
     stock, ours = twin_nets("weight_norm", mode)
     x = _input()
-    entered, leave = threading.Event(), threading.Event()
-
-    def pausing_backend(gm, example_inputs):
-        entered.set()
-        assert leave.wait(30)
-        return gm.forward
+    pausing_backend, entered, leave = _held_compile()
 
     restored = threading.Event()
 
@@ -1427,12 +1425,7 @@ def test_reads_while_another_thread_compiles_are_stocks_reads(recwarn):
     # (torch.compiler.is_compiling() is process-wide in eager code) was computed as in traced
     # code, bypassing stock's parametrize.cached(): inside a cached() block a training
     # spectral_norm read twice ran its power iteration twice (stock: once) and gave two values.
-    entered, leave = threading.Event(), threading.Event()
-
-    def pausing_backend(gm, example_inputs):
-        entered.set()
-        assert leave.wait(30)
-        return gm.forward
+    pausing_backend, entered, leave = _held_compile()
 
     other = torch.compile(lambda t: t * 2, backend=pausing_backend)
     thread = threading.Thread(target=other, args=(torch.ones(2),))
