@@ -81,8 +81,7 @@ def read_by_this_compile(module: nn.Module, state: ModuleState) -> None:
     values in it, wait for that call to end (calls opened meanwhile by other threads install
     nothing, :func:`unscoped`, unless they share a call still open: that can outlast the
     wait, which then refuses the compile)."""
-    if leaves.on_compile_start not in leaves.START_CALLBACKS:  # (torch._dynamo.reset() clears them)
-        leaves.ensure_registered()  # its end callback drops the marks
+    leaves.ensure_registered()  # its end callback drops the marks (torch._dynamo.reset() clears it)
     me = threading.get_ident()
     lock = leaves.scope_lock()
     start = time.monotonic()
@@ -187,13 +186,11 @@ def unscoped(holders: list[nn.Module]) -> bool:
         return False
     me = threading.get_ident()
     if torch._guards.CompileContext.try_get() is None:  # this thread's own: ended
-        for key in [key for key, ident in MARKED.items() if ident == me]:
-            del MARKED[key]
+        _drop_marks(mine=True)
     if not any(MARKED.get(id(holder), me) != me for holder in holders):
         return False
     if not _compiling_elsewhere():  # their marks are old
-        for key in [key for key, ident in MARKED.items() if ident != me]:
-            del MARKED[key]
+        _drop_marks(mine=False)
         return False
     return not any(holder.__dict__[STATE_ATTR].users for holder in holders)
 
@@ -206,15 +203,20 @@ def _compiling_elsewhere() -> bool:
     return False
 
 
+def _drop_marks(mine: bool) -> None:
+    """Drop this thread's marks (``mine``) or every other thread's (under the scope lock)."""
+    me = threading.get_ident()
+    for key in [key for key, ident in MARKED.items() if (ident == me) is mine]:
+        del MARKED[key]
+
+
 def _drop_own_marks() -> None:
     """Dynamo's compile ended on this thread (its end callback): what it read is read."""
     if MARKED:
         lock = leaves.scope_lock()
         if lock.acquire(blocking=False):  # (else the next call that finds them drops them)
             try:
-                me = threading.get_ident()
-                for key in [key for key, ident in MARKED.items() if ident == me]:
-                    del MARKED[key]
+                _drop_marks(mine=True)
             finally:
                 lock.release()
 

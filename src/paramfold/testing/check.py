@@ -708,16 +708,12 @@ def _compare_reads(
                     _set_rng_state(rng)
                     compare(f"{where} read outside forward{at}", ours, getattr(s, name), tol)
                     _set_rng_state(rng)
-        inside = parametrization_paths(stock)
-        for path, module in stock.named_modules():
-            if path in inside:
-                continue
-            for _, hook, kind in hooknorms.hook_norms(module):
-                # A plain attribute torch's pre-hook writes at each call of the module.
-                where = f"{path}.{hook.name}" if path else hook.name
-                where = f"{where} (hook-based {kind})"
-                ours = getattr(candidate.get_submodule(path), hook.name, None)
-                compare(f"{where} read outside forward{at}", ours, getattr(module, hook.name, None), tol)
+        for path, module, hook, kind in _hook_norms(stock):
+            # A plain attribute torch's pre-hook writes at each call of the module.
+            where = f"{path}.{hook.name}" if path else hook.name
+            where = f"{where} (hook-based {kind})"
+            ours = getattr(candidate.get_submodule(path), hook.name, None)
+            compare(f"{where} read outside forward{at}", ours, getattr(module, hook.name, None), tol)
     finally:
         _set_rng_state(rng)
         for m, training in flags:
