@@ -413,13 +413,20 @@ class _Branch(nn.Module):
         return self.a(x) if int(self.n) % 2 else self.b(x)
 
 
+@pytest.mark.parametrize("trainable", [False, True])
 @pytest.mark.parametrize("mode", ["hoist", "auto"])
-def test_a_hook_based_norms_weight_attribute_is_compared_outside_forward(mode):
-    model, x = _Branch(), torch.randn(3, 4)
+def test_a_hook_based_norms_weight_attribute_is_compared_outside_forward(mode, trainable):
+    model, x = _Branch().requires_grad_(trainable), torch.randn(3, 4)
     with torch.no_grad():
         model.a(x), model.b(x)
-    # step 2 calls b only: stock's a.weight stays step 1's, the prepared copy's is step 2's
-    with pytest.raises(AssertionError, match=r"a\.weight \(hook-based weight_norm\) read outside forward after step 2 differs"):
+    if trainable:
+        # Step 1 calls a only: stock's b.weight stays the no_grad value from before, the
+        # prepared copy's is step 1's, which requires grad.
+        reported = r"b\.weight \(hook-based weight_norm\) read outside forward before step 2: prepared requires grad, stock does not"
+    else:
+        # Step 2 calls b only: stock's a.weight stays step 1's, the prepared copy's is step 2's.
+        reported = r"a\.weight \(hook-based weight_norm\) read outside forward after step 2 differs"
+    with pytest.raises(AssertionError, match=reported):
         pt.assert_equivalent(model, x, mode, steps=2)
     pt.assert_equivalent(model, x, "inline", steps=3)
 
@@ -813,3 +820,81 @@ def test_a_hook_based_norm_in_a_layer_called_twice_is_held_to_the_order_paramfol
     torch.manual_seed(1)
     pt.assert_equivalent(model, torch.randn(5, 8), mode, steps=2,
                          compile={"backend": "aot_eager"} if compiled else None)
+
+
+def _serving_its_first_value(monkeypatch) -> None:
+    """paramfold.prepare made to serve each parametrized Linear's weight as it was at prepare: a
+    stale value, which the checker must see once the originals change between steps."""
+    prepare, restore = paramfold.prepare, paramfold.restore
+
+    def stale_prepare(model, *args, **kwargs):
+        out = prepare(model, *args, **kwargs)
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and paramfold.find(module):
+                with torch.no_grad():
+                    first = module.weight.detach().clone()
+                module.forward = lambda x, m=module, w=first: nn.functional.linear(x, w, m.bias)
+        return out
+
+    def stale_restore(model, *args, **kwargs):
+        for module in model.modules():
+            module.__dict__.pop("forward", None)
+        return restore(model, *args, **kwargs)
+
+    monkeypatch.setattr(paramfold, "prepare", stale_prepare)
+    monkeypatch.setattr(paramfold, "restore", stale_restore)
+
+
+def _spectral_frozen() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(spectral_norm(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 3)).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto", "hoist"])
+def test_a_stale_value_of_a_scale_invariant_chain_is_seen_when_originals_change_without_gradients(monkeypatch, mode):
+    # Originals without a gradient were all shrunk by 1% between steps, and spectral_norm's W/sigma(W)
+    # does not change under a uniform scaling: within a tolerance, a stale value passed.
+    pt.assert_equivalent(_spectral_frozen(), torch.randn(4, 6), mode, steps=2, atol=1e-6, rtol=1e-6)
+    _serving_its_first_value(monkeypatch)
+    with pytest.raises(AssertionError, match="output at step 2 differs from stock"):
+        pt.assert_equivalent(_spectral_frozen(), torch.randn(4, 6), mode, steps=2, atol=1e-6, rtol=1e-6)
+
+
+def test_the_between_step_change_of_originals_without_gradients_is_the_same_on_every_copy_and_not_uniform():
+    from paramfold.testing.check import _update
+
+    models = [_spectral_frozen() for _ in range(3)]
+    original = models[0][0].parametrizations.weight.original.clone()
+    _update(models[0], models[1:], lr=1e-3)
+    changed = [m[0].parametrizations.weight.original for m in models]
+    assert all(torch.equal(changed[0], other) for other in changed[1:])
+    ratio = changed[0] / original
+    # more than rounding apart (a uniform shrink leaves spectral_norm's W/sigma(W) as it was)
+    assert ratio.max() - ratio.min() > 1e-3 and ratio.min() > 0.97 and ratio.max() <= 1.0
+
+
+@pytest.mark.parametrize("mode", ["freeze", "hoist"])
+def test_an_output_that_requires_grad_where_stocks_does_not_is_seen(monkeypatch, mode):
+    # A prepared output carrying a graph where stock's carries none (stock's y.numpy() works, the
+    # prepared one's raises) passed: requires_grad of outputs was not compared.
+    prepare, restore = paramfold.prepare, paramfold.restore
+    handles = []
+
+    def leaky_prepare(model, *args, **kwargs):
+        out = prepare(model, *args, **kwargs)
+        extra = nn.Parameter(torch.zeros(()))
+        handles.append(model.register_forward_hook(lambda module, inputs, output: output + 0 * extra))
+        return out
+
+    def leaky_restore(model, *args, **kwargs):
+        while handles:
+            handles.pop().remove()
+        return restore(model, *args, **kwargs)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 3)).eval().requires_grad_(False)
+    pt.assert_equivalent(model, torch.randn(4, 6), mode, steps=2)
+    monkeypatch.setattr(paramfold, "prepare", leaky_prepare)
+    monkeypatch.setattr(paramfold, "restore", leaky_restore)
+    with pytest.raises(AssertionError, match=r"output( at step \d)?: prepared requires grad, stock does not"):
+        pt.assert_equivalent(model, torch.randn(4, 6), mode, steps=2)

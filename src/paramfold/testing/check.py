@@ -163,7 +163,8 @@ def assert_equivalent(
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
     Between steps every floating parameter and parametrized buffer is updated in place on both
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
-    and rate ``lr``, or a 1% shrink where there is none; then every gradient is set to ``None``,
+    and rate ``lr``, or where there is none a shrink of each element by its own factor in (0.98, 1], drawn
+    by the checker's own generator (not uniform: a stale value of a scale-invariant chain, spectral_norm's, shows); then every gradient is set to ``None``,
     as ``zero_grad()`` does), so stale hoisted or frozen values
     would show from the second step on: with the default ``steps=1`` no forward runs after an
     update, so pass ``steps=2`` or more to check freshness; before each step and after the last every parametrized tensor is also read as an
@@ -893,6 +894,10 @@ def _compare_rng(left: tuple[Any, ...], after: tuple[Any, ...], at: str) -> None
             )
 
 
+#: Seeds the checker's own generator of the between-step shrink factors.
+_SHRINK_SEED = 0x5EED
+
+
 def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
     """The same in-place step on ``stock`` and ``others``, driven by ``stock``'s gradients."""
 
@@ -900,6 +905,10 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
         originals = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("original")]
         return [*model.parameters(), *originals]
 
+    # Where there is no gradient, each element shrinks by its own factor in (0.98, 1]: a uniform
+    # shrink leaves scale-invariant chains (spectral_norm's W/sigma(W), a direction v/|v|) as they
+    # were, so a stale value of theirs would pass within any tolerance.
+    shrink = torch.Generator().manual_seed(_SHRINK_SEED)
     with torch.no_grad():
         for reference, *copies in zip(tensors(stock), *map(tensors, others)):
             # (A tensor subclass made of others, a torchao quantized base weight, may have no
@@ -907,11 +916,15 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
             if not reference.is_floating_point() or (reference.grad is None and is_traceable_wrapper_subclass(reference)):
                 continue
             grad = reference.grad
+            factors = None
+            if grad is None:
+                factors = 1 - 0.02 * torch.rand(reference.shape, generator=shrink)
+                factors = factors.to(reference.dtype).to(reference.device)
             for tensor in (reference, *copies):
                 if grad is not None:
                     tensor.add_(grad, alpha=-lr)
                 else:
-                    tensor.mul_(0.99)
+                    tensor.mul_(factors)
     # Then zero_grad(set_to_none=True), as a training loop does: each step's gradients are its
     # own. (Accumulated into the last step's, a compiled candidate and stock compiled afresh from
     # the same state, the reference where eager stock differs, round them differently: two

@@ -223,7 +223,7 @@ def compare(
     sides: tuple[str, str] = SIDES,
 ) -> None:
     """Two tensors within ``tol`` (as ``torch.testing.assert_close``: shape, dtype and device
-    too). Exact (:data:`BITWISE`) means bit for bit: ``-0.0`` is not ``0.0``, a NaN equals only
+    too, and whether they require grad). Exact (:data:`BITWISE`) means bit for bit: ``-0.0`` is not ``0.0``, a NaN equals only
     the same NaN, and the strides of dimensions longer than one must match (stock and prepared
     run the same operations eagerly)."""
     mine, theirs = sides
@@ -232,6 +232,11 @@ def compare(
             state = ("None", "a tensor") if actual is None else ("a tensor", "None")
             raise AssertionError(f"{what}: {mine} has {state[0]}, {theirs} has {state[1]}")
         return
+    if actual.requires_grad != expected.requires_grad:
+        # (One that carries a graph where stock's carries none keeps that graph alive, and its
+        # .numpy() raises; one that carries none breaks the caller's backward.)
+        state = ("requires grad", "does not") if actual.requires_grad else ("does not require grad", "does")
+        raise AssertionError(f"{what}: {mine} {state[0]}, {theirs} {state[1]}")
     if _is_subclass(actual) or _is_subclass(expected):
         # e.g. torchao's Int8Tensor: compare its plain inner tensors and metadata instead.
         if type(actual) is not type(expected):
