@@ -804,3 +804,38 @@ def test_compiled_call_impl_read_by_no_python_frame_answers_like_stock():
     finally:
         sys.unraisablehook = saved
     assert failures == []
+
+
+class _ScoredLayer(nn.Module):
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return self.layer(x).square().sum()
+
+
+@pytest.mark.parametrize("norm", ["parametrize", "hook"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_training_spectral_norm_under_inductor_gets_eagers_gradient_from_hoist_and_auto(norm, mode):
+    # torch 2.13's min-cut partitioner recomputes the power iteration's new u in the backward from
+    # the _v buffer the forward overwrote (pytorch/pytorch#197039): stock compiled with inductor
+    # is off by 0.29 of 9.1 here (README "Notes and limits"). hoist and auto run the chain
+    # eagerly, outside the graph the partitioner splits, so their gradient is eager stock's.
+    from torch.nn.utils import spectral_norm as hook_spectral_norm
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    wrap = spectral_norm if norm == "parametrize" else hook_spectral_norm
+    stock = _ScoredLayer(wrap(nn.Linear(4, 4))).train()
+    ours = copy.deepcopy(stock)
+    x = torch.randn(3, 4)
+    stock(x).backward()
+    paramfold.prepare(ours, mode)
+    torch._dynamo.reset()
+    torch.compile(ours, backend="inductor")(x).backward()
+    paramfold.restore(ours)
+    for name, expected in grads(stock).items():
+        # inductor may reorder the graph's own arithmetic (linear, square, sum): float32 rounding
+        torch.testing.assert_close(grads(ours)[name], expected, rtol=1e-5, atol=1e-5)
+    _assert_same_tensors(dict(ours.named_buffers()), dict(stock.named_buffers()))
