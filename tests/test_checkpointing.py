@@ -345,3 +345,78 @@ def test_a_region_inside_the_forward_around_a_compiled_block_is_refused_loudly(m
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises((paramfold.FoldError, torch.utils.checkpoint.CheckpointError)):
         model(x).sum().backward()
+
+
+# --- a hook-based norm's layer checkpointed inside the prepared model's call -----------------
+
+
+def _hook_weight_norm() -> nn.Module:
+    return torch.nn.utils.weight_norm(nn.Linear(4, 4))
+
+
+def _hook_spectral_norm_eval() -> nn.Module:
+    return torch.nn.utils.spectral_norm(nn.Linear(4, 4)).eval()
+
+
+class _HookedRegion(nn.Module):
+    """A hook-based norm's layer checkpointed (``use_reentrant=False``) inside the forward, the
+    way HiFi-GAN-style code checkpoints its blocks; ``selective``: with torchtitan's policy."""
+
+    def __init__(self, layer, selective: bool = False, calls: int = 1) -> None:
+        super().__init__()
+        self.a = layer()
+        self.b = nn.Linear(4, 4)
+        self.selective = selective
+        self.calls = calls
+
+    def region(self, t: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.calls):
+            t = torch.tanh(self.a(t))
+        return t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _selective(self.region, x) if self.selective else checkpoint(self.region, x, use_reentrant=False)
+        return self.b(y)
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+@pytest.mark.parametrize("selective", [False, True], ids=["plain", "selective"])
+@pytest.mark.parametrize("layer", [_hook_weight_norm, _hook_spectral_norm_eval], ids=["weight_norm", "spectral_norm-eval"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_based_norms_layer_checkpointed_inside_the_call_equal_to_stock(mode, layer, selective, calls):
+    # Regression (hoist, auto): the forward was served the call's value with torch's hook taken
+    # out; the recomputation, after the call, ran that hook, computing the weight with autograd
+    # inside the region: torch's CheckpointError about recomputed metadata at backward.
+    def build() -> nn.Module:  # (built twice: torch's weight_norm leaves a weight deepcopy refuses)
+        torch.manual_seed(0)
+        return _HookedRegion(layer, selective, calls)
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    hooks = list(ours.a._forward_pre_hooks.items())
+    expected, found = _steps(stock, lambda m, x: m(x)), _steps(ours, lambda m, x: m(x))
+    if calls == 1 or mode == "inline":
+        assert_same_nested(expected, found)
+    else:
+        # Called twice, the layer is served one value per call: its two gradients sum before the
+        # norm's backward, not after (README, Notes and limits): the originals' last bit, and
+        # from the step they update on, everything's.
+        (y, x_grad, grads, state), (y_, x_grad_, grads_, state_) = expected[0], found[0]
+        assert_same_nested((y, x_grad, state), (y_, x_grad_, state_))
+        torch.testing.assert_close(grads_, grads, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(found[1:], expected[1:], rtol=1e-5, atol=1e-6)
+    assert list(ours.a._forward_pre_hooks.items()) == hooks  # torch's hook back in its place
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_training_hook_based_spectral_norm_checkpointed_inside_the_call_is_refused_at_backward(mode):
+    # stock's recomputation runs the power iteration again inside the region, which a value
+    # computed once per call cannot reproduce (as for torch's parametrization: read_outside_scope).
+    torch.manual_seed(0)
+    ours = paramfold.prepare(_HookedRegion(lambda: torch.nn.utils.spectral_norm(nn.Linear(4, 4))), mode)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    y = ours(torch.randn(3, 4))
+    after_forward = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(paramfold.FoldError, match=r"a\.weight .*called again while torch\.utils\.checkpoint"):
+        y.sum().backward()
+    assert_same_nested(after_forward, dict(ours.state_dict()))  # the refused recomputation ran no iteration
+    assert not torch.equal(before["a.weight_u"], after_forward["a.weight_u"])  # (the forward's one did)

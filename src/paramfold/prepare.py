@@ -422,6 +422,7 @@ def _plan(
         # auto serves what neither freeze nor hoist can serve exactly the way inline does.
         site_mode = "inline" if mode == "auto" and _read_by_read(site, mode) else mode
         hs.sites[site.tensor_name] = ss = state_for(site, site_mode, freeze_check)
+        hs.hook_sites = hs.hook_sites or ss.hook is not None
         if site_mode != "inline":  # inline's getter runs the chain at each read, as stock does
             ss.draw_watch = watch_draws(ss)
             ss.state_sharers, ss.sharers_in_eval = sharers.get(id(site), ((), False))

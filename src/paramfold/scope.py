@@ -67,6 +67,7 @@ from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
 from paramfold import compile_reads as reads
+from paramfold import hooknorm_regions as hook_regions
 from paramfold import hooknorms, site_values, unread
 from paramfold import scope_nested as nested
 from paramfold.compute import any_autocast as _any_autocast
@@ -1270,6 +1271,10 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
             # claims them as its own entry would (shares them, or is refused), rather than
             # reading them as they are (without their autograd history, or another autocast's).
             return _answered(self, functools.partial(_scoped_compiled_call, self, self._call_impl))
+        if state.hook_sites and _saved_tensors_hooks(True) is not None:  # a checkpoint's recomputation?
+            replayed = hook_regions.replay(self, state)
+            if replayed is not None:
+                return _answered(self, replayed)
         return None
     if local.opened is self:
         local.opened = None
@@ -1281,26 +1286,31 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         # nested check, a process-wide count of changed inputs), each change a recompile. (Asked
         # only of modules with hooks: an eager call of one without pays no frame for it.)
         return None
+    state = self.__dict__[STATE_ATTR]
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     context = nested.local.context
-    check = self.__dict__[STATE_ATTR].nested_check
+    check = state.nested_check
+    unchanged = False
     if (check is not None and check[0] == nested.Installs.count and not check[6] and not parametrize._cache_enabled
             and context[0] is _grad_enabled() and context[1] is None and not _any_autocast()
             and context[2] is None and not _function_modes() and not _dispatch_modes()):
         try:
             if all(map(is_, map(getitem, check[1], check[2]), check[3])) and list(map(len, check[4])) == check[5]:
                 snap, plain, ids = nested.local.snapshot, check[7], check[8]
-                if snap is None:
-                    return None
-                if (list(map(snap[0].__getitem__, check[11])) == list(map(getattr, check[9], check[10]))
-                        and list(map(snap[1].__getitem__, ids)) == list(map(_data_ptr, plain))
-                        and (not check[12] or list(map(snap[2].__getitem__, check[13])) == list(map(tag, check[12])))):
-                    return None
+                unchanged = snap is None or (
+                    list(map(snap[0].__getitem__, check[11])) == list(map(getattr, check[9], check[10]))
+                    and list(map(snap[1].__getitem__, ids)) == list(map(_data_ptr, plain))
+                    and (not check[12] or list(map(snap[2].__getitem__, check[13])) == list(map(tag, check[12]))))
         except (LookupError, RuntimeError):
             pass
-    call = self._call_impl
-    wrapped = _nested(self, call)
-    return None if wrapped is call else _answered(self, wrapped)
+    answer = None
+    if not unchanged:
+        call = self._call_impl
+        wrapped = _nested(self, call)
+        answer = None if wrapped is call else _answered(self, wrapped)
+    if state.hooks_out and _saved_tensors_hooks(True) is not None:  # inside a checkpoint region?
+        hook_regions.note(self, state, served=answer is None)
+    return answer
 
 
 def _set_compiled_call_impl(self: nn.Module, value: Callable | None) -> None:

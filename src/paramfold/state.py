@@ -418,6 +418,9 @@ class ModuleState:
     #: Hook-based norms' hooks taken out of ``_forward_pre_hooks`` while values are installed,
     #: and the dict's key order to put them back in (``hooknorms.detach`` / ``attach``).
     hooks_out: tuple = ()
+    #: Whether a site is a hook-based norm's (what a checkpointed region's recomputation may
+    #: replay: ``paramfold.hooknorm_regions``).
+    hook_sites: bool = False
     #: Hook-based norms' values of the last call, ``(name, value)``, taken out of ``__dict__``
     #: while their hooks run in a call (``scope._install``), put back if the call ended first.
     left: tuple = ()

@@ -1,0 +1,123 @@
+"""A hook-based norm's layer called inside a non-reentrant ``torch.utils.checkpoint`` region of a
+prepared model's call: the region's recomputation replays the value the call served.
+
+Inside a call scope, the layer of a hook-based ``weight_norm``/``spectral_norm`` is served the
+value the scope computed before the call, with torch's hook taken out (:mod:`paramfold.hooknorms`).
+A non-reentrant region recomputes its forward during backward, after the call ended and the hook
+went back in: torch's hook would then compute the weight inside the region, with autograd, saving
+tensors its forward never saved (torch's ``CheckpointError`` about recomputed metadata).
+
+So the forward notes on the region's frame each eager call of such a layer and whether its value
+was served (:func:`note`), and in the recomputation the call of a served one (:func:`replay`) runs
+with the hook out and the value computed again without autograd, outside the region's dispatch
+modes (selective checkpointing's cache refuses ops its forward never ran), a leaf that requires
+grad where the forward's value did: the recomputation only refills the region's saved tensors,
+and the gradient flows through the graph the forward's value recorded, as for a parametrization
+(``classes.read_outside_scope``). A training spectral_norm is refused there: stock's hook runs
+its power iteration again in the recomputation, which a value computed once per call cannot
+reproduce.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+
+from paramfold import hooknorms
+from paramfold.compute import checkpoint_frame
+from paramfold.errors import FoldError
+from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.state import ModuleState, SiteState, tensor_label
+
+#: The attribute of a ``torch.utils.checkpoint`` frame that holds, per ``(id(layer), name)``, one
+#: entry per call of the layer in the region's forward: whether the value was served.
+_CALLS = "_paramfold_hook_calls"
+#: ... and ``(pack hook, {key: calls replayed})`` of the recomputation under way (each backward
+#: runs one of its own, under a pack hook of its own).
+_REPLAYED = "_paramfold_hook_replayed"
+
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_MISSING = object()
+
+
+def note(module: nn.Module, state: ModuleState, served: bool) -> None:
+    """At an eager call of ``module`` inside a call scope (where a saved-tensors hook is set):
+    where that is a non-reentrant region's forward, note for each hook-based norm of ``module``
+    whether this call is served the scope's value (``served``: the nested check found nothing
+    changed, and its hook is out) or computes it in the region."""
+    region = checkpoint_frame()
+    if region is None or region[0] is None or region[1]:
+        return
+    pre_hooks = module._forward_pre_hooks.values()
+    calls = None
+    for name, site in state.sites.items():
+        if site.hook is not None:
+            if calls is None:
+                calls = region[0].__dict__.setdefault(_CALLS, {})
+            calls.setdefault((id(module), name), []).append(served and not any(h is site.hook for h in pre_hooks))
+
+
+def replay(module: nn.Module, state: ModuleState) -> Callable[..., Any] | None:
+    """At an eager call of ``module`` with no call scope over it (where a saved-tensors hook is
+    set): in a non-reentrant region's recomputation, where the matching call of its forward was
+    served, the call that replays it; else None (the call runs as stock's)."""
+    region = checkpoint_frame()
+    if region is None or region[0] is None or not region[1]:
+        return None
+    notes = region[0].__dict__
+    calls = notes.get(_CALLS)
+    if not calls:
+        return None
+    pack = _top_saved_tensors_hooks(True)[0]
+    replayed = notes.get(_REPLAYED)
+    if replayed is None or replayed[0] is not pack:
+        replayed = notes[_REPLAYED] = (pack, {})
+    served = []
+    for name, site in state.sites.items():
+        key = (id(module), name)
+        if site.hook is None or key not in calls:
+            continue
+        i = replayed[1][key] = replayed[1].get(key, -1) + 1
+        if i < len(calls[key]) and calls[key][i]:
+            served.append((name, site))
+    return functools.partial(_replayed_call, module, served) if served else None
+
+
+def _replayed_call(module: nn.Module, served: list[tuple[str, SiteState]], *args: Any, **kwargs: Any) -> Any:
+    """The call of ``module`` with the values of ``served`` computed again (no autograd) and
+    their hooks out, each put back as it was after."""
+    for name, site in served:
+        if site.hook_kind == "spectral_norm" and module.training:
+            raise FoldError(
+                f"{tensor_label(module, name)}: a hook-based spectral_norm in training mode is called again "
+                "while torch.utils.checkpoint(use_reentrant=False) recomputes its forward; stock's hook would "
+                "run the power iteration again inside the checkpointed region, which a value computed once per "
+                "call cannot reproduce. Prepare this module with mode='inline' (filter_fn), checkpoint with "
+                "use_reentrant=True, or call model.eval()."
+            )
+    with torch.no_grad(), _disable_current_modes():
+        values = {name: hooknorms.compute(module, site.hook, site.hook_kind) for name, site in served}
+    hooks = [site.hook for _, site in served]
+    taken = hooknorms.detach(module, [k for k, h in module._forward_pre_hooks.items() if any(h is x for x in hooks)])
+    before = {name: module.__dict__.get(name, _MISSING) for name in values}
+    try:
+        for name, site in served:
+            needs_grad = any(d[k].requires_grad for d, k in site.originals)
+            module.__dict__[name] = values[name].requires_grad_(needs_grad)
+        return module._call_impl(*args, **kwargs)
+    finally:
+        for name, value in before.items():
+            if value is _MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+        hooknorms.attach(module, *taken)
+
+
+# paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
+run_module_eagerly_as_frames(globals())
