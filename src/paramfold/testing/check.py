@@ -163,8 +163,9 @@ def assert_equivalent(
     spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
     Between steps every floating parameter and parametrized buffer is updated in place on both
     copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
-    and rate ``lr``, or where there is none a shrink of each element by its own factor in (0.98, 1], drawn
-    by the checker's own generator (not uniform: a stale value of a scale-invariant chain, spectral_norm's, shows); then every gradient is set to ``None``,
+    and rate ``lr``, or where there is none a shrink of each element by a factor of its own in
+    (0.98, 1], drawn by the checker's own generator: not uniform, so a stale value of a
+    scale-invariant chain, spectral_norm's, shows; then every gradient is set to ``None``,
     as ``zero_grad()`` does), so stale hoisted or frozen values
     would show from the second step on: with the default ``steps=1`` no forward runs after an
     update, so pass ``steps=2`` or more to check freshness; before each step and after the last every parametrized tensor is also read as an
