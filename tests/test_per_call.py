@@ -804,3 +804,90 @@ def test_a_discriminator_whose_requires_grad_is_switched_at_every_step_is_served
             assert_same_tensors(outs[1][2], outs[0][2], step)
             assert_same_tensors(dict(ours.named_buffers()), dict(stock.named_buffers()), step)
     assert len(builds) == built and len(claims) == 16
+
+
+def _hook_normed(layers: int, trainable: bool) -> nn.Module:
+    """``layers`` Linear(8, 8) with torch's hook-based weight_norm (vocoders', codecs'), in eval."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[torch.nn.utils.weight_norm(nn.Linear(8, 8)) for _ in range(layers)])
+    return model.eval().requires_grad_(trainable)
+
+
+_HOOK_MODES = [("hoist", True), ("auto", True), ("auto", False), ("freeze", False)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode,trainable", _HOOK_MODES)
+def test_steady_calls_of_hook_based_norms_are_served_by_a_plan(mode, trainable, compiled, plan_counts):
+    # Regression (issue 9): a module with a hook-based norm took the general path at every call
+    # (its plan refused hook-based norms) and tried to build a plan again at each: about 50
+    # Python calls per site, 1.9x stock's steady call on `paramfold bench --model weight_norm_hooks`.
+    claims, builds = plan_counts
+    stock, ours = _hook_normed(8, trainable), paramfold.prepare(_hook_normed(8, trainable), mode)
+    fn = torch.compile(ours, backend="eager") if compiled else ours
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for call in range(8):
+            if call == 3:
+                claims.clear()
+                built = len(builds)
+            assert torch.equal(fn(x), stock(x)), call
+            for layer, stock_layer in zip(ours, stock):  # the value left as stock leaves it, the hook back in
+                assert torch.equal(layer.weight, stock_layer.weight)
+                assert [type(h) for h in layer._forward_pre_hooks.values()] == [importlib.import_module("torch.nn.utils.weight_norm").WeightNorm]
+    assert len(builds) == built and len(claims) == 5
+    torch._dynamo.reset()
+
+
+def _scale_v(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[0].weight_v.mul_(1.5)
+
+
+def _replace_g(model: nn.Module) -> None:
+    model[0].weight_g = nn.Parameter(model[0].weight_g.detach() * 3, requires_grad=model[0].weight_g.requires_grad)
+
+
+def _scaling_pre_hook(model: nn.Module) -> None:
+    def hook(module, args):
+        with torch.no_grad():
+            module.weight_v.mul_(0.5)  # after the norm's hook in stock: this call's weight is the last v's
+
+    model[0].register_forward_pre_hook(hook)
+
+
+def _hook_setting(model: nn.Module) -> None:
+    model[0]._forward_pre_hooks[next(iter(model[0]._forward_pre_hooks))].dim = -1  # the norm over the whole tensor
+
+
+@pytest.mark.parametrize("change", [_scale_v, _replace_g, _scaling_pre_hook, _hook_setting],
+                         ids=["v-in-place", "g-replaced", "pre-hook-added", "hook-setting"])
+@pytest.mark.parametrize("mode,trainable", _HOOK_MODES)
+def test_a_change_to_a_hook_based_norm_between_steady_calls_is_followed_like_stock(mode, trainable, change):
+    # What the plan serving hook-based norms holds on: the tensors (in place and replaced), the
+    # hook dict (a user's pre-hook: computed where read, after it, as stock does), the hook's own
+    # settings. Each call bitwise stock's, before and after the change.
+    stock, ours = _hook_normed(2, trainable), paramfold.prepare(_hook_normed(2, trainable), mode)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for call in range(8):
+            if call == 4:
+                change(stock)
+                change(ours)
+            assert torch.equal(ours(x), stock(x)), call
+            assert torch.equal(ours[0].weight, stock[0].weight), call
+
+
+@pytest.mark.parametrize("mode", ["auto", "freeze"])
+def test_steady_python_work_of_frozen_hook_based_norms_does_not_grow_with_the_number_of_layers(mode):
+    # Compiled (eager calls pay the nested check per module called, as for parametrizations):
+    # the plan takes each layer's hook out and puts it back without a Python frame (before: the
+    # general path's ~50 a layer; hooknorms.detach/attach's 6 a layer in a first version).
+    frames = {}
+    for layers in (2, 8):
+        ours = paramfold.prepare(_hook_normed(layers, trainable=False), mode)
+        fn = torch.compile(ours, backend="eager")
+        with torch.no_grad():
+            frames[layers] = _python_frames(fn, torch.randn(3, 8))
+        torch._dynamo.reset()
+    assert frames[2] == frames[8], (frames[8] - frames[2], frames[2] - frames[8])

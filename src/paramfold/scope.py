@@ -81,7 +81,7 @@ from paramfold.freeze import can_freeze, unchanged
 from paramfold.inline import hook_keys, still_exact, sync_refs
 from paramfold.rebase import rebased
 from paramfold.scope_plan import Plan, holds, sites_as_built
-from paramfold.state import (CALLS, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, carries_tangents, distributed,
+from paramfold.state import (CALLS, MISSING, ONCE_ATTR, STATE_ATTR, ModuleState, SiteState, carries_tangents, distributed,
                              kept_values, syncs_before_forward)
 from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
@@ -107,7 +107,7 @@ _LOCK = threading.RLock()
 #: Every entry that opened a scope the general way (by id; every plan is built there): where a
 #: child process made by ``os.fork()`` looks for the holders that calls of other threads claimed.
 _OPENED: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
-_MISSING = object()
+_MISSING = MISSING
 _COMPILE_STARTS = leaves.START_CALLBACKS
 _MARKED, _BARE = reads.MARKED, reads.BARE
 

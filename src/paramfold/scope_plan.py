@@ -30,7 +30,8 @@ from paramfold.freeze import ARMINGS, arm, class_dicts, digest, is_armed, same_a
 from paramfold.freeze import _address
 from paramfold.scope_nested import Installs
 from paramfold.site_values import freezing_now
-from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
+from paramfold import hooknorms
+from paramfold.state import CALLS, MISSING, ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.unread import Copies, fusable, put_back, state_entries
@@ -73,6 +74,7 @@ class Plan:
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count", "freezing", "site_states",
+        "hooked", "hook_dicts", "hook_dict_keys",
     )
 
     @classmethod
@@ -112,6 +114,11 @@ class Plan:
         until: list[int] = []
         missed: list = []
         site_states: list[tuple] = []
+        # Hook-based norms hoisted (not stateful): per holder, its values' dict, ((name, hook, key), ...),
+        # and the key list its _forward_pre_hooks dict has between calls (the norms' hooks only).
+        hooked: list[tuple] = []
+        hook_dicts: list[dict] = []
+        hook_dict_keys: list[list] = []
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
@@ -135,19 +142,19 @@ class Plan:
             hs = holder.__dict__[STATE_ATTR]
             values = holder.__dict__
             scope_class = type(holder)  # its prepared class, or the read-once one (scope._enter_scope_class)
-            if hs.users != 1 or hs.hooks_out or hs.detach_params or (
+            if hs.users != 1 or hs.detach_params or (hs.hooks_out and not _hooks_servable(holder, hs)) or (
                     scope_class is not hs.prepared_class and scope_class is not hs.read_once_class):
                 return None
             if hs.kept and hs.between_class is None:
                 return None
             plists = holder._modules.get("parametrizations")
-            if plists is None:  # hook-based norms only
+            if plists is None and not hs.hooks_out:
                 return None
             # Every dict a site's value is found through, down to its tensors, is checked by its
             # tag (any write changes it): the holder's own __dict__, which the scope writes
             # values to, and the chain members' (hoist reads their attributes live) by the key.
             links.append((values, "_modules", holder._modules))
-            if not pin_dicts([(holder, values), (plists, vars(plists))]):
+            if not pin_dicts([(holder, values), *([(plists, vars(plists))] if plists is not None else [])]):
                 return None
             # Whether its forward is wrapped (decides which of its values are computed where read):
             # the keys of its own __dict__ that set one, and its classes' dicts.
@@ -161,11 +168,54 @@ class Plan:
                     if not all(key in values for key in edit.reads):
                         return None
                     links.extend((values, key, values[key]) for key in edit.reads)
-            structure.update((id(d), d) for d in (holder._modules, plists.__dict__, plists._modules))
+            structure[id(holder._modules)] = holder._modules
+            if plists is not None:
+                structure.update((id(d), d) for d in (plists.__dict__, plists._modules))
+            hooks_here = []
             for name, site in hs.sites.items():
                 # (read_for_one_call: it would keep tensors put in for this call alone, and never hold.)
-                if site.hook is not None or site.read_for_one_call:
+                if site.read_for_one_call:
                     return None
+                if site.hook is not None:
+                    # A hook-based norm hoisted (weight_norm): computed by its hook's own
+                    # compute_weight at each call, its hook out meanwhile, as the general path does
+                    # (scope._install), while nothing that decides that changes: the hook object
+                    # at its key, alone in the dict; its settings; the tensors' dicts.
+                    frozen = site.frozen
+                    if (site.stateful or site.at_read or site.raised or site.subclass or name in hs.installed
+                            or name in hs.kept or (frozen is not None and values.get(name) is not frozen.value)):
+                        return None
+                    site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch,
+                                        site.state_sharers, site.hoist_until, frozen))
+                    if frozen is not None:  # its freshness, as a kept frozen value's below
+                        if not same_armings(frozen) or not pin_dicts(zip(frozen.held, frozen.held_dicts)):
+                            return None
+                        if site.misses or site.demotions:
+                            missed.append(site)
+                        watch.extend(frozen.watch)
+                        kept.append((frozen.value, frozen.value_version, frozen.value_layout, frozen.value_address))
+                        armed.extend(frozen.armed)
+                        armed_checks.extend(frozen.armed_checks)
+                        raw.extend(frozen.raw)
+                        views.extend(frozen.views)
+                        empty.update((id(d), d) for d in frozen.settings_empty)
+                        typed.extend(zip(frozen.members, frozen.member_types))
+                        ordered.extend(frozen.ordered)
+                        settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
+                    else:
+                        if site.hoist_until > CALLS[0]:
+                            until.append(site.hoist_until)
+                        if site.mode != "hoist" or plan.freezing:  # what decides freeze's refusal and auto's choice
+                            flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
+                    if site.draw_watch is not None:
+                        empty.update((id(d), d) for d in site.draw_watch.empty)
+                        settings.update((id(d), (d, then)) for d, then in zip(site.draw_watch.full, site.draw_watch.tags))
+                        switches.extend(zip(site.draw_watch.tensors, site.draw_watch.versions))
+                    structure.update((id(d), d) for d in (vars(site.hook), *site.tensor_dicts))
+                    links.extend((vars(owner), key, d) for owner, key, d in site.dict_pins)
+                    value_links.append((holder._forward_pre_hooks, site.hook_key, site.hook))
+                    hooks_here.append((name, site.hook, site.hook_key, None if frozen is None else frozen.value))
+                    continue
                 plist_dict = site.plist.__dict__
                 structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))
                 links.extend((vars(owner), key, d) for owner, key, d in site.dict_pins if owner is not site.plist)
@@ -262,6 +312,10 @@ class Plan:
                     forward_keys.append((values, name, False))  # computed where read: nothing put there
                 else:
                     return None
+            if hooks_here:
+                hooked.append((holder, hs, values, tuple(hooks_here)))
+                hook_dicts.append(holder._forward_pre_hooks)
+                hook_dict_keys.append(list(hs.hooks_out[1]))
             claimed.append(holder)
             states.append(hs)
             between_calls = hs.between_class or hs.prepared_class
@@ -362,6 +416,9 @@ class Plan:
         plan.watch = Watch((*fixed, *full), (*plan.inputs, *plan.values),
                            previous.watch if previous is not None else None, ids, rooted_after=1, flags_free=len(fixed))
         plan.hoisted = tuple(hoisted)
+        plan.hooked, plan.hook_dicts, plan.hook_dict_keys = tuple(hooked), tuple(hook_dicts), hook_dict_keys
+        # (Empty now, their norms' hooks out: held to hook_dict_keys instead.)
+        plan.pre_hooks_empty = tuple(d for d in plan.pre_hooks_empty if not any(d is h for h in hook_dicts))
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
         plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to = columns(copied, 5)
@@ -384,6 +441,26 @@ class Plan:
             self.missed = ()
         if self.hoisted or self.copied_sites:
             self.compute_hoisted()
+        if self.hooked:
+            self.install_hooked()
+
+    def install_hooked(self) -> None:
+        """Each hook-based norm's value, frozen or computed by its hook's ``compute_weight``, put in
+        its module's ``__dict__`` (the last call's value noted as replaced), then the hooks taken
+        out for the call: what the general path does for them (``scope._install``)."""
+        for holder, hs, values, hooks in self.hooked:
+            replaced = []
+            for name, hook, _, frozen in hooks:
+                value = hook.compute_weight(holder) if frozen is None else frozen
+                replaced.append((name, values.get(name, MISSING)))
+                values[name] = value
+            hs.replaced = tuple(replaced)
+            # hooknorms.detach, written out: the dict holds these hooks alone (holds() checked its keys).
+            pre_hooks = holder._forward_pre_hooks
+            order = tuple(pre_hooks)
+            taken = list(pre_hooks.items())
+            pre_hooks.clear()
+            hs.hooks_out = (taken, order, [])
 
     def enter(self) -> None:
         """:meth:`claim`'s bookkeeping: the holders' classes and claim counts, as the general path leaves them."""
@@ -454,11 +531,30 @@ class Plan:
                         put_back(site)
             _run(map(setattr, self.copied_sites, repeat("before"), repeat(None)))
         _run(map(dict.pop, self.hoisted_dicts, self.hoisted_names, repeat(None)))
+        for holder, hs, _, _ in self.hooked:  # the hooks back in their places; the values stay, as stock's
+            out = hs.hooks_out
+            if out:
+                pre_hooks = holder._forward_pre_hooks
+                if pre_hooks or out[2] or len(out[0]) != len(out[1]):  # hooks registered, or one put back, meanwhile
+                    hooknorms.attach(holder, *out)
+                else:
+                    pre_hooks.update(out[0])
+            hs.hooks_out = hs.replaced = ()
         states = self.states
         _run(map(setattr, states, repeat("users"), repeat(0, len(states))))
         _run(map(setattr, self.installing, repeat("installed"), repeat((), len(self.installing))))
         _run(map(_set_class, self.switched, repeat("__class__"), self.outside))
         return True
+
+
+def _hooks_servable(holder: nn.Module, hs: ModuleState) -> bool:
+    """Whether the hooks the general path took out of ``holder`` for this call are all hook-based
+    norms a plan serves (not stateful: weight_norm), and were the only forward pre-hooks there,
+    with none registered since."""
+    taken, order, prepended = hs.hooks_out
+    served = {id(site.hook) for site in hs.sites.values() if site.hook is not None and not site.stateful}
+    return (not prepended and not holder._forward_pre_hooks and len(taken) == len(order) and not hs.left
+            and all(id(hook) in served for _, hook in taken) and ONCE_ATTR not in holder.__dict__)
 
 
 def _plain_call(module: nn.Module) -> bool:
@@ -509,6 +605,8 @@ def holds(plan: Plan) -> bool:
         if not all(map(is_, map(type, plan.claimed), plan.types)):
             return False
         if any(plan.pre_hooks_empty) or list(map(list, plan.pre_hooks)) != plan.pre_hook_keys:  # one added or removed
+            return False
+        if plan.hook_dicts and list(map(list, plan.hook_dicts)) != plan.hook_dict_keys:  # a hook-based norm's layer's
             return False
         if not all(map(is_, map(getitem, plan.link_dicts, plan.link_keys), plan.links)):  # a kept value replaced
             return False

@@ -23,6 +23,9 @@ STATE_ATTR = "_paramfold"
 #: Where a holder with a stateful hook-based norm keeps its ``hooknorms.ServedOnce`` stand-ins
 #: (instance ``__dict__``), for its read-once class's ``__call__`` and ``forward``.
 ONCE_ATTR = "_paramfold_once"
+#: What a hook-based norm's layer's ``__dict__`` held under the value's name before a call put
+#: this call's there, where it held nothing (``ModuleState.replaced``).
+MISSING = object()
 
 #: How freeze tells that a frozen value's inputs changed (``prepare(..., freeze_check=...)``).
 FREEZE_CHECKS = ("content", "version")
