@@ -133,6 +133,26 @@ class Plan:
                     return False
             return True
 
+        def frozen_checks(site, frozen) -> bool:
+            """What keeps a site's frozen value fresh, collected; False where a plan cannot."""
+            # Armed again since it was frozen (written, then armed for another value frozen
+            # later in the call): the plan reads no count, and takes ARMINGS as it is now.
+            if not same_armings(frozen) or not pin_dicts(zip(frozen.held, frozen.held_dicts)):
+                return False
+            if site.misses or site.demotions:
+                missed.append(site)
+            watch.extend(frozen.watch)
+            kept.append((frozen.value, frozen.value_version, frozen.value_layout, frozen.value_address))
+            armed.extend(frozen.armed)
+            armed_checks.extend(frozen.armed_checks)
+            raw.extend(frozen.raw)
+            views.extend(frozen.views)
+            empty.update((id(d), d) for d in frozen.settings_empty)
+            typed.extend(zip(frozen.members, frozen.member_types))
+            ordered.extend(frozen.ordered)
+            settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
+            return True
+
         for parent in parents:
             structure[id(parent._modules)] = parent._modules
             links.append((vars(parent), "_modules", parent._modules))
@@ -187,21 +207,9 @@ class Plan:
                         return None
                     site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch,
                                         site.state_sharers, site.hoist_until, frozen))
-                    if frozen is not None:  # its freshness, as a kept frozen value's below
-                        if not same_armings(frozen) or not pin_dicts(zip(frozen.held, frozen.held_dicts)):
+                    if frozen is not None:
+                        if not frozen_checks(site, frozen):
                             return None
-                        if site.misses or site.demotions:
-                            missed.append(site)
-                        watch.extend(frozen.watch)
-                        kept.append((frozen.value, frozen.value_version, frozen.value_layout, frozen.value_address))
-                        armed.extend(frozen.armed)
-                        armed_checks.extend(frozen.armed_checks)
-                        raw.extend(frozen.raw)
-                        views.extend(frozen.views)
-                        empty.update((id(d), d) for d in frozen.settings_empty)
-                        typed.extend(zip(frozen.members, frozen.member_types))
-                        ordered.extend(frozen.ordered)
-                        settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     else:
                         if site.hoist_until > CALLS[0]:
                             until.append(site.hoist_until)
@@ -257,24 +265,8 @@ class Plan:
                     # by stock, whose class's property wins, and set aside by the general path.
                     # (Checked apart from the watch, whose guards a value frozen again still fits.)
                     value_links.append((values, name, frozen.value))
-                    # Armed again since it was frozen (written, then armed for another value frozen
-                    # later in the call): the plan reads no count, and takes ARMINGS as it is now.
-                    if not same_armings(frozen):
+                    if not frozen_checks(site, frozen):
                         return None
-                    if site.misses or site.demotions:
-                        missed.append(site)
-                    watch.extend(frozen.watch)
-                    kept.append((frozen.value, frozen.value_version, frozen.value_layout, frozen.value_address))
-                    armed.extend(frozen.armed)
-                    armed_checks.extend(frozen.armed_checks)
-                    raw.extend(frozen.raw)
-                    views.extend(frozen.views)
-                    empty.update((id(d), d) for d in frozen.settings_empty)
-                    typed.extend(zip(frozen.members, frozen.member_types))
-                    if not pin_dicts(zip(frozen.held, frozen.held_dicts)):
-                        return None
-                    ordered.extend(frozen.ordered)
-                    settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
                     if site.stateful:
                         stateful.extend(site.chain)
                 elif name in hs.installed and frozen is None and site.subclass == "":
