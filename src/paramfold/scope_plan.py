@@ -9,7 +9,9 @@ keeps a :class:`Plan`: everything those choices depend on, flattened into parall
 (``operator.is_``, ``attrgetter``, a hash) — and :meth:`Plan.claim` / :meth:`Plan.release` do
 the scope's bookkeeping the same way, so the interpreter runs the same bytecode whether a model
 has 4 sites or 4,000; only the hoisted
-sites' own parametrization calls run per site. A failed check sends the call down the general
+sites' own parametrization calls run per site. A hook-based ``weight_norm`` is served too: its
+value frozen or computed by its hook's ``compute_weight``, its hook taken out for the call and put
+back after it, as the general path does. A failed check sends the call down the general
 path, which rebuilds the plan: the plan makes a call cheaper, never different.
 """
 
@@ -23,6 +25,7 @@ from operator import attrgetter, contains, getitem, is_
 import torch
 from torch import nn
 
+from paramfold import hooknorms
 from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, call_path, calls_its_forward, class_forward,
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
@@ -30,7 +33,6 @@ from paramfold.freeze import ARMINGS, arm, class_dicts, digest, is_armed, same_a
 from paramfold.freeze import _address
 from paramfold.scope_nested import Installs
 from paramfold.site_values import freezing_now
-from paramfold import hooknorms
 from paramfold.state import CALLS, MISSING, ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
@@ -82,7 +84,7 @@ class Plan:
               pre_hooks: tuple[dict, ...] = (), previous: Plan | None = None,
               parents: tuple[nn.Module, ...] = ()) -> Plan | None:
         """The plan of a scope just opened over ``holders`` the general way, or None where some
-        site is not in a steady state (hook-based norms, DTensors, anything recomputed).
+        site is not in a steady state (a stateful hook-based norm, DTensors, anything recomputed).
         ``pre_hooks``: the forward pre-hook dicts whose hooks decided that values are installed;
         ``previous``: the plan this one replaces, whose watch it reuses where that still holds;
         ``parents``: the modules between the entry and ``holders``, whose ``_modules`` hold them
@@ -114,8 +116,9 @@ class Plan:
         until: list[int] = []
         missed: list = []
         site_states: list[tuple] = []
-        # Hook-based norms hoisted (not stateful): per holder, its values' dict, ((name, hook, key), ...),
-        # and the key list its _forward_pre_hooks dict has between calls (the norms' hooks only).
+        # Hook-based norms (not stateful), per holder: (holder, its state, its __dict__, ((name, hook,
+        # key, frozen value or None), ...)), and the key list its _forward_pre_hooks dict has
+        # between calls (the norms' hooks only).
         hooked: list[tuple] = []
         hook_dicts: list[dict] = []
         hook_dict_keys: list[list] = []
@@ -197,7 +200,7 @@ class Plan:
                 if site.read_for_one_call:
                     return None
                 if site.hook is not None:
-                    # A hook-based norm hoisted (weight_norm): computed by its hook's own
+                    # A hook-based norm (weight_norm), frozen or computed by its hook's own
                     # compute_weight at each call, its hook out meanwhile, as the general path does
                     # (scope._install), while nothing that decides that changes: the hook object
                     # at its key, alone in the dict; its settings; the tensors' dicts.
