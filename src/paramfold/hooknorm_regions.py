@@ -32,6 +32,7 @@ from paramfold import hooknorms
 from paramfold.compute import checkpoint_frame
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.freeze import chain_needs_grad
 from paramfold.state import ModuleState, SiteState, tensor_label
 
 #: The attribute of a ``torch.utils.checkpoint`` frame that holds, per ``(id(layer), name)``, one
@@ -107,8 +108,7 @@ def _replayed_call(module: nn.Module, served: list[tuple[str, SiteState]], *args
     before = {name: module.__dict__.get(name, _MISSING) for name in values}
     try:
         for name, site in served:
-            needs_grad = any(d[k].requires_grad for d, k in site.originals)
-            module.__dict__[name] = values[name].requires_grad_(needs_grad)
+            module.__dict__[name] = values[name].requires_grad_(chain_needs_grad(site))
         return module._call_impl(*args, **kwargs)
     finally:
         for name, value in before.items():

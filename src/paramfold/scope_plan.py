@@ -156,6 +156,23 @@ class Plan:
             settings.update((id(d), (d, then)) for d, then in zip(frozen.settings, frozen.settings_then))
             return True
 
+        def hoisted_checks(site) -> bool:
+            """What keeps a hoisted site's choice (freeze and auto: nothing that decides it changed,
+            nor a computed-at-every-call period ended), collected; whether it is made as auto's."""
+            if site.hoist_until > CALLS[0]:  # freeze and auto: computed at every call for now
+                until.append(site.hoist_until)
+            as_auto = site.mode != "hoist" or plan.freezing
+            if as_auto:  # what decides freeze's refusal and auto's choice
+                flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
+            draw_checks(site)
+            return as_auto
+
+        def draw_checks(site) -> None:
+            if site.draw_watch is not None:  # a change has the chain probed for draws again
+                empty.update((id(d), d) for d in site.draw_watch.empty)
+                settings.update((id(d), (d, then)) for d, then in zip(site.draw_watch.full, site.draw_watch.tags))
+                switches.extend(zip(site.draw_watch.tensors, site.draw_watch.versions))
+
         for parent in parents:
             structure[id(parent._modules)] = parent._modules
             links.append((vars(parent), "_modules", parent._modules))
@@ -199,29 +216,23 @@ class Plan:
                 # (read_for_one_call: it would keep tensors put in for this call alone, and never hold.)
                 if site.read_for_one_call:
                     return None
+                frozen = site.frozen
+                site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch, site.state_sharers,
+                                    site.hoist_until, frozen))
                 if site.hook is not None:
                     # A hook-based norm (weight_norm), frozen or computed by its hook's own
                     # compute_weight at each call, its hook out meanwhile, as the general path does
                     # (scope._install), while nothing that decides that changes: the hook object
                     # at its key, alone in the dict; its settings; the tensors' dicts.
-                    frozen = site.frozen
                     if (site.stateful or site.at_read or site.raised or site.subclass or name in hs.installed
                             or name in hs.kept or (frozen is not None and values.get(name) is not frozen.value)):
                         return None
-                    site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch,
-                                        site.state_sharers, site.hoist_until, frozen))
-                    if frozen is not None:
-                        if not frozen_checks(site, frozen):
-                            return None
+                    if frozen is None:
+                        hoisted_checks(site)
+                    elif frozen_checks(site, frozen):
+                        draw_checks(site)
                     else:
-                        if site.hoist_until > CALLS[0]:
-                            until.append(site.hoist_until)
-                        if site.mode != "hoist" or plan.freezing:  # what decides freeze's refusal and auto's choice
-                            flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
-                    if site.draw_watch is not None:
-                        empty.update((id(d), d) for d in site.draw_watch.empty)
-                        settings.update((id(d), (d, then)) for d, then in zip(site.draw_watch.full, site.draw_watch.tags))
-                        switches.extend(zip(site.draw_watch.tensors, site.draw_watch.versions))
+                        return None
                     structure.update((id(d), d) for d in (vars(site.hook), *site.tensor_dicts))
                     links.extend((vars(owner), key, d) for owner, key, d in site.dict_pins)
                     value_links.append((holder._forward_pre_hooks, site.hook_key, site.hook))
@@ -234,9 +245,6 @@ class Plan:
                     return None
                 if len(site.modules) > 1:
                     ordered.append(site.plist._modules)
-                frozen = site.frozen
-                site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch, site.state_sharers,
-                                    site.hoist_until, frozen))
                 if site.mode == "inline":
                     # Computed where it is read, from the dicts its getter keeps in the holder's
                     # __dict__ (pinned by key, as scope's sync_refs puts them); the getter calls
@@ -276,19 +284,10 @@ class Plan:
                     # Hoisted: the same choice next call as long as the originals are the same
                     # tensors (so not DTensors: the tensor dicts' tags) and, for freeze and auto,
                     # nothing that decides it changed, nor a computed-at-every-call period ended.
-                    if site.hoist_until > CALLS[0]:  # freeze and auto: computed at every call for now
-                        until.append(site.hoist_until)
-                    as_auto = site.mode != "hoist" or plan.freezing
-                    if as_auto:  # what decides freeze's refusal and auto's choice
-                        flags.extend((t, t.requires_grad) for d in site.tensor_dicts for t in d.values() if t is not None)
-                    if as_auto or site.stateful:  # training decides them too, and sharing
+                    if hoisted_checks(site) or site.stateful:  # training decides them too, and sharing
                         modes.extend((m, m.training) for m in site.chain)
                     # A global forward hook registered: computed where read from then on (site_values).
                     empty.update((id(d), d) for d in GLOBAL_HOOKS[:2])
-                    if site.draw_watch is not None:  # a change has the chain probed for draws again
-                        empty.update((id(d), d) for d in site.draw_watch.empty)
-                        settings.update((id(d), (d, then)) for d, then in zip(site.draw_watch.full, site.draw_watch.tags))
-                        switches.extend(zip(site.draw_watch.tensors, site.draw_watch.versions))
                     # compute()'s steps for a flat chain, without its lookups (the structure tags
                     # pin the modules), and each member's forward where a call of it would be just that.
                     chain = None if site.nested or not calls_its_forward(site.plist) else site.chain

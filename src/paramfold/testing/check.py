@@ -919,8 +919,7 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
             grad = reference.grad
             factors = None
             if grad is None:
-                factors = 1 - 0.02 * torch.rand(reference.shape, generator=shrink)
-                factors = factors.to(reference.dtype).to(reference.device)
+                factors = (1 - 0.02 * torch.rand(reference.shape, generator=shrink)).to(reference.device, reference.dtype)
             for tensor in (reference, *copies):
                 if grad is not None:
                     tensor.add_(grad, alpha=-lr)

@@ -223,9 +223,9 @@ def compare(
     sides: tuple[str, str] = SIDES,
 ) -> None:
     """Two tensors within ``tol`` (as ``torch.testing.assert_close``: shape, dtype and device
-    too, and whether they require grad). Exact (:data:`BITWISE`) means bit for bit: ``-0.0`` is not ``0.0``, a NaN equals only
-    the same NaN, and the strides of dimensions longer than one must match (stock and prepared
-    run the same operations eagerly)."""
+    too), and whether they require grad. Exact (:data:`BITWISE`) means bit for bit: ``-0.0`` is
+    not ``0.0``, a NaN equals only the same NaN, and the strides of dimensions longer than one
+    must match (stock and prepared run the same operations eagerly)."""
     mine, theirs = sides
     if actual is None or expected is None:
         if actual is not expected:
