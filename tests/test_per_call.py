@@ -659,6 +659,28 @@ def test_calls_alternating_grad_modes_build_plans_only_now_and_then(monkeypatch)
         assert len(builds) == built
 
 
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_model_no_plan_serves_builds_one_only_now_and_then(mode, plan_counts):
+    # Regression: where Plan.build finds no plan (a training hook-based spectral_norm, a GAN
+    # discriminator's; FSDP2's sharded originals), the next call found none and built one again:
+    # a build at every call. Builds now back off as for plans that never serve (1, 2, 4, ...).
+    claims, builds = plan_counts
+    torch.manual_seed(0)
+    stock = nn.Sequential(*[torch.nn.utils.spectral_norm(nn.Linear(8, 8)) for _ in range(3)])
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 8)
+    for call in range(40):
+        assert torch.equal(ours(x), stock(x)), call
+        assert_same_tensors(dict(ours.named_buffers()), dict(stock.named_buffers()), call)
+    assert not claims and 1 <= len(builds) <= 8, len(builds)  # 40 before
+    # The entry's plans dropped (its sites changed): the next call builds one at once.
+    state = ours.__dict__["_paramfold"]
+    state.drop_caches()
+    built = len(builds)
+    assert torch.equal(ours(x), stock(x))
+    assert len(builds) == built + 1
+
+
 @pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen-weights"])
 def test_rollouts_between_training_steps_are_served_by_each_grad_mode_s_plan(trainable, monkeypatch):
     # RLHF's loop: a rollout under no_grad, then a step with grad (a backward and an optimizer

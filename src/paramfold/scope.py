@@ -326,14 +326,16 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
     another autocast or numerics state, or served calls with values still there
     (:func:`_after_miss` tries it again). Where ``last`` never served
     a call (calls alternate no_grad and grad, a rollout and a training step, or something
-    changes between every two calls), building one at every call would cost more than it saves:
-    the next is built after 1, then 2, 4, ... up to :data:`_LONGEST_WAIT` such calls, and at
-    once after a plan that served one."""
+    changes between every two calls), or where none could be built (a site no plan serves: a
+    training hook-based spectral_norm, FSDP2's sharded originals), building one at every call
+    would cost more than it saves: the next is built after 1, then 2, 4, ... up to
+    :data:`_LONGEST_WAIT` such calls, and at once after a plan that served one (or after the
+    entry's plans were dropped: ``ModuleState.drop_caches``)."""
     if last is None and state.plan is not None:
         state.spare_plans = _kept_spares(state.plan, state.spare_plans)  # another state's, kept aside
     elif last is not None and last.used and _still_served(last):
         state.spare_plans = _kept_spares(last, state.spare_plans)  # may hold again (a flag switched back)
-    if last is not None and not last.used:
+    if (last is not None and not last.used) or (last is None and state.plan_unbuilt):
         if state.plan_wait:
             state.plan_wait -= 1  # ``last`` stays: its check fails fast, and a plan that holds is exact
             return
@@ -345,6 +347,7 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
         last = next((spare for spare in state.spare_plans if spare.grad is grad), None)
     state.plan = Plan.build(state.holders, grad, _shareable, pre_hooks=pre_hooks, previous=last,
                             parents=_parents(state.holders, reached_from))
+    state.plan_unbuilt = state.plan is None
 
 
 def _left(state: ModuleState, reached_from: dict[int, nn.Module | None]) -> bool:

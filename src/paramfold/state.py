@@ -452,10 +452,11 @@ class ModuleState:
     #: and the last one of the other grad mode, whose guards a plan rebuilt for that mode reuses.
     plan: Any = None
     spare_plans: tuple = ()
-    #: For entries: calls to open the general way before building a plan again, and the current
-    #: wait (``scope._replan``).
+    #: For entries: calls to open the general way before building a plan again, the current
+    #: wait, and whether the last build found none (``scope._replan``).
     plan_wait: int = 0
     plan_backoff: int = 0
+    plan_unbuilt: bool = False
     #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
     nested_check: Any = None
     #: The model passed to ``prepare`` (a weak reference): a copy of this module made without it
@@ -539,7 +540,8 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
 
 #: ModuleState's fields that hold what a call scope derived from the module, not its state, each
 #: with its value when nothing is built.
-_CACHES = {"plan": None, "spare_plans": (), "nested_check": None}
+_CACHES = {"plan": None, "spare_plans": (), "nested_check": None, "plan_wait": 0, "plan_backoff": 0,
+           "plan_unbuilt": False}
 #: SiteState's field that holds what one open call of its module keeps.
 _OPEN_CALL = frozenset({"before"})
 
