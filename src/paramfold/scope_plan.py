@@ -76,7 +76,7 @@ class Plan:
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count", "freezing", "site_states",
-        "hooked", "hook_dicts", "hook_dict_keys",
+        "hooked", "hook_dicts", "hook_dict_keys", "onces",
     )
 
     @classmethod
@@ -116,12 +116,13 @@ class Plan:
         until: list[int] = []
         missed: list = []
         site_states: list[tuple] = []
-        # Hook-based norms (not stateful), per holder: (holder, its state, its __dict__, ((name, hook,
-        # key, frozen value or None), ...)), and the key list its _forward_pre_hooks dict has
-        # between calls (the norms' hooks only).
+        # Hook-based norms (not training a state), per holder: (holder, its state, its __dict__,
+        # ((name, hook, key, frozen value or None, compute_weight's keyword arguments), ...)), and
+        # the key list its _forward_pre_hooks dict has between calls (the norms' hooks only).
         hooked: list[tuple] = []
         hook_dicts: list[dict] = []
         hook_dict_keys: list[list] = []
+        onces: list = []  # eval spectral_norms' hooknorms.ServedOnce stand-ins
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
@@ -220,11 +221,12 @@ class Plan:
                 site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch, site.state_sharers,
                                     site.hoist_until, frozen))
                 if site.hook is not None:
-                    # A hook-based norm (weight_norm), frozen or computed by its hook's own
-                    # compute_weight at each call, its hook out meanwhile, as the general path does
-                    # (scope._install), while nothing that decides that changes: the hook object
-                    # at its key, alone in the dict; its settings; the tensors' dicts.
-                    if (site.stateful or site.at_read or site.raised or site.subclass or name in hs.installed
+                    # A hook-based norm (weight_norm, a spectral_norm in eval), frozen or computed
+                    # by its hook's own compute_weight at each call, its hook out meanwhile, as the
+                    # general path does (scope._install), while nothing that decides that changes:
+                    # the hook object at its key, alone in the dict; its settings; the tensors'
+                    # dicts; a spectral_norm's module in eval (no power iteration).
+                    if (site.training_stateful or site.at_read or site.raised or site.subclass or name in hs.installed
                             or name in hs.kept or (frozen is not None and values.get(name) is not frozen.value)):
                         return None
                     if frozen is None:
@@ -236,7 +238,11 @@ class Plan:
                     structure.update((id(d), d) for d in (vars(site.hook), *site.tensor_dicts))
                     links.extend((vars(owner), key, d) for owner, key, d in site.dict_pins)
                     value_links.append((holder._forward_pre_hooks, site.hook_key, site.hook))
-                    hooks_here.append((name, site.hook, site.hook_key, None if frozen is None else frozen.value))
+                    if site.stateful:  # its stand-in for training calls, reset as the general path does
+                        stateful.extend(site.chain)
+                        onces.append(site.once_hook)
+                    hooks_here.append((name, site.hook, site.hook_key, None if frozen is None else frozen.value,
+                                       _EVAL_NORM if site.stateful else _NO_ARGS))
                     continue
                 plist_dict = site.plist.__dict__
                 structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))
@@ -411,6 +417,7 @@ class Plan:
                            previous.watch if previous is not None else None, ids, rooted_after=1, flags_free=len(fixed))
         plan.hoisted = tuple(hoisted)
         plan.hooked, plan.hook_dicts, plan.hook_dict_keys = tuple(hooked), tuple(hook_dicts), hook_dict_keys
+        plan.onces = tuple(onces)
         # (Empty now, their norms' hooks out: held to hook_dict_keys instead.)
         plan.pre_hooks_empty = tuple(d for d in plan.pre_hooks_empty if not any(d is h for h in hook_dicts))
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
@@ -444,8 +451,8 @@ class Plan:
         out for the call: what the general path does for them (``scope._install``)."""
         for holder, hs, values, hooks in self.hooked:
             replaced = []
-            for name, hook, _, frozen in hooks:
-                value = hook.compute_weight(holder) if frozen is None else frozen
+            for name, hook, _, frozen, arguments in hooks:
+                value = hook.compute_weight(holder, **arguments) if frozen is None else frozen
                 replaced.append((name, values.get(name, MISSING)))
                 values[name] = value
             hs.replaced = tuple(replaced)
@@ -455,6 +462,8 @@ class Plan:
             taken = list(pre_hooks.items())
             pre_hooks.clear()
             hs.hooks_out = (taken, order, [])
+        for once in self.onces:
+            once.served = once.called = False
 
     def enter(self) -> None:
         """:meth:`claim`'s bookkeeping: the holders' classes and claim counts, as the general path leaves them."""
@@ -543,12 +552,23 @@ class Plan:
 
 def _hooks_servable(holder: nn.Module, hs: ModuleState) -> bool:
     """Whether the hooks the general path took out of ``holder`` for this call are all hook-based
-    norms a plan serves (not stateful: weight_norm), and were the only forward pre-hooks there,
-    with none registered since."""
+    norms a plan serves (weight_norm; spectral_norm in eval, whose hook runs no power iteration),
+    and were the only forward pre-hooks there, with none registered since; the stand-ins the
+    general path left (``ONCE_ATTR``) are those of its spectral_norms."""
     taken, order, prepended = hs.hooks_out
-    served = {id(site.hook) for site in hs.sites.values() if site.hook is not None and not site.stateful}
+    hooked = [site for site in hs.sites.values() if site.hook is not None]
+    served = {id(site.hook) for site in hooked if not site.training_stateful}
+    onces = tuple(site.once_hook for site in hooked if site.stateful)
     return (not prepended and not holder._forward_pre_hooks and len(taken) == len(order) and not hs.left
-            and all(id(hook) in served for _, hook in taken) and ONCE_ATTR not in holder.__dict__)
+            and all(id(hook) in served for _, hook in taken)
+            and len(holder.__dict__.get(ONCE_ATTR, ())) == len(onces)
+            and all(map(is_, holder.__dict__.get(ONCE_ATTR, ()), onces)))
+
+
+#: The arguments of a hook's ``compute_weight`` (``hooknorms.compute``): a spectral_norm in eval
+#: runs no power iteration.
+_NO_ARGS: dict = {}
+_EVAL_NORM = {"do_power_iteration": False}
 
 
 def _plain_call(module: nn.Module) -> bool:
