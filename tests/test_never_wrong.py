@@ -3466,8 +3466,9 @@ class _CopiesHookNormLayer(nn.Module):
     """Copies its hook-based norm layer ``b`` from a forward hook of ``a`` (before ``b`` runs) or of
     ``b`` (after), in grad calls only; with ``saves``, after taking its ``state_dict()``."""
 
-    def __init__(self, norm: str, after: bool, saves: bool = False) -> None:
+    def __init__(self, norm: str, after: bool, saves: bool = False, no_grad: bool = False) -> None:
         super().__init__()
+        self.no_grad = no_grad  # copies in no_grad calls too
         self.a = nn.Linear(4, 4)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -3477,7 +3478,7 @@ class _CopiesHookNormLayer(nn.Module):
         (self.b if after else self.a).register_forward_hook(self._copy)
 
     def _copy(self, *_) -> None:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or self.no_grad:
             if self.saves:
                 self.b.state_dict()
             try:
@@ -3487,6 +3488,51 @@ class _CopiesHookNormLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze"])
+@pytest.mark.parametrize("norm", ["spectral_norm", "weight_norm"])
+def test_a_copy_of_a_hook_based_norm_layer_made_during_an_eval_call_is_stocks_or_refused(norm, mode, when):
+    # Regression: in eval no_grad calls nothing tells whether the layer ran yet (a training
+    # spectral_norm's read-once class does). An eval spectral_norm's stand-in, never marked
+    # served, gave a copy made after the layer ran the last call's weight (on the first call, the
+    # unnormalized weight its registration left); a weight_norm's copy made before it ran, this
+    # call's (after its originals changed). Where the two differ the copy is now refused.
+    def build():
+        torch.manual_seed(0)
+        model = _CopiesHookNormLayer(norm, when == "after", no_grad=True).eval()
+        return model if mode != "freeze" else model.requires_grad_(False)
+
+    stock, ours = build(), paramfold.prepare(build(), mode)
+    first = "weight_g" if norm == "weight_norm" else "weight_orig"
+    x = torch.randn(3, 4)
+    refused = []
+    with torch.no_grad():
+        for call in range(5):
+            if call == 3:  # the originals changed between calls (an optimizer step, a load)
+                for model in (stock, ours):
+                    getattr(model.b, first).add_(0.25)
+            last, last_leaf = stock.b.weight.clone(), stock.b.weight.is_leaf
+            assert torch.equal(ours(x), stock(x)), call
+            (want,), (got,) = stock.copies, ours.copies
+            stock.copies.clear(), ours.copies.clear()
+            if isinstance(got, paramfold.FoldError):
+                # Only where stock's copies before and after the layer's call differ.
+                assert not torch.equal(last, stock.b.weight), call
+                assert "b.weight (Linear)" in str(got) and "mode='inline'" in str(got), got
+                refused.append(call)
+                continue
+            assert not isinstance(got, Exception), (call, got)
+            if isinstance(want, Exception):
+                # Stock's copy before the first call raises: the weight weight_norm's registration
+                # left has a graph. paramfold's holds that call's value, the same numbers, a leaf.
+                assert norm == "weight_norm" and when == "before" and call == 0 and not last_leaf, (call, want)
+                assert torch.equal(got.weight, last)
+                continue
+            assert torch.equal(got.weight, want.weight), call
+            assert_same_tensors(want.state_dict(), got.state_dict(), call)
+    assert refused == ([0, 3] if norm == "spectral_norm" else [3]), refused
 
 
 @pytest.mark.parametrize("when", ["before", "after", "before_saved"])

@@ -54,7 +54,9 @@ def copied_hook_values(module: nn.Module) -> list[tuple[object, object]]:
     of an earlier layer) holds the last call's, as stock's does (and copies where stock's does: a
     value of a grad call is no graph leaf, which ``copy.deepcopy`` refuses). A training
     spectral_norm's read-once class tells whether the module was called yet; where nothing does
-    (weight_norm, an eval spectral_norm) and only the last call's value copies, refused."""
+    (weight_norm, an eval spectral_norm) the two values must be one: refused where they differ
+    (the originals changed since the last call, a spectral_norm's first call, which replaces
+    the weight its registration left) or only the last call's copies (a value of a grad call)."""
     hs = module.__dict__.get(STATE_ATTR)
     if hs is None or not hs.users or not hs.replaced:
         return []
@@ -64,18 +66,30 @@ def copied_hook_values(module: nn.Module) -> list[tuple[object, object]]:
         if value is last or value is _MISSING or last is _MISSING:
             continue
         once = hs.sites[name].once_hook
-        if once is not None and once in values.get(ONCE_ATTR, ()):
+        if once is not None and once in values.get(ONCE_ATTR, ()) and type(module) is hs.read_once_class:
             if not once.served:  # (served: the module was called, and its value is stock's)
                 substitutes.append((value, last))
-        elif _copyable(last) and not _copyable(value):  # (else: this call's, a leaf, or raises as stock's)
+        elif (_copyable(last) and not _copyable(value)) or not _same_numbers(value, last):
+            # (else: both copy, with the same numbers; or only this call's value does, where the
+            # last is a grad value, which stock's copy refuses before the module's call, but not
+            # after; or neither does, and the copy raises as stock's)
             raise FoldError(
                 f"copy.deepcopy of {tensor_label(module, name)}, computed by a hook-based "
                 f"torch.nn.utils.{hs.sites[name].hook_kind}, during a call that computed it: stock's copy "
                 "holds the module's value of the last call before the module's call in this one, and this "
-                "call's after, which paramfold cannot tell apart here (one of them, a value computed with "
-                "grad, is no graph leaf and cannot be copied). Copy between calls, or prepare this module "
-                "with mode='inline' (filter_fn).")
+                "call's after, which paramfold cannot tell apart here, and they differ (other numbers: the "
+                "originals changed since the last call; or this call's, computed with grad, is no graph leaf "
+                "and cannot be copied). Copy between calls, or prepare this module with mode='inline' (filter_fn).")
     return substitutes
+
+
+def _same_numbers(value: object, last: object) -> bool:
+    """Whether a copy holding ``value`` or ``last`` holds the same tensor, but for its history."""
+    if not isinstance(value, torch.Tensor) or not isinstance(last, torch.Tensor):
+        return False
+    with torch.no_grad():
+        return (value.dtype == last.dtype and value.device == last.device and value.shape == last.shape
+                and value.stride() == last.stride() and bool(torch.equal(value, last)))
 
 
 def _copyable(value: object) -> bool:
