@@ -101,6 +101,29 @@ def test_a_layer_the_forward_skips_keeps_its_state_as_in_stock(mode, kind, how):
     assert_same_nested(*(_steps(m, _runner(m, how), 4, _use_b_every_other_step) for m in (stock, prepared)))
 
 
+@pytest.mark.parametrize("how", HOWS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_based_layer_the_forward_skips_keeps_the_weight_stock_keeps(mode, how):
+    # Regression: a training hook-based spectral_norm's layer that a call did not call kept the
+    # value paramfold computed for it up front (from the power iteration it then put back),
+    # where stock's __dict__ keeps the weight of the layer's last call; read after the call
+    # (logging, a copy, an EMA of the weights), it differed.
+    stock, prepared = _twins(lambda: Branches("hook"), mode)
+    weights = []
+    for model in (stock, prepared):
+        call, optimizer = _runner(model, how), torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = []
+        torch.manual_seed(1)
+        for step in range(5):
+            _use_b_every_other_step(model, step)
+            call(torch.randn(3, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append([model.a.weight.detach().clone(), model.b.weight.detach().clone(), _buffers(model)])
+        weights.append(seen)
+    assert_same_nested(*weights)
+
+
 class RaisesMidway(nn.Module):
     def __init__(self, kind: str):
         super().__init__()

@@ -246,21 +246,30 @@ def drop(holder: nn.Module, name: str, site: SiteState) -> None:
         return
     if site.hook is not None:
         site.once_hook.served = True
-        # Until the module's call runs the norm's hook, stock's __dict__ holds the last call's value.
-        for replaced, last in holder.__dict__[STATE_ATTR].replaced:
-            if replaced == name and isinstance(last, torch.Tensor):
-                holder.__dict__[name] = last
+        last_back(holder.__dict__, name)
     else:
         del holder.__dict__[name]
     put_back(site)
 
 
+def last_back(values: dict, name: str) -> None:
+    """A hook-based norm's value no call of its module took (``values``: the module's
+    ``__dict__``): until the module's call runs the norm's hook, stock's ``__dict__`` holds the
+    last call's value, and keeps it after a call that did not call the module."""
+    for replaced, last in values[STATE_ATTR].replaced:
+        if replaced == name and isinstance(last, torch.Tensor):
+            values[name] = last
+
+
 def release(holder: nn.Module, name: str, site: SiteState) -> None:
     """At the end of the call (before its values leave ``holder``'s ``__dict__``): put back where
-    no read took the value (a hook-based norm: no call of the module was served it)."""
+    no read took the value (a hook-based norm: no call of the module was served it, which keeps
+    the last call's value, as stock's does)."""
     if site.before is None:
         return
     if _unread(holder, name, site):
+        if site.hook is not None:
+            last_back(holder.__dict__, name)
         put_back(site)
     else:
         site.before = None
