@@ -36,7 +36,7 @@ from paramfold.site_values import freezing_now
 from paramfold.state import CALLS, MISSING, ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
-from paramfold.unread import Copies, fusable, put_back, state_entries
+from paramfold.unread import Copies, fusable, last_back, put_back, state_entries
 from paramfold.watch import Identities, Watch, columns, layout, tag
 
 _users = attrgetter("users")
@@ -73,7 +73,7 @@ class Plan:
         "armed", "armings", "armed_checks", "value_ids",
         "settings_empty",
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
-        "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys",
+        "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys", "copied_onces",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
         "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count", "freezing", "site_states",
         "hooked", "hook_dicts", "hook_dict_keys", "onces",
@@ -168,6 +168,15 @@ class Plan:
             draw_checks(site)
             return as_auto
 
+        def copy_state(holder, site, values, name, once) -> None:
+            """A training stateful chain's state, copied at each claim (to put back where the call
+            does not read its value: a parametrization's is read where it left ``values``, a
+            hook-based norm's where its module's call was served it, ``once``)."""
+            entries = state_entries(holder, site)
+            copied.append((site, values, name, len(copied_list), len(copied_list) + len(entries), once))
+            copied_list.extend(d[k] for d, k in entries)
+            copied_entries.extend(entries)
+
         def draw_checks(site) -> None:
             if site.draw_watch is not None:  # a change has the chain probed for draws again
                 empty.update((id(d), d) for d in site.draw_watch.empty)
@@ -225,24 +234,30 @@ class Plan:
                     # by its hook's own compute_weight at each call, its hook out meanwhile, as the
                     # general path does (scope._install), while nothing that decides that changes:
                     # the hook object at its key, alone in the dict; its settings; the tensors'
-                    # dicts; a spectral_norm's module in eval (no power iteration).
-                    if (site.training_stateful or site.at_read or site.raised or site.subclass or name in hs.installed
+                    # dicts; a spectral_norm's module's training flag (its power iteration runs
+                    # while it trains: its state copied first, put back where no call of the
+                    # module was served the value, paramfold.unread, as the general path does).
+                    if (site.at_read or site.raised or site.subclass or name in hs.installed
                             or name in hs.kept or (frozen is not None and values.get(name) is not frozen.value)):
                         return None
                     if frozen is None:
                         hoisted_checks(site)
-                    elif frozen_checks(site, frozen):
+                    elif not site.training_stateful and frozen_checks(site, frozen):
                         draw_checks(site)
                     else:
                         return None
                     structure.update((id(d), d) for d in (vars(site.hook), *site.tensor_dicts))
                     links.extend((vars(owner), key, d) for owner, key, d in site.dict_pins)
                     value_links.append((holder._forward_pre_hooks, site.hook_key, site.hook))
+                    arguments = _NO_ARGS
                     if site.stateful:  # its stand-in for training calls, reset as the general path does
-                        stateful.extend(site.chain)
+                        modes.append((holder, holder.training))
                         onces.append(site.once_hook)
+                        arguments = _TRAINING_NORM if holder.training else _EVAL_NORM
+                    if site.training_stateful:
+                        copy_state(holder, site, values, name, site.once_hook)
                     hooks_here.append((name, site.hook, site.hook_key, None if frozen is None else frozen.value,
-                                       _EVAL_NORM if site.stateful else _NO_ARGS))
+                                       arguments))
                     continue
                 plist_dict = site.plist.__dict__
                 structure.update((id(d), d) for d in (plist_dict, site.plist._modules, *site.tensor_dicts))
@@ -304,10 +319,7 @@ class Plan:
                         callees.append(site.plist)  # its call still just its forward, checked live
                     hoisted.append((values, name, holder, site.originals, chain, forwards))
                     if site.training_stateful:  # its state is copied, to put back if unread (paramfold.unread)
-                        entries = state_entries(holder, site)
-                        copied.append((site, values, name, len(copied_list), len(copied_list) + len(entries)))
-                        copied_list.extend(d[k] for d, k in entries)
-                        copied_entries.extend(entries)
+                        copy_state(holder, site, values, name, None)
                 elif wrapped and site.at_read and name not in values:
                     forward_keys.append((values, name, False))  # computed where read: nothing put there
                 else:
@@ -422,7 +434,10 @@ class Plan:
         plan.pre_hooks_empty = tuple(d for d in plan.pre_hooks_empty if not any(d is h for h in hook_dicts))
         plan.hoisted_dicts = tuple(h[0] for h in hoisted)
         plan.hoisted_names = tuple(h[1] for h in hoisted)
-        plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to = columns(copied, 5)
+        (plan.copied_sites, plan.copied_dicts, plan.copied_names, plan.copied_from, plan.copied_to,
+         onces_copied) = columns(copied, 6)
+        # Hook-based norms' values stay in __dict__, read or not: their stand-ins tell, where any.
+        plan.copied_onces = onces_copied if any(o is not None for o in onces_copied) else None
         plan.copied_tensors, plan.copied_dtypes = copied_list, fusable(copied_list)
         plan.copied_state_dicts, plan.copied_state_keys = map(list, columns(copied_entries, 2))
         plan.until = min(until) if until else None
@@ -432,18 +447,31 @@ class Plan:
 
     def claim(self) -> None:
         """Claim every holder (the caller holds the scope lock and has checked :func:`holds`),
-        then compute the hoisted values. On an exception (every training stateful chain's state
-        put back: :meth:`compute_hoisted`) the caller releases ``claimed``."""
+        then compute the hoisted values and the hook-based norms'. On an exception (every training
+        stateful chain's state put back first) the caller releases ``claimed``."""
         self.used = True
         self.enter()
         if self.missed:  # their frozen values served a call unchanged: the changes were not in a row
             for site in self.missed:
                 site.misses = site.demotions = 0
             self.missed = ()
-        if self.hoisted or self.copied_sites:
-            self.compute_hoisted()
-        if self.hooked:
-            self.install_hooked()
+        copies = None
+        if self.copied_sites:  # training stateful chains: their state now (paramfold.unread)
+            copies = Copies(self.copied_tensors, self.copied_state_dicts, self.copied_state_keys, self.copied_dtypes)
+            _run(map(setattr, self.copied_sites, repeat("before"),
+                     zip(repeat(copies), self.copied_from, self.copied_to, repeat(None), repeat(None))))
+        try:
+            if self.hoisted:
+                self.compute_hoisted()
+            if self.hooked:
+                self.install_hooked()
+        except BaseException:
+            if copies is not None:  # nothing read yet: every state as before, a chain's that raised midway too
+                copies.computed()
+                _run(map(put_back, self.copied_sites))
+            raise
+        if copies is not None:
+            copies.computed()
 
     def install_hooked(self) -> None:
         """Each hook-based norm's value, frozen or computed by its hook's ``compute_weight``, put in
@@ -484,30 +512,17 @@ class Plan:
         is more than its ``forward``) each value is computed the way stock calls it
         (:func:`~paramfold.compute.compute`)."""
         direct = self.direct and self.plain_calls()
-        copies = None
-        if self.copied_sites:  # training stateful chains: their state now (paramfold.unread)
-            copies = Copies(self.copied_tensors, self.copied_state_dicts, self.copied_state_keys, self.copied_dtypes)
-            _run(map(setattr, self.copied_sites, repeat("before"),
-                     zip(repeat(copies), self.copied_from, self.copied_to, repeat(None), repeat(None))))
-        try:
-            for values, name, holder, originals, chain, forwards in self.hoisted:
-                if chain is None or forwards is None or not direct:
-                    value = compute(holder, name)
-                else:
-                    args = []
-                    for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
-                        args.append(d[key])
-                    value = forwards[0](chain[0], *args)
-                    for i in range(1, len(chain)):
-                        value = forwards[i](chain[i], value)
-                values[name] = value
-        except BaseException:
-            if copies is not None:  # nothing read yet: every state as before, a chain's that raised midway too
-                copies.computed()
-                _run(map(put_back, self.copied_sites))
-            raise
-        if copies is not None:
-            copies.computed()
+        for values, name, holder, originals, chain, forwards in self.hoisted:
+            if chain is None or forwards is None or not direct:
+                value = compute(holder, name)
+            else:
+                args = []
+                for d, key in originals:  # a plain loop: a comprehension would be a frame of its own
+                    args.append(d[key])
+                value = forwards[0](chain[0], *args)
+                for i in range(1, len(chain)):
+                    value = forwards[i](chain[i], value)
+            values[name] = value
 
     def plain_calls(self) -> bool:
         """Whether calling each member in ``callees`` is, right now, exactly calling its class's
@@ -528,9 +543,13 @@ class Plan:
         if self.copied_sites:
             # Where no read took a training stateful chain's value, its state as before the call.
             unread = list(map(contains, self.copied_dicts, self.copied_names))
+            if self.copied_onces is not None:  # a hook-based norm's value stays: unread where no call was served it
+                unread = [u if once is None else not once.served for u, once in zip(unread, self.copied_onces)]
             if True in unread:
-                for site, not_read in zip(self.copied_sites, unread):
+                for site, not_read, values, name in zip(self.copied_sites, unread, self.copied_dicts, self.copied_names):
                     if not_read:
+                        if site.hook is not None:
+                            last_back(values, name)
                         put_back(site)
             _run(map(setattr, self.copied_sites, repeat("before"), repeat(None)))
         _run(map(dict.pop, self.hoisted_dicts, self.hoisted_names, repeat(None)))
@@ -551,13 +570,12 @@ class Plan:
 
 
 def _hooks_servable(holder: nn.Module, hs: ModuleState) -> bool:
-    """Whether the hooks the general path took out of ``holder`` for this call are all hook-based
-    norms a plan serves (weight_norm; spectral_norm in eval, whose hook runs no power iteration),
-    and were the only forward pre-hooks there, with none registered since; the stand-ins the
-    general path left (``ONCE_ATTR``) are those of its spectral_norms."""
+    """Whether the hooks the general path took out of ``holder`` for this call are all its
+    hook-based norms', and were the only forward pre-hooks there, with none registered since;
+    the stand-ins the general path left (``ONCE_ATTR``) are those of its spectral_norms."""
     taken, order, prepended = hs.hooks_out
     hooked = [site for site in hs.sites.values() if site.hook is not None]
-    served = {id(site.hook) for site in hooked if not site.training_stateful}
+    served = {id(site.hook) for site in hooked}
     onces = tuple(site.once_hook for site in hooked if site.stateful)
     return (not prepended and not holder._forward_pre_hooks and len(taken) == len(order) and not hs.left
             and all(id(hook) in served for _, hook in taken)
@@ -565,10 +583,11 @@ def _hooks_servable(holder: nn.Module, hs: ModuleState) -> bool:
             and all(map(is_, holder.__dict__.get(ONCE_ATTR, ()), onces)))
 
 
-#: The arguments of a hook's ``compute_weight`` (``hooknorms.compute``): a spectral_norm in eval
-#: runs no power iteration.
+#: The arguments of a hook's ``compute_weight`` (``hooknorms.compute``): a spectral_norm runs its
+#: power iteration while its module trains.
 _NO_ARGS: dict = {}
 _EVAL_NORM = {"do_power_iteration": False}
+_TRAINING_NORM = {"do_power_iteration": True}
 
 
 def _plain_call(module: nn.Module) -> bool:
