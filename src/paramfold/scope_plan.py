@@ -9,10 +9,12 @@ keeps a :class:`Plan`: everything those choices depend on, flattened into parall
 (``operator.is_``, ``attrgetter``, a hash) — and :meth:`Plan.claim` / :meth:`Plan.release` do
 the scope's bookkeeping the same way, so the interpreter runs the same bytecode whether a model
 has 4 sites or 4,000; only the hoisted
-sites' own parametrization calls run per site. A hook-based ``weight_norm`` is served too: its
-value frozen or computed by its hook's ``compute_weight``, its hook taken out for the call and put
-back after it, as the general path does. A failed check sends the call down the general
-path, which rebuilds the plan: the plan makes a call cheaper, never different.
+sites' own parametrization calls run per site. Hook-based ``weight_norm`` and ``spectral_norm``
+are served too: the value frozen or computed by the hook's ``compute_weight`` (a training
+spectral_norm's state copied first, and put back where no call of its layer took the value), the
+hook taken out for the call and put back after it, as the general path does. A failed check
+sends the call down the general path, which rebuilds the plan: the plan makes a call cheaper,
+never different.
 """
 
 from __future__ import annotations
@@ -116,13 +118,13 @@ class Plan:
         until: list[int] = []
         missed: list = []
         site_states: list[tuple] = []
-        # Hook-based norms (not training a state), per holder: (holder, its state, its __dict__,
-        # ((name, hook, key, frozen value or None, compute_weight's keyword arguments), ...)), and
-        # the key list its _forward_pre_hooks dict has between calls (the norms' hooks only).
+        # Hook-based norms, per holder: (holder, its state, its __dict__, ((name, hook, key, frozen
+        # value or None, compute_weight's keyword arguments), ...)), and the key list its
+        # _forward_pre_hooks dict has between calls (the norms' hooks only).
         hooked: list[tuple] = []
         hook_dicts: list[dict] = []
         hook_dict_keys: list[list] = []
-        onces: list = []  # eval spectral_norms' hooknorms.ServedOnce stand-ins
+        onces: list = []  # spectral_norms' hooknorms.ServedOnce stand-ins
         structure: dict[int, dict] = {}
         empty: dict[int, dict] = {}  # by id: the global hook dicts are in every site's
         settings: dict[int, tuple[dict, object]] = {}
@@ -230,8 +232,8 @@ class Plan:
                 site_states.append((site, site.at_read, site.raised, site.draws, site.draw_watch, site.state_sharers,
                                     site.hoist_until, frozen))
                 if site.hook is not None:
-                    # A hook-based norm (weight_norm, a spectral_norm in eval), frozen or computed
-                    # by its hook's own compute_weight at each call, its hook out meanwhile, as the
+                    # A hook-based norm (weight_norm, spectral_norm), frozen or computed by its
+                    # hook's own compute_weight at each call, its hook out meanwhile, as the
                     # general path does (scope._install), while nothing that decides that changes:
                     # the hook object at its key, alone in the dict; its settings; the tensors'
                     # dicts; a spectral_norm's module's training flag (its power iteration runs
