@@ -324,13 +324,13 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
     It is built from the scope just opened, reusing the guards of ``last`` where they hold.
     The plan it replaces is kept as a spare where it was made for the other grad mode or under
     another autocast or numerics state, or served calls with values still there
-    (:func:`_after_miss` tries it again). Where ``last`` never served
-    a call (calls alternate no_grad and grad, a rollout and a training step, or something
-    changes between every two calls), or where none could be built (a site no plan serves: a
-    training hook-based spectral_norm, FSDP2's sharded originals), building one at every call
-    would cost more than it saves: the next is built after 1, then 2, 4, ... up to
-    :data:`_LONGEST_WAIT` such calls, and at once after a plan that served one (or after the
-    entry's plans were dropped: ``ModuleState.drop_caches``)."""
+    (:func:`_after_miss` tries it again). Where ``last`` never served a call (calls alternate
+    no_grad and grad, a rollout and a training step, or something changes between every two
+    calls), or where none could be built (a site no plan serves: a hook-based norm's layer with
+    another forward pre-hook, FSDP2's sharded originals), building one at every call would cost
+    more than it saves: the next is built after 1, then 2, 4, ... up to :data:`_LONGEST_WAIT`
+    such calls, and at once after a plan that served one (or after the entry's plans were
+    dropped: ``ModuleState.drop_caches``)."""
     if last is None and state.plan is not None:
         state.spare_plans = _kept_spares(state.plan, state.spare_plans)  # another state's, kept aside
     elif last is not None and last.used and _still_served(last):

@@ -32,7 +32,7 @@ from paramfold.compute import compiling
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.scope import _MISSING, _enclosing, _in_scope, _unclaimed, calls_lock
-from paramfold.state import ONCE_ATTR, STATE_ATTR, ModuleState, kept_values, tensor_label
+from paramfold.state import ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState, kept_values, tensor_label
 
 
 def not_copied(module: nn.Module) -> tuple[str, ...]:
@@ -84,8 +84,9 @@ def copied_hook_values(module: nn.Module) -> list[tuple[object, object]]:
 
 
 def _same_numbers(value: object, last: object) -> bool:
-    """Whether a copy holding ``value`` or ``last`` holds the same tensor, but for its history."""
-    if not isinstance(value, torch.Tensor) or not isinstance(last, torch.Tensor):
+    """Whether a copy holding ``value`` or ``last`` holds the same tensor, but for its history
+    (plain tensors only: a subclass's comparison may be more than a read, a DTensor's a collective)."""
+    if type(value) not in PLAIN_TENSOR_TYPES or type(last) not in PLAIN_TENSOR_TYPES:
         return False
     with torch.no_grad():
         return (value.dtype == last.dtype and value.device == last.device and value.shape == last.shape
