@@ -83,6 +83,8 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
         ("compile_python_calls.py", ["--layers", "1", "inline"], "x plain 1.000"),
         ("first_call_open.py", ["--layers", "2", "--repeats", "1", "hoist", "freeze"], "scope open: values"),
         ("stateful_copy_cost.py", ["--layers", "2", "--width", "8", "--rounds", "2", "--steps", "2"], "copies on / off"),
+        ("gan_discriminator.py", ["--scales", "2", "--width", "4", "--samples", "256", "--checked", "4", "--rounds", "1",
+                                  "--steps", "1"], "loss and spectral_norm buffers bitwise stock's"),
         pytest.param("percall_instructions.py", ["--layers", "1", "--calls", "1,2", "plain"], "instructions per call  x plain 1.000",
                      marks=pytest.mark.skipif(not (shutil.which("valgrind") and shutil.which("gcc")),
                                               reason="needs valgrind and gcc")),
