@@ -5,8 +5,10 @@ hook-based ``torch.nn.utils.spectral_norm`` and the others' in ``torch.nn.utils.
 and scores a real and a generated batch in one step, each layer called twice. This runs the
 same discriminator steps (LSGAN loss, Adam) on a stock copy and a prepared one (``auto``), both
 under ``torch.compile``, checks every step's loss and spectral_norm buffers against stock
-bitwise (gradients: see ``close``), then times steady steps interleaved in one process and
-counts the Python calls of one step (``sys.setprofile``, deterministic).
+bitwise (gradients: see ``close``), times the first compiled step of each against the same
+network without norms (one run: a rough figure; ``paramfold bench`` repeats its own), then
+times steady steps interleaved in one process and counts the Python calls of one step
+(``sys.setprofile``, deterministic).
 
     python examples/gan_discriminator.py                     # eager backend, 3 scales
     python examples/gan_discriminator.py --backend inductor  # compiled kernels (tolerance, not bitwise)
@@ -49,11 +51,13 @@ class ScaleDiscriminator(nn.Module):
 class MultiScale(nn.Module):
     """Scores the real and the generated audio at ``scales`` resolutions."""
 
-    def __init__(self, scales: int, width: int) -> None:
+    def __init__(self, scales: int, width: int, plain: bool = False) -> None:
         super().__init__()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # the hook-based norms are deprecated
             norms = [nn.utils.spectral_norm] + [nn.utils.weight_norm] * (scales - 1)
+            if plain:  # the same layers without norms: what compiling the network itself costs
+                norms = [lambda layer: layer] * scales
             self.discriminators = nn.ModuleList([ScaleDiscriminator(norm, width) for norm in norms])
         self.pool = nn.AvgPool1d(4, 2, padding=2)
 
@@ -98,6 +102,22 @@ def main() -> None:
     ours = paramfold.prepare(MultiScale(args.scales, args.width), "auto")
     models = {"stock": stock, "paramfold auto": ours}
     calls = {name: torch.compile(m, backend=args.backend) for name, m in models.items()}
+
+    # The first compiled step (forward and backward) of each, from an empty compile cache (the
+    # first compile in a process also pays dynamo's own start: a warm-up takes that), against
+    # the same network without norms.
+    real, fake = torch.randn(4, 1, args.samples), torch.randn(4, 1, args.samples).tanh()
+    plain = MultiScale(args.scales, args.width, plain=True)
+    first: dict[str, float] = {}
+    for name, call in [("(warm-up)", torch.compile(plain, backend=args.backend)),
+                       ("plain", torch.compile(plain, backend=args.backend)), *calls.items()]:
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        call(real, fake).backward()
+        first[name] = time.perf_counter() - start
+    del first["(warm-up)"]
+    for m in models.values():
+        m.zero_grad()
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=2e-4, betas=(0.8, 0.99)) for name, m in models.items()}
     exact = args.backend == "eager"
 
@@ -136,6 +156,8 @@ def main() -> None:
             optimizers[name].zero_grad()
     print(f"{args.checked} steps: loss and spectral_norm buffers {'bitwise' if exact else 'allclose'} stock's, "
           f"gradients within {worst:.1e}")
+    print("first compiled step (forward and backward): "
+          + ", ".join(f"{name} {seconds:.2f} s ({seconds / first['plain']:.2f}x plain)" for name, seconds in first.items()))
     real, fake = batch()
     counted = {name: _calls(lambda: step(name, real, fake)) for name in models}
     times = {name: [] for name in models}
