@@ -918,6 +918,44 @@ def test_steady_training_steps_of_hook_based_spectral_norms_are_served_by_a_plan
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("where", ["layer", "root", "global"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_pre_hook_on_for_some_training_steps_then_removed_is_followed_like_stock(mode, where, compiled):
+    # Regression (helper hD, 2026-12-06): a forward pre-hook keeps a hook-based norm's hook in
+    # (computed at the layer's call, after it), and those calls leave the layer no stand-in for
+    # its read-once class. Once the pre-hook was removed, the plan built before served again:
+    # its layer's class ran no stand-in, the value looked unread at every call, and the power
+    # iteration was put back each time (weight_u frozen, outputs off by 4e-6 from the next step).
+    torch.manual_seed(0)
+    stock = _Discriminator()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    calls = [torch.compile(m, backend="eager") if compiled else m for m in (stock, ours)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (stock, ours)]
+    handles = []
+    for step in range(10):
+        if step == 4:
+            if where == "global":
+                handles.append(torch.nn.modules.module.register_module_forward_pre_hook(_noted_call))
+            else:
+                handles += [(m if where == "root" else m.body[0]).register_forward_pre_hook(_noted_call)
+                            for m in (stock, ours)]
+        if step == 6:
+            for handle in handles:
+                handle.remove()
+        real, fake = torch.randn(4, 8), torch.randn(4, 8)
+        outs = [call(real, fake) for call in calls]
+        for out, optimizer in zip(outs, optimizers):
+            out.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert torch.equal(outs[1], outs[0]), step
+        assert_same_tensors(dict(ours.named_buffers()), dict(stock.named_buffers()), step)
+        for layer, stock_layer in zip(ours.body, stock.body):
+            assert torch.equal(layer.weight, stock_layer.weight), step
+    torch._dynamo.reset()
+
+
 def _scale_v(model: nn.Module) -> None:
     with torch.no_grad():
         model[0].weight_v.mul_(1.5)  # (spectral_norm's: the power iteration's vector, a buffer)

@@ -224,6 +224,7 @@ class Plan:
             if plists is not None:
                 structure.update((id(d), d) for d in (plists.__dict__, plists._modules))
             hooks_here = []
+            onces_here = False
             for name, site in hs.sites.items():
                 # (read_for_one_call: it would keep tensors put in for this call alone, and never hold.)
                 if site.read_for_one_call:
@@ -255,6 +256,7 @@ class Plan:
                     if site.stateful:  # its stand-in for training calls, reset as the general path does
                         modes.append((holder, holder.training))
                         onces.append(site.once_hook)
+                        onces_here = True
                         arguments = _TRAINING_NORM if holder.training else _EVAL_NORM
                     if site.training_stateful:
                         copy_state(holder, site, values, name, site.once_hook)
@@ -327,6 +329,8 @@ class Plan:
                 else:
                     return None
             if hooks_here:
+                if onces_here:  # the stand-ins its read-once class runs (another call may have left none)
+                    value_links.append((values, ONCE_ATTR, values[ONCE_ATTR]))
                 hooked.append((holder, hs, values, tuple(hooks_here)))
                 hook_dicts.append(holder._forward_pre_hooks)
                 hook_dict_keys.append(list(hs.hooks_out[1]))
