@@ -961,3 +961,49 @@ def test_a_norms_hook_or_layer_replaced_wholesale_is_never_served_stale(mode, ch
             replace(model)
         calls_like_stock_or_refused(stock, run, x, 2)
         _same_state(stock, ours)
+
+
+class _CallsAround(nn.Module):
+    """Calls its spectral_norm layer without going through the layer's class's ``__call__``
+    (some wrappers and old code do), which in stock runs its hooks all the same."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a = _norm("spectral_norm")(nn.Linear(6, 8))
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x):
+        if self.how == "nn.Module.__call__":
+            h = nn.Module.__call__(self.a, x)
+        elif self.how == "_call_impl":
+            h = self.a._call_impl(x)
+        else:
+            h = self.a._wrapped_call_impl(x)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("how", ["nn.Module.__call__", "_call_impl", "_wrapped_call_impl"])
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_training_spectral_norm_called_around_its_classes_call_runs_its_power_iteration_like_stock(mode, how, compiled):
+    # Regression (helper hD, 2026-12-06): such a call skipped the read-once class's __call__,
+    # which marks the call for the stand-ins; its forward then took it for a forward called
+    # directly (no hook in stock), never marked the value served, and the power iteration was
+    # put back at every call: weight_u never moved, off by 0.5 from the first call.
+    torch.manual_seed(0)
+    stock = _CallsAround(how)
+    torch.manual_seed(0)
+    ours = paramfold.prepare(_CallsAround(how), mode)
+    calls = [torch.compile(m, backend="eager") if compiled else m for m in (stock, ours)]
+    for step in range(6):
+        x = torch.randn(3, 6)
+        outs = [call(x) for call in calls]
+        for out in outs:
+            out.sum().backward()
+        assert torch.equal(outs[1], outs[0]), step
+        for name, tensor in stock.named_buffers():
+            assert torch.equal(dict(ours.named_buffers())[name], tensor), (step, name)
+        assert torch.equal(ours.a.weight, stock.a.weight), step
+        assert torch.equal(ours.a.weight_orig.grad, stock.a.weight_orig.grad), step
+    torch._dynamo.reset()

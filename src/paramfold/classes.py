@@ -494,6 +494,7 @@ def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> t
             namespace.update((n, _ReadOnce(n)) for n in sorted(names))
             if hooked:
                 namespace["__call__"] = _served_once_call(cls)
+                namespace["_call_impl"] = _served_once_call_impl(cls)
                 namespace["forward"] = _served_once_forward(cls)
             namespace["state_dict"] = _state_dict_as_stock(cls)
             sub = _classes[key] = type(cls)(cls.__name__, (cls,), namespace)
@@ -533,6 +534,25 @@ def _served_once_call(cls: type) -> Callable:
                 once.called = False
 
     return served_once_call
+
+
+def _served_once_call_impl(cls: type) -> Callable:
+    """``cls._call_impl`` that marks the call for the stand-ins as :func:`_served_once_call` does:
+    a call that does not go through the class's ``__call__`` (``nn.Module.__call__(layer, x)``,
+    ``layer._call_impl(x)``, ``layer._wrapped_call_impl(x)``) runs torch's hooks in stock too,
+    where the stand-ins must run (not as for a ``forward`` called directly)."""
+
+    def served_once_call_impl(self: nn.Module, *args, **kwargs):
+        onces = self._paramfold_once  # state.ONCE_ATTR
+        for once in onces:
+            once.called = True
+        try:
+            return cls._call_impl(self, *args, **kwargs)
+        finally:
+            for once in onces:
+                once.called = False
+
+    return served_once_call_impl
 
 
 def _served_once_forward(cls: type) -> Callable:
