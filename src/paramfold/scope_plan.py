@@ -38,7 +38,7 @@ from paramfold.site_values import freezing_now
 from paramfold.state import CALLS, MISSING, ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
-from paramfold.unread import Copies, fusable, last_back, put_back, state_entries
+from paramfold.unread import Copies, fusable, give_back, put_back, state_entries
 from paramfold.watch import Identities, Watch, columns, layout, tag
 
 _users = attrgetter("users")
@@ -554,9 +554,7 @@ class Plan:
             if True in unread:
                 for site, not_read, values, name in zip(self.copied_sites, unread, self.copied_dicts, self.copied_names):
                     if not_read:
-                        if site.hook is not None:
-                            last_back(values, name)
-                        put_back(site)
+                        give_back(values, name, site)
             _run(map(setattr, self.copied_sites, repeat("before"), repeat(None)))
         _run(map(dict.pop, self.hoisted_dicts, self.hoisted_names, repeat(None)))
         for holder, hs, _, _ in self.hooked:  # the hooks back in their places; the values stay, as stock's
@@ -583,10 +581,10 @@ def _hooks_servable(holder: nn.Module, hs: ModuleState) -> bool:
     hooked = [site for site in hs.sites.values() if site.hook is not None]
     served = {id(site.hook) for site in hooked}
     onces = tuple(site.once_hook for site in hooked if site.stateful)
+    standing = holder.__dict__.get(ONCE_ATTR, ())
     return (not prepended and not holder._forward_pre_hooks and len(taken) == len(order) and not hs.left
             and all(id(hook) in served for _, hook in taken)
-            and len(holder.__dict__.get(ONCE_ATTR, ())) == len(onces)
-            and all(map(is_, holder.__dict__.get(ONCE_ATTR, ()), onces)))
+            and len(standing) == len(onces) and all(map(is_, standing, onces)))
 
 
 #: The arguments of a hook's ``compute_weight`` (``hooknorms.compute``): a spectral_norm runs its

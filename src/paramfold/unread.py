@@ -261,6 +261,14 @@ def last_back(values: dict, name: str) -> None:
             values[name] = last
 
 
+def give_back(values: dict, name: str, site: SiteState) -> None:
+    """At the end of a call that did not read the value computed for ``site`` (``values``: its
+    module's ``__dict__``): its state as before, and a hook-based norm's last call's value back."""
+    if site.hook is not None:
+        last_back(values, name)
+    put_back(site)
+
+
 def release(holder: nn.Module, name: str, site: SiteState) -> None:
     """At the end of the call (before its values leave ``holder``'s ``__dict__``): put back where
     no read took the value (a hook-based norm: no call of the module was served it, which keeps
@@ -268,9 +276,7 @@ def release(holder: nn.Module, name: str, site: SiteState) -> None:
     if site.before is None:
         return
     if _unread(holder, name, site):
-        if site.hook is not None:
-            last_back(holder.__dict__, name)
-        put_back(site)
+        give_back(holder.__dict__, name, site)
     else:
         site.before = None
 
