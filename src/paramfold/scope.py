@@ -682,6 +682,25 @@ def _changes_originals(module: nn.Module | None) -> bool:
     return any(key not in served for key in hooks)
 
 
+def _pre_hooks_since(module: nn.Module, state: ModuleState) -> None:
+    """At a call of ``module`` nested in an open scope: where a forward pre-hook that may change
+    originals (:func:`_changes_originals`) was registered during the call, on ``module`` or
+    globally (from a forward hook of an earlier layer: a monitor, a clipping or pruning tool), the
+    values below ``module`` are served as stock's from now on in the call
+    (``scope_nested.computed_at_read``): the hook runs after this check, and the scope computed
+    them before it. One there when the call began left them so already (:func:`_below_pre_hooks`);
+    ``state.pre_hooks_seen`` notes the keys found, each seen once."""
+    hooks = module._forward_pre_hooks
+    seen = state.pre_hooks_seen
+    if seen.issuperset(hooks) and seen.issuperset(_global_forward_pre_hooks):
+        return
+    if _changes_originals(module) or _changes_originals(None):
+        with _LOCK:
+            if nested.computed_at_read(module, _concurrent):
+                _drop_plans(state)  # built on the sites' choices this call changed (at_read)
+    state.pre_hooks_seen = frozenset((*hooks, *_global_forward_pre_hooks))
+
+
 def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict[int, nn.Module | None],
                                                   tuple[nn.Module, ...]]:
     """The ids of the modules at or below a module with a forward pre-hook that may change
@@ -1169,6 +1188,8 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
     if compiling():
         return compiled(*args, **kwargs)
     if _in_scope(module):
+        if _local.opened is not module:
+            _pre_hooks_since(module, module.__dict__[STATE_ATTR])
         if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
         return _nested(module, compiled)(*args, **kwargs)
@@ -1290,6 +1311,10 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         # only of modules with hooks: an eager call of one without pays no frame for it.)
         return None
     state = self.__dict__[STATE_ATTR]
+    hooks = self._forward_pre_hooks
+    if (hooks or _global_forward_pre_hooks) and not (state.pre_hooks_seen.issuperset(hooks)
+                                                     and state.pre_hooks_seen.issuperset(_global_forward_pre_hooks)):
+        _pre_hooks_since(self, state)
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     context = nested.local.context
     check = state.nested_check

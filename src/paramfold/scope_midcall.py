@@ -26,13 +26,13 @@ import torch
 from torch import nn
 
 from paramfold import compile_leaves as leaves
-from paramfold import hooknorms, unread
+from paramfold import unread
 from paramfold import scope_nested as nested
 from paramfold.compute import compiling
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.scope import _MISSING, _enclosing, _in_scope, _unclaimed, calls_lock
-from paramfold.state import ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState, kept_values, tensor_label
+from paramfold.state import ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, kept_values, tensor_label
 
 
 def not_copied(module: nn.Module) -> tuple[str, ...]:
@@ -179,7 +179,7 @@ def hook_value_replaced(holder: nn.Module, name: str) -> None:
     with calls_lock():
         unread.drop(holder, name, site)
         if not (once is not None and type(holder) is hs.read_once_class):
-            _hooks_back(holder, hs, [site.hook_key])
+            nested.hooks_back(holder, hs, [site.hook_key])
 
 
 def watch_backward() -> None:
@@ -233,17 +233,7 @@ def _graphs_freed(claims: tuple) -> None:
                         del values[name]
                 elif not (site.once_hook is not None and type(holder) is hs.read_once_class):
                     hooks.append(site.hook_key)
-            _hooks_back(holder, hs, hooks)
-
-
-def _hooks_back(holder: nn.Module, hs: ModuleState, keys: list[int]) -> None:
-    """Put the hook-based norms' hooks at ``keys`` that the open scope took out back in their
-    places, for the rest of the call: they run at the module's later calls, as stock's do."""
-    if keys and hs.hooks_out:
-        taken, order, prepended = hs.hooks_out
-        hooknorms.attach(holder, [(k, h) for k, h in taken if k in keys], order, prepended)
-        rest = [(k, h) for k, h in taken if k not in keys]
-        hs.hooks_out = (rest, order, prepended) if rest else ()
+            nested.hooks_back(holder, hs, hooks)
 
 
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).

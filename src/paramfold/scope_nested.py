@@ -56,7 +56,7 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
 from paramfold.freeze import _storage_key, chain_needs_grad, digest, mark, release
 from paramfold.sites import probed
-from paramfold.state import PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState, SiteState, for_one_call, tensor_label, version_of
+from paramfold.state import ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState, SiteState, for_one_call, tensor_label, version_of
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.watch import tag
@@ -560,6 +560,53 @@ def hook_in(hs: ModuleState, site: SiteState) -> bool:
         if key == site.hook_key:
             return False
     return True
+
+
+def hooks_back(holder: nn.Module, hs: ModuleState, keys: list[int]) -> None:
+    """Put the hook-based norms' hooks at ``keys`` that the open scope took out back in their
+    places, for the rest of the call: they run at the module's later calls, as stock's do."""
+    if keys and hs.hooks_out:
+        taken, order, prepended = hs.hooks_out
+        hooknorms.attach(holder, [(k, h) for k, h in taken if k in keys], order, prepended)
+        rest = [(k, h) for k, h in taken if k not in keys]
+        hs.hooks_out = (rest, order, prepended) if rest else ()
+
+
+def computed_at_read(entry: nn.Module, busy: Callable[[nn.Module], Exception]) -> bool:
+    """Serve every value below ``entry`` as stock does for the rest of the call: a forward
+    pre-hook registered during the call, on ``entry`` or a global one, runs at ``entry``'s call
+    after its nested check and before its forward reads the tensors, and may change their
+    originals (``scope._pre_hooks_since``). As where it was there when the call began
+    (``scope._below_pre_hooks``): each read computes afresh, a hook-based norm's hook is back in
+    its place among the pre-hooks (a training spectral_norm's stand-in out), and a training
+    stateful chain's value no read took yet gives its state back (:func:`unread.drop`), so the
+    reads (the module's calls) advance it from there, in stock's order. ``busy(entry)`` is raised
+    where another thread's call shares a value; returns whether any value was served otherwise.
+    The caller holds the scope lock."""
+    found = False
+    for holder in entry.__dict__[STATE_ATTR].holders:
+        values = holder.__dict__
+        hs = values[STATE_ATTR]
+        served = [(name, site) for name, site in hs.sites.items()
+                  if site.mode != "inline" and not site.at_read and not hook_in(hs, site)]
+        if served and hs.users > 1:
+            raise busy(entry)
+        found = found or bool(served)
+        hooks = []
+        for name, site in served:
+            unread.drop(holder, name, site)
+            if site.hook is None:
+                site.at_read = True
+                if values.pop(name, None) is not None:
+                    hs.drop_kept(name)
+                continue
+            hooks.append(site.hook_key)
+            once = site.once_hook
+            if once is not None and once in values.get(ONCE_ATTR, ()):
+                values[ONCE_ATTR] = tuple(o for o in values[ONCE_ATTR] if o is not once)
+        hooks_back(holder, hs, hooks)
+    Installs.count += 1
+    return found
 
 
 def _same_settings_of(holder: nn.Module, site: SiteState, snap: tuple) -> bool:

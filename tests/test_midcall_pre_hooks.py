@@ -1,0 +1,211 @@
+"""A forward pre-hook registered *during* a call (from a forward hook of an earlier layer) that
+edits a later layer's originals in place before its forward reads them.
+
+Stock's read of the layer's tensor (a parametrization's, or a hook-based norm's hook) computes
+from the edited originals; a value the call scope computed when the call began was computed
+before the edit. Every call is compared bitwise with stock's: outputs, gradients of every
+parameter after a backward and an SGD step, buffers (spectral_norm's ``u``/``v``), and a hook-based
+norm's ``weight`` attribute, over several calls (the plan's steady calls too).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.utils import parametrizations
+
+import paramfold
+
+KINDS = ["weight_norm", "spectral_norm", "hook weight_norm", "hook spectral_norm"]
+
+
+def _normed(kind: str, layer: nn.Module) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook-based API
+        return {
+            "weight_norm": parametrizations.weight_norm,
+            "spectral_norm": parametrizations.spectral_norm,
+            "hook weight_norm": nn.utils.weight_norm,
+            "hook spectral_norm": nn.utils.spectral_norm,
+        }[kind](layer)
+
+
+def _originals(layer: nn.Module) -> list[torch.Tensor]:
+    if hasattr(layer, "parametrizations"):
+        return list(layer.parametrizations.weight.parameters())
+    return [p for n, p in layer.named_parameters() if n.startswith("weight_")]
+
+
+def _edit(layer: nn.Module, args: tuple) -> None:
+    """Changes every original of ``layer.weight`` in place (spectral_norm's value is scale-free:
+    a pattern is added, not a factor applied), at the first call of ``layer`` after it was
+    registered (a second edit would change tensors stock's first call saved for backward)."""
+    if layer is not _edit.target:  # a global hook runs at every module's call
+        return
+    _edit.target = None
+    with torch.no_grad():
+        for t in _originals(layer):
+            t.add_(torch.linspace(-0.3, 0.5, t.numel()).reshape(t.shape))
+
+
+class _Net(nn.Module):
+    """``a``'s forward hook registers :func:`_edit` on ``b`` (``where``: appended, prepended, or
+    as a global hook), which edits at ``b``'s first call; ``b`` is called twice (a discriminator
+    scoring two batches); the forward removes the hook at its end."""
+
+    def __init__(self, kind: str, where: str):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = _normed(kind, nn.Linear(6, 8))
+        self.where = where
+        self.handles: list = []
+        self.a.register_forward_hook(self._arm)
+
+    def _arm(self, module, args, out):
+        _edit.target = self.b
+        if self.where == "global":
+            self.handles.append(register_module_forward_pre_hook(_edit))
+        else:
+            self.handles.append(self.b.register_forward_pre_hook(_edit, prepend=self.where == "prepend"))
+
+    def forward(self, x):
+        try:
+            h = self.a(x)
+            return self.b(h) + self.b(h.flip(0))
+        finally:
+            while self.handles:
+                self.handles.pop().remove()
+
+
+def _same(stock: nn.Module, ours: nn.Module) -> None:
+    for (n, s), (_, o) in zip(stock.state_dict(keep_vars=True).items(), ours.state_dict(keep_vars=True).items(),
+                              strict=True):
+        assert torch.equal(s, o), n
+    if hasattr(stock.b, "weight_orig") or hasattr(stock.b, "weight_g"):
+        assert torch.equal(stock.b.weight, ours.b.weight)
+
+
+def _stepped_like_stock(stock: nn.Module, ours: nn.Module, out_s: torch.Tensor, out_o: torch.Tensor, what: str) -> bool:
+    """A backward of each output and an SGD step of each model, gradients bitwise equal; False
+    where stock's backward raised, as ours then must: an edit after the tensors were computed
+    (a hook appended after a hook-based norm's own) changed what stock's autograd saved."""
+    try:
+        out_s.square().sum().backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out_o.square().sum().backward()
+        return False
+    out_o.square().sum().backward()
+    with torch.no_grad():
+        for (n, ps), (_, po) in zip(stock.named_parameters(), ours.named_parameters(), strict=True):
+            assert torch.equal(ps.grad, po.grad), f"{what}: grad of {n}"
+            ps.sub_(0.1 * ps.grad)
+            po.sub_(0.1 * po.grad)
+            ps.grad = po.grad = None
+    return True
+
+
+@pytest.mark.parametrize("where", ["append", "prepend", "global"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("mode", "train"), [("hoist", False), ("freeze", False), ("auto", False), ("inline", False),
+                                              ("hoist", True), ("auto", True), ("inline", True)])
+def test_a_pre_hook_registered_during_a_call_that_edits_a_layers_originals_is_followed_like_stock(
+        kind, where, mode, train):
+    # Regression: hoist, freeze and auto served the call the value computed when it began, before
+    # the edit: under no_grad silently off (0.51 on a weight_norm layer); with grad the backward
+    # raised autograd's "modified by an inplace operation" where stock's trains.
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = _Net(kind, where).train(train)
+        models.append(net if train else net.requires_grad_(False))
+    stock, ours = models
+    paramfold.prepare(ours, mode)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        with torch.set_grad_enabled(train):
+            out_s = stock(x)
+            out_o = ours(x)
+        assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
+        if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
+            break
+        _same(stock, ours)
+    assert not ours.handles and not _forward_pre_hooks_left(ours)
+    paramfold.restore(ours)
+    _same(stock, ours)
+
+
+def _forward_pre_hooks_left(model: nn.Module) -> list:
+    from torch.nn.modules.module import _global_forward_pre_hooks
+
+    return [h for m in model.modules() for h in m._forward_pre_hooks.values() if h is _edit] + [
+        h for h in _global_forward_pre_hooks.values() if h is _edit]
+
+
+def _noted_u(layer: nn.Module, args: tuple) -> None:
+    """Notes what a training spectral_norm's power iteration has made of ``u`` so far."""
+    u = layer.weight_u if hasattr(layer, "weight_u") else layer.parametrizations.weight[0]._u
+    _noted_u.seen.append(u.clone())
+
+
+class _Notes(_Net):
+    """``a``'s forward hook registers :func:`_noted_u` on ``b`` for the rest of the call."""
+
+    def _arm(self, module, args, out):
+        self.handles.append(self.b.register_forward_pre_hook(_noted_u, prepend=self.where == "prepend"))
+
+
+@pytest.mark.parametrize("where", ["append", "prepend"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "hook spectral_norm"])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_a_pre_hook_registered_during_a_training_call_runs_in_stocks_order_at_each_later_call(kind, where, mode):
+    # Regression: a training hook-based spectral_norm's later calls in the call ran the norm's
+    # power iteration after every pre-hook, where one appended after the norm's own runs after it
+    # in stock: the hook saw u one iteration behind.
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_Notes(kind, where).train())
+    stock, ours = models
+    paramfold.prepare(ours, mode)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        seen = []
+        for model in (stock, ours):
+            _noted_u.seen = []
+            out = model(x)
+            out.square().sum().backward()
+            seen.append((out, _noted_u.seen))
+        (out_s, us_s), (out_o, us_o) = seen
+        assert torch.equal(out_s, out_o), f"call {step}"
+        assert len(us_s) == len(us_o) == 2 and all(map(torch.equal, us_s, us_o)), f"call {step}"
+        _same(stock, ours)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("mode", "train"), [("auto", False), ("hoist", True)])
+def test_a_pre_hook_registered_inside_compiled_code_is_followed_like_stocks_compiled_model(kind, mode, train):
+    # Compiled, the hook is registered while dynamo traces the forward; stock's compiled model
+    # then differs from its eager one (torch's behaviour), and the prepared one's is the same.
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = _Net(kind, "prepend").train(train)
+        models.append(net if train else net.requires_grad_(False))
+    stock, ours = models
+    paramfold.prepare(ours, mode)
+    torch._dynamo.reset()
+    runs = [torch.compile(m, backend="aot_eager") for m in models]
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        with torch.set_grad_enabled(train):
+            out_s, out_o = (run(x) for run in runs)
+        assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
+        if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
+            break
+        _same(stock, ours)
