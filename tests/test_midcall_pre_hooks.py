@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.nn.utils import parametrizations
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.utils import parametrizations, parametrize
 
 import paramfold
 
@@ -209,3 +209,41 @@ def test_a_pre_hook_registered_inside_compiled_code_is_followed_like_stocks_comp
         if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
             break
         _same(stock, ours)
+
+
+def _scale_members(module, args, out):
+    """A global forward hook that changes what a parametrization's modules return."""
+    if isinstance(module, parametrize.ParametrizationList):
+        return out * 1.5
+
+
+class _ArmsAGlobalForwardHook(_Net):
+    def _arm(self, module, args, out):
+        self.handles.append(register_module_forward_hook(_scale_members))
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize(("mode", "train"), [("hoist", False), ("freeze", False), ("auto", False), ("inline", False),
+                                              ("hoist", True), ("auto", True)])
+def test_a_global_forward_hook_registered_during_a_call_runs_at_each_later_read_like_stock(kind, mode, train):
+    # Regression: stock's reads after the registration call the chain's modules, so the hook;
+    # hoist, freeze and auto served the value computed when the call began (1.38 off).
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = _ArmsAGlobalForwardHook(kind, "global").train(train)
+        models.append(net if train else net.requires_grad_(False))
+    stock, ours = models
+    paramfold.prepare(ours, mode)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        with torch.set_grad_enabled(train):
+            out_s = stock(x)
+            out_o = ours(x)
+        assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
+        if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
+            break
+        _same(stock, ours)
+    from torch.nn.modules.module import _global_forward_hooks
+
+    assert not ours.handles and _scale_members not in _global_forward_hooks.values()

@@ -90,6 +90,7 @@ from paramfold.watch import tag
 
 _Module = nn.Module
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
+_global_forward_hooks = torch.nn.modules.module._global_forward_hooks
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 _tracing_state = torch._C._get_tracing_state
@@ -685,20 +686,22 @@ def _changes_originals(module: nn.Module | None) -> bool:
 def _pre_hooks_since(module: nn.Module, state: ModuleState) -> None:
     """At a call of ``module`` nested in an open scope: where a forward pre-hook that may change
     originals (:func:`_changes_originals`) was registered during the call, on ``module`` or
-    globally (from a forward hook of an earlier layer: a monitor, a clipping or pruning tool), the
-    values below ``module`` are served as stock's from now on in the call
+    globally (from a forward hook of an earlier layer: a monitor, a clipping or pruning tool), or
+    a global forward hook, which runs at each call of a chain's modules, so at each of stock's
+    reads, the values below ``module`` are served as stock's from now on in the call
     (``scope_nested.computed_at_read``): the hook runs after this check, and the scope computed
-    them before it. One there when the call began left them so already (:func:`_below_pre_hooks`);
-    ``state.pre_hooks_seen`` notes the keys found, each seen once."""
+    them before it. One there when the call began left them so already (:func:`_below_pre_hooks`,
+    ``site_values.for_call``); ``state.pre_hooks_seen`` notes the keys found, each seen once."""
     hooks = module._forward_pre_hooks
     seen = state.pre_hooks_seen
-    if seen.issuperset(hooks) and seen.issuperset(_global_forward_pre_hooks):
+    if seen.issuperset(hooks) and seen.issuperset(_global_forward_pre_hooks) and seen.issuperset(_global_forward_hooks):
         return
-    if _changes_originals(module) or _changes_originals(None):
+    if (_changes_originals(module) or _changes_originals(None)
+            or not seen.issuperset(_global_forward_hooks)):
         with _LOCK:
             if nested.computed_at_read(module, _concurrent):
                 _drop_plans(state)  # built on the sites' choices this call changed (at_read)
-    state.pre_hooks_seen = frozenset((*hooks, *_global_forward_pre_hooks))
+    state.pre_hooks_seen = frozenset((*hooks, *_global_forward_pre_hooks, *_global_forward_hooks))
 
 
 def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict[int, nn.Module | None],
@@ -1312,8 +1315,9 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         return None
     state = self.__dict__[STATE_ATTR]
     hooks = self._forward_pre_hooks
-    if (hooks or _global_forward_pre_hooks) and not (state.pre_hooks_seen.issuperset(hooks)
-                                                     and state.pre_hooks_seen.issuperset(_global_forward_pre_hooks)):
+    if (hooks or _global_forward_pre_hooks or _global_forward_hooks) and not (
+            state.pre_hooks_seen.issuperset(hooks) and state.pre_hooks_seen.issuperset(_global_forward_pre_hooks)
+            and state.pre_hooks_seen.issuperset(_global_forward_hooks)):
         _pre_hooks_since(self, state)
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     context = nested.local.context

@@ -11,7 +11,10 @@ call begins. A forward may then change their inputs before it calls a submodule:
   ``forward`` in one; stock's reads inside it compute the chain's matmuls in lower precision), a
   ``torch.enable_grad()`` region in a ``no_grad`` call (stock's reads there record gradients), or
   the submodule's settings: ``self.D.eval()``, ``self.D.requires_grad_(False)`` around the call
-  that scores a generator's output, a custom member's attribute set for one call.
+  that scores a generator's output, a custom member's attribute set for one call;
+* or register a forward pre-hook on the submodule, or a global one (from a forward hook of an
+  earlier layer), which runs at the submodule's call after its check and may change them before
+  its forward reads them: :func:`computed_at_read` serves them as stock does from then on.
 
 Every eager call of an entry reads its ``_compiled_call_impl`` (``scope._get_compiled_call_impl``),
 which checks the entry's :func:`check_of` columns: the tensors below it are the ones its values
@@ -576,7 +579,8 @@ def computed_at_read(entry: nn.Module, busy: Callable[[nn.Module], Exception]) -
     """Serve every value below ``entry`` as stock does for the rest of the call: a forward
     pre-hook registered during the call, on ``entry`` or a global one, runs at ``entry``'s call
     after its nested check and before its forward reads the tensors, and may change their
-    originals (``scope._pre_hooks_since``). As where it was there when the call began
+    originals; a global forward hook runs at each call of a chain's modules, so at each of
+    stock's reads (``scope._pre_hooks_since``). As where it was there when the call began
     (``scope._below_pre_hooks``): each read computes afresh, a hook-based norm's hook is back in
     its place among the pre-hooks (a training spectral_norm's stand-in out), and a training
     stateful chain's value no read took yet gives its state back (:func:`unread.drop`), so the
