@@ -50,6 +50,7 @@ finds it restored meanwhile runs as the restored model's (:func:`_as_restored`).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -62,6 +63,7 @@ from typing import Any
 
 import torch
 import torch.fx._symbolic_trace as _fx
+from torch.utils.hooks import RemovableHandle as _Handle
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -683,25 +685,31 @@ def _changes_originals(module: nn.Module | None) -> bool:
     return any(key not in served for key in hooks)
 
 
-def _pre_hooks_since(module: nn.Module, state: ModuleState) -> None:
-    """At a call of ``module`` nested in an open scope: where a forward pre-hook that may change
-    originals (:func:`_changes_originals`) was registered during the call, on ``module`` or
-    globally (from a forward hook of an earlier layer: a monitor, a clipping or pruning tool), or
-    a global forward hook, which runs at each call of a chain's modules, so at each of stock's
-    reads, the values below ``module`` are served as stock's from now on in the call
-    (``scope_nested.computed_at_read``): the hook runs after this check, and the scope computed
-    them before it. One there when the call began left them so already (:func:`_below_pre_hooks`,
-    ``site_values.for_call``); ``state.pre_hooks_seen`` notes the keys found, each seen once."""
-    hooks = module._forward_pre_hooks
-    seen = state.pre_hooks_seen
-    if seen.issuperset(hooks) and seen.issuperset(_global_forward_pre_hooks) and seen.issuperset(_global_forward_hooks):
+def _hooks_since(module: nn.Module, state: ModuleState) -> None:
+    """At a call of ``module`` nested in an open scope, after a hook was registered somewhere
+    since its last check (torch numbers every hook's handle from one counter): where one that may
+    change what its values are is there now, unseen by this check before, the values below
+    ``module`` are served as stock's from now on in the call (``scope_nested.computed_at_read``):
+    a forward pre-hook that may change originals (:func:`_changes_originals`), on ``module`` or
+    global, registered from a forward hook of an earlier layer (a monitor, a clipping or pruning
+    tool), runs after this check, and the scope computed them before it; a global forward hook,
+    or one on a chain's own modules, runs at each of stock's reads. One there when the call began
+    left them so already (:func:`_below_pre_hooks`, ``site_values.for_call``, the chain's probe);
+    ``state.hooks_seen`` notes the keys found, each seen once."""
+    state.hooks_checked = _Handle.next_id
+    check = state.nested_check
+    if check is None or check[0] != nested.Installs.count:  # (check_of's own test, written out)
+        check = nested.check_of(module)
+    dicts = (module._forward_pre_hooks, _global_forward_pre_hooks, _global_forward_hooks, *check[15])
+    seen = state.hooks_seen
+    if all(map(seen.issuperset, dicts)):
         return
-    if (_changes_originals(module) or _changes_originals(None)
-            or not seen.issuperset(_global_forward_hooks)):
+    if ((not seen.issuperset(module._forward_pre_hooks) and _changes_originals(module))
+            or not all(map(seen.issuperset, dicts[1:]))):
         with _LOCK:
             if nested.computed_at_read(module, _concurrent):
                 _drop_plans(state)  # built on the sites' choices this call changed (at_read)
-    state.pre_hooks_seen = frozenset((*hooks, *_global_forward_pre_hooks, *_global_forward_hooks))
+    state.hooks_seen = frozenset(itertools.chain.from_iterable(dicts))
 
 
 def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict[int, nn.Module | None],
@@ -1191,8 +1199,8 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
     if compiling():
         return compiled(*args, **kwargs)
     if _in_scope(module):
-        if _local.opened is not module:
-            _pre_hooks_since(module, module.__dict__[STATE_ATTR])
+        if _local.opened is not module and _Handle.next_id != (state := module.__dict__[STATE_ATTR]).hooks_checked:
+            _hooks_since(module, state)
         if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
         return _nested(module, compiled)(*args, **kwargs)
@@ -1314,11 +1322,8 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         # only of modules with hooks: an eager call of one without pays no frame for it.)
         return None
     state = self.__dict__[STATE_ATTR]
-    hooks = self._forward_pre_hooks
-    if (hooks or _global_forward_pre_hooks or _global_forward_hooks) and not (
-            state.pre_hooks_seen.issuperset(hooks) and state.pre_hooks_seen.issuperset(_global_forward_pre_hooks)
-            and state.pre_hooks_seen.issuperset(_global_forward_hooks)):
-        _pre_hooks_since(self, state)
+    if _Handle.next_id != state.hooks_checked:  # a hook registered somewhere since this module's last check
+        _hooks_since(self, state)
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     context = nested.local.context
     check = state.nested_check

@@ -14,7 +14,8 @@ call begins. A forward may then change their inputs before it calls a submodule:
   that scores a generator's output, a custom member's attribute set for one call;
 * or register a forward pre-hook on the submodule, or a global one (from a forward hook of an
   earlier layer), which runs at the submodule's call after its check and may change them before
-  its forward reads them: :func:`computed_at_read` serves them as stock does from then on.
+  its forward reads them, or a hook that stock's reads run (a global forward hook, one on a
+  chain's own modules): :func:`computed_at_read` serves them as stock does from then on.
 
 Every eager call of an entry reads its ``_compiled_call_impl`` (``scope._get_compiled_call_impl``),
 which checks the entry's :func:`check_of` columns: the tensors below it are the ones its values
@@ -136,7 +137,8 @@ def let_go(site: SiteState) -> bool:
 def check_of(entry: nn.Module) -> tuple:
     """``(count, dicts, keys, tensors, sized dicts, sizes, swapped, plain tensors, their ids,
     objects, attributes, their snapshot keys, custom members' dicts, their ids, the same five for
-    every site below)`` for the sites below ``entry`` whose values are in ``__dict__``:
+    every site below, the forward hook dicts of their chains' modules)`` for the sites below
+    ``entry`` whose values are in ``__dict__``:
     ``dicts[i][keys[i]] is tensors[i]`` and the dicts' sizes hold while nothing was swapped
     since the values were put there; ``getattr(
     objects[i], attributes[i])`` (the plain tensors' version counters; for ``entry``'s own
@@ -146,7 +148,7 @@ def check_of(entry: nn.Module) -> tuple:
     check = state.nested_check
     if check is not None and check[0] == Installs.count:
         return check
-    dicts, keys, tensors, sized, swapped, missing = [], [], [], [], [], []
+    dicts, keys, tensors, sized, swapped, missing, chain_hooks = [], [], [], [], [], [], []
     # Modules whose training mode counts, custom members' dicts, plain tensors whose
     # requires_grad counts: of entry's own sites, of every site below.
     own: tuple[list, list, list] = ([], [], [])
@@ -164,6 +166,9 @@ def check_of(entry: nn.Module) -> tuple:
                 dicts.append(d)
                 keys.append(key)
         tensors.extend(site.read_from)
+        if site.plist is not None:
+            for module in site.plist.modules():  # hooks stock's reads run (scope._hooks_since)
+                chain_hooks += (module._forward_pre_hooks, module._forward_hooks)
         if site.plist is not None:  # its chain: a member appended, removed or replaced for a call
             members = site.plist._modules
             sized.append(members)
@@ -183,7 +188,7 @@ def check_of(entry: nn.Module) -> tuple:
             keys.append(name)
             tensors.append(param)
     check = (Installs.count, dicts, keys, tensors, sized, list(map(len, sized)), swapped, plain, ids,
-             *_watched(plain, *own), _watched(plain, *below))
+             *_watched(plain, *own), _watched(plain, *below), chain_hooks)
     # Not kept where it holds tensors put in for one call (let_go): it would keep them past it.
     state.nested_check = None if one_call else check
     if missing:
@@ -579,8 +584,8 @@ def computed_at_read(entry: nn.Module, busy: Callable[[nn.Module], Exception]) -
     """Serve every value below ``entry`` as stock does for the rest of the call: a forward
     pre-hook registered during the call, on ``entry`` or a global one, runs at ``entry``'s call
     after its nested check and before its forward reads the tensors, and may change their
-    originals; a global forward hook runs at each call of a chain's modules, so at each of
-    stock's reads (``scope._pre_hooks_since``). As where it was there when the call began
+    originals; a global forward hook, or one on a chain's own modules, runs at each call of
+    them, so at each of stock's reads (``scope._hooks_since``). As where it was there when the call began
     (``scope._below_pre_hooks``): each read computes afresh, a hook-based norm's hook is back in
     its place among the pre-hooks (a training spectral_norm's stand-in out), and a training
     stateful chain's value no read took yet gives its state back (:func:`unread.drop`), so the
@@ -610,6 +615,9 @@ def computed_at_read(entry: nn.Module, busy: Callable[[nn.Module], Exception]) -
                 values[ONCE_ATTR] = tuple(o for o in values[ONCE_ATTR] if o is not once)
         hooks_back(holder, hs, hooks)
     Installs.count += 1
+    # A check built from now on leaves out the sites given up here, which the next call's scope
+    # serves again: none of this call's checks may serve that one.
+    Installs.partial = found or Installs.partial
     return found
 
 

@@ -459,10 +459,12 @@ class ModuleState:
     plan_unbuilt: bool = False
     #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
     nested_check: Any = None
-    #: For entries: the keys of the forward pre-hooks (the module's own and the global ones) its
-    #: last nested call found, each there when the scope opened or seen to since
-    #: (``scope._pre_hooks_since``).
-    pre_hooks_seen: frozenset = frozenset()
+    #: For entries: torch's next hook handle number when a nested call last checked the hooks
+    #: that may change its values, and the keys it found, each there when the scope opened or
+    #: seen to since (``scope._hooks_since``). Kept when the plans go: a hook there at every
+    #: call is seen once.
+    hooks_checked: int = -1
+    hooks_seen: frozenset = frozenset()
     #: The model passed to ``prepare`` (a weak reference): a copy of this module made without it
     #: (``copy.deepcopy(model.layer)``) is part of no prepared model (see :func:`orphaned_copy`).
     prepared_root: Any = None
@@ -545,7 +547,7 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
 #: ModuleState's fields that hold what a call scope derived from the module, not its state, each
 #: with its value when nothing is built.
 _CACHES = {"plan": None, "spare_plans": (), "nested_check": None, "plan_wait": 0, "plan_backoff": 0,
-           "plan_unbuilt": False, "pre_hooks_seen": frozenset()}
+           "plan_unbuilt": False, "hooks_checked": -1}
 #: SiteState's field that holds what one open call of its module keeps.
 _OPEN_CALL = frozenset({"before"})
 
