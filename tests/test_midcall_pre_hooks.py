@@ -15,7 +15,8 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.nn.modules.module import (_global_forward_hooks, _global_forward_pre_hooks, register_module_forward_hook,
+                                     register_module_forward_pre_hook)
 from torch.nn.utils import parametrizations, parametrize
 
 import paramfold
@@ -110,19 +111,13 @@ def _stepped_like_stock(stock: nn.Module, ours: nn.Module, out_s: torch.Tensor, 
     return True
 
 
-@pytest.mark.parametrize("where", ["append", "prepend", "global"])
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("mode", "train"), [("hoist", False), ("freeze", False), ("auto", False), ("inline", False),
-                                              ("hoist", True), ("auto", True), ("inline", True)])
-def test_a_pre_hook_registered_during_a_call_that_edits_a_layers_originals_is_followed_like_stock(
-        kind, where, mode, train):
-    # Regression: hoist, freeze and auto served the call the value computed when it began, before
-    # the edit: under no_grad silently off (0.51 on a weight_norm layer); with grad the backward
-    # raised autograd's "modified by an inplace operation" where stock's trains.
+def _calls_like_stock(build, mode: str, train: bool) -> tuple[nn.Module, nn.Module]:
+    """Four calls of a stock model and one prepared in ``mode``, both made by ``build`` from one
+    seed (in training, each followed by a backward and an SGD step): everything bitwise equal."""
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        net = _Net(kind, where).train(train)
+        net = build().train(train)
         models.append(net if train else net.requires_grad_(False))
     stock, ours = models
     paramfold.prepare(ours, mode)
@@ -135,14 +130,25 @@ def test_a_pre_hook_registered_during_a_call_that_edits_a_layers_originals_is_fo
         if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
             break
         _same(stock, ours)
+    return stock, ours
+
+
+@pytest.mark.parametrize("where", ["append", "prepend", "global"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("mode", "train"), [("hoist", False), ("freeze", False), ("auto", False), ("inline", False),
+                                              ("hoist", True), ("auto", True), ("inline", True)])
+def test_a_pre_hook_registered_during_a_call_that_edits_a_layers_originals_is_followed_like_stock(
+        kind, where, mode, train):
+    # Regression: hoist, freeze and auto served the call the value computed when it began, before
+    # the edit: under no_grad silently off (0.51 on a weight_norm layer); with grad the backward
+    # raised autograd's "modified by an inplace operation" where stock's trains.
+    stock, ours = _calls_like_stock(lambda: _Net(kind, where), mode, train)
     assert not ours.handles and not _forward_pre_hooks_left(ours)
     paramfold.restore(ours)
     _same(stock, ours)
 
 
 def _forward_pre_hooks_left(model: nn.Module) -> list:
-    from torch.nn.modules.module import _global_forward_pre_hooks
-
     return [h for m in model.modules() for h in m._forward_pre_hooks.values() if h is _edit] + [
         h for h in _global_forward_pre_hooks.values() if h is _edit]
 
@@ -228,24 +234,7 @@ class _ArmsAGlobalForwardHook(_Net):
 def test_a_global_forward_hook_registered_during_a_call_runs_at_each_later_read_like_stock(kind, mode, train):
     # Regression: stock's reads after the registration call the chain's modules, so the hook;
     # hoist, freeze and auto served the value computed when the call began (1.38 off).
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        net = _ArmsAGlobalForwardHook(kind, "global").train(train)
-        models.append(net if train else net.requires_grad_(False))
-    stock, ours = models
-    paramfold.prepare(ours, mode)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    for step in range(4):
-        with torch.set_grad_enabled(train):
-            out_s = stock(x)
-            out_o = ours(x)
-        assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
-        if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
-            break
-        _same(stock, ours)
-    from torch.nn.modules.module import _global_forward_hooks
-
+    stock, ours = _calls_like_stock(lambda: _ArmsAGlobalForwardHook(kind, "global"), mode, train)
     assert not ours.handles and _scale_members not in _global_forward_hooks.values()
 
 
@@ -281,22 +270,7 @@ def test_a_hook_registered_during_a_call_on_a_chains_own_modules_runs_at_each_la
     # Regression (helper finding F2): stock's reads after the registration run the hook; hoist,
     # freeze and auto served the value computed when the call began (0.55 off; a list's pre-hook
     # editing the originals never ran, the state_dict differed after restore).
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        net = _ArmsAChainHook(kind, where).train(train)
-        models.append(net if train else net.requires_grad_(False))
-    stock, ours = models
-    paramfold.prepare(ours, mode)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    for step in range(4):
-        with torch.set_grad_enabled(train):
-            out_s = stock(x)
-            out_o = ours(x)
-        assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
-        if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
-            break
-        _same(stock, ours)
+    stock, ours = _calls_like_stock(lambda: _ArmsAChainHook(kind, where), mode, train)
     paramfold.restore(ours)
     _same(stock, ours)
 
