@@ -315,3 +315,25 @@ def test_an_edit_in_the_forward_after_a_call_that_met_a_new_pre_hook_is_seen_lik
             out_s, out_o = stock(x), ours(x)
             assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
             _same(stock, ours)
+
+
+@pytest.mark.parametrize("where", ["prepend", "global"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pre_hook_registered_during_a_call_before_a_compiled_layers_call_is_followed_like_stock(kind, where):
+    # The layer compiled on its own (layer.compile()) inside an eager forward: its call is checked
+    # where the call of a compiled module nested in a scope is (scope._scoped_compiled_call).
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_Net(kind, where).requires_grad_(False))
+    stock, ours = models
+    paramfold.prepare(ours, "auto")
+    torch._dynamo.reset()
+    for model in models:
+        model.b.compile(backend="aot_eager")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for step in range(3):
+            out_s, out_o = stock(x), ours(x)
+            assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
+            _same(stock, ours)
