@@ -58,7 +58,7 @@ import types
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from operator import getitem, is_
+from operator import attrgetter, getitem, is_
 from typing import Any
 
 import torch
@@ -120,9 +120,12 @@ class _Local(threading.local):
     #: The entry whose scope was opened last, until its own call reaches ``_compiled_call_impl``.
     opened: nn.Module | None = None
     #: The scopes this thread has open around the current one (another prepared model's: model
-    #: A's forward calls model B), innermost first: ``(covered, context, snapshot, enclosing)``
-    #: of each, for a call of one of their entries made inside (:func:`_reentered`).
+    #: A's forward calls model B), innermost first: ``(covered, context, snapshot, enclosing,
+    #: hooks_from)`` of each, for a call of one of their entries made inside (:func:`_reentered`).
     enclosing: tuple | None = None
+    #: torch's next hook handle number when the innermost scope opened: a hook with a key from it
+    #: on was registered during the call (:func:`_hooks_since`).
+    hooks_from: int = 0
     #: ``(frame of nn.Module._wrapped_call_impl, module, answer)``: what ``_compiled_call_impl``
     #: answered that frame's first read with, for its second (see :func:`_answered`).
     answered: tuple | None = None
@@ -201,10 +204,11 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
     for once in entry.__dict__.get(ONCE_ATTR, ()):
         once.called = True
     claims = leaves.local.claims
-    previous = (_local.covered, nested.local.context, claims, _local.enclosing)
+    previous = (_local.covered, nested.local.context, claims, _local.enclosing, _local.hooks_from)
     if previous[0]:  # opened inside another scope of this thread
-        _local.enclosing = (previous[0], previous[1], nested.local.snapshot, previous[3])
+        _local.enclosing = (previous[0], previous[1], nested.local.snapshot, previous[3], previous[4])
     _local.covered = state.covers
+    _local.hooks_from = _Handle.next_id
     _local.opened = entry
     nested.local.context = context
     leaves.local.claims = (claimed, claims)
@@ -459,6 +463,9 @@ def _open_holders(entry: nn.Module, state: ModuleState, grad: bool, hooked: set[
     return claimed, raised
 
 
+_at_read = attrgetter("at_read")
+
+
 def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_read: bool = False) -> bool:
     """Install ``holder``'s values for a call; whether computing one of them raised (that one is
     then computed where it is read)."""
@@ -475,6 +482,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     replaced: list[tuple[str, object]] = []
     renewed = False
     wrapped = wraps_its_forward(holder)
+    at_read_before = list(map(_at_read, hs.sites.values()))
     try:
         for name, site in hs.sites.items():
             mode = site.mode
@@ -572,6 +580,10 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
         values.update(left)
         raise
     hs.installed = tuple(installed)
+    if list(map(_at_read, hs.sites.values())) != at_read_before:
+        # Values served from __dict__ now that the last call computed where read, or the other way
+        # round: the nested checks built on the sites served then must be built again.
+        nested.Installs.count += 1
     # The same kept tuple while the same values stay kept: a plan checks it by identity, so the
     # other grad mode's plan still holds after a call that kept the same values (each builds its own).
     hs.kept = kept_before if not renewed and tuple(kept) == kept_before else tuple(kept)
@@ -688,28 +700,23 @@ def _changes_originals(module: nn.Module | None) -> bool:
 def _hooks_since(module: nn.Module, state: ModuleState) -> None:
     """At a call of ``module`` nested in an open scope, after a hook was registered somewhere
     since its last check (torch numbers every hook's handle from one counter): where one that may
-    change what its values are is there now, unseen by this check before, the values below
-    ``module`` are served as stock's from now on in the call (``scope_nested.computed_at_read``):
-    a forward pre-hook that may change originals (:func:`_changes_originals`), on ``module`` or
-    global, registered from a forward hook of an earlier layer (a monitor, a clipping or pruning
-    tool), runs after this check, and the scope computed them before it; a global forward hook,
-    or one on a chain's own modules, runs at each of stock's reads. One there when the call began
-    left them so already (:func:`_below_pre_hooks`, ``site_values.for_call``, the chain's probe);
-    ``state.hooks_seen`` notes the keys found, each seen once."""
+    change what its values are was registered during the call (its key is at least
+    ``_local.hooks_from``), the values below ``module`` are served as stock's from now on in the
+    call (``scope_nested.computed_at_read``): a forward pre-hook on ``module`` or a global one
+    (registered from a forward hook of an earlier layer: a monitor, a clipping or pruning tool)
+    runs after this check and may change the originals, which the scope computed them from
+    before; a global forward hook, or one on a chain's own modules, runs at each of stock's reads.
+    One there when the call began left them so already (:func:`_below_pre_hooks`,
+    ``site_values.for_call``, the chain's probe)."""
     state.hooks_checked = _Handle.next_id
     check = state.nested_check
     if check is None or check[0] != nested.Installs.count:  # (check_of's own test, written out)
         check = nested.check_of(module)
-    dicts = (module._forward_pre_hooks, _global_forward_pre_hooks, _global_forward_hooks, *check[15])
-    seen = state.hooks_seen
-    if all(map(seen.issuperset, dicts)):
-        return
-    if ((not seen.issuperset(module._forward_pre_hooks) and _changes_originals(module))
-            or not all(map(seen.issuperset, dicts[1:]))):
+    keys = itertools.chain(module._forward_pre_hooks, _global_forward_pre_hooks, _global_forward_hooks, *check[15])
+    if max(keys, default=-1) >= _local.hooks_from:
         with _LOCK:
             if nested.computed_at_read(module, _concurrent):
                 _drop_plans(state)  # built on the sites' choices this call changed (at_read)
-    state.hooks_seen = frozenset(itertools.chain.from_iterable(dicts))
 
 
 def _below_pre_hooks(entry: nn.Module) -> tuple[set[int], tuple[dict, ...], dict[int, nn.Module | None],
@@ -1002,7 +1009,7 @@ def _path_below(entry: nn.Module, module: nn.Module) -> str | None:
 
 
 def _close(previous: tuple, claimed: list[nn.Module] | Plan, stopped: bool = False) -> None:
-    _local.covered, nested.local.context, leaves.local.claims, _local.enclosing = previous
+    _local.covered, nested.local.context, leaves.local.claims, _local.enclosing, _local.hooks_from = previous
     _local.opened = None
     stranded = (leaves.local.swapped or leaves.local.stranded) and leaves.restore_stranded()
     refused = None
@@ -1074,13 +1081,14 @@ def _reentered(scope: tuple, call: Callable, *args: Any, **kwargs: Any) -> Any:
     holders claimed by A's call: the call runs nested in A's scope, as a re-entrant call of A
     inside its own forward does (its nested check compares with what A's values were computed
     from and under), with B's scope enclosing it in turn."""
-    current = (_local.covered, nested.local.context, nested.local.snapshot, _local.enclosing)
+    current = (_local.covered, nested.local.context, nested.local.snapshot, _local.enclosing, _local.hooks_from)
     _local.covered, nested.local.context, nested.local.snapshot = scope[:3]
+    _local.hooks_from = scope[4]
     _local.enclosing = current
     try:
         return call(*args, **kwargs)
     finally:
-        _local.covered, nested.local.context, nested.local.snapshot, _local.enclosing = current
+        _local.covered, nested.local.context, nested.local.snapshot, _local.enclosing, _local.hooks_from = current
 
 
 def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -614,10 +614,11 @@ def computed_at_read(entry: nn.Module, busy: Callable[[nn.Module], Exception]) -
             if once is not None and once in values.get(ONCE_ATTR, ()):
                 values[ONCE_ATTR] = tuple(o for o in values[ONCE_ATTR] if o is not once)
         hooks_back(holder, hs, hooks)
-    Installs.count += 1
-    # A check built from now on leaves out the sites given up here, which the next call's scope
-    # serves again: none of this call's checks may serve that one.
-    Installs.partial = found or Installs.partial
+    if found:
+        Installs.count += 1
+        # A check built from now on leaves out the sites given up here, which the next call's
+        # scope serves again: none of this call's checks may serve that one.
+        Installs.partial = True
     return found
 
 

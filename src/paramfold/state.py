@@ -459,12 +459,9 @@ class ModuleState:
     plan_unbuilt: bool = False
     #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
     nested_check: Any = None
-    #: For entries: torch's next hook handle number when a nested call last checked the hooks
-    #: that may change its values, and the keys it found, each there when the scope opened or
-    #: seen to since (``scope._hooks_since``). Kept when the plans go: a hook there at every
-    #: call is seen once.
+    #: For entries: torch's next hook handle number when a nested call last checked for hooks
+    #: registered during the call (``scope._hooks_since``).
     hooks_checked: int = -1
-    hooks_seen: frozenset = frozenset()
     #: The model passed to ``prepare`` (a weak reference): a copy of this module made without it
     #: (``copy.deepcopy(model.layer)``) is part of no prepared model (see :func:`orphaned_copy`).
     prepared_root: Any = None
