@@ -699,7 +699,8 @@ def _changes_originals(module: nn.Module | None) -> bool:
 
 def _hooks_since(module: nn.Module, state: ModuleState) -> None:
     """At a call of ``module`` nested in an open scope, after a hook was registered somewhere
-    since its last check (torch numbers every hook's handle from one counter): where one that may
+    since its last check, or where that was made in another call (torch numbers every hook's
+    handle from one counter; the scopes of other threads may have checked since): where one that may
     change what its values are was registered during the call (its key is at least
     ``_local.hooks_from``), the values below ``module`` are served as stock's from now on in the
     call (``scope_nested.computed_at_read``): a forward pre-hook on ``module`` or a global one
@@ -708,7 +709,7 @@ def _hooks_since(module: nn.Module, state: ModuleState) -> None:
     before; a global forward hook, or one on a chain's own modules, runs at each of stock's reads.
     One there when the call began left them so already (:func:`_below_pre_hooks`,
     ``site_values.for_call``, the chain's probe)."""
-    state.hooks_checked = _Handle.next_id
+    state.hooks_checked, state.hooks_checked_from = _Handle.next_id, _local.hooks_from
     check = state.nested_check
     if check is None or check[0] != nested.Installs.count:  # (check_of's own test, written out)
         check = nested.check_of(module)
@@ -1207,7 +1208,9 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
     if compiling():
         return compiled(*args, **kwargs)
     if _in_scope(module):
-        if _local.opened is not module and _Handle.next_id != (state := module.__dict__[STATE_ATTR]).hooks_checked:
+        state = module.__dict__[STATE_ATTR]
+        if _local.opened is not module and (_Handle.next_id != state.hooks_checked
+                                            or _local.hooks_from != state.hooks_checked_from):
             _hooks_since(module, state)
         if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
@@ -1330,7 +1333,8 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         # only of modules with hooks: an eager call of one without pays no frame for it.)
         return None
     state = self.__dict__[STATE_ATTR]
-    if _Handle.next_id != state.hooks_checked:  # a hook registered somewhere since this module's last check
+    # A hook registered somewhere since this module's last check, or a check made for another call.
+    if _Handle.next_id != state.hooks_checked or local.hooks_from != state.hooks_checked_from:
         _hooks_since(self, state)
     # scope_nested.unchanged, written out: no Python frame per nested call while nothing changed.
     context = nested.local.context

@@ -166,10 +166,9 @@ def check_of(entry: nn.Module) -> tuple:
                 dicts.append(d)
                 keys.append(key)
         tensors.extend(site.read_from)
-        if site.plist is not None:
-            for module in site.plist.modules():  # hooks stock's reads run (scope._hooks_since)
-                chain_hooks += (module._forward_pre_hooks, module._forward_hooks)
         if site.plist is not None:  # its chain: a member appended, removed or replaced for a call
+            for module in site.plist.modules():  # (and the hooks stock's reads run: scope._hooks_since)
+                chain_hooks += (module._forward_pre_hooks, module._forward_hooks)
             members = site.plist._modules
             sized.append(members)
             dicts.extend(members for _ in members)
@@ -585,8 +584,8 @@ def computed_at_read(entry: nn.Module, busy: Callable[[nn.Module], Exception]) -
     pre-hook registered during the call, on ``entry`` or a global one, runs at ``entry``'s call
     after its nested check and before its forward reads the tensors, and may change their
     originals; a global forward hook, or one on a chain's own modules, runs at each call of
-    them, so at each of stock's reads (``scope._hooks_since``). As where it was there when the call began
-    (``scope._below_pre_hooks``): each read computes afresh, a hook-based norm's hook is back in
+    them, so at each of stock's reads (``scope._hooks_since``). As where it was there when the
+    call began (``scope._below_pre_hooks``): each read computes afresh, a hook-based norm's hook is back in
     its place among the pre-hooks (a training spectral_norm's stand-in out), and a training
     stateful chain's value no read took yet gives its state back (:func:`unread.drop`), so the
     reads (the module's calls) advance it from there, in stock's order. ``busy(entry)`` is raised

@@ -460,8 +460,9 @@ class ModuleState:
     #: For entries: what a call nested in a scope checks (``scope._nested_check``), if built.
     nested_check: Any = None
     #: For entries: torch's next hook handle number when a nested call last checked for hooks
-    #: registered during the call (``scope._hooks_since``).
+    #: registered during the call, and its scope's when it opened (``scope._hooks_since``).
     hooks_checked: int = -1
+    hooks_checked_from: int = -1
     #: The model passed to ``prepare`` (a weak reference): a copy of this module made without it
     #: (``copy.deepcopy(model.layer)``) is part of no prepared model (see :func:`orphaned_copy`).
     prepared_root: Any = None
@@ -544,7 +545,8 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
 #: ModuleState's fields that hold what a call scope derived from the module, not its state, each
 #: with its value when nothing is built.
 _CACHES = {"plan": None, "spare_plans": (), "nested_check": None, "plan_wait": 0, "plan_backoff": 0,
-           "plan_unbuilt": False, "hooks_checked": -1}
+           "plan_unbuilt": False, "hooks_checked": -1,
+           "hooks_checked_from": -1}
 #: SiteState's field that holds what one open call of its module keeps.
 _OPEN_CALL = frozenset({"before"})
 
