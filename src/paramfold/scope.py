@@ -340,7 +340,7 @@ def _replan(state: ModuleState, grad: bool, pre_hooks: tuple[dict, ...], last: P
     dropped: ``ModuleState.drop_caches``)."""
     if last is None and state.plan is not None:
         state.spare_plans = _kept_spares(state.plan, state.spare_plans)  # another state's, kept aside
-    elif last is not None and last.used and _still_served(last):
+    elif last is not None and last.used and _still_served(last) and sites_as_built(last):
         state.spare_plans = _kept_spares(last, state.spare_plans)  # may hold again (a flag switched back)
     if (last is not None and not last.used) or (last is None and state.plan_unbuilt):
         if state.plan_wait:
@@ -582,8 +582,10 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     hs.installed = tuple(installed)
     if list(map(_at_read, hs.sites.values())) != at_read_before:
         # Values served from __dict__ now that the last call computed where read, or the other way
-        # round: the nested checks built on the sites served then must be built again.
+        # round: the nested checks and the plans built on the sites served then are built again
+        # (a plan's claim serves the values it was built for, and keeps the sites' flags as they are).
         nested.Installs.count += 1
+        _drop_plans(hs)
     # The same kept tuple while the same values stay kept: a plan checks it by identity, so the
     # other grad mode's plan still holds after a call that kept the same values (each builds its own).
     hs.kept = kept_before if not renewed and tuple(kept) == kept_before else tuple(kept)
