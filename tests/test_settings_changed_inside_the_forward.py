@@ -347,3 +347,15 @@ def test_the_refusal_of_a_read_under_an_inner_region_names_the_tensors_path(mode
     model = paramfold.prepare(_AutocastAroundLayers(), mode)
     with pytest.raises(paramfold.FoldError, match=r"^enc\.0\.weight \(ParametrizedLinear\): a stateful"):
         model(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("kind", ["spectral_norm", "training scale"])
+@pytest.mark.parametrize("mode", MODES)
+def test_inside_parametrize_cached_a_submodule_switched_to_training_before_its_first_read(mode, kind, grad):
+    # Regression (helper-179, 2026-12-06): inside parametrize.cached() the call's start put its
+    # value, computed in eval, in the block's cache; the switch to training made the reads compute
+    # it where read, and they got that cached value back, where stock's first read computes and
+    # caches the training one (59-847 off over the next steps; spectral_norm's u, v moved apart).
+    _steps(*_twins(kind, "train", mode, unflipped=False), training=False, grad=grad, steps=3,
+           block=parametrize.cached)

@@ -443,7 +443,7 @@ def call_changed(
                     raise busy(entry)
                 site = hs.sites[name]
                 if swapped is AT_READ:
-                    holder.__dict__.pop(name, None)
+                    _uncache(holder, name, site, holder.__dict__.pop(name, None))
                     hs.drop_kept(name)  # not to be served by the next call either without a check
                     continue
                 read_once = site.stateful and type(holder) is hs.read_once_class  # training
@@ -532,6 +532,17 @@ def _commit(holder: nn.Module, name: str, site: SiteState, value: torch.Tensor |
     site.from_cache = True
 
 
+def _uncache(holder: nn.Module, name: str, site: SiteState, value: object) -> None:
+    """Inside ``parametrize.cached()``: where the scope put ``value``, computed when the call
+    began, in the block's cache and no read took it yet (``site.from_cache``: one did, or an
+    earlier call of the block), it leaves: the value is computed where it is read from now on,
+    and stock's first read in the block computes the one every later read gets."""
+    key = (id(holder), name)
+    if (value is not None and parametrize._cache_enabled and not site.from_cache
+            and parametrize._cache.get(key) is value):
+        del parametrize._cache[key]
+
+
 def _valued(entry: nn.Module, missing: list | None = None):
     """The sites below ``entry`` whose values are in their modules' ``__dict__``; ``missing``
     gets those whose value is not there now but may be in a later call scope (a read-once value
@@ -602,9 +613,11 @@ def computed_at_read(entry: nn.Module, busy: Callable[[nn.Module], Exception]) -
         found = found or bool(served)
         hooks = []
         for name, site in served:
+            value = values.get(name)
             unread.drop(holder, name, site)
             if site.hook is None:
                 site.at_read = True
+                _uncache(holder, name, site, value)
                 if values.pop(name, None) is not None:
                     hs.drop_kept(name)
                 continue
