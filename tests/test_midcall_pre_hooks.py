@@ -112,9 +112,11 @@ def _stepped_like_stock(stock: nn.Module, ours: nn.Module, out_s: torch.Tensor, 
     return True
 
 
-def _calls_like_stock(build, mode: str, train: bool) -> tuple[nn.Module, nn.Module]:
-    """Four calls of a stock model and one prepared in ``mode``, both made by ``build`` from one
-    seed (in training, each followed by a backward and an SGD step): everything bitwise equal."""
+def _calls_like_stock(build, mode: str, train: bool, calls: int = 4,
+                      before=lambda step, models: None) -> tuple[nn.Module, nn.Module]:
+    """``calls`` calls of a stock model and one prepared in ``mode``, both made by ``build`` from
+    one seed (in training, each followed by a backward and an SGD step), ``before(step, models)``
+    before each: everything bitwise equal."""
     models = []
     for _ in range(2):
         torch.manual_seed(0)
@@ -123,7 +125,8 @@ def _calls_like_stock(build, mode: str, train: bool) -> tuple[nn.Module, nn.Modu
     stock, ours = models
     paramfold.prepare(ours, mode)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    for step in range(4):
+    for step in range(calls):
+        before(step, models)
         with torch.set_grad_enabled(train):
             out_s = stock(x)
             out_o = ours(x)
@@ -304,18 +307,7 @@ def test_an_edit_in_the_forward_after_a_call_that_met_a_new_pre_hook_is_seen_lik
     # pre-hook) leave those sites out; the next call serves them again, and its checks must see
     # the edit its forward makes before the layer's call. (A stale check was met through the
     # chain-hook test above: 40 of its cases failed with the checks kept.)
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(_HookOnceThenEditsInTheForward(kind).eval().requires_grad_(False))
-    stock, ours = models
-    paramfold.prepare(ours, mode)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        for step in range(4):
-            out_s, out_o = stock(x), ours(x)
-            assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
-            _same(stock, ours)
+    _calls_like_stock(lambda: _HookOnceThenEditsInTheForward(kind), mode, train=False)
 
 
 @pytest.mark.parametrize("where", ["prepend", "global"])
@@ -323,21 +315,13 @@ def test_an_edit_in_the_forward_after_a_call_that_met_a_new_pre_hook_is_seen_lik
 def test_a_pre_hook_registered_during_a_call_before_a_compiled_layers_call_is_followed_like_stock(kind, where):
     # The layer compiled on its own (layer.compile()) inside an eager forward: its call is checked
     # where the call of a compiled module nested in a scope is (scope._scoped_compiled_call).
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        models.append(_Net(kind, where).requires_grad_(False))
-    stock, ours = models
-    paramfold.prepare(ours, "auto")
-    torch._dynamo.reset()
-    for model in models:
-        model.b.compile(backend="aot_eager")
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        for step in range(3):
-            out_s, out_o = stock(x), ours(x)
-            assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
-            _same(stock, ours)
+    def compile_the_layers(step, models):
+        if step == 0:
+            torch._dynamo.reset()
+            for model in models:
+                model.b.compile(backend="aot_eager")
+
+    _calls_like_stock(lambda: _Net(kind, where), "auto", train=False, calls=3, before=compile_the_layers)
 
 
 class _EditsBeforeEachCall(nn.Module):
@@ -367,29 +351,16 @@ def test_an_edit_in_the_forward_is_seen_after_a_pre_hook_that_was_there_for_some
     # again, but the nested checks built meanwhile (calls 1-2), or the plan of the steady call
     # before (calls 2, 4: kept aside, taken up again with the sites' flags of the hooked call),
     # left them out, and the forward's edit was not seen: values one edit behind (0.03-0.09 off).
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        net = _EditsBeforeEachCall(kind).train(train)
-        models.append(net if train else net.requires_grad_(False))
-    stock, ours = models
-    paramfold.prepare(ours, mode)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     handles = []
-    for step in range(7):
+
+    def hook_for_some_calls(step, models):
         if step == calls[0]:
             if on == "global":
-                handles = [register_module_forward_pre_hook(lambda module, args: None)]
-            else:
-                handles = [(m.b if on == "layer" else m).register_forward_pre_hook(lambda module, args: None)
-                           for m in models]
+                handles.append(register_module_forward_pre_hook(lambda module, args: None))
+            for m in models if on != "global" else ():
+                handles.append((m.b if on == "layer" else m).register_forward_pre_hook(lambda module, args: None))
         if step == calls[1]:
-            for handle in handles:
-                handle.remove()
-        with torch.set_grad_enabled(train):
-            out_s = stock(x)
-            out_o = ours(x)
-        assert torch.equal(out_s, out_o), f"call {step}: off by {(out_s - out_o).abs().max()}"
-        if train and not _stepped_like_stock(stock, ours, out_s, out_o, f"call {step}"):
-            break
-        _same(stock, ours)
+            while handles:
+                handles.pop().remove()
+
+    _calls_like_stock(lambda: _EditsBeforeEachCall(kind), mode, train, calls=7, before=hook_for_some_calls)
