@@ -422,17 +422,19 @@ class _ReadOnce(SiteDescriptor):
     def __get__(self, module: nn.Module | None, owner: type | None = None):
         if module is None:
             return self
-        if inspected_by_dynamo():
+        # Traced, each torch.compiler call and inlined frame costs dynamo at every read: asked once.
+        traced = torch.compiler.is_dynamo_compiling()
+        if not traced and inspected_by_dynamo():
             return self._as_dynamo_sees_it(module)
         values = module.__dict__
         value = values.pop(self.name, None)
         if value is not None:
             # Traced, the value's own guard needs it in ``__dict__``: code traced here serves no call
             # where an earlier read took it.
-            if not torch.compiler.is_compiling():
+            if not (traced or torch.compiler.is_compiling()):
                 _note_served(module, self.name)
             return value
-        if torch.compiler.is_compiling():
+        if traced or torch.compiler.is_compiling():
             # Dynamo guards nothing about a key's absence from ``module.__dict__``; asked of the same
             # dict reached as a plain one (the state's ``own_dict``), it guards the dict's keys, so
             # code traced after the value was taken (a frame re-entered or resumed inside the call)
