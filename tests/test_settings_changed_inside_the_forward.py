@@ -329,6 +329,41 @@ def test_inside_parametrize_cached_a_first_read_after_a_change_is_the_blocks_val
     assert [torch.equal(a, b) for a, b in zip(*outs)] == [True] * 3
 
 
+class EditsInsideItsOwnBlock(nn.Module):
+    """A forward that opens ``parametrize.cached()`` itself, calls its layer, edits the layer's
+    originals in place and calls it again: stock's second call reads the block's cached value."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = weight_norm(nn.Linear(6, 6))
+
+    def forward(self, x):
+        with parametrize.cached():
+            a = self.d(x)
+            with torch.no_grad():
+                self.d.parametrizations.weight.original1.mul_(0.9).add_(0.01)
+            return a + self.d(x)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_a_block_of_parametrize_cached_opened_inside_the_forward_caches_its_first_read_at_every_call(mode, training):
+    # Regression (2026-12-06): the flag saying a block had a site's value outlived the block, so
+    # from the model's second call on the block's first call of the layer was not cached there,
+    # and its call after the edit computed afresh where stock's read the cached value.
+    if mode == "freeze" and training:
+        pytest.skip("freeze is for inference")
+    torch.manual_seed(0)
+    stock = EditsInsideItsOwnBlock().train(training).requires_grad_(False)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    outs = []
+    with torch.no_grad():
+        for model in (stock, ours):
+            xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+            outs.append([[model(x), model.d.parametrizations.weight.original1.clone()] for x in xs])
+    assert [[torch.equal(a, b) for a, b in zip(*pair)] for pair in zip(*outs)] == [[True, True]] * 4
+
+
 class _AutocastAroundLayers(nn.Module):
     def __init__(self):
         super().__init__()

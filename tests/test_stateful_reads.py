@@ -470,6 +470,55 @@ def test_inside_parametrize_cached_every_read_gets_the_one_cached_value_as_in_st
     assert_same_nested(*runs)
 
 
+class CachedInside(nn.Module):
+    """A forward that opens ``parametrize.cached()`` itself and reads its layer twice in it."""
+
+    def __init__(self, reads: str):
+        super().__init__()
+        self.layer = spectral_norm(nn.Linear(4, 4))
+        self.reads = reads
+
+    def forward(self, x):
+        with parametrize.cached():
+            if self.reads == "calls":
+                return self.layer(x) + self.layer(x)
+            if self.reads == "direct":
+                return x @ self.layer.weight.T + x @ self.layer.weight.T
+            return x @ self.layer.weight.T + self.layer(x)
+
+
+@pytest.mark.parametrize("how", ["eager", "compiled"])
+@pytest.mark.parametrize("step", ["no_grad", "sgd"])
+@pytest.mark.parametrize("reads", ["calls", "direct", "direct_then_call"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_of_parametrize_cached_opened_inside_the_forward_reads_one_value_like_stock(mode, reads, step, how):
+    # Regression (helper-180): the block's first read took the call's value without caching it,
+    # and a module's call committed it only at the model's first call (the flag saying the block
+    # had it outlived that call's block): each later read in the block ran one more power
+    # iteration than stock's, whose later reads get the first one's value.
+    stock, prepared = _twins(lambda: CachedInside(reads), mode)
+    runs = []
+    for model in (stock, prepared):
+        torch._dynamo.reset()
+        call = torch.compile(model, backend="eager") if how == "compiled" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        record = []
+        for _ in range(4):
+            x = torch.rand(3, 4)
+            if step == "no_grad":
+                with torch.no_grad():
+                    out = call(x)
+            else:
+                opt.zero_grad()
+                out = call(x)
+                out.sum().backward()
+                opt.step()
+            record.append([out.detach(), _buffers(model), {k: v.clone() for k, v in model.state_dict().items()}])
+        runs.append(record)
+    assert_same_nested(*runs)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_eval_calls_and_training_calls_alternate_with_the_read_once_class_only_in_training(mode, kind):

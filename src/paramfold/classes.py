@@ -433,6 +433,10 @@ class _ReadOnce(SiteDescriptor):
             # where an earlier read took it.
             if not (traced or torch.compiler.is_compiling()):
                 _note_served(module, self.name)
+            if parametrize._cache_enabled:
+                # Inside parametrize.cached() (opened inside the forward too): stock's first read
+                # in the block caches what it computes, and every later read gets that.
+                value = parametrize._cache.setdefault((id(module), self.name), value)
             return value
         if traced or torch.compiler.is_compiling():
             # Dynamo guards nothing about a key's absence from ``module.__dict__``; asked of the same

@@ -346,7 +346,7 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
     found = []
     cache = parametrize._cache_enabled
     for holder, name, site in _valued(entry):
-        if cache and site.from_cache and parametrize._cache.get((id(holder), name)) is holder.__dict__[name]:
+        if cache and in_block(holder, name, site) and parametrize._cache.get((id(holder), name)) is holder.__dict__[name]:
             # Inside parametrize.cached(), a value an earlier read or call of the block cached:
             # stock's reads return it, whatever the forward swapped, edited or switched since.
             continue
@@ -461,7 +461,7 @@ def call_changed(
                         unread.put_back(site)
                     continue
                 if in_region and swapped and site.hook is None:
-                    put_back.append((holder.__dict__, name, holder.__dict__.pop(name), site, site.read_from,
+                    put_back.append((holder, name, holder.__dict__.pop(name), site, site.read_from,
                                      site.read_chain, None, []))
                     continue
                 if appended is not None:
@@ -475,13 +475,13 @@ def call_changed(
                 # calls nested in this one compare with these: the flags of the tensors the value
                 # was just computed from (swapped ones, where the forward swapped them)
                 settings = _note_settings(holder, site, inputs(site))
-                if parametrize._cache_enabled and holder is entry and site.hook is None and not site.from_cache:
+                if parametrize._cache_enabled and holder is entry and site.hook is None and not in_block(holder, name, site):
                     # Inside parametrize.cached(), the module's call is the block's first read of
                     # the tensor: its value is the block's from now on, as stock's cache keeps it.
                     _commit(holder, name, site, value)
                 elif swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
-                    put_back.append((holder.__dict__, name, holder.__dict__[name], site, site.read_from,
+                    put_back.append((holder, name, holder.__dict__[name], site, site.read_from,
                                      site.read_chain, value if read_once else None, settings))
                 if not swapped and hs.drop_kept(name):
                     # A kept frozen value replaced for the rest of the call (its inputs changed in
@@ -499,9 +499,10 @@ def call_changed(
         local.context = outer
         if put_back:
             with lock:
-                for values, name, value, site, read_from, read_chain, not_read, settings in reversed(put_back):
-                    if site.from_cache and parametrize._cache_enabled:
+                for holder, name, value, site, read_from, read_chain, not_read, settings in reversed(put_back):
+                    if in_block(holder, name, site):
                         continue  # made the block's value by a call nested in this one (_commit)
+                    values = holder.__dict__
                     if not_read is None or values.get(name) is not_read:
                         values[name] = value
                     site.read_from = read_from
@@ -524,7 +525,7 @@ def commit(entry: nn.Module) -> None:
 
 def _commit(holder: nn.Module, name: str, site: SiteState, value: torch.Tensor | None = None) -> None:
     """Make ``holder.<name>``'s value (``value``, else the one there) the block's cached value."""
-    if site.from_cache or site.hook is not None:  # hook-based norms compute at each call, cached() or not
+    if site.hook is not None or in_block(holder, name, site):  # hook-based norms compute at each call, cached() or not
         return
     if value is None:
         value = holder.__dict__[name]
@@ -538,9 +539,17 @@ def _uncache(holder: nn.Module, name: str, site: SiteState, value: object) -> No
     earlier call of the block), it leaves: the value is computed where it is read from now on,
     and stock's first read in the block computes the one every later read gets."""
     key = (id(holder), name)
-    if (value is not None and parametrize._cache_enabled and not site.from_cache
+    if (value is not None and parametrize._cache_enabled and not in_block(holder, name, site)
             and parametrize._cache.get(key) is value):
         del parametrize._cache[key]
+
+
+def in_block(holder: nn.Module, name: str, site: SiteState) -> bool:
+    """Whether ``holder.<name>``'s value is the open ``parametrize.cached()`` block's, put in its
+    cache by a read or call of the block (``site.from_cache``). The flag alone outlives the block:
+    a call of a later block, or one that opens a block inside its forward, finds it set by an
+    earlier one, and torch's new block starts with an empty cache."""
+    return site.from_cache and parametrize._cache_enabled and (id(holder), name) in parametrize._cache
 
 
 def _valued(entry: nn.Module, missing: list | None = None):
