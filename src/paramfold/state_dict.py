@@ -26,7 +26,9 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     gives the value a read now would, after one power iteration, so put the model in ``eval()``
     first for the value without one). The model is left as it was, like ``model.state_dict()``:
     the buffers a chain updates while computing (spectral_norm's ``_u``/``_v``) are put back.
-    The result loads with ``strict=True`` into the model class without parametrizations.
+    The result loads with ``strict=True`` into the model class without parametrizations, except
+    where a parametrized buffer was non-persistent there: torch's ``register_parametrization``
+    makes its original persistent, and its key is listed (README, "Notes and limits").
 
     Example::
 
