@@ -23,6 +23,7 @@ probes, at import), and compares from Python otherwise: the answer is the same e
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 from operator import contains, getitem, is_
 from typing import Any
 
@@ -263,6 +264,8 @@ class _TensorAt(int):
 
 def _snapshot(d: dict) -> dict:
     """``d``'s entries as they are now, a tensor's as a :class:`_TensorAt`."""
+    if not any(map(isinstance, d.values(), repeat(torch.Tensor))):  # most: a copy in C, no frame
+        return d.copy()
     return {key: _TensorAt(id(value)) if isinstance(value, torch.Tensor) else value for key, value in d.items()}
 
 
