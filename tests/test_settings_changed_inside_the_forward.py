@@ -364,6 +364,56 @@ def test_a_block_of_parametrize_cached_opened_inside_the_forward_caches_its_firs
     assert [[torch.equal(a, b) for a, b in zip(*pair)] for pair in zip(*outs)] == [[True, True]] * 4
 
 
+class FirstReadOfTheBlockWithoutGrad(nn.Module):
+    """A grad-mode forward whose ``parametrize.cached()`` block (its own, or one around the call)
+    reads its layer first under ``no_grad``, then with grad; and once more after the block."""
+
+    def __init__(self, kind: str, inside: bool):
+        super().__init__()
+        layer = nn.Linear(4, 4)
+        if kind == "orthogonal":
+            torch.nn.utils.parametrizations.orthogonal(layer)
+        else:
+            (weight_norm if kind == "weight_norm" else spectral_norm)(layer)
+        self.d = layer
+        self.inside = inside
+
+    def forward(self, x):
+        with parametrize.cached() if self.inside else contextlib.nullcontext():
+            with torch.no_grad():
+                a = self.d(x)
+            b = self.d(x)
+        return a + b + self.d(x)
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["block in the forward", "block around the call"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_blocks_first_read_under_no_grad_in_a_grad_call_is_the_blocks_value_like_stock(mode, kind, inside):
+    # Regression (helper-182, 2026-12-06): stock's block caches the value its first read computes
+    # under no_grad, without a history, and its later read with grad gets that (no gradient from
+    # it); hoist and auto served the call's value, with one: gradients 7-29 off.
+    torch.manual_seed(0)
+    stock = FirstReadOfTheBlockWithoutGrad(kind, inside)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    runs = []
+    for model in (stock, ours):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        record = []
+        for _ in range(3):
+            opt.zero_grad()
+            with contextlib.nullcontext() if inside else parametrize.cached():
+                out = model(torch.randn(3, 4))
+            out.sum().backward()
+            opt.step()
+            record.append(({"out": out.detach()}, dict(grads(model)), {k: v.clone() for k, v in model.state_dict().items()}))
+        runs.append(record)
+    for step, (expected, actual) in enumerate(zip(*runs)):
+        for e, a in zip(expected, actual):
+            assert_same_tensors(e, a, step)
+
+
 class _AutocastAroundLayers(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1035,9 +1035,9 @@ def _nested(module: nn.Module, call: Callable) -> Callable:
             nested.commit(module)
         return call
     if nested.unchanged(nested.check_of(module)):
-        if parametrize._cache_enabled:
-            nested.commit(module)
-        return call
+        # (inside parametrize.cached(), unless the block holds a value the module does not)
+        if not (parametrize._cache_enabled and nested.commit(module)):
+            return call
     with _LOCK:
         nested.undetach(module)
     found = nested.changed(module)

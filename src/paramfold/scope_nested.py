@@ -70,6 +70,9 @@ _grad_enabled = torch.is_grad_enabled
 #: ``changed``'s verdict for a value that from now on is computed at every read, as stock's:
 #: a stateful chain whose mode or settings changed inside the forward.
 AT_READ = "at read"
+#: :func:`changed`'s "put back" for a value the open ``parametrize.cached()`` block holds apart
+#: from the module's: served the call, the module's own put back after it.
+BLOCK = "block"
 
 
 class _Local(threading.local):
@@ -346,9 +349,12 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
     found = []
     cache = parametrize._cache_enabled
     for holder, name, site in _valued(entry):
-        if cache and in_block(holder, name, site) and parametrize._cache.get((id(holder), name)) is holder.__dict__[name]:
+        if cache and in_block(holder, name, site):
             # Inside parametrize.cached(), a value an earlier read or call of the block cached:
-            # stock's reads return it, whatever the forward swapped, edited or switched since.
+            # stock's reads return it, whatever the forward swapped, edited or switched since
+            # (served for this call where the module holds another: :func:`_commit`).
+            if parametrize._cache[(id(holder), name)] is not holder.__dict__[name]:
+                found.append((holder, name, BLOCK, None))
             continue
         now = inputs(site)
         served = site.read_chain or site.modules
@@ -442,6 +448,12 @@ def call_changed(
                 if hs.users > 1 and (swapped is not False or hs.shareable is None):
                     raise busy(entry)
                 site = hs.sites[name]
+                if swapped is BLOCK:
+                    # The block's value for this call; the module's own is back after it.
+                    put_back.append((holder, name, holder.__dict__[name], site, site.read_from, site.read_chain,
+                                     None, [], True))
+                    holder.__dict__[name] = parametrize._cache[(id(holder), name)]
+                    continue
                 if swapped is AT_READ:
                     _uncache(holder, name, site, holder.__dict__.pop(name, None))
                     hs.drop_kept(name)  # not to be served by the next call either without a check
@@ -462,7 +474,7 @@ def call_changed(
                     continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder, name, holder.__dict__.pop(name), site, site.read_from,
-                                     site.read_chain, None, []))
+                                     site.read_chain, None, [], False))
                     continue
                 if appended is not None:
                     value = holder.__dict__[name]
@@ -482,7 +494,7 @@ def call_changed(
                 elif swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder, name, holder.__dict__[name], site, site.read_from,
-                                     site.read_chain, value if read_once else None, settings))
+                                     site.read_chain, value if read_once else None, settings, False))
                 if not swapped and hs.drop_kept(name):
                     # A kept frozen value replaced for the rest of the call (its inputs changed in
                     # place): this one leaves when the call ends, as any value installed for it.
@@ -499,8 +511,8 @@ def call_changed(
         local.context = outer
         if put_back:
             with lock:
-                for holder, name, value, site, read_from, read_chain, not_read, settings in reversed(put_back):
-                    if in_block(holder, name, site):
+                for holder, name, value, site, read_from, read_chain, not_read, settings, block in reversed(put_back):
+                    if not block and in_block(holder, name, site):
                         continue  # made the block's value by a call nested in this one (_commit)
                     values = holder.__dict__
                     if not_read is None or values.get(name) is not_read:
@@ -512,23 +524,33 @@ def call_changed(
                 Installs.count += 1
 
 
-def commit(entry: nn.Module) -> None:
+def commit(entry: nn.Module) -> bool:
     """Called inside ``parametrize.cached()`` only: a call of ``entry`` reads its tensors as they
     are (nothing changed since the values were computed), so each value it holds is the block's
     from now on, as stock's cache keeps the value of the block's first read. A later call of
     ``entry``, after the forward changed its settings or tensors, still reads that one
-    (:func:`changed`)."""
+    (:func:`changed`). Whether a module below holds another value than the block's, which
+    :func:`changed` then serves the call (a first read under ``no_grad``: :func:`_commit`)."""
+    differs = False
     for holder, name, site in _valued(entry):
         if holder is entry:
             _commit(holder, name, site)
+        if not differs and in_block(holder, name, site):
+            differs = parametrize._cache[(id(holder), name)] is not holder.__dict__[name]
+    return differs
 
 
 def _commit(holder: nn.Module, name: str, site: SiteState, value: torch.Tensor | None = None) -> None:
-    """Make ``holder.<name>``'s value (``value``, else the one there) the block's cached value."""
+    """Make ``holder.<name>``'s value (``value``, else the one there) the block's cached value.
+    Made under ``no_grad`` in a call that records autograd, stock's read computes it without a
+    history, and the block's later reads, under grad too, get that: the value detached (the same
+    bits; the module's own, with its history, is read again after the block)."""
     if site.hook is not None or in_block(holder, name, site):  # hook-based norms compute at each call, cached() or not
         return
     if value is None:
         value = holder.__dict__[name]
+    if value.requires_grad and not torch.is_grad_enabled():
+        value = value.detach()
     parametrize._cache[(id(holder), name)] = value
     site.from_cache = True
 
