@@ -414,6 +414,68 @@ def test_a_blocks_first_read_under_no_grad_in_a_grad_call_is_the_blocks_value_li
             assert_same_tensors(e, a, step)
 
 
+class _Parent(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.c = (weight_norm if kind == "weight_norm" else spectral_norm)(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.c(x)
+
+
+class BlockWithoutGradThenMore(nn.Module):
+    """Inside its own ``parametrize.cached()`` block, a ``no_grad`` call of a parent of the layer
+    (the block's first read), then, by ``pattern``: an in-place edit of the originals and a call in
+    the block, a call in the block, a call after the block, or both."""
+
+    def __init__(self, kind: str, pattern: str):
+        super().__init__()
+        self.p = _Parent(kind)
+        self.pattern = pattern
+
+    def forward(self, x):
+        b = c = 0
+        with parametrize.cached():
+            with torch.no_grad():
+                a = self.p(x)
+                if self.pattern == "edit":
+                    for t in self.p.parameters():
+                        t.mul_(1.1)
+            if self.pattern in ("edit", "in the block", "both"):
+                b = self.p(x)
+        if self.pattern in ("edit", "after the block", "both"):
+            c = self.p(x)
+        return a + 2 * b + 3 * c
+
+
+@pytest.mark.parametrize("pattern", ["edit", "in the block", "after the block", "both"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_after_a_blocks_first_read_under_no_grad_later_reads_in_and_after_the_block_are_stocks(mode, kind, pattern):
+    # Regression (helper-184, 2026-12-06): the first version of the fix above put the module's own
+    # value back after a call served the block's, and took it as computed from the tensors there
+    # then (an edit made in the block was missed after it: 0.04 off), and served a training
+    # spectral_norm's value once more after the block (one power iteration short, or one too many).
+    torch.manual_seed(0)
+    stock = BlockWithoutGradThenMore(kind, pattern)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    runs = []
+    for model in (stock, ours):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        torch.manual_seed(1)
+        record = []
+        for _ in range(3):
+            opt.zero_grad()
+            out = model(torch.randn(3, 4))
+            (out * out).sum().backward()
+            opt.step()
+            record.append(({"out": out.detach()}, dict(grads(model)), {k: v.clone() for k, v in model.state_dict().items()}))
+        runs.append(record)
+    for step, (expected, actual) in enumerate(zip(*runs)):
+        for e, a in zip(expected, actual):
+            assert_same_tensors(e, a, step)
+
+
 class _AutocastAroundLayers(nn.Module):
     def __init__(self):
         super().__init__()

@@ -435,8 +435,11 @@ class _ReadOnce(SiteDescriptor):
                 _note_served(module, self.name)
             if parametrize._cache_enabled:
                 # Inside parametrize.cached() (opened inside the forward too): stock's first read
-                # in the block caches what it computes, and every later read gets that.
-                value = parametrize._cache.setdefault((id(module), self.name), value)
+                # in the block caches what it computes (under no_grad, without a history), and
+                # every later read gets that.
+                value = parametrize._cache.setdefault(
+                    (id(module), self.name),
+                    value.detach() if value.requires_grad and not torch.is_grad_enabled() else value)
             return value
         if traced or torch.compiler.is_compiling():
             # Dynamo guards nothing about a key's absence from ``module.__dict__``; asked of the same

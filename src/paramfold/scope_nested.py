@@ -353,7 +353,7 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
             # Inside parametrize.cached(), a value an earlier read or call of the block cached:
             # stock's reads return it, whatever the forward swapped, edited or switched since
             # (served for this call where the module holds another: :func:`_commit`).
-            if parametrize._cache[(id(holder), name)] is not holder.__dict__[name]:
+            if _block_differs(holder, name):
                 found.append((holder, name, BLOCK, None))
             continue
         now = inputs(site)
@@ -512,7 +512,10 @@ def call_changed(
         if put_back:
             with lock:
                 for holder, name, value, site, read_from, read_chain, not_read, settings, block in reversed(put_back):
-                    if not block and in_block(holder, name, site):
+                    if block:  # the module's own value back; what it was computed from is as it was
+                        holder.__dict__[name] = value
+                        continue
+                    if in_block(holder, name, site):
                         continue  # made the block's value by a call nested in this one (_commit)
                     values = holder.__dict__
                     if not_read is None or values.get(name) is not_read:
@@ -536,8 +539,19 @@ def commit(entry: nn.Module) -> bool:
         if holder is entry:
             _commit(holder, name, site)
         if not differs and in_block(holder, name, site):
-            differs = parametrize._cache[(id(holder), name)] is not holder.__dict__[name]
+            differs = _block_differs(holder, name)
     return differs
+
+
+def _block_differs(holder: nn.Module, name: str) -> bool:
+    """Whether the open block's value of ``holder.<name>`` is not the one the module holds. A
+    training stateful chain's (read once) is not served through the module: its first read takes
+    the module's value, and its read-once descriptor returns the block's instead
+    (``classes._ReadOnce``), once, where putting the module's back would serve it again."""
+    hs = holder.__dict__[STATE_ATTR]
+    if type(holder) is hs.read_once_class and hs.sites[name].stateful:
+        return False
+    return parametrize._cache[(id(holder), name)] is not holder.__dict__[name]
 
 
 def _commit(holder: nn.Module, name: str, site: SiteState, value: torch.Tensor | None = None) -> None:
