@@ -364,6 +364,27 @@ def test_a_block_of_parametrize_cached_opened_inside_the_forward_caches_its_firs
     assert [[torch.equal(a, b) for a, b in zip(*pair)] for pair in zip(*outs)] == [[True, True]] * 4
 
 
+def _sgd_steps_like_stock(stock: nn.Module, ours: nn.Module, lr: float, loss, around) -> None:
+    """Three SGD steps of each model on the same inputs, each call inside ``around()``: outputs,
+    gradients and state dicts bitwise stock's at every step."""
+    runs = []
+    for model in (stock, ours):
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        torch.manual_seed(1)
+        record = []
+        for _ in range(3):
+            opt.zero_grad()
+            with around():
+                out = model(torch.randn(3, 4))
+            loss(out).backward()
+            opt.step()
+            record.append(({"out": out.detach()}, dict(grads(model)), {k: v.clone() for k, v in model.state_dict().items()}))
+        runs.append(record)
+    for step, (expected, actual) in enumerate(zip(*runs)):
+        for e, a in zip(expected, actual):
+            assert_same_tensors(e, a, step)
+
+
 class FirstReadOfTheBlockWithoutGrad(nn.Module):
     """A grad-mode forward whose ``parametrize.cached()`` block (its own, or one around the call)
     reads its layer first under ``no_grad``, then with grad; and once more after the block."""
@@ -395,23 +416,8 @@ def test_a_blocks_first_read_under_no_grad_in_a_grad_call_is_the_blocks_value_li
     # it); hoist and auto served the call's value, with one: gradients 7-29 off.
     torch.manual_seed(0)
     stock = FirstReadOfTheBlockWithoutGrad(kind, inside)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
-    runs = []
-    for model in (stock, ours):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(1)
-        record = []
-        for _ in range(3):
-            opt.zero_grad()
-            with contextlib.nullcontext() if inside else parametrize.cached():
-                out = model(torch.randn(3, 4))
-            out.sum().backward()
-            opt.step()
-            record.append(({"out": out.detach()}, dict(grads(model)), {k: v.clone() for k, v in model.state_dict().items()}))
-        runs.append(record)
-    for step, (expected, actual) in enumerate(zip(*runs)):
-        for e, a in zip(expected, actual):
-            assert_same_tensors(e, a, step)
+    _sgd_steps_like_stock(stock, paramfold.prepare(copy.deepcopy(stock), mode), lr=0.1, loss=torch.sum,
+                          around=contextlib.nullcontext if inside else parametrize.cached)
 
 
 class _Parent(nn.Module):
@@ -458,22 +464,8 @@ def test_after_a_blocks_first_read_under_no_grad_later_reads_in_and_after_the_bl
     # spectral_norm's value once more after the block (one power iteration short, or one too many).
     torch.manual_seed(0)
     stock = BlockWithoutGradThenMore(kind, pattern)
-    ours = paramfold.prepare(copy.deepcopy(stock), mode)
-    runs = []
-    for model in (stock, ours):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        torch.manual_seed(1)
-        record = []
-        for _ in range(3):
-            opt.zero_grad()
-            out = model(torch.randn(3, 4))
-            (out * out).sum().backward()
-            opt.step()
-            record.append(({"out": out.detach()}, dict(grads(model)), {k: v.clone() for k, v in model.state_dict().items()}))
-        runs.append(record)
-    for step, (expected, actual) in enumerate(zip(*runs)):
-        for e, a in zip(expected, actual):
-            assert_same_tensors(e, a, step)
+    _sgd_steps_like_stock(stock, paramfold.prepare(copy.deepcopy(stock), mode), lr=0.01,
+                          loss=lambda out: (out * out).sum(), around=contextlib.nullcontext)
 
 
 class _AutocastAroundLayers(nn.Module):

@@ -68,6 +68,31 @@ def _twins(make, mode: str) -> tuple[nn.Module, nn.Module]:
     return stock, paramfold.prepare(copy.deepcopy(stock), mode)
 
 
+def _four_calls(stock: nn.Module, prepared: nn.Module, compiled, step: str, draw) -> list:
+    """Four calls of each model through ``compiled(model)``, under ``no_grad`` or as SGD steps
+    (``step``), on the same inputs (``draw(3, 4)``): each call's output and state dict, per model."""
+    runs = []
+    for model in (stock, prepared):
+        torch._dynamo.reset()
+        call = compiled(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        record = []
+        for _ in range(4):
+            x = draw(3, 4)
+            if step == "no_grad":
+                with torch.no_grad():
+                    out = call(x)
+            else:
+                opt.zero_grad()
+                out = call(x)
+                out.sum().backward()
+                opt.step()
+            record.append([out.detach(), {k: v.clone() for k, v in model.state_dict().items()}])
+        runs.append(record)
+    return runs
+
+
 def _steps(model: nn.Module, call, steps: int = 3) -> list:
     """``steps`` training steps from one random state: outputs, buffers and gradients of each."""
     torch.manual_seed(1)
@@ -250,26 +275,7 @@ def test_a_compiled_model_that_calls_itself_advances_at_each_read_like_stock(mod
     # (dynamo guards no key's absence from a module's __dict__): it computed the chain afresh
     # and left the value unread, one power iteration more per call than stock from the second
     # call on (outputs 1.6e-4 off; _u/_v 1.5e-2 after three SGD steps).
-    stock, prepared = _twins(make, mode)
-    runs = []
-    for model in (stock, prepared):
-        torch._dynamo.reset()
-        call = torch.compile(model, backend=backend)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(1)
-        record = []
-        for _ in range(4):
-            x = torch.randn(3, 4)
-            if step == "no_grad":
-                with torch.no_grad():
-                    out = call(x)
-            else:
-                opt.zero_grad()
-                out = call(x)
-                out.sum().backward()
-                opt.step()
-            record.append([out.detach(), {k: v.clone() for k, v in model.state_dict().items()}])
-        runs.append(record)
+    runs = _four_calls(*_twins(make, mode), functools.partial(torch.compile, backend=backend), step, torch.randn)
     if backend == "aot_eager" and step == "sgd":
         # The re-entrant call breaks the graph here (stock traces it into one graph): aot_eager's
         # gradients from several graphs sum in another order, off by an ulp (README, Notes and limits).
@@ -496,27 +502,8 @@ def test_a_block_of_parametrize_cached_opened_inside_the_forward_reads_one_value
     # and a module's call committed it only at the model's first call (the flag saying the block
     # had it outlived that call's block): each later read in the block ran one more power
     # iteration than stock's, whose later reads get the first one's value.
-    stock, prepared = _twins(lambda: CachedInside(reads), mode)
-    runs = []
-    for model in (stock, prepared):
-        torch._dynamo.reset()
-        call = torch.compile(model, backend="eager") if how == "compiled" else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(1)
-        record = []
-        for _ in range(4):
-            x = torch.rand(3, 4)
-            if step == "no_grad":
-                with torch.no_grad():
-                    out = call(x)
-            else:
-                opt.zero_grad()
-                out = call(x)
-                out.sum().backward()
-                opt.step()
-            record.append([out.detach(), _buffers(model), {k: v.clone() for k, v in model.state_dict().items()}])
-        runs.append(record)
-    assert_same_nested(*runs)
+    compiled = functools.partial(torch.compile, backend="eager") if how == "compiled" else (lambda model: model)
+    assert_same_nested(*_four_calls(*_twins(lambda: CachedInside(reads), mode), compiled, step, torch.rand))
 
 
 @pytest.mark.parametrize("kind", KINDS)
