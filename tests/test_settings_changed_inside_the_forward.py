@@ -443,18 +443,21 @@ class BlockWithoutGradThenMore(nn.Module):
         b = c = 0
         with parametrize.cached():
             with torch.no_grad():
+                if self.pattern == "edit first":
+                    for t in self.p.parameters():
+                        t.mul_(1.1)
                 a = self.p(x)
                 if self.pattern == "edit":
                     for t in self.p.parameters():
                         t.mul_(1.1)
-            if self.pattern in ("edit", "in the block", "both"):
+            if self.pattern in ("edit", "edit first", "in the block", "both"):
                 b = self.p(x)
-        if self.pattern in ("edit", "after the block", "both"):
+        if self.pattern in ("edit", "edit first", "after the block", "both"):
             c = self.p(x)
         return a + 2 * b + 3 * c
 
 
-@pytest.mark.parametrize("pattern", ["edit", "in the block", "after the block", "both"])
+@pytest.mark.parametrize("pattern", ["edit", "edit first", "in the block", "after the block", "both"])
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
 @pytest.mark.parametrize("mode", MODES)
 def test_after_a_blocks_first_read_under_no_grad_later_reads_in_and_after_the_block_are_stocks(mode, kind, pattern):
@@ -462,8 +465,40 @@ def test_after_a_blocks_first_read_under_no_grad_later_reads_in_and_after_the_bl
     # value back after a call served the block's, and took it as computed from the tensors there
     # then (an edit made in the block was missed after it: 0.04 off), and served a training
     # spectral_norm's value once more after the block (one power iteration short, or one too many).
+    # "edit first" (there before): the value computed afresh at the no_grad call after the edit
+    # stayed the module's, without a history, and the call after the block gave no gradient.
     torch.manual_seed(0)
     stock = BlockWithoutGradThenMore(kind, pattern)
+    _sgd_steps_like_stock(stock, paramfold.prepare(copy.deepcopy(stock), mode), lr=0.01,
+                          loss=lambda out: (out * out).sum(), around=contextlib.nullcontext)
+
+
+class EditsThenCallsUnderNoGrad(nn.Module):
+    """A grad-mode forward that, under ``no_grad``, edits its layer's originals in place and calls
+    the layer (or its parent), then calls the parent with grad (no ``parametrize.cached()``)."""
+
+    def __init__(self, kind: str, through: str):
+        super().__init__()
+        self.p = _Parent(kind)
+        self.through = through
+
+    def forward(self, x):
+        with torch.no_grad():
+            chain = self.p.c.parametrizations.weight
+            (chain.original1 if hasattr(chain, "original1") else chain.original).mul_(1.1)
+            a = (self.p.c if self.through == "layer" else self.p)(x)
+        return a + 2 * self.p(x)
+
+
+@pytest.mark.parametrize("through", ["layer", "parent"])
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_value_computed_after_an_edit_under_no_grad_keeps_a_history_for_the_calls_later_reads(mode, kind, through):
+    # Regression (2026-12-06, there before): the value computed afresh at the no_grad call after
+    # the edit was kept for the rest of the call without a history, and the later grad-mode call
+    # gave the originals no gradient (stock's: -12.3 summed, weight_norm).
+    torch.manual_seed(0)
+    stock = EditsThenCallsUnderNoGrad(kind, through)
     _sgd_steps_like_stock(stock, paramfold.prepare(copy.deepcopy(stock), mode), lr=0.01,
                           loss=lambda out: (out * out).sum(), around=contextlib.nullcontext)
 

@@ -481,7 +481,15 @@ def call_changed(
                     for member in appended:
                         value = member(value)
                 elif site.hook is None:
-                    value = compute(holder, name)
+                    if (not _grad_enabled() and not site.stateful and holder.__dict__[name].requires_grad
+                            and chain_needs_grad(site)):
+                        # Under no_grad in a call whose value has a history (an edit, then a call,
+                        # in a no_grad region of a grad-mode forward): kept for the call's later
+                        # reads, it keeps one too (the same bits; read here, none).
+                        with torch.enable_grad():
+                            value = compute(holder, name)
+                    else:
+                        value = compute(holder, name)
                 else:
                     value = hooknorms.compute(holder, site.hook, site.hook_kind)
                 # calls nested in this one compare with these: the flags of the tensors the value
