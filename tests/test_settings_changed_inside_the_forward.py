@@ -364,9 +364,14 @@ def test_a_block_of_parametrize_cached_opened_inside_the_forward_caches_its_firs
     assert [[torch.equal(a, b) for a, b in zip(*pair)] for pair in zip(*outs)] == [[True, True]] * 4
 
 
-def _sgd_steps_like_stock(stock: nn.Module, ours: nn.Module, lr: float, loss, around) -> None:
-    """Three SGD steps of each model on the same inputs, each call inside ``around()``: outputs,
-    gradients and state dicts bitwise stock's at every step."""
+def _sgd_steps_like_stock(make, mode: str, lr: float = 0.01, loss=lambda out: (out * out).sum(),
+                          around=contextlib.nullcontext) -> None:
+    """Three SGD steps of stock's ``make()`` and of a copy prepared in ``mode``, on the same
+    inputs, each call inside ``around()``: outputs, gradients and state dicts bitwise stock's at
+    every step."""
+    torch.manual_seed(0)
+    stock = make()
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
     runs = []
     for model in (stock, ours):
         opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -414,9 +419,7 @@ def test_a_blocks_first_read_under_no_grad_in_a_grad_call_is_the_blocks_value_li
     # Regression (helper-182, 2026-12-06): stock's block caches the value its first read computes
     # under no_grad, without a history, and its later read with grad gets that (no gradient from
     # it); hoist and auto served the call's value, with one: gradients 7-29 off.
-    torch.manual_seed(0)
-    stock = FirstReadOfTheBlockWithoutGrad(kind, inside)
-    _sgd_steps_like_stock(stock, paramfold.prepare(copy.deepcopy(stock), mode), lr=0.1, loss=torch.sum,
+    _sgd_steps_like_stock(lambda: FirstReadOfTheBlockWithoutGrad(kind, inside), mode, lr=0.1, loss=torch.sum,
                           around=contextlib.nullcontext if inside else parametrize.cached)
 
 
@@ -467,10 +470,7 @@ def test_after_a_blocks_first_read_under_no_grad_later_reads_in_and_after_the_bl
     # spectral_norm's value once more after the block (one power iteration short, or one too many).
     # "edit first" (there before): the value computed afresh at the no_grad call after the edit
     # stayed the module's, without a history, and the call after the block gave no gradient.
-    torch.manual_seed(0)
-    stock = BlockWithoutGradThenMore(kind, pattern)
-    _sgd_steps_like_stock(stock, paramfold.prepare(copy.deepcopy(stock), mode), lr=0.01,
-                          loss=lambda out: (out * out).sum(), around=contextlib.nullcontext)
+    _sgd_steps_like_stock(lambda: BlockWithoutGradThenMore(kind, pattern), mode)
 
 
 class EditsThenCallsUnderNoGrad(nn.Module):
@@ -497,10 +497,7 @@ def test_a_value_computed_after_an_edit_under_no_grad_keeps_a_history_for_the_ca
     # Regression (2026-12-06, there before): the value computed afresh at the no_grad call after
     # the edit was kept for the rest of the call without a history, and the later grad-mode call
     # gave the originals no gradient (stock's: -12.3 summed, weight_norm).
-    torch.manual_seed(0)
-    stock = EditsThenCallsUnderNoGrad(kind, through)
-    _sgd_steps_like_stock(stock, paramfold.prepare(copy.deepcopy(stock), mode), lr=0.01,
-                          loss=lambda out: (out * out).sum(), around=contextlib.nullcontext)
+    _sgd_steps_like_stock(lambda: EditsThenCallsUnderNoGrad(kind, through), mode)
 
 
 class _AutocastAroundLayers(nn.Module):
