@@ -353,7 +353,7 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
             # Inside parametrize.cached(), a value an earlier read or call of the block cached:
             # stock's reads return it, whatever the forward swapped, edited or switched since
             # (served for this call where the module holds another: :func:`_commit`).
-            if _block_differs(holder, name):
+            if _block_differs(holder, name, site):
                 found.append((holder, name, BLOCK, None))
             continue
         now = inputs(site)
@@ -421,7 +421,7 @@ def call_changed(
     """``call`` with the values of ``found`` computed from the tensors there now, under the grad
     mode and autocast state now (calls nested in it compare with those); the ones found to be put
     back are put back after. ``busy(entry)`` is raised where another thread shares a value."""
-    put_back = []
+    put_back, block_back = [], []
     outer = local.context
     if outer is not None:
         local.context = context()
@@ -449,9 +449,9 @@ def call_changed(
                     raise busy(entry)
                 site = hs.sites[name]
                 if swapped is BLOCK:
-                    # The block's value for this call; the module's own is back after it.
-                    put_back.append((holder, name, holder.__dict__[name], site, site.read_from, site.read_chain,
-                                     None, [], True))
+                    # The block's value for this call; the module's own is back after it (what it
+                    # was computed from is as it was).
+                    block_back.append((holder, name, holder.__dict__[name]))
                     holder.__dict__[name] = parametrize._cache[(id(holder), name)]
                     continue
                 if swapped is AT_READ:
@@ -474,21 +474,19 @@ def call_changed(
                     continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder, name, holder.__dict__.pop(name), site, site.read_from,
-                                     site.read_chain, None, [], False))
+                                     site.read_chain, None, []))
                     continue
                 if appended is not None:
                     value = holder.__dict__[name]
                     for member in appended:
                         value = member(value)
                 elif site.hook is None:
-                    if (not _grad_enabled() and not site.stateful and holder.__dict__[name].requires_grad
-                            and chain_needs_grad(site)):
-                        # Under no_grad in a call whose value has a history (an edit, then a call,
-                        # in a no_grad region of a grad-mode forward): kept for the call's later
-                        # reads, it keeps one too (the same bits; read here, none).
-                        with torch.enable_grad():
-                            value = compute(holder, name)
-                    else:
+                    # Under no_grad in a call whose value has a history (an edit, then a call, in
+                    # a no_grad region of a grad-mode forward): kept for the call's later reads,
+                    # it keeps one too (the same bits; read here, none).
+                    keeps_history = _grad_enabled() or (
+                        not site.stateful and holder.__dict__[name].requires_grad and chain_needs_grad(site))
+                    with torch.set_grad_enabled(keeps_history):
                         value = compute(holder, name)
                 else:
                     value = hooknorms.compute(holder, site.hook, site.hook_kind)
@@ -502,7 +500,7 @@ def call_changed(
                 elif swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder, name, holder.__dict__[name], site, site.read_from,
-                                     site.read_chain, value if read_once else None, settings, False))
+                                     site.read_chain, value if read_once else None, settings))
                 if not swapped and hs.drop_kept(name):
                     # A kept frozen value replaced for the rest of the call (its inputs changed in
                     # place): this one leaves when the call ends, as any value installed for it.
@@ -517,12 +515,11 @@ def call_changed(
         return call(*args, **kwargs)
     finally:
         local.context = outer
-        if put_back:
+        if put_back or block_back:
             with lock:
-                for holder, name, value, site, read_from, read_chain, not_read, settings, block in reversed(put_back):
-                    if block:  # the module's own value back; what it was computed from is as it was
-                        holder.__dict__[name] = value
-                        continue
+                for holder, name, value in block_back:
+                    holder.__dict__[name] = value
+                for holder, name, value, site, read_from, read_chain, not_read, settings in reversed(put_back):
                     if in_block(holder, name, site):
                         continue  # made the block's value by a call nested in this one (_commit)
                     values = holder.__dict__
@@ -547,17 +544,16 @@ def commit(entry: nn.Module) -> bool:
         if holder is entry:
             _commit(holder, name, site)
         if not differs and in_block(holder, name, site):
-            differs = _block_differs(holder, name)
+            differs = _block_differs(holder, name, site)
     return differs
 
 
-def _block_differs(holder: nn.Module, name: str) -> bool:
+def _block_differs(holder: nn.Module, name: str, site: SiteState) -> bool:
     """Whether the open block's value of ``holder.<name>`` is not the one the module holds. A
     training stateful chain's (read once) is not served through the module: its first read takes
     the module's value, and its read-once descriptor returns the block's instead
     (``classes._ReadOnce``), once, where putting the module's back would serve it again."""
-    hs = holder.__dict__[STATE_ATTR]
-    if type(holder) is hs.read_once_class and hs.sites[name].stateful:
+    if site.stateful and type(holder) is holder.__dict__[STATE_ATTR].read_once_class:
         return False
     return parametrize._cache[(id(holder), name)] is not holder.__dict__[name]
 
