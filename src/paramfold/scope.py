@@ -68,6 +68,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
+from paramfold import compile_regions  # noqa: F401  (nested compile regions keep a prepared module's class)
 from paramfold import compile_reads as reads
 from paramfold import hooknorm_regions as hook_regions
 from paramfold import hooknorms, site_values, unread
