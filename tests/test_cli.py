@@ -195,10 +195,8 @@ def test_every_command_fails_with_one_line_in_one_format(tmp_path, args, command
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupt_outside_any_command_is_one_line_with_its_own_code(monkeypatch, signum, code):
-    from paramfold.signals import Interrupted
-
     def interrupted(*a, **k):
-        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+        signal.getsignal(signum)(signum, None)  # the CLI's handler, as the signal runs it
 
     monkeypatch.setattr(cli.typer, "echo", interrupted)  # --version is answered while parsing
     res = _run("--version")
@@ -479,7 +477,8 @@ def test_new_outputs_get_normal_permissions_and_replaced_ones_keep_theirs(tmp_pa
 def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_path, monkeypatch):
     src = _wn_checkpoint(tmp_path)
     (tmp_path / "factories.py").write_text(
-        "import sys\ndef exits():\n    sys.exit(7)\ndef interrupted():\n    raise KeyboardInterrupt\n"
+        "import signal, sys\ndef exits():\n    sys.exit(7)\ndef raises_interrupt():\n    raise KeyboardInterrupt\n"
+        "def interrupted():\n    signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the CLI's handler, as a Ctrl-C runs it\n"
     )
     before = _listing(tmp_path)
     out = str(tmp_path / "o.pt")
@@ -487,6 +486,10 @@ def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_pat
     _one_line_error(res, "audit", 1, "the factory called sys.exit(7)")
     res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:interrupted")
     _one_line_error(res, "audit", 130, "interrupted by SIGINT")
+    # Regression: a KeyboardInterrupt the factory raised itself, no signal, was said as a Ctrl-C (exit 130).
+    res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:raises_interrupt")
+    _one_line_error(res, "audit", 1, "the factory raised KeyboardInterrupt")
+    assert "SIGINT" not in res.stderr
 
     import paramfold.fold
 
@@ -1041,11 +1044,22 @@ def test_an_output_written_by_an_earlier_command_is_not_claimed_by_the_next(tmp_
     assert _run("fold", str(_wn_checkpoint(tmp_path)), str(out)).exit_code == 0
 
     def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the CLI's handler, as a Ctrl-C runs it
 
     monkeypatch.setattr("paramfold.audit.audit_checkpoint", interrupted)
     res = _run("audit", str(out))
     _one_line_error(res, "audit", 130, "interrupted by SIGINT; no output was written")
+
+
+def test_a_keyboard_interrupt_raised_by_code_without_a_signal_is_a_failure_not_a_ctrl_c(monkeypatch):
+    # Regression: any KeyboardInterrupt was said as "interrupted by SIGINT" with exit 130.
+    def raises(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_bench", raises)
+    res = _run("bench", "--layers", "2")
+    _one_line_error(res, "bench", 1, "KeyboardInterrupt: raised without a signal")
+    assert "SIGINT" not in res.stderr
 
 
 def test_an_output_name_over_the_length_limit_is_a_usage_error(tmp_path):

@@ -108,9 +108,9 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
     from paramfold.errors import FoldError
     from paramfold.output import describe_os_error
-    from paramfold.signals import Interrupted
+    from paramfold.signals import Interrupted, from_signal
 
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt) and from_signal(exc):
         signame = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
         code = exc.exit_code if isinstance(exc, Interrupted) else 130
         if _written:
@@ -134,6 +134,8 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, RuntimeError) and "alloc" in text.lower() and "memory" in text.lower():
         return 1, f"out of memory: {text}"
+    if isinstance(exc, KeyboardInterrupt):  # raised by code (from_signal): a failure like any other
+        text = f"raised without a signal{': ' + text if text else ''}"
     return 1, f"{type(exc).__name__}: {text} (unexpected; PARAMFOLD_DEBUG=1 shows the traceback)"
 
 

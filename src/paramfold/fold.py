@@ -51,6 +51,7 @@ from paramfold.checkpoint import (
 from paramfold.errors import first_few
 from paramfold.factory import load_factory
 from paramfold.output import OutputError, check_output
+from paramfold.signals import from_signal
 from paramfold.audit_render import human_bytes
 
 __all__ = ["FoldResult", "fold_checkpoint"]
@@ -340,8 +341,10 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
     name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__qualname__", "model_factory")
     try:
         model = factory()
-    except Exception as e:
-        raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}: {e}") from None
+    except (Exception, KeyboardInterrupt) as e:
+        if isinstance(e, KeyboardInterrupt) and from_signal(e):
+            raise  # a Ctrl-C or another signal while it ran, not the factory's failure
+        raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}" + (f": {e}" if str(e) else "")) from None
     except SystemExit as e:
         raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
     if not isinstance(model, torch.nn.Module):

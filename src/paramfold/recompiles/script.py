@@ -28,7 +28,7 @@ import types
 from paramfold.errors import FoldError
 from paramfold.terminal import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
-from paramfold.signals import Interrupted, signal_arrived
+from paramfold.signals import from_signal
 
 __all__ = ["ScriptError", "run_script"]
 
@@ -104,7 +104,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
                     print(e.code, file=sys.stderr)
                     code = 1
             except KeyboardInterrupt as e:  # the report of what ran so far is still printed
-                if isinstance(e, Interrupted) or signal_arrived() is not None:
+                if from_signal(e):
                     interrupted = e
                 else:  # raised by the script itself, no signal: as python, its traceback and 130
                     _print_script_traceback(e)
