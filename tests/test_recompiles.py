@@ -686,6 +686,29 @@ def test_cli_strict_still_says_the_limit_hit_when_the_script_fails_and_keeps_its
     assert res.stderr.count("\n") == 1 and res.stderr.endswith("(the script itself exited with 5: its status is kept)\n")
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_cli_a_script_that_ends_with_os_exit_is_said_not_mistaken_for_strict(tmp_path):
+    # Regression: os._exit(3) ended the process with no report and no word: exit 3, as --strict's.
+    script = tmp_path / "quits.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os
+        print("ran", flush=True)
+        child = os.fork()
+        if child == 0:
+            os._exit(0)  # a forked child's own: not said
+        os.waitpid(child, 0)
+        os._exit(3)
+        """))
+    command = [sys.executable, "-m", "paramfold.cli", "recompiles", "--strict", "--", "python", str(script)]
+    res = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
+    assert res.returncode == 3 and res.stdout == "ran\n"
+    assert res.stderr.splitlines() == [
+        "paramfold recompiles: error: the script called os._exit(3), which ends the process at once: no report "
+        "was printed, and the exit status 3 is the script's own"
+    ]
+
+
 def test_recompiles_leaves_dynamos_limit_warning_to_torchs_handlers_unless_told_not_to(caplog):
     f = torch.compile(lambda x: x - 1, backend="eager")
     limit = getattr(torch._dynamo.config, LIMIT)

@@ -670,7 +670,29 @@ def recompiles_command(
 
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.recompiles.script import run_script
-    raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
+    with _os_exit_said("recompiles"):
+        code = run_script(command, as_json=as_json, strict=strict)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _os_exit_said(command: str) -> Iterator[None]:
+    """While active, ``os._exit(n)`` in this process (``recompiles``' script calling it) says one line
+    first: it ends the process at once, before the report, with a status that could be mistaken for
+    one of this command's own (``--strict``'s 3). A forked child's ``os._exit`` stays silent."""
+    real, pid = os._exit, os.getpid()
+
+    def said_exit(status: int) -> NoReturn:
+        if os.getpid() == pid and isinstance(status, int):
+            _say(command, f"the script called os._exit({status}), which ends the process at once: no report "
+                          f"was printed, and the exit status {status} is the script's own")
+        real(status)
+
+    os._exit = said_exit
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def main(*, end_process: bool = False) -> None:
