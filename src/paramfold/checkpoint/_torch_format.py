@@ -77,6 +77,7 @@ from paramfold.checkpoint.common import (
     contiguous_stride,
     element_size,
     first_line,
+    negative_part,
     raw_bytes,
 )
 
@@ -151,14 +152,16 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
             raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: the storage of '{k}' (record data/{t.storage.key}) is missing")
         if rec.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(f"{p}: record {rec.filename} is compressed; torch.save never compresses: re-save it")
+        negative = negative_part({"shape": t.shape, "stride": t.stride, "storage offset": (t.offset,)})
+        if negative:
+            raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: tensor '{k}' has {negative}")
         elem = element_size(t.dtype)
         storage_bytes = t.storage.numel * (elem if t.storage.typed else 1)
         if _numel_overflows(t.shape):  # torch.load refuses such a size, empty or not
             raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: tensor '{k}' has an impossible shape {reprlib.repr(list(t.shape))}")
         span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
         needed = (t.offset + span) * elem if span else 0
-        if (storage_bytes != rec.file_size or needed > rec.file_size or t.offset < 0 or min(t.stride, default=0) < 0
-                or min(t.shape, default=0) < 0):
+        if storage_bytes != rec.file_size or needed > rec.file_size:
             raise CheckpointError(
                 f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
                 f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"

@@ -29,6 +29,7 @@ from paramfold.checkpoint.common import (
     element_size,
     file_format,
     first_line,
+    negative_part,
 )
 
 __all__ = ["Checkpoint", "open_checkpoint"]
@@ -392,12 +393,31 @@ def _safetensors_entries(p: Path) -> tuple[dict[str, Entry], dict[str, str]]:
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own SafetensorError, plus OSError / ValueError
-        raise CheckpointError(f"{p}: not a valid safetensors file ({first_line(e)})") from None
+        negative = _negative_in_header(p)  # safetensors: "invalid value: integer `-4`, expected usize"
+        raise CheckpointError(f"{p}: not a valid safetensors file: " + (negative or f"({first_line(e)})")) from None
     base = 8 + n
     # In the order the data lies in the file (safe_open lists keys sorted by name).
     order = sorted(infos, key=lambda k: (header[k]["data_offsets"][0], k))
     entries = {k: Entry(infos[k], p, base + header[k]["data_offsets"][0]) for k in order}
     return entries, metadata
+
+
+def _negative_in_header(p: Path) -> str | None:
+    """``"tensor 'w' has a negative size (shape [-4])"`` where the safetensors header of ``p``, which
+    safe_open refused, says so; ``None`` otherwise (it cannot be read, or holds no negative number)."""
+    try:
+        with open(p, "rb") as f:
+            (n,) = _unpack_u64(f.read(8))
+            if n > os.fstat(f.fileno()).st_size:
+                return None
+            header = json.loads(f.read(n))
+        for key, entry in header.items():
+            negative = negative_part(entry) if key != "__metadata__" and isinstance(entry, dict) else None
+            if negative:
+                return f"tensor '{key}' has {negative}"
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    return None
 
 
 def _unpack_u64(b: bytes) -> tuple[int]:
