@@ -1071,6 +1071,13 @@ def test_an_output_name_over_the_length_limit_is_a_usage_error(tmp_path):
     _one_line_error(res, "fold", 2, "cannot be used as an output path")
 
 
+@pytest.mark.parametrize("command", ["audit", "fold"])
+def test_an_input_name_over_the_length_limit_is_a_usage_error_as_an_output_name_is(tmp_path, command):
+    # Regression: exit 1 with the raw OSError ("File name too long"), where OUT's is exit 2.
+    res = _run(command, str(tmp_path / ("x" * 300 + ".pt")), *([str(tmp_path / "o.pt")] if command == "fold" else []))
+    _one_line_error(res, command, 2, "cannot be used as an input path: File name too long")
+
+
 # -- found by the 2026-12 CLI hunt, second round --------------------------------------------------
 
 

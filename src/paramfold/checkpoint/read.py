@@ -206,9 +206,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if not str(path).strip():  # Path("") is the current folder, which would be read instead
         raise CheckpointError("no input path given (an empty string)", exit_code=2)
     p = Path(path)
-    if not p.exists():
-        what = "a symlink loop (too many levels of symbolic links)" if _symlink_loop(p) else "no such file or folder"
-        raise CheckpointError(f"{p}: {what}", exit_code=2)
+    _check_named(p)
     if p.is_dir():
         return _open_folder(p)
     if not p.is_file():  # a FIFO or a device would block or never end
@@ -229,6 +227,23 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         "or a folder holding one",
         exit_code=2,
     )
+
+
+#: Why a path names nothing, said as a usage error (exit 2) as for an output path; others (a folder
+#: on the way without permission) are the environment's, raised as they are.
+_UNNAMED = {errno.ENOENT: "no such file or folder", errno.ENOTDIR: "no such file or folder",
+            errno.ELOOP: "a symlink loop (too many levels of symbolic links)",
+            errno.ENAMETOOLONG: "cannot be used as an input path: File name too long"}
+
+
+def _check_named(p: Path) -> None:
+    """Refuse an input path that names nothing: missing, a loop of links, a name too long."""
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno not in _UNNAMED:
+            raise
+        raise CheckpointError(f"{p}: {_UNNAMED[e.errno]}", exit_code=2) from None
 
 
 def _symlink_loop(p: Path) -> bool:
