@@ -435,6 +435,21 @@ def test_an_output_that_is_not_a_regular_file_is_refused_not_replaced(tmp_path, 
     assert {p.name for p in tmp_path.iterdir()} == {"o.pt", "wn.pt", target.name}  # no temporary file left
 
 
+@pytest.mark.parametrize("kind", ["folder", "/dev/full"])
+def test_an_output_without_a_suffix_says_what_it_is_before_its_format(tmp_path, kind):
+    # Regression: "runs: unsupported output format 'runs'" for a folder, "'full'" for /dev/full.
+    if kind == "folder":
+        out, words = tmp_path / "runs", ["runs: is a folder; give a file name ending in .safetensors"]
+        out.mkdir()
+    elif Path(kind).exists():
+        out, words = Path(kind), ["/dev/full: is not a regular file (a FIFO, a device or a socket)"]
+    else:
+        pytest.skip("needs /dev/full")
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
+    _one_line_error(res, "fold", 2, *words)
+    assert "unsupported output format" not in res.stderr
+
+
 def test_a_failed_rename_names_the_output_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
     import errno
 
