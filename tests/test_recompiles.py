@@ -623,6 +623,8 @@ def test_cli_runs_a_folder_with_a_main_module_as_python_does(tmp_path):
 
 
 def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
+    fifo = tmp_path / "fifo.py"
+    os.mkfifo(fifo)
     for args, message in (
         (["python"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
         (["python", "-m"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
@@ -632,6 +634,8 @@ def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
                                        "(code for -c put in one) or -m MODULE"),
         (["python", "-u", "train.py"], "python's option -u is not supported here: give a script file "
                                        "(code for -c put in one) or -m MODULE"),
+        # Was "script not found: .../fifo.py".
+        (["python", str(fifo)], f"script is not a regular file (a FIFO, a device or a socket): {fifo}"),
     ):
         code, out, err = _cli(["recompiles", "--", *args])
         assert (code, out, err) == (2, "", f"paramfold recompiles: error: {message}\n"), args

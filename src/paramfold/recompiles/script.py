@@ -79,8 +79,10 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         if os.path.isdir(argv0):  # a folder with a __main__.py, as python runs it
             if not os.path.isfile(os.path.join(argv0, "__main__.py")):
                 raise ScriptError(f"can't find '__main__' module in {argv0!r}")
-        elif not os.path.isfile(argv0):
+        elif not os.path.exists(argv0):
             raise ScriptError(f"script not found: {argv0}")
+        elif not os.path.isfile(argv0):  # a FIFO or a device: read, it could block or never end
+            raise ScriptError(f"script is not a regular file (a FIFO, a device or a socket): {argv0}")
         if not os.access(argv0, os.R_OK):
             raise ScriptError(f"script not readable (permission denied): {argv0}")
 
