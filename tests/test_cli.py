@@ -144,6 +144,9 @@ def test_help_text_lists_choices_and_real_defaults():
         # Regression: "Invalid value for '--variant': Value error, 'fast' is not one of ..."
         (["bench", "--variant", "fast"], "bench", ["Invalid value for '--variant': 'fast' is not one of", "freeze"]),
         (["bench", "--layers", "many"], "bench", ["Invalid value for '--layers'", "integer"]),
+        # Regressions: read as 10 and 5 (int() and typer's parsing take them)
+        (["bench", "--layers", "1_0"], "bench", ["Invalid value for '--layers': '1_0' is not an integer"]),
+        (["bench", "--width", "5.0"], "bench", ["Invalid value for '--width': '5.0' is not an integer"]),
         (["bench", "--nope"], "bench", ["No such option: --nope"]),
         (["audit"], "audit", ["Missing argument 'PATH'"]),
         (["frobnicate"], "", ["No such command 'frobnicate'"]),

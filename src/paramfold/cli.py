@@ -68,6 +68,23 @@ def _range(name: str) -> str:
     return f"{low} to {high}"
 
 
+def _integer(value: Any) -> int:
+    """An integer option's value: digits, perhaps signed (its range is checked later); typer's
+    parsing (pydantic's) would also take ``1_0`` and ``5.0``, as ``int()`` takes ``1_0``."""
+    import re
+    import reprlib
+
+    if isinstance(value, int):  # the default
+        return value
+    text = str(value).strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError(f"{reprlib.repr(value)} is not an integer (digits only, e.g. 16)")
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts
+        raise ValueError(f"a number of {len(text)} digits is far too large") from None
+
+
 def _debug() -> bool:
     """``paramfold --debug ...`` or ``PARAMFOLD_DEBUG=1``: print the traceback of a failure too."""
     ctx = click.globals.get_current_context(silent=True)
@@ -383,10 +400,10 @@ def bench(
         help="The parametrized model of the zoo to measure: seed, weight_norm, spectral_norm, weight_norm_hooks, spectral_norm_hooks (torch's deprecated hook-based norms) or orthogonal."
     ),
     layers: Optional[int] = typer.Option(
-        None, help=f"Number of layers, {_range('layers')} \\[default: 32 for seed, else 16]."
+        None, parser=_integer, help=f"Number of layers, {_range('layers')} \\[default: 32 for seed, else 16]."
     ),
     width: Optional[int] = typer.Option(
-        None, help=f"Layer width, {_range('width')} \\[default: 128 for seed and weight_norm, else 64]."
+        None, parser=_integer, help=f"Layer width, {_range('width')} \\[default: 128 for seed and weight_norm, else 64]."
     ),
     backend: Literal["eager", "aot_eager", "inductor"] = typer.Option(
         "eager", metavar="NAME", help="The torch.compile backend: eager, aot_eager or inductor."
@@ -405,10 +422,10 @@ def bench(
         help="A forward in training mode that records autograd, with no backward (freeze is skipped). Instead of --train.",
     ),
     repeats: int = typer.Option(
-        3, help=f"First compiled calls per variant, {_range('repeats')} (min and median reported)."
+        3, parser=_integer, help=f"First compiled calls per variant, {_range('repeats')} (min and median reported)."
     ),
     steady_rounds: int = typer.Option(
-        5, "--steady-rounds",
+        5, "--steady-rounds", parser=_integer,
         help=f"Interleaved rounds of 10 steady calls (or training steps) per variant, {_range('steady_rounds')} (min and median reported)."
     ),
     sweep_layers: Optional[str] = typer.Option(
@@ -416,7 +433,7 @@ def bench(
         help=f"Run once per layer count (e.g. 32,128,512; each {_range('layers')}): how the first call and the steady time grow with model size. Instead of --layers.",
     ),
     threads: int = typer.Option(
-        1, help=f"torch.set_num_threads for the run, {_range('threads')}; 0 leaves torch's setting."
+        1, parser=_integer, help=f"torch.set_num_threads for the run, {_range('threads')}; 0 leaves torch's setting."
     ),
     device: str = typer.Option("cpu", help="Where the model runs: cpu, cuda, cuda:1, ..."),
     variant: Optional[list[VariantName]] = typer.Option(  # type: ignore[valid-type]
