@@ -919,6 +919,21 @@ def test_a_summary_that_cannot_be_printed_does_not_deny_the_written_output(tmp_p
     assert sorted(load_file(out)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
 
 
+def test_what_the_commands_say_counts_one_thing_in_the_singular_and_says_an_int(tmp_path):
+    # Regressions: "wrote o.pt: 1 tensors", "1 plain tensors", "the factory returned a int",
+    # "it holds a int".
+    torch.save({"w": torch.zeros(2)}, tmp_path / "one.pt")
+    res = _run("fold", str(tmp_path / "one.pt"), str(tmp_path / "o.pt"))
+    assert res.exit_code == 0 and res.stdout.startswith(f"wrote {tmp_path / 'o.pt'}: 1 tensor, 8 B; 0 parametrized sites")
+    res = _run("audit", str(tmp_path / "one.pt"))
+    assert res.exit_code == 0 and "; 1 plain tensor (8 B); " in " ".join(res.stdout.split())
+    (tmp_path / "factories.py").write_text("def number():\n    return 5\n")
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / "o.pt"), "--model", f"{tmp_path / 'factories.py'}:number")
+    _one_line_error(res, "fold", 1, "the factory returned an int, not a torch.nn.Module")
+    torch.save(5, tmp_path / "int.pt")
+    _one_line_error(_run("audit", str(tmp_path / "int.pt")), "audit", 1, "(it holds an int)")
+
+
 def test_an_empty_input_path_is_a_usage_error_not_the_current_folder(tmp_path, monkeypatch):
     # Regression: Path("") is ".", so fold read whatever checkpoint the current folder held.
     _wn_checkpoint(tmp_path)
@@ -1114,7 +1129,7 @@ def _saved(path: Path, what: str, **kwargs) -> Path:
 
 @pytest.mark.parametrize("what, words", [
     ("tensor", ["(it holds a Tensor)"]), ("parameter", ["(it holds a Tensor)"]),
-    ("untyped", ["(it holds a UntypedStorage)"]), ("typed", ["(it holds a TypedStorage)"]),
+    ("untyped", ["(it holds an UntypedStorage)"]), ("typed", ["(it holds a TypedStorage)"]),
     ("mixed", ["'s': UntypedStorage"]),
 ])
 def test_a_pt_file_without_a_state_dict_names_the_public_type_it_holds(tmp_path, what, words):

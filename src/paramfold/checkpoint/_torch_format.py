@@ -70,6 +70,7 @@ from typing import IO, Any
 import torch
 from torch.storage import _dtype_to_storage_type_map
 
+from paramfold.errors import with_article
 from paramfold.checkpoint.common import (
     CheckpointError,
     Entry,
@@ -203,7 +204,7 @@ def _plain_only(sd: dict[str, torch.Tensor], p: Path) -> dict[str, torch.Tensor]
     for k, t in sd.items():
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise CheckpointError(
-                f"{p}: '{k}' is a {type(t).__name__} (a tensor subclass); paramfold reads plain tensors: "
+                f"{p}: '{k}' is {with_article(type(t).__name__)} (a tensor subclass); paramfold reads plain tensors: "
                 "save the model after torchao.utils.unwrap_tensor_subclass(model), or its plain state dict"
             )
     return sd
@@ -507,7 +508,7 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
                 return {}, name
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
-        where = f"it holds a {_type_name(obj)}"
+        where = f"it holds {with_article(_type_name(obj))}"
     raise CheckpointError(
         f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)

@@ -31,6 +31,7 @@ from paramfold.checkpoint.common import (
     first_line,
     negative_part,
 )
+from paramfold.errors import with_article
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -182,7 +183,7 @@ def _check_buffer(out: torch.Tensor, dtype: torch.dtype) -> None:
     if out.storage_offset() % elem:
         raise ValueError(
             f"out starts at byte {out.storage_offset()} of its storage, not a multiple of {elem} (the size of "
-            f"a {str(dtype).removeprefix('torch.')} element), so its bytes cannot be viewed as that dtype: "
+            f"{with_article(str(dtype).removeprefix('torch.'))} element), so its bytes cannot be viewed as that dtype: "
             "pass a buffer that starts where its storage does, e.g. torch.empty(n, dtype=torch.uint8)"
         )
 
