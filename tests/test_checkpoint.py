@@ -305,7 +305,7 @@ def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(64, 32))
     quantize_(model, Int8WeightOnlyConfig())
     torch.save(model.state_dict(), tmp_path / "q.pt")
-    with pytest.raises(CheckpointError, match="'0.weight' is a Int8Tensor .*unwrap_tensor_subclass"):
+    with pytest.raises(CheckpointError, match="'0.weight' is an Int8Tensor .*unwrap_tensor_subclass"):
         open_checkpoint(tmp_path / "q.pt")
 
 

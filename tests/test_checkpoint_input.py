@@ -193,6 +193,8 @@ def test_a_hostile_safetensors_header_is_one_line_and_writes_nothing(tmp_path, c
     res = _run(command, src, *([tmp_path / "o.pt"] if command == "fold" else []))
     _one_line_error(res, command, 1, str(src))
     assert _files(tmp_path) == before
+    if case == "negative_shape":  # Regression: "... invalid value: integer `-1`, expected usize at line 1 column 38"
+        assert "not a valid safetensors file: tensor 'w' has a negative size (shape [-1])" in res.stderr
 
 
 # -- pickles that hold more than weights ---------------------------------------------------------------

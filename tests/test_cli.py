@@ -144,6 +144,9 @@ def test_help_text_lists_choices_and_real_defaults():
         # Regression: "Invalid value for '--variant': Value error, 'fast' is not one of ..."
         (["bench", "--variant", "fast"], "bench", ["Invalid value for '--variant': 'fast' is not one of", "freeze"]),
         (["bench", "--layers", "many"], "bench", ["Invalid value for '--layers'", "integer"]),
+        # Regressions: read as 10 and 5 (int() and typer's parsing take them)
+        (["bench", "--layers", "1_0"], "bench", ["Invalid value for '--layers': '1_0' is not an integer"]),
+        (["bench", "--width", "5.0"], "bench", ["Invalid value for '--width': '5.0' is not an integer"]),
         (["bench", "--nope"], "bench", ["No such option: --nope"]),
         (["audit"], "audit", ["Missing argument 'PATH'"]),
         (["frobnicate"], "", ["No such command 'frobnicate'"]),
@@ -195,10 +198,8 @@ def test_every_command_fails_with_one_line_in_one_format(tmp_path, args, command
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupt_outside_any_command_is_one_line_with_its_own_code(monkeypatch, signum, code):
-    from paramfold.signals import Interrupted
-
     def interrupted(*a, **k):
-        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+        signal.getsignal(signum)(signum, None)  # the CLI's handler, as the signal runs it
 
     monkeypatch.setattr(cli.typer, "echo", interrupted)  # --version is answered while parsing
     res = _run("--version")
@@ -437,6 +438,21 @@ def test_an_output_that_is_not_a_regular_file_is_refused_not_replaced(tmp_path, 
     assert {p.name for p in tmp_path.iterdir()} == {"o.pt", "wn.pt", target.name}  # no temporary file left
 
 
+@pytest.mark.parametrize("kind", ["folder", "/dev/full"])
+def test_an_output_without_a_suffix_says_what_it_is_before_its_format(tmp_path, kind):
+    # Regression: "runs: unsupported output format 'runs'" for a folder, "'full'" for /dev/full.
+    if kind == "folder":
+        out, words = tmp_path / "runs", ["runs: is a folder; give a file name ending in .safetensors"]
+        out.mkdir()
+    elif Path(kind).exists():
+        out, words = Path(kind), ["/dev/full: is not a regular file (a FIFO, a device or a socket)"]
+    else:
+        pytest.skip("needs /dev/full")
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
+    _one_line_error(res, "fold", 2, *words)
+    assert "unsupported output format" not in res.stderr
+
+
 def test_a_failed_rename_names_the_output_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
     import errno
 
@@ -479,7 +495,8 @@ def test_new_outputs_get_normal_permissions_and_replaced_ones_keep_theirs(tmp_pa
 def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_path, monkeypatch):
     src = _wn_checkpoint(tmp_path)
     (tmp_path / "factories.py").write_text(
-        "import sys\ndef exits():\n    sys.exit(7)\ndef interrupted():\n    raise KeyboardInterrupt\n"
+        "import signal, sys\ndef exits():\n    sys.exit(7)\ndef raises_interrupt():\n    raise KeyboardInterrupt\n"
+        "def interrupted():\n    signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the CLI's handler, as a Ctrl-C runs it\n"
     )
     before = _listing(tmp_path)
     out = str(tmp_path / "o.pt")
@@ -487,6 +504,10 @@ def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_pat
     _one_line_error(res, "audit", 1, "the factory called sys.exit(7)")
     res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:interrupted")
     _one_line_error(res, "audit", 130, "interrupted by SIGINT")
+    # Regression: a KeyboardInterrupt the factory raised itself, no signal, was said as a Ctrl-C (exit 130).
+    res = _run("audit", str(src), "--fold-out", out, "--model", f"{tmp_path / 'factories.py'}:raises_interrupt")
+    _one_line_error(res, "audit", 1, "the factory raised KeyboardInterrupt")
+    assert "SIGINT" not in res.stderr
 
     import paramfold.fold
 
@@ -881,7 +902,9 @@ def test_a_negative_size_in_a_pt_checkpoint_is_corrupt(tmp_path):
     assert data.count(b"K\x04\x85") == 1  # the size (4,): BININT1 4, TUPLE1
     bad = _with_pickle(tmp_path / "good.pt", tmp_path / "neg.pt", data.replace(b"K\x04\x85", b"J\xfc\xff\xff\xff\x85"))
     res = _run("audit", str(bad))
-    _one_line_error(res, "audit", 1, "corrupt")
+    # Regression: "tensor 'w' [-4] float32 needs 16 bytes, its record ... holds 16": one plain sentence now.
+    _one_line_error(res, "audit", 1, "corrupt PyTorch checkpoint: tensor 'w' has a negative size (shape [-4])")
+    assert "needs" not in res.stderr
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -894,6 +917,21 @@ def test_a_summary_that_cannot_be_printed_does_not_deny_the_written_output(tmp_p
     assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
     assert f"{out} was written whole" in res.stderr and "nothing was written" not in res.stderr
     assert sorted(load_file(out)) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+def test_what_the_commands_say_counts_one_thing_in_the_singular_and_says_an_int(tmp_path):
+    # Regressions: "wrote o.pt: 1 tensors", "1 plain tensors", "the factory returned a int",
+    # "it holds a int".
+    torch.save({"w": torch.zeros(2)}, tmp_path / "one.pt")
+    res = _run("fold", str(tmp_path / "one.pt"), str(tmp_path / "o.pt"))
+    assert res.exit_code == 0 and res.stdout.startswith(f"wrote {tmp_path / 'o.pt'}: 1 tensor, 8 B; 0 parametrized sites")
+    res = _run("audit", str(tmp_path / "one.pt"))
+    assert res.exit_code == 0 and "; 1 plain tensor (8 B); " in " ".join(res.stdout.split())
+    (tmp_path / "factories.py").write_text("def number():\n    return 5\n")
+    res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / "o.pt"), "--model", f"{tmp_path / 'factories.py'}:number")
+    _one_line_error(res, "fold", 1, "the factory returned an int, not a torch.nn.Module")
+    torch.save(5, tmp_path / "int.pt")
+    _one_line_error(_run("audit", str(tmp_path / "int.pt")), "audit", 1, "(it holds an int)")
 
 
 def test_an_empty_input_path_is_a_usage_error_not_the_current_folder(tmp_path, monkeypatch):
@@ -1041,11 +1079,22 @@ def test_an_output_written_by_an_earlier_command_is_not_claimed_by_the_next(tmp_
     assert _run("fold", str(_wn_checkpoint(tmp_path)), str(out)).exit_code == 0
 
     def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the CLI's handler, as a Ctrl-C runs it
 
     monkeypatch.setattr("paramfold.audit.audit_checkpoint", interrupted)
     res = _run("audit", str(out))
     _one_line_error(res, "audit", 130, "interrupted by SIGINT; no output was written")
+
+
+def test_a_keyboard_interrupt_raised_by_code_without_a_signal_is_a_failure_not_a_ctrl_c(monkeypatch):
+    # Regression: any KeyboardInterrupt was said as "interrupted by SIGINT" with exit 130.
+    def raises(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_bench", raises)
+    res = _run("bench", "--layers", "2")
+    _one_line_error(res, "bench", 1, "KeyboardInterrupt: raised without a signal")
+    assert "SIGINT" not in res.stderr
 
 
 def test_an_output_name_over_the_length_limit_is_a_usage_error(tmp_path):
@@ -1053,6 +1102,13 @@ def test_an_output_name_over_the_length_limit_is_a_usage_error(tmp_path):
     # that cannot be used is exit 2.
     res = _run("fold", str(_wn_checkpoint(tmp_path)), str(tmp_path / ("x" * 300 + ".pt")))
     _one_line_error(res, "fold", 2, "cannot be used as an output path")
+
+
+@pytest.mark.parametrize("command", ["audit", "fold"])
+def test_an_input_name_over_the_length_limit_is_a_usage_error_as_an_output_name_is(tmp_path, command):
+    # Regression: exit 1 with the raw OSError ("File name too long"), where OUT's is exit 2.
+    res = _run(command, str(tmp_path / ("x" * 300 + ".pt")), *([str(tmp_path / "o.pt")] if command == "fold" else []))
+    _one_line_error(res, command, 2, "cannot be used as an input path: File name too long")
 
 
 # -- found by the 2026-12 CLI hunt, second round --------------------------------------------------
@@ -1073,7 +1129,7 @@ def _saved(path: Path, what: str, **kwargs) -> Path:
 
 @pytest.mark.parametrize("what, words", [
     ("tensor", ["(it holds a Tensor)"]), ("parameter", ["(it holds a Tensor)"]),
-    ("untyped", ["(it holds a UntypedStorage)"]), ("typed", ["(it holds a TypedStorage)"]),
+    ("untyped", ["(it holds an UntypedStorage)"]), ("typed", ["(it holds a TypedStorage)"]),
     ("mixed", ["'s': UntypedStorage"]),
 ])
 def test_a_pt_file_without_a_state_dict_names_the_public_type_it_holds(tmp_path, what, words):

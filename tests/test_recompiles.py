@@ -623,6 +623,8 @@ def test_cli_runs_a_folder_with_a_main_module_as_python_does(tmp_path):
 
 
 def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
+    fifo = tmp_path / "fifo.py"
+    os.mkfifo(fifo)
     for args, message in (
         (["python"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
         (["python", "-m"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
@@ -632,6 +634,8 @@ def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
                                        "(code for -c put in one) or -m MODULE"),
         (["python", "-u", "train.py"], "python's option -u is not supported here: give a script file "
                                        "(code for -c put in one) or -m MODULE"),
+        # Was "script not found: .../fifo.py".
+        (["python", str(fifo)], f"script is not a regular file (a FIFO, a device or a socket): {fifo}"),
     ):
         code, out, err = _cli(["recompiles", "--", *args])
         assert (code, out, err) == (2, "", f"paramfold recompiles: error: {message}\n"), args
@@ -684,6 +688,29 @@ def test_cli_strict_still_says_the_limit_hit_when_the_script_fails_and_keeps_its
     assert res.returncode == 5 and "RECOMPILE LIMIT HIT" in res.stdout
     assert res.stderr.startswith("paramfold recompiles: error: recompile limit hit: torch stopped compiling ")
     assert res.stderr.count("\n") == 1 and res.stderr.endswith("(the script itself exited with 5: its status is kept)\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_cli_a_script_that_ends_with_os_exit_is_said_not_mistaken_for_strict(tmp_path):
+    # Regression: os._exit(3) ended the process with no report and no word: exit 3, as --strict's.
+    script = tmp_path / "quits.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os
+        print("ran", flush=True)
+        child = os.fork()
+        if child == 0:
+            os._exit(0)  # a forked child's own: not said
+        os.waitpid(child, 0)
+        os._exit(3)
+        """))
+    command = [sys.executable, "-m", "paramfold.cli", "recompiles", "--strict", "--", "python", str(script)]
+    res = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=300)
+    assert res.returncode == 3 and res.stdout == "ran\n"
+    assert res.stderr.splitlines() == [
+        "paramfold recompiles: error: the script called os._exit(3), which ends the process at once: no report "
+        "was printed, and the exit status 3 is the script's own"
+    ]
 
 
 def test_recompiles_leaves_dynamos_limit_warning_to_torchs_handlers_unless_told_not_to(caplog):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from paramfold.errors import counted
+
 if TYPE_CHECKING:
     from rich.console import Console
 
@@ -59,10 +61,10 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
     else:
         folded_text = human_bytes(folded) + (f" + {unknown} unknown" if unknown else "")
     console.print(
-        f"{n} parametrized site{'' if n == 1 else 's'} ({kinds}); stored {human_bytes(stored)} -> folded "
-        f"{folded_text}; {report.plain_tensors} plain tensors ({human_bytes(report.plain_bytes)}); "
+        f"{counted(n, 'parametrized site')} ({kinds}); stored {human_bytes(stored)} -> folded "
+        f"{folded_text}; {counted(report.plain_tensors, 'plain tensor')} ({human_bytes(report.plain_bytes)}); "
         + (f"{refused} need --model to fold" if refused else "foldable from keys alone" + (
-            f" if the stored tensors settle the dim of {by_data} site{'' if by_data == 1 else 's'} "
+            f" if the stored tensors settle the dim of {counted(by_data, 'site')} "
             "(fold reads them and otherwise refuses: then pass --model)" if by_data else "")),
         highlight=False,
     )

@@ -68,6 +68,23 @@ def _range(name: str) -> str:
     return f"{low} to {high}"
 
 
+def _integer(value: Any) -> int:
+    """An integer option's value: digits, perhaps signed (its range is checked later); typer's
+    parsing (pydantic's) would also take ``1_0`` and ``5.0``, as ``int()`` takes ``1_0``."""
+    import re
+    import reprlib
+
+    if isinstance(value, int):  # the default
+        return value
+    text = str(value).strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError(f"{reprlib.repr(value)} is not an integer (digits only, e.g. 16)")
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() converts
+        raise ValueError(f"a number of {len(text)} digits is far too large") from None
+
+
 def _debug() -> bool:
     """``paramfold --debug ...`` or ``PARAMFOLD_DEBUG=1``: print the traceback of a failure too."""
     ctx = click.globals.get_current_context(silent=True)
@@ -108,9 +125,9 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
     from paramfold.errors import FoldError
     from paramfold.output import describe_os_error
-    from paramfold.signals import Interrupted
+    from paramfold.signals import Interrupted, from_signal
 
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt) and from_signal(exc):
         signame = exc.args[0] if isinstance(exc, Interrupted) else "SIGINT"
         code = exc.exit_code if isinstance(exc, Interrupted) else 130
         if _written:
@@ -134,6 +151,8 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, RuntimeError) and "alloc" in text.lower() and "memory" in text.lower():
         return 1, f"out of memory: {text}"
+    if isinstance(exc, KeyboardInterrupt):  # raised by code (from_signal): a failure like any other
+        text = f"raised without a signal{': ' + text if text else ''}"
     return 1, f"{type(exc).__name__}: {text} (unexpected; PARAMFOLD_DEBUG=1 shows the traceback)"
 
 
@@ -381,10 +400,10 @@ def bench(
         help="The parametrized model of the zoo to measure: seed, weight_norm, spectral_norm, weight_norm_hooks, spectral_norm_hooks (torch's deprecated hook-based norms) or orthogonal."
     ),
     layers: Optional[int] = typer.Option(
-        None, help=f"Number of layers, {_range('layers')} \\[default: 32 for seed, else 16]."
+        None, parser=_integer, help=f"Number of layers, {_range('layers')} \\[default: 32 for seed, else 16]."
     ),
     width: Optional[int] = typer.Option(
-        None, help=f"Layer width, {_range('width')} \\[default: 128 for seed and weight_norm, else 64]."
+        None, parser=_integer, help=f"Layer width, {_range('width')} \\[default: 128 for seed and weight_norm, else 64]."
     ),
     backend: Literal["eager", "aot_eager", "inductor"] = typer.Option(
         "eager", metavar="NAME", help="The torch.compile backend: eager, aot_eager or inductor."
@@ -403,10 +422,10 @@ def bench(
         help="A forward in training mode that records autograd, with no backward (freeze is skipped). Instead of --train.",
     ),
     repeats: int = typer.Option(
-        3, help=f"First compiled calls per variant, {_range('repeats')} (min and median reported)."
+        3, parser=_integer, help=f"First compiled calls per variant, {_range('repeats')} (min and median reported)."
     ),
     steady_rounds: int = typer.Option(
-        5, "--steady-rounds",
+        5, "--steady-rounds", parser=_integer,
         help=f"Interleaved rounds of 10 steady calls (or training steps) per variant, {_range('steady_rounds')} (min and median reported)."
     ),
     sweep_layers: Optional[str] = typer.Option(
@@ -414,7 +433,7 @@ def bench(
         help=f"Run once per layer count (e.g. 32,128,512; each {_range('layers')}): how the first call and the steady time grow with model size. Instead of --layers.",
     ),
     threads: int = typer.Option(
-        1, help=f"torch.set_num_threads for the run, {_range('threads')}; 0 leaves torch's setting."
+        1, parser=_integer, help=f"torch.set_num_threads for the run, {_range('threads')}; 0 leaves torch's setting."
     ),
     device: str = typer.Option("cpu", help="Where the model runs: cpu, cuda, cuda:1, ..."),
     variant: Optional[list[VariantName]] = typer.Option(  # type: ignore[valid-type]
@@ -668,7 +687,29 @@ def recompiles_command(
 
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.recompiles.script import run_script
-    raise typer.Exit(run_script(command, as_json=as_json, strict=strict))
+    with _os_exit_said("recompiles"):
+        code = run_script(command, as_json=as_json, strict=strict)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _os_exit_said(command: str) -> Iterator[None]:
+    """While active, ``os._exit(n)`` in this process (``recompiles``' script calling it) says one line
+    first: it ends the process at once, before the report, with a status that could be mistaken for
+    one of this command's own (``--strict``'s 3). A forked child's ``os._exit`` stays silent."""
+    real, pid = os._exit, os.getpid()
+
+    def said_exit(status: int) -> NoReturn:
+        if os.getpid() == pid and isinstance(status, int):
+            _say(command, f"the script called os._exit({status}), which ends the process at once: no report "
+                          f"was printed, and the exit status {status} is the script's own")
+        real(status)
+
+    os._exit = said_exit
+    try:
+        yield
+    finally:
+        os._exit = real
 
 
 def main(*, end_process: bool = False) -> None:

@@ -37,7 +37,7 @@ from torch import nn
 
 from paramfold import compile_leaves as leaves
 from paramfold.compute import inspected_by_dynamo
-from paramfold.errors import FoldError
+from paramfold.errors import FoldError, with_article
 from paramfold.state import STATE_ATTR, ModuleState
 
 #: The attribute dynamo reads of each module it takes into a trace (torch 2.13-2.15).
@@ -90,7 +90,7 @@ def read_by_this_compile(module: nn.Module, state: ModuleState) -> None:
         # holding paramfold.calls_lock() that calls a compiled model needing a compile).
         if not lock.acquire(timeout=max(0.0, start + LOCK_WAIT_S - time.monotonic())):
             raise RefusedWhileCompiling(
-                f"torch.compile is tracing a {type(module).__name__} of a prepared model, and another "
+                f"torch.compile is tracing {with_article(type(module).__name__)} of a prepared model, and another "
                 f"thread has held paramfold.calls_lock() for {LOCK_WAIT_S:g} s (a writer, or a call "
                 "that waits for this compile): call again once it is let go."
             )
@@ -102,7 +102,7 @@ def read_by_this_compile(module: nn.Module, state: ModuleState) -> None:
             lock.release()
         if time.monotonic() >= start + WAIT_S:
             raise RefusedWhileCompiling(
-                f"torch.compile is tracing a {type(module).__name__} of a prepared model on this thread "
+                f"torch.compile is tracing {with_article(type(module).__name__)} of a prepared model on this thread "
                 "while calls of that model from other threads hold their values in the module: the "
                 "compiled code would be traced on those values, and for "
                 f"{WAIT_S:g} s there was no moment without one (calls of other threads that share them "

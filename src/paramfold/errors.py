@@ -1,4 +1,5 @@
-"""The one exception type paramfold raises for everything it refuses to do."""
+"""The one exception type paramfold raises for everything it refuses to do, and the wording helpers
+of its messages."""
 
 from __future__ import annotations
 
@@ -16,3 +17,15 @@ def first_few(items: Sequence[str], limit: int) -> str:
     """``"a, b, c and 2 more"``: the first ``limit`` items of a message's list, then a count."""
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
+
+
+def counted(n: int, noun: str) -> str:
+    """``"1 tensor"``, ``"3 tensors"``: ``n`` and ``noun``, plural but for one."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def with_article(name: str) -> str:
+    """``"an int"``, ``"a Tensor"``, ``"a uint8"``: ``name`` (a type's, a dtype's) after its article,
+    as it is said: "an" before a vowel sound."""
+    sounds_like_you = name.lower().startswith(("uint", "uni", "use", "usu", "uti"))
+    return f"{'an' if name[:1].lower() in 'aeiou' and not sounds_like_you else 'a'} {name}"

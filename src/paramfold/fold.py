@@ -48,9 +48,10 @@ from paramfold.checkpoint import (
     write_checkpoint,
     write_state_dict,
 )
-from paramfold.errors import first_few
+from paramfold.errors import counted, first_few, with_article
 from paramfold.factory import load_factory
 from paramfold.output import OutputError, check_output
+from paramfold.signals import from_signal
 from paramfold.audit_render import human_bytes
 
 __all__ = ["FoldResult", "fold_checkpoint"]
@@ -71,8 +72,8 @@ class FoldResult:
         how = "materialised by the model" if self.via == "model" else "folded from the checkpoint"
         cast = "" if self.dtype is None else f" in {_dtype_name(self.dtype)}"
         return (
-            f"wrote {self.out}: {self.tensors} tensors, {human_bytes(self.nbytes)}; "
-            f"{self.sites} parametrized site{'' if self.sites == 1 else 's'} {how}{cast}"
+            f"wrote {self.out}: {counted(self.tensors, 'tensor')}, {human_bytes(self.nbytes)}; "
+            f"{counted(self.sites, 'parametrized site')} {how}{cast}"
         )
 
 
@@ -340,12 +341,14 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
     name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__qualname__", "model_factory")
     try:
         model = factory()
-    except Exception as e:
-        raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}: {e}") from None
+    except (Exception, KeyboardInterrupt) as e:
+        if isinstance(e, KeyboardInterrupt) and from_signal(e):
+            raise  # a Ctrl-C or another signal while it ran, not the factory's failure
+        raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}" + (f": {e}" if str(e) else "")) from None
     except SystemExit as e:
         raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
     if not isinstance(model, torch.nn.Module):
-        raise CheckpointError(f"--model {name}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
+        raise CheckpointError(f"--model {name}: the factory returned {with_article(type(model).__name__)}, not a torch.nn.Module")
     if dtype is not None:
         model.to(dtype)
     state = {k: ckpt.read(k) for k in ckpt.keys()}

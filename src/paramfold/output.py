@@ -69,15 +69,10 @@ def check_output(
     if not str(path).strip():  # Path("") is the current folder
         raise OutputError("no output path given (an empty string)")
     out = Path(path)
+    suffixes = None if suffixes is None else tuple(suffixes)
     if str(path).endswith(("/", os.sep)):  # Path() drops the slash: "out.pt/" would be written as a file
         raise OutputError(f"{path}: names a folder (it ends with a slash); give a file name" + (
-            f" ending in {_alternatives(tuple(suffixes))}" if suffixes is not None else ""))
-    if suffixes is not None:
-        suffixes = tuple(suffixes)
-        if not out.name.lower().endswith(suffixes):
-            raise OutputError(
-                f"{out}: unsupported output format '{out.suffix or out.name}': use {_alternatives(suffixes)}"
-            )
+            f" ending in {_alternatives(suffixes)}" if suffixes is not None else ""))
     dest = destination(out)
     parent = dest.parent if str(dest.parent) else Path(".")
     try:
@@ -96,6 +91,9 @@ def check_output(
             f"{where} is not a regular file (a FIFO, a device or a socket): refusing to replace it; "
             "give the name of a regular file"
         )
+    # After what the path is: a folder named "runs" or /dev/full is no unsupported format.
+    if suffixes is not None and not out.name.lower().endswith(suffixes):
+        raise OutputError(f"{out}: unsupported output format '{out.suffix or out.name}': use {_alternatives(suffixes)}")
     if not parent.is_dir():
         raise OutputError(f"{out}: the output folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -13,8 +13,8 @@ import contextlib
 import signal
 from collections.abc import Callable, Iterator
 
-__all__ = ["HANDLED_SIGNALS", "Interrupted", "on_signal_instead", "raise_if_interrupted", "signal_arrived",
-           "signals_deferred", "signals_raise"]
+__all__ = ["HANDLED_SIGNALS", "Interrupted", "from_signal", "on_signal_instead", "raise_if_interrupted",
+           "signal_arrived", "signals_deferred", "signals_raise"]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
 HANDLED_SIGNALS = tuple(
@@ -48,6 +48,8 @@ class _SignalState:
         self.instead: Callable[[int], None] | None = None
         #: How many :func:`signals_deferred` blocks are open: a signal is then recorded, not raised.
         self.deferred = 0
+        #: The handler :func:`signals_raise` installed (None while it is not active).
+        self.handler: Callable[[int, object], None] | None = None
 
 
 _signals = _SignalState()
@@ -89,8 +91,8 @@ def signals_raise() -> Iterator[None]:
         if not isinstance(getattr(info, "exc_value", None), Interrupted):
             given_hook(info)
 
-    saved = (_signals.arrived, _signals.instead, _signals.deferred)
-    _signals.arrived, _signals.instead, _signals.deferred = [], None, 0
+    saved = (_signals.arrived, _signals.instead, _signals.deferred, _signals.handler)
+    _signals.arrived, _signals.instead, _signals.deferred, _signals.handler = [], None, 0, handler
     sys.unraisablehook = unraisable
     old = {}
     for sig in HANDLED_SIGNALS:
@@ -108,7 +110,7 @@ def signals_raise() -> Iterator[None]:
         for sig, previous in old.items():
             signal.signal(sig, previous)
         sys.unraisablehook = given_hook
-        _signals.arrived, _signals.instead, _signals.deferred = saved
+        _signals.arrived, _signals.instead, _signals.deferred, _signals.handler = saved
 
 
 @contextlib.contextmanager
@@ -127,6 +129,18 @@ def signals_deferred() -> Iterator[None]:
 def signal_arrived() -> int | None:
     """The first handled signal that arrived while :func:`signals_raise` is active, if any."""
     return _signals.arrived[0] if _signals.arrived else None
+
+
+def from_signal(exc: KeyboardInterrupt) -> bool:
+    """Whether ``exc`` stands for a signal, rather than being raised by code (``raise
+    KeyboardInterrupt`` in a model factory or a script): an :class:`Interrupted`, or any
+    ``KeyboardInterrupt`` once a handled signal has arrived. Without either, it is told apart only
+    while :func:`signals_raise`'s handler (which records every SIGINT) or ``SIG_IGN`` is SIGINT's:
+    under another handler (Python's default, one user code installed) a Ctrl-C raises it unrecorded,
+    so it counts as a signal."""
+    if isinstance(exc, Interrupted) or _signals.arrived or _signals.handler is None:
+        return True
+    return signal.getsignal(signal.SIGINT) not in (_signals.handler, signal.SIG_IGN)
 
 
 def raise_if_interrupted() -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from paramfold import hooknorms
 from paramfold.compute import is_nested, leaf_originals, members
+from paramfold.errors import with_article
 from paramfold.frames import run_module_eagerly_as_frames
 
 STATE_ATTR = "_paramfold"
@@ -494,7 +495,7 @@ class ModuleState:
     def prepared_model_label(self) -> str:
         """`` (a <class of the model passed to prepare>)`` for a message, while that model lives; else ``""``."""
         root = self.prepared_model()
-        return "" if root is None else f" (a {type(root).__name__})"
+        return "" if root is None else f" ({with_article(type(root).__name__)})"
 
     def drop_caches(self) -> None:
         """Forget what was built from this entry's holders and sites (:data:`_CACHES`: its steady

@@ -70,6 +70,7 @@ from typing import IO, Any
 import torch
 from torch.storage import _dtype_to_storage_type_map
 
+from paramfold.errors import with_article
 from paramfold.checkpoint.common import (
     CheckpointError,
     Entry,
@@ -77,6 +78,7 @@ from paramfold.checkpoint.common import (
     contiguous_stride,
     element_size,
     first_line,
+    negative_part,
     raw_bytes,
 )
 
@@ -151,14 +153,16 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
             raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: the storage of '{k}' (record data/{t.storage.key}) is missing")
         if rec.compress_type != zipfile.ZIP_STORED:
             raise CheckpointError(f"{p}: record {rec.filename} is compressed; torch.save never compresses: re-save it")
+        negative = negative_part({"shape": t.shape, "stride": t.stride, "storage offset": (t.offset,)})
+        if negative:
+            raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: tensor '{k}' has {negative}")
         elem = element_size(t.dtype)
         storage_bytes = t.storage.numel * (elem if t.storage.typed else 1)
         if _numel_overflows(t.shape):  # torch.load refuses such a size, empty or not
             raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: tensor '{k}' has an impossible shape {reprlib.repr(list(t.shape))}")
         span = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
         needed = (t.offset + span) * elem if span else 0
-        if (storage_bytes != rec.file_size or needed > rec.file_size or t.offset < 0 or min(t.stride, default=0) < 0
-                or min(t.shape, default=0) < 0):
+        if storage_bytes != rec.file_size or needed > rec.file_size:
             raise CheckpointError(
                 f"{p}: corrupt PyTorch checkpoint: tensor '{k}' {list(t.shape)} {str(t.dtype)[6:]} needs "
                 f"{max(needed, storage_bytes)} bytes, its record {rec.filename} holds {rec.file_size}"
@@ -200,7 +204,7 @@ def _plain_only(sd: dict[str, torch.Tensor], p: Path) -> dict[str, torch.Tensor]
     for k, t in sd.items():
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise CheckpointError(
-                f"{p}: '{k}' is a {type(t).__name__} (a tensor subclass); paramfold reads plain tensors: "
+                f"{p}: '{k}' is {with_article(type(t).__name__)} (a tensor subclass); paramfold reads plain tensors: "
                 "save the model after torchao.utils.unwrap_tensor_subclass(model), or its plain state dict"
             )
     return sd
@@ -504,7 +508,7 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
                 return {}, name
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
-        where = f"it holds a {_type_name(obj)}"
+        where = f"it holds {with_article(_type_name(obj))}"
     raise CheckpointError(
         f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)

@@ -94,6 +94,21 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+#: How a negative number in each part of a stored tensor's description is said (:func:`negative_part`).
+_NEGATIVE_PARTS = {"shape": "size", "stride": "stride", "storage offset": "storage offset", "data_offsets": "data offset"}
+
+
+def negative_part(parts: dict[str, Any]) -> str | None:
+    """``"a negative size (shape [-4])"`` for the first of a stored tensor's ``parts`` (``shape``,
+    ``stride``, ``storage offset``, ``data_offsets``: lists of numbers) that holds a negative number,
+    which no writer makes (a corrupt file); ``None`` where none does."""
+    for name, said in _NEGATIVE_PARTS.items():
+        values = parts.get(name)
+        if isinstance(values, (list, tuple)) and any(isinstance(v, int) and v < 0 for v in values):
+            return f"a negative {said} ({name} {list(values)})"
+    return None
+
+
 def first_line(e: BaseException) -> str:
     """An exception's message cut to its first line (300 characters at most), for one-line errors."""
     text = str(e).strip() or type(e).__name__

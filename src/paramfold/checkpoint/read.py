@@ -29,7 +29,9 @@ from paramfold.checkpoint.common import (
     element_size,
     file_format,
     first_line,
+    negative_part,
 )
+from paramfold.errors import with_article
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -181,7 +183,7 @@ def _check_buffer(out: torch.Tensor, dtype: torch.dtype) -> None:
     if out.storage_offset() % elem:
         raise ValueError(
             f"out starts at byte {out.storage_offset()} of its storage, not a multiple of {elem} (the size of "
-            f"a {str(dtype).removeprefix('torch.')} element), so its bytes cannot be viewed as that dtype: "
+            f"{with_article(str(dtype).removeprefix('torch.'))} element), so its bytes cannot be viewed as that dtype: "
             "pass a buffer that starts where its storage does, e.g. torch.empty(n, dtype=torch.uint8)"
         )
 
@@ -205,9 +207,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if not str(path).strip():  # Path("") is the current folder, which would be read instead
         raise CheckpointError("no input path given (an empty string)", exit_code=2)
     p = Path(path)
-    if not p.exists():
-        what = "a symlink loop (too many levels of symbolic links)" if _symlink_loop(p) else "no such file or folder"
-        raise CheckpointError(f"{p}: {what}", exit_code=2)
+    _check_named(p)
     if p.is_dir():
         return _open_folder(p)
     if not p.is_file():  # a FIFO or a device would block or never end
@@ -228,6 +228,23 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         "or a folder holding one",
         exit_code=2,
     )
+
+
+#: Why a path names nothing, said as a usage error (exit 2) as for an output path; others (a folder
+#: on the way without permission) are the environment's, raised as they are.
+_UNNAMED = {errno.ENOENT: "no such file or folder", errno.ENOTDIR: "no such file or folder",
+            errno.ELOOP: "a symlink loop (too many levels of symbolic links)",
+            errno.ENAMETOOLONG: "cannot be used as an input path: File name too long"}
+
+
+def _check_named(p: Path) -> None:
+    """Refuse an input path that names nothing: missing, a loop of links, a name too long."""
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno not in _UNNAMED:
+            raise
+        raise CheckpointError(f"{p}: {_UNNAMED[e.errno]}", exit_code=2) from None
 
 
 def _symlink_loop(p: Path) -> bool:
@@ -392,12 +409,31 @@ def _safetensors_entries(p: Path) -> tuple[dict[str, Entry], dict[str, str]]:
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own SafetensorError, plus OSError / ValueError
-        raise CheckpointError(f"{p}: not a valid safetensors file ({first_line(e)})") from None
+        negative = _negative_in_header(p)  # safetensors: "invalid value: integer `-4`, expected usize"
+        raise CheckpointError(f"{p}: not a valid safetensors file: " + (negative or f"({first_line(e)})")) from None
     base = 8 + n
     # In the order the data lies in the file (safe_open lists keys sorted by name).
     order = sorted(infos, key=lambda k: (header[k]["data_offsets"][0], k))
     entries = {k: Entry(infos[k], p, base + header[k]["data_offsets"][0]) for k in order}
     return entries, metadata
+
+
+def _negative_in_header(p: Path) -> str | None:
+    """``"tensor 'w' has a negative size (shape [-4])"`` where the safetensors header of ``p``, which
+    safe_open refused, says so; ``None`` otherwise (it cannot be read, or holds no negative number)."""
+    try:
+        with open(p, "rb") as f:
+            (n,) = _unpack_u64(f.read(8))
+            if n > os.fstat(f.fileno()).st_size:
+                return None
+            header = json.loads(f.read(n))
+        for key, entry in header.items():
+            negative = negative_part(entry) if key != "__metadata__" and isinstance(entry, dict) else None
+            if negative:
+                return f"tensor '{key}' has {negative}"
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    return None
 
 
 def _unpack_u64(b: bytes) -> tuple[int]:

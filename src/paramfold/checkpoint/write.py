@@ -26,6 +26,7 @@ from paramfold.checkpoint.common import (
     file_format,
     raw_bytes,
 )
+from paramfold.errors import with_article
 from paramfold.output import OutputError, atomic_output, check_output
 
 __all__ = ["write_checkpoint", "write_state_dict"]
@@ -98,7 +99,7 @@ def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torc
     if fmt == "safetensors":
         k = subclassed[0]
         raise CheckpointError(
-            f"'{k}' is a {type(state_dict[k]).__name__} (a tensor subclass), which .safetensors cannot "
+            f"'{k}' is {with_article(type(state_dict[k]).__name__)} (a tensor subclass), which .safetensors cannot "
             "hold; write the folded checkpoint to a .pt file instead",
             exit_code=2,
         )
@@ -135,7 +136,7 @@ def _checked(
         if key != want:
             raise ValueError(f"write_checkpoint: got tensor '{key}' where '{want}' was announced")
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise CheckpointError(f"'{key}' is a {type(t).__name__}; only plain tensors can be streamed")
+            raise CheckpointError(f"'{key}' is {with_article(type(t).__name__)}; only plain tensors can be streamed")
         if TensorInfo.of(t) != specs[key]:
             raise ValueError(f"write_checkpoint: '{key}' is {TensorInfo.of(t)}, announced {specs[key]}")
         # A conjugate/negative view (lazy math bits) is written as its value, as torch.save would load back.

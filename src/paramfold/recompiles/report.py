@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from paramfold.errors import counted
 from paramfold.recompiles.classify import CATEGORIES, GuardFailure
 
 __all__ = ["CompileRecord", "RecompileReport", "short_path"]
@@ -158,7 +159,7 @@ class RecompileReport:
         recs_per = self.recompiles_per_function()
         for loc, graphs in self.graphs_per_function().items():
             table = Table(
-                title=f"{loc}: {graphs} graphs, {recs_per.get(loc, 0)} recompiles",
+                title=f"{loc}: {counted(graphs, 'graph')}, {counted(recs_per.get(loc, 0), 'recompile')}",
                 title_justify="left",
                 expand=False,
             )
@@ -186,13 +187,13 @@ class RecompileReport:
             )
         parts.append(summary)
         breaks = (
-            f"{self.graph_breaks} graph breaks" if self.graph_breaks is not None
+            counted(self.graph_breaks, "graph break") if self.graph_breaks is not None
             else "graph breaks and dynamic dims not reported by torch < 2.6"
         )
         parts.append(
             Text(
-                f"{self.graphs_total} graphs, {len(self.recompiles)} recompiles, {breaks} in "
-                f"{len(self.records)} compiles (torch {torch.__version__})"
+                f"{counted(self.graphs_total, 'graph')}, {counted(len(self.recompiles), 'recompile')}, {breaks} in "
+                f"{counted(len(self.records), 'compile')} (torch {torch.__version__})"
             )
         )
         shared = sorted({r.location for r in self.records if r.shared_code})

@@ -28,7 +28,7 @@ import types
 from paramfold.errors import FoldError
 from paramfold.terminal import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
-from paramfold.signals import Interrupted, signal_arrived
+from paramfold.signals import from_signal
 
 __all__ = ["ScriptError", "run_script"]
 
@@ -79,8 +79,10 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         if os.path.isdir(argv0):  # a folder with a __main__.py, as python runs it
             if not os.path.isfile(os.path.join(argv0, "__main__.py")):
                 raise ScriptError(f"can't find '__main__' module in {argv0!r}")
-        elif not os.path.isfile(argv0):
+        elif not os.path.exists(argv0):
             raise ScriptError(f"script not found: {argv0}")
+        elif not os.path.isfile(argv0):  # a FIFO or a device: read, it could block or never end
+            raise ScriptError(f"script is not a regular file (a FIFO, a device or a socket): {argv0}")
         if not os.access(argv0, os.R_OK):
             raise ScriptError(f"script not readable (permission denied): {argv0}")
 
@@ -104,7 +106,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
                     print(e.code, file=sys.stderr)
                     code = 1
             except KeyboardInterrupt as e:  # the report of what ran so far is still printed
-                if isinstance(e, Interrupted) or signal_arrived() is not None:
+                if from_signal(e):
                     interrupted = e
                 else:  # raised by the script itself, no signal: as python, its traceback and 130
                     _print_script_traceback(e)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramfold.errors import counted, with_article
+
 __all__ = ["BITWISE", "Tolerance", "compare", "compare_dicts", "compare_outputs", "compare_tree", "largest", "tensors_of"]
 
 
@@ -103,7 +105,7 @@ def _kind(value: Any) -> str:
         return "a tensor"
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
         return repr(value)
-    return f"a {type(value).__module__}.{type(value).__qualname__}"
+    return with_article(f"{type(value).__module__}.{type(value).__qualname__}")
 
 
 def compare_tree(
@@ -240,7 +242,7 @@ def compare(
     if _is_subclass(actual) or _is_subclass(expected):
         # e.g. torchao's Int8Tensor: compare its plain inner tensors and metadata instead.
         if type(actual) is not type(expected):
-            raise AssertionError(f"{what}: {mine} is a {type(actual).__name__}, {theirs} a {type(expected).__name__}")
+            raise AssertionError(f"{what}: {mine} is {with_article(type(actual).__name__)}, {theirs} {with_article(type(expected).__name__)}")
         names, meta = expected.__tensor_flatten__()
         if actual.__tensor_flatten__() != (names, meta):
             raise AssertionError(f"{what}: tensor subclass metadata differs")
@@ -257,7 +259,7 @@ def compare(
                                  f"{theirs} {'a' if expected.is_nested else 'no'} nested tensor")
         ours, stocks = actual.detach().unbind(), expected.detach().unbind()
         if len(ours) != len(stocks):
-            raise AssertionError(f"{what}: {mine} nests {len(ours)} tensors, {theirs} {len(stocks)}")
+            raise AssertionError(f"{what}: {mine} nests {counted(len(ours), 'tensor')}, {theirs} {len(stocks)}")
         for i, (a, e) in enumerate(zip(ours, stocks)):
             compare(f"{what}[{i}]", a, e, tol, sides)
         return
