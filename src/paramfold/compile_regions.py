@@ -38,7 +38,8 @@ def _keyed(tag: object, vt: object) -> tuple[type, bool] | None:
     return None if module is None else (type(module), _prepared(module))
 
 
-def _install() -> None:
+def install() -> None:
+    """Wrap dynamo's reuse check (once per process; nothing where this torch has none)."""
     global _MODULE_TAG
     try:
         from torch._dynamo.variables import invoke_subgraph as regions
@@ -70,5 +71,3 @@ def _install() -> None:
     regions.build_reuse_condition = build_reuse_condition
     regions.is_reusable = is_reusable
 
-
-_install()

@@ -68,7 +68,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
-from paramfold import compile_regions  # noqa: F401  (nested compile regions keep a prepared module's class)
+from paramfold import compile_regions
 from paramfold import compile_reads as reads
 from paramfold import hooknorm_regions as hook_regions
 from paramfold import hooknorms, site_values, unread
@@ -90,6 +90,8 @@ from paramfold.state import functorch_wrapped as _functorch_wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.watch import tag
+
+compile_regions.install()  # a nested compile region is reused for a prepared module of the same class only
 
 _Module = nn.Module
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
