@@ -85,20 +85,26 @@ def _steps(kinds: list[str], mode: str | None, compiled: bool, backend: str = "a
     return outs, model.state_dict()
 
 
-@pytest.mark.parametrize("kinds", ["wn,wn,hsn", "custom,custom,hsn", "orth,custom,hsn"])
+@pytest.mark.parametrize("kinds", ["wn,wn,hsn", "custom,custom,hsn", "orth,custom,hsn", "wn,hsn,hsn"])
 @pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
 def test_a_training_hook_based_spectral_norm_in_a_nested_compile_region_steps_like_stock(mode, kinds):
     # Before: hoist and auto stamped the region traced for the layer before out for the
     # spectral_norm layer, whose weight_u/weight_v then stayed as they were at every step
     # (outputs 0.009 off at the second step, weight_u 0.38 off after the third).
+    # With two spectral_norm layers, stock's own compiled steps are off from its eager ones
+    # (torch stamps the region out without its buffer updates): hoist and auto step like stock
+    # eager there, inline, which compiles stock's code, like stock compiled.
     kinds = kinds.split(",")
     eager_outs, eager_state = _steps(kinds, None, compiled=False)
     stock_outs, stock_state = _steps(kinds, None, compiled=True)
     outs, state = _steps(kinds, mode, compiled=True)
-    for name in eager_state:  # stock compiled is stock eager here, bit for bit
-        assert torch.equal(stock_state[name], eager_state[name]), name
-        assert torch.equal(state[name], stock_state[name]), name
-    for got, want in zip(outs, stock_outs):
+    stock_is_eager = kinds.count("hsn") == 1
+    want_outs, want_state = (stock_outs, stock_state) if mode == "inline" else (eager_outs, eager_state)
+    stock_as_eager = [torch.equal(stock_state[name], eager_state[name]) for name in eager_state]
+    assert all(stock_as_eager) if stock_is_eager else not any(stock_as_eager)
+    for name in eager_state:
+        assert torch.equal(state[name], want_state[name]), name
+    for got, want in zip(outs, want_outs):
         assert torch.equal(got, want)
 
 
