@@ -51,7 +51,7 @@ from paramfold.freeze import chain_needs_grad
 from paramfold.hooknorms import shadowed
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
-from paramfold.state import STATE_ATTR, SiteState, orphaned_copy, tensor_label
+from paramfold.state import STATE_ATTR, SiteState, installed_keys, orphaned_copy, tensor_label
 from paramfold.scope import compiled_call_impl, root_call
 from paramfold.scope_midcall import (assigned, copied_between_calls, copied_hook_values,
                                      hook_value_replaced, not_copied, state_read)
@@ -240,6 +240,27 @@ def _evict(cls: type) -> None:
                 del _classes[key]
 
 
+def _dir_as_stock(base: type) -> Callable:
+    """``dir(module)`` without what paramfold wrote into the module's ``__dict__`` (its state, values
+    between and during calls, read-once hooks, detached parameters): ``nn.Module.__dir__`` lists
+    the instance dict's keys beside the class's names, so a value kept there beside its
+    descriptor made a site's name appear twice, and code that reads every name ``dir`` gives
+    (``torch.jit.trace``'s ``module_has_exports``: ``hasattr``, then ``getattr``) read a training
+    spectral_norm twice more than stock, each read a power iteration."""
+
+    def __dir__(self: nn.Module) -> list[str]:
+        names = base.__dir__(self)
+        state = self.__dict__.get(STATE_ATTR)
+        if state is not None:
+            own = self.__dict__
+            for key in (STATE_ATTR, *installed_keys(self, state)):
+                if key in own and key in names:
+                    names.remove(key)  # the instance dict's entry; the class's name stays
+        return names
+
+    return __dir__
+
+
 def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[str, property],
                 hooked: frozenset[str] = frozenset()) -> type:
     namespace: dict[str, object] = {
@@ -271,6 +292,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         namespace["register_parameter"] = _registering(base.register_parameter, names)
         namespace["register_buffer"] = _registering(base.register_buffer, names)
     namespace["__deepcopy__"] = _deepcopy_with(getattr(base, "__deepcopy__", _default_deepcopy))
+    namespace["__dir__"] = _dir_as_stock(base)
     if is_root:
         namespace["__call__"] = root_call
         taken.append("__call__")
