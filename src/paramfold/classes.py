@@ -240,13 +240,14 @@ def _evict(cls: type) -> None:
                 del _classes[key]
 
 
-def _dir_as_stock(base: type) -> Callable:
+def _dir_as_stock(base: type, served: frozenset[str]) -> Callable:
     """``dir(module)`` without what paramfold wrote into the module's ``__dict__`` (its state, values
     between and during calls, read-once hooks, detached parameters): ``nn.Module.__dir__`` lists
     the instance dict's keys beside the class's names, so a value kept there beside its
     descriptor made a site's name appear twice, and code that reads every name ``dir`` gives
     (``torch.jit.trace``'s ``module_has_exports``: ``hasattr``, then ``getattr``) read a training
-    spectral_norm twice more than stock, each read a power iteration."""
+    spectral_norm twice more than stock, each read a power iteration. A hook-based norm's tensor
+    (``served``) is in the instance dict as in stock, and a name of paramfold's class besides."""
 
     def __dir__(self: nn.Module) -> list[str]:
         names = base.__dir__(self)
@@ -256,6 +257,9 @@ def _dir_as_stock(base: type) -> Callable:
             for key in (STATE_ATTR, *installed_keys(self, state)):
                 if key in own and key in names:
                     names.remove(key)  # the instance dict's entry; the class's name stays
+            for key in served:
+                if names.count(key) > 1:
+                    names.remove(key)
         return names
 
     return __dir__
@@ -292,7 +296,7 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         namespace["register_parameter"] = _registering(base.register_parameter, names)
         namespace["register_buffer"] = _registering(base.register_buffer, names)
     namespace["__deepcopy__"] = _deepcopy_with(getattr(base, "__deepcopy__", _default_deepcopy))
-    namespace["__dir__"] = _dir_as_stock(base)
+    namespace["__dir__"] = _dir_as_stock(base, served)
     if is_root:
         namespace["__call__"] = root_call
         taken.append("__call__")
