@@ -247,7 +247,7 @@ class PreparedMatchesStock(RuleBasedStateMachine):
             paramfold.restore(self.model)
 
 
-def _machine_for(mode: str, build=twin, examples: int = 60) -> type[PreparedMatchesStock]:
+def _machine_for(mode: str, build=twin, examples: int = 45) -> type[PreparedMatchesStock]:
     name = f"{mode.capitalize()}{'HookNorms' if build is hook_twin else ''}MatchesStock"
     machine = type(name, (PreparedMatchesStock,), {"MODE": mode, "BUILD": staticmethod(build)})
     machine.TestCase.settings = settings(max_examples=examples, stateful_step_count=25)
