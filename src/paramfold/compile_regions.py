@@ -26,21 +26,12 @@ from torch import nn
 
 from paramfold.state import STATE_ATTR
 
-_MODULE_TAG = None
-
-
 def _prepared(module: object) -> bool:
     return isinstance(module, nn.Module) and STATE_ATTR in module.__dict__
 
 
-def _keyed(tag: object, vt: object) -> tuple[type, bool] | None:
-    module = getattr(vt, "value", None) if tag is _MODULE_TAG else None
-    return None if module is None else (type(module), _prepared(module))
-
-
 def install() -> None:
     """Wrap dynamo's reuse check (once per process; nothing where this torch has none)."""
-    global _MODULE_TAG
     try:
         from torch._dynamo.variables import invoke_subgraph as regions
     except ImportError:  # a torch without nested compile regions' reuse
@@ -49,20 +40,23 @@ def install() -> None:
     tag = getattr(getattr(regions, "InputTag", None), "MODULE", None)
     if build is None or reusable is None or tag is None or getattr(build, "_paramfold", False):
         return
-    _MODULE_TAG = tag
+
+    def keyed(input_tag: object, vt: object) -> tuple[type, bool] | None:
+        module = getattr(vt, "value", None) if input_tag is tag else None
+        return None if module is None else (type(module), _prepared(module))
 
     def build_reuse_condition(tx: Any, fingerprint: Any, *args: Any, **kwargs: Any) -> Any:
         condition = build(tx, fingerprint, *args, **kwargs)
         if condition is not None:
             # The modules' classes beside torch's checks, which read nothing for a module.
-            condition._paramfold_modules = [_keyed(t, vt) for t, vt in fingerprint.flat_vts]
+            condition._paramfold_modules = [keyed(t, vt) for t, vt in fingerprint.flat_vts]
         return condition
 
     def is_reusable(tx: Any, condition: Any, fingerprint: Any, *args: Any, **kwargs: Any) -> bool:
         then = getattr(condition, "_paramfold_modules", None)
         if then is not None and len(then) == len(fingerprint.flat_vts):
             for was, (t, vt) in zip(then, fingerprint.flat_vts):
-                now = _keyed(t, vt)
+                now = keyed(t, vt)
                 if was is not None and now is not None and (was[1] or now[1]) and was[0] is not now[0]:
                     return False
         return reusable(tx, condition, fingerprint, *args, **kwargs)
