@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -403,9 +404,7 @@ def _safetensors_entries(p: Path) -> tuple[dict[str, Entry], dict[str, str]]:
             for k in f.keys():
                 sl = f.get_slice(k)
                 infos[k] = TensorInfo(tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), p))
-        with open(p, "rb") as f:
-            (n,) = _unpack_u64(f.read(8))
-            header = json.loads(f.read(n))
+        n, header = _raw_header(p)
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own SafetensorError, plus OSError / ValueError
@@ -422,11 +421,7 @@ def _negative_in_header(p: Path) -> str | None:
     """``"tensor 'w' has a negative size (shape [-4])"`` where the safetensors header of ``p``, which
     safe_open refused, says so; ``None`` otherwise (it cannot be read, or holds no negative number)."""
     try:
-        with open(p, "rb") as f:
-            (n,) = _unpack_u64(f.read(8))
-            if n > os.fstat(f.fileno()).st_size:
-                return None
-            header = json.loads(f.read(n))
+        _, header = _raw_header(p)
         for key, entry in header.items():
             negative = negative_part(entry) if key != "__metadata__" and isinstance(entry, dict) else None
             if negative:
@@ -434,6 +429,16 @@ def _negative_in_header(p: Path) -> str | None:
     except (OSError, ValueError, AttributeError, RecursionError):
         pass
     return None
+
+
+def _raw_header(p: Path) -> tuple[int, Any]:
+    """A safetensors file's header length and its JSON, as stored (``ValueError`` where the length
+    is past the file's end)."""
+    with open(p, "rb") as f:
+        (n,) = _unpack_u64(f.read(8))
+        if n > os.fstat(f.fileno()).st_size:
+            raise ValueError(f"a header of {n} bytes is longer than the file")
+        return n, json.loads(f.read(n))
 
 
 def _unpack_u64(b: bytes) -> tuple[int]:
