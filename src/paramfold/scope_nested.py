@@ -364,7 +364,7 @@ def changed(entry: nn.Module) -> list[tuple[nn.Module, str, bool, tuple | None]]
         # changed inside the forward (``D.eval()``, ``requires_grad_(False)`` around a call of
         # ``D``): stock's reads compute under the new ones.
         settings_moved = not swapped and snap is not None and not _same_settings_of(holder, site, snap)
-        if (settings_moved and site.stateful and type(holder) is not holder.__dict__[STATE_ATTR].read_once_class
+        if (settings_moved and site.stateful and not _read_once(holder, site)
                 and (site.stateful_in_eval or any(m.training for m in _moded(holder, site)))):
             # A value computed once would run its state updates once (or not at all) for reads
             # that each run them in stock: computed at each read from now on. (Still in eval,
@@ -458,7 +458,7 @@ def call_changed(
                     _uncache(holder, name, site, holder.__dict__.pop(name, None))
                     hs.drop_kept(name)  # not to be served by the next call either without a check
                     continue
-                read_once = site.stateful and type(holder) is hs.read_once_class  # training
+                read_once = _read_once(holder, site)  # training
                 if read_once and site.hook is not None:
                     # The module's calls from now on run its hook, as stock's every call does,
                     # from the state before the call's unread computation (paramfold.unread).
@@ -548,12 +548,18 @@ def commit(entry: nn.Module) -> bool:
     return differs
 
 
+def _read_once(holder: nn.Module, site: SiteState) -> bool:
+    """Whether ``site``'s value is served through the read-once class now (a stateful chain
+    training: ``classes.read_once_class``)."""
+    return site.stateful and type(holder) is holder.__dict__[STATE_ATTR].read_once_class
+
+
 def _block_differs(holder: nn.Module, name: str, site: SiteState) -> bool:
     """Whether the open block's value of ``holder.<name>`` is not the one the module holds. A
     training stateful chain's (read once) is not served through the module: its first read takes
     the module's value, and its read-once descriptor returns the block's instead
     (``classes._ReadOnce``), once, where putting the module's back would serve it again."""
-    if site.stateful and type(holder) is holder.__dict__[STATE_ATTR].read_once_class:
+    if _read_once(holder, site):
         return False
     return parametrize._cache[(id(holder), name)] is not holder.__dict__[name]
 
