@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import math
@@ -105,6 +106,44 @@ def test_every_integer_setting_has_a_range_that_allows_the_documented_runs():
             parse_layer_counts(text)
     with pytest.raises(ValueError, match="separated by commas"):
         parse_layer_counts("2,\u00b2")  # a digit to isdigit(), not to int()
+
+
+def test_a_bench_keeps_the_heap_it_started_with_out_of_its_collections_and_thaws_it_after():
+    from paramfold.bench.measure import heap_frozen
+
+    assert gc.get_freeze_count() == 0
+    seen = []
+    variant = Variant("probe", lambda m: (seen.append(gc.get_freeze_count()), m)[1])
+    stock = [v for v in bench.default_variants() if v.name in ("baseline", "stock")]
+    run_bench(BenchConfig(layers=1, repeats=1, steady_calls=1, steady_rounds=1, warmup_round=False),
+              variants=[*stock, variant])
+    # frozen while the probe variant was prepared (a first call and the steady phase's), thawed after
+    assert len(seen) == 2 and all(n > 1000 for n in seen)
+    assert gc.get_freeze_count() == 0
+
+    def frozen(obj) -> bool:  # tracked by the GC, and in none of its collected generations
+        return gc.is_tracked(obj) and not any(o is obj for o in gc.get_objects())
+
+    before = []
+    with heap_frozen() as settle:
+        assert frozen(before)
+        made = []
+        assert not frozen(made)
+        settle()
+        assert frozen(made)
+    assert gc.get_freeze_count() == 0 and not frozen(before) and not frozen(made)
+
+    # a caller's own frozen objects are neither thawed nor added to
+    mine = []
+    gc.freeze()
+    try:
+        with heap_frozen() as settle:
+            made = []
+            settle()
+            assert not frozen(made)
+        assert frozen(mine)
+    finally:
+        gc.unfreeze()
 
 
 def test_run_bench_eval_structure_proxies_and_outputs():

@@ -28,6 +28,7 @@ from paramfold.bench.measure import (
     compiled_for_steady,
     environment,
     first_call,
+    heap_frozen,
     fresh_compile_state,
     max_abs_diff,
     metrics_limit,
@@ -116,11 +117,11 @@ def run_bench(
             on_progress(done, total, label)
         done += 1
 
-    with metrics_limit(100_000), num_threads(config.threads):
+    with heap_frozen() as settle, metrics_limit(100_000), num_threads(config.threads):
         if first_calls:
-            _first_calls(active, config, x, results, progress)
+            _first_calls(active, config, x, results, progress, settle)
         if steady:
-            _steady_rounds(active, config, x, results, progress)
+            _steady_rounds(active, config, x, results, progress, settle)
         env = environment(config.device)
     torch._dynamo.reset()
     if on_progress is not None:
@@ -129,7 +130,8 @@ def run_bench(
 
 
 def _first_calls(active: list[Variant], config: BenchConfig, x: torch.Tensor,
-                 results: dict[str, VariantResult], progress: Callable[[str], None]) -> None:
+                 results: dict[str, VariantResult], progress: Callable[[str], None],
+                 settle: Callable[[], None]) -> None:
     if config.warmup_round:
         # Pays the process's one-time costs (imports, dynamo's per-code-object caches, the
         # first tokenizing of each source file for FX stack traces) outside the samples, for
@@ -138,6 +140,7 @@ def _first_calls(active: list[Variant], config: BenchConfig, x: torch.Tensor,
             progress(f"warm-up (discarded): {v.name}")
             with contextlib.suppress(Exception):  # a failing variant is recorded below
                 first_call(v, config, x, -1)
+        settle()
     for repeat in range(config.repeats):
         shift = repeat % len(active)
         outputs: dict[str, torch.Tensor] = {}
@@ -159,7 +162,8 @@ def _first_calls(active: list[Variant], config: BenchConfig, x: torch.Tensor,
 
 
 def _steady_rounds(active: list[Variant], config: BenchConfig, x: torch.Tensor,
-                   results: dict[str, VariantResult], progress: Callable[[str], None]) -> None:
+                   results: dict[str, VariantResult], progress: Callable[[str], None],
+                   settle: Callable[[], None]) -> None:
     with fresh_compile_state(config.cold_caches):
         ready: dict[str, Compiled] = {}
         for v in active:
@@ -174,6 +178,7 @@ def _steady_rounds(active: list[Variant], config: BenchConfig, x: torch.Tensor,
         for name, compiled in ready.items():
             if stock is not None:
                 results[name].steady_max_abs_diff = max_abs_diff(compiled.first_out, stock.first_out)
+        settle()
         names = list(ready)
         for r in range(config.steady_rounds):
             progress(f"steady: round {r + 1}/{config.steady_rounds}")
