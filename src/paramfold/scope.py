@@ -595,7 +595,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     hs.hooks_out = hooknorms.detach(holder, hook_keys) if hook_keys else ()
     # What the read-once class's forward runs: none where each value is computed at every read
     # (its hook in), so also no stand-in left from an earlier call.
-    runs_onces = type(holder) is hs.read_once_class and "forward" in vars(hs.read_once_class)
+    runs_onces = hs.reads_once(holder) and "forward" in vars(hs.read_once_class)
     if (onces or runs_onces or ONCE_ATTR in values) and values.get(ONCE_ATTR) != tuple(onces):
         values[ONCE_ATTR] = tuple(onces)
     hs.left = tuple(left)
@@ -822,7 +822,7 @@ def _unclaimed(holder: nn.Module, hs: ModuleState) -> None:
     for name in hs.installed:
         values.pop(name, None)
     hs.installed = hs.replaced = ()
-    if hs.read_once_class is not None and type(holder) is hs.read_once_class:
+    if hs.reads_once(holder):
         object.__setattr__(holder, "__class__", hs.prepared_class)
     if type(holder) is hs.prepared_class and hs.between_class is not None:
         object.__setattr__(holder, "__class__", hs.between_class)

@@ -66,7 +66,7 @@ def copied_hook_values(module: nn.Module) -> list[tuple[object, object]]:
         if value is last or value is _MISSING or last is _MISSING:
             continue
         once = hs.sites[name].once_hook
-        if once is not None and once in values.get(ONCE_ATTR, ()) and type(module) is hs.read_once_class:
+        if once is not None and once in values.get(ONCE_ATTR, ()) and hs.reads_once(module):
             if not once.served:  # (served: the module was called, and its value is stock's)
                 substitutes.append((value, last))
         elif (_copyable(last) and not _copyable(value)) or not _same_numbers(value, last):
@@ -171,14 +171,13 @@ def hook_value_replaced(holder: nn.Module, name: str) -> None:
     site = hs.sites.get(name) if hs is not None else None
     if site is None or site.hook is None:
         return
-    once = site.once_hook
-    if once is not None and once.served and type(holder) is hs.read_once_class:
+    if hs.served_once(holder, site):
         return  # its stand-in runs the hook at each later call of the module
     if nested.hook_in(hs, site):
         return  # it runs at the module's next call
     with calls_lock():
         unread.drop(holder, name, site)
-        if not (once is not None and type(holder) is hs.read_once_class):
+        if not (site.once_hook is not None and hs.reads_once(holder)):
             nested.hooks_back(holder, hs, [site.hook_key])
 
 
@@ -231,7 +230,7 @@ def _graphs_freed(claims: tuple) -> None:
                 if site.hook is None:
                     if name in hs.installed:
                         del values[name]
-                elif not (site.once_hook is not None and type(holder) is hs.read_once_class):
+                elif not (site.once_hook is not None and hs.reads_once(holder)):
                     hooks.append(site.hook_key)
             nested.hooks_back(holder, hs, hooks)
 

@@ -551,7 +551,7 @@ def commit(entry: nn.Module) -> bool:
 def _read_once(holder: nn.Module, site: SiteState) -> bool:
     """Whether ``site``'s value is served through the read-once class now (a stateful chain
     training: ``classes.read_once_class``)."""
-    return site.stateful and type(holder) is holder.__dict__[STATE_ATTR].read_once_class
+    return site.stateful and holder.__dict__[STATE_ATTR].reads_once(holder)
 
 
 def _block_differs(holder: nn.Module, name: str, site: SiteState) -> bool:
@@ -612,8 +612,7 @@ def _valued(entry: nn.Module, missing: list | None = None):
             # puts stock's own value in __dict__), and a hook-based spectral_norm training whose
             # value served the module's first call (its later calls run the hook), and a hook-based
             # norm whose hook the call put back in (scope_midcall: its module's later calls run it)
-            served = ((site.once_hook is not None and site.once_hook.served and type(holder) is hs.read_once_class)
-                      or hook_in(hs, site))
+            served = hs.served_once(holder, site) or hook_in(hs, site)
             if site.mode != "inline" and not site.at_read and not served:
                 if name in values:
                     yield holder, name, site

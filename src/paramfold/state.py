@@ -488,6 +488,17 @@ class ModuleState:
         self.kept = tuple(n for n in self.kept if n != name)
         return True
 
+    def reads_once(self, holder: nn.Module) -> bool:
+        """Whether ``holder``, this state's module, has its :attr:`read_once_class` now (inside a
+        call scope while a stateful chain of it trains)."""
+        return type(holder) is self.read_once_class
+
+    def served_once(self, holder: nn.Module, site: SiteState) -> bool:
+        """Whether ``site``'s hook-based norm served ``holder``'s first call in this scope through
+        the read-once class, whose stand-in runs the hook at each later call of the module."""
+        once = site.once_hook
+        return once is not None and once.served and type(holder) is self.read_once_class
+
     def prepared_model(self) -> nn.Module | None:
         """The model passed to ``prepare``, while it lives."""
         return self.prepared_root() if self.prepared_root is not None else None
