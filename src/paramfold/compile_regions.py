@@ -26,6 +26,7 @@ from torch import nn
 
 from paramfold.state import STATE_ATTR
 
+
 def _prepared(module: object) -> bool:
     return isinstance(module, nn.Module) and STATE_ATTR in module.__dict__
 
