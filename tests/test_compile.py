@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import sys
+import threading
 import time
 import warnings
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from helpers import build, grads, seed_model
+from helpers import build, grads, seed_model, small_net
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 from torch.func import functional_call, jacfwd, jvp
@@ -839,3 +841,56 @@ def test_a_training_spectral_norm_under_inductor_gets_eagers_gradient_from_hoist
         # inductor may reorder the graph's own arithmetic (linear, square, sum): float32 rounding
         torch.testing.assert_close(grads(ours)[name], expected, rtol=1e-5, atol=1e-5)
     _assert_same_tensors(dict(ours.named_buffers()), dict(stock.named_buffers()))
+
+
+#: What dynamo reads of a module with ``inspect.getattr_static`` as it takes it into a trace
+#: (torch 2.15: ``VariableBuilder.wrap_module``, ``mutation_guard.is_dynamic_nn_module``).
+_STATIC_READS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params", "torchdynamo_force_dynamic")
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "hook_spectral_norm"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto", "freeze"])
+def test_a_prepared_module_answers_dynamos_static_reads_as_stocks_between_and_inside_calls(mode, kind):
+    # Regression: every prepared class held a descriptor under _is_fsdp_managed_module (its hook
+    # for "dynamo takes this module into a trace"). torch 2.15 reads that with getattr_static,
+    # found the descriptor itself (truthy) and graph-broke at each prepared module as one FSDP
+    # manages with use_orig_params=False: no prepared model compiled at all on torch 2.15.
+    stock, ours = small_net(kind), small_net(kind)
+    if mode == "freeze":
+        stock.eval().requires_grad_(False)
+        ours.eval().requires_grad_(False)
+    paramfold.prepare(ours, mode)
+    seen = {}
+
+    def record(tag):
+        for (name, s), o in zip(stock.named_modules(), ours.modules()):
+            for attr in _STATIC_READS:
+                seen[(tag, name, attr)] = (bool(inspect.getattr_static(s, attr, False)),
+                                           bool(inspect.getattr_static(o, attr, False)))
+
+    record("between")
+    ours[0].register_forward_hook(lambda *_: record("inside"))
+    with torch.set_grad_enabled(mode != "freeze"):
+        ours(torch.randn(2, 4))
+    assert {k for k in seen if k[0] == "inside"}
+    assert {k: v for k, v in seen.items() if v[0] != v[1]} == {}
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_a_compile_marks_each_prepared_module_it_takes_into_a_trace_and_drops_the_marks_after(mode):
+    from paramfold import compile_reads
+    from paramfold.state import STATE_ATTR
+
+    model = paramfold.prepare(build("spectral_norm"), mode)
+    marked = []
+
+    def backend(gm, example_inputs):  # run by dynamo for real, once it has traced the frame
+        marked.append(dict(compile_reads.MARKED))
+        return gm.forward
+
+    torch.compile(lambda m, x: m(x) * 2, backend=backend)(model, torch.randn(2, 32))
+    assert len(marked) == 1
+    prepared = {id(m) for m in model.modules() if STATE_ATTR in m.__dict__}
+    assert prepared and prepared <= set(marked[0]) and set(marked[0].values()) == {threading.get_ident()}
+    model(torch.randn(2, 32))  # a call after the compile ended drops this thread's marks
+    assert not compile_reads.MARKED

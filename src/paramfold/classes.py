@@ -42,7 +42,7 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import scope_nested as nested
-from paramfold.compile_reads import ATTRIBUTE, ReadByCompile, RefusedWhileCompiling
+from paramfold.compile_reads import RefusedWhileCompiling
 from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
                                has_parametrizations, inspected_by_dynamo, parametrized_here)
 from paramfold.errors import FoldError
@@ -274,8 +274,6 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
         "_paramfold_base": base,
         "_compiled_call_impl": compiled_call_impl,
     }
-    if not any(ATTRIBUTE in vars(c) for c in base.__mro__):
-        namespace[ATTRIBUTE] = ReadByCompile()
     served = frozenset(n for n in hooked if not any(n in vars(c) for c in base.__mro__))  # (not over the class's own)
     namespace.update((name, LastCallValue(name)) for name in served)
     for name in names:

@@ -7,9 +7,9 @@ that model open, would trace the values another thread's open call put there: no
 reaches the originals, another call's autocast is baked in, or, where that call ends meanwhile,
 dynamo fails with its own "Guard failed on the same frame it was created".
 
-Dynamo reads ``_is_fsdp_managed_module`` of every module it takes into a trace, for real
-(``VariableBuilder.wrap_module``); every prepared class answers it through :class:`ReadByCompile`,
-which marks the module as read by this thread's compile, under the scope lock:
+Dynamo takes each module into a trace through ``VariableBuilder.wrap_module``, which
+:func:`install` wraps: a prepared module is marked as read by this thread's compile, under the
+scope lock, before dynamo reads anything of it:
 
 * a call of another thread that would claim a marked module while the compile runs (dynamo
   holds its ``compile_lock`` through each frame's compile) installs nothing: it runs with no
@@ -36,12 +36,9 @@ import torch
 from torch import nn
 
 from paramfold import compile_leaves as leaves
-from paramfold.compute import inspected_by_dynamo
 from paramfold.errors import FoldError, with_article
 from paramfold.state import STATE_ATTR, ModuleState
 
-#: The attribute dynamo reads of each module it takes into a trace (torch 2.13-2.15).
-ATTRIBUTE = "_is_fsdp_managed_module"
 #: How long a compile waits for another thread's open call of a module it reads to end, and a
 #: call for another thread's call that runs with no scope on its modules.
 WAIT_S = 2.0
@@ -60,20 +57,29 @@ class RefusedWhileCompiling(FoldError, AssertionError):
     ``InternalTorchDynamoError`` that keeps only its message."""
 
 
-class ReadByCompile:
-    """Class attribute ``_is_fsdp_managed_module`` of every prepared class: ``False``, as
-    ``getattr(module, "_is_fsdp_managed_module", False)`` finds on a module of stock's (FSDP
-    sets it on its modules' instances, where it takes precedence), and, read by dynamo as it
-    takes the module into a trace, :func:`read_by_this_compile`."""
+def install() -> None:
+    """Wrap dynamo's ``VariableBuilder.wrap_module`` (once per process) so that a prepared module
+    taken into a trace is :func:`read_by_this_compile` first.
 
-    def __get__(self, module: nn.Module | None, owner: type | None = None):
-        if module is None:
-            return self
-        if inspected_by_dynamo():
-            state = module.__dict__.get(STATE_ATTR)
-            if state is not None:
-                read_by_this_compile(module, state)
-        return False
+    Until 2026-12-06 each prepared class answered dynamo's read of ``_is_fsdp_managed_module``
+    instead, which torch 2.13 makes with ``getattr`` as it wraps a module. torch 2.15 reads it
+    with ``inspect.getattr_static``: it found that class attribute itself (truthy), took every
+    prepared module for one FSDP manages with ``use_orig_params=False`` and broke the graph
+    there, so that no prepared model compiled at all, each call running eagerly."""
+    from torch._dynamo.variables.builder import VariableBuilder as builder
+
+    wrap = builder.wrap_module
+    if getattr(wrap, "_paramfold", False):
+        return
+
+    def wrap_module(self, value, *args, **kwargs):
+        state = getattr(value, "__dict__", {}).get(STATE_ATTR)
+        if state is not None:
+            read_by_this_compile(value, state)
+        return wrap(self, value, *args, **kwargs)
+
+    wrap_module._paramfold = True
+    builder.wrap_module = wrap_module
 
 
 def read_by_this_compile(module: nn.Module, state: ModuleState) -> None:

@@ -92,6 +92,7 @@ from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.watch import tag
 
 compile_regions.install()  # a nested compile region is reused for a prepared module of the same class only
+reads.install()  # a compile that takes a prepared module into a trace waits for other threads' calls of it
 
 _Module = nn.Module
 _global_forward_pre_hooks = torch.nn.modules.module._global_forward_pre_hooks
