@@ -3,10 +3,10 @@ the same class.
 
 Dynamo traces a nested compile region once and stamps the traced subgraph out for later calls
 whose inputs pass the first trace's guards, re-evaluated on the new inputs. For a module input it
-records no check of its own (torch 2.13: ``invoke_subgraph.build_reuse_condition`` keeps
-``(MODULE, None)``), and the module's type guard is installed on a wrapped source that the
-condition's lookup by the argument's source does not find: a region traced for one module is
-reused for another of any class whose reads pass. Stock's modules differ in what their traced
+records no check of its own (``invoke_subgraph.build_reuse_condition`` keeps ``(MODULE, None)``
+in torch 2.13, ``(OBJECT, None)`` in 2.14 and 2.15), and the module's type guard is installed on
+a wrapped source that the condition's lookup by the argument's source does not find: a region
+traced for one module is reused for another of any class whose reads pass. Stock's modules differ in what their traced
 code reads, which the guards do see; paramfold's classes differ in what their code does with the
 same reads. A training hook-based spectral_norm's read-once class marks its value served when its
 call is traced (``classes.read_once_class``): stamped out from a region traced for a weight_norm
@@ -38,13 +38,14 @@ def install() -> None:
     except ImportError:  # a torch without nested compile regions' reuse
         return
     build, reusable = getattr(regions, "build_reuse_condition", None), getattr(regions, "is_reusable", None)
-    tag = getattr(getattr(regions, "InputTag", None), "MODULE", None)
-    if build is None or reusable is None or tag is None or getattr(build, "_paramfold", False):
+    # A module input's tag: MODULE (torch 2.13), OBJECT (2.14, 2.15: any object with a source).
+    tags = {getattr(getattr(regions, "InputTag", None), t, None) for t in ("MODULE", "OBJECT")} - {None}
+    if build is None or reusable is None or not tags or getattr(build, "_paramfold", False):
         return
 
     def keyed(input_tag: object, vt: object) -> tuple[type, bool] | None:
-        module = getattr(vt, "value", None) if input_tag is tag else None
-        return None if module is None else (type(module), _prepared(module))
+        module = getattr(vt, "value", None) if input_tag in tags else None
+        return (type(module), _prepared(module)) if isinstance(module, nn.Module) else None
 
     def build_reuse_condition(tx: Any, fingerprint: Any, *args: Any, **kwargs: Any) -> Any:
         condition = build(tx, fingerprint, *args, **kwargs)
