@@ -68,8 +68,8 @@ def install() -> None:
     there, so that no prepared model compiled at all, each call running eagerly."""
     from torch._dynamo.variables.builder import VariableBuilder as builder
 
-    wrap = builder.wrap_module
-    if getattr(wrap, "_paramfold", False):
+    wrap = getattr(builder, "wrap_module", None)
+    if wrap is None or getattr(wrap, "_paramfold", False):
         return
 
     def wrap_module(self, value, *args, **kwargs):

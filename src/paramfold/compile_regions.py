@@ -6,12 +6,12 @@ whose inputs pass the first trace's guards, re-evaluated on the new inputs. For 
 records no check of its own (``invoke_subgraph.build_reuse_condition`` keeps ``(MODULE, None)``
 in torch 2.13, ``(OBJECT, None)`` in 2.14 and 2.15), and the module's type guard is installed on
 a wrapped source that the condition's lookup by the argument's source does not find: a region
-traced for one module is reused for another of any class whose reads pass. Stock's modules differ in what their traced
-code reads, which the guards do see; paramfold's classes differ in what their code does with the
-same reads. A training hook-based spectral_norm's read-once class marks its value served when its
-call is traced (``classes.read_once_class``): stamped out from a region traced for a weight_norm
-layer, the call was never traced, the scope found the value unread and put the power iteration's
-state back, and every later step ran from stale vectors.
+traced for one module is reused for another of any class whose reads pass. Stock's modules differ
+in what their traced code reads, which the guards do see; paramfold's classes differ in what their
+code does with the same reads. A training hook-based spectral_norm's read-once class marks its
+value served when its call is traced (``classes.read_once_class``): stamped out from a region
+traced for a weight_norm layer, the call was never traced, the scope found the value unread and
+put the power iteration's state back, and every later step ran from stale vectors.
 
 So where either module is prepared (it holds paramfold's state), a region is reused for it only
 where the classes are the same: the region is traced again for another class, as stock's
