@@ -44,6 +44,11 @@ _REPLAYED = "_paramfold_hook_replayed"
 
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MISSING = object()
+#: Whether any region's forward has noted a call yet in this process. Read where dynamo traces a
+#: call with no scope over it (a function compiled around the model): until a region has noted
+#: one, no recomputation can need a replay, and dynamo is spared the saved-tensors query it cannot
+#: trace (a graph break at every hook-based norm's layer).
+noted = False
 
 
 def note(module: nn.Module, state: ModuleState, served: bool) -> None:
@@ -54,6 +59,8 @@ def note(module: nn.Module, state: ModuleState, served: bool) -> None:
     region = checkpoint_frame()
     if region is None or region[0] is None or region[1]:
         return
+    global noted
+    noted = True
     pre_hooks = module._forward_pre_hooks.values()
     calls = None
     for name, site in state.sites.items():
