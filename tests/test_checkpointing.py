@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 
 import pytest
 import torch
@@ -405,6 +406,25 @@ def test_a_hook_based_norms_layer_checkpointed_inside_the_call_equal_to_stock(mo
         torch.testing.assert_close(grads_, grads, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(found[1:], expected[1:], rtol=1e-5, atol=1e-6)
     assert list(ours.a._forward_pre_hooks.items()) == hooks  # torch's hook back in its place
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_region_that_noted_a_served_call_counts_as_live_until_its_frame_goes(mode):
+    # Code dynamo traces with no scope over a hook-based norm's layer asks torch whether a
+    # recomputation is under way (a query dynamo cannot trace: a graph break) only while such a
+    # region lives (tests/test_hook_norms.py: a function compiled around the model).
+    from paramfold import hooknorm_regions
+
+    gc.collect()
+    before = hooknorm_regions.live
+    torch.manual_seed(0)
+    ours = paramfold.prepare(_HookedRegion(_hook_weight_norm), mode)
+    y = ours(torch.randn(3, 4))
+    assert hooknorm_regions.live == before + 1
+    y.sum().backward()
+    del y
+    gc.collect()
+    assert hooknorm_regions.live == before
 
 
 @pytest.mark.parametrize("mode", ["hoist", "auto"])

@@ -21,6 +21,8 @@ reproduce.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,11 +46,20 @@ _REPLAYED = "_paramfold_hook_replayed"
 
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MISSING = object()
-#: Whether any region's forward has noted a call yet in this process. Read where dynamo traces a
-#: call with no scope over it (a function compiled around the model): until a region has noted
-#: one, no recomputation can need a replay, and dynamo is spared the saved-tensors query it cannot
-#: trace (a graph break at every hook-based norm's layer).
-noted = False
+#: How many regions whose forward noted a call are alive (their recomputation may replay it).
+#: Read where dynamo traces a call with no scope over it (a function compiled around the model):
+#: while none is, no recomputation can need a replay, and dynamo is spared the saved-tensors query
+#: it cannot trace (a graph break at every hook-based norm's layer); dynamo guards the count.
+live = 0
+_live_lock = threading.Lock()
+
+
+def _count(region: object, step: int) -> None:
+    global live
+    with _live_lock:
+        live += step
+    if step > 0:
+        weakref.finalize(region, _count, None, -1)
 
 
 def note(module: nn.Module, state: ModuleState, served: bool) -> None:
@@ -59,14 +70,15 @@ def note(module: nn.Module, state: ModuleState, served: bool) -> None:
     region = checkpoint_frame()
     if region is None or region[0] is None or region[1]:
         return
-    global noted
-    noted = True
     pre_hooks = module._forward_pre_hooks.values()
     calls = None
     for name, site in state.sites.items():
         if site.hook is not None:
             if calls is None:
-                calls = region[0].__dict__.setdefault(_CALLS, {})
+                calls = region[0].__dict__.get(_CALLS)
+                if calls is None:
+                    calls = region[0].__dict__[_CALLS] = {}
+                    _count(region[0], 1)
             calls.setdefault((id(module), name), []).append(served and not any(h is site.hook for h in pre_hooks))
 
 

@@ -1323,8 +1323,8 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
             # claims them as its own entry would (shares them, or is refused), rather than
             # reading them as they are (without their autograd history, or another autocast's).
             return _answered(self, functools.partial(_scoped_compiled_call, self, self._call_impl))
-        # A checkpoint's recomputation? (Traced, asked only once a region has noted a call.)
-        if (state.hook_sites and (hook_regions.noted or not torch.compiler.is_dynamo_compiling())
+        # A checkpoint's recomputation? (Traced, asked only while a region that noted a call lives.)
+        if (state.hook_sites and (hook_regions.live or not torch.compiler.is_dynamo_compiling())
                 and _saved_tensors_hooks(True) is not None):
             replayed = hook_regions.replay(self, state)
             if replayed is not None:
