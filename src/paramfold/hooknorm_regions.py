@@ -51,7 +51,7 @@ _MISSING = object()
 #: while none is, no recomputation can need a replay, and dynamo is spared the saved-tensors query
 #: it cannot trace (a graph break at every hook-based norm's layer); dynamo guards the count.
 live = 0
-_live_lock = threading.Lock()
+_live_lock = threading.RLock()  # (a finalizer may run in the thread that holds it)
 
 
 def _count(region: object, step: int) -> None:
