@@ -54,12 +54,18 @@ live = 0
 _live_lock = threading.RLock()  # (a finalizer may run in the thread that holds it)
 
 
-def _count(region: object, step: int) -> None:
+def _noted(region: object) -> None:
+    """Count ``region`` live until torch's frame of it goes."""
     global live
     with _live_lock:
-        live += step
-    if step > 0:
-        weakref.finalize(region, _count, None, -1)
+        live += 1
+    weakref.finalize(region, _gone)
+
+
+def _gone() -> None:
+    global live
+    with _live_lock:
+        live -= 1
 
 
 def note(module: nn.Module, state: ModuleState, served: bool) -> None:
@@ -78,7 +84,7 @@ def note(module: nn.Module, state: ModuleState, served: bool) -> None:
                 calls = region[0].__dict__.get(_CALLS)
                 if calls is None:
                     calls = region[0].__dict__[_CALLS] = {}
-                    _count(region[0], 1)
+                    _noted(region[0])
             calls.setdefault((id(module), name), []).append(served and not any(h is site.hook for h in pre_hooks))
 
 

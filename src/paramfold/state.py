@@ -497,7 +497,7 @@ class ModuleState:
         """Whether ``site``'s hook-based norm served ``holder``'s first call in this scope through
         the read-once class, whose stand-in runs the hook at each later call of the module."""
         once = site.once_hook
-        return once is not None and once.served and type(holder) is self.read_once_class
+        return once is not None and once.served and self.reads_once(holder)
 
     def prepared_model(self) -> nn.Module | None:
         """The model passed to ``prepare``, while it lives."""
