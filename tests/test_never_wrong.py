@@ -1400,6 +1400,111 @@ def test_a_kept_view_of_an_original_does_not_block_swapping_it(mode, event):
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
+class _Sliced(nn.Module):
+    def forward(self, w):
+        return w[:]
+
+
+class _SeesItsWeight(nn.Module):
+    """Notes what its forward finds ``lin.weight`` to be: what dynamo specialises on."""
+
+    def __init__(self, chain: nn.Module | None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3) if chain is None else nn.Linear(3, 4)
+        if chain is None:
+            P.register_parametrization(self.lin, "weight", _Orthogonal3x4())
+        else:
+            P.register_parametrization(self.lin, "weight", chain, unsafe=True)
+        self.seen = []
+
+    def forward(self, x):
+        w = self.lin.weight
+        if not torch.compiler.is_compiling():
+            self.seen.append((w.requires_grad, w.is_leaf, w.grad_fn is None))
+        return torch.tanh(x @ w.T + self.lin.bias)
+
+
+def _Orthogonal3x4() -> nn.Module:
+    from torch.nn.utils.parametrizations import _Orthogonal, _OrthMaps
+    return _Orthogonal(torch.empty(3, 4), _OrthMaps.householder, use_trivialization=True)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("chain", ["transposed", "sliced", "orthogonal"])
+def test_an_auto_value_that_is_a_view_of_its_original_requires_grad_as_stocks_no_grad_read(chain, compiled):
+    # Regression (found by a probe, 2026-12-07): under no_grad, stock's read of a chain whose value
+    # is a view of a leaf original that requires grad (w.T, w[:]) is a leaf that requires grad.
+    # auto froze it detached (requires_grad=False), and once weights changing between calls
+    # made it compute the value at every call, served stock's view: the forward saw
+    # requires_grad flip, and a compiled model recompiled on it (2 graphs where stock makes 1).
+    make = {"transposed": _Transposed, "sliced": _Sliced, "orthogonal": lambda: None}[chain]
+    models = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        model = _SeesItsWeight(make()).eval()
+        models.append(paramfold.prepare(model, "auto") if prepare else model)
+    counters = [CompileCounter() for _ in models]
+    calls = [torch.compile(m, backend=c) if compiled else m for m, c in zip(models, counters)]
+    x = torch.randn(2, 3 if chain != "orthogonal" else 4)
+    with torch.no_grad():
+        for i in range(8):
+            if 2 <= i <= 6:  # an EMA-like update before each of five calls in a row, then none
+                for m in models:
+                    for p in m.lin.parametrizations.weight.parameters():
+                        p.add_(0.01)
+            assert torch.equal(calls[1](x), calls[0](x)), i
+    if compiled:
+        assert counters[1].frame_count == counters[0].frame_count == 1
+    else:
+        assert models[1].seen == models[0].seen
+
+
+class _Same(nn.Module):
+    def forward(self, w):
+        return w
+
+
+class _NotesItsWeight(nn.Linear):
+    def forward(self, x):
+        w = self.weight
+        self.seen.append((w.requires_grad, w.is_leaf, w.grad_fn is None))
+        return x @ w.T + self.bias
+
+
+class _CachedBlockUnderNoGrad(nn.Module):
+    def __init__(self, chain: str) -> None:
+        super().__init__()
+        self.lin = _NotesItsWeight(3, 3)
+        self.lin.seen = []
+        if chain == "weight_norm":
+            weight_norm(self.lin)
+        else:
+            P.register_parametrization(self.lin, "weight", _Transposed() if chain == "transposed" else _Same())
+
+    def forward(self, x):
+        with torch.no_grad(), P.cached():
+            first = self.lin(x)
+        return self.lin(x) + first
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+@pytest.mark.parametrize("chain", ["transposed", "same", "weight_norm"])
+def test_a_cached_blocks_first_read_under_no_grad_is_what_stocks_no_grad_read_is(chain, mode):
+    # Regression (2026-12-07): a block's value made under no_grad was the call's value detached,
+    # where stock's no_grad read of a view of an original that requires grad is a leaf that
+    # requires grad, and of an identity chain the original itself.
+    models = []
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        model = _CachedBlockUnderNoGrad(chain)
+        models.append(paramfold.prepare(model, mode) if prepare else model)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(models[1](x), models[0](x))
+    assert models[1].lin.seen == models[0].lin.seen
+
+
 class _TwoSum(nn.Module):
     """Reads a ``TwoTensor`` original's inner tensors (a QLoRA base's ``dequantize()`` does the like)."""
 

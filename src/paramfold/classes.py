@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from paramfold import scope_nested as nested
 from paramfold.compile_reads import RefusedWhileCompiling
 from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
-                               has_parametrizations, inspected_by_dynamo, parametrized_here)
+                               has_parametrizations, inspected_by_dynamo, parametrized_here, read_without_grad)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
@@ -463,7 +463,7 @@ class _ReadOnce(SiteDescriptor):
                 # every later read gets that.
                 value = parametrize._cache.setdefault(
                     (id(module), self.name),
-                    value.detach() if value.requires_grad and not torch.is_grad_enabled() else value)
+                    read_without_grad(value) if value.requires_grad and not torch.is_grad_enabled() else value)
             return value
         if traced or torch.compiler.is_compiling():
             # Dynamo guards nothing about a key's absence from ``module.__dict__``; asked of the same

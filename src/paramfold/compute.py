@@ -219,6 +219,24 @@ def eager_value(module: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
+def read_without_grad(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as stock's read computes it under ``no_grad``, holding no base: the same bits
+    without a history, a leaf that requires grad where ``value`` is a view of one (``w.T`` or
+    ``w[:]`` of an original that requires grad: torch makes a view so under ``no_grad``), and
+    ``value`` itself where it is a leaf already (the original, as an identity chain returns it).
+
+    >>> w = torch.nn.Parameter(torch.ones(2, 3))
+    >>> read_without_grad(w.T * 1).requires_grad, read_without_grad(w.T).requires_grad
+    (False, True)
+    >>> read_without_grad(w) is w
+    True
+    """
+    base = value._base
+    if base is None and value.grad_fn is None:
+        return value
+    return value.detach().requires_grad_(base is not None and base.is_leaf and base.requires_grad)
+
+
 #: The hook dicts ``nn.Module._call_impl`` reads from a module's ``__dict__``.
 HOOK_DICTS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
 #: Those dicts of a module's ``__dict__`` (``hook_dicts(vars(module))``).

@@ -75,7 +75,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from paramfold import hooknorms
-from paramfold.compute import GLOBAL_HOOKS, compute
+from paramfold.compute import GLOBAL_HOOKS, compute, read_without_grad
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import ADVICE, held
@@ -127,8 +127,10 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
             if type(value) in PLAIN_TENSOR_TYPES and value._base is not None:
                 # A view of an original (a transpose, w[:]): kept as an alias of its storage only,
                 # since a view holds its base, which torch.utils.swap_tensors (module.to() with
-                # swap_module_params_on_conversion, load_state_dict then) refuses to swap.
-                value = value.detach()
+                # swap_module_params_on_conversion, load_state_dict then) refuses to swap. (Of an
+                # original that requires grad, auto's inference: a leaf that requires grad, as
+                # stock's view under no_grad is.)
+                value = read_without_grad(value)
             new = _freeze(site, value, under, prints)
             if new is None:
                 # An input written while it was computed: the value serves this call, as stock's

@@ -54,7 +54,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import hooknorms, unread
-from paramfold.compute import any_autocast, autocast_state, checkpoint_frame, compute, dispatch_modes, function_modes, mode_stack
+from paramfold.compute import (any_autocast, autocast_state, checkpoint_frame, compute, dispatch_modes, function_modes, mode_stack,
+                               read_without_grad)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
@@ -574,7 +575,7 @@ def _commit(holder: nn.Module, name: str, site: SiteState, value: torch.Tensor |
     if value is None:
         value = holder.__dict__[name]
     if value.requires_grad and not torch.is_grad_enabled():
-        value = value.detach()
+        value = read_without_grad(value)
     parametrize._cache[(id(holder), name)] = value
     site.from_cache = True
 
