@@ -51,6 +51,7 @@ _set_class = object.__setattr__
 _hooks = hook_dicts
 _call_path = call_path
 _tracing_state = torch._C._get_tracing_state
+_inference_mode = torch.is_inference_mode_enabled
 
 
 #: Exhausts an iterator in C (itertools' ``consume`` recipe): ``_run(map(setattr, ...))`` is a
@@ -77,7 +78,8 @@ class Plan:
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys", "copied_onces",
         "hoisted_names", "callees", "callee_types", "callee_classes", "callee_paths", "direct", "under",
-        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "missed", "used", "count", "freezing", "site_states",
+        "pre_hooks_empty", "pre_hooks", "pre_hook_keys", "until", "demoted", "missed", "used", "count", "freezing",
+        "site_states",
         "hooked", "hook_dicts", "hook_dict_keys", "onces",
     )
 
@@ -321,7 +323,7 @@ class Plan:
                         forwards = tuple(type(m).forward for m in chain)
                         callees.extend(chain)
                         callees.append(site.plist)  # its call still just its forward, checked live
-                    hoisted.append((values, name, holder, site.originals, chain, forwards))
+                    hoisted.append((values, name, holder, site.originals, chain, forwards, site.hoist_until > CALLS[0]))
                     if site.training_stateful:  # its state is copied, to put back if unread (paramfold.unread)
                         copy_state(holder, site, values, name, None)
                 elif wrapped and site.at_read and name not in values:
@@ -434,6 +436,7 @@ class Plan:
         plan.watch = Watch((*fixed, *full), (*plan.inputs, *plan.values),
                            previous.watch if previous is not None else None, ids, rooted_after=1, flags_free=len(fixed))
         plan.hoisted = tuple(hoisted)
+        plan.demoted = any(h[6] for h in hoisted)
         plan.hooked, plan.hook_dicts, plan.hook_dict_keys = tuple(hooked), tuple(hook_dicts), hook_dict_keys
         plan.onces = tuple(onces)
         # (Empty now, their norms' hooks out: held to hook_dict_keys instead.)
@@ -508,7 +511,7 @@ class Plan:
         _run(map(setattr, self.installing, repeat("installed"), self.installed))
         _run(map(setattr, states, repeat("shareable"), self.shareable))
 
-    def compute_hoisted(self) -> None:
+    def compute_hoisted(self, hoisted: tuple | None = None) -> None:
         """Write every hoisted site's value into its module's ``__dict__``, computed like stock.
 
         Where :meth:`plain_calls` holds, a chain member's ``forward`` is called directly: with no
@@ -516,9 +519,17 @@ class Plan:
         exactly that, through two more Python frames per member (about 3 us each call here).
         Otherwise (a hook, its own or global, a patched call, a ``ParametrizationList`` whose call
         is more than its ``forward``) each value is computed the way stock calls it
-        (:func:`~paramfold.compute.compute`)."""
+        (:func:`~paramfold.compute.compute`). ``hoisted``: those entries only (else all)."""
         direct = self.direct and self.plain_calls()
-        for values, name, holder, originals, chain, forwards in self.hoisted:
+        if hoisted is None:
+            hoisted = self.hoisted
+            if self.demoted and _inference_mode():
+                # Freeze and auto sites computed at every call for a while: as their frozen values
+                # are, outside inference_mode (site_values._uncached); the others as the call is.
+                with torch.inference_mode(False), torch.no_grad():
+                    self.compute_hoisted(tuple(h for h in hoisted if h[6]))
+                hoisted = tuple(h for h in hoisted if not h[6])
+        for values, name, holder, originals, chain, forwards, _ in hoisted:
             if chain is None or forwards is None or not direct:
                 value = compute(holder, name)
             else:

@@ -85,6 +85,11 @@ def _uncached(holder: nn.Module, name: str, site: SiteState, grad: bool, under: 
     # frozen where they can be for this call, hoisted otherwise.
     if freezable(site, grad):
         if site.hoist_until > CALLS[0]:
+            if torch.is_inference_mode_enabled():
+                # As its frozen values are computed, outside inference_mode: the forward reads one
+                # kind of tensor throughout (compiled code would recompile on the change).
+                with torch.inference_mode(False), torch.no_grad():
+                    return _hoisted(holder, name, site, grad)
             return _hoisted(holder, name, site, grad)
         value = _typed(site, frozen_value(holder, name, site, under), grad)
         if site.misses >= (1 if site.demotions else _MISSES):
