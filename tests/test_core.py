@@ -1068,3 +1068,42 @@ def test_a_container_whose_init_subclass_refuses_paramfolds_subclass_is_refused_
     torch.manual_seed(0)
     model = _Block(weight_norm(nn.Linear(4, 3)), nn.Linear(3, 2))
     _refused_and_left_as_it_was(model, mode, "__init_subclass__")
+
+
+def _made_per_model(kind: str) -> nn.Module:
+    """A model whose class is made for it alone: a torch.fx GraphModule (a class per instance), or
+    a class defined in a factory."""
+    layer = weight_norm(nn.Linear(4, 4))
+    if kind == "fx":
+        return torch.fx.symbolic_trace(nn.Sequential(layer, nn.Tanh()))
+    made = type("Made", (nn.Module,), {"forward": lambda self, x: torch.tanh(self.lin(x))})()
+    made.lin = layer
+    return made
+
+
+@pytest.mark.parametrize("end", ["restore", "drop"])
+@pytest.mark.parametrize("kind", ["fx", "factory"])
+def test_dropped_models_whose_class_is_made_per_model_keep_no_classes_alive(kind, end):
+    # Regression (helper-198, 2026-12-07): paramfold's registry of its classes held each class it
+    # made strongly, and with it the user's class it derives from: a process that prepares and
+    # drops such models grew by both at every model (10-35 KB each), restored or not.
+    import gc
+    import weakref
+
+    from paramfold import classes as registry
+
+    x = torch.randn(2, 4)
+    gc.collect()
+    before = len(registry._classes)
+    users = []
+    for _ in range(6):
+        model = _made_per_model(kind)
+        users.append(weakref.ref(type(model)))
+        paramfold.prepare(model, "hoist")(x).sum().backward()
+        if end == "restore":
+            paramfold.restore(model)
+        del model
+    gc.collect()
+    gc.collect()  # the registry lets a class go as the collection frees the subclass made of it
+    assert [ref() for ref in users] == [None] * len(users)
+    assert len(registry._classes) <= before

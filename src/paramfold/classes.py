@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -175,7 +176,10 @@ def _refuse_class_write(cls: type, name: str, value: object) -> None:
                     f"prepared by paramfold: {where}. Nothing was changed. {what_to_do[0].upper()}{what_to_do[1:]}.")
 
 
-_classes: dict[tuple, type] = {}
+#: paramfold's classes by what each is made for, each kept while something (a module, a subclass,
+#: compiled code) holds it: a process that prepares and drops models whose class is made per model
+#: (a ``torch.fx`` ``GraphModule``, a class defined in a factory) keeps neither theirs nor ours.
+_classes: weakref.WeakValueDictionary[tuple, type] = weakref.WeakValueDictionary()
 _classes_lock = threading.Lock()
 
 
