@@ -139,7 +139,7 @@ def _refuse_class_write(cls: type, name: str, value: object) -> None:
     module, saying where to make it instead.
 
     A parametrized module's class is its own in stock; paramfold's is shared by every prepared
-    module of the architecture and kept for later prepares. Any other prepared module's stock
+    module of the architecture and kept for later prepares while one lives. Any other prepared module's stock
     class (a container's, a hook-based norm's layer's: the user's; an unselected module's own) is
     the one paramfold's class derives from, where a write reaches the module as in stock unless
     paramfold's class defines the name itself (a root's ``forward``). Made there *through*
