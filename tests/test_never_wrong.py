@@ -1631,6 +1631,7 @@ def test_a_value_computed_at_every_call_for_a_while_is_a_frozen_values_kind_of_t
     x = torch.randn(4, 8)
     kinds = [[], []]
     for i in range(6):
+        outs = []
         for which, (model, call) in enumerate(zip(models, calls)):
             if steps == "train, eval":
                 model.train(i == 1)
@@ -1640,9 +1641,8 @@ def test_a_value_computed_at_every_call_for_a_while_is_a_frozen_values_kind_of_t
             with torch.no_grad() if i < 2 else torch.inference_mode():
                 out, weight = call(x)
             kinds[which].append(weight.is_inference())
-            if which:
-                assert torch.equal(out, outs)
-            outs = out
+            outs.append(out)
+        assert torch.equal(outs[1], outs[0]), i
     # Stock's reads under inference_mode are inference tensors; freeze's and auto's values are not
     # (computed outside it, to serve later calls): one kind from the frozen value on.
     assert kinds[0] == [False, False, True, True, True, True]
