@@ -68,7 +68,7 @@ class CompiledChains:
         finally:
             self._on = False
         while self._pending:
-            for values, name, _holder, originals, chain, _forwards in self._pending.pop():
+            for values, name, _holder, originals, chain, *_ in self._pending.pop():
                 values[name] = self.compiled(chain, [d[k] for d, k in originals])
                 self.calls += 1
         return opened
