@@ -523,5 +523,17 @@ def checkpoint_frame() -> tuple[object, bool] | None:
     return frame, recomputing
 
 
+def replay_index(notes: dict, attr: str, key: object) -> int:
+    """Which call of ``key`` (0 for the first) this is in the recomputation under way of a
+    checkpointed region, counted in ``notes[attr]`` (the region's frame's ``__dict__``): each
+    backward recomputes under a pack hook of its own, and counts from 0 again."""
+    pack = _top_saved_tensors_hooks(True)[0]
+    replayed = notes.get(attr)
+    if replayed is None or replayed[0] is not pack:
+        replayed = notes[attr] = (pack, {})
+    i = replayed[1][key] = replayed[1].get(key, -1) + 1
+    return i
+
+
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).
 run_module_eagerly_as_frames(globals())

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import hooknorms
-from paramfold.compute import checkpoint_frame
+from paramfold.compute import checkpoint_frame, replay_index
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
@@ -44,7 +44,6 @@ _CALLS = "_paramfold_hook_calls"
 #: runs one of its own, under a pack hook of its own).
 _REPLAYED = "_paramfold_hook_replayed"
 
-_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MISSING = object()
 #: How many regions whose forward noted a call are alive (their recomputation may replay it).
 #: Read where dynamo traces a call with no scope over it (a function compiled around the model):
@@ -99,16 +98,12 @@ def replay(module: nn.Module, state: ModuleState) -> Callable[..., Any] | None:
     calls = notes.get(_CALLS)
     if not calls:
         return None
-    pack = _top_saved_tensors_hooks(True)[0]
-    replayed = notes.get(_REPLAYED)
-    if replayed is None or replayed[0] is not pack:
-        replayed = notes[_REPLAYED] = (pack, {})
     served = []
     for name, site in state.sites.items():
         key = (id(module), name)
         if site.hook is None or key not in calls:
             continue
-        i = replayed[1][key] = replayed[1].get(key, -1) + 1
+        i = replay_index(notes, _REPLAYED, key)
         if i < len(calls[key]) and calls[key][i]:
             served.append((name, site))
     return functools.partial(_replayed_call, module, served) if served else None

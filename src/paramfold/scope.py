@@ -68,6 +68,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import compile_leaves as leaves
+from paramfold import compiled_entry_regions as entry_regions
 from paramfold import compile_regions
 from paramfold import compile_reads as reads
 from paramfold import hooknorm_regions as hook_regions
@@ -136,6 +137,9 @@ class _Local(threading.local):
     #: The modules whose call :func:`_as_restored` is handing to their class's ``__call__``, by
     #: id, each with that frame of ``_as_restored``.
     handing: dict[int, types.FrameType] = {}
+    #: While an entry's scope opens in a checkpointed region's recomputation to replay a call its
+    #: forward served (:mod:`paramfold.compiled_entry_regions`): what that call was served.
+    replay: dict[tuple[int, str], bool] | None = None
 
 
 _local = _Local()
@@ -182,7 +186,8 @@ def _open(entry: nn.Module) -> tuple[tuple, list[nn.Module] | Plan] | None:
         plan = state.plan
         if plan is None or plan.grad is not grad:  # written out: no frame on the steady path
             plan = _plan_of(state, grad)
-        usable = plan is not None and not parametrize._cache_enabled and _tracing_state() is None
+        usable = (plan is not None and not parametrize._cache_enabled and _tracing_state() is None
+                  and _local.replay is None)
         if usable and not holds(plan):
             plan, usable = _after_miss(state, grad, plan)
         if usable:
@@ -232,7 +237,7 @@ def _open_general(entry: nn.Module, state: ModuleState, grad: bool, plan: Plan |
     claimed, raised = _open_holders(entry, state, grad, hooked)
     if raised:
         _drop_plans(state)
-    elif shared:
+    elif shared and _local.replay is None:
         _replan(state, grad, pre_hooks, plan, reached_from)
     return claimed
 
@@ -486,6 +491,7 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
     replaced: list[tuple[str, object]] = []
     renewed = False
     wrapped = wraps_its_forward(holder)
+    replay = _local.replay
     at_read_before = list(map(_at_read, hs.sites.values()))
     try:
         for name, site in hs.sites.items():
@@ -509,6 +515,8 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
             site.at_read = (at_read or (unserved and site.training_stateful) or site.shares_changing_state
                             or edits_in_place(holder, name)
                             or (wrapped and site.hook is None))
+            if replay is not None:  # as in the forward this recomputation replays
+                site.at_read = (id(holder), name) not in replay
             if site.at_read:
                 # A forward pre-hook may change the originals before the forward reads the
                 # tensor: it is computed where it is read, as stock does (the descriptor, in-graph
@@ -519,7 +527,9 @@ def _install(holder: nn.Module, hs: ModuleState, grad: bool, under: tuple, at_re
                 _set_aside(values, name, site, left)
                 continue
             frozen = site.frozen
-            if (frozen is not None and (mode != "hoist" or (not grad and site_values.freezing_now()))
+            if replay is not None:
+                value = entry_regions.replayed_value(holder, name, site, replay[(id(holder), name)])
+            elif (frozen is not None and (mode != "hoist" or (not grad and site_values.freezing_now()))
                     and site_values.freezable(site, grad) and not parametrize._cache_enabled
                     and unchanged(site, frozen, under)):
                 value = frozen.value  # the fast path: nothing changed since the last call
@@ -1220,11 +1230,19 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
             _hooks_since(module, state)
         if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
-        return _nested(module, compiled)(*args, **kwargs)
+        call = _nested(module, compiled)
+        if _saved_tensors_hooks(True) is not None and not parametrize._cache_enabled:  # a checkpoint region?
+            entry_regions.note(module, state, served=call is compiled)
+        return call(*args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(module)) is not None:
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     dynamo = _eval_frame_callback() is not None
-    opened = _outside_dynamo(_open, module) if dynamo else _open(module)
+    # A checkpointed region's recomputation of a call its forward served from the scope around it?
+    _local.replay = entry_regions.replay(module) if _saved_tensors_hooks(True) is not None else None
+    try:
+        opened = _outside_dynamo(_open, module) if dynamo else _open(module)
+    finally:
+        _local.replay = None
     if opened is None:  # restored meanwhile: the call stock's _wrapped_call_impl makes
         return compiled(*args, **kwargs)
     if not opened:  # no scope now (compile_reads.Bare)
