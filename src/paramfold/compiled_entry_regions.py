@@ -9,12 +9,14 @@ backward, after the scope closed: the block's call would open a scope of its own
 values with autograd inside the region, saving tensors its forward never saved (torch's
 ``CheckpointError`` about recomputed metadata).
 
-So the forward notes on the region's frame each such call, with the values it was served
-(:func:`note`), and the recomputation opens the block's scope for a noted call as a *replay*
-(:func:`replay`): each value served in the forward is computed again without autograd, outside the
-region's dispatch modes (selective checkpointing's cache refuses ops its forward never ran), a
-leaf that requires grad where the forward's value did (:func:`replayed_value`), and a tensor the
-forward computed where it was read is computed where it is read again. The recomputation only
+So the forward notes on the region's frame each such call, with the values its compiled code
+found (:func:`noted_call`), and the recomputation opens the block's scope for a noted call as a
+*replay* (:func:`replay`, :func:`replayed_value`): a value the scope served in the forward is
+computed again without autograd, outside the region's dispatch modes (selective checkpointing's
+cache refuses ops its forward never ran), a leaf that requires grad where the forward's value did;
+one computed for the call inside the region (the call's inputs, grad mode or modes changed since
+the scope opened) is computed there again, with autograd where it had it; and a tensor the forward
+computed where it was read (in the compiled code) is computed where it is read again. The recomputation only
 refills the region's saved tensors; the gradient flows through the graph the forward's values
 recorded, as for an eager read (``classes.read_outside_scope``) and a hook-based norm's eager call
 (:mod:`paramfold.hooknorm_regions`). A training stateful chain (spectral_norm) served there is
@@ -23,6 +25,9 @@ per call cannot reproduce.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,38 +40,42 @@ from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, tensor_label
 
 #: The attribute of a ``torch.utils.checkpoint`` frame that holds, per ``id(entry)``, one entry per
-#: call of the entry in the region's forward: ``{(id(holder), name): requires_grad}`` of the values
-#: it was served, or None where it computed values in the region (inputs changed since the scope
-#: opened: ``scope_nested.call_changed``).
+#: call of the entry in the region's forward: ``{(id(holder), name): (computed, requires_grad)}``
+#: of the values its compiled code found in ``__dict__``: served by the scope (``computed`` False),
+#: or computed for the call inside the region (True: inputs, grad mode or modes changed since the
+#: scope opened, ``scope_nested.call_changed``). A site not there was computed where it was read.
 _CALLS = "_paramfold_entry_calls"
-#: ... and ``(pack hook, {id(entry): calls replayed})`` of the recomputation under way (each
-#: backward runs one of its own, under a pack hook of its own).
+#: ... and ``(pack hook, {id(entry): calls replayed})`` of the recomputation under way.
 _REPLAYED = "_paramfold_entry_replayed"
 
 
-def note(entry: nn.Module, state: ModuleState, served: bool) -> None:
-    """At a call of ``entry`` nested in an open call scope (where a saved-tensors hook is set):
-    where that is a non-reentrant region's forward, note the values its holders were served
-    (``served``: nothing changed since the scope opened), or that it computed them (not served)."""
+def values_now(state: ModuleState) -> dict[tuple[int, str], torch.Tensor]:
+    """The values in the ``__dict__`` of the holders below an entry (see :func:`noted_call`)."""
+    found = {}
+    for holder in state.holders:
+        values = holder.__dict__
+        for name, site in values[STATE_ATTR].sites.items():
+            value = values.get(name)
+            if site.mode != "inline" and not site.at_read and isinstance(value, torch.Tensor):
+                found[(id(holder), name)] = value
+    return found
+
+
+def noted_call(entry: nn.Module, state: ModuleState, before: dict, call: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``call`` of ``entry`` nested in an open call scope, inside a saved-tensors hook: where that
+    is a non-reentrant region's forward, what its compiled code is served is noted first, as it
+    is when it starts (``before``: the values when the call began, :func:`values_now`)."""
     region = checkpoint_frame()
-    if region is None or region[0] is None or region[1]:
-        return
-    values = None
-    if served:
-        values = {}
-        for holder in state.holders:
-            found = holder.__dict__
-            for name, site in found[STATE_ATTR].sites.items():
-                value = found.get(name)
-                if site.mode != "inline" and not site.at_read and isinstance(value, torch.Tensor):
-                    values[(id(holder), name)] = value.requires_grad
-    region[0].__dict__.setdefault(_CALLS, {}).setdefault(id(entry), []).append(values)
+    if region is not None and region[0] is not None and not region[1]:
+        noted = {key: (value is not before.get(key), value.requires_grad) for key, value in values_now(state).items()}
+        region[0].__dict__.setdefault(_CALLS, {}).setdefault(id(entry), []).append(noted)
+    return call(*args, **kwargs)
 
 
-def replay(entry: nn.Module) -> dict[tuple[int, str], bool] | None:
+def replay(entry: nn.Module) -> dict[tuple[int, str], tuple[bool, bool]] | None:
     """At a call of ``entry`` that opens a scope of its own (where a saved-tensors hook is set):
     in a non-reentrant region's recomputation, what the matching call of its forward was served
-    (see :func:`note`), for the scope to replay; else None (the scope opens as any other)."""
+    (see :func:`noted_call`), for the scope to replay; else None (the scope opens as any other)."""
     region = checkpoint_frame()
     if region is None or region[0] is None or not region[1]:
         return None
@@ -78,8 +87,10 @@ def replay(entry: nn.Module) -> dict[tuple[int, str], bool] | None:
     return calls[i] if i < len(calls) else None
 
 
-def replayed_value(holder: nn.Module, name: str, site: SiteState, requires_grad: bool) -> torch.Tensor:
-    """The value of a site its forward was served, for the recomputation (see the module's docstring)."""
+def replayed_value(holder: nn.Module, name: str, site: SiteState, noted: tuple[bool, bool]) -> torch.Tensor:
+    """The value of a site for the recomputation of a call its forward served it in (see the
+    module's docstring): ``noted``, as :func:`noted_call` noted it."""
+    computed, requires_grad = noted
     if site.training_stateful:
         raise FoldError(
             f"{tensor_label(holder, name)}: a stateful parametrization (spectral_norm) in training mode "
@@ -88,6 +99,9 @@ def replayed_value(holder: nn.Module, name: str, site: SiteState, requires_grad:
             "checkpointed region, which a value computed once per call cannot reproduce. Prepare this "
             "module with mode='inline' (filter_fn), checkpoint with use_reentrant=True, or call model.eval()."
         )
+    if computed:  # computed for the call inside the region in the forward: the same again
+        with torch.set_grad_enabled(requires_grad):
+            return compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
     with torch.no_grad(), _disable_current_modes():
         value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
     return value.detach().requires_grad_(requires_grad)

@@ -1230,10 +1230,10 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
             _hooks_since(module, state)
         if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
-        call = _nested(module, compiled)
         if _saved_tensors_hooks(True) is not None and not parametrize._cache_enabled:  # a checkpoint region?
-            entry_regions.note(module, state, served=call is compiled)
-        return call(*args, **kwargs)
+            compiled = functools.partial(entry_regions.noted_call, module, state, entry_regions.values_now(state),
+                                         compiled)
+        return _nested(module, compiled)(*args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(module)) is not None:
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     dynamo = _eval_frame_callback() is not None
