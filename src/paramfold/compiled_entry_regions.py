@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import hooknorms
-from paramfold.compute import checkpoint_frame, compute, replay_index
+from paramfold.compute import checkpoint_frame, compute, computed_in_region, replay_index
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, tensor_label
@@ -67,7 +67,8 @@ def noted_call(entry: nn.Module, state: ModuleState, before: dict, call: Callabl
     is when it starts (``before``: the values when the call began, :func:`values_now`)."""
     region = checkpoint_frame()
     if region is not None and region[0] is not None and not region[1]:
-        noted = {key: (value is not before.get(key), value.requires_grad) for key, value in values_now(state).items()}
+        noted = {key: (value is not before.get(key) or value in computed_in_region, value.requires_grad)
+                 for key, value in values_now(state).items()}
         region[0].__dict__.setdefault(_CALLS, {}).setdefault(id(entry), []).append(noted)
     return call(*args, **kwargs)
 

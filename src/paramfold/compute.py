@@ -23,6 +23,7 @@ from operator import attrgetter, call, itemgetter
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 from torch.ao.quantization.fake_quantize import FakeQuantizeBase
 from torch.ao.quantization.observer import ObserverBase
@@ -486,6 +487,15 @@ def _read_or_error(getter) -> object:
 
 
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+#: Values a call nested in a scope computed for itself inside a non-reentrant
+#: ``torch.utils.checkpoint`` region, with autograd there (``scope_nested.call_changed``: a
+#: ``torch.autocast`` or grad mode entered inside the region): the region's recomputation computes
+#: them there again, where a value the scope computed before the region is replayed without
+#: autograd (``hooknorm_regions``, ``compiled_entry_regions``).
+#: (By identity, each kept only while it lives: a ``WeakSet`` would compare tensors with ``==``.)
+computed_in_region: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def checkpoint_frame() -> tuple[object, bool] | None:

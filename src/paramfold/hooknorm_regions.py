@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import hooknorms
-from paramfold.compute import checkpoint_frame, replay_index
+from paramfold.compute import checkpoint_frame, computed_in_region, replay_index
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
@@ -84,7 +84,8 @@ def note(module: nn.Module, state: ModuleState, served: bool) -> None:
                 if calls is None:
                     calls = region[0].__dict__[_CALLS] = {}
                     _noted(region[0])
-            calls.setdefault((id(module), name), []).append(served and not any(h is site.hook for h in pre_hooks))
+            calls.setdefault((id(module), name), []).append(
+                served and not any(h is site.hook for h in pre_hooks) and module.__dict__.get(name) not in computed_in_region)
 
 
 def replay(module: nn.Module, state: ModuleState) -> Callable[..., Any] | None:

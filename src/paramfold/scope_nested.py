@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from paramfold import hooknorms, unread
-from paramfold.compute import (any_autocast, autocast_state, checkpoint_frame, compute, dispatch_modes, function_modes, mode_stack,
+from paramfold.compute import (any_autocast, autocast_state, checkpoint_frame, compute, computed_in_region, dispatch_modes, function_modes, mode_stack,
                                read_without_grad)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
@@ -507,6 +507,8 @@ def call_changed(
                     # place): this one leaves when the call ends, as any value installed for it.
                     hs.installed = (*hs.installed, name)
                 holder.__dict__[name] = value
+                if in_region:
+                    computed_in_region[value] = True
                 site.read_from = inputs(site)  # calls nested in this one use the new value
                 if site.plist is not None:
                     chain = tuple(site.plist._modules.values())
