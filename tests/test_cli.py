@@ -1041,6 +1041,34 @@ def test_ctrl_c_while_the_cli_is_imported_is_one_line_and_exit_130(tmp_path):
     assert script.value == "paramfold.__main__:main"  # the installed `paramfold` goes through it
 
 
+def test_ctrl_c_while_typer_builds_the_command_line_is_one_line_and_exit_130(tmp_path):
+    # Regression (helper-200): an interrupt about 0.1 s in, while typer built the command from the
+    # commands' signatures, before the command's own handling was set up, printed a traceback.
+    code = textwrap.dedent("""
+        import typer.main
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        typer.main.get_group = interrupted
+        from paramfold.__main__ import main
+        main()
+    """)
+    res = subprocess.run([sys.executable, "-c", code, "audit", "x.pt"], capture_output=True, text=True,
+                         env=ENV, cwd=tmp_path, timeout=120)
+    assert res.returncode == 130, res.stderr
+    assert res.stderr == "paramfold: error: interrupted by SIGINT; no output was written\n"
+
+
+def test_bench_with_stderr_closed_prints_its_result(tmp_path):
+    # Regression (helper-200): with fd 2 closed Python starts with sys.stderr None, and the plain
+    # progress lines raised AttributeError: exit 1, no table, no --json document.
+    script = 'exec "$0" -c "from paramfold.cli import main; main()" "$@" 2>&-'
+    args = ["bench", "--layers", "1", "--width", "2", "--repeats", "1", "--steady-rounds", "1", "--variant", "hoist", "--json"]
+    res = subprocess.run(["sh", "-c", script, sys.executable, *args], stdout=subprocess.PIPE, text=True,
+                         env=ENV, cwd=tmp_path, timeout=300)
+    assert res.returncode == 0
+    assert [v["name"] for v in json.loads(res.stdout)["variants"]] == ["baseline", "stock", "hoist"]
+
+
 def test_python_dash_m_paramfold_is_the_cli():
     res = subprocess.run([sys.executable, "-m", "paramfold", "--version"], capture_output=True, text=True,
                          env=ENV, timeout=120)
@@ -1330,6 +1358,41 @@ def test_an_output_is_not_put_in_place_after_a_swallowed_signal(tmp_path):
             except KeyboardInterrupt:
                 pass  # dropped: the output is still not committed
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["entering", "leaving"])
+def test_a_second_signal_during_the_cleanup_leaves_no_temporary_file(tmp_path, monkeypatch, where):
+    # Regression (helper-200): Ctrl-C twice, or SIGINT then SIGTERM, while an output was written:
+    # the second signal's handler raised on the way into the cleanup's blocked section (a mask
+    # cannot stop a signal already received), before the temporary file was removed, and the
+    # command said "no output was written" beside a hidden .partial of the full size.
+    import contextlib
+
+    import paramfold.output
+    from paramfold.signals import Interrupted, signals_blocked, signals_raise
+
+    second = []
+
+    @contextlib.contextmanager
+    def second_signal_arrives():
+        if where == "entering" and not second:
+            second.append(signal.SIGTERM)
+            raise Interrupted(signal.SIGTERM)
+        with signals_blocked():
+            yield
+        if where == "leaving" and not second:
+            second.append(signal.SIGTERM)
+            raise Interrupted(signal.SIGTERM)
+
+    target = tmp_path / "o.bin"
+    target.write_bytes(b"before")
+    monkeypatch.setattr(paramfold.output, "signals_blocked", second_signal_arrives)
+    with signals_raise(), pytest.raises(Interrupted) as raised:
+        with paramfold.output.atomic_output(target) as f:
+            f.write(b"data")
+            raise Interrupted(signal.SIGINT)
+    assert raised.value.signum == signal.SIGINT and second  # the first says what happened
+    assert [p.name for p in tmp_path.iterdir()] == ["o.bin"] and target.read_bytes() == b"before"
 
 
 def test_a_signal_whose_exception_was_dropped_stops_bench_at_its_next_step(monkeypatch):

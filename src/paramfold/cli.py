@@ -524,7 +524,16 @@ def bench(
     else:
         from paramfold.bench import plain_progress
 
-        result = run(plain_progress(sys.stderr))
+        report = plain_progress(sys.stderr) if sys.stderr is not None else None  # (None: fd 2 closed)
+
+        def on_progress(done: int, total: int, label: str) -> None:
+            try:
+                if report is not None:
+                    report(done, total, label)
+            except (OSError, ValueError):  # stderr gone since (its reader went away): progress is only news
+                pass
+
+        result = run(on_progress)
 
     from paramfold.bench import SweepResult, print_sweep, print_table
     from paramfold.bench.plot import plot_ratios, plot_sweep

@@ -192,16 +192,29 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
         if pending is not None:  # unblocking delivered it already; this is the fallback
             raise Interrupted(pending)
     except OSError as e:
-        with signals_blocked():
-            tmp.unlink(missing_ok=True)
+        _discard(tmp)
         if e.filename in (None, str(tmp)):  # name the output, not the temporary file (gone now)
             hint = ": free some space or write the output elsewhere" if e.errno in _FULL else ""
             raise OutputError(f"{out}: cannot write: {e.strerror or e}{hint}; nothing was written", exit_code=1) from None
         raise
     except BaseException:
-        with signals_blocked():
-            tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    """Remove the temporary file, also where a second signal arrives meanwhile (Ctrl-C twice,
+    SIGINT then SIGTERM): its handler may raise on the way into or out of the blocked section,
+    which a mask cannot stop once the signal is received. Its exception is dropped here, and
+    raised again where the command ends (:func:`~paramfold.signals.signals_raise` remembers it);
+    the first one, on its way, says what happened."""
+    while True:
+        try:
+            with signals_blocked():
+                tmp.unlink(missing_ok=True)
+            return
+        except Interrupted:
+            continue
 
 
 def _temporary_prefix(name: str, parent: Path) -> str:
