@@ -584,3 +584,38 @@ def test_values_computed_inside_the_region_for_a_call_are_computed_there_again_i
     expected = _steps(stock, lambda m, x: m(x))
     torch._dynamo.reset()
     assert_same_nested(expected, _steps(paramfold.prepare(build(), mode), lambda m, x: m(x)))
+
+
+class _PreHookedCompiledBlocks(_CompiledBlocks):
+    """A forward pre-hook registered on each block during the call, before its region: every
+    value below is then computed as stock's (``scope_nested.computed_at_read``), a hook-based
+    norm's by its hook, back in."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        handles = [block.register_forward_pre_hook(lambda module, args: None) for block in self.blocks]
+        try:
+            return super().forward(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("layer", ["hook-weight_norm", "weight_norm"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_compiled_on_its_own_whose_hook_based_norms_hooks_are_back_in_replays_them_as_hooks(mode, layer):
+    # Regression: the forward's compiled code ran the hook (back in for the rest of the call),
+    # computing the weight with autograd in the region; the recomputation took the value left in
+    # __dict__ for one the scope served and replayed it without autograd, the hook out:
+    # torch's CheckpointError, another number of tensors saved.
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = _PreHookedCompiledBlocks(_BLOCK_LAYERS[layer])
+        for block in model.blocks:
+            block.compile(backend="eager")
+        return model
+
+    stock = build()
+    expected = _steps(stock, lambda m, x: m(x))
+    torch._dynamo.reset()
+    assert_same_nested(expected, _steps(paramfold.prepare(build(), mode), lambda m, x: m(x)))

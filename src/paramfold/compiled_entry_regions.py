@@ -37,6 +37,7 @@ from paramfold import hooknorms
 from paramfold.compute import checkpoint_frame, compute, computed_in_region, replay_index
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
+from paramfold.scope_nested import hook_in
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, tensor_label
 
 #: The attribute of a ``torch.utils.checkpoint`` frame that holds, per ``id(entry)``, one entry per
@@ -54,9 +55,12 @@ def values_now(state: ModuleState) -> dict[tuple[int, str], torch.Tensor]:
     found = {}
     for holder in state.holders:
         values = holder.__dict__
-        for name, site in values[STATE_ATTR].sites.items():
+        hs = values[STATE_ATTR]
+        for name, site in hs.sites.items():
             value = values.get(name)
-            if site.mode != "inline" and not site.at_read and isinstance(value, torch.Tensor):
+            # (A hook-based norm's hook back in: its module's call computes the value, as stock's.)
+            if site.mode != "inline" and not site.at_read and isinstance(value, torch.Tensor) and not (
+                    site.hook is not None and hook_in(hs, site)):
                 found[(id(holder), name)] = value
     return found
 
