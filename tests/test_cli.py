@@ -1069,6 +1069,14 @@ def test_bench_with_stderr_closed_prints_its_result(tmp_path):
     assert [v["name"] for v in json.loads(res.stdout)["variants"]] == ["baseline", "stock", "hoist"]
 
 
+def test_columns_zero_prints_the_report_at_a_usable_width(tmp_path, monkeypatch):
+    # Regression (helper-200): rich took COLUMNS=0 for a width of 0: audit printed nothing, exit 0.
+    monkeypatch.setenv("COLUMNS", "0")
+    res = _run("audit", str(_wn_checkpoint(tmp_path)))
+    assert res.exit_code == 0, res.output
+    assert "weight_norm dim=0" in res.stdout, res.stdout
+
+
 def test_python_dash_m_paramfold_is_the_cli():
     res = subprocess.run([sys.executable, "-m", "paramfold", "--version"], capture_output=True, text=True,
                          env=ENV, timeout=120)

@@ -234,6 +234,10 @@ class _Group(_PlainHelpFlag, TyperGroup):
         from paramfold.terminal import stdout_quiet_when_closed
 
         end_process = extra.pop("end_process", False)
+        columns = os.environ.get("COLUMNS")
+        if columns is not None and not (columns.strip().isdigit() and int(columns) > 0):
+            # rich takes COLUMNS=0 for a width of 0 and prints nothing at all; no width is the terminal's
+            del os.environ["COLUMNS"]
         _written.clear()  # a command called in the same process before this one wrote it, not this one
         _ran.clear()
         _said.clear()
