@@ -492,6 +492,24 @@ def test_new_outputs_get_normal_permissions_and_replaced_ones_keep_theirs(tmp_pa
 # -- hostile environment -----------------------------------------------------------------------------
 
 
+def test_a_factory_that_changes_directory_leaves_a_relative_out_where_it_was_checked(tmp_path, monkeypatch):
+    # Regression (helper-200): model code that chdirs (to read its configs) moved a relative OUT
+    # under the new working directory, not the path checked before any work; exit 0.
+    src = _wn_checkpoint(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "moving.py").write_text(
+        "import os, torch\nfrom torch.nn.utils.parametrizations import weight_norm\n"
+        f"def build():\n    os.chdir({str(elsewhere)!r})\n"
+        "    return torch.nn.Sequential(weight_norm(torch.nn.Linear(64, 64)), weight_norm(torch.nn.Linear(64, 4)))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    res = _run("fold", str(src), "o.safetensors", "--model", f"{tmp_path / 'moving.py'}:build")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "o.safetensors").is_file() and list(elsewhere.iterdir()) == []
+    assert Path.cwd() == tmp_path
+
+
 def test_factory_exits_and_interrupts_and_unexpected_errors_are_one_line(tmp_path, monkeypatch):
     src = _wn_checkpoint(tmp_path)
     (tmp_path / "factories.py").write_text(

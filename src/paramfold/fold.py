@@ -32,6 +32,7 @@ instead. Output goes through :mod:`paramfold.checkpoint`'s atomic writers (see
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -335,18 +336,31 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
     )
 
 
+@contextlib.contextmanager
+def _keeping_cwd() -> Iterator[None]:
+    cwd = os.getcwd()
+    try:
+        yield
+    finally:
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+
+
 def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], torch.nn.Module] | str,
                      dtype: torch.dtype | None) -> FoldResult:
-    factory = load_factory(model_factory) if isinstance(model_factory, str) else model_factory
     name = model_factory if isinstance(model_factory, str) else getattr(model_factory, "__qualname__", "model_factory")
-    try:
-        model = factory()
-    except (Exception, KeyboardInterrupt) as e:
-        if isinstance(e, KeyboardInterrupt) and from_signal(e):
-            raise  # a Ctrl-C or another signal while it ran, not the factory's failure
-        raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}" + (f": {e}" if str(e) else "")) from None
-    except SystemExit as e:
-        raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
+    # Model code that changes the working directory (to read its configs) leaves paramfold's own
+    # relative paths (OUT, checked before any work) meaning what the caller meant.
+    with _keeping_cwd():
+        factory = load_factory(model_factory) if isinstance(model_factory, str) else model_factory
+        try:
+            model = factory()
+        except (Exception, KeyboardInterrupt) as e:
+            if isinstance(e, KeyboardInterrupt) and from_signal(e):
+                raise  # a Ctrl-C or another signal while it ran, not the factory's failure
+            raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}" + (f": {e}" if str(e) else "")) from None
+        except SystemExit as e:
+            raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
     if not isinstance(model, torch.nn.Module):
         raise CheckpointError(f"--model {name}: the factory returned {with_article(type(model).__name__)}, not a torch.nn.Module")
     if dtype is not None:
