@@ -139,7 +139,7 @@ class _Local(threading.local):
     handing: dict[int, types.FrameType] = {}
     #: While an entry's scope opens in a checkpointed region's recomputation to replay a call its
     #: forward served (:mod:`paramfold.compiled_entry_regions`): what that call was served.
-    replay: dict[tuple[int, str], bool] | None = None
+    replay: dict[tuple[int, str], tuple[bool, bool]] | None = None
 
 
 _local = _Local()
