@@ -40,11 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import scope_nested as nested
 from paramfold.compile_reads import RefusedWhileCompiling
-from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, eager_value,
+from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, computed_for_recomputation,
+                               eager_value,
                                has_parametrizations, inspected_by_dynamo, parametrized_here, read_without_grad)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
@@ -698,12 +698,7 @@ def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
                 "Prepare this module with mode='inline' (filter_fn), or call model.eval()."
             )
         if not in_graph:
-            # Outside the region's dispatch modes too: selective checkpointing's cache refuses
-            # ops its forward never ran.
-            with torch.no_grad(), _disable_current_modes():
-                value = compute(module, name)
-            # The recomputation runs with grad enabled, as the checkpointed forward did.
-            return value.detach().requires_grad_(chain_needs_grad(site))
+            return computed_for_recomputation(functools.partial(compute, module, name), chain_needs_grad(site))
     return eager_value(module, name)
 
 

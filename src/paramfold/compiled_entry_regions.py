@@ -10,7 +10,7 @@ values with autograd inside the region, saving tensors its forward never saved (
 ``CheckpointError`` about recomputed metadata).
 
 So the forward notes on the region's frame each such call, with the values its compiled code
-found (:func:`noted_call`), and the recomputation opens the block's scope for a noted call as a
+found (:func:`noting`), and the recomputation opens the block's scope for a noted call as a
 *replay* (:func:`replay`, :func:`replayed_value`): a value the scope served in the forward is
 computed again without autograd, outside the region's dispatch modes (selective checkpointing's
 cache refuses ops its forward never ran), a leaf that requires grad where the forward's value did;
@@ -26,15 +26,15 @@ per call cannot reproduce.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import hooknorms
-from paramfold.compute import checkpoint_frame, compute, computed_in_region, replay_index
+from paramfold.compute import checkpoint_frame, compute, computed_for_recomputation, computed_in_region, replay_index
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.scope_nested import hook_in
@@ -51,7 +51,7 @@ _REPLAYED = "_paramfold_entry_replayed"
 
 
 def values_now(state: ModuleState) -> dict[tuple[int, str], torch.Tensor]:
-    """The values in the ``__dict__`` of the holders below an entry (see :func:`noted_call`)."""
+    """The values in the ``__dict__`` of the holders below an entry (see :func:`noting`)."""
     found = {}
     for holder in state.holders:
         values = holder.__dict__
@@ -65,22 +65,29 @@ def values_now(state: ModuleState) -> dict[tuple[int, str], torch.Tensor]:
     return found
 
 
-def noted_call(entry: nn.Module, state: ModuleState, before: dict, call: Callable, *args: Any, **kwargs: Any) -> Any:
+def noting(entry: nn.Module, state: ModuleState, call: Callable) -> Callable:
     """``call`` of ``entry`` nested in an open call scope, inside a saved-tensors hook: where that
-    is a non-reentrant region's forward, what its compiled code is served is noted first, as it
-    is when it starts (``before``: the values when the call began, :func:`values_now`)."""
+    is a non-reentrant region's forward, one that first notes what its compiled code is served,
+    as it is when it starts (after the nested check computed what changed); else ``call``."""
     region = checkpoint_frame()
-    if region is not None and region[0] is not None and not region[1]:
-        noted = {key: (value is not before.get(key) or value in computed_in_region, value.requires_grad)
-                 for key, value in values_now(state).items()}
-        region[0].__dict__.setdefault(_CALLS, {}).setdefault(id(entry), []).append(noted)
+    if region is None or region[0] is None or region[1]:
+        return call
+    return functools.partial(_noted_call, region[0], entry, state, values_now(state), call)
+
+
+def _noted_call(frame: object, entry: nn.Module, state: ModuleState, before: dict, call: Callable,
+                *args: Any, **kwargs: Any) -> Any:
+    """:func:`noting`'s call (``before``: the values when the call began, :func:`values_now`)."""
+    noted = {key: (value is not before.get(key) or value in computed_in_region, value.requires_grad)
+             for key, value in values_now(state).items()}
+    frame.__dict__.setdefault(_CALLS, {}).setdefault(id(entry), []).append(noted)
     return call(*args, **kwargs)
 
 
 def replay(entry: nn.Module) -> dict[tuple[int, str], tuple[bool, bool]] | None:
     """At a call of ``entry`` that opens a scope of its own (where a saved-tensors hook is set):
     in a non-reentrant region's recomputation, what the matching call of its forward was served
-    (see :func:`noted_call`), for the scope to replay; else None (the scope opens as any other)."""
+    (see :func:`noting`), for the scope to replay; else None (the scope opens as any other)."""
     region = checkpoint_frame()
     if region is None or region[0] is None or not region[1]:
         return None
@@ -94,7 +101,7 @@ def replay(entry: nn.Module) -> dict[tuple[int, str], tuple[bool, bool]] | None:
 
 def replayed_value(holder: nn.Module, name: str, site: SiteState, noted: tuple[bool, bool]) -> torch.Tensor:
     """The value of a site for the recomputation of a call its forward served it in (see the
-    module's docstring): ``noted``, as :func:`noted_call` noted it."""
+    module's docstring): ``noted``, as :func:`noting` noted it."""
     computed, requires_grad = noted
     if site.training_stateful:
         raise FoldError(
@@ -104,12 +111,12 @@ def replayed_value(holder: nn.Module, name: str, site: SiteState, noted: tuple[b
             "checkpointed region, which a value computed once per call cannot reproduce. Prepare this "
             "module with mode='inline' (filter_fn), checkpoint with use_reentrant=True, or call model.eval()."
         )
+    value = (functools.partial(compute, holder, name) if site.hook is None
+             else functools.partial(hooknorms.compute, holder, site.hook, site.hook_kind))
     if computed:  # computed for the call inside the region in the forward: the same again
         with torch.set_grad_enabled(requires_grad):
-            return compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
-    with torch.no_grad(), _disable_current_modes():
-        value = compute(holder, name) if site.hook is None else hooknorms.compute(holder, site.hook, site.hook_kind)
-    return value.detach().requires_grad_(requires_grad)
+            return value()
+    return computed_for_recomputation(value, requires_grad)
 
 
 # paramfold's own work: dynamo runs it eagerly when it meets it as a frame (paramfold.frames).

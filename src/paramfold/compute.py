@@ -23,6 +23,7 @@ from operator import attrgetter, call, itemgetter
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 from torch.ao.quantization.fake_quantize import FakeQuantizeBase
@@ -531,6 +532,17 @@ def checkpoint_frame() -> tuple[object, bool] | None:
     except (AttributeError, KeyError, TypeError, ValueError):  # another torch's layout
         frame = None
     return frame, recomputing
+
+
+def computed_for_recomputation(value: Callable[[], torch.Tensor], requires_grad: bool) -> torch.Tensor:
+    """``value()`` for a checkpointed region's recomputation, where its forward was served a value
+    computed before the region: without autograd (the gradient flows through the graph the
+    forward's value recorded), outside the region's dispatch modes (selective checkpointing's
+    cache refuses ops its forward never ran), a leaf that requires grad where the forward's did
+    (the recomputation runs with grad enabled, as the forward did)."""
+    with torch.no_grad(), _disable_current_modes():
+        computed = value()
+    return computed.detach().requires_grad_(requires_grad)
 
 
 def replay_index(notes: dict, attr: str, key: object) -> int:

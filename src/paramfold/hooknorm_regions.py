@@ -26,12 +26,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
 from paramfold import hooknorms
-from paramfold.compute import checkpoint_frame, computed_in_region, replay_index
+from paramfold.compute import checkpoint_frame, computed_for_recomputation, computed_in_region, replay_index
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import chain_needs_grad
@@ -122,14 +120,13 @@ def _replayed_call(module: nn.Module, served: list[tuple[str, SiteState]], *args
                 "call cannot reproduce. Prepare this module with mode='inline' (filter_fn), checkpoint with "
                 "use_reentrant=True, or call model.eval()."
             )
-    with torch.no_grad(), _disable_current_modes():
-        values = {name: hooknorms.compute(module, site.hook, site.hook_kind) for name, site in served}
+    values = {name: computed_for_recomputation(functools.partial(hooknorms.compute, module, site.hook, site.hook_kind),
+                                               chain_needs_grad(site)) for name, site in served}
     hooks = [site.hook for _, site in served]
     taken = hooknorms.detach(module, [k for k, h in module._forward_pre_hooks.items() if any(h is x for x in hooks)])
     before = {name: module.__dict__.get(name, _MISSING) for name in values}
     try:
-        for name, site in served:
-            module.__dict__[name] = values[name].requires_grad_(chain_needs_grad(site))
+        module.__dict__.update(values)
         return module._call_impl(*args, **kwargs)
     finally:
         for name, value in before.items():

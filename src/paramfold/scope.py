@@ -1231,8 +1231,7 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         if _through_cache(module):
             compiled = functools.partial(_call_eagerly, module)
         if _saved_tensors_hooks(True) is not None and not parametrize._cache_enabled:  # a checkpoint region?
-            compiled = functools.partial(entry_regions.noted_call, module, state, entry_regions.values_now(state),
-                                         compiled)
+            compiled = entry_regions.noting(module, state, compiled)
         return _nested(module, compiled)(*args, **kwargs)
     if _local.enclosing is not None and (scope := _enclosing(module)) is not None:
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
