@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold import changed_call_regions as changed_regions
 from paramfold import scope_nested as nested
 from paramfold.compile_reads import RefusedWhileCompiling
 from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, computed_for_recomputation,
@@ -723,12 +724,14 @@ def _read_key(module: nn.Module, name: str, site: SiteState | None) -> tuple:
     replays: the tensor, the grad mode and autocast state, and whether the originals and the
     chain are those the call scope's value was computed from. A read served that value in the
     forward differs from one computed there (``scope_nested.call_changed`` computes where one of
-    those differs), and the recomputation reads under the same ones as its forward."""
+    those differs), and the recomputation reads under the same ones as its forward; and whether
+    it is made inside a call changed in the region (:mod:`paramfold.changed_call_regions`): a
+    read outside it was served the scope's value."""
     if site is None:
-        return (id(module), name)
+        return (id(module), name, changed_regions.inside())
     chain = site.plist is None or tuple(site.plist._modules.values()) == (site.read_chain or site.modules)
     return (id(module), name, torch.is_grad_enabled(), autocast_state(),
-            nested.same(nested.inputs(site), site.read_from), chain)
+            nested.same(nested.inputs(site), site.read_from), chain, changed_regions.inside())
 
 
 def _forward_is_torchs(base: type) -> bool:

@@ -37,7 +37,7 @@ from paramfold import hooknorms
 from paramfold.compute import checkpoint_frame, compute, computed_for_recomputation, computed_in_region, replay_index
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.scope_nested import hook_in
+from paramfold.scope_nested import Installs, hook_in
 from paramfold.state import STATE_ATTR, ModuleState, SiteState, tensor_label
 
 #: The attribute of a ``torch.utils.checkpoint`` frame that holds, per ``id(entry)``, one entry per
@@ -97,6 +97,23 @@ def replay(entry: nn.Module) -> dict[tuple[int, str], tuple[bool, bool]] | None:
         return None
     i = replay_index(notes, _REPLAYED, id(entry))
     return calls[i] if i < len(calls) else None
+
+
+def at_read_flags(state: ModuleState) -> list[tuple[SiteState, bool]]:
+    """Which sites below an entry are computed where read, before a replay of its call sets
+    them as its forward had them: the region's later reads (outside the replayed call,
+    ``classes.read_outside_scope``) replay their forward, where the scope's flags held."""
+    return [(site, site.at_read) for holder in state.holders for site in holder.__dict__[STATE_ATTR].sites.values()]
+
+
+def put_flags_back(flags: list[tuple[SiteState, bool]]) -> None:
+    """Put back :func:`at_read_flags` after the replay (the nested checks made since are built again)."""
+    changed = False
+    for site, at_read in flags:
+        changed |= site.at_read != at_read
+        site.at_read = at_read
+    if changed:
+        Installs.count += 1
 
 
 def replayed_value(holder: nn.Module, name: str, site: SiteState, noted: tuple[bool, bool]) -> torch.Tensor:

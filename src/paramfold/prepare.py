@@ -436,12 +436,28 @@ def _plan(
 
     path_of = {module: path for path, module in paths.items()}
     top = _call_root(model)
-    for holder, path in holder_paths.items():
-        for ancestor_path in _ancestors(path, path_of[top]):
-            state(paths[ancestor_path]).holders.append(holder)
+    # Every path of a module the model holds at several places (a layer two blocks share): the
+    # block on its second path calls it too, so its scope serves it, and its nested check and a
+    # checkpointed region's replay of a call of it compiled on its own see it.
+    inside = parametrization_paths(model)
+    at: dict[str, nn.Module] = {}
+    every_path: dict[nn.Module, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if path not in inside:
+            at[path] = module
+            every_path.setdefault(module, []).append(path)
+    for holder in holder_paths:
+        for path in every_path[holder]:
+            for ancestor_path in _ancestors(path, path_of[top]):
+                hs = state(at[ancestor_path])
+                if holder not in hs.holders:
+                    hs.holders.append(holder)
     for module in list(states):
-        for ancestor_path in _ancestors(path_of[module], path_of[top]):
-            states[paths[ancestor_path]].entries.append(module)
+        for path in every_path[module]:
+            for ancestor_path in _ancestors(path, path_of[top]):
+                es = states[at[ancestor_path]]
+                if module not in es.entries:
+                    es.entries.append(module)
 
     planned = {}
     for module, st in states.items():

@@ -67,6 +67,7 @@ from torch.utils.hooks import RemovableHandle as _Handle
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold import changed_call_regions as changed_regions
 from paramfold import compile_leaves as leaves
 from paramfold import compiled_entry_regions as entry_regions
 from paramfold import compile_regions
@@ -1237,7 +1238,9 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
         return _reentered(scope, _scoped_compiled_call, module, compiled, *args, **kwargs)
     dynamo = _eval_frame_callback() is not None
     # A checkpointed region's recomputation of a call its forward served from the scope around it?
-    _local.replay = entry_regions.replay(module) if _saved_tensors_hooks(True) is not None else None
+    replay = _local.replay = entry_regions.replay(module) if _saved_tensors_hooks(True) is not None else None
+    # (A replay sets which sites are computed where read for itself only.)
+    flags = entry_regions.at_read_flags(module.__dict__[STATE_ATTR]) if replay is not None else None
     try:
         opened = _outside_dynamo(_open, module) if dynamo else _open(module)
     finally:
@@ -1263,6 +1266,9 @@ def _scoped_compiled_call(module: nn.Module, compiled: Callable, *args: Any, **k
             _outside_dynamo(_close, previous, claimed, stopped)
         else:
             _close(previous, claimed, stopped)
+        if flags is not None:
+            with _LOCK:
+                entry_regions.put_flags_back(flags)
 
 
 def _opens_eagerly(entry: nn.Module) -> bool:
@@ -1327,6 +1333,19 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         if compiling() or _fx_tracing():  # (torch.fx: as in root_call)
             return compiled
         return _answered(self, functools.partial(_scoped_compiled_call, self, compiled))
+    if torch.compiler.is_compiling() and (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
+                                          or self._backward_pre_hooks or any(GLOBAL_HOOKS)):
+        # Traced: dynamo inlines the call of a module with hooks through _wrapped_call_impl;
+        # stock's attribute is None, and so is this one's, but for a hook-based norm's layer
+        # while a checkpointed region that noted a call lives (below: its recomputation may
+        # replay it). Asked before the open scope and the module's identity, which dynamo would
+        # guard on: same-architecture blocks compiled on their own compile once, as stock's do,
+        # and a region's recomputation (a scope of the block's own) reuses the forward's code.
+        # (Below, a call claiming another thread's values, or nested in a scope, comes to the
+        # same under tracing.)
+        state = self.__dict__.get(STATE_ATTR)
+        if state is None or not (state.hook_sites and hook_regions.live):
+            return None
     covered = local.covered
     # (Empty first: traced inside a function compiled around the model, where no scope is open,
     # dynamo then guards on no module's identity, so copies of one model share its graphs.)
@@ -1340,22 +1359,23 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
             # claims them as its own entry would (shares them, or is refused), rather than
             # reading them as they are (without their autograd history, or another autocast's).
             return _answered(self, functools.partial(_scoped_compiled_call, self, self._call_impl))
-        # A checkpoint's recomputation? (Traced, asked only while a region that noted a call lives.)
-        if (state.hook_sites and (hook_regions.live or not torch.compiler.is_dynamo_compiling())
-                and _saved_tensors_hooks(True) is not None):
-            replayed = hook_regions.replay(self, state)
-            if replayed is not None:
-                return _answered(self, replayed)
+        # A checkpoint's recomputation? (Traced: asked only of hook-based norms' layers, while a
+        # region that noted a call lives.)
+        traced = torch.compiler.is_dynamo_compiling()
+        if (not traced or (state.hook_sites and hook_regions.live)) and _saved_tensors_hooks(True) is not None:
+            replayed = hook_regions.replay(self, state) if state.hook_sites else None
+            marked = None if traced else changed_regions.replay(self, replayed or self._call_impl)
+            if marked is not None or replayed is not None:
+                return _answered(self, marked or replayed)
         return None
     if local.opened is self:
         local.opened = None
         return None
     if (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
             or any(GLOBAL_HOOKS)) and torch.compiler.is_compiling():
-        # Traced: dynamo inlines the call of a module with hooks through _wrapped_call_impl;
-        # stock's attribute is None. Reading on would put guards on this scope's bookkeeping (its
-        # nested check, a process-wide count of changed inputs), each change a recompile. (Asked
-        # only of modules with hooks: an eager call of one without pays no frame for it.)
+        # Traced (a hook-based norm's layer while a region lives, above): reading on would put
+        # guards on this scope's bookkeeping (its nested check, a process-wide count of changed
+        # inputs), each change a recompile.
         return None
     state = self.__dict__[STATE_ATTR]
     # A hook registered somewhere since this module's last check, or a check made for another call.

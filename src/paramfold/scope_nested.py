@@ -53,8 +53,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from paramfold import changed_call_regions as changed_regions
 from paramfold import hooknorms, unread
-from paramfold.compute import (any_autocast, autocast_state, checkpoint_frame, compute, computed_in_region, dispatch_modes, function_modes, mode_stack,
+from paramfold.compute import (any_autocast, autocast_state, compute, computed_in_region, dispatch_modes, function_modes, mode_stack,
                                read_without_grad)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
@@ -423,6 +424,9 @@ def call_changed(
     mode and autocast state now (calls nested in it compare with those); the ones found to be put
     back are put back after. ``busy(entry)`` is raised where another thread shares a value."""
     put_back, block_back = [], []
+    # (Inside a non-reentrant checkpoint region, the reads in the call are told from those outside it.)
+    marked = changed_regions.marking(entry, call)
+    in_region, call = marked is not call, marked
     outer = local.context
     if outer is not None:
         local.context = context()
@@ -437,7 +441,6 @@ def call_changed(
     # from reads served a value computed before the region. There the value to be put back is
     # taken out for the call instead: each read computes it like stock, through the descriptor,
     # which notes it for the recomputation (classes.read_outside_scope).
-    in_region = checkpoint_frame() is not None
     try:
         with lock:
             for holder, name, swapped, appended in found:
