@@ -267,3 +267,35 @@ def test_meta_device_init_then_to_empty_and_load_trains_like_stock(kind, mode):
         models.append(model)
     _assert_same_steps(*records)
     assert_same_state(*models)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_a_filter_of_torchs_own_modules_guards_keeps_a_spectral_norms_training_flag(mode):
+    # Regression (inline): the prepared class took its base's module (torch.nn.modules.linear),
+    # so dynamo took the layer for one of torch's own, and the filter dropped the guards reached
+    # through it: the chain's training flag too. A train()/eval() switch reran the graph of the
+    # first call, never the power iteration (stock's Parametrized* class is a user module to
+    # dynamo, whose guards the filter keeps: it recompiles).
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def build_sn() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(spectral_norm(torch.nn.Linear(8, 8)), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        with torch.no_grad():  # far from converged: each power iteration moves the value
+            model[0].parametrizations.weight.original.mul_(3)
+            model[0].parametrizations.weight[0]._u.copy_(torch.randn(8))
+        return model
+
+    found = []
+    for model in (build_sn(), paramfold.prepare(build_sn(), mode)):
+        compiled = torch.compile(model, backend="eager",
+                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe})
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            outputs = [compiled(x) for training in (False, True, False, True) if model.train(training) is model]
+        found.append((outputs, model.state_dict()))
+        torch._dynamo.reset()
+    (expected, expected_state), (outputs, state) = found
+    for e, a in zip(expected, outputs):
+        assert torch.equal(e, a)
+    assert all(torch.equal(expected_state[k], state[k]) for k in expected_state)

@@ -270,10 +270,19 @@ def _dir_as_stock(base: type, served: frozenset[str]) -> Callable:
     return __dir__
 
 
+#: The modules whose classes dynamo takes for torch's own (``UnspecializedBuiltinNNModuleVariable``).
+_TORCH_OWN = ("torch.nn.modules", "torch.ao.")
+
+
 def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[str, property],
                 hooked: frozenset[str] = frozenset()) -> type:
     namespace: dict[str, object] = {
-        "__module__": base.__module__,
+        # A class with tensors computed in compiled code (inline's) is a user module to dynamo, as
+        # stock's Parametrized* class is: a guard filter that drops the guards of torch's own
+        # modules (torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe) keeps its chain's (a
+        # spectral_norm member's training flag). Hoisted and frozen values are plain inputs, as
+        # the plain model's parameters are: their classes stay torch's own to dynamo.
+        "__module__": parametrize.__name__ if inline and base.__module__.startswith(_TORCH_OWN) else base.__module__,
         "__qualname__": base.__qualname__,
         "_paramfold_names": names,
         "_paramfold_base": base,
