@@ -782,3 +782,40 @@ def test_a_training_stateful_chain_of_inference_tensors_keeps_its_state_as_in_st
             with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
                 model(x)
     assert_same_tensors(stock.state_dict(), prepared.state_dict())
+
+
+class _Rounding(torch.utils._python_dispatch.TorchDispatchMode):
+    """A user's mode that changes results: every new float tensor rounded to 1/64."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and not func._schema.is_mutable and not out._is_view():
+            return (out * 64).round() / 64
+        return out
+
+
+class _RoundingFunctions(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and func is not torch.Tensor.copy_:
+            return (out * 64).round() / 64
+        return out
+
+
+@pytest.mark.parametrize("user_mode", [_Rounding, _RoundingFunctions], ids=["dispatch-mode", "function-mode"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_skipped_in_a_call_under_a_users_mode_keeps_its_state_as_in_stock(mode, kind, user_mode):
+    # Regression: the copy of the skipped layer's _u/_v taken before the scope computed its
+    # value ran under the user's mode, which rounded it, and the rounded copy was put back.
+    stock, prepared = _twins(lambda: Branches(kind), mode)
+    x = torch.randn(3, 4)
+    for model in (stock, prepared):
+        model.use_b = True
+        model(x)
+        model.use_b = False
+        with user_mode():
+            model(x)  # b's value unread
+        model.use_b = True
+    assert_same_tensors(_buffers(stock), _buffers(prepared))
+    assert torch.equal(stock(x), prepared(x))

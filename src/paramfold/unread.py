@@ -25,10 +25,11 @@ from operator import attrgetter, is_
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.nn.utils import parametrize
 
 from paramfold import hooknorms
-from paramfold.compute import checkpoint_frame
+from paramfold.compute import checkpoint_frame, dispatch_modes, function_modes
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import bitwise
@@ -76,15 +77,13 @@ class Copies:
             self.versions = list(map(_version, tensors))
         except RuntimeError:  # an inference tensor, which has none (version_of)
             self.versions = list(map(version_of, tensors))
-        # One op for all where nothing changed their dtypes since ``dtypes`` was taken (through
-        # ``.data``, which no dict tag sees); else one clone each.
-        copy = None
-        if dtypes is not None and tuple(map(_dtype, tensors)) == dtypes:
-            try:
-                copy = torch.cat(tensors)
-            except RuntimeError:  # not 1-D any more
-                pass
-        self.copy = copy if copy is not None else [t.clone() for t in tensors]
+        if function_modes() or dispatch_modes():
+            # A user's torch mode (one that rounds every result) must neither see nor change
+            # this copy: stock makes none, and what it holds is put back as the state.
+            with torch._C.DisableTorchFunction(), _disable_current_modes():
+                self.copy = _copied(tensors, dtypes)
+        else:
+            self.copy = _copied(tensors, dtypes)
         self.after: list[int] | None = None
         #: By index, each entry the computation's assignment stored another tensor in: what it
         #: stored (None: taken out) and that tensor's version then.
@@ -125,14 +124,26 @@ class Copies:
 
     def restore(self, lo: int, hi: int) -> None:
         """Copy back ``tensors[lo:hi]``, each where no one but the computation wrote it since, into
-        its dict entry again where the computation stored another tensor there."""
+        its dict entry again where the computation stored another tensor there (outside any
+        user's torch mode, as the copy was taken)."""
         replaced = self.replaced or ()
-        with torch.no_grad():
+        with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
             for i, part in enumerate(self.put_back_parts(lo, hi), lo):
                 if part is not None:
                     copy_back(self.tensors[i], part, self.versions[i])
                     if i in replaced:  # straight into the dict: stock ran no assignment (nor its hooks)
                         self.dicts[i][self.keys[i]] = self.tensors[i]
+
+
+def _copied(tensors: list[torch.Tensor], dtypes: tuple | None) -> torch.Tensor | list[torch.Tensor]:
+    """A copy of ``tensors``: one op for all where nothing changed their dtypes since ``dtypes``
+    was taken (through ``.data``, which no dict tag sees); else one clone each."""
+    if dtypes is not None and tuple(map(_dtype, tensors)) == dtypes:
+        try:
+            return torch.cat(tensors)
+        except RuntimeError:  # not 1-D any more
+            pass
+    return [t.clone() for t in tensors]
 
 
 def stamp(t: torch.Tensor) -> int | torch.Tensor | None:
