@@ -953,3 +953,42 @@ def test_remove_parametrizations_inside_a_call_leaves_the_layer_plain_like_stock
     paramfold.restore(ours)
     for _ in range(2):
         same_step()
+
+
+def test_a_model_built_under_fake_tensor_mode_is_refused_and_the_process_lives(tmp_path):
+    # Regression: find() and prepare() copied the custom member (copy.deepcopy) to probe it;
+    # torch cannot copy a 0-d fake Parameter, and a few failed copies corrupted the heap: the
+    # process aborted ("corrupted double-linked list") or segfaulted. Stock builds and calls
+    # such a model (memory estimators do). In a subprocess: the bug killed the interpreter.
+    import subprocess
+    import sys
+
+    script = tmp_path / "fake_model.py"
+    script.write_text(
+        "import torch, paramfold\n"
+        "from torch import nn\n"
+        "from torch.nn.utils import parametrize\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "class Scale(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.s = nn.Parameter(torch.tensor(1.5))\n"
+        "    def forward(self, w):\n"
+        "        return w * self.s\n"
+        "with FakeTensorMode():\n"
+        "    model = nn.Linear(8, 8)\n"
+        "    parametrize.register_parametrization(model, 'weight', Scale())\n"
+        "    before = type(model)\n"
+        "    for act in (paramfold.find, lambda m: paramfold.prepare(m, 'hoist'), lambda m: paramfold.prepare(m, 'auto')):\n"
+        "        try:\n"
+        "            act(model)\n"
+        "        except paramfold.FoldError as e:\n"
+        "            assert 'FakeTensorMode' in str(e), e\n"
+        "        else:\n"
+        "            raise AssertionError('not refused')\n"
+        "        assert type(model) is before\n"
+        "    assert model(torch.randn(2, 8)).shape == (2, 8)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.returncode, done.stderr[-2000:])

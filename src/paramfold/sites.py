@@ -15,8 +15,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from paramfold.errors import FoldError
 from paramfold.compute import has_parametrizations, is_nested, leaf_originals, members, original_names
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import generator_state, generators, global_generator_states, same, set_global_generator_states, snapshot
@@ -349,18 +351,32 @@ def draws_random_numbers(module: nn.Module, name: str, stateful: bool = False, s
     return any(draws_random_numbers(plist, n) for n in original_names(plist) if parametrize.is_parametrized(plist, n))
 
 
-class CannotProbeNow(Exception):
+class CannotProbeNow(FoldError):
     """A chain cannot be probed now: inside a ``torch.func`` transform, tensors swapped into it
     (``vmap(functional_call(model, stacked))``) are the transform's wrappers, which cannot be
-    copied. The caller computes the value where it is read, as stock does, and probes later."""
+    copied; fake tensors (``FakeTensorMode``) are not copied either. Inside a call, the caller
+    computes the value where it is read, as stock does, and probes later; ``find`` and
+    ``prepare`` refuse (a model built under ``FakeTensorMode``)."""
 
 
 def _deepcopy(module: nn.Module) -> nn.Module:
+    if any(map(is_fake, module.parameters())) or any(map(is_fake, module.buffers())):
+        # torch's deepcopy of some fake tensors fails (a 0-d fake Parameter), and a few failed
+        # copies corrupt the process's heap: never tried.
+        raise CannotProbeNow(
+            f"{type(module).__name__} holds fake tensors (built under FakeTensorMode, as memory "
+            "estimators do): paramfold probes a custom parametrization on a copy of it, which "
+            "torch cannot make of fake tensors. Prepare the real model, or one built on the meta "
+            "device (then to_empty() and load the weights); the model was not changed."
+        )
     try:
         return copy.deepcopy(module)
     except Exception:
         if innermost_transform() is not None:
-            raise CannotProbeNow from None
+            raise CannotProbeNow(
+                f"{type(module).__name__} cannot be copied inside a torch.func transform (its tensors "
+                "are the transform's wrappers): prepare the model outside the transform."
+            ) from None
         raise
 
 
