@@ -56,6 +56,16 @@ def _steps(model: nn.Module, call, input_grad: bool = True, steps: int = 2) -> l
     return found
 
 
+def _stock_steps(build, steps: int = 2) -> tuple[list, int]:
+    """:func:`_steps` of the stock model ``build()`` makes, called, and the graphs dynamo made for
+    it; dynamo and its counters reset after, for the prepared twin."""
+    expected = _steps(build(), lambda m, x: m(x), steps=steps)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return expected, graphs
+
+
 def _same_as_stock(stock: nn.Module, mode: str, call, input_grad: bool = True) -> None:
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
     expected = _steps(stock, call, input_grad)
@@ -503,11 +513,7 @@ def test_a_block_compiled_on_its_own_checkpointed_inside_the_call_equal_to_stock
             block.compile(backend=backend)
         return model
 
-    stock = build()
-    expected = _steps(stock, lambda m, x: m(x))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    expected, graphs = _stock_steps(build)
     ours = build()
     paramfold.prepare(ours, mode)
     assert_same_nested(expected, _steps(ours, lambda m, x: m(x)))
@@ -670,11 +676,7 @@ def test_a_layer_two_blocks_share_called_in_one_region_equal_to_stock(mode, laye
             model.b2.compile(backend="eager")
         return model
 
-    stock = build()
-    expected = _steps(stock, lambda m, x: m(x))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    expected, graphs = _stock_steps(build)
     ours = paramfold.prepare(build(), mode)
     found = _steps(ours, lambda m, x: m(x))
     if selective or mode == "inline":
@@ -725,11 +727,7 @@ def test_a_layer_called_and_its_tensor_read_in_a_selective_region_equal_to_stock
             model.block.compile(backend="eager")
         return model
 
-    stock = build()
-    expected = _steps(stock, lambda m, x: m(x))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    expected, graphs = _stock_steps(build)
     assert_same_nested(expected, _steps(paramfold.prepare(build(), mode), lambda m, x: m(x)))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= graphs
 
@@ -765,10 +763,6 @@ def test_blocks_with_pre_hooks_compiled_on_their_own_compile_like_stock(mode, la
         torch.manual_seed(0)
         return _PreHookedBlocks(_BLOCK_LAYERS[layer], region)
 
-    stock = build()
-    expected = _steps(stock, lambda m, x: m(x), steps=3)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    expected, graphs = _stock_steps(build, steps=3)
     assert_same_nested(expected, _steps(paramfold.prepare(build(), mode), lambda m, x: m(x), steps=3))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= graphs
