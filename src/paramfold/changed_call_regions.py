@@ -14,10 +14,10 @@ be computed in the region too, saving tensors its forward never saved (torch's
 ``CheckpointError``; under selective checkpointing, "invocation index ... not found in storage").
 
 So the forward notes on the region's frame each entry whose call was changed there
-(:func:`marking`), a read's key says whether it is made inside such a call (:func:`inside`), and
-in the recomputation each call of a noted entry runs marked as one (:func:`replay`, in
-eager calls only: code dynamo traces needs none). (An entry
-called in the region both changed and not is marked in every call of the recomputation; a read
+(:func:`marking`), and a read's key says whether it is made inside such a call
+(:func:`inside`): in the recomputation, inside a call of a noted entry, found on the stack (only
+there, a rare path: no module's call pays for it). (An entry
+called in the region both changed and not counts as changed in every call of the recomputation; a read
 inside its unchanged call reaches the descriptor only where it has no value in ``__dict__``,
 which is computed where read in both.)
 """
@@ -25,6 +25,7 @@ which is computed where read in both.)
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,27 @@ _local = _Local()
 
 
 def inside() -> bool:
-    """Whether this read is made inside a call changed in a checkpoint region (or its replay)."""
-    return _local.depth > 0
+    """Whether this read is made inside a call changed in a checkpoint region: in the forward,
+    inside :func:`marking`'s call; in the recomputation (no scope open, so nothing is marked),
+    inside a call of an entry whose call its forward changed, found on the Python stack."""
+    if _local.depth > 0:
+        return True
+    region = checkpoint_frame()
+    if region is None or region[0] is None or not region[1]:
+        return False
+    changed = region[0].__dict__.get(_CHANGED)
+    if not changed:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES and id(frame.f_locals.get("self")) in changed:
+            return True
+        frame = frame.f_back
+    return False
+
+
+#: The frames of a module's call (its ``self`` the module).
+_CALL_CODES = frozenset((nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__))
 
 
 def _marked(call: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -70,18 +90,6 @@ def marking(entry: nn.Module, call: Callable) -> Callable:
     frame, recomputing = region
     if frame is not None and not recomputing:
         frame.__dict__.setdefault(_CHANGED, set()).add(id(entry))
-    return functools.partial(_marked, call)
-
-
-def replay(module: nn.Module, call: Callable) -> Callable | None:
-    """At an eager call of ``module`` with no call scope over it (where a saved-tensors hook is
-    set): in a non-reentrant region's recomputation whose forward changed a call of it, ``call``
-    marked; else None."""
-    region = checkpoint_frame()
-    if region is None or region[0] is None or not region[1]:
-        return None
-    if id(module) not in region[0].__dict__.get(_CHANGED, ()):
-        return None
     return functools.partial(_marked, call)
 
 

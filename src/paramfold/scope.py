@@ -67,7 +67,6 @@ from torch.utils.hooks import RemovableHandle as _Handle
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold import changed_call_regions as changed_regions
 from paramfold import compile_leaves as leaves
 from paramfold import compiled_entry_regions as entry_regions
 from paramfold import compile_regions
@@ -1333,8 +1332,8 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         if compiling() or _fx_tracing():  # (torch.fx: as in root_call)
             return compiled
         return _answered(self, functools.partial(_scoped_compiled_call, self, compiled))
-    if torch.compiler.is_compiling() and (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
-                                          or self._backward_pre_hooks or any(GLOBAL_HOOKS)):
+    if (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
+            or any(GLOBAL_HOOKS)) and torch.compiler.is_compiling():
         # Traced: dynamo inlines the call of a module with hooks through _wrapped_call_impl;
         # stock's attribute is None, and so is this one's, but for a hook-based norm's layer
         # while a checkpointed region that noted a call lives (below: its recomputation may
@@ -1359,14 +1358,12 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
             # claims them as its own entry would (shares them, or is refused), rather than
             # reading them as they are (without their autograd history, or another autocast's).
             return _answered(self, functools.partial(_scoped_compiled_call, self, self._call_impl))
-        # A checkpoint's recomputation? (Traced: asked only of hook-based norms' layers, while a
-        # region that noted a call lives.)
-        traced = torch.compiler.is_dynamo_compiling()
-        if (not traced or (state.hook_sites and hook_regions.live)) and _saved_tensors_hooks(True) is not None:
-            replayed = hook_regions.replay(self, state) if state.hook_sites else None
-            marked = None if traced else changed_regions.replay(self, replayed or self._call_impl)
-            if marked is not None or replayed is not None:
-                return _answered(self, marked or replayed)
+        # A checkpoint's recomputation? (Traced, asked only while a region that noted a call lives.)
+        if (state.hook_sites and (hook_regions.live or not torch.compiler.is_dynamo_compiling())
+                and _saved_tensors_hooks(True) is not None):
+            replayed = hook_regions.replay(self, state)
+            if replayed is not None:
+                return _answered(self, replayed)
         return None
     if local.opened is self:
         local.opened = None
