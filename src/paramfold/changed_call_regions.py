@@ -41,7 +41,7 @@ _CHANGED = "_paramfold_changed_calls"
 
 
 class _Local(threading.local):
-    #: How many calls this thread runs that are changed inside a region, or replay one.
+    #: How many calls this thread runs that are changed inside a region (:func:`marking`).
     depth = 0
 
 

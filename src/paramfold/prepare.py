@@ -446,18 +446,17 @@ def _plan(
         if path not in inside:
             at[path] = module
             every_path.setdefault(module, []).append(path)
+
+    def above(module: nn.Module) -> dict[nn.Module, None]:
+        """``module`` and the modules above it on any of its paths, up to the call root, once each."""
+        return dict.fromkeys(at[a] for path in every_path[module] for a in _ancestors(path, path_of[top]))
+
     for holder in holder_paths:
-        for path in every_path[holder]:
-            for ancestor_path in _ancestors(path, path_of[top]):
-                hs = state(at[ancestor_path])
-                if holder not in hs.holders:
-                    hs.holders.append(holder)
+        for ancestor in above(holder):
+            state(ancestor).holders.append(holder)
     for module in list(states):
-        for path in every_path[module]:
-            for ancestor_path in _ancestors(path, path_of[top]):
-                es = states[at[ancestor_path]]
-                if module not in es.entries:
-                    es.entries.append(module)
+        for ancestor in above(module):
+            states[ancestor].entries.append(module)
 
     planned = {}
     for module, st in states.items():

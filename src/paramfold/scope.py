@@ -1332,8 +1332,9 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
         if compiling() or _fx_tracing():  # (torch.fx: as in root_call)
             return compiled
         return _answered(self, functools.partial(_scoped_compiled_call, self, compiled))
-    if (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
-            or any(GLOBAL_HOOKS)) and torch.compiler.is_compiling():
+    traced_hooked = (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
+                     or self._backward_pre_hooks or any(GLOBAL_HOOKS)) and torch.compiler.is_compiling()
+    if traced_hooked:
         # Traced: dynamo inlines the call of a module with hooks through _wrapped_call_impl;
         # stock's attribute is None, and so is this one's, but for a hook-based norm's layer
         # while a checkpointed region that noted a call lives (below: its recomputation may
@@ -1368,8 +1369,7 @@ def _get_compiled_call_impl(self: nn.Module) -> Callable | None:
     if local.opened is self:
         local.opened = None
         return None
-    if (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks or self._backward_pre_hooks
-            or any(GLOBAL_HOOKS)) and torch.compiler.is_compiling():
+    if traced_hooked:
         # Traced (a hook-based norm's layer while a region lives, above): reading on would put
         # guards on this scope's bookkeeping (its nested check, a process-wide count of changed
         # inputs), each change a recompile.
