@@ -86,15 +86,17 @@ def chain_signature(module: nn.Module, name: str) -> tuple[int | None, str, tupl
     instance) or a class ``forward`` that is no plain function (a ``staticmethod``), and must be
     called as a module, as stock does; a
     ``ParametrizationList`` with hooks of its own, or whose call is more than its ``forward``
-    (a subclass, a patched ``nn.Module.__call__``), is called as stock calls it. Modules with
+    (a subclass, a patched ``nn.Module.__call__``), is called as stock calls it, and so is every
+    module of the chain while global module hooks are registered. Modules with
     equal signatures share one getter, and so one class.
     """
     plist = module._modules["parametrizations"]._modules[name]
     ntensors = None if plist.is_tensor else plist.ntensors
     first = original_names(plist)[0]
     where = "_parameters" if first in plist._parameters else "_buffers"
-    forwards = tuple(None if any(GLOBAL_HOOKS) else direct_forward(m) for m in members(plist))
-    return ntensors, where, forwards, has_own_hooks(plist) or not calls_its_forward(plist)
+    hooked = any(GLOBAL_HOOKS)  # global module hooks run for the list and every member, as in stock
+    forwards = tuple(None if hooked else direct_forward(m) for m in members(plist))
+    return ntensors, where, forwards, hooked or has_own_hooks(plist) or not calls_its_forward(plist)
 
 
 def still_exact(module: nn.Module, name: str, signature: tuple) -> bool:
