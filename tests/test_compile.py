@@ -894,3 +894,71 @@ def test_a_compile_marks_each_prepared_module_it_takes_into_a_trace_and_drops_th
     assert prepared and prepared <= set(marked[0]) and set(marked[0].values()) == {threading.get_ident()}
     model(torch.randn(2, 32))  # a call after the compile ended drops this thread's marks
     assert not compile_reads.MARKED
+
+
+def _hooked_root(kind, norm, hooks):
+    torch.manual_seed(0)
+    if norm == "weight_norm":
+        wrap = weight_norm
+    else:
+        wrap = functools.partial(torch.nn.utils.spectral_norm, n_power_iterations=2)
+    a, b = wrap(nn.Linear(8, 16)), wrap(nn.Linear(16, 8))
+    if kind == "sequential":
+        model = nn.Sequential(a, nn.ReLU(), b)
+    else:
+        model = _UserRoot(a, b)
+    if "pre" in hooks:
+        model.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    if "post" in hooks:
+        model.register_forward_hook(lambda module, args, out: out + 1)
+    return model
+
+
+class _UserRoot(nn.Module):
+    def __init__(self, a, b):
+        super().__init__()
+        self.a, self.b = a, b
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("hooks", ["pre", "post", "pre+post", "global"])
+@pytest.mark.parametrize("kind", ["sequential", "user_root"])
+@pytest.mark.parametrize("norm", ["weight_norm", "hook_spectral_norm"])
+@pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
+def test_hooks_on_the_compiled_root_compile_into_its_graph_like_stock(mode, norm, kind, hooks):
+    # Regression: torch.compile(model) of a root whose forward is torch's (nn.Sequential) runs the
+    # root's call in torch's wrap_inline frame, its hooks traced into the one graph; paramfold's
+    # root call ran them as frames of their own: 2 graphs with one hook, 3 with two, where stock
+    # and the plain model make 1. A root of the user's own class has its hooks run outside
+    # dynamo, in stock too (3 graphs with two hooks): paramfold keeps that.
+    global_hook = None
+    if hooks == "global":
+        global_hook = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out * 1.5)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.compile(module) under global hooks warns, in stock too
+            results = []
+            for prepare in (None, mode):
+                model = _hooked_root(kind, norm, hooks)
+                if prepare is not None:
+                    paramfold.prepare(model, prepare)
+                torch._dynamo.reset()
+                counter = CompileCounter()
+                compiled = torch.compile(model, backend=counter)
+                outs = []
+                for i in range(3):
+                    out = compiled(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)))
+                    out.sum().backward()
+                    outs.append(out.detach())
+                results.append((counter.frame_count, outs, grads(model), copy.deepcopy(model.state_dict())))
+    finally:
+        if global_hook is not None:
+            global_hook.remove()
+    (stock_frames, stock_outs, stock_grads, stock_state), (frames, outs, got_grads, state) = results
+    assert frames == stock_frames
+    assert all(torch.equal(a, b) for a, b in zip(outs, stock_outs))
+    assert stock_grads.keys() == got_grads.keys()
+    assert all(torch.equal(stock_grads[k], got_grads[k]) for k in stock_grads)
+    assert all(torch.equal(stock_state[k], state[k]) for k in stock_state)

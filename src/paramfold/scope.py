@@ -1151,6 +1151,13 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     nested.local.snapshot = nested.snapshot(self) if eager else None
     call = (_call_eagerly if not eager and ((parametrize._cache_enabled and _through_cache(self)) or _transform() is not None)
             else module_call)  # _opens_eagerly, written out
+    if (dynamo and call is module_call and (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
+                                            or self._backward_pre_hooks or any(GLOBAL_HOOKS))
+            and "_paramfold_forward" in vars(state.prepared_class)):
+        # torch.compile(model) of the stock model of a root whose forward is torch's compiles its
+        # whole call, hooks included, as one frame (torch's wrap_inline); any other root's hooks
+        # run outside dynamo, each compiled as a frame of its own, in stock as here.
+        call = functools.partial(_hooked_root_call, module_call)
     stopped = False
     try:
         return call(self, *args, **kwargs)
@@ -1210,6 +1217,13 @@ def _called_since(module: nn.Module, outer: types.FrameType) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _hooked_root_call(call: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # A frame dynamo compiles (kept out of run_module_eagerly_as_frames), as torch's wrap_inline
+    # frame of the stock model's torch.compile(model): the root's hooks and forward are traced into
+    # one graph, with the scope the eager root call opened around it.
+    return call(module, *args, **kwargs)
 
 
 def _restored_call(call: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -1416,4 +1430,4 @@ compiled_call_impl = property(_get_compiled_call_impl, _set_compiled_call_impl)
 # __call__ as the first frame of torch.compile(model), the others called from it), dynamo runs it
 # eagerly instead of trying to compile it, and still compiles the frames it calls (the model's
 # forward).
-run_module_eagerly_as_frames(globals(), keep=(_restored_call,))
+run_module_eagerly_as_frames(globals(), keep=(_restored_call, _hooked_root_call))
