@@ -2823,21 +2823,31 @@ def test_a_pre_hook_added_to_a_hook_based_norm_after_compiled_calls_is_seen(mode
 def test_same_architecture_models_that_differ_in_hooks_compiled_in_one_process(guard_hooks):
     # Code compiled for a model without a hook on the layer is reused for a same-architecture
     # model with one there (both compute the layer's weight where it is read, because of a
-    # pre-hook), which then skips its hook, as unparametrized models do; stock's per-instance
-    # classes made dynamo compile each instance. The setting torch offers makes it exact.
+    # pre-hook on the block above it), which then skips its hook, as unparametrized models do;
+    # stock's per-instance classes made dynamo compile each instance. The setting torch offers
+    # makes it exact.
+    def build(hooked: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Sequential(nn.Linear(4, 2)))
+        P.register_parametrization(model[2][0], "weight", _Scale())
+        model[2].register_forward_pre_hook(_does_nothing)
+        if hooked:
+            model[2][0].register_forward_pre_hook(_max_norm, prepend=True)
+        return model
+
     torch._dynamo.reset()
     x = torch.randn(3, 4)
-    without = _pre_hooked("custom", "holder", False)  # no hook on the layer, one on the root
-    without[2]._forward_pre_hooks.clear()
-    without.register_forward_pre_hook(lambda module, args: None)
-    stock, ours = _pre_hooked("custom", "holder", False), _pre_hooked("custom", "holder", False)
-    paramfold.prepare(ours, "hoist")
+    stock, ours = build(True), paramfold.prepare(build(True), "hoist")
     try:
         with torch._dynamo.config.patch(skip_nnmodule_hook_guards=not guard_hooks):
-            torch.compile(paramfold.prepare(without, "hoist"), backend="eager")(x)
+            torch.compile(paramfold.prepare(build(False), "hoist"), backend="eager")(x)
             assert torch.equal(stock(x), torch.compile(ours, backend="eager")(x))
     finally:
         torch._dynamo.reset()
+
+
+def _does_nothing(module, args):
+    return None
 
 
 @pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
