@@ -307,3 +307,25 @@ def test_a_printed_net_spec_pastes_back_into_the_same_spec(spec):
 
     pasted = eval(repr(spec), {"LayerSpec": LayerSpec, "NetSpec": NetSpec, "Step": Step})
     assert pasted == spec and repr(pasted) == repr(spec)
+
+
+@pytest.mark.skipif(not pt.PARAMETRIZATIONS["int8_weight_only"].available, reason="torchao is not importable here")
+@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.given(pt.cases(names=["int8_weight_only"], dtypes=["float32"]))
+def test_cases_of_a_recipe_few_layers_support_are_drawn_without_failing_hypothesis_health_checks(case):
+    # Regression: models drawn without any chain were filtered by assume(), and with
+    # int8_weight_only (Linear weights only) most were: FailedHealthCheck (filter_too_much).
+    factory, inputs, flags = case
+    assert any(dict(layer.chains) for layer in flags["spec"].layers)
+
+
+def test_cases_that_can_draw_no_parametrization_are_refused_saying_how_to_draw_the_cast():
+    # Regression: names=["cast"] drew no chain (the cast comes through dtypes): every example was
+    # filtered and Hypothesis failed its health check, naming nothing.
+    @hypothesis.settings(max_examples=3, deadline=None)
+    @hypothesis.given(pt.cases(names=["cast"], dtypes=["float32"]))
+    def check(case):
+        pass
+
+    with pytest.raises(hypothesis.errors.InvalidArgument, match=r"dtypes=\['cast'\]"):
+        check()

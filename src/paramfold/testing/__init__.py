@@ -24,9 +24,10 @@ Example::
 
 and with Hypothesis::
 
-    from hypothesis import given
+    from hypothesis import given, settings
     import paramfold.testing as pt
 
+    @settings(deadline=None)  # a first call of a torch op can take longer than Hypothesis' 200 ms
     @given(pt.cases())
     def test_hoist_is_exact(case):
         factory, inputs, flags = case

@@ -74,7 +74,7 @@ def chains(
         >>> import torch
         >>> from hypothesis import given, settings
         >>> from paramfold.testing import TensorSpec, apply_chain, chains
-        >>> @settings(max_examples=5)
+        >>> @settings(max_examples=5, deadline=None)
         ... @given(chains(TensorSpec((4, 4)), names=["weight_norm", "spectral_norm", "scale"]))
         ... def check(chain):
         ...     layer = apply_chain(torch.nn.Linear(4, 4), "weight", chain)
@@ -181,7 +181,7 @@ def models(
         >>> import torch
         >>> from hypothesis import given, settings
         >>> from paramfold.testing import models
-        >>> @settings(max_examples=5)
+        >>> @settings(max_examples=5, deadline=None)
         ... @given(models(max_layers=2, dtypes=["float32"]))
         ... def check(spec):
         ...     same = spec.build()(*spec.inputs()), spec.build()(*spec.inputs())
@@ -301,8 +301,20 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
         ...         assert_equivalent(factory(), inputs, "hoist")
         >>> check()
     """
-    spec = draw(models(**model_options))
-    # A model without any parametrization would check nothing paramfold does.
+    names = model_options.get("names")
+    dtypes = model_options.get("dtypes", ("float32", "bfloat16", "cast"))
+    if names is not None and not [n for n in names if n != "cast"] and "cast" not in dtypes:
+        raise InvalidArgument(
+            f"cases(names={list(names)!r}, dtypes={list(dtypes)!r}) can draw no parametrization: the seed's "
+            "bfloat16 cast is drawn through dtypes=['cast'], not names; add 'cast' to dtypes or other names"
+        )
+    # A model without any parametrization would check nothing paramfold does. Where the names
+    # allow few layers (int8_weight_only: Linear weights only), most models drawn have none:
+    # drawn again a few times here, rather than filtered by Hypothesis (its filter_too_much check).
+    for _ in range(10):
+        spec = draw(models(**model_options))
+        if spec.dtype == "cast" or any(dict(layer.chains) for layer in spec.layers):
+            break
     assume(spec.dtype == "cast" or any(dict(layer.chains) for layer in spec.layers))
     flags = {
         "spec": spec,
