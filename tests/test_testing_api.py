@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -261,7 +262,13 @@ _SLOPPY_RESTORES = {
     ),
     "training flag": (lambda m: m[2].eval(), r"module '2': attribute 'training' changed: True -> False"),
     "gradient dropped": (lambda m: setattr(m[2].weight, "grad", None), r"grad of '2\.weight': prepared has None"),
+    "gradient changed": (lambda m: m[2].weight.grad.mul_(2),
+                         r"grad of '2\.weight' \(against the prepared model's before restore\) differs"),
+    "copy-on-write left": (lambda m: _LAZY_CLONES.append(torch._lazy_clone(m[2].weight)),
+                           r"parameter '2\.weight': copy-on-write after restore, stock's is not"),
 }
+#: Keeps the lazy clones a sloppy restore makes alive (the original stays copy-on-write while one is).
+_LAZY_CLONES: list[torch.Tensor] = []
 
 
 @pytest.mark.parametrize("sloppy", list(_SLOPPY_RESTORES))
@@ -277,8 +284,11 @@ def test_a_restore_that_leaves_hooks_values_or_attributes_otherwise_fails_naming
 
     pt.assert_equivalent(_with_hooks_and_state(), torch.randn(5, 4), "hoist", steps=2)
     monkeypatch.setattr(paramfold, "restore", sloppy_restore)
-    with pytest.raises(AssertionError, match="after paramfold.restore: " + message):
-        pt.assert_equivalent(_with_hooks_and_state(), torch.randn(5, 4), "hoist", steps=2)
+    try:
+        with pytest.raises(AssertionError, match="after paramfold.restore: " + message):
+            pt.assert_equivalent(_with_hooks_and_state(), torch.randn(5, 4), "hoist", steps=2)
+    finally:
+        _LAZY_CLONES.clear()
 
 
 class _HooksItselfOnFirstCall(nn.Module):
@@ -865,7 +875,7 @@ def test_the_between_step_change_of_originals_without_gradients_is_the_same_on_e
 
     models = [_spectral_frozen() for _ in range(3)]
     original = models[0][0].parametrizations.weight.original.clone()
-    _update(models[0], models[1:], lr=1e-3)
+    _update(models[0], models[1:], lr=1e-3, step=2)  # (before the second step the original itself is held out)
     changed = [m[0].parametrizations.weight.original for m in models]
     assert all(torch.equal(changed[0], other) for other in changed[1:])
     ratio = changed[0] / original
@@ -898,3 +908,147 @@ def test_an_output_that_requires_grad_where_stocks_does_not_is_seen(monkeypatch,
     monkeypatch.setattr(paramfold, "restore", leaky_restore)
     with pytest.raises(AssertionError, match=r"output( at step \d)?: prepared requires grad, stock does not"):
         pt.assert_equivalent(model, torch.randn(4, 6), mode, steps=2)
+
+
+# --- faults the checker must see: each passed it before (helper-207, 2026-12-07) ------------
+
+
+def _weight_normed_frozen() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 3)).eval().requires_grad_(False)
+
+
+class _Scaled(nn.Module):
+    """A parametrization with a buffer of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((), 1.5))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _scaled_frozen() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Scaled())
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("fault", ["first original only", "originals only"])
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+def test_a_frozen_value_blind_to_some_of_its_inputs_is_seen(monkeypatch, mode, fault):
+    # Every original was updated between steps, so a value watching only weight_norm's g (or a
+    # custom member's own buffer not at all) was computed again for the change it did see.
+    import itertools
+
+    import paramfold.freeze
+
+    build = _weight_normed_frozen if fault == "first original only" else _scaled_frozen
+    pt.assert_equivalent(build(), torch.randn(4, 6), mode, steps=3)
+    watched = paramfold.freeze._watched
+    if fault == "first original only":
+        monkeypatch.setattr(paramfold.freeze, "_watched", lambda site: itertools.islice(watched(site), 1))
+    else:
+        monkeypatch.setattr(paramfold.freeze, "_watched",
+                            lambda site: (w for w in watched(site) if w[1].startswith("original")))
+    with pytest.raises(AssertionError, match=r"at step \d differs from stock"):
+        pt.assert_equivalent(build(), torch.randn(4, 6), mode, steps=3)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_a_read_outside_forward_in_training_mode_that_skips_the_power_iteration_is_seen(monkeypatch, mode):
+    # Reads outside forward were made with the parametrizations in eval mode only.
+    import paramfold.classes
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2))
+
+    pt.assert_equivalent(build(), torch.randn(3, 4), mode, steps=2)
+    read = paramfold.classes.read_outside_scope
+
+    def read_in_eval(module, name):
+        flags = [(m, m.training) for m in module.parametrizations[name].modules()]
+        for m, _ in flags:
+            m.training = False
+        try:
+            return read(module, name)
+        finally:
+            for m, training in flags:
+                m.training = training
+
+    monkeypatch.setattr(paramfold.classes, "read_outside_scope", read_in_eval)
+    with pytest.raises(AssertionError, match=r"after reads outside forward in training mode|read outside forward in training mode"):
+        pt.assert_equivalent(build(), torch.randn(3, 4), mode, steps=2)
+
+
+def test_a_global_module_hook_left_by_restore_is_seen(monkeypatch):
+    restore = paramfold.restore
+    handles = []
+
+    def leaking_restore(model, *args, **kwargs):
+        out = restore(model, *args, **kwargs)
+        handles.append(torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None))
+        return out
+
+    pt.assert_equivalent(_with_hooks_and_state(), torch.randn(5, 4), "hoist", steps=2)
+    monkeypatch.setattr(paramfold, "restore", leaking_restore)
+    try:
+        with pytest.raises(AssertionError, match=r"_global_forward_pre_hooks changed by paramfold\.restore: 1 added"):
+            pt.assert_equivalent(_with_hooks_and_state(), torch.randn(5, 4), "hoist", steps=2)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _cloning_save(self, destination, prefix, keep_vars):
+    before = set(destination)
+    type(self)._save_to_state_dict(self, destination, prefix, keep_vars)
+    for key in set(destination) - before:
+        if not keep_vars:
+            destination[key] = destination[key].clone()
+
+
+@pytest.mark.parametrize("fault", ["metadata", "copies"])
+@pytest.mark.parametrize("mode", ["hoist", "freeze"])
+def test_a_state_dict_with_other_metadata_or_copied_tensors_is_seen(monkeypatch, mode, fault):
+    # state_dict() was compared by keys and values: its _metadata (the versions
+    # _load_from_state_dict reads) and whether its tensors share the model's memory
+    # (model.state_dict()[k].zero_() writes the model) were not.
+    import types
+
+    prepare, restore = paramfold.prepare, paramfold.restore
+
+    def odd_prepare(model, *args, **kwargs):
+        out = prepare(model, *args, **kwargs)
+        plist = model[0].parametrizations.weight
+        if fault == "metadata":
+            plist.__dict__["_version"] = 99
+        else:
+            plist.__dict__["_save_to_state_dict"] = types.MethodType(_cloning_save, plist)
+        return out
+
+    def odd_restore(model, *args, **kwargs):
+        model[0].parametrizations.weight.__dict__.pop("_version" if fault == "metadata" else "_save_to_state_dict")
+        return restore(model, *args, **kwargs)
+
+    pt.assert_equivalent(_weight_normed_frozen(), torch.randn(4, 6), mode, steps=2)
+    monkeypatch.setattr(paramfold, "prepare", odd_prepare)
+    monkeypatch.setattr(paramfold, "restore", odd_restore)
+    message = (r"state_dict metadata differs after prepare" if fault == "metadata"
+               else r"state_dict '0\.parametrizations\.weight\.original0' after prepare: .*not sharing its memory")
+    with pytest.raises(AssertionError, match=message):
+        pt.assert_equivalent(_weight_normed_frozen(), torch.randn(4, 6), mode, steps=2)
+
+
+def test_an_error_of_the_stock_model_itself_says_it_came_from_stock():
+    # Stock's own exception (inputs of the wrong shape) came out bare, as if paramfold raised it.
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)))
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+        pt.assert_equivalent(model, torch.randn(2, 5), "hoist")
+    if sys.version_info >= (3, 11):  # (exception notes)
+        assert any("stock copy's step 1" in note and "without paramfold" in note
+                   for note in getattr(info.value, "__notes__", []))

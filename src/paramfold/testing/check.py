@@ -65,7 +65,7 @@ from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import paramfold
-from paramfold.compute import has_parametrizations, original_names
+from paramfold.compute import has_parametrizations, members, original_names
 from paramfold.held import global_generator_states, set_global_generator_states
 from paramfold import hooknorms
 from paramfold.sites import parametrization_paths
@@ -160,16 +160,23 @@ def assert_equivalent(
     ``None`` or number met twice is compared twice; an object with neither attributes nor ``==``
     is refused), the inputs as the forward left them, the gradient of
     every parameter (originals included) and of every input that requires grad, every buffer (so
-    spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values.
-    Between steps every floating parameter and parametrized buffer is updated in place on both
-    copies, as an optimizer or ``load_state_dict`` would (an SGD step with the *stock* gradient
+    spectral_norm's ``_u``/``_v`` must evolve identically) and ``state_dict()`` keys and values,
+    its ``_metadata``, and per entry the tensor type ``keep_vars=True`` gives, its
+    ``requires_grad``, whether it is the module's own and whether the plain entry shares its memory.
+    Between steps every floating parameter, parametrized buffer and floating buffer of a chain's
+    members is updated in place on both copies, except, on a site computed from several of
+    these, one of them in turn (its first original before the second step, the next before the
+    third, ...: a value kept fresh by watching only some of its inputs shows), as an optimizer or
+    ``load_state_dict`` would (an SGD step with the *stock* gradient
     and rate ``lr``, or where there is none a shrink of each element by a factor of its own in
     (0.98, 1], drawn by the checker's own generator: not uniform, so a stale value of a
     scale-invariant chain, spectral_norm's, shows; then every gradient is set to ``None``,
     as ``zero_grad()`` does), so stale hoisted or frozen values
     would show from the second step on: with the default ``steps=1`` no forward runs after an
     update, so pass ``steps=2`` or more to check freshness; before each step and after the last every parametrized tensor is also read as an
-    attribute outside any forward (parametrizations in eval mode) and must equal stock's, and so
+    attribute outside any forward, first with the parametrizations' own training flags where
+    one trains (a training spectral_norm's read runs a power iteration: the chains' buffers must
+    then equal stock's), then in eval mode, and must equal stock's, and so
     must the ``module.weight`` a hook-based ``weight_norm``/``spectral_norm`` keeps (in stock the
     value of the layer's last call: a layer a call skips keeps it, where hoist and auto compute it
     for the call, README "Notes and limits", and the check reports that).
@@ -181,8 +188,11 @@ def assert_equivalent(
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
     objects, ``__dict__`` keys, hooks, training flags and plain attribute values, bar what stock's
     own calls changed too, as transformers' ``_output_capturing_hooks_installed`` and the hooks
-    it registers), stock's parameter and buffer values (persistent or not) and gradients where
-    stock has them, and must still compute the stock outputs.
+    it registers), stock's parameter and buffer values (persistent or not), gradients where
+    stock has them and bitwise as they were before ``restore``, no tensor copy-on-write where
+    stock's is not, and must still compute the stock outputs. Neither ``prepare`` nor ``restore``
+    may add or remove a global module hook (``torch.nn.modules.module``'s process-wide dicts).
+    An exception of the stock copy's own run gets a note saying so (Python >= 3.11).
 
     Step comparisons are bitwise (bit patterns, strides and value types too) unless
     ``atol``/``rtol`` are given (then as in ``torch.testing.assert_close``), or compiled
@@ -254,7 +264,9 @@ def _assert_equivalent(
     before = structure(candidate, values=False)
     stock_before = structure(stock, values=False)
 
+    hooks_before = _global_hook_keys()
     paramfold.prepare(candidate, mode, filter_fn=filter_fn)
+    _compare_global_hooks(hooks_before, " by paramfold.prepare")
     run: Callable[..., Any] = candidate
     factor = 0.0
     if compile is not None:
@@ -267,7 +279,7 @@ def _assert_equivalent(
                     f"{', '.join(COMPILE_TOLERANCES)}): pass atol= and/or rtol= for it"
                 )
             factor = COMPILE_TOLERANCES[backend]
-    compare_dicts(" after prepare", "state_dict", candidate.state_dict(), stock.state_dict(), BITWISE)
+    _compare_state_dicts(" after prepare", candidate, stock, BITWISE)
     # Originals whose gradient sums several contributions in an order prepare may change, and
     # a stock copy computing one value per tensor per forward (like hoist and freeze) to compare
     # them with besides stock: see the module docstring. Modules called
@@ -283,7 +295,7 @@ def _assert_equivalent(
     tol = BITWISE
     for step in range(steps):
         if step:
-            _update(stock, [candidate] + ([cached] if cached is not None else []), lr)
+            _update(stock, [candidate] + ([cached] if cached is not None else []), lr, step)
         at = f" at step {step + 1}" if steps > 1 else ""
         # Compiled steps may leave state (spectral_norm's _u/_v) within the step tolerance.
         _compare_reads(candidate, stock, f" before step {step + 1}", tol, [cached] if cached is not None else [])
@@ -299,7 +311,13 @@ def _assert_equivalent(
         # Every run of a step draws the same random numbers (dropout), from where stock's began.
         rng = _rng_state()
         with _calls(stock) as calls:
-            expected = _step(stock, args, None)
+            try:
+                expected = _step(stock, args, None)
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"(raised by the stock copy's step{at or ' 1'} in paramfold.testing.assert_equivalent, "
+                                 "the model not prepared: the model or its inputs fail without paramfold)")
+                raise
         after = _rng_state()
         if twin is not None:
             _set_rng_state(rng)
@@ -340,8 +358,11 @@ def _assert_equivalent(
         _set_rng_state(after)
     _compare_reads(candidate, stock, f" after step {steps}", tol)
 
+    grads_before = {id(p): None if p.grad is None else p.grad.clone() for p in candidate.parameters()}
+    hooks_before = _global_hook_keys()
     paramfold.restore(candidate)
     try:
+        _compare_global_hooks(hooks_before, " by paramfold.restore")
         expected_structure = _with_changes_by_stock(before, stock_before, structure(stock, values=False))
         assert_same_structure(expected_structure, structure(candidate, values=False))
         # Values (persistent or not) are held to stock's, as each step held them.
@@ -354,6 +375,11 @@ def _assert_equivalent(
             if (param.grad is None) != (stock_params[name].grad is None):
                 state = ("None", "a tensor") if param.grad is None else ("a tensor", "None")
                 raise AssertionError(f"grad of {name!r}: prepared has {state[0]}, stock has {state[1]}")
+            # (held to stock at the last step; restore must leave them as they were)
+            compare(f"grad of {name!r} (against the prepared model's before restore)", param.grad,
+                    grads_before.get(id(param)), BITWISE)
+        _compare_copy_on_write(params, stock_params, "parameter")
+        _compare_copy_on_write(buffers, dict(stock.named_buffers(remove_duplicate=False)), "buffer")
     except AssertionError as exc:
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
@@ -361,6 +387,49 @@ def _assert_equivalent(
         restored = _step(candidate, args, False).outputs
         _set_rng_state(rng)
         compare_outputs(restored, _step(stock, args, False).outputs, " after restore", BITWISE)
+
+
+#: torch's process-wide module hook dicts: a prepare or restore that leaves one behind changes
+#: every model's calls.
+_GLOBAL_HOOK_DICTS = tuple(
+    name for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
+                      "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",
+                      "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
+    if hasattr(torch.nn.modules.module, name)
+)
+
+
+def _global_hook_keys() -> dict[str, tuple]:
+    return {name: tuple(getattr(torch.nn.modules.module, name)) for name in _GLOBAL_HOOK_DICTS}
+
+
+def _compare_global_hooks(before: dict[str, tuple], by: str) -> None:
+    for name, keys in _global_hook_keys().items():
+        added = [k for k in keys if k not in before[name]]
+        removed = [k for k in before[name] if k not in keys]
+        if added or removed:
+            raise AssertionError(
+                f"torch.nn.modules.module.{name} changed{by}: {len(added)} added, {len(removed)} removed "
+                "(a global module hook runs for every model in the process)"
+            )
+
+
+def _compare_copy_on_write(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], what: str) -> None:
+    """A restored tensor is copy-on-write (``torch._lazy_clone``'s) only where stock's is: a
+    storage paramfold's freeze shared with a frozen value and did not take back makes a later
+    ``resize_`` and in-place write fail inside torch."""
+    is_cow = getattr(torch._C, "_is_cow_tensor", None)
+    if is_cow is None:
+        return
+    for key, tensor in actual.items():
+        other = expected.get(key)
+        if (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor)
+                and not is_traceable_wrapper_subclass(tensor) and is_cow(tensor) != is_cow(other)):
+            raise AssertionError(
+                f"{what} {key!r}: {'copy-on-write' if is_cow(tensor) else 'not copy-on-write'} after restore, "
+                f"stock's {'is' if is_cow(other) else 'is not'}"
+            )
 
 
 def _check_reproducible(again: Any, first: Any, tol: Tolerance) -> None:
@@ -580,8 +649,53 @@ def _compare_step(
                 where = name if isinstance(e, torch.Tensor) else f"{name} (tensor {i})"
                 compare(f"grad of {where}{at}", ta.grad, te.grad, tol)
     compare_dicts(at, "buffer", dict(candidate.named_buffers()), dict(stock.named_buffers()), tol)
-    compare_dicts(at, "state_dict", candidate.state_dict(), stock.state_dict(), tol)
+    _compare_state_dicts(at, candidate, stock, tol)
     return tol
+
+
+def _compare_state_dicts(at: str, candidate: nn.Module, stock: nn.Module, tol: Tolerance) -> None:
+    """``state_dict()`` keys and values, and what a caller of it relies on besides: its
+    ``_metadata`` (the versions ``_load_from_state_dict`` reads), and, per entry, the tensor type
+    ``keep_vars=True`` gives, its ``requires_grad``, whether that is the module's own tensor and
+    whether the plain entry shares its memory (``model.state_dict()[k].zero_()`` writes the model)."""
+    actual, expected = candidate.state_dict(), stock.state_dict()
+    compare_dicts(at, "state_dict", actual, expected, tol)
+    if getattr(actual, "_metadata", None) != getattr(expected, "_metadata", None):
+        raise AssertionError(
+            f"state_dict metadata differs{at}: prepared {getattr(actual, '_metadata', None)}, "
+            f"stock {getattr(expected, '_metadata', None)}"
+        )
+    kinds = [_entry_kinds(model, d) for model, d in ((candidate, actual), (stock, expected))]
+    for key, (ours, theirs) in zip(expected, zip(*kinds)):
+        if ours != theirs:
+            raise AssertionError(
+                f"state_dict {key!r}{at}: prepared gives {_describe_entry(ours)}, stock {_describe_entry(theirs)}"
+            )
+
+
+def _entry_kinds(model: nn.Module, plain: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+    own = {id(t) for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))}
+    kinds = []
+    for key, value in model.state_dict(keep_vars=True).items():
+        entry = plain[key]
+        if not isinstance(value, torch.Tensor):  # an extra state object
+            kinds.append((type(value).__name__,))
+            continue
+        shares = None  # (a wrapper subclass, torchao's, has no storage of its own)
+        if isinstance(entry, torch.Tensor) and not (is_traceable_wrapper_subclass(entry) or is_traceable_wrapper_subclass(value)):
+            shares = (not entry.is_meta and entry.numel() > 0
+                      and entry.untyped_storage().data_ptr() == value.untyped_storage().data_ptr())
+        kinds.append((type(value).__name__, value.requires_grad, id(value) in own, shares))
+    return kinds
+
+
+def _describe_entry(kind: tuple[Any, ...]) -> str:
+    if len(kind) == 1:
+        return f"a {kind[0]}"
+    name, requires_grad, own, shares = kind
+    return (f"a {name} (keep_vars=True) with requires_grad={requires_grad}, "
+            f"{'the' if own else 'not the'} module's own tensor"
+            + ("" if shares is None else f", {'sharing' if shares else 'not sharing'} its memory in state_dict()"))
 
 
 @contextlib.contextmanager
@@ -682,11 +796,13 @@ def _compare_reads(
     """Every parametrized tensor read as an attribute, outside any forward, equals stock's, and
     so does the ``module.weight`` that a hook-based ``weight_norm``/``spectral_norm`` last wrote.
 
-    Read with the parametrizations in eval mode, so spectral_norm's power iteration does not
-    advance (and the two copies stay in step); their training flags are put back after. Each
-    read starts from the same random state (a chain may draw random numbers), and the reads
-    leave the generators where they were. ``others`` (stock's further copies) are read the same
-    way, so a chain's own state (its generator, a read counter) moves in them as in stock.
+    Read twice: first with the parametrizations' own training flags where any is training (a
+    training spectral_norm's read runs a power iteration, as a read for logging does in a
+    training loop), then every chain's buffers compared with stock's; then with the
+    parametrizations in eval mode, where nothing advances; their training flags are put back
+    after. Each read starts from the same random state (a chain may draw random numbers), and
+    the reads leave the generators where they were. ``others`` (stock's further copies) are read
+    the same way, so a chain's own state (its generator, a read counter) moves in them as in stock.
     """
     pairs = [
         (path, c, s, [dict(_parametrized(o))[path] for o in others])
@@ -696,9 +812,8 @@ def _compare_reads(
         (m, m.training) for _, c, s, rest in pairs for owner in (c, s, *rest) for m in owner.parametrizations.modules()
     ]
     rng = _rng_state()
-    try:
-        for m, _ in flags:
-            m.training = False
+
+    def read_all(how: str) -> None:
         with torch.no_grad():
             for path, c, s, rest in pairs:
                 for name in s.parametrizations:
@@ -708,8 +823,20 @@ def _compare_reads(
                         _set_rng_state(rng)
                         getattr(other, name)
                     _set_rng_state(rng)
-                    compare(f"{where} read outside forward{at}", ours, getattr(s, name), tol)
+                    compare(f"{where} read outside forward{how}{at}", ours, getattr(s, name), tol)
                     _set_rng_state(rng)
+
+    try:
+        if any(training for _, training in flags):
+            read_all(" in training mode")
+            for path, c, s, _ in pairs:
+                prefix = f"{path}.parametrizations." if path else "parametrizations."
+                compare_dicts(f" after reads outside forward in training mode{at}", "buffer",
+                              {prefix + n: b for n, b in c.parametrizations.named_buffers()},
+                              {prefix + n: b for n, b in s.parametrizations.named_buffers()}, tol)
+        for m, _ in flags:
+            m.training = False
+        read_all("")
         for path, module, hook, kind in _hook_norms(stock):
             # A plain attribute torch's pre-hook writes at each call of the module.
             where = f"{path}.{hook.name}" if path else hook.name
@@ -899,12 +1026,25 @@ def _compare_rng(left: tuple[Any, ...], after: tuple[Any, ...], at: str) -> None
 _SHRINK_SEED = 0x5EED
 
 
-def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
-    """The same in-place step on ``stock`` and ``others``, driven by ``stock``'s gradients."""
+def _update(stock: nn.Module, others: list[nn.Module], lr: float, step: int) -> None:
+    """The same in-place step on ``stock`` and ``others``, driven by ``stock``'s gradients, before
+    step ``step`` (1 for the second step).
+
+    Updated: every floating parameter, every parametrized buffer, and every floating buffer of a
+    chain's members (a custom member's scale, spectral_norm's ``_u``/``_v``), except, on a site
+    computed from several of these, one of them in turn (its first original before the second
+    step, the next before the third, ...): a value kept fresh by watching only some of its inputs
+    (weight_norm's ``g`` but not ``v``, the originals but not a member's buffer) shows.
+    """
+    held = _held_out(stock, step)
 
     def tensors(model: nn.Module) -> list[torch.Tensor]:
-        originals = [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith("original")]
-        return [*model.parameters(), *originals]
+        inside = parametrization_paths(model)
+        buffers = [b for n, b in model.named_buffers()
+                   if n.rsplit(".", 1)[-1].startswith("original") or n.rpartition(".")[0] in inside]
+        state = [d[key] for _, module, hook, kind in _hook_norms(model)
+                 for _, d, key in hooknorms.state_tensors(module, hook, kind)]
+        return [*model.parameters(), *buffers, *state]
 
     # Where there is no gradient, each element shrinks by its own factor in (0.98, 1]: a uniform
     # shrink leaves scale-invariant chains (spectral_norm's W/sigma(W), a direction v/|v|) as they
@@ -914,7 +1054,8 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
         for reference, *copies in zip(tensors(stock), *map(tensors, others)):
             # (A tensor subclass made of others, a torchao quantized base weight, may have no
             # in-place arithmetic: left as it is, as an optimizer leaves a frozen base.)
-            if not reference.is_floating_point() or (reference.grad is None and is_traceable_wrapper_subclass(reference)):
+            if (not reference.is_floating_point() or id(reference) in held
+                    or (reference.grad is None and is_traceable_wrapper_subclass(reference))):
                 continue
             grad = reference.grad
             factors = None
@@ -932,6 +1073,29 @@ def _update(stock: nn.Module, others: list[nn.Module], lr: float) -> None:
     for model in (stock, *others):
         for param in model.parameters():
             param.grad = None
+
+
+def _held_out(model: nn.Module, step: int) -> set[int]:
+    """The tensors :func:`_update` leaves as they are before step ``step``: of each site's inputs
+    (its originals, then its members' floating parameters and buffers), where it has several, the
+    ``(step - 1) % n``-th (one another site shares and updates is updated)."""
+    held: set[int] = set()
+    updated: set[int] = set()
+    inside = parametrization_paths(model)
+    sites = [[getattr(plist, name) for name in original_names(plist)]
+             + [t for member in members(plist) for t in (*member.parameters(), *member.buffers()) if t.is_floating_point()]
+             for path, module in model.named_modules() if path not in inside and has_parametrizations(module)
+             for plist in module.parametrizations.values()]
+    sites += [[d[key] for _, d, key in (*hooknorms.originals(module, hook, kind), *hooknorms.state_tensors(module, hook, kind))]
+              for _, module, hook, kind in _hook_norms(model)]
+    for originals in sites:
+        if len(originals) > 1:
+            keep = originals[(step - 1) % len(originals)]
+            held.add(id(keep))
+            updated.update(id(t) for t in originals if t is not keep)
+        else:
+            updated.update(map(id, originals))
+    return held - updated
 
 
 def _reordered_originals(model: nn.Module) -> set[int]:
