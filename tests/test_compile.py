@@ -905,6 +905,8 @@ def _hooked_root(kind, norm, hooks):
     a, b = wrap(nn.Linear(8, 16)), wrap(nn.Linear(16, 8))
     if kind == "sequential":
         model = nn.Sequential(a, nn.ReLU(), b)
+    elif kind == "linear":  # the parametrized layer is the root
+        model = wrap(nn.Linear(8, 8))
     else:
         model = _UserRoot(a, b)
     if "pre" in hooks:
@@ -924,7 +926,7 @@ class _UserRoot(nn.Module):
 
 
 @pytest.mark.parametrize("hooks", ["pre", "post", "pre+post", "global"])
-@pytest.mark.parametrize("kind", ["sequential", "user_root"])
+@pytest.mark.parametrize("kind", ["sequential", "linear", "user_root"])
 @pytest.mark.parametrize("norm", ["weight_norm", "hook_spectral_norm"])
 @pytest.mark.parametrize("mode", ["hoist", "inline", "auto"])
 def test_hooks_on_the_compiled_root_compile_into_its_graph_like_stock(mode, norm, kind, hooks):

@@ -1151,12 +1151,12 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     nested.local.snapshot = nested.snapshot(self) if eager else None
     call = (_call_eagerly if not eager and ((parametrize._cache_enabled and _through_cache(self)) or _transform() is not None)
             else module_call)  # _opens_eagerly, written out
-    if (dynamo and call is module_call and (self._forward_pre_hooks or self._forward_hooks or self._backward_hooks
-                                            or self._backward_pre_hooks or any(GLOBAL_HOOKS))
-            and "_paramfold_forward" in vars(state.prepared_class)):
+    if (dynamo and call is module_call and (self._forward_pre_hooks or self._forward_hooks or any(GLOBAL_HOOKS))
+            and "_paramfold_forward" in vars(state.prepared_class) and not _backward_hooked(self)):
         # torch.compile(model) of the stock model of a root whose forward is torch's compiles its
         # whole call, hooks included, as one frame (torch's wrap_inline); any other root's hooks
-        # run outside dynamo, each compiled as a frame of its own, in stock as here.
+        # run outside dynamo, each compiled as a frame of its own, in stock as here. (Backward
+        # hooks break that frame's graph, in stock too: the forward is then compiled alone.)
         call = functools.partial(_hooked_root_call, module_call)
     stopped = False
     try:
@@ -1217,6 +1217,10 @@ def _called_since(module: nn.Module, outer: types.FrameType) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _backward_hooked(module: nn.Module) -> bool:
+    return bool(module._backward_hooks or module._backward_pre_hooks or GLOBAL_HOOKS[2] or GLOBAL_HOOKS[3])
 
 
 def _hooked_root_call(call: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
