@@ -1022,3 +1022,30 @@ def test_steady_python_work_of_frozen_hook_based_norms_does_not_grow_with_the_nu
             frames[layers] = _python_frames(fn, torch.randn(3, 8))
         torch._dynamo.reset()
     assert frames[2] == frames[8], (frames[8] - frames[2], frames[2] - frames[8])
+
+
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_another_models_frozen_values_leave_a_models_steady_plan_standing(monkeypatch, mode):
+    # Regression (helper-210): the steady plan compared a process-wide count of storages armed
+    # for frozen values, so another model's first frozen call (or a re-freeze after its weights
+    # changed: an EMA model beside the one you train) sent every prepared model back to the
+    # general path and rebuilt its plan at its next call (11 ms instead of 1.3 ms on the seed).
+    scope_plan = importlib.import_module("paramfold.scope_plan")
+    config = BenchConfig(layers=2, width=16)
+    stock, other_stock, x = _seeded(config), _seeded(config), make_input(config)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    other = paramfold.prepare(copy.deepcopy(other_stock), "freeze")
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(ours(x), stock(x))
+        builds = []
+        real = scope_plan.Plan.build
+        monkeypatch.setattr(scope_plan.Plan, "build", classmethod(lambda cls, *a, **k: builds.append(a) or real(*a, **k)))
+        for step in range(3):
+            with torch.no_grad():
+                for p in (*other.parameters(), *other_stock.parameters()):
+                    p.mul_(0.99)  # other's frozen values are computed and armed again
+            assert torch.equal(other(x), other_stock(x))
+            built = len(builds)
+            assert torch.equal(ours(x), stock(x)), step
+            assert len(builds) == built, step

@@ -682,7 +682,12 @@ def only_bookkeeping(frozen: FrozenValue) -> bool:
 
 def same_armings(frozen: FrozenValue) -> bool:
     """Whether no storage ``frozen`` watches was armed afresh since (written, then armed for another value)."""
-    return list(map(_armings.get, frozen.armed_keys)) == frozen.armed_counts
+    return arming_stamps(frozen.armed_keys) == frozen.armed_counts
+
+
+def arming_stamps(keys: Iterable[int]) -> list[int | None]:
+    """The :data:`ARMINGS` count at which each storage (by :data:`_storage_key`) was last armed."""
+    return list(map(_armings.get, keys))
 
 
 def rearm_unwritten(site: SiteState, frozen: FrozenValue) -> bool:

@@ -31,7 +31,8 @@ from paramfold import hooknorms
 from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, call_path, calls_its_forward, class_forward,
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import ARMINGS, arm, class_dicts, digest, is_armed, same_armings, same_inputs, unshared, unwritten
+from paramfold.freeze import (ARMINGS, arm, arming_stamps, class_dicts, digest, is_armed, same_armings, same_inputs,
+                              unshared, unwritten)
 from paramfold.freeze import _address
 from paramfold.scope_nested import Installs
 from paramfold.site_values import freezing_now
@@ -73,7 +74,7 @@ class Plan:
         "input_dicts", "input_keys", "inputs", "versioned", "versions", "addresses", "watch",
         "unaddressed", "raw_memory", "raw_digests", "views", "values", "versioned_values", "value_versions",
         "addressed_values", "value_addresses", "other_values", "other_value_addresses",
-        "armed", "armings", "armed_checks", "value_ids",
+        "armed", "armings", "armed_checks", "armed_keys", "armed_counts", "value_ids",
         "settings_empty",
         "hoisted", "hoisted_dicts", "copied_sites", "copied_dicts", "copied_names", "copied_tensors", "copied_dtypes",
         "copied_from", "copied_to", "copied_state_dicts", "copied_state_keys", "copied_onces",
@@ -112,6 +113,8 @@ class Plan:
         links, value_links, ordered, stateful, modes, typed = [], [], [], [], [], []
         flags, watch, raw, views, hoisted, callees, kept, armed = [], [], [], [], [], [], [], []
         armed_checks: list[tuple] = []
+        armed_keys: list[int] = []
+        armed_counts: list[int] = []
         switches: list[tuple[torch.Tensor, int]] = []  # hoisted chains' tensors, as last probed
         copied: list[tuple] = []
         forward_keys: list[tuple[dict, str, bool]] = []
@@ -153,6 +156,8 @@ class Plan:
             kept.append((frozen.value, frozen.value_version, frozen.value_layout, frozen.value_address))
             armed.extend(frozen.armed)
             armed_checks.extend(frozen.armed_checks)
+            armed_keys.extend(frozen.armed_keys)
+            armed_counts.extend(frozen.armed_counts)
             raw.extend(frozen.raw)
             views.extend(frozen.views)
             empty.update((id(d), d) for d in frozen.settings_empty)
@@ -407,6 +412,7 @@ class Plan:
         plan.other_values, addresses = columns([(t, a) for t, a, p in zip(plan.values, value_addresses, plain) if not p], 2)
         plan.other_value_addresses = list(addresses)
         plan.armed, plan.armings = tuple(armed), ARMINGS[0]  # each value's counts checked above
+        plan.armed_keys, plan.armed_counts = tuple(armed_keys), armed_counts
         plan.armed_checks, plan.value_ids = tuple(armed_checks), frozenset(map(id, plan.values))
         plan.settings_empty = tuple(empty.values())
         # One check per call of every dict's tag and every tensor's description. The frozen
@@ -680,8 +686,13 @@ def holds(plan: Plan) -> bool:
                 plan.other_values and list(map(_address, plan.other_values)) != plan.other_value_addresses):
             return False
         # Written without a version bump, or armed again since (for another value on the storage).
-        if plan.armings != ARMINGS[0] or (plan.armed and not all(map(is_armed, plan.armed))
-                                          and not _rearm_values(plan)):
+        if plan.armings != ARMINGS[0]:
+            # Something was armed since, anywhere (another model's frozen values): a change here
+            # only where one of this plan's storages was stamped afresh.
+            if arming_stamps(plan.armed_keys) != plan.armed_counts:
+                return False
+            plan.armings = ARMINGS[0]
+        if plan.armed and not all(map(is_armed, plan.armed)) and not _rearm_values(plan):
             return False
         if any(plan.settings_empty):  # freeze.same_settings' other half
             return False
