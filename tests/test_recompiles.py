@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -485,12 +487,15 @@ def test_torch_compile_of_torch_nn_modules_names_their_forward_and_says_they_sha
 
 
 def _cli(args: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``paramfold ARGS``, run in this process."""
+    """(exit code, stdout, stderr) of ``paramfold ARGS``, run in this process.
+
+    Not standalone (click's standalone mode ends the process): the script's exit steps, which
+    ``recompiles`` runs for it only when the process ends (threads joined, ``atexit`` functions),
+    are left to this one; the tests of those run the command in a process of its own."""
     # get_group: a command group even while ``recompiles`` is the only command registered.
     with CliRunner().isolation() as (out, err, _):
         try:
-            typer.main.get_group(app).main(args=args, prog_name="paramfold")
-            code = 0
+            code = typer.main.get_group(app).main(args=args, prog_name="paramfold", standalone_mode=False)
         except SystemExit as e:
             code = e.code
         sys.stdout.flush()
@@ -752,6 +757,23 @@ def test_cli_interrupted_script_still_reports_then_says_so(tmp_path):
     assert err == "paramfold recompiles: error: interrupted by SIGINT; the report covers what ran before it\n"
 
 
+def test_cli_a_ctrl_c_the_script_catches_is_its_own_as_under_python(tmp_path):
+    # Regression: a Ctrl-C raised paramfold's own Interrupted (a KeyboardInterrupt) in the script,
+    # where python raises KeyboardInterrupt itself; caught, the script ends normally, as under python.
+    script = tmp_path / "catches.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, signal, time
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+        except KeyboardInterrupt as e:
+            print("caught", type(e).__name__)
+        """))
+    code, out, err = _cli(["recompiles", "--json", "--", "python", str(script)])
+    assert (code, err) == (0, "caught KeyboardInterrupt\n") and json.loads(out)["compiles"] == 0
+
+
 def test_the_package_keeps_every_name_and_the_function_keeps_its_name():
     import importlib
 
@@ -982,3 +1004,79 @@ def test_dynamic_dims_are_listed_once_when_dynamo_restarts_the_analysis():
         cf(torch.randn(4))
         cf(torch.randn(5))
     assert [r.dynamic for r in report.recompiles] == [["x.size()[0]"], ["y.size()[0]"]]
+
+
+def _reset_hangup_and_term() -> None:
+    # A suite started under nohup (or in the background) inherits SIGHUP ignored; plain python
+    # and paramfold would both keep it so. These runs are about signals that arrive.
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork and SIGHUP")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_cli_script_meets_sigterm_and_sighup_as_under_python_and_so_do_its_children(tmp_path, sig):
+    # Regression: while the script ran, SIGTERM and SIGHUP were paramfold's, raising a
+    # KeyboardInterrupt: a script that catches Ctrl-C went on and the command exited 0 where
+    # python dies with 143 / 129, and forked children (a fork Pool's workers on terminate())
+    # printed a traceback ending in "paramfold.signals.Interrupted: SIGTERM" instead of dying.
+    script = tmp_path / "term.py"
+    script.write_text(textwrap.dedent(
+        f"""
+        import os, signal, time
+        print("handlers:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+              signal.getsignal(signal.SIGHUP) is signal.SIG_DFL, flush=True)
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.kill(child, signal.SIGTERM)
+        _, status = os.waitpid(child, 0)
+        print("child killed by:", os.WIFSIGNALED(status) and os.WTERMSIG(status), flush=True)
+        try:
+            os.kill(os.getpid(), signal.{sig})
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("caught it and went on", flush=True)
+        """))
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300,
+                            preexec_fn=_reset_hangup_and_term)
+    python = run([sys.executable, str(script)])
+    assert python.stdout == "handlers: True True\nchild killed by: 15\n"
+    assert python.returncode == -getattr(signal, sig)
+    ours = run([sys.executable, "-m", "paramfold", "recompiles", "--", "python", str(script)])
+    # Killed by the signal as python is (143 / 129 in a shell), the report not printed.
+    assert (ours.returncode, ours.stdout, ours.stderr) == (python.returncode, python.stdout, ""), ours.stderr
+
+
+def test_cli_counts_what_the_scripts_threads_and_exit_functions_compile_and_json_stays_alone(tmp_path):
+    # Regression: the report was made when the script's main code returned: a non-daemon thread
+    # that compiled after it (python waits for it) and an atexit function were missed, and with
+    # --json what they printed came after the JSON document on stdout ("Extra data").
+    script = tmp_path / "late.py"
+    script.write_text(textwrap.dedent(
+        """
+        import atexit, threading, torch
+        f = torch.compile(lambda x: x + 1, backend="eager")
+        def late():
+            threading.main_thread().join()  # until the main code has ended
+            f(torch.ones(2, dtype=torch.float64))
+            print("thread done")
+        def bye():
+            f(torch.ones(2, dtype=torch.float16))
+            print("atexit says bye")
+        atexit.register(bye)
+        threading.Thread(target=late).start()
+        f(torch.ones(2))
+        print("main done")
+        """))
+    done = subprocess.run([sys.executable, "-m", "paramfold", "recompiles", "--json", "--", "python", str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)  # the JSON document alone
+    assert (data["compiles"], data["recompiles"], data["graphs"]) == (3, 2, 3)
+    assert data["causes"] == {"dtype/device": 2}
+    # as python orders them: the main code, its threads joined, then the exit functions
+    assert [ln for ln in done.stderr.splitlines() if ln.endswith(("done", "bye"))] == [
+        "main done", "thread done", "atexit says bye"]
+
