@@ -1080,3 +1080,56 @@ def test_cli_counts_what_the_scripts_threads_and_exit_functions_compile_and_json
     assert [ln for ln in done.stderr.splitlines() if ln.endswith(("done", "bye"))] == [
         "main done", "thread done", "atexit says bye"]
 
+
+def test_a_dynamo_reset_in_the_block_does_not_lend_one_functions_shared_wrapper_to_another():
+    # Regression: frame ids start again from 0 after torch._dynamo.reset(), and the frame a
+    # torch.compile(nn.Sequential) had compiled through torch's shared wrapper (wrap_inline) kept
+    # that mark: a plain function compiled after the reset was reported as shared_code=wrap_inline,
+    # with the shared wrapper's limit fix and footer.
+    seq = _compile(nn.Sequential(nn.Linear(4, 4)))
+
+    def plain(x):
+        return x * 2
+
+    cp = _compile(plain)
+    limit = getattr(torch._dynamo.config, LIMIT)
+    try:
+        setattr(torch._dynamo.config, LIMIT, 2)
+        with recompiles(warn=False) as report:
+            seq(torch.randn(2, 4))
+            torch._dynamo.reset()
+            for dtype in (torch.float32, torch.float64, torch.float16):
+                cp(torch.randn(2, dtype=dtype))
+    finally:
+        setattr(torch._dynamo.config, LIMIT, limit)
+    mine = [r for r in report.records if r.function == "plain"]
+    assert [r.kind for r in mine] == ["first compile", "recompile", "limit hit"]
+    assert [r.shared_code for r in mine] == [None, None, None]
+    assert "remove the causes above" in mine[-1].fix and "shared wrapper" not in mine[-1].fix
+    assert "plain (" not in "".join(ln for ln in _text(report).splitlines() if "shared wrapper code object" in ln)
+
+
+def test_a_failed_compile_is_no_graph_and_the_table_says_it_failed():
+    # Regression: a backend that raised, called twice, showed "2 graphs" for the function while the
+    # total and torch's counters["stats"]["unique_graphs"] said 0, and nothing in the table said
+    # that the compiles failed.
+    def bad_backend(gm, example_inputs):
+        raise RuntimeError("backend boom")
+
+    bad = torch.compile(lambda x: x.sin() + 1, backend=bad_backend)
+    good = _compile(lambda x: x.cos())
+    counted_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with recompiles() as report:
+        for dtype in (torch.float32, torch.float64):
+            with pytest.raises(Exception, match="backend boom"):
+                bad(torch.randn(2, dtype=dtype))
+        good(torch.ones(2))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - counted_before == report.graphs_total == 1
+    assert sum(report.graphs_per_function().values()) == 1
+    failed = [r for r in report.records if r.failed]
+    assert len(failed) == 2 and [r.graphs for r in failed] == [0, 0]
+    assert all(r.fail_type == "BackendCompilerFailed" for r in failed)
+    text = _text(report)
+    assert text.count("FAILED: BackendCompilerFailed") == 2 and "2 failed" in text
+    assert json.loads(report.to_json())["failed_compiles"] == 2
+

@@ -63,6 +63,13 @@ class CompileRecord:
         return self.failed_guards[0].category if self.failed_guards else "other"
 
     @property
+    def failed(self) -> bool:
+        """Whether the compile failed (``fail_type``: a backend that raised, an error in dynamo),
+        other than by being refused at the recompile limit (``kind`` says that): it made no graph
+        that torch keeps, and the call ran uncompiled or raised."""
+        return self.kind != "limit hit" and (self.fail_type is not None or self.fail_reason is not None)
+
+    @property
     def categories(self) -> list[str]:
         """The categories of the failed guards (and ``limit hit``), in :data:`CATEGORIES` order."""
         found = {g.category for g in self.failed_guards}
@@ -135,12 +142,13 @@ class RecompileReport:
             "graphs": self.graphs_total,
             "graph_breaks": self.graph_breaks,
             "compiles": len(self.records),
+            "failed_compiles": sum(r.failed for r in self.records),
             "recompiles": len(self.recompiles),
             "limit_hit": self.limit_hit,
             "causes": self.causes(),
             "functions": functions,
             "records": [
-                {**dataclasses.asdict(r), "cause": r.cause, "categories": r.categories}
+                {**dataclasses.asdict(r), "cause": r.cause, "categories": r.categories, "failed": r.failed}
                 for r in self.records
             ],
             "collection_errors": self.collection_errors,
@@ -190,10 +198,12 @@ class RecompileReport:
             counted(self.graph_breaks, "graph break") if self.graph_breaks is not None
             else "graph breaks and dynamic dims not reported by torch < 2.6"
         )
+        n_failed = sum(r.failed for r in self.records)
+        failed = f" ({n_failed} failed: no graph)" if n_failed else ""
         parts.append(
             Text(
                 f"{counted(self.graphs_total, 'graph')}, {counted(len(self.recompiles), 'recompile')}, {breaks} in "
-                f"{counted(len(self.records), 'compile')} (torch {torch.__version__})"
+                f"{counted(len(self.records), 'compile')}{failed} (torch {torch.__version__})"
             )
         )
         shared = sorted({r.location for r in self.records if r.shared_code})
@@ -217,13 +227,18 @@ class RecompileReport:
         from rich.text import Text
 
         event = r.kind
-        if r.graphs == 0 and r.kind == "first compile":
+        if r.failed:  # torch gave up on it: the function runs uncompiled (or the error was raised)
+            event += f"\nFAILED: {r.fail_type or 'error'}"
+            if r.fail_reason:
+                reason = " ".join(r.fail_reason.split())
+                event += f": {reason[:157] + '...' if len(reason) > 160 else reason}"
+        elif r.graphs == 0 and r.kind == "first compile":
             event += " (no graph)"
         if r.dynamic:
             event += "\ndynamic: " + ", ".join(r.dynamic)
         for b in r.graph_breaks:
             event += f"\ngraph break {b}"
-        style = "bold red" if r.kind == "limit hit" else ("yellow" if r.kind == "recompile" else "")
+        style = "bold red" if r.kind == "limit hit" or r.failed else ("yellow" if r.kind == "recompile" else "")
         # One row per distinct failed check, prefixed by the cached graphs it failed on.
         grouped: dict[tuple[str, str, str], list[str]] = {}
         for g in r.failed_guards:
