@@ -1133,3 +1133,91 @@ def test_a_failed_compile_is_no_graph_and_the_table_says_it_failed():
     assert text.count("FAILED: BackendCompilerFailed") == 2 and "2 failed" in text
     assert json.loads(report.to_json())["failed_compiles"] == 2
 
+
+_FLAG = True
+
+
+def _reads_flag(x):
+    return x * 2 if _FLAG else x * 3
+
+
+def test_a_flags_fix_does_not_say_pass_it_as_a_tensor():
+    # Regression: a bool flag got "keep it constant, or pass it as a tensor"; as a tensor it is
+    # a data-dependent branch, which breaks the graph (3 graphs and a break instead of 2 graphs).
+    global _FLAG
+
+    def flipped():
+        global _FLAG
+        cf = _compile(_reads_flag)
+        cf(torch.ones(2))
+        _FLAG = False
+        cf(torch.ones(2))
+
+    try:
+        graphs, (g,) = _graphs(flipped)
+    finally:
+        _FLAG = True
+    assert graphs == 2 and g.category == "other" and g.tensor == "G['_FLAG']"
+    assert "pass it as a tensor" not in g.fix and "Passing it as a tensor does not help" in g.fix
+
+    def as_argument(flag_as_tensor: bool):
+        cf = _compile(lambda x, flag: x * 2 if flag else x * 3)
+        for flag in (True, False):
+            cf(torch.ones(2), torch.tensor(flag) if flag_as_tensor else flag)
+
+    graphs, (g,) = _graphs(lambda: as_argument(False))
+    assert graphs == 2 and g.tensor == "flag" and "Passing it as a tensor does not help" in g.fix
+    torch._dynamo.reset()
+    with recompiles() as report:
+        as_argument(True)
+    assert report.graphs_total > 2 or report.graph_breaks  # why: the tensor's value is branched on
+
+
+def test_a_hook_registered_after_the_first_call_gets_its_own_category_and_a_fix_that_works():
+    # Regression: a hook registered after the first call, guarded with
+    # skip_nnmodule_hook_guards=False, fell into "other" with "keep it constant, or pass it as a tensor".
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x)
+
+    def hooked(before_first_call: bool):
+        m = Outer()
+        c = _compile(m)
+        if before_first_call:
+            m.l.register_forward_hook(lambda mod, i, o: o * 2)
+        c(torch.ones(1, 4))
+        if not before_first_call:
+            m.l.register_forward_hook(lambda mod, i, o: o * 2)
+        c(torch.ones(1, 4))
+
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        graphs, (g,) = _graphs(lambda: hooked(False))
+        assert graphs == 2 and g.category == "hooks" and "_forward_hooks" in g.tensor
+        assert "register the hooks before the first call" in g.fix and "as a tensor" not in g.fix
+        assert _graphs(lambda: hooked(True)) == (1, [])  # the fix applied
+
+
+def test_an_inputs_requires_grad_fix_keeps_the_gradients():
+    # Regression: layers compiled one by one in training: the first gets the model's input
+    # without grad, the next an activation with it. The fix offered ".detach()", which between
+    # layers silently cuts the first layer's gradient; .requires_grad_() on the input works.
+    def per_layer(requires_grad: bool):
+        torch.manual_seed(0)
+        net = nn.Sequential(Block(4, dropout=False), Block(4, dropout=False))
+        for layer in net:
+            layer.compile(backend="eager")
+        x = torch.ones(2, 4)
+        if requires_grad:
+            x.requires_grad_()
+        net(x).sum().backward()
+        assert net[0].proj.weight.grad is not None
+
+    graphs, (g,) = _graphs(lambda: per_layer(False))
+    assert graphs == 2 and g.category == "requires_grad" and g.tensor == "x"
+    assert ".requires_grad_() on the input" in g.fix and "cuts the gradient" in g.fix
+    assert _graphs(lambda: per_layer(True)) == (1, [])
+
