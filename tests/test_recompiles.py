@@ -1221,3 +1221,17 @@ def test_an_inputs_requires_grad_fix_keeps_the_gradients():
     assert ".requires_grad_() on the input" in g.fix and "cuts the gradient" in g.fix
     assert _graphs(lambda: per_layer(True)) == (1, [])
 
+
+def test_the_summary_counts_a_recompile_under_every_category_its_cached_graphs_failed_on():
+    # Regression: the summary named only the newest cached graph's guard: a stride change after a
+    # no_grad call was "grad_mode x1" ("unavoidable"), though the grad-mode graph failed on the stride.
+    cf = _compile(lambda t: t * 2)
+    with recompiles() as report:
+        cf(torch.randn(4, 6))
+        with torch.no_grad():
+            cf(torch.randn(4, 6))
+        cf(torch.randn(6, 4).t())
+    last = report.records[-1]
+    assert last.kind == "recompile" and last.categories == ["shape", "grad_mode"]
+    summary = _text(report).split("per function", 1)[1]
+    assert "shape or grad_mode x1" in summary and summary.count("grad_mode x1") == 2  # and the no_grad one

@@ -55,7 +55,11 @@ class CompileRecord:
 
     @property
     def cause(self) -> str | None:
-        """Category of the guard torch names first (its ``recompile_reason``), or ``limit hit``."""
+        """Category of the guard torch names first (its ``recompile_reason``), or ``limit hit``.
+
+        That guard is the newest cached graph's: where the cached graphs failed on guards of
+        several categories, :attr:`categories` has them all (the per-function summary shows them
+        all, ``shape or grad_mode``)."""
         if self.kind == "limit hit":
             return "limit hit"
         if self.kind != "recompile":
@@ -188,10 +192,10 @@ class RecompileReport:
         for col in ("function", "graphs", "recompiles", "causes of recompiles"):
             summary.add_column(col)
         for loc, graphs in self.graphs_per_function().items():
-            causes = Counter(r.cause for r in self.records if r.location == loc and r.cause)
+            causes = Counter(_all_causes(r) for r in self.records if r.location == loc and r.cause)
             summary.add_row(
                 loc, str(graphs), str(recs_per.get(loc, 0)),
-                ", ".join(f"{k} x{causes[k]}" for k in CATEGORIES if causes[k]) or "-",
+                ", ".join(f"{k} x{n}" for k, n in sorted(causes.items(), key=_cause_order)) or "-",
             )
         parts.append(summary)
         breaks = (
@@ -280,6 +284,21 @@ class RecompileReport:
             f"RecompileReport(compiles={len(self.records)}, graphs={self.graphs_total}, "
             f"recompiles={len(self.recompiles)}, limit_hit={self.limit_hit})"
         )
+
+
+def _all_causes(r: CompileRecord) -> str:
+    """A recompile in the per-function summary: the categories of all its failed guards, joined
+    by "or" (``shape or grad_mode``). Each cached graph failed on a guard of its own, and which
+    graph the call "should" have reused is not torch's to say: the newest one alone
+    (``CompileRecord.cause``) could be a no_grad graph, called "unavoidable", where an older one
+    differs in a stride that can be fixed."""
+    if r.kind != "recompile":
+        return r.cause or ""
+    return " or ".join(r.categories) or "other"
+
+
+def _cause_order(item: tuple[str, int]) -> list[int]:
+    return [CATEGORIES.index(c) if c in CATEGORIES else len(CATEGORIES) for c in item[0].split(" or ")]
 
 
 def short_path(path: str) -> str:
