@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -485,12 +487,15 @@ def test_torch_compile_of_torch_nn_modules_names_their_forward_and_says_they_sha
 
 
 def _cli(args: list[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of ``paramfold ARGS``, run in this process."""
+    """(exit code, stdout, stderr) of ``paramfold ARGS``, run in this process.
+
+    Not standalone (click's standalone mode ends the process): the script's exit steps, which
+    ``recompiles`` runs for it only when the process ends (threads joined, ``atexit`` functions),
+    are left to this one; the tests of those run the command in a process of its own."""
     # get_group: a command group even while ``recompiles`` is the only command registered.
     with CliRunner().isolation() as (out, err, _):
         try:
-            typer.main.get_group(app).main(args=args, prog_name="paramfold")
-            code = 0
+            code = typer.main.get_group(app).main(args=args, prog_name="paramfold", standalone_mode=False)
         except SystemExit as e:
             code = e.code
         sys.stdout.flush()
@@ -752,6 +757,23 @@ def test_cli_interrupted_script_still_reports_then_says_so(tmp_path):
     assert err == "paramfold recompiles: error: interrupted by SIGINT; the report covers what ran before it\n"
 
 
+def test_cli_a_ctrl_c_the_script_catches_is_its_own_as_under_python(tmp_path):
+    # Regression: a Ctrl-C raised paramfold's own Interrupted (a KeyboardInterrupt) in the script,
+    # where python raises KeyboardInterrupt itself; caught, the script ends normally, as under python.
+    script = tmp_path / "catches.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, signal, time
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)
+        except KeyboardInterrupt as e:
+            print("caught", type(e).__name__)
+        """))
+    code, out, err = _cli(["recompiles", "--json", "--", "python", str(script)])
+    assert (code, err) == (0, "caught KeyboardInterrupt\n") and json.loads(out)["compiles"] == 0
+
+
 def test_the_package_keeps_every_name_and_the_function_keeps_its_name():
     import importlib
 
@@ -982,3 +1004,234 @@ def test_dynamic_dims_are_listed_once_when_dynamo_restarts_the_analysis():
         cf(torch.randn(4))
         cf(torch.randn(5))
     assert [r.dynamic for r in report.recompiles] == [["x.size()[0]"], ["y.size()[0]"]]
+
+
+def _reset_hangup_and_term() -> None:
+    # A suite started under nohup (or in the background) inherits SIGHUP ignored; plain python
+    # and paramfold would both keep it so. These runs are about signals that arrive.
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork and SIGHUP")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_cli_script_meets_sigterm_and_sighup_as_under_python_and_so_do_its_children(tmp_path, sig):
+    # Regression: while the script ran, SIGTERM and SIGHUP were paramfold's, raising a
+    # KeyboardInterrupt: a script that catches Ctrl-C went on and the command exited 0 where
+    # python dies with 143 / 129, and forked children (a fork Pool's workers on terminate())
+    # printed a traceback ending in "paramfold.signals.Interrupted: SIGTERM" instead of dying.
+    script = tmp_path / "term.py"
+    script.write_text(textwrap.dedent(
+        f"""
+        import os, signal, time
+        print("handlers:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+              signal.getsignal(signal.SIGHUP) is signal.SIG_DFL, flush=True)
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.kill(child, signal.SIGTERM)
+        _, status = os.waitpid(child, 0)
+        print("child killed by:", os.WIFSIGNALED(status) and os.WTERMSIG(status), flush=True)
+        try:
+            os.kill(os.getpid(), signal.{sig})
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("caught it and went on", flush=True)
+        """))
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300,
+                            preexec_fn=_reset_hangup_and_term)
+    python = run([sys.executable, str(script)])
+    assert python.stdout == "handlers: True True\nchild killed by: 15\n"
+    assert python.returncode == -getattr(signal, sig)
+    ours = run([sys.executable, "-m", "paramfold", "recompiles", "--", "python", str(script)])
+    # Killed by the signal as python is (143 / 129 in a shell), the report not printed.
+    assert (ours.returncode, ours.stdout, ours.stderr) == (python.returncode, python.stdout, ""), ours.stderr
+
+
+def test_cli_counts_what_the_scripts_threads_and_exit_functions_compile_and_json_stays_alone(tmp_path):
+    # Regression: the report was made when the script's main code returned: a non-daemon thread
+    # that compiled after it (python waits for it) and an atexit function were missed, and with
+    # --json what they printed came after the JSON document on stdout ("Extra data").
+    script = tmp_path / "late.py"
+    script.write_text(textwrap.dedent(
+        """
+        import atexit, threading, torch
+        f = torch.compile(lambda x: x + 1, backend="eager")
+        def late():
+            threading.main_thread().join()  # until the main code has ended
+            f(torch.ones(2, dtype=torch.float64))
+            print("thread done")
+        def bye():
+            f(torch.ones(2, dtype=torch.float16))
+            print("atexit says bye")
+        atexit.register(bye)
+        threading.Thread(target=late).start()
+        f(torch.ones(2))
+        print("main done")
+        """))
+    done = subprocess.run([sys.executable, "-m", "paramfold", "recompiles", "--json", "--", "python", str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)  # the JSON document alone
+    assert (data["compiles"], data["recompiles"], data["graphs"]) == (3, 2, 3)
+    assert data["causes"] == {"dtype/device": 2}
+    # as python orders them: the main code, its threads joined, then the exit functions
+    assert [ln for ln in done.stderr.splitlines() if ln.endswith(("done", "bye"))] == [
+        "main done", "thread done", "atexit says bye"]
+
+
+def test_a_dynamo_reset_in_the_block_does_not_lend_one_functions_shared_wrapper_to_another():
+    # Regression: frame ids start again from 0 after torch._dynamo.reset(), and the frame a
+    # torch.compile(nn.Sequential) had compiled through torch's shared wrapper (wrap_inline) kept
+    # that mark: a plain function compiled after the reset was reported as shared_code=wrap_inline,
+    # with the shared wrapper's limit fix and footer.
+    seq = _compile(nn.Sequential(nn.Linear(4, 4)))
+
+    def plain(x):
+        return x * 2
+
+    cp = _compile(plain)
+    limit = getattr(torch._dynamo.config, LIMIT)
+    try:
+        setattr(torch._dynamo.config, LIMIT, 2)
+        with recompiles(warn=False) as report:
+            seq(torch.randn(2, 4))
+            torch._dynamo.reset()
+            for dtype in (torch.float32, torch.float64, torch.float16):
+                cp(torch.randn(2, dtype=dtype))
+    finally:
+        setattr(torch._dynamo.config, LIMIT, limit)
+    mine = [r for r in report.records if r.function == "plain"]
+    assert [r.kind for r in mine] == ["first compile", "recompile", "limit hit"]
+    assert [r.shared_code for r in mine] == [None, None, None]
+    assert "remove the causes above" in mine[-1].fix and "shared wrapper" not in mine[-1].fix
+    assert "plain (" not in "".join(ln for ln in _text(report).splitlines() if "shared wrapper code object" in ln)
+
+
+def test_a_failed_compile_is_no_graph_and_the_table_says_it_failed():
+    # Regression: a backend that raised, called twice, showed "2 graphs" for the function while the
+    # total and torch's counters["stats"]["unique_graphs"] said 0, and nothing in the table said
+    # that the compiles failed.
+    def bad_backend(gm, example_inputs):
+        raise RuntimeError("backend boom")
+
+    bad = torch.compile(lambda x: x.sin() + 1, backend=bad_backend)
+    good = _compile(lambda x: x.cos())
+    counted_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with recompiles() as report:
+        for dtype in (torch.float32, torch.float64):
+            with pytest.raises(Exception, match="backend boom"):
+                bad(torch.randn(2, dtype=dtype))
+        good(torch.ones(2))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - counted_before == report.graphs_total == 1
+    assert sum(report.graphs_per_function().values()) == 1
+    failed = [r for r in report.records if r.failed]
+    assert len(failed) == 2 and [r.graphs for r in failed] == [0, 0]
+    assert all(r.fail_type == "BackendCompilerFailed" for r in failed)
+    text = _text(report)
+    assert text.count("FAILED: BackendCompilerFailed") == 2 and "2 failed" in text
+    assert json.loads(report.to_json())["failed_compiles"] == 2
+
+
+_FLAG = True
+
+
+def _reads_flag(x):
+    return x * 2 if _FLAG else x * 3
+
+
+def test_a_flags_fix_does_not_say_pass_it_as_a_tensor():
+    # Regression: a bool flag got "keep it constant, or pass it as a tensor"; as a tensor it is
+    # a data-dependent branch, which breaks the graph (3 graphs and a break instead of 2 graphs).
+    global _FLAG
+
+    def flipped():
+        global _FLAG
+        cf = _compile(_reads_flag)
+        cf(torch.ones(2))
+        _FLAG = False
+        cf(torch.ones(2))
+
+    try:
+        graphs, (g,) = _graphs(flipped)
+    finally:
+        _FLAG = True
+    assert graphs == 2 and g.category == "other" and g.tensor == "G['_FLAG']"
+    assert "pass it as a tensor" not in g.fix and "Passing it as a tensor does not help" in g.fix
+
+    def as_argument(flag_as_tensor: bool):
+        cf = _compile(lambda x, flag: x * 2 if flag else x * 3)
+        for flag in (True, False):
+            cf(torch.ones(2), torch.tensor(flag) if flag_as_tensor else flag)
+
+    graphs, (g,) = _graphs(lambda: as_argument(False))
+    assert graphs == 2 and g.tensor == "flag" and "Passing it as a tensor does not help" in g.fix
+    torch._dynamo.reset()
+    with recompiles() as report:
+        as_argument(True)
+    assert report.graphs_total > 2 or report.graph_breaks  # why: the tensor's value is branched on
+
+
+def test_a_hook_registered_after_the_first_call_gets_its_own_category_and_a_fix_that_works():
+    # Regression: a hook registered after the first call, guarded with
+    # skip_nnmodule_hook_guards=False, fell into "other" with "keep it constant, or pass it as a tensor".
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.l(x)
+
+    def hooked(before_first_call: bool):
+        m = Outer()
+        c = _compile(m)
+        if before_first_call:
+            m.l.register_forward_hook(lambda mod, i, o: o * 2)
+        c(torch.ones(1, 4))
+        if not before_first_call:
+            m.l.register_forward_hook(lambda mod, i, o: o * 2)
+        c(torch.ones(1, 4))
+
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        graphs, (g,) = _graphs(lambda: hooked(False))
+        assert graphs == 2 and g.category == "hooks" and "_forward_hooks" in g.tensor
+        assert "register the hooks before the first call" in g.fix and "as a tensor" not in g.fix
+        assert _graphs(lambda: hooked(True)) == (1, [])  # the fix applied
+
+
+def test_an_inputs_requires_grad_fix_keeps_the_gradients():
+    # Regression: layers compiled one by one in training: the first gets the model's input
+    # without grad, the next an activation with it. The fix offered ".detach()", which between
+    # layers silently cuts the first layer's gradient; .requires_grad_() on the input works.
+    def per_layer(requires_grad: bool):
+        torch.manual_seed(0)
+        net = nn.Sequential(Block(4, dropout=False), Block(4, dropout=False))
+        for layer in net:
+            layer.compile(backend="eager")
+        x = torch.ones(2, 4)
+        if requires_grad:
+            x.requires_grad_()
+        net(x).sum().backward()
+        assert net[0].proj.weight.grad is not None
+
+    graphs, (g,) = _graphs(lambda: per_layer(False))
+    assert graphs == 2 and g.category == "requires_grad" and g.tensor == "x"
+    assert ".requires_grad_() on the input" in g.fix and "cuts the gradient" in g.fix
+    assert _graphs(lambda: per_layer(True)) == (1, [])
+
+
+def test_the_summary_counts_a_recompile_under_every_category_its_cached_graphs_failed_on():
+    # Regression: the summary named only the newest cached graph's guard: a stride change after a
+    # no_grad call was "grad_mode x1" ("unavoidable"), though the grad-mode graph failed on the stride.
+    cf = _compile(lambda t: t * 2)
+    with recompiles() as report:
+        cf(torch.randn(4, 6))
+        with torch.no_grad():
+            cf(torch.randn(4, 6))
+        cf(torch.randn(6, 4).t())
+    last = report.records[-1]
+    assert last.kind == "recompile" and last.categories == ["shape", "grad_mode"]
+    summary = _text(report).split("per function", 1)[1]
+    assert "shape or grad_mode x1" in summary and summary.count("grad_mode x1") == 2  # and the no_grad one

@@ -119,6 +119,9 @@ _written: list[str] = []
 _ran: list[str] = []
 _said: list[bool] = []
 _ended: list[bool] = []
+#: Whether the process ends when the command line does (``standalone_mode``, click's promise that
+#: ``main`` never returns): ``recompiles`` then runs Python's exit steps for its script itself.
+_standalone: list[bool] = []
 
 
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
@@ -242,6 +245,7 @@ class _Group(_PlainHelpFlag, TyperGroup):
         _ran.clear()
         _said.clear()
         _ended.clear()
+        _standalone[:] = [standalone_mode]
         with signals_raise(), stdout_quiet_when_closed():
             try:
                 code = self._run_command(args, prog_name, complete_var, **extra)
@@ -701,7 +705,7 @@ def recompiles_command(
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.recompiles.script import run_script
     with _os_exit_said("recompiles"):
-        code = run_script(command, as_json=as_json, strict=strict)
+        code = run_script(command, as_json=as_json, strict=strict, shutdown=_standalone == [True])
     raise typer.Exit(code)
 
 

@@ -2,7 +2,9 @@
 it), SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted`, so every ``finally`` and cleanup block
 runs (an output's temporary file is removed, see :mod:`paramfold.output`), and a signal whose
 exception something caught and dropped is raised again at the next safe point
-(:func:`raise_if_interrupted`).
+(:func:`raise_if_interrupted`). User code that the CLI runs as ``python`` would
+(``paramfold recompiles``' script) gets python's own handling back meanwhile
+(:func:`signals_as_python`).
 
 This module imports nothing heavy (no torch).
 """
@@ -12,9 +14,10 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["HANDLED_SIGNALS", "Interrupted", "from_signal", "on_signal_instead", "raise_if_interrupted",
-           "signal_arrived", "signals_deferred", "signals_raise"]
+           "signal_arrived", "signals_as_python", "signals_deferred", "signals_raise"]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
 HANDLED_SIGNALS = tuple(
@@ -50,6 +53,10 @@ class _SignalState:
         self.deferred = 0
         #: The handler :func:`signals_raise` installed (None while it is not active).
         self.handler: Callable[[int, object], None] | None = None
+        #: The handlers it replaced, by signal (what the process was started with), and the
+        #: ``sys.unraisablehook`` it replaced: what :func:`signals_as_python` gives user code back.
+        self.given: dict[int, Any] = {}
+        self.given_hook: Callable[[Any], object] | None = None
 
 
 _signals = _SignalState()
@@ -91,10 +98,12 @@ def signals_raise() -> Iterator[None]:
         if not isinstance(getattr(info, "exc_value", None), Interrupted):
             given_hook(info)
 
-    saved = (_signals.arrived, _signals.instead, _signals.deferred, _signals.handler)
+    saved = (_signals.arrived, _signals.instead, _signals.deferred, _signals.handler, _signals.given,
+             _signals.given_hook)
+    old: dict[int, Any] = {}
     _signals.arrived, _signals.instead, _signals.deferred, _signals.handler = [], None, 0, handler
+    _signals.given, _signals.given_hook = old, given_hook
     sys.unraisablehook = unraisable
-    old = {}
     for sig in HANDLED_SIGNALS:
         with contextlib.suppress(OSError, ValueError):
             previous = signal.getsignal(sig)
@@ -110,7 +119,66 @@ def signals_raise() -> Iterator[None]:
         for sig, previous in old.items():
             signal.signal(sig, previous)
         sys.unraisablehook = given_hook
-        _signals.arrived, _signals.instead, _signals.deferred, _signals.handler = saved
+        (_signals.arrived, _signals.instead, _signals.deferred, _signals.handler, _signals.given,
+         _signals.given_hook) = saved
+
+
+@contextlib.contextmanager
+def signals_as_python() -> Iterator[Callable[[BaseException], bool]]:
+    """While active, user code run in this process (``paramfold recompiles``' script) meets the
+    signal handling of a plain ``python`` process, not :func:`signals_raise`'s: SIGTERM and SIGHUP
+    get back the disposition the process was started with (their default action, which ends the
+    process with exit 143 / 129, or ignored), and so do the children it forks; SIGINT raises a
+    plain ``KeyboardInterrupt``, as Python's own handler does; ``sys.unraisablehook`` is the one
+    that was there before. A signal here is not recorded for :func:`raise_if_interrupted`: what the
+    code does with it is its own (a loop that catches Ctrl-C goes on, as under python).
+
+    Yields a test, ``came_from_sigint(exc)``: whether a ``KeyboardInterrupt`` that escaped the
+    code was raised by a SIGINT here (perhaps re-raised, or chained) rather than by the code
+    itself. SIGINT keeps a handler of ours for that: ``signal.getsignal(SIGINT)`` is the one thing
+    that differs from python's (``signal.default_int_handler``).
+
+    Without :func:`signals_raise` active (or off the main thread) nothing changes: every
+    ``KeyboardInterrupt`` then counts as a signal, as :func:`from_signal` says.
+    """
+    import sys
+    import threading
+
+    if _signals.handler is None or threading.current_thread() is not threading.main_thread():
+        yield lambda exc: True
+        return
+    raised: list[BaseException] = []
+
+    def interrupt(signum: int, frame: object) -> None:
+        exc = KeyboardInterrupt()
+        raised.append(exc)
+        raise exc
+
+    def came_from_sigint(exc: BaseException) -> bool:
+        seen: BaseException | None = exc
+        for _ in range(100):  # a chain can loop
+            if seen is None:
+                return False
+            if any(seen is r for r in raised):
+                return True
+            seen = seen.__context__ or seen.__cause__
+        return False
+
+    ours, swapped = _signals.handler, []
+    for sig, given in _signals.given.items():
+        if signal.getsignal(sig) is ours:
+            # (None: a handler not set from Python, which getsignal cannot name: the default's)
+            signal.signal(sig, interrupt if sig == signal.SIGINT else given if given is not None else signal.SIG_DFL)
+            swapped.append(sig)
+    our_hook = sys.unraisablehook
+    if _signals.given_hook is not None:
+        sys.unraisablehook = _signals.given_hook
+    try:
+        yield came_from_sigint
+    finally:
+        for sig in swapped:
+            signal.signal(sig, ours)
+        sys.unraisablehook = our_hook
 
 
 @contextlib.contextmanager

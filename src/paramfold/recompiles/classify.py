@@ -31,6 +31,14 @@ every version of the nox matrix; README's version table). What differs between t
   so the guard's id is looked up (``paramfold.classes.class_by_id``): the guard text then says it
   is paramfold's class, and a module whose class train()/eval() of its stateful chain swapped gets
   ``training``.
+* a bool or None the graph was made for (a flag read in the code) is ``x == True`` / ``x is None``
+  in 2.13 (BOOL_MATCH / NONE_MATCH, guards.py's CONSTANT_MATCH), an ID_MATCH on ``True``, ``False``
+  or ``None`` in older torch (``___check_obj_id`` of their id, read in this process): both get the
+  flag fix, which does not say "pass it as a tensor" (a branch on a tensor's value breaks the graph).
+* a module's hook dicts (``_forward_hooks``, ``_forward_pre_hooks``, ``_backward_hooks``, the
+  global ``_global_forward_hooks`` & co.) are guarded only with
+  ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` (2.13: ``not
+  self._modules['l']._forward_hooks``); any guard naming one is ``hooks``.
 * a symbolic-shape guard is the shape expression itself (``2 <= x.size()[1]``, with
   "0/1 specialization" in its comment from 2.6 on).
 
@@ -52,6 +60,7 @@ CATEGORIES = (
     "training",
     "grad_mode",
     "dtype/device",
+    "hooks",
     "id/object identity",
     "limit hit",
     "other",
@@ -118,8 +127,11 @@ FIXES: dict[str, str] = {
         "graph per requires_grad setting"
     ),
     "requires_grad:input": (
-        "input {tensor} requires grad in one call and not in another; make it consistent "
-        "(.requires_grad_() or .detach()) or accept one graph each"
+        "input {tensor} requires grad in one call and not in another: call .requires_grad_() on the "
+        "input where it does not (layers compiled one by one: on the model's input, which the first "
+        "layer gets without grad and the next ones as an activation with it), or accept one graph "
+        "each; .detach() only where no gradient has to flow back through it: it cuts the gradient "
+        "to everything that computed it"
     ),
     "training": (
         "put models that share this code in the same train/eval mode ({source}.training differs)"
@@ -141,8 +153,13 @@ FIXES: dict[str, str] = {
     ),
     "id/object identity": (
         "{source} is a different object than when the graph was made (rebound global, new "
-        "function or closure, module of another class): reuse one object, or pass the varying "
-        "value as a tensor"
+        "function or closure, module of another class): reuse one object, or accept one graph "
+        "per object"
+    ),
+    "hooks": (
+        "a module hook was registered or removed after the graph was made ({source}): register "
+        "the hooks before the first call and keep them (add or remove none between calls), or "
+        "accept one graph per set of hooks"
     ),
     "training:paramfold": (
         "the graph was made with {source} in {mode} mode: paramfold.prepare gives a module whose "
@@ -194,8 +211,16 @@ FIXES: dict[str, str] = {
         "once instead of each, or raise torch._dynamo.config.{limit_type}"
     ),
     "other": (
-        "a Python value the compiled code depends on changed ({guard}): keep it constant, or pass "
-        "it as a tensor"
+        "a Python value the compiled code depends on changed ({guard}): keep it constant between "
+        "calls, or accept one graph per value; a number the code only computes with can be "
+        "passed as a tensor argument instead, one it branches on (if/while) cannot: a branch on "
+        "a tensor's value breaks the graph"
+    ),
+    "other:flag": (
+        "{source} is a flag (True/False/None) and the graph was made for one value of it: one "
+        "graph per value is expected (two for a bool), each reused from then on; keep it fixed "
+        "while the compiled code runs to have one. Passing it as a tensor does not help: a branch "
+        "on a tensor's value breaks the graph"
     ),
     "other:global": "global torch state {state} changed between calls: keep it fixed",
     "other:backend": "compile every caller of this code with the same backend object",
@@ -228,6 +253,12 @@ _PARAMETRIZED_TYPE = re.compile(r"type=<class 'torch\.nn\.utils\.parametrize\.(?
 # An original as inline's getter reads it: the dict it lives in, kept on the module as
 # ``_paramfold_<name>_<original>`` (paramfold.inline.ref_keys, DictRef's ``d``).
 _INLINE_ORIGINAL = re.compile(r"\._paramfold_\w+\.d\[")
+# BOOL_MATCH / NONE_MATCH (``x == True``, ``x is None``; torch 2.13, guards.py CONSTANT_MATCH);
+# older torch guards them with ID_MATCH on True, False or None (see _categorize).
+_FLAG = re.compile(r"^(?P<source>.+?) (?:== (?:True|False)|is None)$")
+# A module's hook dicts (Module._forward_hooks & co., and the global ones of
+# torch.nn.modules.module), guarded with torch._dynamo.config.skip_nnmodule_hook_guards=False.
+_HOOKS = re.compile(r"(?P<source>[\w.\[\]'\"]*_(?:global_)?(?:forward|backward)(?:_pre)?_hooks\w*)")
 _GLOBAL_STATE = "GLOBAL_STATE changed:"
 _IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line invalidated")
 _COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
@@ -322,10 +353,16 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         return "dtype/device", "dispatch", m.groupdict()
     if _DEVICE.search(expr):
         return "dtype/device", "dispatch", {"tensor": expr}
+    if m := _HOOKS.search(expr):
+        return "hooks", None, m.groupdict()
     if m := _TRAINING.search(expr):
         return "training", None, m.groupdict()
+    if m := _FLAG.match(expr):
+        return "other", "flag", m.groupdict()
     if m := _OBJ_ID.search(expr):
         source = m["source"].strip()
+        if m[1] == "obj" and m["id"] and int(m["id"]) in (id(True), id(False), id(None)):
+            return "other", "flag", {"source": source}
         if m[1] == "type" and m["id"] and (pf := _paramfold_class(int(m["id"]))) is not None:
             base, role = pf
             f = {"source": source, "cls": base.__qualname__, "mode": role}

@@ -216,6 +216,10 @@ class _Pending:
     limit: tuple[str, int, str] | None = None  # (limit_type, value, "'name' (file:line)")
     recompile: bool = False  # a recompile_reasons artifact arrived (torch logs one per recompile)
     target: _Target | None = None  # the callable behind a shared wrapper code object
+    # counters["stats"]["unique_graphs"] when the compile started (dynamo_start): the graphs it
+    # made are what torch counted meanwhile. A graph dynamo logged (dynamo_output_graph) whose
+    # backend then failed is no graph: torch counts it only once the backend returned.
+    graphs_at_start: int | None = None
 
 
 class _Collector:
@@ -243,6 +247,11 @@ class _Collector:
                 if summary not in self._pending(key).breaks:
                     self._pending(key).breaks.append(summary)
         elif name == "dynamo_start":
+            if key[2] == 0:
+                self._new_frame(key)
+            from torch._dynamo.utils import counters
+
+            self._pending(key).graphs_at_start = counters["stats"]["unique_graphs"]
             target = _wrapped_target()
             if target is not None:
                 self._pending(key).target = target
@@ -273,9 +282,22 @@ class _Collector:
     def _pending(self, key: tuple[Any, Any, Any]) -> _Pending:
         return self.pending.setdefault(key, _Pending())
 
+    def _new_frame(self, key: tuple[Any, Any, Any]) -> None:
+        """Forget what was kept of an earlier frame with this frame id: the first compile of a
+        frame (frame compile id 0) gets a new id, and ids start again from 0 after
+        ``torch._dynamo.reset()`` (``convert_frame.FRAME_COUNTER``), so a frame id seen before in
+        the block may now stand for another code object."""
+        frame = key[:2]
+        for stale in [k for k in self.pending if k[:2] == frame and k != key]:
+            self._finish_unfinished(stale)
+        self.frames.pop(frame, None)
+        self.shared.pop(frame, None)
+
     def _finish(self, key: tuple[Any, Any, Any], m: dict[str, Any]) -> None:
         p = self.pending.pop(key, _Pending())
         frame = key[:2]
+        if key[2] == 0 and p.target is None:  # a frame's first compile, not of a shared wrapper
+            self.shared.pop(frame, None)
         name, filename, lineno = m.get("co_name"), m.get("co_filename"), m.get("co_firstlineno")
         if p.target is not None:
             name, filename, lineno = p.target.name, p.target.filename, p.target.lineno
@@ -304,7 +326,7 @@ class _Collector:
             lineno=lineno,
             kind=kind,
             failed_guards=[classify(r) for r in reasons],
-            graphs=p.graphs,
+            graphs=self._graphs_made(p),
             dynamic=p.dynamic,
             graph_breaks=p.breaks,
             fail_type=fail_type,
@@ -328,14 +350,31 @@ class _Collector:
             )
         self.report.records.append(record)
 
+    @staticmethod
+    def _graphs_made(p: _Pending) -> int:
+        """The graphs a compile made, as torch counts them (``unique_graphs``): a graph whose
+        backend failed is not one; where the compile's start was not seen, the graphs dynamo logged."""
+        if p.graphs_at_start is None:
+            return p.graphs
+        from torch._dynamo.utils import counters
+
+        return max(0, counters["stats"]["unique_graphs"] - p.graphs_at_start)
+
     def flush(self) -> None:
         """Pending compiles whose metrics never arrived (e.g. an exception escaped mid-compile)."""
         for key in list(self.pending):
-            p = self.pending[key]
-            if p.reasons or p.graphs or p.limit or p.breaks:
-                first_reason = p.reasons[0] if p.reasons else None
-                self._finish(key, {"compile_id": None, "recompile_reason": first_reason})
+            self._finish_unfinished(key)
         self.pending.clear()
+
+    def _finish_unfinished(self, key: tuple[Any, Any, Any]) -> None:
+        """A record for a compile whose metrics never arrived, where it left anything to say."""
+        p = self.pending[key]
+        p.graphs_at_start = None  # the counter has moved on since: the graphs dynamo logged
+        if p.reasons or p.graphs or p.limit or p.breaks:
+            first_reason = p.reasons[0] if p.reasons else None
+            self._finish(key, {"compile_id": None, "recompile_reason": first_reason})
+        else:
+            del self.pending[key]
 
 
 _WRAP_INLINE = "torch._dynamo.external_utils.wrap_inline"

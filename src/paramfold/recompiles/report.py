@@ -55,12 +55,23 @@ class CompileRecord:
 
     @property
     def cause(self) -> str | None:
-        """Category of the guard torch names first (its ``recompile_reason``), or ``limit hit``."""
+        """Category of the guard torch names first (its ``recompile_reason``), or ``limit hit``.
+
+        That guard is the newest cached graph's: where the cached graphs failed on guards of
+        several categories, :attr:`categories` has them all (the per-function summary shows them
+        all, ``shape or grad_mode``)."""
         if self.kind == "limit hit":
             return "limit hit"
         if self.kind != "recompile":
             return None
         return self.failed_guards[0].category if self.failed_guards else "other"
+
+    @property
+    def failed(self) -> bool:
+        """Whether the compile failed (``fail_type``: a backend that raised, an error in dynamo),
+        other than by being refused at the recompile limit (``kind`` says that): it made no graph
+        that torch keeps, and the call ran uncompiled or raised."""
+        return self.kind != "limit hit" and (self.fail_type is not None or self.fail_reason is not None)
 
     @property
     def categories(self) -> list[str]:
@@ -135,12 +146,13 @@ class RecompileReport:
             "graphs": self.graphs_total,
             "graph_breaks": self.graph_breaks,
             "compiles": len(self.records),
+            "failed_compiles": sum(r.failed for r in self.records),
             "recompiles": len(self.recompiles),
             "limit_hit": self.limit_hit,
             "causes": self.causes(),
             "functions": functions,
             "records": [
-                {**dataclasses.asdict(r), "cause": r.cause, "categories": r.categories}
+                {**dataclasses.asdict(r), "cause": r.cause, "categories": r.categories, "failed": r.failed}
                 for r in self.records
             ],
             "collection_errors": self.collection_errors,
@@ -180,20 +192,22 @@ class RecompileReport:
         for col in ("function", "graphs", "recompiles", "causes of recompiles"):
             summary.add_column(col)
         for loc, graphs in self.graphs_per_function().items():
-            causes = Counter(r.cause for r in self.records if r.location == loc and r.cause)
+            causes = Counter(_all_causes(r) for r in self.records if r.location == loc and r.cause)
             summary.add_row(
                 loc, str(graphs), str(recs_per.get(loc, 0)),
-                ", ".join(f"{k} x{causes[k]}" for k in CATEGORIES if causes[k]) or "-",
+                ", ".join(f"{k} x{n}" for k, n in sorted(causes.items(), key=_cause_order)) or "-",
             )
         parts.append(summary)
         breaks = (
             counted(self.graph_breaks, "graph break") if self.graph_breaks is not None
             else "graph breaks and dynamic dims not reported by torch < 2.6"
         )
+        n_failed = sum(r.failed for r in self.records)
+        failed = f" ({n_failed} failed: no graph)" if n_failed else ""
         parts.append(
             Text(
                 f"{counted(self.graphs_total, 'graph')}, {counted(len(self.recompiles), 'recompile')}, {breaks} in "
-                f"{counted(len(self.records), 'compile')} (torch {torch.__version__})"
+                f"{counted(len(self.records), 'compile')}{failed} (torch {torch.__version__})"
             )
         )
         shared = sorted({r.location for r in self.records if r.shared_code})
@@ -217,13 +231,18 @@ class RecompileReport:
         from rich.text import Text
 
         event = r.kind
-        if r.graphs == 0 and r.kind == "first compile":
+        if r.failed:  # torch gave up on it: the function runs uncompiled (or the error was raised)
+            event += f"\nFAILED: {r.fail_type or 'error'}"
+            if r.fail_reason:
+                reason = " ".join(r.fail_reason.split())
+                event += f": {reason[:157] + '...' if len(reason) > 160 else reason}"
+        elif r.graphs == 0 and r.kind == "first compile":
             event += " (no graph)"
         if r.dynamic:
             event += "\ndynamic: " + ", ".join(r.dynamic)
         for b in r.graph_breaks:
             event += f"\ngraph break {b}"
-        style = "bold red" if r.kind == "limit hit" else ("yellow" if r.kind == "recompile" else "")
+        style = "bold red" if r.kind == "limit hit" or r.failed else ("yellow" if r.kind == "recompile" else "")
         # One row per distinct failed check, prefixed by the cached graphs it failed on.
         grouped: dict[tuple[str, str, str], list[str]] = {}
         for g in r.failed_guards:
@@ -265,6 +284,21 @@ class RecompileReport:
             f"RecompileReport(compiles={len(self.records)}, graphs={self.graphs_total}, "
             f"recompiles={len(self.recompiles)}, limit_hit={self.limit_hit})"
         )
+
+
+def _all_causes(r: CompileRecord) -> str:
+    """A recompile in the per-function summary: the categories of all its failed guards, joined
+    by "or" (``shape or grad_mode``). Each cached graph failed on a guard of its own, and which
+    graph the call "should" have reused is not torch's to say: the newest one alone
+    (``CompileRecord.cause``) could be a no_grad graph, called "unavoidable", where an older one
+    differs in a stride that can be fixed."""
+    if r.kind != "recompile":
+        return r.cause or ""
+    return " or ".join(r.categories) or "other"
+
+
+def _cause_order(item: tuple[str, int]) -> list[int]:
+    return [CATEGORIES.index(c) if c in CATEGORIES else len(CATEGORIES) for c in item[0].split(" or ")]
 
 
 def short_path(path: str) -> str:

@@ -2,7 +2,10 @@
 
 The script (or ``-m module``) runs in this process, as ``python`` would run it: its own
 ``sys.argv``, its folder (or the working directory for ``-m``) first on ``sys.path``, its exit status
-kept. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout
+kept, the signal handling python gives it (SIGTERM and SIGHUP end the process, in its forked
+children too; see :func:`~paramfold.signals.signals_as_python`), and, from the command line, to its
+end: its non-daemon threads joined and its ``atexit`` functions run (:func:`_python_exit`), so that
+what they compile is reported. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout
 (the script's own output goes to stderr so that stdout stays parseable: its prints, and what
 reaches file descriptor 1, as child processes' output). What the script prints, its
 traceback included (from its own first frame, through ``sys.excepthook``), is its own output,
@@ -14,6 +17,7 @@ line to print in its one format.
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import contextlib
 import importlib.util
@@ -21,14 +25,16 @@ import io
 import os
 import re
 import runpy
+import signal
 import sys
+import threading
 import traceback
 import types
 
 from paramfold.errors import FoldError
 from paramfold.terminal import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
-from paramfold.signals import from_signal
+from paramfold.signals import Interrupted, signals_as_python
 
 __all__ = ["ScriptError", "run_script"]
 
@@ -41,15 +47,26 @@ class ScriptError(FoldError):
     exit_code = 2
 
 
-def run_script(command: list[str], *, as_json: bool = False, strict: bool = False) -> int:
+def run_script(command: list[str], *, as_json: bool = False, strict: bool = False, shutdown: bool = False) -> int:
     """Run ``[python] SCRIPT [ARGS]`` or ``[python] -m MODULE [ARGS]``, print the report, return its exit code.
 
     The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if a function hit
     the recompile limit, raises :class:`RecompileLimitError` after the report is printed, with exit
     code 3 where the script succeeded, else with the script's own code (the failure it reports
-    comes first). A Ctrl-C or a handled signal in the script is raised again
-    after the report of what ran before it; a ``KeyboardInterrupt`` the script raised itself is
-    its failure (its traceback, 130, as python).
+    comes first).
+
+    Signals, while the script runs, are handled as in a plain ``python`` process
+    (:func:`~paramfold.signals.signals_as_python`): SIGTERM and SIGHUP end the process at once with
+    143 / 129 (no report: as under python, the script's own handler, if it sets one, decides), and
+    the script's forked children inherit that; a Ctrl-C (SIGINT) that the script does not catch is
+    raised again after the report of what ran before it; a ``KeyboardInterrupt`` the script raised
+    itself is its failure (its traceback, 130, as python).
+
+    ``shutdown``: the process ends after this call (the command line): after the script's own code,
+    Python's exit steps run for it before the report is made, as ``python`` runs them before it
+    exits: its non-daemon threads are joined and its ``atexit`` functions run (see
+    :func:`_python_exit`), so that what they compile is counted and what they print goes where
+    the script's prints go (stderr with ``as_json``). Left to the host process otherwise.
     """
     tokens = list(command)
     if tokens and tokens[0].startswith("-") and tokens[0] != "-m":  # a mistyped option of ours, before --
@@ -90,30 +107,10 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     if module is None and not os.path.isdir(argv0):  # runpy puts a folder on sys.path itself
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv0)))
     redirect = stdout_to_stderr() if as_json else contextlib.nullcontext()
-    code, interrupted = 0, None
     try:
         # The script meets a closed stdout as under python (its BrokenPipeError is its own).
         with given_stdout(), redirect, recompiles(warn=False, torch_warning=False) as report:
-            try:
-                if module is None:
-                    _run_path(argv0)
-                else:
-                    runpy.run_module(module, run_name="__main__", alter_sys=True)
-            except SystemExit as e:
-                if e.code is None or isinstance(e.code, int):
-                    code = e.code or 0
-                else:  # sys.exit("message"), as python prints it
-                    print(e.code, file=sys.stderr)
-                    code = 1
-            except KeyboardInterrupt as e:  # the report of what ran so far is still printed
-                if from_signal(e):
-                    interrupted = e
-                else:  # raised by the script itself, no signal: as python, its traceback and 130
-                    _print_script_traceback(e)
-                    code = 130
-            except Exception as e:
-                _print_script_traceback(e)
-                code = 1
+            code, interrupted = _run_as_python(module, argv0, shutdown=shutdown)
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     if as_json:
@@ -131,6 +128,51 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         error.exit_code = code  # said all the same: a log that shows only stderr learns of the hit
         raise error
     return code
+
+
+def _run_as_python(module: str | None, argv0: str, *, shutdown: bool) -> tuple[int, BaseException | None]:
+    """Run the script as ``python`` would, its signals handled as there: (exit code, the
+    interrupt to raise again after the report, or None)."""
+    code, interrupted = 0, None
+    with signals_as_python() as came_from_sigint:
+        try:
+            if module is None:
+                _run_path(argv0)
+            else:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:  # sys.exit("message"), as python prints it
+                print(e.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt as e:  # the report of what ran so far is still printed
+            if came_from_sigint(e):
+                interrupted = Interrupted(signal.SIGINT)
+            else:  # raised by the script itself, no signal: as python, its traceback and 130
+                _print_script_traceback(e)
+                code = 130
+        except Exception as e:
+            _print_script_traceback(e)
+            code = 1
+        if shutdown:
+            try:
+                _python_exit()
+            except KeyboardInterrupt:  # a Ctrl-C while its threads are waited for: the report
+                interrupted = interrupted or Interrupted(signal.SIGINT)
+    return code, interrupted
+
+
+def _python_exit() -> None:
+    """What Python does when the main code of a script has ended, before it exits: threading's
+    exit hooks (concurrent.futures tells its idle workers to stop), every non-daemon thread
+    joined, then the ``atexit`` functions (in reverse order of registration; an exception in one
+    printed and the next run, by the same function Python calls). Done here for the script, as
+    the command line's ``_end_process`` does for the other commands: its threads may still
+    compile, and what they and its exit functions print is its output, which comes before the
+    report (with ``--json``, on stderr). Python's own exit then finds nothing left to do."""
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
 
 
 def _print_script_traceback(exc: BaseException) -> None:
