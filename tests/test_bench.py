@@ -574,3 +574,35 @@ def test_deprecated_names_still_answer(monkeypatch):
         assert importlib.import_module("paramfold.plot").plot_ratios is plot_ratios
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         bench.nope
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_interrupted_or_failing_measurement_leaves_no_cache_folder_behind(monkeypatch, tmp_path, error):
+    # Regression (helper-210): torch's fresh inductor cache keeps its temporary folder when an
+    # exception passes through it, so every Ctrl-C or failing variant left one in /tmp.
+    import tempfile
+
+    from paramfold.bench.measure import fresh_compile_state
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(error):
+        with fresh_compile_state(cold_caches=True):
+            assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path))
+            raise error()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_table_wider_than_the_terminal_is_printed_whole_not_cut():
+    # Regression (helper-210): on an 80-column terminal rich cut the compact table's cells to
+    # "1.0…", median ratios and op counts lost.
+    from rich.console import Console
+
+    from paramfold.bench.render import print_table
+
+    result = run_bench(BenchConfig(layers=1, repeats=1, steady_calls=1, steady_rounds=1, variants=("baseline", "stock")))
+    out = io.StringIO()
+    print_table(result, console=Console(file=out, width=60, force_terminal=False, color_system=None))
+    text = out.getvalue()
+    assert "…" not in text
+    stock = result.variant("stock")
+    assert f"{stock.proxies.captured_calls}" in text and f"{result.ratio('stock', 'median'):.2f}x" in text

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
 import platform
+import tempfile
 import time
 import types
 import warnings
@@ -144,7 +146,11 @@ def fresh_compile_state(cold_caches: bool) -> Iterator[None]:
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
         stack.enter_context(no_caches)
-        stack.enter_context(fresh_cache())
+        # torch's fresh cache keeps its folder when an exception (a failing variant, a Ctrl-C)
+        # passes through it: made inside a folder of ours, removed whatever happens.
+        parent = stack.enter_context(tempfile.TemporaryDirectory(prefix="paramfold-bench-"))
+        accepts_dir = "dir" in inspect.signature(fresh_cache).parameters
+        stack.enter_context(fresh_cache(dir=parent) if accepts_dir else fresh_cache())
         yield
 
 
