@@ -168,6 +168,24 @@ def _console(console: Any) -> Any:
     return console
 
 
+def _print_whole(console: Any, table: Any) -> None:
+    """Print ``table`` at its full width, also where the console is narrower (an 80-column
+    terminal): its lines then run past the edge, and the terminal wraps them, instead of rich
+    cutting numbers to "1.0…"."""
+    from rich.measure import Measurement
+
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    if needed <= console.width:
+        console.print(table)
+        return
+    narrow = console.width
+    console.width = needed
+    try:
+        console.print(table)
+    finally:
+        console.width = narrow
+
+
 def _say(console: Any, text: str, **style: Any) -> None:
     from rich.markup import escape
 
@@ -178,7 +196,7 @@ def print_table(result: BenchResult, *, wide: bool = False, console: Any = None)
     """Print the table of ``result`` (compact unless ``wide``), what min / med are taken over,
     and, if compact, the notes under it."""
     console = _console(console)
-    console.print(to_rich_table(result, wide=wide))
+    _print_whole(console, to_rich_table(result, wide=wide))
     _say(console, _how(result))
     base = result.variant("baseline")
     _say(console, f"baseline steady: {_min_med(base, 'steady_call', 3)} ms "
@@ -235,7 +253,7 @@ def print_sweep(sweep: SweepResult, *, console: Any = None) -> None:
     """Print :func:`to_sweep_tables` and each variant's notes, with the layer counts they hold for."""
     console = _console(console)
     for table in to_sweep_tables(sweep):
-        console.print(table)
+        _print_whole(console, table)
     notes: dict[tuple[str, str], list[int]] = {}
     for run in sweep.runs:
         for v in run.variants:
