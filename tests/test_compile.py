@@ -964,3 +964,55 @@ def test_hooks_on_the_compiled_root_compile_into_its_graph_like_stock(mode, norm
     assert stock_grads.keys() == got_grads.keys()
     assert all(torch.equal(stock_grads[k], got_grads[k]) for k in stock_grads)
     assert all(torch.equal(stock_state[k], state[k]) for k in stock_state)
+
+
+_FSDP2_ROOT = r'''
+import json, os, socket, sys, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
+from torch._dynamo.utils import counters
+from torch.distributed.fsdp import fully_shard
+import paramfold
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", rank=0, world_size=1)
+torch.set_num_threads(1)
+out = {}
+for mode in (None, "hoist", "auto", "inline"):
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(8, 8)), nn.ReLU(), weight_norm(nn.Linear(8, 4)))
+    if mode:
+        paramfold.prepare(model, mode)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch._dynamo.reset(); counters.clear()
+    fn = torch.compile(model, backend="aot_eager")
+    losses = []
+    for i in range(3):
+        loss = fn(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).square().sum()
+        loss.backward(); opt.step(); opt.zero_grad(); losses.append(loss.item())
+    out[str(mode)] = [counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), losses]
+dist.destroy_process_group()
+print(json.dumps(out))
+'''
+
+
+def test_a_prepared_fsdp2_root_of_torchs_class_compiles_its_forward_without_a_break():
+    # FSDP2's root hooks (its all-gather) break a frame that traces the root's whole call, in
+    # stock too (0 graphs, 1 break: nothing compiled). A prepared root's call opens its scope and
+    # compiles the forward alone (1 graph, no break); the hooked-root frame that compiles a torch-
+    # forward root's hooks into its graph is not used for it (it added that break).
+    import json
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", _FSDP2_ROOT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    stock_losses = out.pop("None")[2]
+    for mode, (graphs, breaks, losses) in out.items():
+        assert (graphs, breaks) == (1, 0), mode
+        assert losses == stock_losses, mode

@@ -1220,7 +1220,22 @@ def _called_since(module: nn.Module, outer: types.FrameType) -> bool:
 
 
 def _backward_hooked(module: nn.Module) -> bool:
-    return bool(module._backward_hooks or module._backward_pre_hooks or GLOBAL_HOOKS[2] or GLOBAL_HOOKS[3])
+    """Whether the root's call has hooks a compiled frame of it would break on, in stock too:
+    backward hooks, or FSDP2's (``fully_shard``: its all-gather and reshard hooks); the forward is
+    then compiled alone."""
+    if module._backward_hooks or module._backward_pre_hooks or GLOBAL_HOOKS[2] or GLOBAL_HOOKS[3]:
+        return True
+    fsdp = _fsdp_module_class()
+    return fsdp is not None and isinstance(module, fsdp)
+
+
+@functools.cache
+def _fsdp_module_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # a torch built without distributed
+        return None
+    return FSDPModule
 
 
 def _hooked_root_call(call: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
