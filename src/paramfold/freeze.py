@@ -437,8 +437,8 @@ _storage_key = getattr(torch._C, "_storage_address", None)
 _armings: dict[int, int] = {}
 #: How many live frozen values record each entry of :data:`_armings`.
 _recorders: dict[int, int] = {}
-#: Bumped at every arming anywhere: a steady plan built at one count reads no per-storage count
-#: while it holds.
+#: Bumped at every arming anywhere: a steady plan built at one count reads its storages' stamps
+#: (:func:`arming_stamps`) only once the count has moved.
 ARMINGS = [0]
 
 

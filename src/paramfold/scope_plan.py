@@ -147,7 +147,8 @@ class Plan:
         def frozen_checks(site, frozen) -> bool:
             """What keeps a site's frozen value fresh, collected; False where a plan cannot."""
             # Armed again since it was frozen (written, then armed for another value frozen
-            # later in the call): the plan reads no count, and takes ARMINGS as it is now.
+            # later in the call): no plan. A plan takes ARMINGS as it is now, and reads its
+            # storages' stamps only once that has moved.
             if not same_armings(frozen) or not pin_dicts(zip(frozen.held, frozen.held_dicts)):
                 return False
             if site.misses or site.demotions:
