@@ -1016,3 +1016,31 @@ def test_a_prepared_fsdp2_root_of_torchs_class_compiles_its_forward_without_a_br
     for mode, (graphs, breaks, losses) in out.items():
         assert (graphs, breaks) == (1, 0), mode
         assert losses == stock_losses, mode
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_a_hooked_rnn_root_breaks_its_graph_as_often_as_stock(mode):
+    # Regression (helper-212): dynamo does not trace an nn.LSTM's forward (allow_rnn off), so a
+    # frame of the hooked root's whole call breaks, in stock too; paramfold's forward frame was
+    # then traced again and broke a second time (2 breaks where stock has 1).
+    def build():
+        torch.manual_seed(0)
+        lstm = nn.LSTM(8, 8, batch_first=True)
+        weight_norm(lstm, "weight_hh_l0")
+        lstm.register_forward_hook(lambda module, args, out: out[0] * 2)
+        return lstm
+
+    runs = []
+    for prepare in (None, mode):
+        model = build()
+        if prepare is not None:
+            paramfold.prepare(model, prepare)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter)
+        outs = [compiled(torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+        runs.append((counter.frame_count, sum(torch._dynamo.utils.counters["graph_break"].values()), outs))
+    (stock_frames, stock_breaks, stock_outs), (frames, breaks, outs) = runs
+    assert (frames, breaks) == (stock_frames, stock_breaks)
+    assert all(torch.equal(a, b) for a, b in zip(outs, stock_outs))

@@ -1152,11 +1152,10 @@ def root_call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     call = (_call_eagerly if not eager and ((parametrize._cache_enabled and _through_cache(self)) or _transform() is not None)
             else module_call)  # _opens_eagerly, written out
     if (dynamo and call is module_call and (self._forward_pre_hooks or self._forward_hooks or any(GLOBAL_HOOKS))
-            and "_paramfold_forward" in vars(state.prepared_class) and not _backward_hooked(self)):
+            and "_paramfold_forward" in vars(state.prepared_class) and not _breaks_whole_call(self)):
         # torch.compile(model) of the stock model of a root whose forward is torch's compiles its
         # whole call, hooks included, as one frame (torch's wrap_inline); any other root's hooks
-        # run outside dynamo, each compiled as a frame of its own, in stock as here. (Backward
-        # hooks break that frame's graph, in stock too: the forward is then compiled alone.)
+        # run outside dynamo, each compiled as a frame of its own, in stock as here.
         call = functools.partial(_hooked_root_call, module_call)
     stopped = False
     try:
@@ -1219,11 +1218,15 @@ def _called_since(module: nn.Module, outer: types.FrameType) -> bool:
     return False
 
 
-def _backward_hooked(module: nn.Module) -> bool:
-    """Whether the root's call has hooks a compiled frame of it would break on, in stock too:
-    backward hooks, or FSDP2's (``fully_shard``: its all-gather and reshard hooks); the forward is
-    then compiled alone."""
+def _breaks_whole_call(module: nn.Module) -> bool:
+    """Whether a compiled frame of the root's whole call would break, in stock too: on backward
+    hooks, FSDP2's hooks (``fully_shard``: its all-gather and reshard), or in the forward of an
+    ``nn.RNN``/``LSTM``/``GRU`` (which dynamo does not trace unless ``allow_rnn``). The forward is
+    then compiled alone, as before: after a break in that frame dynamo would try the forward's
+    frame of paramfold's again (a second break, where stock's forward, a file of torch, is skipped)."""
     if module._backward_hooks or module._backward_pre_hooks or GLOBAL_HOOKS[2] or GLOBAL_HOOKS[3]:
+        return True
+    if isinstance(module, nn.RNNBase) and not torch._dynamo.config.allow_rnn:
         return True
     fsdp = _fsdp_module_class()
     return fsdp is not None and isinstance(module, fsdp)
