@@ -1081,11 +1081,9 @@ def _held_out(model: nn.Module, step: int) -> set[int]:
     ``(step - 1) % n``-th (one another site shares and updates is updated)."""
     held: set[int] = set()
     updated: set[int] = set()
-    inside = parametrization_paths(model)
     sites = [[getattr(plist, name) for name in original_names(plist)]
              + [t for member in members(plist) for t in (*member.parameters(), *member.buffers()) if t.is_floating_point()]
-             for path, module in model.named_modules() if path not in inside and has_parametrizations(module)
-             for plist in module.parametrizations.values()]
+             for _, module in _parametrized(model) for plist in module.parametrizations.values()]
     sites += [[d[key] for _, d, key in (*hooknorms.originals(module, hook, kind), *hooknorms.state_tensors(module, hook, kind))]
               for _, module, hook, kind in _hook_norms(model)]
     for originals in sites:
@@ -1106,9 +1104,7 @@ def _reordered_originals(model: nn.Module) -> set[int]:
         if path not in inside:
             calls[id(module)] = calls.get(id(module), 0) + 1
     repeated: set[int] = set()
-    for path, module in model.named_modules():
-        if path in inside or not has_parametrizations(module):
-            continue
+    for _, module in _parametrized(model):
         for plist in module.parametrizations.values():
             if calls.get(id(module), 0) > 1:
                 repeated.update(map(id, _chain_tensors(plist)))
@@ -1119,10 +1115,7 @@ def _tied_originals(model: nn.Module) -> set[int]:
     """Originals shared by several sites, and the parameters of chain members several sites share
     (one LoRA pair or scale registered on several layers: Tied-LoRA)."""
     users: dict[int, int] = {}
-    inside = parametrization_paths(model)
-    for path, module in model.named_modules():
-        if path in inside or not has_parametrizations(module):
-            continue
+    for _, module in _parametrized(model):
         for plist in module.parametrizations.values():
             for key in set(map(id, _chain_tensors(plist))):
                 users[key] = users.get(key, 0) + 1
