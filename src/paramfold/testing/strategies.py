@@ -151,13 +151,17 @@ def _layer(draw: st.DrawFn, index: int, width: int, max_width: int, residual: bo
     return LayerSpec(kind, width, out, kernel, bias=draw(st.booleans()))
 
 
+#: The model dtypes :func:`models` draws from by default ("cast": float32 with the seed's cast last).
+_DTYPES = ("float32", "bfloat16", "cast")
+
+
 @st.composite
 def models(
     draw: st.DrawFn,
     *,
     max_layers: int = 3,
     max_width: int = 12,
-    dtypes: Sequence[str] = ("float32", "bfloat16", "cast"),
+    dtypes: Sequence[str] = _DTYPES,
     names: Sequence[str] | None = None,
     tying: bool = True,
     repeats: bool = True,
@@ -272,6 +276,11 @@ def models(
     )
 
 
+def _parametrizes(spec: NetSpec) -> bool:
+    """Whether a model drawn holds a parametrization (a chain, or the seed's cast on every tensor)."""
+    return spec.dtype == "cast" or any(dict(layer.chains) for layer in spec.layers)
+
+
 class Case(NamedTuple):
     """What :func:`cases` draws: ``factory()`` builds a fresh identical model every call."""
 
@@ -302,7 +311,7 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
         >>> check()
     """
     names = model_options.get("names")
-    dtypes = model_options.get("dtypes", ("float32", "bfloat16", "cast"))
+    dtypes = model_options.get("dtypes", _DTYPES)
     if names is not None and not [n for n in names if n != "cast"] and "cast" not in dtypes:
         raise InvalidArgument(
             f"cases(names={list(names)!r}, dtypes={list(dtypes)!r}) can draw no parametrization: the seed's "
@@ -313,9 +322,9 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
     # drawn again a few times here, rather than filtered by Hypothesis (its filter_too_much check).
     for _ in range(10):
         spec = draw(models(**model_options))
-        if spec.dtype == "cast" or any(dict(layer.chains) for layer in spec.layers):
+        if _parametrizes(spec):
             break
-    assume(spec.dtype == "cast" or any(dict(layer.chains) for layer in spec.layers))
+    assume(_parametrizes(spec))
     flags = {
         "spec": spec,
         "training": spec.training,
