@@ -341,10 +341,7 @@ def _end_process(code: int) -> NoReturn:
     ended this way: the script it ran keeps a normal exit.
     After a failure (its line said) a signal ends the process with the failure's code.
     """
-    import atexit
-    import threading
-
-    from paramfold.signals import Interrupted, on_signal_instead
+    from paramfold.signals import Interrupted, on_signal_instead, python_exit_steps
 
     def late(signum: int) -> None:
         exit_code = _signal_after(Interrupted(signum), code)
@@ -352,11 +349,7 @@ def _end_process(code: int) -> NoReturn:
         os._exit(exit_code)
 
     on_signal_instead(late)
-    # Python's own exit, step for step: threading's exit hooks (concurrent.futures' tell idle
-    # executor workers, such as inductor leaves, to stop), then join the non-daemon threads,
-    # then the atexit functions.
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
+    python_exit_steps()
     _flush()
     os._exit(code)
 

@@ -16,8 +16,8 @@ import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["HANDLED_SIGNALS", "Interrupted", "from_signal", "on_signal_instead", "raise_if_interrupted",
-           "signal_arrived", "signals_as_python", "signals_deferred", "signals_raise"]
+__all__ = ["HANDLED_SIGNALS", "Interrupted", "from_signal", "on_signal_instead", "python_exit_steps",
+           "raise_if_interrupted", "signal_arrived", "signals_as_python", "signals_deferred", "signals_raise"]
 
 # The signals the CLI turns into an exception, so that cleanup runs; exit code 128 + number.
 HANDLED_SIGNALS = tuple(
@@ -245,3 +245,17 @@ def pending_signal() -> int | None:
         return None
     pending = signal.sigpending() & set(HANDLED_SIGNALS)
     return min(pending) if pending else None
+
+
+def python_exit_steps() -> None:
+    """Python's own exit, step for step, run now: threading's exit hooks (concurrent.futures tells
+    its idle executor workers, such as inductor leaves, to stop), every non-daemon thread joined,
+    then the ``atexit`` functions (in reverse order of registration; an exception in one printed
+    and the next run, by the function Python calls). Python's own exit then finds nothing left to
+    do. The CLI ends its process so (a handled signal said until the very end), and runs them for
+    ``paramfold recompiles``' script before its report (what its threads compile is counted)."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()

@@ -4,7 +4,7 @@ The script (or ``-m module``) runs in this process, as ``python`` would run it: 
 ``sys.argv``, its folder (or the working directory for ``-m``) first on ``sys.path``, its exit status
 kept, the signal handling python gives it (SIGTERM and SIGHUP end the process, in its forked
 children too; see :func:`~paramfold.signals.signals_as_python`), and, from the command line, to its
-end: its non-daemon threads joined and its ``atexit`` functions run (:func:`_python_exit`), so that
+end: its non-daemon threads joined and its ``atexit`` functions run (:func:`~paramfold.signals.python_exit_steps`), so that
 what they compile is reported. Then the report is printed: rich tables, or with ``as_json`` one JSON document on stdout
 (the script's own output goes to stderr so that stdout stays parseable: its prints, and what
 reaches file descriptor 1, as child processes' output). What the script prints, its
@@ -17,7 +17,6 @@ line to print in its one format.
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import contextlib
 import importlib.util
@@ -27,14 +26,13 @@ import re
 import runpy
 import signal
 import sys
-import threading
 import traceback
 import types
 
 from paramfold.errors import FoldError
 from paramfold.terminal import given_stdout, stdout_to_stderr
 from paramfold.recompiles.collect import RecompileLimitError, limit_message, recompiles
-from paramfold.signals import Interrupted, signals_as_python
+from paramfold.signals import Interrupted, python_exit_steps, signals_as_python
 
 __all__ = ["ScriptError", "run_script"]
 
@@ -65,7 +63,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     ``shutdown``: the process ends after this call (the command line): after the script's own code,
     Python's exit steps run for it before the report is made, as ``python`` runs them before it
     exits: its non-daemon threads are joined and its ``atexit`` functions run (see
-    :func:`_python_exit`), so that what they compile is counted and what they print goes where
+    :func:`~paramfold.signals.python_exit_steps`), so that what they compile is counted and what they print goes where
     the script's prints go (stderr with ``as_json``). Left to the host process otherwise.
     """
     tokens = list(command)
@@ -157,22 +155,10 @@ def _run_as_python(module: str | None, argv0: str, *, shutdown: bool) -> tuple[i
             code = 1
         if shutdown:
             try:
-                _python_exit()
+                python_exit_steps()
             except KeyboardInterrupt:  # a Ctrl-C while its threads are waited for: the report
                 interrupted = interrupted or Interrupted(signal.SIGINT)
     return code, interrupted
-
-
-def _python_exit() -> None:
-    """What Python does when the main code of a script has ended, before it exits: threading's
-    exit hooks (concurrent.futures tells its idle workers to stop), every non-daemon thread
-    joined, then the ``atexit`` functions (in reverse order of registration; an exception in one
-    printed and the next run, by the same function Python calls). Done here for the script, as
-    the command line's ``_end_process`` does for the other commands: its threads may still
-    compile, and what they and its exit functions print is its output, which comes before the
-    report (with ``--json``, on stderr). Python's own exit then finds nothing left to do."""
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
 
 
 def _print_script_traceback(exc: BaseException) -> None:
