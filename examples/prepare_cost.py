@@ -1,0 +1,59 @@
+"""What ``paramfold.prepare`` costs before the first compiled call: CPU time, and where it goes.
+
+``paramfold bench`` times the first compiled call, not ``prepare`` before it (its ``--wide``
+columns show prepare). For torch's own parametrizations prepare is small; a parametrization
+class paramfold does not know (the seed model's ``CastToBFloat16``) is probed at prepare, a few
+calls per site on copies (``paramfold.sites``). This prints prepare's CPU time on the seed model
+(eval), min and median over ``--repeats`` fresh models after one uncounted prepare, and the
+probe's reads of Python's and NumPy's generator states per site, a count that does not vary.
+
+    python examples/prepare_cost.py                          # 32 layers: freeze hoist
+    python examples/prepare_cost.py --layers 128 --repeats 5 freeze
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import paramfold
+import paramfold.sites as sites
+from paramfold.bench import BenchConfig
+from paramfold.bench.config import build_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modes", nargs="*", default=["freeze", "hoist"])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    config = BenchConfig(layers=args.layers)
+    paramfold.prepare(build_model(BenchConfig(layers=2)).eval(), args.modes[0])  # imports, first-use caches
+
+    reads = []
+    real = sites.global_generator_states
+    sites.global_generator_states = lambda: reads.append(1) or real()
+    try:
+        model = build_model(config).eval()
+        probed = sum(any(map(sites.probed, site.chain)) for site in paramfold.find(model))
+    finally:
+        sites.global_generator_states = real
+    print(f"seed model, {args.layers} layers: {probed} sites probed, "
+          f"{len(reads) / max(probed, 1):.1f} generator-state reads per probed site")
+
+    for mode in args.modes:
+        times = []
+        for _ in range(args.repeats):
+            model = build_model(config).eval()
+            gc.collect()
+            start = time.process_time()
+            paramfold.prepare(model, mode)
+            times.append(time.process_time() - start)
+        print(f"prepare {mode:<8} CPU time  min {min(times):.3f} s  median {statistics.median(times):.3f} s")
+
+
+if __name__ == "__main__":
+    main()
