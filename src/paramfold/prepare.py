@@ -139,8 +139,8 @@ def prepare(
         raise FoldError(f"unknown freeze_check {freeze_check!r}: use one of {', '.join(map(repr, FREEZE_CHECKS))}")
     _refuse_prepared(model)
 
-    paths = _module_paths(model)
     inside = parametrization_paths(model)
+    paths = _module_paths(model, inside)
     sites = [s for s in find(model) if s.module_path not in inside]
     # Communication parametrizations (SimpleFSDP's all-gather) stay stock, in-graph: hoisting
     # would gather every parameter at the root's call, freezing would keep a stale gather. So
@@ -160,8 +160,8 @@ def prepare(
     if mode == "freeze":  # after: a chain that draws is refused with advice that serves it (not hoist)
         refuse_unfreezable(selected, "with mode='freeze'")
 
-    sharers = state_sharers(model, sites)
-    states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check, sharers)
+    sharers = state_sharers(model, sites, inside)
+    states = _plan(model, paths, selected, mode, filter_fn, detach_params_under_no_grad, freeze_check, sharers, inside)
     install_type_before_parametrizations()
     watch_backward()
     applied: list[nn.Module] = []
@@ -245,8 +245,7 @@ def _refuse_prepared(model: nn.Module) -> None:
         )
 
 
-def _module_paths(model: nn.Module) -> dict[str, nn.Module]:
-    inside = parametrization_paths(model)
+def _module_paths(model: nn.Module, inside: frozenset[str]) -> dict[str, nn.Module]:
     return {path: module for path, module in model.named_modules() if path not in inside}
 
 
@@ -322,7 +321,8 @@ def _refuse_read_by_read(site: Site, mode: str) -> None:
         )
 
 
-def state_sharers(model: nn.Module, sites: list[Site]) -> dict[int, tuple[tuple[nn.Module, ...], bool]]:
+def state_sharers(model: nn.Module, sites: list[Site],
+                  inside: frozenset[str] | None = None) -> dict[int, tuple[tuple[nn.Module, ...], bool]]:
     """For each site (by ``id``) whose chain shares state with another's, where one of them is
     stateful: ``(the modules whose training flag says that computing a stateful one changes the
     state, whether one changes it in eval mode too)`` (``SiteState.state_sharers``).
@@ -341,7 +341,8 @@ def state_sharers(model: nn.Module, sites: list[Site]) -> dict[int, tuple[tuple[
             owners[key].append(id(site))
         if site.stateful:
             stateful[id(site)] = site
-    inside = parametrization_paths(model)
+    if inside is None:  # the paths under a ParametrizationList, where prepare has not found them already
+        inside = parametrization_paths(model)
     for path, module in model.named_modules(remove_duplicate=False):
         if path not in inside:
             owners[("module", id(module))].append(-1)  # a use by the forward, which may call it
@@ -407,6 +408,7 @@ def _plan(
     detach_params: bool,
     freeze_check: str,
     sharers: dict[int, tuple[tuple[nn.Module, ...], bool]],
+    inside: frozenset[str],
 ) -> dict[nn.Module, tuple[ModuleState, type]]:
     """Every module's new state and class, computed before anything is changed."""
     states: dict[nn.Module, ModuleState] = {}
@@ -439,7 +441,6 @@ def _plan(
     # Every path of a module the model holds at several places (a layer two blocks share): the
     # block on its second path calls it too, so its scope serves it, and its nested check and a
     # checkpointed region's replay of a call of it compiled on its own see it.
-    inside = parametrization_paths(model)
     at: dict[str, nn.Module] = {}
     every_path: dict[nn.Module, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
