@@ -602,7 +602,15 @@ _SQUARE_SPECTRAL = {
     # few dimensions (5), where only the last step's own vectors are evidence enough (no step
     # after it: a 5x5 matrix's wrong dim agrees by chance too often to tell a stepped one).
     "hooks_conv1d_1x1": (lambda: nn.utils.spectral_norm(nn.Conv1d(5, 5, 1)), lambda: nn.Conv1d(5, 5, 1), (2, 5, 7)),
+    # A GAN generator's RGB output layer: weight (64, 3, 3, 3) fits dims 1, 2 and 3, whose
+    # products from the same u all agree with v far beyond chance (a permuted weight).
+    "conv_transpose2d_rgb": (lambda: nn.utils.parametrizations.spectral_norm(nn.ConvTranspose2d(64, 3, 3)),
+                             lambda: nn.ConvTranspose2d(64, 3, 3), (1, 64, 5, 5)),
+    "conv_transpose2d_4x4": (lambda: nn.utils.parametrizations.spectral_norm(nn.ConvTranspose2d(32, 4, 4)),
+                             lambda: nn.ConvTranspose2d(32, 4, 4), (1, 32, 5, 5)),
 }
+#: The dims each layer's weight shape fits, where not 0 and 1.
+_CANDIDATES = {"conv_transpose2d_rgb": "1 or 2 or 3", "conv_transpose2d_4x4": "1 or 2 or 3"}
 #: How far the weights are stepped past the last power step before saving.
 _STEP = {"hooks_conv1d_1x1": 0.0}
 
@@ -612,7 +620,9 @@ _STEP = {"hooks_conv1d_1x1": 0.0}
 def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_stale(tmp_path, layer, seed):
     # Regression: the dim was the candidate whose W_mat^H u came closest to v, so vectors that are
     # not this weight's last power step (re-initialised after spectral_norm, as GAN code does)
-    # folded a wrong weight with exit 0 for 6 Conv2d(8, 8, 3) of 10.
+    # folded a wrong weight with exit 0 for 6 Conv2d(8, 8, 3) of 10. And (2026-12-07) fresh vectors
+    # of a ConvTranspose2d(64, 3, 3) were refused as fitting "dim 1 and 2 alike": the other dims'
+    # products were taken for unrelated vectors, which from the same u and weight they are not.
     make, make_plain, shape = _SQUARE_SPECTRAL[layer]
     torch.manual_seed(seed)
     model = make()
@@ -639,7 +649,7 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     nn.init.orthogonal_(model.get_parameter(weight))
     stale = tmp_path / "stale.pt"
     torch.save(model.state_dict(), stale)
-    with pytest.raises(CheckpointError, match=r"cannot fold 'weight' \(spectral_norm\).*dim 0 or 1.*"
+    with pytest.raises(CheckpointError, match=rf"cannot fold 'weight' \(spectral_norm\).*dim {_CANDIDATES.get(layer, '0 or 1')}.*"
                                               r"not the last power step's for this weight.*--model"):
         fold_checkpoint(stale, tmp_path / "stale.safetensors")
     res = _cli(str(stale), "--fold-out", str(tmp_path / "stale.safetensors"))

@@ -288,7 +288,12 @@ def _spectral_norm_eval(weight: torch.Tensor, u: torch.Tensor, v: torch.Tensor, 
 #: ``_UNRELATED``. Rounding to the stored dtype (unit roundoff ``r``) leaves even the last step's
 #: vector off by up to about ``1 - a^2 = n (_ROUNDING r)^2``: where the closest dim is that close
 #: and still not sure, the precision is what cannot tell (bfloat16 in few dimensions).
-_SURE, _UNRELATED, _ROUNDING = 1e-9, 1e-3, 4
+#: The other dims' products are not unrelated vectors, though: they permute the same weight, and
+#: from the same ``u`` they often agree with ``v`` far beyond chance too (a ConvTranspose2d(64, 3, 3)'s
+#: weight fits dims 1, 2 and 3). So a dim is also taken where it is sure and every other is at
+#: least ``_APART`` times further off (``1 - a^2``, against the larger of its own and rounding's):
+#: a vector the last step wrote for another dim would fit that one to its rounding instead.
+_SURE, _UNRELATED, _ROUNDING, _APART = 1e-9, 1e-3, 4, 1e3
 
 
 def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, candidates: list[int],
@@ -317,11 +322,14 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
     sure = [d for d, c in chances.items() if c <= _SURE]
     if len(sure) == 1 and all(c >= _UNRELATED for d, c in chances.items() if d != sure[0]):
         return sure[0]
-    if _one_value(candidates, value):
-        return candidates[0]
     closest = min(offs, key=offs.__getitem__)
     coarsest = max((w, u, v), key=lambda t: torch.finfo(t.dtype).eps).dtype
     rounding = n * (_ROUNDING * torch.finfo(coarsest).eps / 2) ** 2
+    floor = max(offs[closest], rounding)
+    if closest in sure and all(o >= _APART * floor for d, o in offs.items() if d != closest):
+        return closest
+    if _one_value(candidates, value):
+        return candidates[0]
     if sure:
         why = f"they fit dim {' and '.join(str(d) for d, c in chances.items() if c < _UNRELATED)} alike"
     elif offs[closest] <= rounding:
