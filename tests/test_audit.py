@@ -243,6 +243,24 @@ def test_fold_with_dtype_is_bitwise_the_stock_model_loaded_in_that_dtype(tmp_pat
 
 
 @pytest.mark.parametrize("fmt", ("pt", "safetensors"))
+def test_fold_with_a_real_dtype_refuses_complex_tensors_which_model_to_would_make_real(tmp_path, fmt):
+    # Regression: --dtype float16 kept a complex64 buffer complex64, where the model it claims to
+    # write, model.to(float16) with the checkpoint loaded, holds its real part alone (torch warns).
+    stock, _ = _stock("weight_norm")
+    state = {**stock.state_dict(), "phase": torch.randn(3, dtype=torch.complex64)}
+    src = _save(state, fmt, tmp_path)
+    out = tmp_path / "folded.safetensors"
+    with pytest.raises(CheckpointError, match=r"dtype float16: 'phase' is complex64, which model.to\(float16\) makes "
+                                              r"real, dropping its imaginary part: fold without a dtype"):
+        fold_checkpoint(src, out, dtype="float16")
+    res = _cli(str(src), "--fold-out", str(out), "--dtype", "bfloat16")
+    assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "'phase' is complex64" in res.stderr
+    assert not out.exists()
+    fold_checkpoint(src, out)  # without a dtype: kept as it is
+    assert torch.equal(_load(out)["phase"], state["phase"])
+
+
+@pytest.mark.parametrize("fmt", ("pt", "safetensors"))
 @pytest.mark.parametrize("kind", NEEDS_MODEL)
 def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kind, fmt):
     stock, x = _stock(kind)

@@ -100,6 +100,18 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
+def _refuse_complex(ckpt: Checkpoint, dtype: torch.dtype) -> None:
+    """A complex tensor cannot be given a real ``dtype`` as ``model.to(dtype)`` gives it: torch
+    keeps the real part (with a warning), which would write a different model, so it is refused."""
+    for key in ckpt.keys():
+        found = ckpt.info(key).dtype
+        if found.is_complex:
+            raise CheckpointError(
+                f"dtype {_dtype_name(dtype)}: '{key}' is {_dtype_name(found)}, which model.to({_dtype_name(dtype)}) "
+                "makes real, dropping its imaginary part: fold without a dtype"
+            )
+
+
 def _cast_info(info: TensorInfo, dtype: torch.dtype | None) -> TensorInfo:
     return info if dtype is None or not info.dtype.is_floating_point else TensorInfo(info.shape, dtype)
 
@@ -145,6 +157,8 @@ def fold_checkpoint(
             check_output(out, inputs=ckpt.files)
         except OutputError as e:
             raise CheckpointError(str(e), exit_code=e.exit_code) from None
+        if dtype is not None:
+            _refuse_complex(ckpt, dtype)
         if model_factory is not None:
             return _fold_with_model(ckpt, Path(out), model_factory, dtype)
         report, plan = audit_plan(ckpt)
