@@ -871,11 +871,11 @@ def test_a_stale_value_of_a_scale_invariant_chain_is_seen_when_originals_change_
 
 
 def test_the_between_step_change_of_originals_without_gradients_is_the_same_on_every_copy_and_not_uniform():
-    from paramfold.testing.check import _update
+    from paramfold.testing.between_steps import update
 
     models = [_spectral_frozen() for _ in range(3)]
     original = models[0][0].parametrizations.weight.original.clone()
-    _update(models[0], models[1:], lr=1e-3, step=2)  # (before the second step the original itself is held out)
+    update(models[0], models[1:], lr=1e-3, step=2)  # (before the second step the original itself is held out)
     changed = [m[0].parametrizations.weight.original for m in models]
     assert all(torch.equal(changed[0], other) for other in changed[1:])
     ratio = changed[0] / original

@@ -35,8 +35,12 @@ and with Hypothesis::
 
 The layout says what needs what: :mod:`~paramfold.testing.registry` (the parametrizations),
 :mod:`~paramfold.testing.nets` (the models, as data), :mod:`~paramfold.testing.check` (the
-checker; its module docstring states the tolerances), :mod:`~paramfold.testing.compare` (how
-results are compared), :mod:`~paramfold.testing.structure` (snapshots of a model's objects) and
+checker; its module docstring states the tolerances), its parts
+:mod:`~paramfold.testing.resummed` (gradients paramfold sums in another order, and their
+reference), :mod:`~paramfold.testing.between_steps` (the change between steps),
+:mod:`~paramfold.testing.sites` and :mod:`~paramfold.testing.generators` (what they share),
+:mod:`~paramfold.testing.compare` (how results are compared),
+:mod:`~paramfold.testing.structure` (snapshots of a model's objects) and
 :mod:`~paramfold.testing.strategies` (Hypothesis, drawing from the registry and the nets). Everything is importable from here. Only the
 strategies need Hypothesis (``pip install "paramfold[testing]"``): they are imported on first
 use, so the checker and the registry work without it, and ``pt.cases`` without it raises an

@@ -3,44 +3,16 @@
 Why a module of its own: it is what a test suite calls (:func:`assert_equivalent`,
 :func:`grad_mode`), on any model, drawn by :mod:`paramfold.testing.strategies` or built by hand,
 and it needs no Hypothesis. How two results are compared is :mod:`paramfold.testing.compare`;
-the structure snapshots it takes around ``restore`` are :mod:`paramfold.testing.structure`.
+the structure snapshots it takes around ``restore`` are :mod:`paramfold.testing.structure`; the
+change of the models between steps is :mod:`paramfold.testing.between_steps`; the reference for
+gradients paramfold sums in another order is :mod:`paramfold.testing.resummed`; the sites it
+walks and the global generators it sets back are :mod:`paramfold.testing.sites` and
+:mod:`paramfold.testing.generators`.
 
 Tolerances. In eager mode every comparison is bitwise: bit patterns (``-0.0`` is not ``0.0``, a
 NaN equals only the same NaN), dtypes, shapes, the strides of dimensions longer than one, and the
-types of Python values (``1.0`` is not ``1``) (:func:`paramfold.testing.compare.compare`). One
-case has two bitwise references: gradients of originals that autograd sums from several
-contributions in an order ``prepare`` may change. That is
-
-* a parametrized module *called more than once per forward*, or whose tensor is read more than
-  once (the same instance registered at two places, called twice by a forward, or its weight
-  read directly besides, as a tied output projection does; calls and reads are counted in each
-  of stock's steps): stock computes its tensor at every read and autograd sums after the
-  chain's backward (``J^T g1 + J^T g2``); hoist, freeze and auto compute it once per forward and
-  sum before it (``J^T (g1 + g2)``), except a stateful chain in training (spectral_norm), which
-  they compute at every read after the first, as stock does;
-* an original *shared by several sites* (tied): hoisted sites are computed when the forward
-  starts, in module order, so their backward nodes run in a different order than stock's
-  when the forward reads them in another order or only some of them are prepared
-  (``filter_fn``), and sums of three or more terms (spectral_norm reads its weight twice)
-  round differently.
-
-Mathematically equal, they differ by rounding. So in modes other than ``"inline"`` the
-gradient of such an original must equal, bitwise, either stock's or that of a third copy run
-stock computing its parametrized tensors as hoist does (``_once_per_forward``: once per forward,
-when it starts, in module order; a chain whose computation moves its buffers, spectral_norm
-training, again at each later read; a chain that draws random numbers at every read), each read
-getting a view of its own (stock's fresh tensor per read: a gradient hook the forward registers
-at each read scales that read's gradient only, where paramfold's shared value carries every
-read's hooks, README "Notes and limits", and the check reports it). That copy sums as paramfold
-does, from stock's values. Only a tied original (eagerly), or any of them under a compiler
-(which reorders sums too), may also differ from stock by the rounding of its own summed terms
-(a stateful tied chain's later reads are not ordered as in that copy): ``rtol`` =
-``torch.testing.assert_close``'s default for the lowest-precision floating dtype of the model
-and its outputs (bfloat16: 1.6e-2, float32: 1.3e-6), ``atol`` = the step's ``atol`` + ``rtol``
-times the largest element of this tensor's gradient, stock's or the third copy's. Until
-2026-12-04 every such gradient was held to stock within ``max(1e-5, rtol * (largest gradient
-anywhere in the model))``, even eagerly, which let paramfold's 2x stock pass on small gradients
-or beside a large one. Everything else, outputs and buffers included, stays bitwise.
+types of Python values (``1.0`` is not ``1``) (:func:`paramfold.testing.compare.compare`), bar
+gradients that paramfold sums in another order than stock: :mod:`paramfold.testing.resummed`.
 Under ``compile=...`` the default tolerance is :data:`COMPILE_TOLERANCES` for the backend, and
 a step that does not match eager stock is held to stock compiled the same way, run from the same
 state: some modules take another path when compiled (``nn.MultiheadAttention``'s fused eval fast
@@ -61,14 +33,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import paramfold
-from paramfold.compute import has_parametrizations, members, original_names
-from paramfold.held import global_generator_states, set_global_generator_states
-from paramfold import hooknorms
-from paramfold.sites import parametrization_paths
+from paramfold.testing.between_steps import update
 from paramfold.testing.compare import (
     BITWISE,
     Tolerance,
@@ -76,9 +44,18 @@ from paramfold.testing.compare import (
     compare_dicts,
     compare_outputs,
     compare_tree,
-    largest,
     tensors_of,
 )
+from paramfold.testing.generators import compare_rng, rng_state, set_rng_state
+from paramfold.testing.resummed import (
+    calls,
+    compare_resummed,
+    once_per_forward,
+    originals_of,
+    reordered_originals,
+    tied_originals,
+)
+from paramfold.testing.sites import hook_norms, parametrized
 from paramfold.testing.structure import Structure, assert_same_structure, structure
 
 __all__ = ["COMPILE_TOLERANCES", "assert_equivalent", "grad_mode"]
@@ -197,8 +174,8 @@ def assert_equivalent(
     Step comparisons are bitwise (bit patterns, strides and value types too) unless
     ``atol``/``rtol`` are given (then as in ``torch.testing.assert_close``), or compiled
     (:data:`COMPILE_TOLERANCES`; a backend without a measured tolerance, or a callable backend,
-    needs ``atol``/``rtol``); see the module docstring for originals whose gradient paramfold
-    sums in another order (modules called twice per forward: bitwise stock's, or stock's
+    needs ``atol``/``rtol``); see :mod:`paramfold.testing.resummed` for originals whose gradient
+    paramfold sums in another order (modules called twice per forward: bitwise stock's, or stock's
     computing each tensor once per forward as hoist does; tied originals also within the
     rounding of their own summed terms) and for compiled steps that stock itself computes
     differently compiled (held to stock compiled the same way).
@@ -235,11 +212,11 @@ def assert_equivalent(
             "(model.to_empty(device='cpu') and initialize its weights, or build it there) and pass "
             "inputs on that device"
         )
-    entry_rng = _rng_state()
+    entry_rng = rng_state()
     try:
         _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, lr)
     finally:
-        _set_rng_state(entry_rng)
+        set_rng_state(entry_rng)
 
 
 #: Positional and keyword arguments of one call.
@@ -282,10 +259,10 @@ def _assert_equivalent(
     _compare_state_dicts(" after prepare", candidate, stock, BITWISE)
     # Originals whose gradient sums several contributions in an order prepare may change, and
     # a stock copy computing one value per tensor per forward (like hoist and freeze) to compare
-    # them with besides stock: see the module docstring. Modules called
+    # them with besides stock: see paramfold.testing.resummed. Modules called
     # more than once per forward are counted in stock's first step, before the copy runs.
-    loose = _reordered_originals(candidate) if mode != "inline" else set()
-    tied = _tied_originals(candidate) if mode != "inline" else set()
+    loose = reordered_originals(candidate) if mode != "inline" else set()
+    tied = tied_originals(candidate) if mode != "inline" else set()
     spare: nn.Module | None = None
     cached: nn.Module | None = None
     # Stock run once more on the first step's inputs (a forward only): a model whose forward
@@ -295,7 +272,7 @@ def _assert_equivalent(
     tol = BITWISE
     for step in range(steps):
         if step:
-            _update(stock, [candidate] + ([cached] if cached is not None else []), lr, step)
+            update(stock, [candidate] + ([cached] if cached is not None else []), lr, step)
         at = f" at step {step + 1}" if steps > 1 else ""
         # Compiled steps may leave state (spectral_norm's _u/_v) within the step tolerance.
         _compare_reads(candidate, stock, f" before step {step + 1}", tol, [cached] if cached is not None else [])
@@ -309,8 +286,8 @@ def _assert_equivalent(
         # the same way from the same state, and the check goes on from that stock's state.
         at_start = _copy_or_none(stock) if compile is not None else None
         # Every run of a step draws the same random numbers (dropout), from where stock's began.
-        rng = _rng_state()
-        with _calls(stock) as calls:
+        rng = rng_state()
+        with calls(stock) as counts:
             try:
                 expected = _step(stock, args, None)
             except Exception as exc:
@@ -318,35 +295,35 @@ def _assert_equivalent(
                     exc.add_note(f"(raised by the stock copy's step{at or ' 1'} in paramfold.testing.assert_equivalent, "
                                  "the model not prepared: the model or its inputs fail without paramfold)")
                 raise
-        after = _rng_state()
+        after = rng_state()
         if twin is not None:
-            _set_rng_state(rng)
+            set_rng_state(rng)
             _check_reproducible(_step(twin, args, False).outputs, expected.outputs, Tolerance(rtol or 0.0, atol or 0.0))
             twin = None
-        twice = {path for path, n in calls.items() if n > 1}
+        twice = {path for path, n in counts.items() if n > 1}
         if mode != "inline":
-            loose |= _originals_of(candidate, twice)
+            loose |= originals_of(candidate, twice)
         if step == 0 and loose:
             cached = spare
         backward = expected.backward
-        _set_rng_state(rng)
+        set_rng_state(rng)
         actual = _step(run, args, backward, at)
-        left = _rng_state()
+        left = rng_state()
         if cached is not None:
-            _set_rng_state(rng)
-            with _once_per_forward(cached):
+            set_rng_state(rng)
+            with once_per_forward(cached):
                 _step(cached, args, backward)
         # Gradients that may differ from both references by the rounding of their summed terms:
-        # compiled, any reordered one; eagerly, tied originals (module docstring).
+        # compiled, any reordered one; eagerly, tied originals (paramfold.testing.resummed).
         rounded = loose if compile is not None else tied
         try:
             tol = _compare_step(candidate, stock, cached, expected, actual, at, loose, factor, rtol, atol, rounded)
         except AssertionError as exc:
             if at_start is None:
                 raise
-            _set_rng_state(rng)
+            set_rng_state(rng)
             reference = _step(torch.compile(at_start, **compile), args, backward)
-            reference_left = _rng_state()
+            reference_left = rng_state()
             try:
                 tol = _compare_step(
                     candidate, at_start, cached, reference, actual, at, loose, factor, rtol, atol, rounded
@@ -354,8 +331,8 @@ def _assert_equivalent(
             except AssertionError:
                 raise AssertionError(f"{exc}, and from stock compiled the same way") from None
             stock, after = at_start, reference_left
-        _compare_rng(left, after, at)
-        _set_rng_state(after)
+        compare_rng(left, after, at)
+        set_rng_state(after)
     _compare_reads(candidate, stock, f" after step {steps}", tol)
 
     grads_before = {id(p): None if p.grad is None else p.grad.clone() for p in candidate.parameters()}
@@ -383,9 +360,9 @@ def _assert_equivalent(
     except AssertionError as exc:
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
-        rng = _rng_state()
+        rng = rng_state()
         restored = _step(candidate, args, False).outputs
-        _set_rng_state(rng)
+        set_rng_state(rng)
         compare_outputs(restored, _step(stock, args, False).outputs, " after restore", BITWISE)
 
 
@@ -510,21 +487,6 @@ class _LikeStocks:
 def _kind(hook: Any) -> str:
     hook = hook.hook if isinstance(hook, _LikeStocks) else hook
     return f"{type(hook).__qualname__} {getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', '')}"
-
-
-def _rng_state() -> tuple[Any, ...]:
-    """The global generators' states: torch's CPU one, CUDA's where CUDA is in use, Python's
-    ``random`` and NumPy's (``np.random.*``, which transformers' SpecAugment masks draw from)
-    where NumPy is imported."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, *global_generator_states()
-
-
-def _set_rng_state(state: tuple[Any, ...]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-    set_global_generator_states(state[2:])
 
 
 def _fresh(args: _Args) -> _Args:
@@ -698,72 +660,8 @@ def _describe_entry(kind: tuple[Any, ...]) -> str:
             + ("" if shares is None else f", {'sharing' if shares else 'not sharing'} its memory in state_dict()"))
 
 
-@contextlib.contextmanager
-def _calls(model: nn.Module) -> Iterator[dict[str, int]]:
-    """Counts, for each parametrized module of ``model`` and each with a hook-based norm (by
-    path), how many times the block called it or read one of its parametrized tensors, whichever
-    is more: stock computes a tensor
-    at every read (its ``ParametrizationList`` is called), so a forward that reads a module's
-    weight directly besides calling it (a tied output projection) reads it twice. Calls during
-    backward (a checkpointed region's recomputation) are not counted: they replay the forward's."""
-    counts: dict[str, int] = {}
-    seen: dict[object, int] = {}
-    handles = []
-
-    def counter(path: str, key: object) -> Callable[..., None]:
-        def count(*_: Any) -> None:
-            if _in_backward():
-                return
-            seen[key] = seen.get(key, 0) + 1
-            counts[path] = max(counts.get(path, 0), seen[key])
-        return count
-
-    for path, module in _parametrized(model):
-        handles.append(module.register_forward_pre_hook(counter(path, path)))
-        for name, plist in module.parametrizations.items():
-            handles.append(plist.register_forward_pre_hook(counter(path, (path, name))))
-    for path, module in dict.fromkeys((path, module) for path, module, _, _ in _hook_norms(model)):
-        handles.append(module.register_forward_pre_hook(counter(path, (path, "hook-based norm"))))
-    try:
-        yield counts
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward in this thread."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
-
-
-def _originals_of(model: nn.Module, paths: set[str]) -> set[int]:
-    """The ids of the originals of the parametrized modules at ``paths``, and of the parameters
-    of their chains' members (a LoRA member's ``A`` and ``B``): every tensor whose gradient sums
-    one term per computation of the value."""
-    found = {
-        id(tensor)
-        for path, module in _parametrized(model)
-        if path in paths
-        for plist in module.parametrizations.values()
-        for tensor in _chain_tensors(plist)
-    }
-    for path, module, hook, kind in _hook_norms(model):
-        if path in paths:
-            found.update(id(tensors[key]) for _, tensors, key in hooknorms.originals(module, hook, kind))
-    return found
-
-
-def _hook_norms(model: nn.Module) -> list[tuple[str, nn.Module, Any, str]]:
-    """``(path, module, hook, kind)`` of every hook-based norm paramfold serves in ``model``."""
-    inside = parametrization_paths(model)
-    return [(path, module, hook, kind) for path, module in model.named_modules() if path not in inside
-            for _, hook, kind in hooknorms.hook_norms(module)]
-
-
-def _chain_tensors(plist: nn.Module) -> list[torch.Tensor]:
-    """A parametrization list's originals and its members' own parameters."""
-    return [*(getattr(plist, name) for name in original_names(plist)), *plist.parameters()]
 
 
 #: Seed of the loss weights (:func:`_loss`).
@@ -805,13 +703,13 @@ def _compare_reads(
     the same way, so a chain's own state (its generator, a read counter) moves in them as in stock.
     """
     pairs = [
-        (path, c, s, [dict(_parametrized(o))[path] for o in others])
-        for (path, c), (_, s) in zip(_parametrized(candidate), _parametrized(stock))
+        (path, c, s, [dict(parametrized(o))[path] for o in others])
+        for (path, c), (_, s) in zip(parametrized(candidate), parametrized(stock))
     ]
     flags = [
         (m, m.training) for _, c, s, rest in pairs for owner in (c, s, *rest) for m in owner.parametrizations.modules()
     ]
-    rng = _rng_state()
+    rng = rng_state()
 
     def read_all(how: str) -> None:
         with torch.no_grad():
@@ -820,11 +718,11 @@ def _compare_reads(
                     where = f"{path}.{name}" if path else name
                     ours = getattr(c, name)
                     for other in rest:
-                        _set_rng_state(rng)
+                        set_rng_state(rng)
                         getattr(other, name)
-                    _set_rng_state(rng)
+                    set_rng_state(rng)
                     compare(f"{where} read outside forward{how}{at}", ours, getattr(s, name), tol)
-                    _set_rng_state(rng)
+                    set_rng_state(rng)
 
     try:
         if any(training for _, training in flags):
@@ -837,25 +735,17 @@ def _compare_reads(
         for m, _ in flags:
             m.training = False
         read_all("")
-        for path, module, hook, kind in _hook_norms(stock):
+        for path, module, hook, kind in hook_norms(stock):
             # A plain attribute torch's pre-hook writes at each call of the module.
             where = f"{path}.{hook.name}" if path else hook.name
             where = f"{where} (hook-based {kind})"
             ours = getattr(candidate.get_submodule(path), hook.name, None)
             compare(f"{where} read outside forward{at}", ours, getattr(module, hook.name, None), tol)
     finally:
-        _set_rng_state(rng)
+        set_rng_state(rng)
         for m, training in flags:
             m.training = training
 
-
-def _parametrized(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    inside = parametrization_paths(model)
-    return [
-        (path, m)
-        for path, m in model.named_modules()
-        if has_parametrizations(m) and path not in inside
-    ]
 
 
 def _compare_grads(
@@ -869,7 +759,7 @@ def _compare_grads(
     rounded: set[int],
 ) -> None:
     """Every parameter's gradient against stock's within ``tol``. An original whose gradient
-    sums several contributions in an order prepare may change (``loose``, module docstring) may
+    sums several contributions in an order prepare may change (``loose``, :mod:`~paramfold.testing.resummed`) may
     instead equal ``cached``'s, stock computing each tensor as paramfold's hoist does; one in
     ``rounded`` may also differ from stock by the rounding of its summed terms."""
     got, want = dict(candidate.named_parameters()), dict(stock.named_parameters())
@@ -884,242 +774,7 @@ def _compare_grads(
             if id(param) not in loose:
                 raise
             reference = once[name].grad if name in once else None
-            _compare_resummed(what, param.grad, want[name].grad, reference, tol, eps, id(param) in rounded, exc)
-
-
-def _compare_resummed(
-    what: str,
-    grad: torch.Tensor | None,
-    stocks: torch.Tensor | None,
-    once: torch.Tensor | None,
-    tol: Tolerance,
-    eps: float,
-    rounding: bool,
-    exc: AssertionError,
-) -> None:
-    """A gradient that differs from stock's (``exc``) and that paramfold sums in another order:
-    it must equal ``once``, stock's computing each tensor as paramfold's hoist does, or, where
-    ``rounding``, differ from stock's by the rounding of its own summed terms."""
-    if once is not None:
-        try:
-            compare(what, grad, once, tol)
-            return
-        except AssertionError:
-            pass
-    if not rounding or grad is None or stocks is None:
-        raise AssertionError(
-            f"{exc}, and from stock computing each parametrized tensor once per forward, as hoist does, with a "
-            "view of it at each read (the order in which paramfold sums the gradients of a tensor read several "
-            "times; a gradient hook registered at each read still scales only that read's gradient there, as in "
-            "stock, where paramfold's shared value has every read's hooks: README, Notes and limits)"
-        ) from None
-    # The size of the summed terms, this tensor's own (not the model's largest gradient).
-    rtol = {torch.finfo(torch.bfloat16).eps: 1.6e-2, torch.finfo(torch.float16).eps: 1e-3}.get(eps, 1.3e-6)
-    size = max(largest(stocks), largest(once) if once is not None else 0.0)
-    compare(f"{what} (and differs from stock computing each tensor once per forward)", grad, stocks,
-            Tolerance(max(tol.rtol, rtol), tol.atol + rtol * size, tol.of_max))
-
-
-@contextlib.contextmanager
-def _once_per_forward(model: nn.Module) -> Iterator[None]:
-    """``model``'s parametrized tensors computed as paramfold's hoist computes them: once per
-    forward, when it starts, in module order (``parametrize.cached()`` computes at the first
-    read, in the forward's order), each read getting a view of its own, as stock's fresh tensor
-    at each read (so a gradient hook registered on a read acts on that read's gradient only, as
-    in stock). A chain whose computation moves its buffers (spectral_norm's power iteration in
-    training) gives its first read that value and computes again at each later read; one that
-    draws random numbers is computed at every read instead. A hook-based norm's tensor is
-    computed once per forward too, where it moves no buffer. So the gradients of the originals
-    are summed in paramfold's order, from stock's values."""
-    plists = [m for _, module in _parametrized(model) for m in module.parametrizations.values()]
-    plists += [m for m in model.modules() if isinstance(m, parametrize.ParametrizationList) and m not in plists]
-    values: dict[int, torch.Tensor] = {}
-    first_read_only: set[int] = set()
-    for plist in plists:
-        before = _chain_state(plist)
-        rng = _rng_state()
-        value = plist()
-        after = _chain_state(plist)
-        if not torch.equal(before[1], after[1]) or any(not torch.equal(x, y) for x, y in zip(before[2], after[2])):
-            # draws random numbers: undone, computed where it is read
-            _set_rng_state(rng)
-            for generator, state in zip(_generators(plist), before[2]):
-                generator.set_state(state)
-            continue
-        values[id(plist)] = value
-        if before[0] != after[0]:
-            first_read_only.add(id(plist))
-
-    def once(plist: nn.Module) -> Callable[[], torch.Tensor]:
-        def forward() -> torch.Tensor:
-            value = values.get(id(plist))
-            if value is None:
-                return type(plist).forward(plist)
-            if id(plist) in first_read_only:
-                del values[id(plist)]
-            try:
-                return value.view_as(value)
-            except Exception:  # noqa: BLE001 - a tensor subclass without views: the value itself
-                return value
-        return forward
-
-    # A hook-based norm that moves no buffer (weight_norm; spectral_norm in eval) is computed
-    # once too, and each call of its module gets a view of that value, where stock's hook
-    # computes it at every call. (In training, spectral_norm's hook runs at each call in both.)
-    hooked: list[tuple[nn.Module, int, Any]] = []
-    for _, module, hook, kind in _hook_norms(model):
-        if kind == "weight_norm" or not module.training:
-            key = next(k for k, h in module._forward_pre_hooks.items() if h is hook)
-            hooked.append((module, key, hook))
-            module._forward_pre_hooks[key] = _serving(hook.name, hooknorms.compute(module, hook, kind))
-    for plist in plists:
-        plist.__dict__["forward"] = once(plist)
-    try:
-        yield
-    finally:
-        for plist in plists:
-            plist.__dict__.pop("forward", None)
-        for module, key, hook in hooked:
-            module._forward_pre_hooks[key] = hook
-
-
-def _serving(name: str, value: torch.Tensor) -> Callable[[nn.Module, Any], None]:
-    """A forward pre-hook that sets ``module.<name>`` to a view of ``value`` at each call."""
-    def serve(module: nn.Module, args: Any) -> None:
-        setattr(module, name, value.view_as(value))
-    return serve
-
-
-#: A chain's buffer versions, torch's global CPU generator state and its own generators' states.
-_ChainState = tuple[list[int], torch.Tensor, list[torch.Tensor]]
-
-
-def _chain_state(plist: nn.Module) -> _ChainState:
-    return [b._version for b in plist.buffers()], torch.get_rng_state(), [g.get_state() for g in _generators(plist)]
-
-
-def _generators(plist: nn.Module) -> list[torch.Generator]:
-    return [g for m in plist.modules() for g in vars(m).values() if isinstance(g, torch.Generator)]
-
-
-def _compare_rng(left: tuple[Any, ...], after: tuple[Any, ...], at: str) -> None:
-    """The global generators as the prepared run left them (``left``) against stock's (``after``)."""
-    names = ("torch's CPU generator", "torch's CUDA generators", "Python's random", "NumPy's np.random")
-    for name, mine, theirs in zip(names, left, after):
-        if mine is None or theirs is None:
-            same = mine is theirs
-        elif name == names[0]:
-            same = torch.equal(mine, theirs)
-        elif name == names[1]:
-            same = len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs))
-        else:
-            same = mine == theirs
-        if not same:
-            raise AssertionError(
-                f"{name} is left in another state by prepared than by stock{at} (forward and backward): prepared draws "
-                "other random numbers than stock, so the caller's next draws (a dropout mask, data shuffling) differ "
-                "from stock's"
-            )
-
-
-#: Seeds the checker's own generator of the between-step shrink factors.
-_SHRINK_SEED = 0x5EED
-
-
-def _update(stock: nn.Module, others: list[nn.Module], lr: float, step: int) -> None:
-    """The same in-place step on ``stock`` and ``others``, driven by ``stock``'s gradients, before
-    step ``step`` (1 for the second step).
-
-    Updated: every floating parameter, every parametrized buffer, and every floating buffer of a
-    chain's members (a custom member's scale, spectral_norm's ``_u``/``_v``), except, on a site
-    computed from several of these, one of them in turn (its first original before the second
-    step, the next before the third, ...): a value kept fresh by watching only some of its inputs
-    (weight_norm's ``g`` but not ``v``, the originals but not a member's buffer) shows.
-    """
-    held = _held_out(stock, step)
-
-    def tensors(model: nn.Module) -> list[torch.Tensor]:
-        inside = parametrization_paths(model)
-        buffers = [b for n, b in model.named_buffers()
-                   if n.rsplit(".", 1)[-1].startswith("original") or n.rpartition(".")[0] in inside]
-        state = [d[key] for _, module, hook, kind in _hook_norms(model)
-                 for _, d, key in hooknorms.state_tensors(module, hook, kind)]
-        return [*model.parameters(), *buffers, *state]
-
-    # Where there is no gradient, each element shrinks by its own factor in (0.98, 1]: a uniform
-    # shrink leaves scale-invariant chains (spectral_norm's W/sigma(W), a direction v/|v|) as they
-    # were, so a stale value of theirs would pass within any tolerance.
-    shrink = torch.Generator().manual_seed(_SHRINK_SEED)
-    with torch.no_grad():
-        for reference, *copies in zip(tensors(stock), *map(tensors, others)):
-            # (A tensor subclass made of others, a torchao quantized base weight, may have no
-            # in-place arithmetic: left as it is, as an optimizer leaves a frozen base.)
-            if (not reference.is_floating_point() or id(reference) in held
-                    or (reference.grad is None and is_traceable_wrapper_subclass(reference))):
-                continue
-            grad = reference.grad
-            factors = None
-            if grad is None:
-                factors = (1 - 0.02 * torch.rand(reference.shape, generator=shrink)).to(reference.device, reference.dtype)
-            for tensor in (reference, *copies):
-                if grad is not None:
-                    tensor.add_(grad, alpha=-lr)
-                else:
-                    tensor.mul_(factors)
-    # Then zero_grad(set_to_none=True), as a training loop does: each step's gradients are its
-    # own. (Accumulated into the last step's, a compiled candidate and stock compiled afresh from
-    # the same state, the reference where eager stock differs, round them differently: two
-    # compilations of stock itself do.)
-    for model in (stock, *others):
-        for param in model.parameters():
-            param.grad = None
-
-
-def _held_out(model: nn.Module, step: int) -> set[int]:
-    """The tensors :func:`_update` leaves as they are before step ``step``: of each site's inputs
-    (its originals, then its members' floating parameters and buffers), where it has several, the
-    ``(step - 1) % n``-th (one another site shares and updates is updated)."""
-    held: set[int] = set()
-    updated: set[int] = set()
-    sites = [[getattr(plist, name) for name in original_names(plist)]
-             + [t for member in members(plist) for t in (*member.parameters(), *member.buffers()) if t.is_floating_point()]
-             for _, module in _parametrized(model) for plist in module.parametrizations.values()]
-    sites += [[d[key] for _, d, key in (*hooknorms.originals(module, hook, kind), *hooknorms.state_tensors(module, hook, kind))]
-              for _, module, hook, kind in _hook_norms(model)]
-    for originals in sites:
-        if len(originals) > 1:
-            keep = originals[(step - 1) % len(originals)]
-            held.add(id(keep))
-            updated.update(id(t) for t in originals if t is not keep)
-        else:
-            updated.update(map(id, originals))
-    return held - updated
-
-
-def _reordered_originals(model: nn.Module) -> set[int]:
-    """Originals of modules called more than once per forward, and originals shared by sites."""
-    calls: dict[int, int] = {}
-    inside = parametrization_paths(model)
-    for path, module in model.named_modules(remove_duplicate=False):
-        if path not in inside:
-            calls[id(module)] = calls.get(id(module), 0) + 1
-    repeated: set[int] = set()
-    for _, module in _parametrized(model):
-        for plist in module.parametrizations.values():
-            if calls.get(id(module), 0) > 1:
-                repeated.update(map(id, _chain_tensors(plist)))
-    return repeated | _tied_originals(model)
-
-
-def _tied_originals(model: nn.Module) -> set[int]:
-    """Originals shared by several sites, and the parameters of chain members several sites share
-    (one LoRA pair or scale registered on several layers: Tied-LoRA)."""
-    users: dict[int, int] = {}
-    for _, module in _parametrized(model):
-        for plist in module.parametrizations.values():
-            for key in set(map(id, _chain_tensors(plist))):
-                users[key] = users.get(key, 0) + 1
-    return {key for key, count in users.items() if count > 1}
+            compare_resummed(what, param.grad, want[name].grad, reference, tol, eps, id(param) in rounded, exc)
 
 
 def _lowest_precision(model: nn.Module, outputs: Any) -> torch.dtype:
