@@ -38,7 +38,7 @@ The layout says what needs what: :mod:`~paramfold.testing.registry` (the paramet
 checker; its module docstring states the tolerances), its parts
 :mod:`~paramfold.testing.resummed` (gradients paramfold sums in another order, and their
 reference), :mod:`~paramfold.testing.between_steps` (the change between steps),
-:mod:`~paramfold.testing.sites` and :mod:`~paramfold.testing.generators` (what they share),
+:mod:`~paramfold.testing.walks` and :mod:`~paramfold.testing.generators` (what they share),
 :mod:`~paramfold.testing.compare` (how results are compared),
 :mod:`~paramfold.testing.structure` (snapshots of a model's objects) and
 :mod:`~paramfold.testing.strategies` (Hypothesis, drawing from the registry and the nets). Everything is importable from here. Only the

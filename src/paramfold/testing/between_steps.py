@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from paramfold import hooknorms
 from paramfold.compute import members, original_names
 from paramfold.sites import parametrization_paths
-from paramfold.testing.sites import hook_norms, parametrized
+from paramfold.testing.walks import hook_norms, parametrized
 
 __all__ = ["update"]
 

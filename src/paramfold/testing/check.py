@@ -6,7 +6,7 @@ and it needs no Hypothesis. How two results are compared is :mod:`paramfold.test
 the structure snapshots it takes around ``restore`` are :mod:`paramfold.testing.structure`; the
 change of the models between steps is :mod:`paramfold.testing.between_steps`; the reference for
 gradients paramfold sums in another order is :mod:`paramfold.testing.resummed`; the sites it
-walks and the global generators it sets back are :mod:`paramfold.testing.sites` and
+walks and the global generators it sets back are :mod:`paramfold.testing.walks` and
 :mod:`paramfold.testing.generators`.
 
 Tolerances. In eager mode every comparison is bitwise: bit patterns (``-0.0`` is not ``0.0``, a
@@ -55,7 +55,7 @@ from paramfold.testing.resummed import (
     reordered_originals,
     tied_originals,
 )
-from paramfold.testing.sites import hook_norms, parametrized
+from paramfold.testing.walks import hook_norms, parametrized
 from paramfold.testing.structure import Structure, assert_same_structure, structure
 
 __all__ = ["COMPILE_TOLERANCES", "assert_equivalent", "grad_mode"]

@@ -60,7 +60,7 @@ from paramfold.compute import original_names
 from paramfold.sites import parametrization_paths
 from paramfold.testing.compare import Tolerance, compare, largest
 from paramfold.testing.generators import rng_state, set_rng_state
-from paramfold.testing.sites import hook_norms, parametrized
+from paramfold.testing.walks import hook_norms, parametrized
 
 __all__ = ["calls", "compare_resummed", "once_per_forward", "originals_of", "reordered_originals", "tied_originals"]
 
