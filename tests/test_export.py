@@ -310,6 +310,65 @@ def test_spectral_norm_in_training_mode_is_refused_and_nothing_moves():
     pt.assert_same_structure(before, pt.structure(model))  # the power iteration did not run (u, v unchanged)
 
 
+class _EmaInEval(nn.Module):
+    """Updates its buffer at every computation, in eval mode too."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(32, 32))
+
+    def forward(self, w):
+        self.ema.mul_(0.5).add_(w.detach())
+        return w + self.ema
+
+
+class _WeightNoise(nn.Module):
+    def forward(self, w):
+        return w + 0.01 * torch.randn_like(w)
+
+
+class _GradBranch(nn.Module):
+    def forward(self, w):
+        return w * 2 if torch.is_grad_enabled() else w
+
+
+class _Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, w):
+        self.calls += 1
+        return w * self.calls
+
+
+@pytest.mark.parametrize("mode", [None, "hoist", "inline", "auto"])
+@pytest.mark.parametrize("member, why", [
+    (_EmaInEval, "it changes its buffers, in eval mode too"),
+    (_WeightNoise, "it draws random numbers"),
+    (_GradBranch, "it computes another value with grad enabled than under no_grad"),
+    (_Counter, "it changes its own attributes or originals"),
+], ids=["ema_in_eval", "noise", "grad_branch", "counter"])
+def test_a_chain_computed_at_every_call_is_refused_and_nothing_moves(member, why, mode):
+    # Regression: export folded these to the value computed at export time, where stock's program
+    # computes them at every call (an EMA moving, fresh noise, the branch of the call's grad mode),
+    # and computing the EMA's value moved the user's buffer.
+    model = build("plain").eval()
+    parametrize.register_parametrization(model.layers[1], "weight", member())
+    if mode is not None:
+        if mode == "hoist" and member is not _EmaInEval:
+            with pytest.raises(paramfold.FoldError):
+                paramfold.prepare(model, mode)  # documented: served by auto and inline only
+            return
+        paramfold.prepare(model, mode)
+    before = pt.structure(model)
+    with pytest.raises(paramfold.FoldError, match=rf"cannot export layers\.1\.weight \(custom: {why}\) folded.*filter_fn"):
+        paramfold.export(model, (torch.randn(2, 32),))
+    pt.assert_same_structure(before, pt.structure(model))
+    ep = paramfold.export(model, (torch.randn(2, 32),), filter_fn=lambda m, fqn: fqn != "layers.1")
+    assert "layers.1.parametrizations.weight.original" in ep.state_dict
+
+
 class _Marked(torch.Tensor):
     pass
 
