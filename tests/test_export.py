@@ -310,6 +310,28 @@ def test_spectral_norm_in_training_mode_is_refused_and_nothing_moves():
     pt.assert_same_structure(before, pt.structure(model))  # the power iteration did not run (u, v unchanged)
 
 
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_a_part_of_a_prepared_model_exports_as_the_same_part_unprepared_and_leaves_the_model_alone(mode):
+    # Regression: paramfold.export(prepared.layers[0]) raised KeyError '_paramfold': the copy, part
+    # of no copied prepared model, was restored as an orphan through the original's own state
+    # (shared by export's memo), which also removed the original's load_state_dict hook (inline)
+    # and released its frozen values.
+    stock = build("weight_norm").eval()
+    model = paramfold.prepare(copy.deepcopy(stock).requires_grad_(mode != "freeze"), mode)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        model(x)
+    before = pt.structure(model)
+    hooks = {path: dict(m._load_state_dict_post_hooks) for path, m in model.named_modules()}
+    ep = paramfold.export(model.layers[0], (x,))
+    assert ops(ep) == ops(paramfold.export(stock.layers[0], (x,)))
+    assert torch.equal(ep.module()(x), stock.layers[0](x))
+    pt.assert_same_structure(before, pt.structure(model))
+    assert hooks == {path: dict(m._load_state_dict_post_hooks) for path, m in model.named_modules()}
+    with torch.no_grad():
+        assert torch.equal(model(x), stock(x))
+
+
 class _EmaInEval(nn.Module):
     """Updates its buffer at every computation, in eval mode too."""
 

@@ -548,7 +548,9 @@ def orphaned_copy(module: nn.Module, memo: dict) -> bool:
     """Whether ``module``, being deep-copied, is prepared as part of a model that this copy does
     not copy: the copy would hold paramfold's state for a model it is not part of."""
     state = module.__dict__.get(STATE_ATTR)
-    if state is None or state.root:
+    if state is None or state.root or memo.get(id(state)) is state:
+        # (A copy given the original's state itself, by a memo made so, is its maker's to strip:
+        # paramfold.export's. Restored as an orphan, it would release the original's values.)
         return False
     root = state.prepared_model()
     return root is None or id(root) not in memo
