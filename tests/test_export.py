@@ -332,6 +332,34 @@ def test_a_part_of_a_prepared_model_exports_as_the_same_part_unprepared_and_leav
         assert torch.equal(model(x), stock(x))
 
 
+class _SharedTwice(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.lin = norm(nn.Linear(4, 4))
+        self.again = self.lin  # one layer at two paths: non-strict export calls it through a proxy per path
+
+    def forward(self, x):
+        return self.again(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+@pytest.mark.parametrize("norm", [weight_norm, spectral_norm], ids=["weight_norm", "spectral_norm"])
+def test_non_strict_export_under_cached_computes_a_shared_layers_tensor_once_as_stock(norm, mode):
+    # Regression: inside parametrize.cached(), the prepared model's program computed a layer's
+    # tensor at each of its paths (two _weight_norm ops): its descriptors keyed the cache by the
+    # object they were read through, torch.fx's per-path proxy, where stock's keys the module.
+    torch.manual_seed(0)
+    stock = _SharedTwice(norm).eval()
+    model = paramfold.prepare(copy.deepcopy(stock).requires_grad_(mode != "freeze"), mode)
+    x = torch.randn(2, 4)
+    with parametrize.cached():
+        want = torch.export.export(stock, (x,), strict=False)
+        got = torch.export.export(model, (x,), strict=False)
+    assert ops(got) == ops(want)
+    assert sum(op in ("aten._weight_norm.default", "aten.vdot.default") for op in ops(got)) == 1
+    assert torch.equal(got.module()(x), want.module()(x))
+
+
 class _EmaInEval(nn.Module):
     """Updates its buffer at every computation, in eval mode too."""
 

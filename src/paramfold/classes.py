@@ -44,8 +44,8 @@ from torch.nn.utils import parametrize
 from paramfold import changed_call_regions as changed_regions
 from paramfold import scope_nested as nested
 from paramfold.compile_reads import RefusedWhileCompiling
-from paramfold.compute import (GLOBAL_HOOKS, autocast_state, checkpoint_frame, compiling_here, compute, computed_for_recomputation,
-                               eager_value,
+from paramfold.compute import (GLOBAL_HOOKS, autocast_state, cache_key, checkpoint_frame, compiling_here, compute,
+                               computed_for_recomputation, eager_value,
                                has_parametrizations, inspected_by_dynamo, parametrized_here, read_without_grad)
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
@@ -476,7 +476,7 @@ class _ReadOnce(SiteDescriptor):
                 # in the block caches what it computes (under no_grad, without a history), and
                 # every later read gets that.
                 value = parametrize._cache.setdefault(
-                    (id(module), self.name),
+                    cache_key(module, self.name),
                     read_without_grad(value) if value.requires_grad and not torch.is_grad_enabled() else value)
             return value
         if traced or torch.compiler.is_compiling():

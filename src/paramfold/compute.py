@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable
 from operator import attrgetter, call, itemgetter
@@ -210,11 +211,23 @@ def inspected_by_dynamo() -> bool:
     return not torch.compiler.is_dynamo_compiling() and torch._guards.CompileContext.try_get() is not None
 
 
+def cache_key(module: nn.Module, name: str) -> tuple[int, str]:
+    """The key of ``module.<name>`` in ``parametrize.cached()``'s cache, as stock's property makes
+    it: the id of the module it was registered on (its getter's closure), whatever object the
+    getter was reached through. Non-strict ``torch.export`` calls a module the model holds at
+    several paths (a shared layer) through a proxy per path, which shares the module's
+    ``__dict__`` (torch.fx's ``_AttrProxy``): the module behind it."""
+    proxies = sys.modules.get("torch.fx.experimental.proxy_tensor")
+    if proxies is not None and isinstance(module, proxies._AttrProxy):
+        module = module.get_base()
+    return id(module), name
+
+
 def eager_value(module: nn.Module, name: str) -> torch.Tensor:
     """:func:`compute`, honouring ``parametrize.cached()`` exactly like stock's property."""
     if not parametrize._cache_enabled:
         return compute(module, name)
-    key = (id(module), name)
+    key = cache_key(module, name)
     value = parametrize._cache.get(key)
     if value is None:
         value = parametrize._cache[key] = compute(module, name)
