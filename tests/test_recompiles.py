@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -625,6 +626,30 @@ def test_cli_runs_a_folder_with_a_main_module_as_python_does(tmp_path):
     empty.mkdir()
     code, out, err = _cli(["recompiles", "--", "python", str(empty)])
     assert (code, out, err) == (2, "", f"paramfold recompiles: error: can't find '__main__' module in {str(empty)!r}\n")
+
+
+def test_cli_refuses_what_python_cannot_run_in_one_line_not_a_runpy_traceback(tmp_path, monkeypatch):
+    # Regression: `recompiles -- python model.pt` (a torch checkpoint: a zip without __main__.py)
+    # printed runpy's chained 8-line traceback and an empty report, exit 1, where python says one
+    # line and a folder without __main__.py was refused in one line, exit 2; so did `-m PACKAGE`
+    # for a package without a __main__ module.
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2)}, "model.pt")
+    with zipfile.ZipFile("pkg_main.zip", "w") as z:  # a __main__ package: not runnable either
+        z.writestr("__main__/__init__.py", "print('never')\n")
+    for name in ("model.pt", "pkg_main.zip"):
+        code, out, err = _cli(["recompiles", "--", "python", name])
+        assert (code, out, err) == (2, "", f"paramfold recompiles: error: can't find '__main__' module in {name!r}\n")
+    (tmp_path / "package").mkdir()
+    (tmp_path / "package" / "__init__.py").write_text("")
+    code, out, err = _cli(["recompiles", "--", "python", "-m", "package"])
+    assert (code, out) == (2, "") and err == (
+        "paramfold recompiles: error: No module named package.__main__; 'package' is a package and cannot be "
+        "directly executed\n")
+    with zipfile.ZipFile("app.zip", "w") as z:  # a zip with its __main__.py still runs
+        z.writestr("__main__.py", "import sys\nprint('zip ran')\nsys.exit(6)\n")
+    code, out, err = _cli(["recompiles", "--", "python", "app.zip"])
+    assert code == 6 and out.startswith("zip ran\n"), out + err
 
 
 def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
