@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -780,6 +781,26 @@ def test_cli_interrupted_script_still_reports_then_says_so(tmp_path):
     code, out, err = _cli(["recompiles", "--", "python", str(script)])
     assert code == 130 and "dtype/device" in out  # the report of what ran before the interrupt
     assert err == "paramfold recompiles: error: interrupted by SIGINT; the report covers what ran before it\n"
+
+
+def test_cli_a_ctrl_c_before_the_script_runs_says_no_report_was_printed(tmp_path, monkeypatch):
+    # Regression: a Ctrl-C while the command was still starting (here: as it sets up the trace the
+    # report is made from) said "the report covers what ran before it", and no report was printed.
+    import importlib
+
+    script_module = importlib.import_module("paramfold.recompiles.script")  # (paramfold.recompiles is the function)
+
+    @contextlib.contextmanager
+    def ctrl_c_on_entry(**kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C, handled by the CLI as one from the terminal
+        yield None
+
+    monkeypatch.setattr(script_module, "recompiles", ctrl_c_on_entry)
+    script = tmp_path / "never.py"
+    script.write_text("print('ran')\n")
+    code, out, err = _cli(["recompiles", "--", "python", str(script)])
+    assert (code, out) == (130, "")
+    assert err == "paramfold recompiles: error: interrupted by SIGINT; the script had not started: no report was printed\n"
 
 
 def test_cli_a_ctrl_c_the_script_catches_is_its_own_as_under_python(tmp_path):

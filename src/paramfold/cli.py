@@ -109,9 +109,9 @@ def _say(command: str, message: str) -> None:
         pass
 
 
-# What an interrupt leaves behind, after "interrupted by SIGINT; ": nothing, for commands that
-# write files (outputs are atomic), or for recompiles the report of what ran before it.
-_AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
+#: Whether ``recompiles``' script has ended (run to its end or interrupted) and its report is being
+#: made: an interrupt then leaves the report of what ran before it, before that nothing at all.
+_reporting: list[bool] = []
 #: The output a command has completed (renamed into place), for a failure or signal after it.
 _written: list[str] = []
 #: The command that ran (its _guarded name), whether an error line was said and whether the
@@ -137,8 +137,12 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
             after = f"{_written[0]} was written whole before it"
         elif _ended:  # while the process exits
             after = "the command had completed before it, its output whole"
-        else:
-            after = _AFTER_INTERRUPT.get(command, "no output was written")
+        elif command == "recompiles" and _reporting:
+            after = "the report covers what ran before it"
+        elif command == "recompiles":  # still starting: the script had not run, nothing was printed
+            after = "the script had not started: no report was printed"
+        else:  # nothing: outputs are written whole or not at all
+            after = "no output was written"
         return code, f"interrupted by {signame}; {after}"
     if isinstance(exc, FoldError):
         return getattr(exc, "exit_code", 1), str(exc)
@@ -245,6 +249,7 @@ class _Group(_PlainHelpFlag, TyperGroup):
         _ran.clear()
         _said.clear()
         _ended.clear()
+        _reporting.clear()
         _standalone[:] = [standalone_mode]
         with signals_raise(), stdout_quiet_when_closed():
             try:
@@ -698,7 +703,8 @@ def recompiles_command(
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.recompiles.script import run_script
     with _os_exit_said("recompiles"):
-        code = run_script(command, as_json=as_json, strict=strict, shutdown=_standalone == [True])
+        code = run_script(command, as_json=as_json, strict=strict, shutdown=_standalone == [True],
+                          reporting=lambda: _reporting.append(True))
     raise typer.Exit(code)
 
 

@@ -29,6 +29,7 @@ import signal
 import sys
 import traceback
 import types
+from collections.abc import Callable
 
 from paramfold.errors import FoldError
 from paramfold.terminal import given_stdout, stdout_to_stderr
@@ -46,7 +47,8 @@ class ScriptError(FoldError):
     exit_code = 2
 
 
-def run_script(command: list[str], *, as_json: bool = False, strict: bool = False, shutdown: bool = False) -> int:
+def run_script(command: list[str], *, as_json: bool = False, strict: bool = False, shutdown: bool = False,
+               reporting: Callable[[], object] | None = None) -> int:
     """Run ``[python] SCRIPT [ARGS]`` or ``[python] -m MODULE [ARGS]``, print the report, return its exit code.
 
     The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if a function hit
@@ -66,6 +68,10 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     exits: its non-daemon threads are joined and its ``atexit`` functions run (see
     :func:`~paramfold.signals.python_exit_steps`), so that what they compile is counted and what they print goes where
     the script's prints go (stderr with ``as_json``). Left to the host process otherwise.
+
+    ``reporting``: called once the script has ended (or was interrupted) and its report is to be
+    made, so that the caller can tell an interrupt after it (the report covers what ran) from one
+    while the command was still starting (the script never ran, no report).
     """
     tokens = list(command)
     if tokens and tokens[0].startswith("-") and tokens[0] != "-m":  # a mistyped option of ours, before --
@@ -109,6 +115,8 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         # The script meets a closed stdout as under python (its BrokenPipeError is its own).
         with given_stdout(), redirect, recompiles(warn=False, torch_warning=False) as report:
             code, interrupted = _run_as_python(module, argv0, shutdown=shutdown)
+            if reporting is not None:
+                reporting()
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     if as_json:
