@@ -8,6 +8,7 @@ pre-existing output byte-identical.
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -102,6 +103,20 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
         "testing: paramfold.testing's strategies (chains, models, cases) need hypothesis: "
         'pip install "paramfold[testing]"'
     )
+
+
+def test_import_paramfold_imports_only_what_python_has_at_hand_not_typing():
+    # Regression: paramfold/__init__.py imported typing (~10 ms of `import paramfold`, before the
+    # console script's Ctrl-C handling starts in paramfold.__main__.main): a Ctrl-C then printed a
+    # KeyboardInterrupt traceback through paramfold/__init__.py. What it imports now is small and
+    # listed; typing (and anything else) comes with the CLI, under that handling.
+    code = "import sys; before = set(sys.modules); import paramfold; print(sorted(set(sys.modules) - before))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    added = set(ast.literal_eval(proc.stdout))
+    assert "typing" not in added
+    assert added <= {"paramfold", "__future__", "importlib", "importlib._bootstrap", "importlib._bootstrap_external",
+                     "importlib.machinery", "types", "warnings"}, added
 
 
 def test_no_command_prints_the_help_once_and_exits_2():
