@@ -324,6 +324,23 @@ def test_table_output_names_every_site_and_summarises(tmp_path):
     assert "foldable from keys alone" in " ".join(res.stdout.split())
 
 
+def test_table_output_without_sites_still_names_the_file_its_format_and_the_entry_read(tmp_path):
+    # Regression: the header (the file of a folder that was read, its format, the entry the weights
+    # were under) was the table's title, printed only with the table: a checkpoint with no
+    # parametrized sites got the summary line alone, not which of its two models was read.
+    src = tmp_path / "two.pt"
+    torch.save({"model": {"a.weight": torch.ones(2)}, "state_dict": {"b.weight": torch.ones(3)}}, src)
+    res = _cli(str(src))
+    assert res.exit_code == 0, res.stderr
+    assert " ".join(res.stdout.split()).startswith(f"{src} [pt] (under 'state_dict') 0 parametrized sites (none)")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, folder / "model.safetensors")
+    res = _cli(str(folder))
+    assert res.exit_code == 0 and " ".join(res.stdout.split()).startswith(
+        f"{folder / 'model.safetensors'} [safetensors] 0 parametrized sites"), res.stdout
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 
 
