@@ -468,6 +468,26 @@ def test_an_output_without_a_suffix_says_what_it_is_before_its_format(tmp_path, 
     assert "unsupported output format" not in res.stderr
 
 
+def test_an_error_line_shows_a_paths_control_characters_escaped_as_success_lines_do(tmp_path, monkeypatch):
+    # Regression: an error line made a newline in a path a space ("bad name.pt") and two spaces
+    # one, naming a file that is not the user's; success lines show it escaped ("o\\nut.pt").
+    monkeypatch.chdir(tmp_path)
+    for name in ("bad\nname.pt", "two  spaces.pt", "tab\there.pt"):
+        res = _run("audit", name)
+        shown = name.replace("\n", "\\n").replace("\t", "\\t")
+        assert (res.exit_code, res.stderr) == (2, f"paramfold audit: error: {shown}: no such file or folder\n"), name
+    src = _wn_checkpoint(tmp_path)
+    res = _run("fold", str(src), "o\nut.pt")
+    assert res.exit_code == 0 and res.stdout.startswith("wrote o\\nut.pt: ")
+    res = _run("fold", str(src), "o\nut.pt2")
+    assert res.stderr == "paramfold fold: error: o\\nut.pt2: unsupported output format '.pt2': use .safetensors, .pt, .pth, .bin or .ckpt\n"
+    # Another library's multi-line message quoted in one is still one line of words, not escapes.
+    (tmp_path / "factory.py").write_text("def build():\n    raise ValueError('first line\\n    second line')\n")
+    res = _run("fold", str(src), "out.pt", "--model", "factory.py:build")
+    assert res.stderr == ("paramfold fold: error: --model factory.py:build: the factory raised ValueError: "
+                          "first line second line\n"), res.stderr
+
+
 def test_a_failed_rename_names_the_output_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):
     import errno
 

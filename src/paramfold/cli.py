@@ -100,7 +100,10 @@ def _say(command: str, message: str) -> None:
     """
     from paramfold.terminal import printable
 
-    text = printable(" ".join(str(message).split()))  # one line, whatever the message held
+    # One line, whatever the message held: a control character is written out (a path's newline as
+    # \n), as the success lines show it, never turned into a space that names another file; the
+    # line breaks of another library's message are made spaces where it is quoted (errors.one_line).
+    text = printable(str(message))
     _said[:] = [True]
     try:
         sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
@@ -126,7 +129,7 @@ _standalone: list[bool] = []
 
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
-    from paramfold.errors import FoldError
+    from paramfold.errors import FoldError, one_line
     from paramfold.output import describe_os_error
     from paramfold.signals import Interrupted, from_signal
 
@@ -147,7 +150,7 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     if isinstance(exc, FoldError):
         return getattr(exc, "exit_code", 1), str(exc)
     if isinstance(exc, MemoryError):
-        return 1, "out of memory" + (f": {exc}" if str(exc) else "")
+        return 1, "out of memory" + (f": {one_line(str(exc))}" if str(exc) else "")
     if isinstance(exc, OSError):
         if _written:  # printing the summary failed (stdout on a full disk): the output is whole
             return 1, f"{_written[0]} was written whole, then printing its summary failed: {exc.strerror or exc}"

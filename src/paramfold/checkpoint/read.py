@@ -32,7 +32,7 @@ from paramfold.checkpoint.common import (
     first_line,
     negative_part,
 )
-from paramfold.errors import with_article
+from paramfold.errors import one_line, with_article
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -338,7 +338,7 @@ def _open_index(index: Path) -> Checkpoint:
         if not isinstance(metadata, dict):
             raise TypeError(f"metadata must be an object, not {type(metadata).__name__}")
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
-        raise CheckpointError(f"{index}: not a valid checkpoint index ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{index}: not a valid checkpoint index ({type(e).__name__}: {one_line(str(e))})") from None
     shards: dict[str, dict[str, Entry]] = {}
     kinds: set[str] = set()
     for shard in dict.fromkeys(weight_map.values()):
