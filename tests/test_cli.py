@@ -355,7 +355,7 @@ def test_fold_out_is_validated_before_any_work(tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "folder.pt").mkdir()
     before = _listing(tmp_path)
-    for out, words in ((tmp_path / "no" / "o.pt", "does not exist"), (tmp_path / "file" / "o.pt", "does not exist"),
+    for out, words in ((tmp_path / "no" / "o.pt", "does not exist"), (tmp_path / "file" / "o.pt", "is a file, not a folder"),
                        (tmp_path / "o.gguf", "unsupported output format"), (tmp_path / "folder.pt", "is a folder")):
         res = _run("audit", str(src), "--fold-out", str(out))
         _one_line_error(res, "audit", 2, words)
@@ -466,6 +466,28 @@ def test_an_output_without_a_suffix_says_what_it_is_before_its_format(tmp_path, 
     res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
     _one_line_error(res, "fold", 2, *words)
     assert "unsupported output format" not in res.stderr
+
+
+def test_an_output_path_that_cannot_be_used_is_said_as_it_is(tmp_path, monkeypatch):
+    # Regressions (helper-215): "the output folder notadir does not exist" where notadir is a file;
+    # "unsupported output format 'noext'" for a name without a suffix; and OUT = ".safetensors"
+    # exited 0, writing a hidden file of that name.
+    monkeypatch.chdir(tmp_path)
+    src = _wn_checkpoint(tmp_path)
+    Path("notadir").write_text("x")
+    before = _listing(tmp_path)
+    for out, message in (
+        ("notadir/out.pt", "notadir/out.pt: the output folder notadir is a file, not a folder"),
+        ("notadir/sub/out.pt", "notadir/sub/out.pt: the output folder notadir/sub cannot exist: notadir is a file, not a folder"),
+        ("missing/out.pt", "missing/out.pt: the output folder missing does not exist"),
+        ("noext", "noext: the name has no suffix to say the format: give a name ending in "
+                  ".safetensors, .pt, .pth, .bin or .ckpt"),
+        (".safetensors", ".safetensors: the name is only a suffix: give a file name before it (model.safetensors)"),
+        (".PT", ".PT: the name is only a suffix: give a file name before it (model.PT)"),
+    ):
+        res = _run("fold", str(src), out)
+        assert (res.exit_code, res.stdout, res.stderr) == (2, "", f"paramfold fold: error: {message}\n"), out
+    assert _listing(tmp_path) == before
 
 
 def test_an_error_line_shows_a_paths_control_characters_escaped_as_success_lines_do(tmp_path, monkeypatch):
