@@ -757,6 +757,25 @@ def test_an_unreadable_checkpoint_says_permission_denied_as_a_checkpoint_error(t
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and f"{src}: Permission denied" in cli.stderr, cli.stderr
 
 
+def test_a_folder_that_cannot_be_listed_is_said_so_not_a_file_in_it(tmp_path):
+    # Regression: `audit locked/` said "locked/model.safetensors: Permission denied", a file that
+    # does not exist (the first name looked for in the folder).
+    prefix = _unreadable_runner()
+    if prefix is None:
+        pytest.skip("cannot make a folder unreadable here (root without setpriv)")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    torch.save({"w": torch.ones(2)}, locked / "in.pt")
+    locked.chmod(0)
+    try:
+        cli = subprocess.run([*prefix, sys.executable, "-m", "paramfold", "audit", str(locked)],
+                             capture_output=True, text=True)
+    finally:
+        locked.chmod(0o755)
+    assert (cli.returncode, cli.stdout) == (1, "")
+    assert cli.stderr == f"paramfold audit: error: {locked}: cannot list this folder: Permission denied\n"
+
+
 @pytest.mark.parametrize("name", ["in.safetensors", "IN.SAFETENSORS"])
 @pytest.mark.parametrize("with_model", [False, True], ids=["from keys", "with the model"])
 def test_fold_keeps_a_safetensors_inputs_metadata(tmp_path, with_model, name):
