@@ -152,6 +152,22 @@ def test_help_text_lists_choices_and_real_defaults():
     assert "<bool>" not in root and "--version" in root and "--debug" in root
 
 
+def test_help_names_every_suffix_and_index_the_code_reads_and_writes():
+    # Regression (helper-215): fold's OUT help named .safetensors and .pt only, audit's PATH help
+    # no *.bin.index.json; the top-level help broke bench's line after "baseline, stock and".
+    from paramfold.checkpoint.common import PT_SUFFIXES, SAFETENSORS_SUFFIX
+
+    assert cli.FOLD_SUFFIXES == (SAFETENSORS_SUFFIX, *PT_SUFFIXES)  # what the help texts are made from
+    fold = " ".join(_run("fold", "--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "its format by the suffix: .safetensors, .pt, .pth, .bin or .ckpt; not the input" in fold
+    audit = " ".join(_run("audit", "--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "A .pt/.pth/.bin/.ckpt or .safetensors file, a *.safetensors.index.json or *.bin.index.json" in audit
+    lines = _run("--help", env={"COLUMNS": "200"}).stdout.splitlines()
+    bench_line = next(line for line in lines if "│ bench" in line)
+    assert "as ratios to the plain model" in bench_line  # its summary on one line
+    assert lines[lines.index(bench_line) + 1].split("│")[1].split()[0] == "audit"
+
+
 @pytest.mark.parametrize(
     "args, command, words",
     [

@@ -460,8 +460,10 @@ def bench(
         help="Also write a figure to this PNG file: the ratios, or with --sweep-layers the times against the layer count.",
     ),
 ) -> None:
-    """Time the first compiled call and the steady call (or training step) of baseline, stock and
-    each paramfold mode, side by side, as ratios to the baseline (the plain model).
+    """Time the first compiled call and the steady call of each paramfold mode, as ratios to the plain model.
+
+    Side by side: baseline (the plain model), stock (the parametrized one) and each paramfold mode;
+    the steady call is a training step with --train.
 
     Example: paramfold bench --model spectral_norm --train --backend aot_eager
     """
@@ -564,8 +566,17 @@ def bench(
 
 # --- audit, fold -------------------------------------------------------------------------------
 
-# What `fold OUT` / `audit --fold-out OUT` may end in (paramfold.checkpoint writes these).
+# What `fold OUT` / `audit --fold-out OUT` may end in, and what a checkpoint file read may: a copy of
+# paramfold.checkpoint's SAFETENSORS_SUFFIX and PT_SUFFIXES (which imports torch), test_cli checks
+# the two agree; the help texts are made from it.
 FOLD_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def _suffixes(items: tuple[str, ...]) -> str:
+    """``".a, .b or .c"``, as the help and the errors list suffixes."""
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
 _MODEL_HELP = (
     "Build the parametrized model with FACTORY() from MODULE (a dotted module or a path to a .py "
     "file), load the checkpoint into it and materialise every parametrization. Needed for kinds that "
@@ -585,7 +596,8 @@ _DTYPE_HELP = (
 def audit(
     path: str = typer.Argument(
         ..., metavar="PATH", show_default=False,
-        help="A .pt/.pth/.bin/.ckpt or .safetensors file, a *.safetensors.index.json, or a folder holding one.",
+        help=f"A {'/'.join(FOLD_SUFFIXES[1:])} or {FOLD_SUFFIXES[0]} file, a *.safetensors.index.json or "
+        "*.bin.index.json (and its shards), or a folder holding one.",
     ),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the report as a JSON document instead of a table."),
     fold_out: Optional[str] = typer.Option(
@@ -638,7 +650,8 @@ def fold(
     ),
     out: str = typer.Argument(
         ..., metavar="OUT", show_default=False,
-        help="Where to write the unparametrized model's checkpoint (.safetensors or .pt); not the input.",
+        help=f"Where to write the unparametrized model's checkpoint, its format by the suffix: "
+        f"{_suffixes(FOLD_SUFFIXES)}; not the input.",
     ),
     model: Optional[str] = typer.Option(None, "--model", metavar="MODULE:FACTORY", help=_MODEL_HELP),
     dtype: Optional[Literal["float32", "float16", "bfloat16", "float64"]] = typer.Option(
