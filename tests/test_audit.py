@@ -342,6 +342,23 @@ def test_table_output_names_every_site_and_summarises(tmp_path):
     assert "foldable from keys alone" in " ".join(res.stdout.split())
 
 
+def test_table_output_without_sites_still_names_the_file_its_format_and_the_entry_read(tmp_path):
+    # Regression: the header (the file of a folder that was read, its format, the entry the weights
+    # were under) was the table's title, printed only with the table: a checkpoint with no
+    # parametrized sites got the summary line alone, not which of its two models was read.
+    src = tmp_path / "two.pt"
+    torch.save({"model": {"a.weight": torch.ones(2)}, "state_dict": {"b.weight": torch.ones(3)}}, src)
+    res = _cli(str(src))
+    assert res.exit_code == 0, res.stderr
+    assert " ".join(res.stdout.split()).startswith(f"{src} [pt] (under 'state_dict') 0 parametrized sites (none)")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, folder / "model.safetensors")
+    res = _cli(str(folder))
+    assert res.exit_code == 0 and " ".join(res.stdout.split()).startswith(
+        f"{folder / 'model.safetensors'} [safetensors] 0 parametrized sites"), res.stdout
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 
 
@@ -766,6 +783,25 @@ def test_an_unreadable_checkpoint_says_permission_denied_as_a_checkpoint_error(t
     assert done.returncode == 0 and done.stdout.strip() == f"CheckpointError: {src}: Permission denied", done.stderr
     cli = subprocess.run([*prefix, sys.executable, "-m", "paramfold", "audit", str(src)], capture_output=True, text=True)
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1 and f"{src}: Permission denied" in cli.stderr, cli.stderr
+
+
+def test_a_folder_that_cannot_be_listed_is_said_so_not_a_file_in_it(tmp_path):
+    # Regression: `audit locked/` said "locked/model.safetensors: Permission denied", a file that
+    # does not exist (the first name looked for in the folder).
+    prefix = _unreadable_runner()
+    if prefix is None:
+        pytest.skip("cannot make a folder unreadable here (root without setpriv)")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    torch.save({"w": torch.ones(2)}, locked / "in.pt")
+    locked.chmod(0)
+    try:
+        cli = subprocess.run([*prefix, sys.executable, "-m", "paramfold", "audit", str(locked)],
+                             capture_output=True, text=True)
+    finally:
+        locked.chmod(0o755)
+    assert (cli.returncode, cli.stdout) == (1, "")
+    assert cli.stderr == f"paramfold audit: error: {locked}: cannot list this folder: Permission denied\n"
 
 
 @pytest.mark.parametrize("name", ["in.safetensors", "IN.SAFETENSORS"])

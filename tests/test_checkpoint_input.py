@@ -411,6 +411,40 @@ def test_every_dtype_and_view_torch_save_writes_folds_to_torch_loads_values(tmp_
         assert set(got) == set(want) and all(_same(got[k], want[k]) for k in want), suffix
 
 
+# -- a file whose suffix says the other format -------------------------------------------------------
+
+
+def test_a_file_whose_suffix_says_the_other_format_is_called_that_not_a_pickle_or_corrupt(tmp_path):
+    # Regression: a .safetensors file renamed .pt was "refused to unpickle: ... either corrupt or it
+    # needs code execution", and a torch.save file renamed .safetensors "not a valid safetensors file
+    # (header too large)". Refused, not read as what it holds: loaders go by the suffix too.
+    save_file({"w": torch.ones(2)}, tmp_path / "renamed.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "zip.safetensors")
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.safetensors", _use_new_zipfile_serialization=False)
+    for name, message in (
+        ("renamed.pt", "is a safetensors file, but its suffix '.pt' says a torch.save checkpoint: rename it to end in .safetensors"),
+        ("zip.safetensors", "is a zip archive (as torch.save writes), but its suffix '.safetensors' says safetensors: "
+                            "rename it to end in .pt"),
+        ("legacy.safetensors", "is a legacy (non-zip) torch.save file, but its suffix '.safetensors' says safetensors: "
+                               "rename it to end in .pt"),
+    ):
+        res = _run("audit", tmp_path / name)
+        assert (res.exit_code, res.stdout, res.stderr) == (1, "", f"paramfold audit: error: {tmp_path / name}: {message}\n")
+    # A shard an index names, too (here a .bin that holds safetensors).
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    save_file({"a": torch.ones(2)}, folder / "s1.bin")
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "s1.bin"}}))
+    res = _run("audit", folder)
+    _one_line_error(res, "audit", 1, f"{folder / 's1.bin'}: is a safetensors file, but its suffix '.bin'")
+    # Files that are what their suffix says still read.
+    save_file({"w": torch.ones(2)}, tmp_path / "right.safetensors")
+    torch.save({"w": torch.ones(2)}, tmp_path / "right.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    for name in ("right.safetensors", "right.pt", "legacy.pt"):
+        assert _run("audit", tmp_path / name).exit_code == 0, name
+
+
 # -- shards that are not files ---------------------------------------------------------------------
 
 

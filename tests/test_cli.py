@@ -8,6 +8,7 @@ pre-existing output byte-identical.
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -104,6 +105,20 @@ def test_help_and_version_do_not_import_torch_and_testing_needs_its_extra():
     )
 
 
+def test_import_paramfold_imports_only_what_python_has_at_hand_not_typing():
+    # Regression: paramfold/__init__.py imported typing (~10 ms of `import paramfold`, before the
+    # console script's Ctrl-C handling starts in paramfold.__main__.main): a Ctrl-C then printed a
+    # KeyboardInterrupt traceback through paramfold/__init__.py. What it imports now is small and
+    # listed; typing (and anything else) comes with the CLI, under that handling.
+    code = "import sys; before = set(sys.modules); import paramfold; print(sorted(set(sys.modules) - before))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    added = set(ast.literal_eval(proc.stdout))
+    assert "typing" not in added
+    assert added <= {"paramfold", "__future__", "importlib", "importlib._bootstrap", "importlib._bootstrap_external",
+                     "importlib.machinery", "types", "warnings"}, added
+
+
 def test_no_command_prints_the_help_once_and_exits_2():
     # Regression: the help was printed twice (rich printed it while click built its error, then
     # the CLI printed the error's help again).
@@ -135,6 +150,22 @@ def test_help_text_lists_choices_and_real_defaults():
         assert get_args(get_args(get_type_hints(fn.__wrapped__)["dtype"])[0]) == cli.DTYPE_NAMES
     root = " ".join(_run("--help", env={"COLUMNS": "200"}).stdout.split())
     assert "<bool>" not in root and "--version" in root and "--debug" in root
+
+
+def test_help_names_every_suffix_and_index_the_code_reads_and_writes():
+    # Regression (helper-215): fold's OUT help named .safetensors and .pt only, audit's PATH help
+    # no *.bin.index.json; the top-level help broke bench's line after "baseline, stock and".
+    from paramfold.checkpoint.common import PT_SUFFIXES, SAFETENSORS_SUFFIX
+
+    assert cli.FOLD_SUFFIXES == (SAFETENSORS_SUFFIX, *PT_SUFFIXES)  # what the help texts are made from
+    fold = " ".join(_run("fold", "--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "its format by the suffix: .safetensors, .pt, .pth, .bin or .ckpt; not the input" in fold
+    audit = " ".join(_run("audit", "--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "A .pt/.pth/.bin/.ckpt or .safetensors file, a *.safetensors.index.json or *.bin.index.json" in audit
+    lines = _run("--help", env={"COLUMNS": "200"}).stdout.splitlines()
+    bench_line = next(line for line in lines if "│ bench" in line)
+    assert "as ratios to the plain model" in bench_line  # its summary on one line
+    assert lines[lines.index(bench_line) + 1].split("│")[1].split()[0] == "audit"
 
 
 @pytest.mark.parametrize(
@@ -340,7 +371,7 @@ def test_fold_out_is_validated_before_any_work(tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "folder.pt").mkdir()
     before = _listing(tmp_path)
-    for out, words in ((tmp_path / "no" / "o.pt", "does not exist"), (tmp_path / "file" / "o.pt", "does not exist"),
+    for out, words in ((tmp_path / "no" / "o.pt", "does not exist"), (tmp_path / "file" / "o.pt", "is a file, not a folder"),
                        (tmp_path / "o.gguf", "unsupported output format"), (tmp_path / "folder.pt", "is a folder")):
         res = _run("audit", str(src), "--fold-out", str(out))
         _one_line_error(res, "audit", 2, words)
@@ -451,6 +482,48 @@ def test_an_output_without_a_suffix_says_what_it_is_before_its_format(tmp_path, 
     res = _run("fold", str(_wn_checkpoint(tmp_path)), str(out))
     _one_line_error(res, "fold", 2, *words)
     assert "unsupported output format" not in res.stderr
+
+
+def test_an_output_path_that_cannot_be_used_is_said_as_it_is(tmp_path, monkeypatch):
+    # Regressions (helper-215): "the output folder notadir does not exist" where notadir is a file;
+    # "unsupported output format 'noext'" for a name without a suffix; and OUT = ".safetensors"
+    # exited 0, writing a hidden file of that name.
+    monkeypatch.chdir(tmp_path)
+    src = _wn_checkpoint(tmp_path)
+    Path("notadir").write_text("x")
+    before = _listing(tmp_path)
+    for out, message in (
+        ("notadir/out.pt", "notadir/out.pt: the output folder notadir is a file, not a folder"),
+        ("notadir/sub/out.pt", "notadir/sub/out.pt: the output folder notadir/sub cannot exist: notadir is a file, not a folder"),
+        ("missing/out.pt", "missing/out.pt: the output folder missing does not exist"),
+        ("noext", "noext: the name has no suffix to say the format: give a name ending in "
+                  ".safetensors, .pt, .pth, .bin or .ckpt"),
+        (".safetensors", ".safetensors: the name is only a suffix: give a file name before it (model.safetensors)"),
+        (".PT", ".PT: the name is only a suffix: give a file name before it (model.PT)"),
+    ):
+        res = _run("fold", str(src), out)
+        assert (res.exit_code, res.stdout, res.stderr) == (2, "", f"paramfold fold: error: {message}\n"), out
+    assert _listing(tmp_path) == before
+
+
+def test_an_error_line_shows_a_paths_control_characters_escaped_as_success_lines_do(tmp_path, monkeypatch):
+    # Regression: an error line made a newline in a path a space ("bad name.pt") and two spaces
+    # one, naming a file that is not the user's; success lines show it escaped ("o\\nut.pt").
+    monkeypatch.chdir(tmp_path)
+    for name in ("bad\nname.pt", "two  spaces.pt", "tab\there.pt"):
+        res = _run("audit", name)
+        shown = name.replace("\n", "\\n").replace("\t", "\\t")
+        assert (res.exit_code, res.stderr) == (2, f"paramfold audit: error: {shown}: no such file or folder\n"), name
+    src = _wn_checkpoint(tmp_path)
+    res = _run("fold", str(src), "o\nut.pt")
+    assert res.exit_code == 0 and res.stdout.startswith("wrote o\\nut.pt: ")
+    res = _run("fold", str(src), "o\nut.pt2")
+    assert res.stderr == "paramfold fold: error: o\\nut.pt2: unsupported output format '.pt2': use .safetensors, .pt, .pth, .bin or .ckpt\n"
+    # Another library's multi-line message quoted in one is still one line of words, not escapes.
+    (tmp_path / "factory.py").write_text("def build():\n    raise ValueError('first line\\n    second line')\n")
+    res = _run("fold", str(src), "out.pt", "--model", "factory.py:build")
+    assert res.stderr == ("paramfold fold: error: --model factory.py:build: the factory raised ValueError: "
+                          "first line second line\n"), res.stderr
 
 
 def test_a_failed_rename_names_the_output_in_one_line_and_keeps_the_old_one(tmp_path, monkeypatch):

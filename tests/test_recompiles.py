@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -627,6 +629,30 @@ def test_cli_runs_a_folder_with_a_main_module_as_python_does(tmp_path):
     assert (code, out, err) == (2, "", f"paramfold recompiles: error: can't find '__main__' module in {str(empty)!r}\n")
 
 
+def test_cli_refuses_what_python_cannot_run_in_one_line_not_a_runpy_traceback(tmp_path, monkeypatch):
+    # Regression: `recompiles -- python model.pt` (a torch checkpoint: a zip without __main__.py)
+    # printed runpy's chained 8-line traceback and an empty report, exit 1, where python says one
+    # line and a folder without __main__.py was refused in one line, exit 2; so did `-m PACKAGE`
+    # for a package without a __main__ module.
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.ones(2)}, "model.pt")
+    with zipfile.ZipFile("pkg_main.zip", "w") as z:  # a __main__ package: not runnable either
+        z.writestr("__main__/__init__.py", "print('never')\n")
+    for name in ("model.pt", "pkg_main.zip"):
+        code, out, err = _cli(["recompiles", "--", "python", name])
+        assert (code, out, err) == (2, "", f"paramfold recompiles: error: can't find '__main__' module in {name!r}\n")
+    (tmp_path / "package").mkdir()
+    (tmp_path / "package" / "__init__.py").write_text("")
+    code, out, err = _cli(["recompiles", "--", "python", "-m", "package"])
+    assert (code, out) == (2, "") and err == (
+        "paramfold recompiles: error: No module named package.__main__; 'package' is a package and cannot be "
+        "directly executed\n")
+    with zipfile.ZipFile("app.zip", "w") as z:  # a zip with its __main__.py still runs
+        z.writestr("__main__.py", "import sys\nprint('zip ran')\nsys.exit(6)\n")
+    code, out, err = _cli(["recompiles", "--", "python", "app.zip"])
+    assert code == 6 and out.startswith("zip ran\n"), out + err
+
+
 def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
     fifo = tmp_path / "fifo.py"
     os.mkfifo(fifo)
@@ -755,6 +781,26 @@ def test_cli_interrupted_script_still_reports_then_says_so(tmp_path):
     code, out, err = _cli(["recompiles", "--", "python", str(script)])
     assert code == 130 and "dtype/device" in out  # the report of what ran before the interrupt
     assert err == "paramfold recompiles: error: interrupted by SIGINT; the report covers what ran before it\n"
+
+
+def test_cli_a_ctrl_c_before_the_script_runs_says_no_report_was_printed(tmp_path, monkeypatch):
+    # Regression: a Ctrl-C while the command was still starting (here: as it sets up the trace the
+    # report is made from) said "the report covers what ran before it", and no report was printed.
+    import importlib
+
+    script_module = importlib.import_module("paramfold.recompiles.script")  # (paramfold.recompiles is the function)
+
+    @contextlib.contextmanager
+    def ctrl_c_on_entry(**kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C, handled by the CLI as one from the terminal
+        yield None
+
+    monkeypatch.setattr(script_module, "recompiles", ctrl_c_on_entry)
+    script = tmp_path / "never.py"
+    script.write_text("print('ran')\n")
+    code, out, err = _cli(["recompiles", "--", "python", str(script)])
+    assert (code, out) == (130, "")
+    assert err == "paramfold recompiles: error: interrupted by SIGINT; the script had not started: no report was printed\n"
 
 
 def test_cli_a_ctrl_c_the_script_catches_is_its_own_as_under_python(tmp_path):

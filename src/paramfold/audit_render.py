@@ -20,7 +20,9 @@ __all__ = ["human_bytes", "print_report"]
 
 
 def print_report(report: AuditReport, console: Console | None = None) -> None:
-    """Print ``report`` as a rich table and a summary line."""
+    """Print ``report`` as a rich table and a summary line. The table's title, the header (the file
+    read, its format, the entry the weights were under), is printed also where there are no sites
+    and so no table."""
     from rich.console import Console
     from rich.table import Table
 
@@ -28,7 +30,8 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
 
     console = console or quiet_when_stdout_closes(Console())
     root = f" (under '{report.root}')" if report.root else ""
-    table = Table(title=_shown(f"{report.path} [{report.format}]{root}"), title_justify="left")
+    title = _shown(f"{report.path} [{report.format}]{root}")
+    table = Table(title=title, title_justify="left")
     table.add_column("module", overflow="fold")
     table.add_column("tensor")
     table.add_column("kind")
@@ -49,6 +52,8 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
         )
     if report.sites:
         console.print(table)
+    else:  # the header alone, as the table would title it
+        console.print(title, style="table.title", highlight=False, soft_wrap=True)  # a path kept whole
     kinds = ", ".join(f"{k} {n}" for k, n in report.kinds.items()) or "none"
     stored = sum(s.originals_bytes + s.state_bytes for s in report.sites)
     folded = sum(s.folded_bytes or 0 for s in report.sites)

@@ -100,7 +100,10 @@ def _say(command: str, message: str) -> None:
     """
     from paramfold.terminal import printable
 
-    text = printable(" ".join(str(message).split()))  # one line, whatever the message held
+    # One line, whatever the message held: a control character is written out (a path's newline as
+    # \n), as the success lines show it, never turned into a space that names another file; the
+    # line breaks of another library's message are made spaces where it is quoted (errors.one_line).
+    text = printable(str(message))
     _said[:] = [True]
     try:
         sys.stderr.write(f"paramfold{' ' + command if command else ''}: error: {text}\n")
@@ -109,9 +112,9 @@ def _say(command: str, message: str) -> None:
         pass
 
 
-# What an interrupt leaves behind, after "interrupted by SIGINT; ": nothing, for commands that
-# write files (outputs are atomic), or for recompiles the report of what ran before it.
-_AFTER_INTERRUPT = {"recompiles": "the report covers what ran before it"}
+#: Whether ``recompiles``' script has ended (run to its end or interrupted) and its report is being
+#: made: an interrupt then leaves the report of what ran before it, before that nothing at all.
+_reporting: list[bool] = []
 #: The output a command has completed (renamed into place), for a failure or signal after it.
 _written: list[str] = []
 #: The command that ran (its _guarded name), whether an error line was said and whether the
@@ -126,7 +129,7 @@ _standalone: list[bool] = []
 
 def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
-    from paramfold.errors import FoldError
+    from paramfold.errors import FoldError, one_line
     from paramfold.output import describe_os_error
     from paramfold.signals import Interrupted, from_signal
 
@@ -137,13 +140,17 @@ def _describe(exc: BaseException, command: str = "") -> tuple[int, str]:
             after = f"{_written[0]} was written whole before it"
         elif _ended:  # while the process exits
             after = "the command had completed before it, its output whole"
-        else:
-            after = _AFTER_INTERRUPT.get(command, "no output was written")
+        elif command == "recompiles" and _reporting:
+            after = "the report covers what ran before it"
+        elif command == "recompiles":  # still starting: the script had not run, nothing was printed
+            after = "the script had not started: no report was printed"
+        else:  # nothing: outputs are written whole or not at all
+            after = "no output was written"
         return code, f"interrupted by {signame}; {after}"
     if isinstance(exc, FoldError):
         return getattr(exc, "exit_code", 1), str(exc)
     if isinstance(exc, MemoryError):
-        return 1, "out of memory" + (f": {exc}" if str(exc) else "")
+        return 1, "out of memory" + (f": {one_line(str(exc))}" if str(exc) else "")
     if isinstance(exc, OSError):
         if _written:  # printing the summary failed (stdout on a full disk): the output is whole
             return 1, f"{_written[0]} was written whole, then printing its summary failed: {exc.strerror or exc}"
@@ -245,6 +252,7 @@ class _Group(_PlainHelpFlag, TyperGroup):
         _ran.clear()
         _said.clear()
         _ended.clear()
+        _reporting.clear()
         _standalone[:] = [standalone_mode]
         with signals_raise(), stdout_quiet_when_closed():
             try:
@@ -452,8 +460,10 @@ def bench(
         help="Also write a figure to this PNG file: the ratios, or with --sweep-layers the times against the layer count.",
     ),
 ) -> None:
-    """Time the first compiled call and the steady call (or training step) of baseline, stock and
-    each paramfold mode, side by side, as ratios to the baseline (the plain model).
+    """Time the first compiled call and the steady call of each paramfold mode, as ratios to the plain model.
+
+    Side by side: baseline (the plain model), stock (the parametrized one) and each paramfold mode;
+    the steady call is a training step with --train.
 
     Example: paramfold bench --model spectral_norm --train --backend aot_eager
     """
@@ -556,8 +566,17 @@ def bench(
 
 # --- audit, fold -------------------------------------------------------------------------------
 
-# What `fold OUT` / `audit --fold-out OUT` may end in (paramfold.checkpoint writes these).
+# What `fold OUT` / `audit --fold-out OUT` may end in, and what a checkpoint file read may: a copy of
+# paramfold.checkpoint's SAFETENSORS_SUFFIX and PT_SUFFIXES (which imports torch), test_cli checks
+# the two agree; the help texts are made from it.
 FOLD_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def _suffixes(items: tuple[str, ...]) -> str:
+    """``".a, .b or .c"``, as the help and the errors list suffixes."""
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
 _MODEL_HELP = (
     "Build the parametrized model with FACTORY() from MODULE (a dotted module or a path to a .py "
     "file), load the checkpoint into it and materialise every parametrization. Needed for kinds that "
@@ -577,7 +596,8 @@ _DTYPE_HELP = (
 def audit(
     path: str = typer.Argument(
         ..., metavar="PATH", show_default=False,
-        help="A .pt/.pth/.bin/.ckpt or .safetensors file, a *.safetensors.index.json, or a folder holding one.",
+        help=f"A {'/'.join(FOLD_SUFFIXES[1:])} or {FOLD_SUFFIXES[0]} file, a *.safetensors.index.json or "
+        "*.bin.index.json (and its shards), or a folder holding one.",
     ),
     json_out: bool = typer.Option(False, "--json", metavar="", help="Print the report as a JSON document instead of a table."),
     fold_out: Optional[str] = typer.Option(
@@ -630,7 +650,8 @@ def fold(
     ),
     out: str = typer.Argument(
         ..., metavar="OUT", show_default=False,
-        help="Where to write the unparametrized model's checkpoint (.safetensors or .pt); not the input.",
+        help=f"Where to write the unparametrized model's checkpoint, its format by the suffix: "
+        f"{_suffixes(FOLD_SUFFIXES)}; not the input.",
     ),
     model: Optional[str] = typer.Option(None, "--model", metavar="MODULE:FACTORY", help=_MODEL_HELP),
     dtype: Optional[Literal["float32", "float16", "bfloat16", "float64"]] = typer.Option(
@@ -698,7 +719,8 @@ def recompiles_command(
     with signals_deferred():  # a signal during the imports is raised after them
         from paramfold.recompiles.script import run_script
     with _os_exit_said("recompiles"):
-        code = run_script(command, as_json=as_json, strict=strict, shutdown=_standalone == [True])
+        code = run_script(command, as_json=as_json, strict=strict, shutdown=_standalone == [True],
+                          reporting=lambda: _reporting.append(True))
     raise typer.Exit(code)
 
 

@@ -13,6 +13,14 @@ class FoldError(RuntimeError):
     """
 
 
+def one_line(text: str) -> str:
+    """Another library's message (torch's, a user's exception) in one line: its line breaks and
+    indentation are layout, not data, and become single spaces. paramfold's own messages are one
+    line by construction; the command line escapes any control character left (a path's newline
+    is shown as ``\\n``, not turned into a space that names another file)."""
+    return " ".join(text.split())
+
+
 def first_few(items: Sequence[str], limit: int) -> str:
     """``"a, b, c and 2 more"``: the first ``limit`` items of a message's list, then a count."""
     more = f" and {len(items) - limit} more" if len(items) > limit else ""

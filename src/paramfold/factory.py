@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from paramfold.checkpoint import CheckpointError
+from paramfold.errors import one_line
 
 __all__ = ["load_factory"]
 
@@ -49,7 +50,8 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
     except CheckpointError:
         raise
     except (Exception, SystemExit) as e:  # sys.exit() at import: not this command's exit code
-        raise CheckpointError(f"--model {spec}: cannot import {module_name}: {type(e).__name__}: {e}", exit_code=2) from None
+        raise CheckpointError(f"--model {spec}: cannot import {module_name}: {type(e).__name__}: {one_line(str(e))}",
+                              exit_code=2) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise CheckpointError(f"--model {spec}: {module_name} has no callable named {attr!r}", exit_code=2)

@@ -49,7 +49,7 @@ from paramfold.checkpoint import (
     write_checkpoint,
     write_state_dict,
 )
-from paramfold.errors import counted, first_few, with_article
+from paramfold.errors import counted, first_few, one_line, with_article
 from paramfold.factory import load_factory
 from paramfold.output import OutputError, check_output
 from paramfold.signals import from_signal
@@ -380,7 +380,8 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
         except (Exception, KeyboardInterrupt) as e:
             if isinstance(e, KeyboardInterrupt) and from_signal(e):
                 raise  # a Ctrl-C or another signal while it ran, not the factory's failure
-            raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}" + (f": {e}" if str(e) else "")) from None
+            raise CheckpointError(f"--model {name}: the factory raised {type(e).__name__}"
+                                  + (f": {one_line(str(e))}" if str(e).strip() else "")) from None
         except SystemExit as e:
             raise CheckpointError(f"--model {name}: the factory called sys.exit({e.code!r}) instead of returning a model") from None
     if not isinstance(model, torch.nn.Module):
@@ -391,7 +392,7 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        msg = " ".join(str(e).split())
+        msg = one_line(str(e))
         raise CheckpointError(
             f"the checkpoint does not fit the model from --model {name} (strict load): {msg[:400]}"
         ) from None

@@ -93,9 +93,14 @@ def check_output(
         )
     # After what the path is: a folder named "runs" or /dev/full is no unsupported format.
     if suffixes is not None and not out.name.lower().endswith(suffixes):
-        raise OutputError(f"{out}: unsupported output format '{out.suffix or out.name}': use {_alternatives(suffixes)}")
+        if not out.suffix:  # "noext", ".hidden": no format to name
+            raise OutputError(f"{out}: the name has no suffix to say the format: give a name ending in "
+                              f"{_alternatives(suffixes)}")
+        raise OutputError(f"{out}: unsupported output format '{out.suffix}': use {_alternatives(suffixes)}")
+    if suffixes is not None and out.name.lower() in suffixes:  # ".safetensors": a hidden file of no name
+        raise OutputError(f"{out}: the name is only a suffix: give a file name before it (model{out.name})")
     if not parent.is_dir():
-        raise OutputError(f"{out}: the output folder {parent} does not exist")
+        raise OutputError(f"{out}: {_no_folder(parent)}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{out}: cannot write in {parent}: permission denied")
     if out.exists() and not os.access(out, os.W_OK):  # as open() for writing would refuse it
@@ -118,6 +123,23 @@ def destination(out: Path) -> Path:
         return Path(os.path.realpath(out)) if out.is_symlink() else out
     except OSError:  # a name too long, say: check_output says why in one line
         return out
+
+
+def _no_folder(folder: Path) -> str:
+    """Why ``folder``, an output's folder, is none: it is missing, or it or a folder above it is a
+    file (or a FIFO, a device), which no folder can be made in."""
+    for above in (folder, *folder.parents):
+        try:
+            mode = os.stat(above).st_mode
+        except OSError:  # missing (or not reachable): the one above says
+            continue
+        if stat.S_ISDIR(mode):
+            break
+        what = "a file" if stat.S_ISREG(mode) else "a FIFO, a device or a socket"
+        if above == folder:
+            return f"the output folder {folder} is {what}, not a folder"
+        return f"the output folder {folder} cannot exist: {above} is {what}, not a folder"
+    return f"the output folder {folder} does not exist"
 
 
 def _alternatives(items: tuple[str, ...]) -> str:

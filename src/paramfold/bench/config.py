@@ -17,6 +17,7 @@ from torch import nn
 
 from paramfold.bench.variants import VARIANT_NAMES
 from paramfold.bench.zoo import MODELS, ZooModel
+from paramfold.errors import one_line
 
 __all__ = ["BACKENDS", "ENTRIES", "LIMITS", "PHASES", "BenchConfig", "Phase", "build_model", "make_input", "parse_layer_counts"]
 
@@ -131,7 +132,7 @@ class BenchConfig:
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"unknown device {self.device!r}: {exc}") from None
+            raise ValueError(f"unknown device {self.device!r}: {one_line(str(exc))}") from None
         if self.train and self.grad:
             raise ValueError("--grad is a forward without backward and --train a whole step: give one of them")
         if self.model not in MODELS:

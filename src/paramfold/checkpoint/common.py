@@ -34,14 +34,17 @@ def file_format(path: Path | str) -> str | None:
 
 
 class CheckpointError(FoldError):
-    """A checkpoint cannot be read or written as asked. The message is one line saying what to do.
+    """A checkpoint cannot be read or written as asked. The message is one line saying what to do,
+    with the paths and keys it names as they are (a control character in one is data: the command
+    line shows it escaped); another library's message quoted in it is made one line where it is
+    quoted (:func:`~paramfold.errors.one_line`, :func:`first_line`).
 
     ``exit_code`` is what the CLI exits with: 2 for a wrong invocation (missing path, unsupported
     format, missing output folder), 1 for a problem in the file's contents.
     """
 
     def __init__(self, message: str, *, exit_code: int = 1) -> None:
-        super().__init__(" ".join(message.split()))
+        super().__init__(message)
         self.exit_code = exit_code
 
 

@@ -32,7 +32,7 @@ from paramfold.checkpoint.common import (
     first_line,
     negative_part,
 )
-from paramfold.errors import with_article
+from paramfold.errors import one_line, with_article
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 
@@ -217,6 +217,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if p.name.lower().endswith(".index.json"):
         return _open_index(p)
     fmt = file_format(p)
+    if fmt is not None:
+        _check_content(p, fmt)
     if fmt == "safetensors":
         entries, metadata = _safetensors_entries(p)
         return Checkpoint(p, "safetensors", entries, metadata=metadata)
@@ -276,6 +278,11 @@ _HF_WEIGHTS_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytor
 
 
 def _open_folder(folder: Path) -> Checkpoint:
+    try:  # listed, and its files reachable ("folder/." needs the search permission the files do)
+        os.listdir(folder)
+        os.stat(os.path.join(folder, "."))
+    except OSError as e:  # else the first file looked for would be named, as if it were there
+        raise CheckpointError(f"{folder}: cannot list this folder: {e.strerror or e}") from None
     named = _config_weights(folder)
     if named is not None:
         return open_checkpoint(named)
@@ -338,7 +345,7 @@ def _open_index(index: Path) -> Checkpoint:
         if not isinstance(metadata, dict):
             raise TypeError(f"metadata must be an object, not {type(metadata).__name__}")
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested too deep
-        raise CheckpointError(f"{index}: not a valid checkpoint index ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{index}: not a valid checkpoint index ({type(e).__name__}: {one_line(str(e))})") from None
     shards: dict[str, dict[str, Entry]] = {}
     kinds: set[str] = set()
     for shard in dict.fromkeys(weight_map.values()):
@@ -360,6 +367,8 @@ def _open_index(index: Path) -> Checkpoint:
             )
         _check_readable(sp)
         fmt = file_format(named)
+        if fmt is not None:
+            _check_content(sp, fmt)
         if fmt == "safetensors":
             shards[shard], _ = _safetensors_entries(sp)
         elif fmt == "pt":
@@ -391,6 +400,33 @@ def _open_index(index: Path) -> Checkpoint:
     metadata = {k: str(v) for k, v in metadata.items()}
     files = [(index.parent / shard).resolve() for shard in dict.fromkeys(weight_map.values())]
     return Checkpoint(index, fmt, entries, metadata=metadata, files=files)
+
+
+#: How a torch.save file begins: a zip archive's first record, or (the legacy format) the pickled
+#: magic number torch writes first.
+_PT_STARTS = {b"PK\x03\x04": "a zip archive (as torch.save writes)",
+              b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19": "a legacy (non-zip) torch.save file"}
+
+
+def _check_content(p: Path, fmt: str) -> None:
+    """Refuse a file whose first bytes say the other format than its suffix (a ``.safetensors`` file
+    renamed ``.pt``, a ``torch.save`` file renamed ``.safetensors``), which the reader of its suffix
+    would call corrupt or an unsafe pickle. It is not read as what it holds: the suffix is what
+    ``torch.load``, transformers and safetensors' loaders go by, and they would fail on it."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(16)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return  # the reader says why
+    if fmt == "pt" and len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
+        raise CheckpointError(f"{p}: is a safetensors file, but its suffix '{p.suffix}' says a torch.save "
+                              f"checkpoint: rename it to end in {SAFETENSORS_SUFFIX}")
+    if fmt == "safetensors":
+        for start, what in _PT_STARTS.items():
+            if head.startswith(start):
+                raise CheckpointError(f"{p}: is {what}, but its suffix '{p.suffix}' says safetensors: "
+                                      f"rename it to end in {PT_SUFFIXES[0]}")
 
 
 def _safetensors_entries(p: Path) -> tuple[dict[str, Entry], dict[str, str]]:

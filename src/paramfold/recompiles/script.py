@@ -22,12 +22,14 @@ import contextlib
 import importlib.util
 import io
 import os
+import pkgutil
 import re
 import runpy
 import signal
 import sys
 import traceback
 import types
+from collections.abc import Callable
 
 from paramfold.errors import FoldError
 from paramfold.terminal import given_stdout, stdout_to_stderr
@@ -45,7 +47,8 @@ class ScriptError(FoldError):
     exit_code = 2
 
 
-def run_script(command: list[str], *, as_json: bool = False, strict: bool = False, shutdown: bool = False) -> int:
+def run_script(command: list[str], *, as_json: bool = False, strict: bool = False, shutdown: bool = False,
+               reporting: Callable[[], object] | None = None) -> int:
     """Run ``[python] SCRIPT [ARGS]`` or ``[python] -m MODULE [ARGS]``, print the report, return its exit code.
 
     The exit code is the script's (``sys.exit(n)``; 1 if it raised). ``strict``: if a function hit
@@ -65,6 +68,10 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     exits: its non-daemon threads are joined and its ``atexit`` functions run (see
     :func:`~paramfold.signals.python_exit_steps`), so that what they compile is counted and what they print goes where
     the script's prints go (stderr with ``as_json``). Left to the host process otherwise.
+
+    ``reporting``: called once the script has ended (or was interrupted) and its report is to be
+    made, so that the caller can tell an interrupt after it (the report covers what ran) from one
+    while the command was still starting (the script never ran, no report).
     """
     tokens = list(command)
     if tokens and tokens[0].startswith("-") and tokens[0] != "-m":  # a mistyped option of ours, before --
@@ -91,15 +98,14 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         argv0, rest = spec.origin or module, tokens[2:]
     else:
         module, argv0, rest = None, tokens[0], tokens[1:]
-        if os.path.isdir(argv0):  # a folder with a __main__.py, as python runs it
-            if not os.path.isfile(os.path.join(argv0, "__main__.py")):
-                raise ScriptError(f"can't find '__main__' module in {argv0!r}")
-        elif not os.path.exists(argv0):
+        if not os.path.exists(argv0):
             raise ScriptError(f"script not found: {argv0}")
-        elif not os.path.isfile(argv0):  # a FIFO or a device: read, it could block or never end
+        elif not (os.path.isfile(argv0) or os.path.isdir(argv0)):  # a FIFO or a device: read, it could block or never end
             raise ScriptError(f"script is not a regular file (a FIFO, a device or a socket): {argv0}")
         if not os.access(argv0, os.R_OK):
             raise ScriptError(f"script not readable (permission denied): {argv0}")
+        if _by_runpy(argv0) and not _has_main(argv0):  # a folder or zip (a .pt checkpoint) python cannot run
+            raise ScriptError(f"can't find '__main__' module in {argv0!r}")
 
     sys.argv = [argv0, *rest]
     if module is None and not os.path.isdir(argv0):  # runpy puts a folder on sys.path itself
@@ -109,6 +115,8 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         # The script meets a closed stdout as under python (its BrokenPipeError is its own).
         with given_stdout(), redirect, recompiles(warn=False, torch_warning=False) as report:
             code, interrupted = _run_as_python(module, argv0, shutdown=shutdown)
+            if reporting is not None:
+                reporting()
     finally:
         sys.argv, sys.path[:] = old_argv, old_path
     if as_json:
@@ -151,6 +159,8 @@ def _run_as_python(module: str | None, argv0: str, *, shutdown: bool) -> tuple[i
                 _print_script_traceback(e)
                 code = 130
         except Exception as e:
+            if _before_the_script(e):  # runpy could not find or load it: the command's failure, as python says it
+                raise ScriptError(str(e).strip() or type(e).__name__) from None
             _print_script_traceback(e)
             code = 1
         if shutdown:
@@ -175,13 +185,50 @@ def _print_script_traceback(exc: BaseException) -> None:
         traceback.print_exception(type(exc), exc, tb)
 
 
+def _before_the_script(exc: BaseException) -> bool:
+    """Whether ``exc`` is runpy's failure to find or load the script (no ``__main__`` in a package
+    run with ``-m``, a file it cannot read), raised before the script's first line: neither it nor
+    the exceptions it was raised from or while handling has a frame outside the runner (this module,
+    runpy, the import system). A syntax error is the script's own (python prints it, exit 1)."""
+    if isinstance(exc, SyntaxError):
+        return False
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename not in _RUNNER_FILES:
+                return False
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return True
+
+
+def _by_runpy(argv0: str) -> bool:
+    """Whether :func:`_run_path` hands ``argv0`` to runpy: a folder, a zip, a ``.pyc``, anything but ``.py``."""
+    return os.path.isdir(argv0) or not argv0.endswith(".py")
+
+
+def _has_main(argv0: str) -> bool:
+    """For a folder or a zip archive, whether it holds a ``__main__`` module python can run, found
+    as runpy finds it (a ``__main__.py`` or ``.pyc``, not a package); any other file is run as code."""
+    importer = pkgutil.get_importer(os.path.abspath(argv0))
+    if importer is None:  # not a path entry (a .pyc, a script without the .py suffix): run as code
+        return True
+    try:
+        spec = importer.find_spec("__main__")
+    except (ImportError, OSError):
+        return False
+    return spec is not None and spec.loader is not None and spec.submodule_search_locations is None
+
+
 def _run_path(argv0: str) -> None:
     """Run the script or folder ``argv0`` as ``python argv0`` does: its ``__file__`` absolute (the
     working directory joined in front, so that it finds its files after an ``os.chdir``). For a
     ``.py`` script ``sys.argv[0]`` stays as typed; runpy, which runs folders, zips and ``.pyc``
     files here, sets it to the absolute path it is given."""
     absolute = os.path.join(os.getcwd(), argv0)
-    if os.path.isdir(argv0) or not argv0.endswith(".py"):  # a folder, a zip, a .pyc: runpy's loaders
+    if _by_runpy(argv0):  # a folder, a zip, a .pyc: runpy's loaders
         runpy.run_path(absolute, run_name="__main__")
         return
     with io.open_code(absolute) as f:
@@ -198,4 +245,6 @@ def _run_path(argv0: str) -> None:
             sys.modules["__main__"] = saved
 
 
-_RUNNER_FILES = {_run_path.__code__.co_filename, runpy.run_path.__code__.co_filename}
+_RUNNER_FILES = {_run_path.__code__.co_filename, runpy.run_path.__code__.co_filename,
+                 pkgutil.get_importer.__code__.co_filename, "<frozen importlib._bootstrap>",
+                 "<frozen importlib._bootstrap_external>", "<frozen zipimport>"}
