@@ -4,8 +4,9 @@
 columns show prepare). For torch's own parametrizations prepare is small; a parametrization
 class paramfold does not know (the seed model's ``CastToBFloat16``) is probed at prepare, a few
 calls per site on copies (``paramfold.sites``). This prints prepare's CPU time on the seed model
-(eval), min and median over ``--repeats`` fresh models after one uncounted prepare, and the
-probe's reads of Python's and NumPy's generator states per site, a count that does not vary.
+(eval), min and median over ``--repeats`` fresh models after one uncounted prepare, the
+probe's reads of Python's and NumPy's generator states per probed site (two per probe, a count
+that does not vary) and what one read costs.
 
     python examples/prepare_cost.py                          # 32 layers: freeze hoist
     python examples/prepare_cost.py --layers 128 --repeats 5 freeze
@@ -17,6 +18,7 @@ import argparse
 import gc
 import statistics
 import time
+import timeit
 
 import paramfold
 import paramfold.sites as sites
@@ -41,8 +43,9 @@ def main() -> None:
         probed = sum(any(map(sites.probed, site.chain)) for site in paramfold.find(model))
     finally:
         sites.global_generator_states = real
+    one = timeit.timeit(real, number=200) / 200
     print(f"seed model, {args.layers} layers: {probed} sites probed, "
-          f"{len(reads) / max(probed, 1):.1f} generator-state reads per probed site")
+          f"{len(reads) / max(probed, 1):.1f} generator-state reads per probed site, {one * 1e6:.0f} us each")
 
     for mode in args.modes:
         times = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import copy
 import dataclasses
 import inspect
@@ -258,61 +257,6 @@ def _iter_registrations(model: nn.Module) -> Iterator[tuple[str, nn.Module, str]
 
 
 def _make_site(path: str, module: nn.Module, name: str) -> Site:
-    """The :class:`Site` of ``module.<name>``, its chain probed where needed (:func:`_probe_site`).
-
-    The probes put Python's and NumPy's global generators back as they found them, and a change
-    there counts as a draw (:func:`_run_probed`). Reading those states costs more than a small
-    chain's probe, so they are read around the site's probes as a whole: where nothing moved
-    them (nearly always), each probe's own reads would have found nothing either. Where something
-    did, the states are put back and the site is probed again, each probe watched on its own:
-    the verdicts are those of probes watched one by one, in every case."""
-    watch = _SiteWatch()
-    token = _WATCH.set(watch)
-    try:
-        site = _probe_site(path, module, name)
-    except Exception:
-        _WATCH.reset(token)
-        if not watch.moved():
-            raise
-    except BaseException:  # KeyboardInterrupt: no second try, the generators as they were
-        _WATCH.reset(token)
-        watch.moved()
-        raise
-    else:
-        _WATCH.reset(token)
-        if not watch.moved():
-            return site
-    return _probe_site(path, module, name)
-
-
-class _SiteWatch:
-    """The global generators' states before a site's first probe (:func:`_make_site`)."""
-
-    __slots__ = ("before",)
-
-    def __init__(self) -> None:
-        self.before: tuple | None = None  # read by the first probe: a site of known kinds runs none
-
-    def moved(self) -> bool:
-        return self.before is not None and _put_back(self.before)
-
-
-#: The watch of the site being probed, which :func:`_run_probed` leaves the generators' states to
-#: (per thread: a context variable); None: each probe watches its own.
-_WATCH: contextvars.ContextVar[_SiteWatch | None] = contextvars.ContextVar("paramfold_site_watch", default=None)
-
-
-def _put_back(before: tuple) -> bool:
-    """Whether Python's or NumPy's global generator moved since ``before`` was read
-    (:func:`~paramfold.held.global_generator_states`); if so, they are set back to it."""
-    after = global_generator_states()
-    if after[0] == before[0] and (before[1] is None or after[1] == before[1]):
-        return False
-    set_global_generator_states(before)
-    return True
-
-
-def _probe_site(path: str, module: nn.Module, name: str) -> Site:
     plist = module.parametrizations[name]
     chain = members(plist)
     stored = {**plist._parameters, **plist._buffers}
@@ -729,19 +673,15 @@ def _run_probed(probe: _Probe, fn: Callable[..., T], *args: object) -> T:
     Python's global ``random`` and NumPy's global ``np.random`` cannot be kept from drawing as
     torch's generators are (no dispatch mode sees them): their states are put back afterwards,
     and a change counts as the chain drawing random numbers."""
-    watch = _WATCH.get()
-    if watch is not None:  # the site's probes are watched as a whole (_make_site)
-        if watch.before is None:
-            watch.before = global_generator_states()
-        with torch.compiler.set_stance("force_eager"), probe:
-            return fn(*args)
     before = global_generator_states()
     try:
         with torch.compiler.set_stance("force_eager"), probe:
             return fn(*args)
     finally:
-        if _put_back(before):
+        after = global_generator_states()
+        if after[0] != before[0] or (before[1] is not None and after[1] != before[1]):
             probe.random = True
+            set_global_generator_states(before)
 
 
 class _Collective(Exception):
