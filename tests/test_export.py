@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import build, seed_model
 from torch import nn
 from torch.nn.utils import parametrize
@@ -397,7 +398,7 @@ class _Counter(nn.Module):
     (_EmaInEval, "it changes its buffers, in eval mode too"),
     (_WeightNoise, "it draws random numbers"),
     (_GradBranch, "it computes another value with grad enabled than under no_grad"),
-    (_Counter, "it changes its own attributes or originals"),
+    (_Counter, "it changes its own attributes, buffers or originals"),
 ], ids=["ema_in_eval", "noise", "grad_branch", "counter"])
 def test_a_chain_computed_at_every_call_is_refused_and_nothing_moves(member, why, mode):
     # Regression: export folded these to the value computed at export time, where stock's program
@@ -417,6 +418,43 @@ def test_a_chain_computed_at_every_call_is_refused_and_nothing_moves(member, why
     pt.assert_same_structure(before, pt.structure(model))
     ep = paramfold.export(model, (torch.randn(2, 32),), filter_fn=lambda m, fqn: fqn != "layers.1")
     assert "layers.1.parametrizations.weight.original" in ep.state_dict
+
+
+class _DropConnect(nn.Module):
+    def forward(self, w):
+        return F.dropout(w, 0.5, self.training)
+
+
+class _TrainingCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def forward(self, w):
+        if self.training:
+            self.steps += 1
+        return w
+
+
+class _TrainingOnlyGradBranch(nn.Module):
+    def forward(self, w):
+        return w.round() + (w - w.detach()) if self.training and torch.is_grad_enabled() else w
+
+
+@pytest.mark.parametrize("member", [_DropConnect, _TrainingCounter, _TrainingOnlyGradBranch],
+                         ids=["dropconnect", "counter", "grad_branch"])
+def test_a_chain_that_draws_writes_or_branches_in_training_only_exports_in_eval_as_stock(member):
+    # Regression (2026-12-07, the same day's refusal above): find()'s verdicts hold for training
+    # or eval mode, and export refused these in eval, where stock's program is a constant of the
+    # weights: their chains are probed again in their modules' current modes.
+    model = build("plain").eval()
+    parametrize.register_parametrization(model.layers[1], "weight", member())
+    assert any((s.random, s.writes_itself, s.grad_dependent) != (False,) * 3 for s in paramfold.find(model))
+    x = torch.randn(2, 32)
+    ep = paramfold.export(model, (x,))
+    want = torch.export.export(model, (x,))
+    assert torch.equal(ep.module()(x), want.module()(x))
+    assert "layers.1.weight" in ep.state_dict
 
 
 class _Marked(torch.Tensor):

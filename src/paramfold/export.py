@@ -28,7 +28,7 @@ from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
 from paramfold.hooknorms import hook_norms
 from paramfold.state import STATE_ATTR, installed_keys, is_dtensor, state_of
-from paramfold.sites import Site, find, parametrization_paths
+from paramfold.sites import Site, computed_per_call, find, parametrization_paths
 
 __all__ = ["export", "folded_copy"]
 
@@ -61,9 +61,9 @@ def export(
 
     Refused with :class:`paramfold.FoldError`, model unchanged, when a fold would not be exact:
     a stateful chain in training mode (spectral_norm's power iteration moves on every call:
-    call ``model.eval()``), a chain that changes its state in eval mode too, draws random
-    numbers, writes its own attributes or computes another value with grad enabled (what
-    :func:`paramfold.find` reports; stock's program repeats it at every call), originals that are DTensors (communication parametrizations), or a
+    call ``model.eval()``), a chain that changes its state in eval mode too, or that, in its
+    modules' modes now, draws random numbers, writes its own attributes or computes another value
+    with grad enabled (stock's program repeats it at every call), originals that are DTensors (communication parametrizations), or a
     value that is a tensor subclass. Modules carrying torchao's ``unwrap_tensor_subclass``
     parametrization are left as they are: it is what makes quantized weights exportable, and the
     program it gives is exact.
@@ -165,7 +165,7 @@ def _refuse_unfoldable(sites: list[Site]) -> None:
             "mode changes its value on every call (spectral_norm's power iteration). Call "
             "model.eval() first, or exclude these modules with filter_fn to export them stock."
         )
-    per_call = [f"{s.fqn} ({s.kind}: {why})" for s in sites for why in (_computed_per_call(s),) if why]
+    per_call = [f"{s.fqn} ({s.kind}: {why})" for s in sites for why in (computed_per_call(s),) if why]
     if per_call:
         raise FoldError(
             f"cannot export {first_few(per_call, 3)} folded: stock's program repeats that at every "
@@ -183,20 +183,6 @@ def _refuse_unfoldable(sites: list[Site]) -> None:
             "parametrization communicates (a sharded model). Export the model before sharding it, "
             "or exclude these modules with filter_fn."
         )
-
-
-def _computed_per_call(site: Site) -> str | None:
-    """Why ``site``'s value is no constant of the program stock's export traces, or None: what
-    its probe found (:func:`paramfold.find`) that has ``prepare`` compute it at every read."""
-    if site.random:
-        return "it draws random numbers"
-    if site.stateful_in_eval:
-        return "it changes its buffers, in eval mode too"
-    if site.writes_itself:
-        return "it changes its own attributes or originals"
-    if site.grad_dependent:
-        return "it computes another value with grad enabled than under no_grad"
-    return None
 
 
 def _checked_value(site: Site) -> torch.Tensor:

@@ -351,6 +351,61 @@ def draws_random_numbers(module: nn.Module, name: str, stateful: bool = False, s
     return any(draws_random_numbers(plist, n) for n in original_names(plist) if parametrize.is_parametrized(plist, n))
 
 
+def computed_per_call(site: Site) -> str | None:
+    """Why computing ``site``'s tensor now, each module of its chain in its current training
+    mode, is no constant of the weights, or None: it changes its buffers in eval mode too, or,
+    probed again as :func:`find` probes (on copies, under ``no_grad`` and with grad enabled) but
+    in those modes only, it draws random numbers, writes its own state or originals, or computes
+    another value with grad enabled. :func:`find`'s ``random``, ``writes_itself`` and
+    ``grad_dependent`` hold for training or eval mode: a DropConnect draws in training only.
+    What ``paramfold.export`` folds only where nothing says so; hook-based norms are not asked."""
+    if site.hook_based:
+        return None
+    if site.stateful_in_eval:
+        return "it changes its buffers, in eval mode too"
+    nested = next((why for inner in site.nested for why in (computed_per_call(inner),) if why), None)
+    if nested or not (site.random or site.writes_itself or site.grad_dependent):
+        return nested
+    plist = site.module.parametrizations[site.tensor_name]
+    inputs = _run_probed(_Probe(stop_at_collectives=False), _computed_originals, plist) if is_nested(plist) else {
+        n: getattr(plist, n) for n in original_names(plist)}
+    runs = [_run_now(plist, inputs, grad) for grad in (False, True)]
+    why = next((run for run in runs if isinstance(run, str)), None)
+    if why is not None:
+        return why
+    (then_outputs, then_ops), (outputs, ops) = runs
+    if ops != then_ops or (not all(map(_same_bits, outputs, then_outputs)) and all(
+            all(map(_same_bits, _run_now(plist, inputs, False)[0], then_outputs)) for _ in range(_REPEATS))):
+        # (Values alone differing: only where the no_grad run's bits repeat, as _differ asks.)
+        return "it computes another value with grad enabled than under no_grad"
+    return None
+
+
+def _run_now(plist: nn.Module, inputs: dict[str, torch.Tensor], grad: bool) -> tuple[list, list] | str:
+    """``plist``'s members (and the list itself where it has forward hooks) run on copies, each
+    in its current training mode, under ``grad``: their ``(outputs, ops)``, or why the
+    computation is no constant (:func:`computed_per_call`)."""
+    computed = frozenset(n for n in inputs if parametrize.is_parametrized(plist, n))
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        value: object = tuple(_clone(t, plain=True) for t in inputs.values())
+        fed = [(t, version_of(t)) for n, t in zip(inputs, value) if n not in computed]
+        outputs, ops = [], []
+        for module in (*members(plist), *((plist,) if _forward_hooked(plist) else ())):
+            listed = module is plist
+            args = () if listed else value if isinstance(value, tuple) else (value,)
+            _, out, probe = _probe_call(module, args, module.training, plain=True)
+            if probe.random:
+                return "it draws random numbers"
+            if probe.writes_itself or probe.mutated and not listed or listed and not probe.changed.isdisjoint(inputs):
+                return "it changes its own attributes, buffers or originals"
+            outputs.append(out)
+            ops.append(probe.ops)
+            value = value if listed else out
+        if any(version_of(t) != v for t, v in fed):
+            return "it changes its own attributes, buffers or originals"
+    return outputs, ops
+
+
 class CannotProbeNow(FoldError):
     """A chain cannot be probed now: inside a ``torch.func`` transform, tensors swapped into it
     (``vmap(functional_call(model, stacked))``) are the transform's wrappers, which cannot be
