@@ -697,6 +697,37 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
         assert torch.equal(plain(x), model(x))
 
 
+@pytest.mark.parametrize("seed", [3180548566, 2271702458, 0])
+def test_a_spectral_norm_weight_negated_since_its_last_power_step_is_refused_not_folded_by_another_dim(tmp_path, seed):
+    # Regression (helper-220): the stored v's cosine with its own dim's product was -0.99, which
+    # counted as unrelated (a cosine at or below 0), while a permuted dim's product agreed with v
+    # by +0.28 through the weight's structure alone (a nearly rank-one weight): "sure" in 576
+    # dimensions, that dim was folded, a weight up to 1.39 off stock's, exit 0. The sign no
+    # longer counts: the fold is refused, or exact.
+    torch.manual_seed(seed)
+    layer = nn.ConvTranspose2d(64, 3, 3)
+    with torch.no_grad():
+        w = layer.weight
+        w.copy_(torch.randn(w.shape[0]).reshape(-1, 1, 1, 1) * torch.randn(w.shape[1:]) + 0.01 * torch.randn_like(w))
+    model = nn.utils.parametrizations.spectral_norm(layer, n_power_iterations=3)
+    model.train()
+    _ = model.weight  # the last power step
+    with torch.no_grad():
+        original = model.parametrizations.weight.original
+        original.neg_()
+        original.add_(0.3 * torch.randn_like(original) * original.abs().mean())  # a large step past it
+    torch.save(model.state_dict(), tmp_path / "flipped.pt")
+    model.eval()
+    out = tmp_path / "flipped.safetensors"
+    try:
+        fold_checkpoint(tmp_path / "flipped.pt", out)
+    except CheckpointError as e:
+        assert "do not tell which" in str(e) and not out.exists()
+        return
+    with torch.no_grad():
+        assert torch.equal(load_file(out)["weight"], model.weight)
+
+
 def test_square_spectral_norm_in_bfloat16_refused_for_its_precision_says_so(tmp_path):
     # Regression: fresh bfloat16 vectors of 4 elements, the last power step's for this weight, were
     # refused (rightly: bfloat16 rounding leaves too weak evidence) saying they were not, "it changed

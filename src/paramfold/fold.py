@@ -324,19 +324,21 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
     n = last.numel()
 
     def off(d: int) -> float:
-        """``1 - a^2`` for the cosine ``a`` of ``last`` with the product for dim ``d`` (1 where ``a <= 0``)."""
+        """``1 - a^2`` for the cosine ``a`` of ``last`` with the product for dim ``d`` (1 where
+        ``a`` is not a number). Its sign does not count: a weight negated since the last power
+        step (a large optimizer step) still has its own dim's product along the stored vector."""
         mat = _spectral_weight_mat(w.double(), d)
         x = torch.mv(mat if legacy else mat.H, given.double())
         norms = float(x.norm() * last.double().norm())
         a = float(torch.dot(x, last.double())) / norms if norms > 0 else 0.0
-        return 1.0 if not a > 0 else max(0.0, 1.0 - a * a)
+        return 1.0 if a != a else max(0.0, 1.0 - a * a)
 
     offs = {d: off(d) for d in candidates}
     chances = {d: o ** ((n - 1) / 2) for d, o in offs.items()}
     sure = [d for d, c in chances.items() if c <= _SURE]
-    if len(sure) == 1 and all(c >= _UNRELATED for d, c in chances.items() if d != sure[0]):
-        return sure[0]
     closest = min(offs, key=offs.__getitem__)
+    if sure == [closest] and all(c >= _UNRELATED for d, c in chances.items() if d != closest):
+        return closest
     coarsest = max((w, u, v), key=lambda t: torch.finfo(t.dtype).eps).dtype
     rounding = n * (_ROUNDING * torch.finfo(coarsest).eps / 2) ** 2
     floor = max(offs[closest], rounding)
