@@ -420,6 +420,31 @@ def test_a_chain_computed_at_every_call_is_refused_and_nothing_moves(member, why
     assert "layers.1.parametrizations.weight.original" in ep.state_dict
 
 
+class _EmaThroughData(nn.Module):
+    """An eval-mode EMA written through ``.data``: no version counter moves, so find() does not see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(32, 32))
+
+    def forward(self, w):
+        self.ema.data.mul_(0.5).add_(w.detach())
+        return w + self.ema
+
+
+def test_a_chain_writing_its_buffer_through_data_is_stopped_before_the_write_and_refused():
+    # Regression (helper-220): export computed the value on the model itself and the EMA moved.
+    model = build("plain").eval()
+    parametrize.register_parametrization(model.layers[1], "weight", _EmaThroughData(), unsafe=True)
+    before = pt.structure(model)
+    ema = model.layers[1].parametrizations.weight[0].ema.clone()
+    with pytest.raises(paramfold.FoldError, match=r"cannot export layers\.1\.weight \(custom\) folded: computing it "
+                                                  r"would write one of its tensors.*model is unchanged.*filter_fn"):
+        paramfold.export(model, (torch.randn(2, 32),))
+    assert torch.equal(model.layers[1].parametrizations.weight[0].ema, ema)
+    pt.assert_same_structure(before, pt.structure(model))
+
+
 class _DropConnect(nn.Module):
     def forward(self, w):
         return F.dropout(w, 0.5, self.training)

@@ -26,6 +26,7 @@ from torch.nn.utils import parametrize
 
 from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
+from paramfold.freeze import Stopped, unchanging
 from paramfold.hooknorms import hook_norms
 from paramfold.state import STATE_ATTR, installed_keys, is_dtensor, state_of
 from paramfold.sites import Site, computed_per_call, find, parametrization_paths
@@ -186,7 +187,19 @@ def _refuse_unfoldable(sites: list[Site]) -> None:
 
 
 def _checked_value(site: Site) -> torch.Tensor:
-    value = compute(site.module, site.tensor_name)
+    # Computed on the model itself, stopped before any write to the chain's tensors or any draw
+    # that its probe did not see (a buffer updated through .data bumps no version counter).
+    tensors = [*site.originals.values(), *(t for m in site.chain for t in (*m.parameters(), *m.buffers()))]
+    try:
+        with unchanging(tensors):
+            value = compute(site.module, site.tensor_name)
+    except Stopped as stop:
+        raise FoldError(
+            f"cannot export {site.fqn} ({site.kind}) folded: computing it would write one of its "
+            f"tensors or draw random numbers ({stop}), which stock's program repeats at every call; "
+            "it was stopped before, the model is unchanged. Exclude this module with filter_fn to "
+            "export it stock."
+        ) from None
     if not isinstance(value, torch.Tensor) or type(value) not in (torch.Tensor, nn.Parameter):
         raise FoldError(
             f"cannot export {site.fqn} ({site.kind}) folded: its value is a "

@@ -173,9 +173,10 @@ class _Unchanging(TorchDispatchMode):
     changes. A chain found not to do either (a freeze or auto site) that does it now was switched
     on since, which stock then does at every read. Per thread, like every dispatch mode."""
 
-    def __init__(self, storages: frozenset[int]) -> None:
+    def __init__(self, storages: frozenset[int], stopped: type[Exception] | None = None) -> None:
         super().__init__()
         self.storages = storages
+        self.stopped = stopped or _Stopped
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -187,10 +188,10 @@ class _Unchanging(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags:
-            raise _Stopped(func.name())
+            raise self.stopped(func.name())
         kwargs = kwargs or {}
         if func._schema.is_mutable and self.storages and self._writes_held(func, args, kwargs):
-            raise _Stopped(func.name())
+            raise self.stopped(func.name())
         return func(*args, **kwargs)
 
     def _writes_held(self, func, args: tuple, kwargs: dict) -> bool:
@@ -202,6 +203,18 @@ class _Unchanging(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and _storage_of(t) in self.storages:
                     return True
         return False
+
+
+class Stopped(Exception):
+    """A computation under :func:`unchanging` was about to draw, or write one of its tensors."""
+
+
+def unchanging(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """A context in which a computation raises :class:`Stopped` before its first op that would
+    draw random numbers or write to one of ``tensors``' storages (through ``.data`` too, which no
+    version counter shows): what a value is frozen under (:class:`_Unchanging`), for others
+    (``paramfold.export``'s folded values)."""
+    return _Unchanging(frozenset(k for k in map(_storage_of, tensors) if k is not None), Stopped)
 
 
 def _storage_of(t: torch.Tensor) -> int | None:
