@@ -2050,6 +2050,115 @@ def test_overlapping_no_grad_calls_share_values_only_under_the_same_autocast_sta
     assert torch.equal(results["first"], expected)
 
 
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.5
+
+    def forward(self, w):
+        return w * self.scale
+
+
+def _pause(events: dict | None, at: str) -> None:
+    """Hold threads ``A`` and ``B`` where ``events`` says: signal arrival, wait to go on."""
+    name = threading.current_thread().name
+    if events is not None and (at, name) in events:
+        arrived, go = events[(at, name)]
+        arrived.set()
+        assert go.wait(30)
+
+
+class _Gate(nn.Module):
+    def __init__(self, events: dict | None):
+        super().__init__()
+        self._events = events
+
+    def forward(self, x):
+        _pause(self._events, "gate")
+        return x
+
+
+class _PausedLinear(nn.Linear):
+    """Holds a thread inside its own call: after the call's check of what changed."""
+
+    events: dict | None = None
+
+    def forward(self, x):
+        _pause(self.events, "layer")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("kind, switch", [("weight_norm", "train"), ("hook_weight_norm", "train"), ("custom", "setting")])
+@pytest.mark.parametrize("mode", ["hoist", "freeze", "auto"])
+def test_a_call_begun_after_a_write_reads_the_new_weights_though_an_older_call_puts_its_values_back(mode, kind, switch):
+    # Regression (helper-219): thread A's no_grad call, its values installed, met a changed setting
+    # (model.train(), a member's attribute) at a layer's call and computed that layer's value again,
+    # to be put back after; a writer updated the weights; thread B's call, begun after the write,
+    # renewed the shared values from the new weights; A's call ended and put its old value back, and
+    # B read it: stock's output for the old weights. The put-back now leaves another thread's value.
+    events = {key: (threading.Event(), threading.Event()) for key in (("gate", "A"), ("layer", "A"), ("gate", "B"))}
+
+    def make(events):
+        torch.manual_seed(0)
+        layer = _PausedLinear(4, 3)
+        layer.events = events
+        if kind == "weight_norm":
+            layer = weight_norm(layer)
+        elif kind == "hook_weight_norm":
+            layer = nn.utils.weight_norm(layer)
+        else:
+            P.register_parametrization(layer, "weight", _Scaled())
+        return nn.Sequential(_Gate(events), nn.Sequential(layer)).eval().requires_grad_(False)
+
+    stock, model = make(None), make(events)
+    paramfold.prepare(model, mode)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), stock(x))  # the steady state
+    out = {}
+
+    def call_as(name):
+        def run():
+            with torch.no_grad():
+                out[name] = model(x)
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def reach(key):
+        assert events[key][0].wait(30), key
+
+    def release(key):
+        events[key][1].set()
+
+    a = call_as("A")
+    reach(("gate", "A"))
+    for m in (model, stock):
+        if switch == "train":
+            m.train()
+        else:
+            m[1][0].parametrizations.weight[0].scale = 2.0
+    release(("gate", "A"))
+    reach(("layer", "A"))  # A is inside the layer's call, its value computed again
+    with paramfold.calls_lock(), torch.no_grad():  # a writer's update
+        for m in (model, stock):
+            for name, p in m.named_parameters():
+                if "bias" not in name:
+                    p.mul_(3.0).add_(0.5)
+    b = call_as("B")
+    reach(("gate", "B"))  # B's call is open, sharing A's values renewed from the new weights
+    release(("layer", "A"))
+    a.join(30)
+    release(("gate", "B"))
+    b.join(30)
+    assert not a.is_alive() and not b.is_alive()
+    with torch.no_grad():
+        want = stock(x)
+        assert torch.equal(out["B"], want)
+        assert torch.equal(model(x), want)
+
+
 @pytest.mark.parametrize("mode", ["hoist", "auto"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 def test_a_layer_called_directly_beside_another_threads_call_claims_its_values(mode, grad):

@@ -478,7 +478,7 @@ def call_changed(
                     continue
                 if in_region and swapped and site.hook is None:
                     put_back.append((holder, name, holder.__dict__.pop(name), site, site.read_from,
-                                     site.read_chain, None, []))
+                                     site.read_chain, None, [], None))
                     continue
                 if appended is not None:
                     value = holder.__dict__[name]
@@ -504,7 +504,7 @@ def call_changed(
                 elif swapped:
                     # read once: put back only where no read took it (a later read computes afresh)
                     put_back.append((holder, name, holder.__dict__[name], site, site.read_from,
-                                     site.read_chain, value if read_once else None, settings))
+                                     site.read_chain, value if read_once else None, settings, value))
                 if not swapped and hs.drop_kept(name):
                     # A kept frozen value replaced for the rest of the call (its inputs changed in
                     # place): this one leaves when the call ends, as any value installed for it.
@@ -525,10 +525,16 @@ def call_changed(
             with lock:
                 for holder, name, value in block_back:
                     holder.__dict__[name] = value
-                for holder, name, value, site, read_from, read_chain, not_read, settings in reversed(put_back):
+                for holder, name, value, site, read_from, read_chain, not_read, settings, installed in reversed(put_back):
                     if in_block(holder, name, site):
                         continue  # made the block's value by a call nested in this one (_commit)
                     values = holder.__dict__
+                    if (holder.__dict__[STATE_ATTR].users > 1 and installed is not None
+                            and values.get(name, installed) is not installed):
+                        # Another thread's call, sharing the values, renewed this one since ours
+                        # computed it (a write between: scope._renew_shared): what every read
+                        # computes from now on, where the one ours would put back is from before.
+                        continue
                     if not_read is None or values.get(name) is not_read:
                         values[name] = value
                     site.read_from = read_from
