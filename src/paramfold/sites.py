@@ -396,7 +396,7 @@ def _run_now(plist: nn.Module, inputs: dict[str, torch.Tensor], grad: bool) -> t
             _, out, probe = _probe_call(module, args, module.training, plain=True)
             if probe.random:
                 return "it draws random numbers"
-            if probe.writes_itself or probe.mutated and not listed or listed and not probe.changed.isdisjoint(inputs):
+            if probe.writes_itself or probe.mutated:  # (the list's: its originals and members' buffers too)
                 return "it changes its own attributes, buffers or originals"
             outputs.append(out)
             ops.append(probe.ops)
