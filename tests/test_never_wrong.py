@@ -2050,7 +2050,7 @@ def test_overlapping_no_grad_calls_share_values_only_under_the_same_autocast_sta
     assert torch.equal(results["first"], expected)
 
 
-class _Scaled(nn.Module):
+class _ScaledBy(nn.Module):
     def __init__(self):
         super().__init__()
         self.scale = 1.5
@@ -2107,7 +2107,7 @@ def test_a_call_begun_after_a_write_reads_the_new_weights_though_an_older_call_p
         elif kind == "hook_weight_norm":
             layer = nn.utils.weight_norm(layer)
         else:
-            P.register_parametrization(layer, "weight", _Scaled())
+            P.register_parametrization(layer, "weight", _ScaledBy())
         return nn.Sequential(_Gate(events), nn.Sequential(layer)).eval().requires_grad_(False)
 
     stock, model = make(None), make(events)
