@@ -104,7 +104,7 @@ def frozen_value(module: nn.Module, name: str, site: SiteState, under: tuple) ->
             try:
                 with _Unchanging(_storages(prints)):
                     value = compute(module, name) if site.hook is None else hooknorms.compute(module, site.hook, site.hook_kind)
-            except _Stopped:
+            except Stopped:
                 _unmark(prints.fresh)
                 # Something its watch does not see (paramfold.randomness) switched it on: a
                 # condition on its originals, a write that bumped no version counter.
@@ -161,8 +161,9 @@ def _outside_transforms(site: SiteState) -> contextlib.AbstractContextManager:
     return torch._C._DisableFuncTorch()
 
 
-class _Stopped(Exception):
-    pass
+class Stopped(Exception):
+    """A computation under :class:`_Unchanging` (:func:`unchanging`) was about to draw, or write
+    one of its tensors."""
 
 
 class _Unchanging(TorchDispatchMode):
@@ -173,10 +174,9 @@ class _Unchanging(TorchDispatchMode):
     changes. A chain found not to do either (a freeze or auto site) that does it now was switched
     on since, which stock then does at every read. Per thread, like every dispatch mode."""
 
-    def __init__(self, storages: frozenset[int], stopped: type[Exception] | None = None) -> None:
+    def __init__(self, storages: frozenset[int]) -> None:
         super().__init__()
         self.storages = storages
-        self.stopped = stopped or _Stopped
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -188,10 +188,10 @@ class _Unchanging(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags:
-            raise self.stopped(func.name())
+            raise Stopped(func.name())
         kwargs = kwargs or {}
         if func._schema.is_mutable and self.storages and self._writes_held(func, args, kwargs):
-            raise self.stopped(func.name())
+            raise Stopped(func.name())
         return func(*args, **kwargs)
 
     def _writes_held(self, func, args: tuple, kwargs: dict) -> bool:
@@ -205,16 +205,12 @@ class _Unchanging(TorchDispatchMode):
         return False
 
 
-class Stopped(Exception):
-    """A computation under :func:`unchanging` was about to draw, or write one of its tensors."""
-
-
 def unchanging(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager:
     """A context in which a computation raises :class:`Stopped` before its first op that would
     draw random numbers or write to one of ``tensors``' storages (through ``.data`` too, which no
     version counter shows): what a value is frozen under (:class:`_Unchanging`), for others
     (``paramfold.export``'s folded values)."""
-    return _Unchanging(frozenset(k for k in map(_storage_of, tensors) if k is not None), Stopped)
+    return _Unchanging(frozenset(k for k in map(_storage_of, tensors) if k is not None))
 
 
 def _storage_of(t: torch.Tensor) -> int | None:

@@ -529,7 +529,7 @@ def call_changed(
                     if in_block(holder, name, site):
                         continue  # made the block's value by a call nested in this one (_commit)
                     values = holder.__dict__
-                    if (holder.__dict__[STATE_ATTR].users > 1 and installed is not None
+                    if (values[STATE_ATTR].users > 1 and installed is not None
                             and values.get(name, installed) is not installed):
                         # Another thread's call, sharing the values, renewed this one since ours
                         # computed it (a write between: scope._renew_shared): what every read
