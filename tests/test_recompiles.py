@@ -629,6 +629,30 @@ def test_cli_runs_a_folder_with_a_main_module_as_python_does(tmp_path):
     assert (code, out, err) == (2, "", f"paramfold recompiles: error: can't find '__main__' module in {str(empty)!r}\n")
 
 
+def test_cli_reports_a_failing_package_init_of_a_dash_m_module_as_python_does(tmp_path, monkeypatch):
+    # Regression: `recompiles -- python -m pk.m` where pk/__init__.py raised (a missing
+    # dependency) said "no module named 'pk.m'", exit 2: the package's own code ran and failed,
+    # which python reports with that code's traceback, exit 1.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pk").mkdir()
+    (tmp_path / "pk" / "m.py").write_text("print('never')\n")
+    for init, last in (("import missing_dep_xyz\n", "ModuleNotFoundError: No module named 'missing_dep_xyz'"),
+                       ("raise ImportError('boom')\n", "ImportError: boom"),
+                       ("x = 1 / 0\n", "ZeroDivisionError: division by zero")):
+        (tmp_path / "pk" / "__init__.py").write_text(init)
+        for name in ("pk.m", "pk.not_there"):  # python imports the package first either way
+            code, out, err = _cli(["recompiles", "--", "python", "-m", name])
+            python = subprocess.run([sys.executable, "-m", name], capture_output=True, text=True)
+            assert (python.returncode, python.stderr.splitlines()[-1]) == (1, last)
+            assert code == 1 and "never" not in out, err
+            assert err.splitlines()[-1] == last and 'pk/__init__.py", line 1, in <module>' in err, err
+            assert "0 graphs" in out  # the report of what ran, as after a script that raises
+    (tmp_path / "pk" / "__init__.py").write_text("")
+    code, out, err = _cli(["recompiles", "--", "python", "-m", "pk.not_there"])
+    assert (code, out, err) == (2, "", "paramfold recompiles: error: no module named 'pk.not_there'\n")
+    monkeypatch.delitem(sys.modules, "pk", raising=False)  # imported by this process's runs
+
+
 def test_cli_refuses_what_python_cannot_run_in_one_line_not_a_runpy_traceback(tmp_path, monkeypatch):
     # Regression: `recompiles -- python model.pt` (a torch checkpoint: a zip without __main__.py)
     # printed runpy's chained 8-line traceback and an empty report, exit 1, where python says one

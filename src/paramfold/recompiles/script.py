@@ -88,16 +88,19 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     if tokens[0] == "-m":
         module: str | None = tokens[1]
         sys.path.insert(0, os.getcwd())  # as ``python -m`` does
+        failed: BaseException | None = None
         try:
             spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
+        except Exception as e:
+            # Not found by the import system alone, or raised by a parent package's own code
+            # (its __init__ ran): then, as python, that code's traceback and exit 1.
+            spec, failed = None, None if _before_the_script(e) else e
+        if spec is None and failed is None:
             sys.path[:] = old_path
             raise ScriptError(f"no module named {module!r}")
-        argv0, rest = spec.origin or module, tokens[2:]
+        argv0, rest = spec.origin or module if spec is not None else module, tokens[2:]
     else:
-        module, argv0, rest = None, tokens[0], tokens[1:]
+        module, argv0, rest, failed = None, tokens[0], tokens[1:], None
         if not os.path.exists(argv0):
             raise ScriptError(f"script not found: {argv0}")
         elif not (os.path.isfile(argv0) or os.path.isdir(argv0)):  # a FIFO or a device: read, it could block or never end
@@ -114,7 +117,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     try:
         # The script meets a closed stdout as under python (its BrokenPipeError is its own).
         with given_stdout(), redirect, recompiles(warn=False, torch_warning=False) as report:
-            code, interrupted = _run_as_python(module, argv0, shutdown=shutdown)
+            code, interrupted = _run_as_python(module, argv0, shutdown=shutdown, failed=failed)
             if reporting is not None:
                 reporting()
     finally:
@@ -136,12 +139,16 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
     return code
 
 
-def _run_as_python(module: str | None, argv0: str, *, shutdown: bool) -> tuple[int, BaseException | None]:
+def _run_as_python(module: str | None, argv0: str, *, shutdown: bool,
+                   failed: BaseException | None = None) -> tuple[int, BaseException | None]:
     """Run the script as ``python`` would, its signals handled as there: (exit code, the
-    interrupt to raise again after the report, or None)."""
+    interrupt to raise again after the report, or None). ``failed``: what the package of a ``-m``
+    module raised as it was imported to find it, which python reports as the script's own."""
     code, interrupted = 0, None
     with signals_as_python() as came_from_sigint:
         try:
+            if failed is not None:
+                raise failed
             if module is None:
                 _run_path(argv0)
             else:
@@ -246,5 +253,6 @@ def _run_path(argv0: str) -> None:
 
 
 _RUNNER_FILES = {_run_path.__code__.co_filename, runpy.run_path.__code__.co_filename,
-                 pkgutil.get_importer.__code__.co_filename, "<frozen importlib._bootstrap>",
+                 pkgutil.get_importer.__code__.co_filename, importlib.util.find_spec.__code__.co_filename,
+                 "<frozen importlib._bootstrap>",
                  "<frozen importlib._bootstrap_external>", "<frozen zipimport>"}
