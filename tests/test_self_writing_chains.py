@@ -391,4 +391,22 @@ def test_a_member_the_probe_cannot_copy_is_refused_for_what_it_is(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5))
     parametrize.register_parametrization(model[0], "weight", HoldsAMappingProxy())
-    _refused_and_left_as_it_was(model, mode, "copy.deepcopy of a member failed")
+    _refused_and_left_as_it_was(
+        model, mode, r"it finds out on a copy, and copy\.deepcopy of its HoldsAMappingProxy failed "
+                     r"\(TypeError: cannot pickle 'mappingproxy' object\)")
+    # find() says so too (the refusal said "or paramfold could not tell" for every chain that
+    # writes itself, the probe having run or not; find() said nothing).
+    [site] = paramfold.find(model)
+    assert site.writes_itself and site.unprobed == (
+        "copy.deepcopy of its HoldsAMappingProxy failed (TypeError: cannot pickle 'mappingproxy' object)")
+
+
+def test_a_chain_that_writes_itself_is_refused_without_a_copy_failure_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5))
+    parametrize.register_parametrization(model[0], "weight", Counted())
+    [site] = paramfold.find(model)
+    assert site.writes_itself and site.unprobed == ""
+    with pytest.raises(paramfold.FoldError) as refused:
+        paramfold.prepare(model, "hoist")
+    assert "changes its own attributes" in str(refused.value) and "deepcopy" not in str(refused.value)

@@ -287,15 +287,20 @@ def _read_by_read(site: Site, mode: str) -> str | None:
             "and stock draws them at every read, in the forward's order, which a value computed "
             "before the call (hoist) or once for many calls (freeze) cannot reproduce"
         )
+    if site.unprobed:
+        return (
+            f"paramfold cannot tell what its parametrization ({site.kind}) changes when it computes the "
+            f"tensor: it finds out on a copy, and {site.unprobed}; so it is taken as one that may change its "
+            "own state at every read, as stock's read would then do again and again, which a value "
+            "computed before the call (hoist) or once for many calls (freeze) cannot reproduce"
+        )
     if site.writes_itself:
         return (
             f"its parametrization ({site.kind}) changes its own attributes or its originals each time it "
             "computes the tensor (a step counter, a tensor attribute that is not a registered buffer, an "
             "original it edits in place, a parametrization of an original that changes its state, as "
             "spectral_norm's power iteration), and stock changes them at every read, which a value "
-            "computed before the call (hoist) or once for many calls (freeze) cannot reproduce; or "
-            "paramfold could not tell, since copy.deepcopy of a member failed (it holds an object "
-            "that cannot be copied: a mappingproxy, a memoryview, a lock), and the probe runs on a copy"
+            "computed before the call (hoist) or once for many calls (freeze) cannot reproduce"
         )
     if site.grad_dependent:
         return (

@@ -118,6 +118,9 @@ class Site:
             straight-through estimator taken only where gradients are recorded,
             ``if torch.is_grad_enabled():``): stock's read then depends on the grad mode it is
             made in, which one value for a call, or for many, cannot follow.
+        unprobed: why the probe could not run the chain (``copy.deepcopy`` of a member failed:
+            it holds a lock, a mappingproxy, a memoryview), or ``""``: such a chain counts as one
+            that ``writes_itself``, since what stock's read changes cannot be known.
     """
 
     module_path: str
@@ -136,6 +139,7 @@ class Site:
     stateful_in_eval: bool = False
     writes_itself: bool = False
     grad_dependent: bool = False
+    unprobed: str = ""
 
     @property
     def fqn(self) -> str:
@@ -314,7 +318,22 @@ def _make_site(path: str, module: nn.Module, name: str) -> Site:
         stateful_in_eval=stateful_in_eval,
         writes_itself=writes_itself,
         grad_dependent=grad_dependent,
+        unprobed=_unprobed(chain, plist) if writes_itself else "",
     )
+
+
+def _unprobed(chain: tuple[nn.Module, ...], plist: nn.Module) -> str:
+    """Why a copy of a member of ``chain`` (or of ``plist``, whose forward hooks are probed on a
+    copy of it) cannot be made to probe it, or ``""``: :func:`_probe_call` then counts the member
+    as one that writes itself."""
+    for module in (*chain, plist):
+        try:
+            _deepcopy(module)
+        except CannotProbeNow:
+            raise
+        except Exception as e:
+            return f"copy.deepcopy of its {type(module).__name__} failed ({type(e).__name__}: {e})"
+    return ""
 
 
 def _forward_hooked(module: nn.Module) -> bool:
