@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 
 import pytest
@@ -439,9 +440,64 @@ def test_a_chain_writing_its_buffer_through_data_is_stopped_before_the_write_and
     before = pt.structure(model)
     ema = model.layers[1].parametrizations.weight[0].ema.clone()
     with pytest.raises(paramfold.FoldError, match=r"cannot export layers\.1\.weight \(custom\) folded: computing it "
-                                                  r"would write one of its tensors.*model is unchanged.*filter_fn"):
+                                                  r"would write one of the model's tensors.*model is unchanged.*filter_fn"):
         paramfold.export(model, (torch.randn(2, 32),))
     assert torch.equal(model.layers[1].parametrizations.weight[0].ema, ema)
+    pt.assert_same_structure(before, pt.structure(model))
+
+
+class _EmaRebindingData(nn.Module):
+    """An old-style EMA: ``.data`` rebound to a new tensor, which no op shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(32, 32))
+
+    def forward(self, w):
+        self.ema.data = 0.5 * self.ema.data + w.detach()
+        return w + self.ema
+
+
+class _EmaThroughNumpy(_EmaRebindingData):
+    def forward(self, w):
+        a = self.ema.numpy()
+        a *= 0.5
+        a += w.detach().numpy()
+        return w + self.ema
+
+
+class _EmaOfAnotherModule(nn.Module):
+    """Updates a buffer of another module of the model, held in a list (no tensor of its chain)."""
+
+    def __init__(self, holder):
+        super().__init__()
+        self.held = [holder]
+
+    def forward(self, w):
+        self.held[0].ema.mul_(0.5).add_(w.detach())
+        return w + self.held[0].ema
+
+
+@pytest.mark.parametrize("member", ["rebinding", "numpy", "another_module"])
+def test_a_chain_changing_a_tensor_in_a_way_no_op_shows_is_refused_and_put_back(member):
+    # Regression (helper-221): export folded these eval-mode EMAs to one value (0.26 off stock's
+    # second call) and left the model's buffer moved: a .data rebind and a NumPy view's write are
+    # no ops, and the guard watched only the chain's own tensors, not another module's it holds.
+    model = build("plain").eval()
+    model.holder = nn.Module()
+    model.holder.register_buffer("ema", torch.zeros(32, 32))
+    chain = {"rebinding": _EmaRebindingData, "numpy": _EmaThroughNumpy}.get(member)
+    parametrize.register_parametrization(model.layers[1], "weight",
+                                         chain() if chain else _EmaOfAnotherModule(model.holder), unsafe=True)
+    before = pt.structure(model)
+    tensors = {n: (t, t.untyped_storage().data_ptr(), t.clone()) for n, t in (*model.named_parameters(),
+                                                                               *model.named_buffers())}
+    how = {"rebinding": "its .data rebound", "numpy": "written in place"}.get(member, "would write one of the model's")
+    with pytest.raises(paramfold.FoldError, match=r"cannot export layers\.1\.weight \(custom\) folded.*"
+                                                  + re.escape(how) + r".*model is unchanged"):
+        paramfold.export(model, (torch.randn(2, 32),))
+    for name, (t, address, then) in tensors.items():
+        assert t.untyped_storage().data_ptr() == address and torch.equal(t, then), name
     pt.assert_same_structure(before, pt.structure(model))
 
 

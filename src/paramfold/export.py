@@ -26,10 +26,12 @@ from torch.nn.utils import parametrize
 
 from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
-from paramfold.freeze import Stopped, unchanging
+from paramfold.freeze import Stopped, _address, unchanging
+from paramfold.held import held
 from paramfold.hooknorms import hook_norms
 from paramfold.state import STATE_ATTR, installed_keys, is_dtensor, state_of
-from paramfold.sites import Site, computed_per_call, find, parametrization_paths
+from paramfold.sites import Site, _same_bits, computed_per_call, find, parametrization_paths
+from paramfold.watch import layout
 
 __all__ = ["export", "folded_copy"]
 
@@ -123,11 +125,15 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
     # inference tensor would make the program fail in grad mode ("Inference tensors cannot be
     # saved for backward").
     with torch.inference_mode(False), torch.no_grad():
+        # Each value computed with a write to any of the model's tensors stopped before it runs
+        # (a chain may hold another module), and checked after for what no op shows.
+        rebinds = _Bindings([*model.named_parameters(), *model.named_buffers()])
+        guard = unchanging([*rebinds.tensors, *(t for site in sites for _, t in _chain_tensors(site))])
         for site in sites:
             # Tied sites (same originals, same chain) share one tensor, as tied plain weights do.
             key = (tuple(id(t) for t in site.originals.values()), tuple(id(m) for m in site.chain))
             if key not in values:
-                values[key] = _checked_value(site)
+                values[key] = _checked_value(site, guard, rebinds)
             folded.append((site, values[key]))
 
     legacy = _hook_based_norms([s for s in found if s.hook_based])
@@ -186,20 +192,30 @@ def _refuse_unfoldable(sites: list[Site]) -> None:
         )
 
 
-def _checked_value(site: Site) -> torch.Tensor:
-    # Computed on the model itself, stopped before any write to the chain's tensors or any draw
-    # that its probe did not see (a buffer updated through .data bumps no version counter).
-    tensors = [*site.originals.values(), *(t for m in site.chain for t in (*m.parameters(), *m.buffers()))]
+def _checked_value(site: Site, guard: Any, rebinds: _Bindings) -> torch.Tensor:
+    # Computed on the model itself, stopped before any write to one of the model's tensors
+    # (``guard``, :func:`paramfold.freeze.unchanging`) or any draw that its probe did not see; then its own tensors' bytes and every
+    # tensor's binding compared with before (a .data rebind or a write through a NumPy view is
+    # no op), put back where they moved.
+    own = _Bindings(_chain_tensors(site), contents=True)
     try:
-        with unchanging(tensors):
+        with guard:
             value = compute(site.module, site.tensor_name)
     except Stopped as stop:
         raise FoldError(
-            f"cannot export {site.fqn} ({site.kind}) folded: computing it would write one of its "
-            f"tensors or draw random numbers ({stop}), which stock's program repeats at every call; "
-            "it was stopped before, the model is unchanged. Exclude this module with filter_fn to "
-            "export it stock."
+            f"cannot export {site.fqn} ({site.kind}) folded: computing it would write one of the "
+            f"model's tensors or draw random numbers ({stop}), which stock's program repeats at every "
+            "call; it was stopped before, the model is unchanged. Exclude this module with filter_fn "
+            "to export it stock."
         ) from None
+    moved = own.put_back() + rebinds.put_back()
+    if moved:
+        raise FoldError(
+            f"cannot export {site.fqn} ({site.kind}) folded: computing it changed {first_few(moved, 3)}, "
+            "which no op shows and stock's program repeats at every call; put back as it was, the model "
+            "is unchanged. "
+            "Exclude this module with filter_fn to export it stock."
+        )
     if not isinstance(value, torch.Tensor) or type(value) not in (torch.Tensor, nn.Parameter):
         raise FoldError(
             f"cannot export {site.fqn} ({site.kind}) folded: its value is a "
@@ -208,6 +224,52 @@ def _checked_value(site: Site) -> torch.Tensor:
             "export it stock, or register torchao's unwrap_tensor_subclass parametrization on it."
         )
     return value
+
+
+def _chain_tensors(site: Site) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor ``site``'s value is computed from: its originals, its
+    members' parameters, buffers and tensor attributes, and the tensors in what the members hold
+    (dicts, objects)."""
+    found = [(f"{site.fqn}'s original {n}", t) for n, t in site.originals.items()]
+    for i, member in enumerate(site.chain):
+        for path, m in member.named_modules(prefix=f"{site.fqn}'s parametrization {i}"):
+            found += [(f"{path}.{k}", t) for k, t in (*m._parameters.items(), *m._buffers.items(), *vars(m).items())
+                      if isinstance(t, torch.Tensor)]
+            found += [(f"{path}.{k!s}", t) for _, k, t in held(m).tensors]
+    return found
+
+
+class _Bindings:
+    """Where each of the ``named`` tensors points now (storage address and description, through
+    an alias that keeps its storage alive) and, with ``contents``, a copy of its bytes: what
+    :meth:`put_back` restores, naming each tensor a computation moved."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], contents: bool = False) -> None:
+        seen: set[int] = set()
+        kept = [(n, t) for n, t in named if id(t) not in seen and not seen.add(id(t)) and _plain_layout(t)]
+        self.names = [n for n, _ in kept]
+        self.tensors = [t for _, t in kept]
+        self.aliases = [t.detach() for t in self.tensors]
+        self.where = [(_address(t), layout(t)) for t in self.tensors]
+        self.copies = [t.detach().clone() for t in self.tensors] if contents else None
+
+    def put_back(self) -> list[str]:
+        """Each tensor put back where and as it was; a description of each that had moved."""
+        moved = []
+        for i, (name, t, alias) in enumerate(zip(self.names, self.tensors, self.aliases)):
+            if (_address(t), layout(t)) != self.where[i]:
+                t.data = alias
+                moved.append(f"{name} (its .data rebound)")
+            if self.copies is not None and not _same_bits(alias, self.copies[i]):
+                alias.copy_(self.copies[i])
+                moved.append(f"{name} (written in place)")
+        return moved
+
+
+def _plain_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a strided tensor with storage whose bytes can be read (not fake, meta or a
+    wrapper subclass, whose inner tensors are compared instead)."""
+    return type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.device.type != "meta"
 
 
 def _hook_based_norms(sites: list[Site]) -> list[tuple[nn.Module, Any]]:
