@@ -437,6 +437,10 @@ def test_a_file_whose_suffix_says_the_other_format_is_called_that_not_a_pickle_o
     (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "s1.bin"}}))
     res = _run("audit", folder)
     _one_line_error(res, "audit", 1, f"{folder / 's1.bin'}: is a safetensors file, but its suffix '.bin'")
+    # Renaming a shard alone would break the index that names it (helper-221: the line said only
+    # "rename it to end in .safetensors").
+    assert res.stderr.rstrip().endswith("rename it to end in .safetensors and its name in "
+                                        "pytorch_model.bin.index.json with it"), res.stderr
     # Files that are what their suffix says still read.
     save_file({"w": torch.ones(2)}, tmp_path / "right.safetensors")
     torch.save({"w": torch.ones(2)}, tmp_path / "right.pt")

@@ -684,6 +684,8 @@ def test_cli_errors_of_the_command_itself_are_one_line(tmp_path):
         (["python"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
         (["python", "-m"], "nothing to run; usage: paramfold recompiles -- python SCRIPT [ARGS]..."),
         (["python", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+        ([""], "no script given (an empty string)"),  # was "script not found: " (helper-221)
+        (["python", ""], "no script given (an empty string)"),
         # Was "script not found: -c".
         (["python", "-c", "print(1)"], "python's option -c is not supported here: give a script file "
                                        "(code for -c put in one) or -m MODULE"),

@@ -368,7 +368,7 @@ def _open_index(index: Path) -> Checkpoint:
         _check_readable(sp)
         fmt = file_format(named)
         if fmt is not None:
-            _check_content(sp, fmt)
+            _check_content(sp, fmt, index)
         if fmt == "safetensors":
             shards[shard], _ = _safetensors_entries(sp)
         elif fmt == "pt":
@@ -408,11 +408,12 @@ _PT_STARTS = {b"PK\x03\x04": "a zip archive (as torch.save writes)",
               b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19": "a legacy (non-zip) torch.save file"}
 
 
-def _check_content(p: Path, fmt: str) -> None:
+def _check_content(p: Path, fmt: str, index: Path | None = None) -> None:
     """Refuse a file whose first bytes say the other format than its suffix (a ``.safetensors`` file
     renamed ``.pt``, a ``torch.save`` file renamed ``.safetensors``), which the reader of its suffix
     would call corrupt or an unsafe pickle. It is not read as what it holds: the suffix is what
-    ``torch.load``, transformers and safetensors' loaders go by, and they would fail on it."""
+    ``torch.load``, transformers and safetensors' loaders go by, and they would fail on it. A shard
+    named by ``index`` is not to be renamed alone: the index names it."""
     try:
         with open(p, "rb") as f:
             head = f.read(16)
@@ -421,12 +422,18 @@ def _check_content(p: Path, fmt: str) -> None:
         return  # the reader says why
     if fmt == "pt" and len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
         raise CheckpointError(f"{p}: is a safetensors file, but its suffix '{p.suffix}' says a torch.save "
-                              f"checkpoint: rename it to end in {SAFETENSORS_SUFFIX}")
+                              f"checkpoint: {_renaming(SAFETENSORS_SUFFIX, index)}")
     if fmt == "safetensors":
         for start, what in _PT_STARTS.items():
             if head.startswith(start):
                 raise CheckpointError(f"{p}: is {what}, but its suffix '{p.suffix}' says safetensors: "
-                                      f"rename it to end in {PT_SUFFIXES[0]}")
+                                      f"{_renaming(PT_SUFFIXES[0], index)}")
+
+
+def _renaming(suffix: str, index: Path | None) -> str:
+    if index is None:
+        return f"rename it to end in {suffix}"
+    return f"rename it to end in {suffix} and its name in {index.name} with it"
 
 
 def _safetensors_entries(p: Path) -> tuple[dict[str, Entry], dict[str, str]]:

@@ -101,6 +101,8 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         argv0, rest = spec.origin or module if spec is not None else module, tokens[2:]
     else:
         module, argv0, rest, failed = None, tokens[0], tokens[1:], None
+        if not argv0:
+            raise ScriptError("no script given (an empty string)")
         if not os.path.exists(argv0):
             raise ScriptError(f"script not found: {argv0}")
         elif not (os.path.isfile(argv0) or os.path.isdir(argv0)):  # a FIFO or a device: read, it could block or never end
