@@ -216,6 +216,17 @@ def test_dtype():
     assert g.tensor == "x" and "Double" in g.fix and "Float" in g.fix
 
 
+def test_a_parameters_dtype_guard_names_the_dtype_without_torchs_full_stop():
+    from paramfold.recompiles.classify import classify
+
+    # Regression (helper-223): on a parameter torch's line goes on after the dtype ("actual
+    # Double. Guard failed on a parameter, ..."), and the fix read "arrived as Double., the graph".
+    g = classify("0/2: tensor 'self._modules['sn']._parameters['bias']' dtype mismatch. expected Float, "
+                 "actual Double. Guard failed on a parameter, consider using "
+                 "torch._dynamo.config.force_parameter_static_shapes = False to allow dynamism on parameters.")
+    assert "arrived as Double, the graph was made for Float" in g.fix, g.fix
+
+
 _ACT = torch.sin
 
 

@@ -237,7 +237,7 @@ _REQUIRES_GRAD = re.compile(
     r"^tensor '(?P<tensor>.+)' requires_grad mismatch\. expected requires_grad=(?P<expected>[01])"
 )
 _DTYPE = re.compile(
-    r"^tensor '(?P<tensor>.+)' dtype mismatch\. expected (?P<expected>\S+), actual (?P<actual>\S+)"
+    r"^tensor '(?P<tensor>.+)' dtype mismatch\. expected (?P<expected>[^\s,.]+),? actual (?P<actual>[^\s,.]+)"
 )
 _DISPATCH = re.compile(r"^tensor '(?P<tensor>.+)' dispatch key set mismatch\.")
 _DEVICE = re.compile(r"device (index )?mismatch", re.IGNORECASE)
