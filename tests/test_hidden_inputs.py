@@ -1349,6 +1349,77 @@ def test_a_chain_whose_probes_move_pythons_generator_and_move_it_back_still_draw
             assert torch.equal(ours(x), want), call
 
 
+class _SeedsTorch(nn.Module):
+    def forward(self, w):
+        torch.manual_seed(0)
+        return w * 2
+
+
+class _SeedsPython(nn.Module):
+    def forward(self, w):
+        random.seed(0)
+        return w * 2
+
+
+class _SeedsNumpy(nn.Module):
+    def forward(self, w):
+        np.random.seed(0)
+        return w * 2
+
+
+class _SeedsPythonAndDraws(nn.Module):
+    """A fixed factor regenerated from its seed at each read: the generator left where the last
+    read left it, which the probe's read repeats exactly."""
+
+    def forward(self, w):
+        random.seed(0)
+        return w * (1 + random.random())
+
+
+class _ForwardDrawingAfterTheRead(nn.Module):
+    def __init__(self, member: nn.Module):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        P.register_parametrization(self.layer, "weight", member)  # runs the chain: seeds once
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.layer(x)) + random.random() + float(np.random.rand())
+
+
+@pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy, _SeedsPythonAndDraws],
+                         ids=["torch", "python", "numpy", "python_seed_and_draw"])
+def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_leaves_it_alone(member):
+    # Regression (helper-221): a chain that reseeds a global generator at each read (its later
+    # draws in the forward then repeat from call to call, as stock's) was found not to draw:
+    # torch.manual_seed is no op the probe sees, and it ran for real (prepare moved torch's
+    # generator), and Python's or NumPy's generator was already where the seed sets it (the read
+    # register_parametrization makes), so no state changed. freeze and auto served the value
+    # without the seed: the dropout mask and random.random() differed from stock's from the
+    # second call on (up to 1.56 off).
+    torch.manual_seed(1)
+    model = _ForwardDrawingAfterTheRead(member()).train().requires_grad_(False)
+    stock = copy.deepcopy(model)
+    torch.manual_seed(99)  # not where the chain's seed sets it; Python's and NumPy's are
+    before = (torch.get_rng_state(), random.getstate(), pickle.dumps(np.random.get_state(legacy=False)))
+    assert [s.random for s in paramfold.find(model)] == [True]
+    for mode in ("hoist", "freeze"):
+        structure = pt.structure(model)
+        with pytest.raises(paramfold.FoldError, match=r"layer\.weight: its parametrization \(custom\) draws random"):
+            paramfold.prepare(model, mode)
+        pt.assert_same_structure(structure, pt.structure(model))
+    paramfold.prepare(model, "auto")
+    now = (torch.get_rng_state(), random.getstate(), pickle.dumps(np.random.get_state(legacy=False)))
+    assert torch.equal(now[0], before[0]) and now[1:] == before[1:]
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        _seed_all(7)
+        want = [stock(x) for _ in range(3)]
+        _seed_all(7)
+        for call, expected in enumerate(want):
+            assert torch.equal(model(x), expected), call
+
+
 class _NpNormal(nn.Module):
     def forward(self, w):
         return w * float(1.0 + 0.1 * np.random.randn())

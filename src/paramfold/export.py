@@ -1,7 +1,7 @@
 """``export``: ``torch.export`` a parametrized model as the plain model's program.
 
-``torch.export`` ignores ``parametrize.cached()`` and traces every parametrization into the
-exported graph (pytorch #167645): weight_norm's ``_weight_norm``, spectral_norm's ``mv``/``vdot``
+``torch.export`` traces every parametrization into the exported graph (pytorch #167645; outside
+a ``parametrize.cached()`` block whose eager reads it would take as constants): weight_norm's ``_weight_norm``, spectral_norm's ``mv``/``vdot``
 chain, an unsafe cast's ``to`` and its asserts all run on every call of the exported program,
 where the same model without parametrizations has none of it. For deployment (ExecuTorch,
 AOTInductor) the parametrized tensors are constants, so :func:`export` folds them first: it

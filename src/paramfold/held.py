@@ -249,6 +249,61 @@ def set_global_generator_states(states: tuple[tuple, NumpyState | None]) -> None
         sys.modules["numpy"].random.set_state(numpy.state)
 
 
+class GlobalGenerators:
+    """The global generators a chain may move without holding one, read before it is probed
+    (:mod:`paramfold.sites`): Python's ``random``, NumPy's ``np.random`` and torch's default CPU
+    generator. :meth:`moved` says whether the probe moved one, and puts them back.
+
+    Python's is moved by one draw first (cheap), so that a chain that sets it to the state it was
+    in shows too (``random.seed(0)``, then a draw or not, where the last read had just done the
+    same, as ``register_parametrization``'s own read does); NumPy's (about 40 us a read) only
+    where it is freshly seeded. torch's draws never reach its generator (the probe gives drawing
+    ops numbers of its own), so of torch's only a seed set counts (``torch.manual_seed``): its
+    initial seed changed, or its state freshly seeded where it was not; another thread's draws
+    meanwhile leave neither, and are not rewound. torch's is never moved here (that would rewind
+    another thread's draws): a chain seeding it with the seed it was freshly seeded with just
+    before is not seen. Whatever was moved is put back after."""
+
+    __slots__ = ("python", "numpy", "seed", "torch", "start", "numpy_start")
+
+    def __init__(self) -> None:
+        self.python, self.numpy = global_generator_states()
+        self.seed = torch.initial_seed()
+        self.torch = torch.default_generator.get_state()
+        random.getrandbits(32)
+        self.start = random.getstate()
+        self.numpy_start = self.numpy
+        if self.numpy is not None and self.numpy.state.get("state", {}).get("pos") == _FRESH_INDEX:
+            numpy = sys.modules["numpy"]
+            numpy.random.random_sample()
+            self.numpy_start = NumpyState(numpy.random.get_state(legacy=False))
+
+    def moved(self) -> bool:
+        """Whether the probe drew from Python's or NumPy's generator or set a seed of any of the
+        three (each put back as it was before the probe)."""
+        python, numpy = global_generator_states()
+        drew_numpy = self.numpy is not None and numpy != self.numpy_start
+        drew = python != self.start or drew_numpy
+        random.setstate(self.python)
+        if drew_numpy or self.numpy_start is not self.numpy:
+            sys.modules["numpy"].random.set_state(self.numpy.state)
+        now, seed = torch.default_generator.get_state(), torch.initial_seed()
+        seeded = seed != self.seed or (torch.equal(now, _fresh_torch_state(seed)) and not torch.equal(now, self.torch))
+        if seeded:
+            torch.default_generator.set_state(self.torch)
+        return drew or seeded
+
+
+#: The position of a Mersenne Twister (Python's, NumPy's legacy) right after it was seeded.
+_FRESH_INDEX = 624
+
+
+@functools.lru_cache(maxsize=4)
+def _fresh_torch_state(seed: int) -> torch.Tensor:
+    """torch's CPU generator state right after ``manual_seed(seed)``."""
+    return torch.Generator().manual_seed(seed).get_state()
+
+
 class NumpyState:
     """NumPy's ``get_state(legacy=False)`` (a dict holding an array, whose ``==`` is elementwise),
     compared with ``==`` by its entries, the arrays by dtype, shape and bytes."""

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paramfold.errors import FoldError
 from paramfold.compute import has_parametrizations, is_nested, leaf_originals, members, original_names
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.held import generator_state, generators, global_generator_states, same, set_global_generator_states, snapshot
+from paramfold.held import GlobalGenerators, generator_state, generators, same, snapshot
 from paramfold.hooknorms import hook_norms
 from paramfold.hooknorms import originals as hook_originals
 from paramfold.state import innermost_transform, is_dtensor, version_of
@@ -745,17 +745,17 @@ def _run_probed(probe: _Probe, fn: Callable[..., T], *args: object) -> T:
     eagerly from then on, in every model of the process.
 
     Python's global ``random`` and NumPy's global ``np.random`` cannot be kept from drawing as
-    torch's generators are (no dispatch mode sees them): their states are put back afterwards,
-    and a change counts as the chain drawing random numbers."""
-    before = global_generator_states()
+    torch's generators are (no dispatch mode sees them), nor any global generator from being
+    seeded (``torch.manual_seed`` is no op): their states are put back afterwards, and a draw or
+    a seed set counts as the chain drawing random numbers (:class:`~paramfold.held.GlobalGenerators`:
+    stock's read reseeds at every computation, and later draws in the forward repeat)."""
+    generators = GlobalGenerators()
     try:
         with torch.compiler.set_stance("force_eager"), probe:
             return fn(*args)
     finally:
-        after = global_generator_states()
-        if after[0] != before[0] or (before[1] is not None and after[1] != before[1]):
+        if generators.moved():
             probe.random = True
-            set_global_generator_states(before)
 
 
 class _Collective(Exception):
