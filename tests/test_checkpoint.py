@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -296,6 +297,39 @@ def test_an_empty_pt_state_dict_has_no_tensors_like_an_empty_safetensors(tmp_pat
     torch.save(saved, tmp_path / "empty.pt")
     with open_checkpoint(tmp_path / "empty.pt") as ckpt:
         assert (ckpt.keys(), ckpt.root) == ([], root)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_state_dict_under_a_projects_own_key_is_read_and_several_are_refused(tmp_path, legacy):
+    # Regression (helper-222): HiFi-GAN saves its generator as torch.save({'generator': sd}, ...):
+    # "no state dict found (top-level keys: generator)", though it is the only one there.
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    torch.save({"generator": sd, "steps": 250}, tmp_path / "g.pt", **save)
+    with open_checkpoint(tmp_path / "g.pt") as ckpt:
+        assert ckpt.root == "generator" and sorted(ckpt.keys()) == sorted(sd)
+        assert all(torch.equal(ckpt.read(k), t) for k, t in sd.items())
+    # Its discriminators' checkpoint holds two models (and optimizer states): which is meant is not
+    # for paramfold to guess.
+    torch.save({"mpd": sd, "msd": sd, "optim_d": {"state": {}}}, tmp_path / "do.pt", **save)
+    with pytest.raises(CheckpointError, match=r"several state dicts \(under 'mpd', 'msd'\): paramfold reads one "
+                                              r"model per checkpoint; save the one to read on its own"):
+        open_checkpoint(tmp_path / "do.pt")
+
+
+def test_a_checkpoint_without_a_suffix_is_told_what_it_is_and_how_to_name_it(tmp_path):
+    # Regression (helper-222): HiFi-GAN's g_02500000 (a torch.save file, no suffix) was said to be of
+    # an unsupported format 'g_02500000' and no more.
+    torch.save({"w": torch.ones(2)}, tmp_path / "g_02500000")
+    save_file({"w": torch.ones(2)}, tmp_path / "weights")
+    for name, what in (("g_02500000", "a zip archive (as torch.save writes): rename it to end in .pt"),
+                       ("weights", "a safetensors file: rename it to end in .safetensors")):
+        with pytest.raises(CheckpointError, match=re.escape(f"(it is {what})")) as refused:
+            open_checkpoint(tmp_path / name)
+        assert refused.value.exit_code == 2
+    (tmp_path / "notes").write_text("hello")
+    with pytest.raises(CheckpointError, match=r"or a folder holding one$"):
+        open_checkpoint(tmp_path / "notes")
 
 
 def test_tensor_subclass_in_a_pt_file_is_refused(tmp_path):

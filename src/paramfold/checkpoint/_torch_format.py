@@ -506,6 +506,15 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
         for name, sub in [(None, obj), *((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS)]:
             if isinstance(sub, Mapping) and not sub:  # a model without parameters: no tensors, as in safetensors
                 return {}, name
+        # Under another key of the project's own (HiFi-GAN's {'generator': ...}): the one state dict there.
+        found = [k for k, sub in obj.items() if isinstance(k, str) and sub and _is_state_dict(sub, tensor_type)]
+        if len(found) == 1:
+            return dict(obj[found[0]]), found[0]
+        if found:
+            raise CheckpointError(
+                f"{p}: several state dicts (under {', '.join(map(repr, found[:8]))}): paramfold reads one "
+                f"model per checkpoint; save the one to read on its own (torch.save(ckpt[{found[0]!r}], PATH))"
+            )
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
         where = f"it holds {with_article(_type_name(obj))}"

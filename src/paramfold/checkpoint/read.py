@@ -225,12 +225,30 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if fmt == "pt":
         entries, root = pt_entries(p)
         return Checkpoint(p, "pt", entries, root=root)
+    what = _sniffed(p)
     raise CheckpointError(
         f"{p}: unsupported checkpoint format '{p.suffix or p.name}': expected "
         f"{', '.join(PT_SUFFIXES)}, {SAFETENSORS_SUFFIX}, a *.safetensors.index.json "
-        "or a folder holding one",
+        "or a folder holding one" + (f" (it is {what[0]}: rename it to end in {what[1]})" if what else ""),
         exit_code=2,
     )
+
+
+def _sniffed(p: Path) -> tuple[str, str] | None:
+    """``(what p's first bytes say it is, the suffix that reads it)`` for a torch.save or
+    safetensors file under a name without a checkpoint suffix (HiFi-GAN's ``g_02500000``), else None."""
+    try:
+        with open(p, "rb") as f:
+            head = f.read(16)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    for start, what in _PT_STARTS.items():
+        if head.startswith(start):
+            return what, PT_SUFFIXES[0]
+    if len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
+        return "a safetensors file", SAFETENSORS_SUFFIX
+    return None
 
 
 #: Why a path names nothing, said as a usage error (exit 2) as for an output path; others (a folder
