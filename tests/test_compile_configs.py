@@ -11,7 +11,10 @@ import pytest
 import torch
 from helpers import build, grads
 from torch._dynamo.testing import CompileCounter
+from torch import nn
 from torch.func import functional_call
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
 
 import paramfold
 
@@ -200,6 +203,65 @@ def test_dynamic_batch_sizes_compile_like_stock(mode, how):
     _assert_same_steps(*records)
     assert frames[0] == frames[1]
     assert_same_state(stock, prepared)
+
+
+class _UserLinear(nn.Module):
+    """A layer of the user's own class (transformers' GPT-2 ``Conv1D`` is one): dynamo keeps a
+    Parameter of it static under dynamic=True, not a plain tensor in its ``__dict__``."""
+
+    def __init__(self, i: int, o: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, i) * 0.3)
+        self.bias = nn.Parameter(torch.zeros(o))
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class _Scale(nn.Module):
+    def forward(self, w):
+        return w * 1.25
+
+
+class _UserLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = weight_norm(_UserLinear(8, 8))
+        self.b = _UserLinear(8, 5)
+        parametrize.register_parametrization(self.b, "weight", _Scale())
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline+detach"])
+def test_values_of_user_layers_stay_static_under_dynamic_true_as_stocks_parameters(mode):
+    # Regression (helper-223): hoist, auto and freeze put plain tensors in the user layers'
+    # __dict__ (inline with detach_params_under_no_grad, its plain parameters' aliases), which
+    # dynamo gave symbolic sizes under dynamic=True: a first sequence length equal to a weight
+    # dim (5) was tied to it, the graph was made for that length, and the next one recompiled
+    # (fail_on_recompile raised), where stock's static Parameters left one graph for all lengths.
+    name, _, detach = mode.partition("+")
+    frames, outputs = [], []
+    for prepared in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _UserLayers().eval().requires_grad_(False)
+        if prepared:
+            paramfold.prepare(model, name, detach_params_under_no_grad=bool(detach))
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter, dynamic=True)
+        got = []
+        with torch.no_grad():
+            got.append(compiled(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(5))))
+            with torch.compiler.set_stance("fail_on_recompile"):
+                for t in (6, 7, 9):
+                    got.append(compiled(torch.randn(2, t, 8, generator=torch.Generator().manual_seed(t))))
+        frames.append(counter.frame_count)
+        outputs.append(got)
+    assert frames == [1, 1]
+    for ours, theirs in zip(*outputs):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline"])

@@ -34,6 +34,15 @@ began and that it cleared with nothing written are set again as it ends (same ca
 later calls would otherwise take the view for an array a caller made and hash the value's bytes
 at every call (as the content check does).
 
+While it compiles, every plain-tensor value (and ``detach_params_under_no_grad``'s alias of a
+plain parameter) is also marked static (``_dynamo_static_indices``, as ``torch._dynamo.mark_static``
+marks), the mark taken off again as the compile ends: the tensors they stand for are Parameters
+or buffers, which dynamo keeps static under ``torch.compile(dynamic=True)``, where a plain tensor
+in a module's ``__dict__`` of the user's own class (not torch.nn's) would get symbolic sizes, and
+an input dim of the same size would be tied to one (a graph made for one sequence length, and a
+recompile at the next one, which stock does not make). A dim marked at compile time and unmarked
+when the code runs passes dynamo's guard on the marks, so no call has to mark its values.
+
 ``torch._dynamo.config.install_free_tensors`` and ``prepare_freezing`` make dynamo copy a
 module's tensor attributes into the graph, where a value (a stand-in, or a value of one call)
 would stay: a compile under a scope with either on is refused.
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -78,6 +88,8 @@ class _Local(threading.local):
     #: and that compile.
     marks: list | tuple = ()
     marks_for: object = None
+    #: The values this thread's compile marked static (:func:`_mark_static`), to unmark as it ends.
+    static: list | tuple = ()
 
 
 #: ``paramfold.scope.calls_lock``, set by that module (which imports this one): marks are set under it.
@@ -125,8 +137,33 @@ def on_compile_start(args: object = None) -> None:
     local.compile_id = getattr(args, "compile_id", None)
     swapped = local.swapped = []
     stand_ins: dict[int, torch.Tensor] = {}
+    static = local.static = list(local.static)
     for holder in claimed_holders(claims):
         _swap_in(holder, swapped, stand_ins)
+        _mark_static(holder, static)
+
+
+def _mark_static(holder: nn.Module, marked: list) -> None:
+    """Mark each plain-tensor value (or parameter alias) ``holder`` holds now static, as
+    ``torch._dynamo.mark_static`` does, where it carries no dim marks of its own; noted in ``marked``."""
+    values = holder.__dict__
+    state = values[STATE_ATTR]
+    for name in (*state.sites, *(n for n, _ in state.detached)):
+        t = values.get(name)
+        if type(t) is torch.Tensor and not any(map(hasattr, repeat(t), _DIM_MARKS)):
+            t._dynamo_static_indices = set(range(t.dim()))
+            marked.append(t)
+
+
+#: The attributes dynamo reads a tensor's dim marks from (``torch._dynamo.decorators``).
+_DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_unbacked_indices",
+              "_dynamo_strict_unbacked_indices", "_dynamo_static_indices")
+
+
+def _unmark_static() -> None:
+    marked, local.static = local.static, ()
+    for t in marked:
+        t.__dict__.pop("_dynamo_static_indices", None)
 
 
 def _end_hoisting_plans(claims: tuple) -> None:
@@ -186,6 +223,8 @@ END_HOOKS: list[Callable[[], None]] = []
 def _on_compile_end(args: object = None) -> None:
     for hook in END_HOOKS:
         hook()
+    if local.static:
+        _unmark_static()
     if local.swapped:
         _restore_after(getattr(args, "compile_id", None))
     if local.marks:
@@ -193,6 +232,8 @@ def _on_compile_end(args: object = None) -> None:
 
 
 def _on_bytecode(code: object, new_code: object) -> None:
+    if local.static:
+        _unmark_static()
     if local.swapped:
         _restore_after(str(_current_compile_id()))
     if local.marks:
@@ -252,6 +293,8 @@ def restore_stranded() -> bool:
     module docstring)."""
     stranded = local.stranded or bool(local.swapped)
     _restore()
+    if local.static:
+        _unmark_static()
     local.stranded = False
     return stranded
 
