@@ -216,6 +216,20 @@ def test_dtype():
     assert g.tensor == "x" and "Double" in g.fix and "Float" in g.fix
 
 
+def test_a_hoisted_values_requires_grad_guard_is_a_parameters_not_an_inputs():
+    from paramfold.recompiles.classify import classify
+
+    # Regression (helper-223): hoist/auto's value of a parametrized weight sits in its module's
+    # __dict__, so the guard names self._modules['b'].weight, which was taken for an input of the
+    # call ("call .requires_grad_() on the input ... .detach()"), where stock's guard on the
+    # original got the parameter's fix.
+    for source in ("self._modules['b'].weight", "L['self']._modules['b']._modules['c'].weight", "self.weight"):
+        g = classify(f"0/1: tensor '{source}' requires_grad mismatch. expected requires_grad=1")
+        assert g.fix.startswith("a parameter's requires_grad differs"), (source, g.fix)
+    g = classify("0/1: tensor 'x' requires_grad mismatch. expected requires_grad=1")
+    assert g.fix.startswith("input x requires grad"), g.fix
+
+
 def test_a_parameters_dtype_guard_names_the_dtype_without_torchs_full_stop():
     from paramfold.recompiles.classify import classify
 

@@ -390,7 +390,13 @@ def _paramfold_class(cls_id: int) -> tuple[type, str] | None:
 
 
 def _is_param(source: str) -> bool:
-    return "._parameters[" in source or "._buffers[" in source
+    """Whether ``source`` is a module's parameter or buffer, or a tensor attribute of a module
+    (``self._modules['b'].weight``: a parametrized tensor's value that paramfold's hoist, freeze
+    or auto put there, computed from its originals), not an input of the call."""
+    return "._parameters[" in source or "._buffers[" in source or bool(_MODULE_ATTRIBUTE.match(source))
+
+
+_MODULE_ATTRIBUTE = re.compile(r"^(?:L\[['\"]self['\"]\]|self)(?:\._modules\[['\"][^'\"]+['\"]\])*\.[A-Za-z_]\w*$")
 
 
 class _Blank(dict):
