@@ -5,8 +5,9 @@ columns show prepare). For torch's own parametrizations prepare is small; a para
 class paramfold does not know (the seed model's ``CastToBFloat16``) is probed at prepare, a few
 calls per site on copies (``paramfold.sites``). This prints prepare's CPU time on the seed model
 (eval), min and median over ``--repeats`` fresh models after one uncounted prepare, the
-probe's reads of Python's and NumPy's generator states per probed site (two per probe, a count
-that does not vary) and what one read costs.
+probes' checks of the global generators per probed site (one per probe: Python's, NumPy's and
+torch's CPU generator read before and after it, :class:`paramfold.held.GlobalGenerators`; a count
+that does not vary) and what one check costs.
 
     python examples/prepare_cost.py                          # 32 layers: freeze hoist
     python examples/prepare_cost.py --layers 128 --repeats 5 freeze
@@ -35,17 +36,25 @@ def main() -> None:
     config = BenchConfig(layers=args.layers)
     paramfold.prepare(build_model(BenchConfig(layers=2)).eval(), args.modes[0])  # imports, first-use caches
 
-    reads = []
-    real = sites.global_generator_states
-    sites.global_generator_states = lambda: reads.append(1) or real()
+    checks = []
+    real = sites.GlobalGenerators
+
+    class Counted(real):
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            checks.append(1)
+            super().__init__()
+
+    sites.GlobalGenerators = Counted
     try:
         model = build_model(config).eval()
         probed = sum(any(map(sites.probed, site.chain)) for site in paramfold.find(model))
     finally:
-        sites.global_generator_states = real
-    one = timeit.timeit(real, number=200) / 200
+        sites.GlobalGenerators = real
+    one = timeit.timeit(lambda: real().moved(), number=200) / 200
     print(f"seed model, {args.layers} layers: {probed} sites probed, "
-          f"{len(reads) / max(probed, 1):.1f} generator-state reads per probed site, {one * 1e6:.0f} us each")
+          f"{len(checks) / max(probed, 1):.1f} generator checks per probed site, {one * 1e6:.0f} us each")
 
     for mode in args.modes:
         times = []

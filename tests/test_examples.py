@@ -81,7 +81,7 @@ def test_rlhf_recipe_outputs_and_gradients_equal_stock(rlhf):
                                               reason="needs gloo")),
         ("fake_input_cost.py", ["--inputs", "4", "--width", "8", "--rounds", "2"], "extra per non-leaf input"),
         ("compile_python_calls.py", ["--layers", "1", "inline"], "x plain 1.000"),
-        ("prepare_cost.py", ["--layers", "2", "--repeats", "1", "freeze"], "8.0 generator-state reads per probed site"),
+        ("prepare_cost.py", ["--layers", "2", "--repeats", "1", "freeze"], "4.0 generator checks per probed site"),
         ("first_call_open.py", ["--layers", "2", "--repeats", "1", "hoist", "freeze"], "scope open: values"),
         ("stateful_copy_cost.py", ["--layers", "2", "--width", "8", "--rounds", "2", "--steps", "2"], "copies on / off"),
         ("gan_discriminator.py", ["--scales", "2", "--width", "4", "--samples", "256", "--checked", "4", "--rounds", "1",
