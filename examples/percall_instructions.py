@@ -11,6 +11,7 @@ divided by B - A is one steady call. Needs ``valgrind`` and ``gcc``; about a min
     python examples/percall_instructions.py --layers 8 plain freeze:version
     python examples/percall_instructions.py --scenario update plain stock freeze auto
     python examples/percall_instructions.py --uncompiled plain stock auto   # eager calls, no torch.compile
+    python examples/percall_instructions.py --cache plain freeze   # also data cache misses per call
 
 Instructions are not time (the matmuls run many per cycle, the per-call checks touch memory the
 forward evicted), so read the ratios as the share of work, next to the timed ratios of
@@ -106,11 +107,19 @@ def _shim(folder: str) -> str:
     return library
 
 
+#: What ``--cache`` reports of callgrind's cache simulation: instructions, first-level data read
+#: misses, last-level data read misses (callgrind's event names).
+CACHE_EVENTS = ("Ir", "D1mr", "DLmr")
+
+
 def _instructions(variant: str, layers: int, calls: int, shim: str, scenario: str = "steady",
-                  uncompiled: bool = False) -> int:
+                  uncompiled: bool = False, cache: bool = False) -> tuple[int, ...]:
+    """The counts of ``calls`` steady calls: ``(instructions,)``, or with ``cache`` those of
+    :data:`CACHE_EVENTS` (valgrind's simulated caches)."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONHASHSEED": "0", "PARAMFOLD_CALLGRIND_SHIM": shim}
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={tmp}/out",
+               *(["--cache-sim=yes"] if cache else []),
                sys.executable, __file__, "--run", variant, "--layers", str(layers), "--calls", str(calls),
                "--scenario", scenario, *(["--uncompiled"] if uncompiled else [])]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -118,10 +127,13 @@ def _instructions(variant: str, layers: int, calls: int, shim: str, scenario: st
         if done.returncode != 0 or len(dumps) != 1:
             raise SystemExit(f"{variant}: the measured run failed:\n{done.stderr[-2000:]}")
         with open(os.path.join(tmp, dumps[0])) as f:
-            found = re.search(r"^(?:summary|totals): (\d+)", f.read(), re.MULTILINE)
-        if found is None:
+            text = f.read()
+        events = re.search(r"^events: (.+)$", text, re.MULTILINE)
+        found = re.search(r"^(?:summary|totals): ([\d ]+)$", text, re.MULTILINE)
+        if found is None or events is None:
             raise SystemExit(f"{variant}: callgrind wrote no total")
-        return int(found.group(1))
+        counts = dict(zip(events.group(1).split(), map(int, found.group(1).split())))
+        return tuple(counts[e] for e in CACHE_EVENTS) if cache else (counts["Ir"],)
 
 
 def main() -> None:
@@ -132,6 +144,9 @@ def main() -> None:
     parser.add_argument("--scenario", choices=SCENARIOS, default="steady",
                         help="what happens between calls (see SCENARIOS in the source)")
     parser.add_argument("--uncompiled", action="store_true", help="call the models eagerly, without torch.compile")
+    parser.add_argument("--cache", action="store_true",
+                        help="also simulate the caches: first- and last-level data read misses per call "
+                             "(the memory a call's checks touch that its matmuls evicted; several times slower)")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # the measured program itself
     args = parser.parse_args()
     if args.run:
@@ -145,12 +160,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shim = _shim(tmp)
         for variant in args.variants:
-            counts = [_instructions(variant, args.layers, n, shim, args.scenario, args.uncompiled) for n in (high, low)]
-            per_call[variant] = (counts[0] - counts[1]) / (high - low)
+            counts = [_instructions(variant, args.layers, n, shim, args.scenario, args.uncompiled, args.cache)
+                      for n in (high, low)]
+            per_call[variant] = [(a - b) / (high - low) for a, b in zip(*counts)]
     base = per_call.get("plain")
-    for variant, n in per_call.items():
-        ratio = f"  x plain {n / base:5.3f}" if base else ""
-        print(f"{variant:16s} {n:14,.0f} instructions per call{ratio}")
+    for variant, ns in per_call.items():
+        ratio = f"  x plain {ns[0] / base[0]:5.3f}" if base else ""
+        line = f"{variant:16s} {ns[0]:14,.0f} instructions per call{ratio}"
+        for name, n, b in zip(CACHE_EVENTS[1:], ns[1:], base[1:] if base else [None] * 2):
+            line += f"  {name} {n:9,.0f}" + (f" (+{n - b:,.0f})" if b is not None else "")
+        print(line)
 
 
 if __name__ == "__main__":
