@@ -317,6 +317,24 @@ def test_a_state_dict_under_a_projects_own_key_is_read_and_several_are_refused(t
         open_checkpoint(tmp_path / "do.pt")
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_projects_own_key_is_read_beside_an_empty_standard_one_and_odd_top_level_entries(tmp_path, legacy):
+    # Regression (helper-224): {'state_dict': {}, 'generator': sd} was read as the empty state
+    # dict (fold wrote an empty checkpoint, exit 0); a legacy file with a tensor under a non-string
+    # top-level key failed inside (RuntimeError: Boolean value of Tensor ...); a state dict with
+    # an extra-state entry under such a key was "no state dict found".
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    for name, saved in (("empty_beside", {"state_dict": {}, "generator": sd}),
+                        ("odd_keys", {"generator": sd, "avg": torch.ones(3), 5: "x"})):
+        torch.save(saved, tmp_path / f"{name}.pt", **save)
+        with open_checkpoint(tmp_path / f"{name}.pt") as ckpt:
+            assert ckpt.root == "generator" and sorted(ckpt.keys()) == sorted(sd), name
+    torch.save({"generator": {**sd, "_extra_state": 3}}, tmp_path / "mixed.pt", **save)
+    with pytest.raises(CheckpointError, match=r"its entry 'generator' holds 1 non-tensor entry \('_extra_state': int"):
+        open_checkpoint(tmp_path / "mixed.pt")
+
+
 def test_a_checkpoint_without_a_suffix_is_told_what_it_is_and_how_to_name_it(tmp_path):
     # Regression (helper-222): HiFi-GAN's g_02500000 (a torch.save file, no suffix) was said to be of
     # an unsupported format 'g_02500000' and no more.

@@ -503,11 +503,10 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
                 return dict(sub), key
         for name, sub in [*((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS), (None, obj)]:
             _refuse_mixed_state_dict(sub, name, p, tensor_type)
-        for name, sub in [(None, obj), *((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS)]:
-            if isinstance(sub, Mapping) and not sub:  # a model without parameters: no tensors, as in safetensors
-                return {}, name
         # Under another key of the project's own (HiFi-GAN's {'generator': ...}): the one state dict there.
-        found = [k for k, sub in obj.items() if isinstance(k, str) and sub and _is_state_dict(sub, tensor_type)]
+        others = [(k, sub) for k, sub in obj.items()
+                  if isinstance(k, str) and k not in NESTED_STATE_DICT_KEYS and isinstance(sub, Mapping) and sub]
+        found = [k for k, sub in others if _is_state_dict(sub, tensor_type)]
         if len(found) == 1:
             return dict(obj[found[0]]), found[0]
         if found:
@@ -515,6 +514,11 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
                 f"{p}: several state dicts (under {', '.join(map(repr, found[:8]))}): paramfold reads one "
                 f"model per checkpoint; save the one to read on its own (torch.save(ckpt[{found[0]!r}], PATH))"
             )
+        for name, sub in others:
+            _refuse_mixed_state_dict(sub, name, p, tensor_type)
+        for name, sub in [(None, obj), *((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS)]:
+            if isinstance(sub, Mapping) and not sub:  # a model without parameters: no tensors, as in safetensors
+                return {}, name
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
     else:
         where = f"it holds {with_article(_type_name(obj))}"
