@@ -234,23 +234,6 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     )
 
 
-def _sniffed(p: Path) -> tuple[str, str] | None:
-    """``(what p's first bytes say it is, the suffix that reads it)`` for a torch.save or
-    safetensors file under a name without a checkpoint suffix (HiFi-GAN's ``g_02500000``), else None."""
-    try:
-        with open(p, "rb") as f:
-            head = f.read(16)
-            size = os.fstat(f.fileno()).st_size
-    except OSError:
-        return None
-    for start, what in _PT_STARTS.items():
-        if head.startswith(start):
-            return what, PT_SUFFIXES[0]
-    if len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
-        return "a safetensors file", SAFETENSORS_SUFFIX
-    return None
-
-
 #: Why a path names nothing, said as a usage error (exit 2) as for an output path; others (a folder
 #: on the way without permission) are the environment's, raised as they are.
 _UNNAMED = {errno.ENOENT: "no such file or folder", errno.ENOTDIR: "no such file or folder",
@@ -426,26 +409,38 @@ _PT_STARTS = {b"PK\x03\x04": "a zip archive (as torch.save writes)",
               b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19": "a legacy (non-zip) torch.save file"}
 
 
-def _check_content(p: Path, fmt: str, index: Path | None = None) -> None:
-    """Refuse a file whose first bytes say the other format than its suffix (a ``.safetensors`` file
-    renamed ``.pt``, a ``torch.save`` file renamed ``.safetensors``), which the reader of its suffix
-    would call corrupt or an unsafe pickle. It is not read as what it holds: the suffix is what
-    ``torch.load``, transformers and safetensors' loaders go by, and they would fail on it. A shard
-    named by ``index`` is not to be renamed alone: the index names it."""
+def _sniffed(p: Path) -> tuple[str, str] | None:
+    """``(what p's first bytes say it is, the suffix that reads it)`` for a torch.save or
+    safetensors file, whatever its name (HiFi-GAN's ``g_02500000``, a file renamed to the other
+    format's suffix: :func:`_check_content`), else None (where it cannot be read too)."""
     try:
         with open(p, "rb") as f:
             head = f.read(16)
             size = os.fstat(f.fileno()).st_size
     except OSError:
-        return  # the reader says why
-    if fmt == "pt" and len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
+        return None
+    for start, what in _PT_STARTS.items():
+        if head.startswith(start):
+            return what, PT_SUFFIXES[0]
+    if len(head) >= 9 and head[8:9] == b"{" and 2 <= int.from_bytes(head[:8], "little") <= size - 8:
+        return "a safetensors file", SAFETENSORS_SUFFIX
+    return None
+
+
+def _check_content(p: Path, fmt: str, index: Path | None = None) -> None:
+    """Refuse a file whose first bytes say the other format than its suffix (a ``.safetensors`` file
+    renamed ``.pt``, a ``torch.save`` file renamed ``.safetensors``), which the reader of its suffix
+    would call corrupt or an unsafe pickle. It is not read as what it holds: the suffix is what
+    ``torch.load``, transformers and safetensors' loaders go by, and they would fail on it. A shard
+    named by ``index`` is not to be renamed alone: the index names it. (Where it cannot be read,
+    the reader says why.)"""
+    what, suffix = _sniffed(p) or (None, None)
+    if fmt == "pt" and suffix == SAFETENSORS_SUFFIX:
         raise CheckpointError(f"{p}: is a safetensors file, but its suffix '{p.suffix}' says a torch.save "
                               f"checkpoint: {_renaming(SAFETENSORS_SUFFIX, index)}")
-    if fmt == "safetensors":
-        for start, what in _PT_STARTS.items():
-            if head.startswith(start):
-                raise CheckpointError(f"{p}: is {what}, but its suffix '{p.suffix}' says safetensors: "
-                                      f"{_renaming(PT_SUFFIXES[0], index)}")
+    if fmt == "safetensors" and suffix == PT_SUFFIXES[0]:
+        raise CheckpointError(f"{p}: is {what}, but its suffix '{p.suffix}' says safetensors: "
+                              f"{_renaming(PT_SUFFIXES[0], index)}")
 
 
 def _renaming(suffix: str, index: Path | None) -> str:
