@@ -1,7 +1,8 @@
 """``export``: ``torch.export`` a parametrized model as the plain model's program.
 
 ``torch.export`` traces every parametrization into the exported graph (pytorch #167645; outside
-a ``parametrize.cached()`` block whose eager reads it would take as constants): weight_norm's ``_weight_norm``, spectral_norm's ``mv``/``vdot``
+a ``parametrize.cached()`` block whose eager reads it would take as constants): weight_norm's
+``_weight_norm``, spectral_norm's ``mv``/``vdot``
 chain, an unsafe cast's ``to`` and its asserts all run on every call of the exported program,
 where the same model without parametrizations has none of it. For deployment (ExecuTorch,
 AOTInductor) the parametrized tensors are constants, so :func:`export` folds them first: it
@@ -128,12 +129,13 @@ def folded_copy(model: nn.Module, *, filter_fn: FilterFn | None = None) -> nn.Mo
         # Each value computed with a write to any of the model's tensors stopped before it runs
         # (a chain may hold another module), and checked after for what no op shows.
         rebinds = _Bindings([*model.named_parameters(), *model.named_buffers()])
-        guard = unchanging([*rebinds.tensors, *(t for site in sites for _, t in _chain_tensors(site))])
+        chains = {id(site): _chain_tensors(site) for site in sites}
+        guard = unchanging([*rebinds.tensors, *(t for chain in chains.values() for _, t in chain)])
         for site in sites:
             # Tied sites (same originals, same chain) share one tensor, as tied plain weights do.
             key = (tuple(id(t) for t in site.originals.values()), tuple(id(m) for m in site.chain))
             if key not in values:
-                values[key] = _checked_value(site, guard, rebinds)
+                values[key] = _checked_value(site, chains[id(site)], guard, rebinds)
             folded.append((site, values[key]))
 
     legacy = _hook_based_norms([s for s in found if s.hook_based])
@@ -192,12 +194,13 @@ def _refuse_unfoldable(sites: list[Site]) -> None:
         )
 
 
-def _checked_value(site: Site, guard: Any, rebinds: _Bindings) -> torch.Tensor:
+def _checked_value(site: Site, chain: list[tuple[str, torch.Tensor]], guard: Any, rebinds: _Bindings) -> torch.Tensor:
     # Computed on the model itself, stopped before any write to one of the model's tensors
-    # (``guard``, :func:`paramfold.freeze.unchanging`) or any draw that its probe did not see; then its own tensors' bytes and every
-    # tensor's binding compared with before (a .data rebind or a write through a NumPy view is
-    # no op), put back where they moved.
-    own = _Bindings(_chain_tensors(site), contents=True)
+    # (``guard``, :func:`paramfold.freeze.unchanging`) or any draw that its probe did not see;
+    # then the bytes of its chain's tensors (``chain``, :func:`_chain_tensors`) and every tensor's
+    # binding compared with before (a .data rebind or a write through a NumPy view is no op),
+    # put back where they moved.
+    own = _Bindings(chain, contents=True)
     try:
         with guard:
             value = compute(site.module, site.tensor_name)
@@ -213,8 +216,7 @@ def _checked_value(site: Site, guard: Any, rebinds: _Bindings) -> torch.Tensor:
         raise FoldError(
             f"cannot export {site.fqn} ({site.kind}) folded: computing it changed {first_few(moved, 3)}, "
             "which no op shows and stock's program repeats at every call; put back as it was, the model "
-            "is unchanged. "
-            "Exclude this module with filter_fn to export it stock."
+            "is unchanged. Exclude this module with filter_fn to export it stock."
         )
     if not isinstance(value, torch.Tensor) or type(value) not in (torch.Tensor, nn.Parameter):
         raise FoldError(

@@ -98,7 +98,7 @@ def run_script(command: list[str], *, as_json: bool = False, strict: bool = Fals
         if spec is None and failed is None:
             sys.path[:] = old_path
             raise ScriptError(f"no module named {module!r}")
-        argv0, rest = spec.origin or module if spec is not None else module, tokens[2:]
+        argv0, rest = (spec.origin or module) if spec is not None else module, tokens[2:]
     else:
         module, argv0, rest, failed = None, tokens[0], tokens[1:], None
         if not argv0:
