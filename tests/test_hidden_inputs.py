@@ -485,6 +485,60 @@ def test_the_checker_holds_auto_to_stock_on_a_random_chain():
     pt.assert_equivalent(_model(Noisy, frozen=False), torch.randn(2, 4), "auto", steps=3)
 
 
+class _OpMember(nn.Module):
+    """A member computing the weight by an op torch tags as drawing, with arguments that do or do
+    not switch the draw off (``dropout_p``, ``train``); ``p`` settable after prepare."""
+
+    def __init__(self, op: str, p: float = 0.0) -> None:
+        super().__init__()
+        self.op, self.p = op, p
+
+    def forward(self, w):
+        if self.op == "attention":  # rows attending to rows
+            return F.scaled_dot_product_attention(w[None, None], w[None, None], w[None, None], dropout_p=self.p)[0, 0]
+        if self.op == "causal attention":  # dropout_p left at its default
+            return F.scaled_dot_product_attention(w[None, None], w[None, None], w[None, None], is_causal=True)[0, 0]
+        if self.op == "rrelu, not training":
+            return F.rrelu(w, training=False)
+        if self.op == "native_dropout, not training":
+            return torch.ops.aten.native_dropout(w, 0.3, False)[0]
+        return torch.ops.aten.native_dropout(w, 0.0, True)[0]  # p=0 in training: bernoulli_(1.0) draws
+
+
+@pytest.mark.parametrize("mode", ["freeze", "auto"])
+@pytest.mark.parametrize("op", ["attention", "causal attention", "rrelu, not training", "native_dropout, not training"])
+def test_an_op_tagged_as_drawing_whose_arguments_switch_the_draw_off_is_served_as_any_other(op, mode):
+    # Regression: any op tagged nondeterministic_seeded was taken as a draw, its arguments unread:
+    # a chain with scaled_dot_product_attention (dropout_p=0), RReLU or dropout outside training,
+    # none of which reads a generator, was random, so freeze and export refused it and auto
+    # computed it at every read.
+    stock = _layer_with(_OpMember(op))
+    assert [s.random for s in paramfold.find(stock)] == [False]
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    assert ours.__dict__["_paramfold"].sites["weight"].mode == mode
+    x = torch.randn(2, 3)
+    state = torch.get_rng_state()
+    got = ours(x)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(got, stock(x))
+    program = paramfold.export(copy.deepcopy(stock), (x,))
+    assert torch.equal(program.module()(x), stock(x))
+
+
+def test_an_op_that_draws_with_arguments_that_look_harmless_is_still_a_draw():
+    # native_dropout with p=0 in training draws (bernoulli_ with probability 1): still random.
+    assert [s.random for s in paramfold.find(_layer_with(_OpMember("native_dropout p=0, training")))] == [True]
+    # attention whose dropout is switched on after prepare: freeze stops before the draw
+    layer = _layer_with(_OpMember("attention"), "freeze")
+    x = torch.randn(2, 3)
+    layer(x)
+    layer.parametrizations.weight[0].p = 0.5
+    state = torch.get_rng_state()
+    with pytest.raises(paramfold.FoldError, match="would draw random numbers"):
+        layer(x)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 # --- the grad mode and autocast state a value is computed under -----------------------------
 
 

@@ -84,7 +84,7 @@ from paramfold.state import (CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, FrozenValue,
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
-from paramfold.sites import Site, probed
+from paramfold.sites import Site, draws, probed
 from paramfold.watch import layout, tag
 
 
@@ -167,8 +167,8 @@ class Stopped(Exception):
 
 
 class _Unchanging(TorchDispatchMode):
-    """Stops a computation at its first op that would draw random numbers (tagged
-    ``nondeterministic_seeded``: dropout, ``randn_like``, a draw from a private generator) or
+    """Stops a computation at its first op that would draw random numbers
+    (:func:`~paramfold.sites.draws`: dropout, ``randn_like``, a draw from a private generator) or
     write to a tensor of the chain (one of ``storages``: an original, a member's buffer,
     parameter or tensor attribute, a view of one), before it runs: no generator moves, no state
     changes. A chain found not to do either (a freeze or auto site) that does it now was switched
@@ -187,9 +187,9 @@ class _Unchanging(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            raise Stopped(func.name())
         kwargs = kwargs or {}
+        if draws(func, args, kwargs):
+            raise Stopped(func.name())
         if func._schema.is_mutable and self.storages and self._writes_held(func, args, kwargs):
             raise Stopped(func.name())
         return func(*args, **kwargs)

@@ -766,10 +766,35 @@ class _Collective(Exception):
 _PLAIN_ARGUMENTS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
+#: Arguments that switch a drawing op's draw off, with the value that does: attention with no
+#: dropout, and dropout, RReLU and the RNNs outside training. None of their kernels reads a
+#: generator then (torch 2.13: CPU checked by the generator's state; CUDA's flash and efficient
+#: attention take a philox state only for ``dropout_p > 0``). ``native_dropout`` with ``p=0`` in
+#: training does draw (``bernoulli_(1.0)``), so ``p`` is not among them.
+_DRAW_OFF = {"dropout_p": 0.0, "train": False, "training": False}
+
+
+def draws(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Whether an op about to run draws random numbers: tagged ``nondeterministic_seeded``
+    (dropout, ``bernoulli``, ``randn_like``, ...), unless an argument switches its draw off
+    (``scaled_dot_product_attention`` with ``dropout_p=0``, ``native_dropout`` with
+    ``train=False``): such an op runs as any other, where taking it as drawing would have its
+    chain computed at every read (auto) or refused (freeze, export)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name in _DRAW_OFF:
+            value = args[i] if i < len(args) else kwargs.get(argument.name, argument.default_value)
+            off = _DRAW_OFF[argument.name]
+            if type(value) is type(off) and value == off:
+                return False
+    return True
+
+
 class _Probe(TorchDispatchMode):
     """What a probe's ops do: it is stopped at its first collective, before it is issued (on
-    one rank it would hang), and notes whether it draws random numbers (any op tagged
-    ``nondeterministic_seeded``: dropout, ``bernoulli``, ``randn_like``, ...).
+    one rank it would hang), and notes whether it draws random numbers (:func:`draws`: dropout, ``bernoulli``, ``randn_like``,
+    ...).
 
     A drawing op is not run: its results (and the tensors it writes) get numbers from the
     probe's own generator, shaped as the op's meta kernel says. No torch generator of the user's
@@ -800,7 +825,7 @@ class _Probe(TorchDispatchMode):
         if collective and self._stop_at_collectives:
             raise _Collective(func.name())
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if draws(func, args, kwargs):
             self.random = True
             return self._draw_privately(func, args, kwargs)
         return func(*args, **kwargs)
