@@ -3,7 +3,7 @@
 ``paramfold bench`` times the first compiled call, not ``prepare`` before it (its ``--wide``
 columns show prepare). For torch's own parametrizations prepare is small; a parametrization
 class paramfold does not know (the seed model's ``CastToBFloat16``) is probed at prepare, a few
-calls per site on copies (``paramfold.sites``). This prints prepare's CPU time on the seed model
+calls per site on copies (``paramfold.probe``). This prints prepare's CPU time on the seed model
 (eval), min and median over ``--repeats`` fresh models after one uncounted prepare, the
 probes' checks of the global generators per probed site (one per probe: Python's, NumPy's and
 torch's CPU generator read before and after it, :class:`paramfold.held.GlobalGenerators`; a count
@@ -22,6 +22,7 @@ import time
 import timeit
 
 import paramfold
+import paramfold.probe as probe
 import paramfold.sites as sites
 from paramfold.bench import BenchConfig
 from paramfold.bench.config import build_model
@@ -37,7 +38,7 @@ def main() -> None:
     paramfold.prepare(build_model(BenchConfig(layers=2)).eval(), args.modes[0])  # imports, first-use caches
 
     checks = []
-    real = sites.GlobalGenerators
+    real = probe.GlobalGenerators
 
     class Counted(real):
         __slots__ = ()
@@ -46,12 +47,12 @@ def main() -> None:
             checks.append(1)
             super().__init__()
 
-    sites.GlobalGenerators = Counted
+    probe.GlobalGenerators = Counted
     try:
         model = build_model(config).eval()
         probed = sum(any(map(sites.probed, site.chain)) for site in paramfold.find(model))
     finally:
-        sites.GlobalGenerators = real
+        probe.GlobalGenerators = real
     one = timeit.timeit(lambda: real().moved(), number=200) / 200
     print(f"seed model, {args.layers} layers: {probed} sites probed, "
           f"{len(checks) / max(probed, 1):.1f} generator checks per probed site, {one * 1e6:.0f} us each")

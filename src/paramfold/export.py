@@ -31,7 +31,8 @@ from paramfold.freeze import Stopped, _address, unchanging
 from paramfold.held import held
 from paramfold.hooknorms import hook_norms
 from paramfold.state import STATE_ATTR, installed_keys, is_dtensor, state_of
-from paramfold.sites import Site, _same_bits, computed_per_call, find, parametrization_paths
+from paramfold.probe import same_bits
+from paramfold.sites import Site, computed_per_call, find, parametrization_paths
 from paramfold.watch import layout
 
 __all__ = ["export", "folded_copy"]
@@ -262,7 +263,7 @@ class _Bindings:
             if (_address(t), layout(t)) != self.where[i]:
                 t.data = alias
                 moved.append(f"{name} (its .data rebound)")
-            if self.copies is not None and not _same_bits(alias, self.copies[i]):
+            if self.copies is not None and not same_bits(alias, self.copies[i]):
                 alias.copy_(self.copies[i])
                 moved.append(f"{name} (written in place)")
         return moved

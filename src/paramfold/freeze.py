@@ -84,7 +84,8 @@ from paramfold.state import (CALLS, PLAIN_TENSOR_TYPES, STATE_ATTR, FrozenValue,
 from paramfold.state import functorch_wrapped as _wrapped
 from paramfold.state import innermost_transform as _transform
 from paramfold.state import tensor_data_ptr as _data_ptr
-from paramfold.sites import Site, draws, probed
+from paramfold.probe import draws
+from paramfold.sites import Site, probed
 from paramfold.watch import layout, tag
 
 
@@ -168,7 +169,7 @@ class Stopped(Exception):
 
 class _Unchanging(TorchDispatchMode):
     """Stops a computation at its first op that would draw random numbers
-    (:func:`~paramfold.sites.draws`: dropout, ``randn_like``, a draw from a private generator) or
+    (:func:`~paramfold.probe.draws`: dropout, ``randn_like``, a draw from a private generator) or
     write to a tensor of the chain (one of ``storages``: an original, a member's buffer,
     parameter or tensor attribute, a view of one), before it runs: no generator moves, no state
     changes. A chain found not to do either (a freeze or auto site) that does it now was switched

@@ -32,7 +32,8 @@ from torch.nn.utils import parametrize
 from paramfold.compute import GLOBAL_HOOKS, dispatch_modes
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.freeze import own_tensors, settings
-from paramfold.sites import CannotProbeNow, draws_random_numbers, probed, runs_hooks
+from paramfold.probe import CannotProbeNow
+from paramfold.sites import draws_random_numbers, probed, runs_hooks
 from paramfold.state import SiteState, tensor_version, version_of
 from paramfold.watch import tag
 
@@ -147,7 +148,7 @@ def recheck(holder: nn.Module, name: str, site: SiteState) -> bool | None:
     """Whether ``holder.<name>`` draws random numbers (or changes its state as prepare did not
     plan for: :func:`~paramfold.sites.draws_random_numbers`) now, probed again where its settings
     changed since the last probe (``site.draws`` and ``site.draw_watch`` updated); None where it
-    cannot be probed now (:class:`~paramfold.sites.CannotProbeNow`: nothing is updated, so a
+    cannot be probed now (:class:`~paramfold.probe.CannotProbeNow`: nothing is updated, so a
     later call probes it)."""
     if site.draw_watch is not None and not site.draw_watch.unchanged():
         if _tracing():

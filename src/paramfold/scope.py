@@ -403,7 +403,8 @@ def _share_with_late(entry: nn.Module, state: ModuleState, parametrized: tuple[n
         state.parametrized = parametrized
         return True
     from paramfold.prepare import state_sharers  # prepare imports this module
-    from paramfold.sites import CannotProbeNow, find
+    from paramfold.probe import CannotProbeNow
+    from paramfold.sites import find
     try:
         found = {id(site): site for site in find(entry)}
     except CannotProbeNow:
