@@ -5,9 +5,10 @@ columns show prepare). For torch's own parametrizations prepare is small; a para
 class paramfold does not know (the seed model's ``CastToBFloat16``) is probed at prepare, a few
 calls per site on copies (``paramfold.probe``). This prints prepare's CPU time on the seed model
 (eval), min and median over ``--repeats`` fresh models after one uncounted prepare, the
-probes' checks of the global generators per probed site (one per probe: Python's, NumPy's and
-torch's CPU generator read before and after it, :class:`paramfold.held.GlobalGenerators`; a count
-that does not vary) and what one check costs.
+probes' checks of the global generators per probed site (one per probe: the thread's calls of
+Python's and torch's generators watched while it runs, NumPy's state read before and after it,
+:class:`paramfold.held.GlobalGenerators`; a count that does not vary) and what one check costs
+around an empty probe (the watch's cost per call the chain makes is in prepare's time).
 
     python examples/prepare_cost.py                          # 32 layers: freeze hoist
     python examples/prepare_cost.py --layers 128 --repeats 5 freeze

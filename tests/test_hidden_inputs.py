@@ -15,6 +15,7 @@ import importlib
 import pickle
 import random
 import re
+import sys
 import threading
 import warnings
 
@@ -1228,6 +1229,41 @@ def test_find_probing_a_chain_does_not_rewind_another_threads_draws():
     assert all(torch.equal(a, torch.rand(3)) for a in (*member.drawn, after))
 
 
+class _WaitsForAnotherThreadsSeed(nn.Module):
+    """Deterministic, but another thread seeds torch's generator and draws while it computes
+    (``drawn``: the class's, as above)."""
+
+    drawn: list = []
+
+    def forward(self, w):
+        def seed_and_draw():
+            torch.manual_seed(len(self.drawn) + 100)
+            self.drawn.append(torch.rand(3))
+
+        thread = threading.Thread(target=seed_and_draw)
+        thread.start()
+        thread.join(30)
+        return w * 2
+
+
+def test_find_probing_a_chain_does_not_undo_another_threads_seed():
+    # Regression (helper-225): the probe took a changed initial seed of torch's generator for the
+    # chain's seed, though another thread had set it: the chain was taken as drawing (freeze
+    # refused a deterministic chain) and the generator put back, undoing that thread's seed (its
+    # next draws were not its seed's).
+    layer = _layer_with(_WaitsForAnotherThreadsSeed())
+    member = layer.parametrizations.weight[0]
+    member.drawn.clear()  # register_parametrization ran the chain too
+    sites = paramfold.find(layer)
+    after = torch.rand(3)
+    assert member.drawn and not sites[0].random
+    seed = 100 + len(member.drawn) - 1  # the last seed the other thread set, and then its draw
+    torch.manual_seed(seed)
+    assert torch.equal(member.drawn[-1], torch.rand(3)) and torch.equal(after, torch.rand(3))
+    paramfold.prepare(layer, "freeze")  # a deterministic chain
+    assert layer(torch.ones(1, 3)).shape == (1, 3)
+
+
 @pytest.mark.parametrize("parametrization", [DropConnect, Noisy, NoisyWithGrad])
 def test_find_probing_a_random_chain_leaves_every_generator_alone(parametrization):
     # The probe of a chain that draws runs its drawing ops on a private generator: the CPU
@@ -1430,6 +1466,31 @@ class _SeedsPythonAndDraws(nn.Module):
         return w * (1 + random.random())
 
 
+class _SetsTorchState(nn.Module):
+    """Puts torch's generator to a saved state at each read (to replay the forward's masks)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        torch.rand(3, generator=g)
+        self.state = g.get_state()  # not a freshly seeded state
+
+    def forward(self, w):
+        torch.set_rng_state(self.state)
+        return w * 2
+
+
+class _PythonDrawPutBack(nn.Module):
+    """Draws from Python's generator and puts its state back: the factor is the draw the
+    generator's state at the read gives, which the forward's own draws move from call to call."""
+
+    def forward(self, w):
+        state = random.getstate()
+        factor = 1 + random.random()
+        random.setstate(state)
+        return w * factor
+
+
 class _ForwardDrawingAfterTheRead(nn.Module):
     def __init__(self, member: nn.Module):
         super().__init__()
@@ -1441,9 +1502,11 @@ class _ForwardDrawingAfterTheRead(nn.Module):
         return self.drop(self.layer(x)) + random.random() + float(np.random.rand())
 
 
-@pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy, _SeedsPythonAndDraws],
-                         ids=["torch", "python", "numpy", "python_seed_and_draw"])
-def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_leaves_it_alone(member):
+@pytest.mark.parametrize("flow", ["drawn between", "built then prepared"])
+@pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy, _SeedsPythonAndDraws, _SetsTorchState,
+                                    _PythonDrawPutBack],
+                         ids=["torch", "python", "numpy", "python_seed_and_draw", "torch_state", "python_put_back"])
+def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_leaves_it_alone(member, flow):
     # Regression (helper-221): a chain that reseeds a global generator at each read (its later
     # draws in the forward then repeat from call to call, as stock's) was found not to draw:
     # torch.manual_seed is no op the probe sees, and it ran for real (prepare moved torch's
@@ -1451,10 +1514,15 @@ def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_le
     # register_parametrization makes), so no state changed. freeze and auto served the value
     # without the seed: the dropout mask and random.random() differed from stock's from the
     # second call on (up to 1.56 off).
+    # Also (helper-225): torch.set_rng_state(saved) at each read, a seed to the state the
+    # generator is in already (nothing drawn between register_parametrization's read and
+    # prepare: "built then prepared"), and Python's state read, drawn from and put back, were
+    # not seen (until the probe watched its thread's calls of the generators' methods).
     torch.manual_seed(1)
     model = _ForwardDrawingAfterTheRead(member()).train().requires_grad_(False)
     stock = copy.deepcopy(model)
-    torch.manual_seed(99)  # not where the chain's seed sets it; Python's and NumPy's are
+    if flow == "drawn between":
+        torch.manual_seed(99)  # not where the chain's seed sets it; Python's and NumPy's are
     before = (torch.get_rng_state(), random.getstate(), pickle.dumps(np.random.get_state(legacy=False)))
     assert [s.random for s in paramfold.find(model)] == [True]
     for mode in ("hoist", "freeze"):
@@ -1472,6 +1540,26 @@ def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_le
         _seed_all(7)
         for call, expected in enumerate(want):
             assert torch.equal(model(x), expected), call
+
+
+@pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy], ids=["torch", "python", "numpy"])
+def test_a_seeding_chain_is_seen_under_a_profiler_and_the_profiler_keeps_running(member):
+    # The probe watches its thread's calls with sys.setprofile; a thread profiled already
+    # (cProfile) keeps its profiler, and the generators' states are compared instead.
+    import cProfile
+
+    torch.manual_seed(1)
+    model = _ForwardDrawingAfterTheRead(member()).train().requires_grad_(False)
+    torch.manual_seed(99)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        sites = paramfold.find(model)
+        assert sys.getprofile() is profiler
+    finally:
+        profiler.disable()
+    assert [s.random for s in sites] == [True]
+    assert sys.getprofile() is None
 
 
 class _NpNormal(nn.Module):

@@ -250,43 +250,135 @@ def set_global_generator_states(states: tuple[tuple, NumpyState | None]) -> None
 
 
 class GlobalGenerators:
-    """The global generators a chain may move without holding one, read before it is probed
-    (:mod:`paramfold.sites`): Python's ``random``, NumPy's ``np.random`` and torch's default CPU
-    generator. :meth:`moved` says whether the probe moved one, and puts them back.
+    """Whether a chain's probe used a global generator, one it draws from or seeds without
+    holding it (:mod:`paramfold.probe`): Python's ``random``, NumPy's ``np.random``, torch's
+    default CPU (and initialised device) generators. Create it before the probe, call
+    :meth:`moved` after: it says whether the probe used one, and puts back those it did.
 
-    Python's is moved by one draw first (cheap), so that a chain that sets it to the state it was
-    in shows too (``random.seed(0)``, then a draw or not, where the last read had just done the
-    same, as ``register_parametrization``'s own read does); NumPy's (about 40 us a read) only
-    where it is freshly seeded. torch's draws never reach its generator (the probe gives drawing
-    ops numbers of its own), so of torch's only a seed set counts (``torch.manual_seed``): its
-    initial seed changed, or its state freshly seeded where it was not; another thread's draws
-    meanwhile leave neither, and are not rewound. torch's is never moved here (that would rewind
-    another thread's draws): a chain seeding it with the seed it was freshly seeded with just
-    before is not seen. Whatever was moved is put back after."""
+    Python's and torch's are watched on the probe's own thread (``sys.setprofile``, which is per
+    thread): every call of a method of Python's global generator but a state read (a draw,
+    ``seed``, ``setstate``), and every seed or state set on torch's (``manual_seed``,
+    ``set_rng_state``; torch's draws are ops, which the probe serves from a generator of its
+    own). So another thread's draws and seeds meanwhile are neither taken for the chain's nor
+    rewound, and a seed or state set to the one a generator is in already shows; a generator is
+    put back to its state just before the probe first used it. ``torch.random.fork_rng`` putting
+    torch's state back is no use of it. NumPy's functions are Cython, which no profiler sees:
+    its state is compared (:class:`_NumpyCompared`).
 
-    __slots__ = ("python", "numpy", "seed", "torch", "start", "numpy_start")
+    Where the thread has a profiler already (``cProfile``), which ``sys.setprofile`` would
+    replace, all three are compared instead (:class:`_Compared`)."""
+
+    __slots__ = ("used", "saved", "outer", "compared", "numpy")
 
     def __init__(self) -> None:
-        self.python, self.numpy = global_generator_states()
+        self.used = False
+        self.saved: dict[object, tuple] = {}  # generator -> (its state then, how to put it back)
+        profile = sys.getprofile()
+        ours = getattr(profile, "__func__", None) is GlobalGenerators._seen
+        self.outer = profile.__self__ if ours else None  # a probe inside a probe: both see its calls
+        self.compared = _Compared() if profile is not None and not ours else None
+        self.numpy = _NumpyCompared() if self.compared is None else None
+        if self.compared is None:
+            sys.setprofile(self._seen)
+
+    def _seen(self, frame: types.FrameType, event: str, arg: object) -> None:
+        if event != "c_call":
+            return
+        if self.outer is not None:
+            self.outer._seen(frame, event, arg)
+        owner = getattr(arg, "__self__", None)
+        kind = None if owner is None else _global_generator(owner, arg.__name__)
+        if kind is None or (kind == "torch" and _putting_back(frame)):
+            return
+        self.used = True
+        if owner not in self.saved:
+            self.saved[owner] = (random.getstate(), random.setstate) if kind == "python" else (
+                owner.get_state(), owner.set_state)
+
+    def moved(self) -> bool:
+        """Whether the probe drew from or seeded a global generator (each put back as it was just
+        before the probe first used it)."""
+        if self.compared is not None:
+            return self.compared.moved()
+        sys.setprofile(self.outer._seen if self.outer is not None else None)
+        for state, put_back in self.saved.values():
+            put_back(state)
+        return self.numpy.moved() or self.used
+
+
+#: The methods of torch's generators that set their state (a draw is an op, served by the probe).
+_TORCH_SETTERS = frozenset({"manual_seed", "seed", "set_state", "set_offset", "graphsafe_set_state"})
+
+
+def _global_generator(owner: object, name: str) -> str | None:
+    """Which global generator a C method bound to ``owner`` uses (``"python"``, ``"torch"``), or
+    None: none, or only reads it."""
+    if owner is random._inst:
+        return None if name == "getstate" else "python"
+    if type(owner) is torch._C.Generator and name in _TORCH_SETTERS:
+        device = sys.modules["torch.cuda"].default_generators if "torch.cuda" in sys.modules else ()
+        if owner is torch.default_generator or any(owner is g for g in device):
+            return "torch"
+    return None
+
+
+def _putting_back(frame: types.FrameType | None) -> bool:
+    """Whether a call from ``frame`` is ``torch.random.fork_rng`` putting a state back."""
+    code = getattr(getattr(torch.random.fork_rng, "__wrapped__", None), "__code__", None)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _NumpyCompared:
+    """Whether NumPy's global generator moved between this object's creation and :meth:`moved`
+    (put back where it did). Where it is freshly seeded it is moved by one draw first, so that a
+    chain seeding it to the state it is in shows too (about 40 us a read: only then). Another
+    thread's draws meanwhile are taken for the chain's, and drawn again after."""
+
+    __slots__ = ("state", "start")
+
+    def __init__(self) -> None:
+        numpy = sys.modules.get("numpy")
+        self.state = self.start = None if numpy is None else NumpyState(numpy.random.get_state(legacy=False))
+        if self.state is not None and self.state.state.get("state", {}).get("pos") == _FRESH_INDEX:
+            numpy.random.random_sample()
+            self.start = NumpyState(numpy.random.get_state(legacy=False))
+
+    def moved(self) -> bool:
+        if self.state is None:
+            return False
+        numpy = sys.modules["numpy"]
+        drew = NumpyState(numpy.random.get_state(legacy=False)) != self.start
+        if drew or self.start is not self.state:
+            numpy.random.set_state(self.state.state)
+        return drew
+
+
+class _Compared:
+    """:class:`GlobalGenerators` where the thread has a profiler already: the generators' states
+    compared around the probe. Python's is moved by one draw first, so that a chain that sets it
+    to the state it was in shows too; NumPy's as :class:`_NumpyCompared`. Of torch's only a seed
+    set shows: its initial seed changed, or its state freshly seeded where it was not. Another
+    thread's draws from Python's generator meanwhile are taken for the chain's and drawn again;
+    another thread's torch seed is undone."""
+
+    __slots__ = ("python", "numpy", "seed", "torch", "start")
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        self.numpy = _NumpyCompared()
         self.seed = torch.initial_seed()
         self.torch = torch.default_generator.get_state()
         random.getrandbits(32)
         self.start = random.getstate()
-        self.numpy_start = self.numpy
-        if self.numpy is not None and self.numpy.state.get("state", {}).get("pos") == _FRESH_INDEX:
-            numpy = sys.modules["numpy"]
-            numpy.random.random_sample()
-            self.numpy_start = NumpyState(numpy.random.get_state(legacy=False))
 
     def moved(self) -> bool:
-        """Whether the probe drew from Python's or NumPy's generator or set a seed of any of the
-        three (each put back as it was before the probe)."""
-        python, numpy = global_generator_states()
-        drew_numpy = self.numpy is not None and numpy != self.numpy_start
-        drew = python != self.start or drew_numpy
+        drew = random.getstate() != self.start
         random.setstate(self.python)
-        if drew_numpy or self.numpy_start is not self.numpy:
-            sys.modules["numpy"].random.set_state(self.numpy.state)
+        drew = self.numpy.moved() or drew
         now, seed = torch.default_generator.get_state(), torch.initial_seed()
         seeded = seed != self.seed or (torch.equal(now, _fresh_torch_state(seed)) and not torch.equal(now, self.torch))
         if seeded:

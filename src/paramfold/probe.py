@@ -407,9 +407,10 @@ def run_probed(probe: Probe, fn: Callable[..., T], *args: object) -> T:
 
     Python's global ``random`` and NumPy's global ``np.random`` cannot be kept from drawing as
     torch's generators are (no dispatch mode sees them), nor any global generator from being
-    seeded (``torch.manual_seed`` is no op): their states are put back afterwards, and a draw or
-    a seed set counts as the chain drawing random numbers (:class:`~paramfold.held.GlobalGenerators`:
-    stock's read reseeds at every computation, and later draws in the forward repeat)."""
+    seeded (``torch.manual_seed`` is no op): a draw from them, or a seed or state set of any,
+    counts as the chain drawing random numbers (stock's read reseeds at every computation, and
+    later draws in the forward repeat), and what was used is put back
+    (:class:`~paramfold.held.GlobalGenerators`)."""
     generators = GlobalGenerators()
     try:
         with torch.compiler.set_stance("force_eager"), probe:
