@@ -335,6 +335,32 @@ def test_a_projects_own_key_is_read_beside_an_empty_standard_one_and_odd_top_lev
         open_checkpoint(tmp_path / "mixed.pt")
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_projects_own_key_is_read_beside_scalar_tensors_as_beside_ints(tmp_path, legacy):
+    # Regression (helper-225): {'generator': sd, 'step': torch.tensor(5)} was refused as "its state dict
+    # holds 1 non-tensor entry ('generator': OrderedDict ...)", the top level taken for a state dict
+    # because of the step counter, where {'model': sd, 'step': tensor} and {'generator': sd, 'step': 5}
+    # were read. Scalar tensors are a checkpoint's metadata; no model's weights are all scalars.
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    for name, saved in (("step", {"generator": sd, "step": torch.tensor(5)}),
+                        ("more", {"best_loss": torch.tensor(0.25), "generator": sd, "step": torch.tensor(5),
+                                  "epoch": 3, "optimizer": {"state": {}, "param_groups": []}}),
+                        ("empty_model", {"model": {}, "generator": sd, "step": torch.tensor(5)})):
+        torch.save(saved, tmp_path / f"{name}.pt", **save)
+        with open_checkpoint(tmp_path / f"{name}.pt") as ckpt:
+            assert ckpt.root == "generator" and sorted(ckpt.keys()) == sorted(sd), name
+            assert all(torch.equal(ckpt.read(k), t) for k, t in sd.items())
+    # Under that key, extra state is named there, not taken for the top level's.
+    torch.save({"generator": {**sd, "_extra_state": 3}, "step": torch.tensor(5)}, tmp_path / "mixed.pt", **save)
+    with pytest.raises(CheckpointError, match=r"its entry 'generator' holds 1 non-tensor entry \('_extra_state': int"):
+        open_checkpoint(tmp_path / "mixed.pt")
+    # Metadata alone (scalars, no model): no state dict, not a state dict with a stray entry.
+    torch.save({"step": torch.tensor(5), "epoch": 3}, tmp_path / "meta.pt", **save)
+    with pytest.raises(CheckpointError, match=r"no state dict found \(top-level keys: step, epoch\)"):
+        open_checkpoint(tmp_path / "meta.pt")
+
+
 def test_a_checkpoint_without_a_suffix_is_told_what_it_is_and_how_to_name_it(tmp_path):
     # Regression (helper-222): HiFi-GAN's g_02500000 (a torch.save file, no suffix) was said to be of
     # an unsupported format 'g_02500000' and no more.

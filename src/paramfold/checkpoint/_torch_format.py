@@ -501,8 +501,10 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             sub = obj.get(key)
             if _is_state_dict(sub, tensor_type):
                 return dict(sub), key
-        for name, sub in [*((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS), (None, obj)]:
-            _refuse_mixed_state_dict(sub, name, p, tensor_type)
+        for key in NESTED_STATE_DICT_KEYS:
+            _refuse_mixed_state_dict(obj.get(key), key, p, tensor_type)
+        if _has_model_marks(obj, tensor_type):
+            _refuse_mixed_state_dict(obj, None, p, tensor_type)
         # Under another key of the project's own (HiFi-GAN's {'generator': ...}): the one state dict there.
         others = [(k, sub) for k, sub in obj.items()
                   if isinstance(k, str) and k not in NESTED_STATE_DICT_KEYS and isinstance(sub, Mapping) and sub]
@@ -526,6 +528,22 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
         f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
     )
+
+
+def _has_model_marks(obj: Mapping[Any, Any], tensor_type: type) -> bool:
+    """Whether ``obj``, a top level that is not a plain state dict, is a state dict with stray entries
+    rather than a training checkpoint around one (HiFi-GAN's ``{'generator': sd, 'steps': ...}``):
+    every key a string, as in any state dict, and the marks of a model, a tensor that is not a scalar
+    or a module's ``_extra_state``. Scalar tensors (a step counter or a best loss saved as a tensor)
+    are a checkpoint's metadata, as ints and floats are: no model's weights are all scalars."""
+    return all(isinstance(k, str) for k in obj) and any(
+        (isinstance(v, tensor_type) and len(v.shape) > 0) or _is_extra_state_key(k) for k, v in obj.items()
+    )
+
+
+def _is_extra_state_key(key: str) -> bool:
+    """Where ``Module.state_dict()`` puts a module's ``get_extra_state()``: ``<module>._extra_state``."""
+    return key == "_extra_state" or key.endswith("._extra_state")
 
 
 def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: type) -> None:
