@@ -361,6 +361,32 @@ def test_a_projects_own_key_is_read_beside_scalar_tensors_as_beside_ints(tmp_pat
         open_checkpoint(tmp_path / "meta.pt")
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_dict_of_tensors_beside_weights_is_refused_naming_both(tmp_path, legacy):
+    # Regression (helper-225): a dict of tensors beside tensors that are not scalars (a state dict
+    # with its stats dict put inside, {'weights': t, 'generator': sd}) is two candidate models: it
+    # was refused as a state dict with a stray entry and a module's get_extra_state() blamed, without
+    # a word of the state dict under that key. Still refused (either may be the model), naming both.
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    stats = {"mean": torch.zeros(3), "std": torch.ones(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    for saved, inner, beside in (({**sd, "norm_stats": stats}, "norm_stats", "'conv.weight', ..."),
+                                 ({"weights": torch.zeros(3), "generator": sd}, "generator", "'weights'")):
+        torch.save(saved, tmp_path / "two.pt", **save)
+        with pytest.raises(CheckpointError) as refused:
+            open_checkpoint(tmp_path / "two.pt")
+        assert str(refused.value).endswith(
+            f"two.pt: its top level holds a dict of tensors under '{inner}' beside tensors that are not all scalars "
+            f"({beside}): either may be the model, and paramfold reads one per checkpoint without guessing which; "
+            f"save the one to read on its own: torch.save(ckpt['{inner}'], PATH), or the tensors beside it, "
+            "{k: v for k, v in ckpt.items() if isinstance(v, torch.Tensor)}"
+        ), str(refused.value)
+    # A stray entry that holds no tensor is what it was: a state dict with a non-tensor entry.
+    torch.save({**sd, "meta": {"lr": 0.1}}, tmp_path / "meta.pt", **save)
+    with pytest.raises(CheckpointError, match=r"its state dict holds 1 non-tensor entry \('meta': dict; a module's"):
+        open_checkpoint(tmp_path / "meta.pt")
+
+
 def test_a_checkpoint_without_a_suffix_is_told_what_it_is_and_how_to_name_it(tmp_path):
     # Regression (helper-222): HiFi-GAN's g_02500000 (a torch.save file, no suffix) was said to be of
     # an unsupported format 'g_02500000' and no more.

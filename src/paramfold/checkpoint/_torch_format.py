@@ -556,6 +556,19 @@ def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: t
         return
     where = f"its entry '{name}'" if name else "its state dict"
     first = others[0]
+    # A dict of tensors beside tensors that are not scalars: two sets of weights, either of which may be the model.
+    nested = [k for k in others if not _is_extra_state_key(k) and isinstance(sub[k], Mapping)
+              and any(isinstance(v, tensor_type) for v in sub[k].values())]
+    if nested:
+        ckpt = "ckpt" if name is None else f"ckpt[{name!r}]"
+        tensors = [k for k, v in sub.items() if isinstance(v, tensor_type)]
+        raise CheckpointError(
+            f"{p}: {where if name else 'its top level'} holds a dict of tensors under '{nested[0]}' beside tensors "
+            f"that are not all scalars ('{tensors[0]}'{', ...' if len(tensors) > 1 else ''}): either may be the "
+            "model, and paramfold reads one per checkpoint without guessing which; save the one to read on its own: "
+            f"torch.save({ckpt}[{nested[0]!r}], PATH), or the tensors beside it, "
+            f"{{k: v for k, v in {ckpt}.items() if isinstance(v, torch.Tensor)}}"
+        )
     raise CheckpointError(
         f"{p}: {where} holds {len(others)} non-tensor entr{'y' if len(others) == 1 else 'ies'} "
         f"('{_key_name(first)}': {_type_name(sub[first])}{', ...' if len(others) > 1 else ''}; "
