@@ -387,6 +387,25 @@ def test_a_dict_of_tensors_beside_weights_is_refused_naming_both(tmp_path, legac
         open_checkpoint(tmp_path / "meta.pt")
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_model_beside_its_stats_dict_is_refused_saying_why_not_picked(tmp_path, legacy):
+    # helper-225: {'net': sd, 'norm_stats': {'mean': t, 'std': t}} is refused as several state dicts.
+    # Kept (no rule tells a model from its stats that does not also pick between a generator and its
+    # discriminator, or a model and its EMA copy, by guessing), the line now says so; with a scalar
+    # step beside them it was refused as a top-level state dict with a stray entry ('net': dict).
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    stats = {"mean": torch.zeros(3), "std": torch.ones(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    for saved in ({"net": sd, "norm_stats": stats}, {"net": sd, "norm_stats": stats, "step": torch.tensor(7)}):
+        torch.save(saved, tmp_path / "stats.pt", **save)
+        with pytest.raises(CheckpointError, match=re.escape(
+                "several state dicts (under 'net', 'norm_stats'): paramfold reads one model per checkpoint; save "
+                "the one to read on its own (torch.save(ckpt['net'], PATH)); which is the model is not guessed from "
+                "sizes or names: a generator and its discriminator, a model and its EMA copy or its normalisation "
+                "stats look alike")):
+            open_checkpoint(tmp_path / "stats.pt")
+
+
 def test_a_checkpoint_without_a_suffix_is_told_what_it_is_and_how_to_name_it(tmp_path):
     # Regression (helper-222): HiFi-GAN's g_02500000 (a torch.save file, no suffix) was said to be of
     # an unsupported format 'g_02500000' and no more.

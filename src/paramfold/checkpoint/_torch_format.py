@@ -513,8 +513,11 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             return dict(obj[found[0]]), found[0]
         if found:
             raise CheckpointError(
-                f"{p}: several state dicts (under {', '.join(map(repr, found[:8]))}): paramfold reads one "
-                f"model per checkpoint; save the one to read on its own (torch.save(ckpt[{found[0]!r}], PATH))"
+                f"{p}: several state dicts (under {', '.join(map(repr, found[:8]))}"
+                f"{', ...' if len(found) > 8 else ''}): paramfold reads one model per checkpoint; save the one "
+                f"to read on its own (torch.save(ckpt[{found[0]!r}], PATH)); which is the model is not guessed "
+                "from sizes or names: a generator and its discriminator, a model and its EMA copy or its "
+                "normalisation stats look alike"
             )
         for name, sub in others:
             _refuse_mixed_state_dict(sub, name, p, tensor_type)
