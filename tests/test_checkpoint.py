@@ -406,6 +406,17 @@ def test_a_model_beside_its_stats_dict_is_refused_saying_why_not_picked(tmp_path
             open_checkpoint(tmp_path / "stats.pt")
 
 
+def test_no_state_dict_found_names_every_place_one_is_looked_for(tmp_path):
+    # Regression (helper-225): the line named the top level and 'state_dict' / 'model' /
+    # 'model_state_dict' only, not a state dict under a key of the project's own (read since helper-222).
+    torch.save({"ckpt": {"model": {"w": torch.ones(2)}}}, tmp_path / "deep.pt")
+    with pytest.raises(CheckpointError, match=re.escape(
+            "no state dict found (top-level keys: ckpt); expected a dict of tensors, one under 'state_dict' / "
+            "'model' / 'model_state_dict', or the only one under a key of its own (HiFi-GAN's 'generator', "
+            "beside metadata such as a step)")):
+        open_checkpoint(tmp_path / "deep.pt")
+
+
 def test_a_checkpoint_without_a_suffix_is_told_what_it_is_and_how_to_name_it(tmp_path):
     # Regression (helper-222): HiFi-GAN's g_02500000 (a torch.save file, no suffix) was said to be of
     # an unsupported format 'g_02500000' and no more.

@@ -528,8 +528,9 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
     else:
         where = f"it holds {with_article(_type_name(obj))}"
     raise CheckpointError(
-        f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
+        f"{p}: no state dict found ({where}); expected a dict of tensors, one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
+        + ", or the only one under a key of its own (HiFi-GAN's 'generator', beside metadata such as a step)"
     )
 
 
