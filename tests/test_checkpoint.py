@@ -335,6 +335,88 @@ def test_a_projects_own_key_is_read_beside_an_empty_standard_one_and_odd_top_lev
         open_checkpoint(tmp_path / "mixed.pt")
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_projects_own_key_is_read_beside_scalar_tensors_as_beside_ints(tmp_path, legacy):
+    # Regression (helper-225): {'generator': sd, 'step': torch.tensor(5)} was refused as "its state dict
+    # holds 1 non-tensor entry ('generator': OrderedDict ...)", the top level taken for a state dict
+    # because of the step counter, where {'model': sd, 'step': tensor} and {'generator': sd, 'step': 5}
+    # were read. Scalar tensors are a checkpoint's metadata; no model's weights are all scalars.
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    for name, saved in (("step", {"generator": sd, "step": torch.tensor(5)}),
+                        ("more", {"best_loss": torch.tensor(0.25), "generator": sd, "step": torch.tensor(5),
+                                  "epoch": 3, "optimizer": {"state": {}, "param_groups": []}}),
+                        ("empty_model", {"model": {}, "generator": sd, "step": torch.tensor(5)})):
+        torch.save(saved, tmp_path / f"{name}.pt", **save)
+        with open_checkpoint(tmp_path / f"{name}.pt") as ckpt:
+            assert ckpt.root == "generator" and sorted(ckpt.keys()) == sorted(sd), name
+            assert all(torch.equal(ckpt.read(k), t) for k, t in sd.items())
+    # Under that key, extra state is named there, not taken for the top level's.
+    torch.save({"generator": {**sd, "_extra_state": 3}, "step": torch.tensor(5)}, tmp_path / "mixed.pt", **save)
+    with pytest.raises(CheckpointError, match=r"its entry 'generator' holds 1 non-tensor entry \('_extra_state': int"):
+        open_checkpoint(tmp_path / "mixed.pt")
+    # Metadata alone (scalars, no model): no state dict, not a state dict with a stray entry.
+    torch.save({"step": torch.tensor(5), "epoch": 3}, tmp_path / "meta.pt", **save)
+    with pytest.raises(CheckpointError, match=r"no state dict found \(top-level keys: step, epoch\)"):
+        open_checkpoint(tmp_path / "meta.pt")
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_dict_of_tensors_beside_weights_is_refused_naming_both(tmp_path, legacy):
+    # Regression (helper-225): a dict of tensors beside tensors that are not scalars (a state dict
+    # with its stats dict put inside, {'weights': t, 'generator': sd}) is two candidate models: it
+    # was refused as a state dict with a stray entry and a module's get_extra_state() blamed, without
+    # a word of the state dict under that key. Still refused (either may be the model), naming both.
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    stats = {"mean": torch.zeros(3), "std": torch.ones(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    for saved, inner, beside in (({**sd, "norm_stats": stats}, "norm_stats", "'conv.weight', ..."),
+                                 ({"weights": torch.zeros(3), "generator": sd}, "generator", "'weights'")):
+        torch.save(saved, tmp_path / "two.pt", **save)
+        with pytest.raises(CheckpointError) as refused:
+            open_checkpoint(tmp_path / "two.pt")
+        assert str(refused.value).endswith(
+            f"two.pt: its top level holds a dict of tensors under '{inner}' beside tensors that are not all scalars "
+            f"({beside}): either may be the model, and paramfold reads one per checkpoint without guessing which; "
+            f"save the one to read on its own: torch.save(ckpt['{inner}'], PATH), or the tensors beside it, "
+            "{k: v for k, v in ckpt.items() if isinstance(v, torch.Tensor)}"
+        ), str(refused.value)
+    # A stray entry that holds no tensor is what it was: a state dict with a non-tensor entry.
+    torch.save({**sd, "meta": {"lr": 0.1}}, tmp_path / "meta.pt", **save)
+    with pytest.raises(CheckpointError, match=r"its state dict holds 1 non-tensor entry \('meta': dict; a module's"):
+        open_checkpoint(tmp_path / "meta.pt")
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_model_beside_its_stats_dict_is_refused_saying_why_not_picked(tmp_path, legacy):
+    # helper-225: {'net': sd, 'norm_stats': {'mean': t, 'std': t}} is refused as several state dicts.
+    # Kept (no rule tells a model from its stats that does not also pick between a generator and its
+    # discriminator, or a model and its EMA copy, by guessing), the line now says so; with a scalar
+    # step beside them it was refused as a top-level state dict with a stray entry ('net': dict).
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    stats = {"mean": torch.zeros(3), "std": torch.ones(3)}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    for saved in ({"net": sd, "norm_stats": stats}, {"net": sd, "norm_stats": stats, "step": torch.tensor(7)}):
+        torch.save(saved, tmp_path / "stats.pt", **save)
+        with pytest.raises(CheckpointError, match=re.escape(
+                "several state dicts (under 'net', 'norm_stats'): paramfold reads one model per checkpoint; save "
+                "the one to read on its own (torch.save(ckpt['net'], PATH)); which is the model is not guessed from "
+                "sizes or names: a generator and its discriminator, a model and its EMA copy or its normalisation "
+                "stats look alike")):
+            open_checkpoint(tmp_path / "stats.pt")
+
+
+def test_no_state_dict_found_names_every_place_one_is_looked_for(tmp_path):
+    # Regression (helper-225): the line named the top level and 'state_dict' / 'model' /
+    # 'model_state_dict' only, not a state dict under a key of the project's own (read since helper-222).
+    torch.save({"ckpt": {"model": {"w": torch.ones(2)}}}, tmp_path / "deep.pt")
+    with pytest.raises(CheckpointError, match=re.escape(
+            "no state dict found (top-level keys: ckpt); expected a dict of tensors, one under 'state_dict' / "
+            "'model' / 'model_state_dict', or the only one under a key of its own (HiFi-GAN's 'generator', "
+            "beside metadata such as a step)")):
+        open_checkpoint(tmp_path / "deep.pt")
+
+
 def test_a_checkpoint_without_a_suffix_is_told_what_it_is_and_how_to_name_it(tmp_path):
     # Regression (helper-222): HiFi-GAN's g_02500000 (a torch.save file, no suffix) was said to be of
     # an unsupported format 'g_02500000' and no more.

@@ -711,6 +711,24 @@ def test_a_state_dict_with_non_tensor_entries_is_named_not_called_missing(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["extra.pt"]
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_projects_own_key_beside_a_scalar_tensor_is_audited_and_folded(tmp_path, legacy):
+    # Regression (helper-225): {'generator': sd, 'step': torch.tensor(5)} (a step counter or a best
+    # loss saved as a tensor) made audit and fold exit 1, "its state dict holds 1 non-tensor entry
+    # ('generator': OrderedDict ...)"; the same file with an int step, or under 'model', was read.
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Conv1d(2, 3, 3)), nn.ReLU(), weight_norm(nn.Linear(3, 3)))
+    src = tmp_path / "g.pt"
+    torch.save({"generator": model.state_dict(), "step": torch.tensor(5), "best_loss": torch.tensor(0.5)}, src,
+               _use_new_zipfile_serialization=not legacy)
+    res = _run("audit", src)
+    assert res.exit_code == 0 and "(under 'generator')" in " ".join(res.output.split()), res.output
+    res = _run("fold", src, tmp_path / "o.safetensors")
+    assert res.exit_code == 0, res.output
+    got, want = load_file(tmp_path / "o.safetensors"), _stock_plain_state_dict(model)
+    assert set(got) == set(want) and all(_same(got[k], want[k]) for k in want)
+
+
 def _half_layouts(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(

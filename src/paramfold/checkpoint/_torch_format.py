@@ -501,8 +501,10 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             sub = obj.get(key)
             if _is_state_dict(sub, tensor_type):
                 return dict(sub), key
-        for name, sub in [*((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS), (None, obj)]:
-            _refuse_mixed_state_dict(sub, name, p, tensor_type)
+        for key in NESTED_STATE_DICT_KEYS:
+            _refuse_mixed_state_dict(obj.get(key), key, p, tensor_type)
+        if _has_model_marks(obj, tensor_type):
+            _refuse_mixed_state_dict(obj, None, p, tensor_type)
         # Under another key of the project's own (HiFi-GAN's {'generator': ...}): the one state dict there.
         others = [(k, sub) for k, sub in obj.items()
                   if isinstance(k, str) and k not in NESTED_STATE_DICT_KEYS and isinstance(sub, Mapping) and sub]
@@ -511,8 +513,11 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             return dict(obj[found[0]]), found[0]
         if found:
             raise CheckpointError(
-                f"{p}: several state dicts (under {', '.join(map(repr, found[:8]))}): paramfold reads one "
-                f"model per checkpoint; save the one to read on its own (torch.save(ckpt[{found[0]!r}], PATH))"
+                f"{p}: several state dicts (under {', '.join(map(repr, found[:8]))}"
+                f"{', ...' if len(found) > 8 else ''}): paramfold reads one model per checkpoint; save the one "
+                f"to read on its own (torch.save(ckpt[{found[0]!r}], PATH)); which is the model is not guessed "
+                "from sizes or names: a generator and its discriminator, a model and its EMA copy or its "
+                "normalisation stats look alike"
             )
         for name, sub in others:
             _refuse_mixed_state_dict(sub, name, p, tensor_type)
@@ -523,9 +528,26 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
     else:
         where = f"it holds {with_article(_type_name(obj))}"
     raise CheckpointError(
-        f"{p}: no state dict found ({where}); expected a dict of tensors or one under "
+        f"{p}: no state dict found ({where}); expected a dict of tensors, one under "
         + " / ".join(f"'{k}'" for k in NESTED_STATE_DICT_KEYS)
+        + ", or the only one under a key of its own (HiFi-GAN's 'generator', beside metadata such as a step)"
     )
+
+
+def _has_model_marks(obj: Mapping[Any, Any], tensor_type: type) -> bool:
+    """Whether ``obj``, a top level that is not a plain state dict, is a state dict with stray entries
+    rather than a training checkpoint around one (HiFi-GAN's ``{'generator': sd, 'steps': ...}``):
+    every key a string, as in any state dict, and the marks of a model, a tensor that is not a scalar
+    or a module's ``_extra_state``. Scalar tensors (a step counter or a best loss saved as a tensor)
+    are a checkpoint's metadata, as ints and floats are: no model's weights are all scalars."""
+    return all(isinstance(k, str) for k in obj) and any(
+        (isinstance(v, tensor_type) and len(v.shape) > 0) or _is_extra_state_key(k) for k, v in obj.items()
+    )
+
+
+def _is_extra_state_key(key: str) -> bool:
+    """Where ``Module.state_dict()`` puts a module's ``get_extra_state()``: ``<module>._extra_state``."""
+    return key == "_extra_state" or key.endswith("._extra_state")
 
 
 def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: type) -> None:
@@ -538,6 +560,19 @@ def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: t
         return
     where = f"its entry '{name}'" if name else "its state dict"
     first = others[0]
+    # A dict of tensors beside tensors that are not scalars: two sets of weights, either of which may be the model.
+    nested = [k for k in others if not _is_extra_state_key(k) and isinstance(sub[k], Mapping)
+              and any(isinstance(v, tensor_type) for v in sub[k].values())]
+    if nested:
+        ckpt = "ckpt" if name is None else f"ckpt[{name!r}]"
+        tensors = [k for k, v in sub.items() if isinstance(v, tensor_type)]
+        raise CheckpointError(
+            f"{p}: {where if name else 'its top level'} holds a dict of tensors under '{nested[0]}' beside tensors "
+            f"that are not all scalars ('{tensors[0]}'{', ...' if len(tensors) > 1 else ''}): either may be the "
+            "model, and paramfold reads one per checkpoint without guessing which; save the one to read on its own: "
+            f"torch.save({ckpt}[{nested[0]!r}], PATH), or the tensors beside it, "
+            f"{{k: v for k, v in {ckpt}.items() if isinstance(v, torch.Tensor)}}"
+        )
     raise CheckpointError(
         f"{p}: {where} holds {len(others)} non-tensor entr{'y' if len(others) == 1 else 'ies'} "
         f"('{_key_name(first)}': {_type_name(sub[first])}{', ...' if len(others) > 1 else ''}; "
