@@ -217,17 +217,137 @@ def test_dtype():
 
 
 def test_a_hoisted_values_requires_grad_guard_is_a_parameters_not_an_inputs():
+    import paramfold
+    from torch.nn.utils.parametrizations import weight_norm
+
     from paramfold.recompiles.classify import classify
 
     # Regression (helper-223): hoist/auto's value of a parametrized weight sits in its module's
     # __dict__, so the guard names self._modules['b'].weight, which was taken for an input of the
     # call ("call .requires_grad_() on the input ... .detach()"), where stock's guard on the
-    # original got the parameter's fix.
-    for source in ("self._modules['b'].weight", "L['self']._modules['b']._modules['c'].weight", "self.weight"):
-        g = classify(f"0/1: tensor '{source}' requires_grad mismatch. expected requires_grad=1")
+    # original got the parameter's fix. The module is looked up in the frame's namespaces.
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Module()
+            self.b.weight = nn.Parameter(torch.ones(2))
+            self.b.c = weight_norm(nn.Linear(2, 2))
+            weight_norm(self.b, "weight", dim=None)
+
+    model = paramfold.prepare(Outer(), "hoist")
+    namespaces = ({}, {"self": model})
+    for source in ("self._modules['b'].weight", "L['self']._modules['b']._modules['c'].weight"):
+        g = classify(f"0/1: tensor '{source}' requires_grad mismatch. expected requires_grad=1", namespaces)
         assert g.fix.startswith("a parameter's requires_grad differs"), (source, g.fix)
-    g = classify("0/1: tensor 'x' requires_grad mismatch. expected requires_grad=1")
+    g = classify("0/1: tensor 'x' requires_grad mismatch. expected requires_grad=1", namespaces)
     assert g.fix.startswith("input x requires grad"), g.fix
+
+
+_helper_model = None
+
+
+class _Cached(nn.Module):
+    """A user's model keeping a running cache as a plain tensor attribute (no parameter, no buffer)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.cache = torch.zeros(rows, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache = torch.cat([self.cache, x])
+        return self.lin(self.cache).sum(0)
+
+
+def test_a_plain_tensor_attributes_guard_gets_a_plain_tensors_fix_not_a_parameters():
+    # Regression (helper-225): every tensor attribute reached through self was taken for a
+    # parameter/buffer: a plain model's running cache got "force_parameter_static_shapes = False",
+    # which does nothing for it, instead of the size-0/1 fix (1 -> 2) and mark_dynamic (2 -> 3).
+    for rows, wanted in ((1, "mark_unbacked(self.cache, 0)"), (2, "torch._dynamo.mark_dynamic(self.cache, 0)")):
+        torch._dynamo.reset()
+        cm = _compile(_Cached(rows))
+        with recompiles() as report:
+            cm(torch.randn(1, 4))
+            cm(torch.randn(1, 4))
+        (g,) = report.records[1].failed_guards
+        assert (g.category, g.tensor, g.dim) == ("shape", "self.cache", 0), g.guard
+        assert wanted in g.fix, g.fix
+        assert "parameter/buffer" not in g.fix and "force_parameter_static_shapes" not in g.fix
+
+    # requires_grad: a cache that took an input with grad in one call, then was reset without it
+    torch._dynamo.reset()
+    model = _Cached(2)
+    cm = _compile(model)
+    with recompiles() as report:
+        cm(torch.randn(1, 4, requires_grad=True))
+        cm(torch.randn(1, 4, requires_grad=True))
+        model.cache = model.cache.detach()[:2]
+        cm(torch.randn(1, 4, requires_grad=True))
+    (g,) = report.records[-1].failed_guards
+    assert (g.category, g.tensor) == ("requires_grad", "self.cache"), g.guard
+    assert g.fix == FIXES["requires_grad:attribute"].format(tensor="self.cache"), g.fix
+
+    # hoist's value of a parametrized weight, also a tensor in its module's __dict__, stays a parameter
+    import paramfold
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch._dynamo.reset()
+    model = paramfold.prepare(nn.Sequential(weight_norm(nn.Linear(8, 4, bias=False))), "hoist")
+    cm = _compile(model)
+    with recompiles() as report:
+        cm(torch.randn(2, 8))
+        model[0].weight = torch.randn(6, 8)
+        cm(torch.randn(2, 8))
+    (g,) = report.records[1].failed_guards
+    assert (g.category, g.tensor) == ("shape", "self._modules['0'].weight"), g.guard
+    assert g.fix.startswith("parameter/buffer self._modules['0'].weight changed shape"), g.fix
+
+
+def test_a_hoisted_value_reached_through_a_global_or_an_argument_gets_the_parameters_fix():
+    # Regression (helper-225): the parameter's fix was given only where the module was reached as
+    # self; a compiled function reading a prepared model as a global (G['model']) or an argument
+    # got the input's ".requires_grad_() ... .detach()". A plain tensor attribute read the same
+    # way is not taken for a parameter.
+    import paramfold
+    from torch.nn.utils.parametrizations import weight_norm
+
+    global _helper_model  # a module global, as dynamo names it: G['_helper_model']
+
+    @torch.compile(backend="eager")
+    def from_global(x):
+        return x @ _helper_model.lin.weight.T + _helper_model.extra
+
+    @torch.compile(backend="eager")
+    def from_argument(m, x):
+        return x @ m.lin.weight.T + m.extra
+
+    class Net(nn.Module):
+        def __init__(self, as_argument: bool) -> None:
+            super().__init__()
+            self.lin = weight_norm(nn.Linear(4, 4))
+            self.extra = torch.zeros(4)  # a plain tensor attribute
+            self.as_argument = as_argument
+
+        def forward(self, x):
+            return from_argument(self, x) if self.as_argument else from_global(x)
+
+    for as_argument, holder in ((False, "G['_helper_model']"), (True, "m")):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _helper_model = paramfold.prepare(Net(as_argument), "hoist")
+        x = torch.randn(3, 4)
+        with recompiles() as report:
+            model(x)
+            model.requires_grad_(False)
+            model(x)
+            model.extra = torch.zeros(4, requires_grad=True)
+            model(x)
+        weight, extra = (r.failed_guards[0] for r in report.recompiles)
+        assert (weight.category, weight.tensor) == ("requires_grad", f"{holder}._modules['lin'].weight"), weight.guard
+        assert weight.fix == FIXES["requires_grad"], weight.fix
+        assert (extra.category, extra.tensor) == ("requires_grad", f"{holder}.extra"), extra.guard
+        assert extra.fix.startswith(f"{holder}.extra, a tensor attribute of a module"), extra.fix
+    _helper_model = None
 
 
 def test_a_parameters_dtype_guard_names_the_dtype_without_torchs_full_stop():

@@ -3,7 +3,10 @@
 ``torch.compile`` guards each graph; when one fails, torch reports the failed check as text (the
 ``recompile_reasons`` trace artifact, ``torch._dynamo.utils.guard_failures``). That text is the only
 thing paramfold parses: :func:`classify` picks one of :data:`CATEGORIES` for it, names the tensor
-and dim where it can, and fills in the fix from :data:`FIXES` (the one table of fix texts).
+and dim where it can, and fills in the fix from :data:`FIXES` (the one table of fix texts). The text
+does not say what a tensor reached as a module's attribute is (``self.cache``, and paramfold's value
+of a parametrized weight, ``self._modules['lin'].weight``, are spelled alike): given the namespaces
+of the frame whose guard failed, :func:`classify` looks the module up (``_stands_for_parameter``).
 
 The wording is torch's, not a promise, so each pattern below says where it comes from. All of them
 were checked against the real messages of torch 2.5 to 2.15: ``tests/test_recompiles.py`` causes
@@ -49,8 +52,13 @@ fix) instead of its own category: the report stays right about what failed, only
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
+import types
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 __all__ = ["CATEGORIES", "FIXES", "GuardFailure", "classify", "fix_text", "strip_local_scope"]
 
@@ -125,6 +133,13 @@ FIXES: dict[str, str] = {
         "prepare the models with \"auto\" or \"hoist\" and detach_params_under_no_grad=True "
         "(their values carry no requires_grad there) and one graph serves both, or accept one "
         "graph per requires_grad setting"
+    ),
+    "requires_grad:attribute": (
+        "{tensor}, a tensor attribute of a module (not a parameter or buffer), requires grad in one "
+        "call and not in another (a cache or running value set from tensors with grad in one call and "
+        "without in another): set it the same way in every call, or accept one graph each; .detach() "
+        "where it is set only where no gradient has to flow back through it: it cuts the gradient to "
+        "everything that computed it"
     ),
     "requires_grad:input": (
         "input {tensor} requires grad in one call and not in another: call .requires_grad_() on the "
@@ -278,8 +293,13 @@ class GuardFailure:
     dim: int | None = None
 
 
-def classify(reason: str) -> GuardFailure:
+def classify(reason: str, namespaces: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None) -> GuardFailure:
     """One entry of torch's guard-failure text (``"0/1: tensor 'x' dtype mismatch. ..."``) classified.
+
+    ``namespaces``: the globals and locals of the frame whose guard failed (what dynamo's ``G[...]``
+    and locals name), there to tell a tensor a guard reaches as a module's attribute that stands for
+    a parameter or buffer from a plain one (``_stands_for_parameter``); without them, only
+    ``._parameters[...]`` and ``._buffers[...]`` are taken for parameters and buffers.
 
     Example::
 
@@ -293,7 +313,7 @@ def classify(reason: str) -> GuardFailure:
     guard = strip_local_scope(rest.split("\nUser stack trace:", 1)[0].split("\n", 1)[0].rstrip())
     # Code-part guards carry "  # <user source line>" comments; match on the check alone.
     expr = re.split(r"\s+# ", guard, maxsplit=1)[0].strip()
-    category, variant, fields = _categorize(expr, guard)
+    category, variant, fields = _categorize(expr, guard, namespaces)
     if note := fields.pop("note", None):  # torch names paramfold's class as the one it was made from
         guard = _TYPE_NAMED.sub(lambda t: f"{t[0]} ({note})", guard, count=1)
     fields.setdefault("guard", expr)
@@ -309,12 +329,15 @@ def classify(reason: str) -> GuardFailure:
     )
 
 
-def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]:
+def _categorize(
+    expr: str, guard: str, namespaces: tuple[Mapping, Mapping] | None
+) -> tuple[str, str | None, dict[str, Any]]:
     if m := _REQUIRES_GRAD.match(expr):
         f = m.groupdict()
         if _INLINE_ORIGINAL.search(f["tensor"]):
             return "requires_grad", "inline", f
-        return "requires_grad", None if _is_param(f["tensor"]) else "input", f
+        kind = _tensor_kind(f["tensor"], namespaces)
+        return "requires_grad", None if kind == "parameter" else kind, f
     if expr.startswith(_GLOBAL_STATE):
         states = expr[len(_GLOBAL_STATE):].split()
         others = [s for s in states if s != "grad_mode"]
@@ -325,7 +348,7 @@ def _categorize(expr: str, guard: str) -> tuple[str, str | None, dict[str, Any]]
         return "other", "global", {"state": ", ".join(others)}
     if m := _TENSOR_MISMATCH.match(expr):
         f = m.groupdict()
-        if _is_param(f["tensor"]):
+        if _tensor_kind(f["tensor"], namespaces) == "parameter":
             return "shape", "parameter", f
         # A backed size of 0 or 1 becomes a constant (ShapeEnv.create_symbol's specialize_zero_one,
         # marked dynamic or not): a graph made for one serves no other size, nor one made for
@@ -389,14 +412,71 @@ def _paramfold_class(cls_id: int) -> tuple[type, str] | None:
     return class_by_id(cls_id)
 
 
-def _is_param(source: str) -> bool:
-    """Whether ``source`` is a module's parameter or buffer, or a tensor attribute of a module
-    (``self._modules['b'].weight``: a parametrized tensor's value that paramfold's hoist, freeze
-    or auto put there, computed from its originals), not an input of the call."""
-    return "._parameters[" in source or "._buffers[" in source or bool(_MODULE_ATTRIBUTE.match(source))
+def _tensor_kind(source: str, namespaces: tuple[Mapping, Mapping] | None) -> str:
+    """``"parameter"`` (a parameter or buffer, or a tensor standing for one), ``"attribute"`` (a
+    plain tensor attribute of a module) or ``"input"`` (anything else) for a guard's tensor."""
+    if "._parameters[" in source or "._buffers[" in source:
+        return "parameter"
+    found = _owner(source, namespaces) if namespaces is not None else None
+    if found is None or not isinstance(found[0], torch.nn.Module):
+        return "input"
+    return "parameter" if _stands_for_parameter(*found) else "attribute"
 
 
-_MODULE_ATTRIBUTE = re.compile(r"^(?:L\[['\"]self['\"]\]|self)(?:\._modules\[['\"][^'\"]+['\"]\])*\.[A-Za-z_]\w*$")
+def _stands_for_parameter(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module.<name>``, a tensor in the module's ``__dict__`` (which is how a guard reaches
+    it as ``self._modules['lin'].weight``), stands for one of its parameters or buffers: the value
+    that paramfold's hoist, freeze or auto computed for a parametrized tensor (one of the module's
+    sites), or a parameter paramfold presents detached under no_grad. A plain tensor attribute
+    (``self.cache = torch.cat(...)``) does not: dynamo treats it as any tensor, so the parameter
+    settings (``force_parameter_static_shapes``) do nothing for it."""
+    from paramfold.state import state_of
+
+    state = state_of(module)
+    return name in module._parameters or name in module._buffers or (state is not None and name in state.sites)
+
+
+# A guard source as torch writes it: a local (``self``; ``L['self']`` before torch 2.7, spelled the
+# newer way by strip_local_scope) or a global (``G['model']``), then attributes and subscripts.
+_SOURCE_HEAD = re.compile(r"G\[(['\"])(?P<glob>[^'\"]+)\1\]|(?P<local>[A-Za-z_]\w*)")
+_SOURCE_STEP = re.compile(r"\.(?P<attr>[A-Za-z_]\w*)|\[(['\"])(?P<key>[^'\"]*)\2\]|\[(?P<index>-?\d+)\]")
+
+
+def _owner(source: str, namespaces: tuple[Mapping, Mapping]) -> tuple[Any, str] | None:
+    """The object whose attribute ``source`` ends with and the attribute's name, looked up without
+    running user code (instance ``__dict__`` entries, dict/list items, slots); None where it is not
+    found so."""
+    m = _SOURCE_HEAD.match(source)
+    steps = list(_SOURCE_STEP.finditer(source, m.end())) if m else []
+    if not m or not steps or steps[-1]["attr"] is None or "".join(s[0] for s in steps) != source[m.end():]:
+        return None
+    try:
+        obj = namespaces[0][m["glob"]] if m["glob"] else namespaces[1][m["local"]]
+        for step in steps[:-1]:
+            if step["attr"] is not None:
+                obj = _plain_attribute(obj, step["attr"])
+            else:
+                if not isinstance(obj, (dict, list, tuple)):
+                    return None
+                obj = obj[step["key"] if step["key"] is not None else int(step["index"])]
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+    return obj, steps[-1]["attr"]
+
+
+def _plain_attribute(obj: Any, name: str) -> Any:
+    """``obj.<name>`` where it is an instance ``__dict__`` entry or a slot / C-level attribute
+    (``__closure__``, ``cell_contents``), whose read runs no user code; AttributeError otherwise."""
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        own = None
+    if isinstance(own, dict) and name in own:
+        return own[name]
+    found = inspect.getattr_static(obj, name)
+    if isinstance(found, (types.MemberDescriptorType, types.GetSetDescriptorType)):
+        return found.__get__(obj, type(obj))
+    raise AttributeError(name)
 
 
 class _Blank(dict):

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from paramfold.errors import FoldError
-from paramfold.recompiles.classify import classify, fix_text, strip_local_scope
+from paramfold.recompiles.classify import GuardFailure, classify, fix_text, strip_local_scope
 from paramfold.recompiles.report import CompileRecord, RecompileReport, short_path
 
 __all__ = [
@@ -210,6 +210,7 @@ def limit_message(report: RecompileReport) -> str:
 @dataclasses.dataclass
 class _Pending:
     reasons: list[str] = dataclasses.field(default_factory=list)
+    failed: list[GuardFailure] = dataclasses.field(default_factory=list)  # ``reasons``, classified
     graphs: int = 0
     dynamic: list[str] = dataclasses.field(default_factory=list)
     breaks: list[str] = dataclasses.field(default_factory=list)
@@ -240,8 +241,12 @@ class _Collector:
         if name == "artifact":
             artifact = metadata["artifact"].get("name")
             if artifact == "recompile_reasons" and payload is not None:
-                self._pending(key).reasons = _decode_reasons(payload)
-                self._pending(key).recompile = True
+                p = self._pending(key)
+                p.reasons = _decode_reasons(payload)
+                # classified now, while the frame's values the guards failed on can be looked up
+                namespaces = _compiled_namespaces()
+                p.failed = [classify(r, namespaces) for r in p.reasons]
+                p.recompile = True
             elif artifact == "dynamo_graph_break_reason" and payload is not None:
                 summary = _graph_break_summary(payload)
                 if summary not in self._pending(key).breaks:
@@ -325,7 +330,7 @@ class _Collector:
             filename=filename or "?",
             lineno=lineno,
             kind=kind,
-            failed_guards=[classify(r) for r in reasons],
+            failed_guards=p.failed if p.reasons else [classify(r) for r in reasons],
             graphs=self._graphs_made(p),
             dynamic=p.dynamic,
             graph_breaks=p.breaks,
@@ -393,6 +398,27 @@ class _Target:
     shared_code: str = _WRAP_INLINE  # the wrapper, as CompileRecord.shared_code names it
 
 
+def _compiling() -> dict[str, Any] | None:
+    """The arguments of dynamo's ``_compile(code, globals, locals, ...)`` (same names in torch 2.5
+    .. 2.15) when called from a trace or log record emitted inside it, else None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_compile" and code.co_filename.endswith("convert_frame.py"):
+            return frame.f_locals
+        frame = frame.f_back
+    return None
+
+
+def _compiled_namespaces() -> tuple[Any, Any] | None:
+    """The globals and locals of the frame dynamo is compiling (what its guards' ``G[...]`` and
+    locals name), when called inside its ``_compile``."""
+    args = _compiling()
+    if args is None or args.get("globals") is None or args.get("locals") is None:
+        return None
+    return args["globals"], args["locals"]
+
+
 def _wrapped_target() -> _Target | None:
     """The callable behind a shared wrapper when dynamo is compiling that wrapper, else None.
 
@@ -407,21 +433,18 @@ def _wrapped_target() -> _Target | None:
     from paramfold.classes import root_forward_of
 
     inner = external_utils.wrap_inline(_wrapped_target).__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_compile" and code.co_filename.endswith("convert_frame.py"):
-            compiled = frame.f_locals.get("code")
-            if compiled is inner:
-                fn = (frame.f_locals.get("locals") or {}).get("fn")
-                return _describe_callable(fn) if fn is not None else None
-            forward = root_forward_of(compiled)
-            if forward is None:
-                return None
-            target = _describe_callable(forward)
-            return dataclasses.replace(target, limit_fix="limit hit:shared_root", shared_code=_ROOT_FORWARD)
-        frame = frame.f_back
-    return None
+    args = _compiling()
+    if args is None:
+        return None
+    compiled = args.get("code")
+    if compiled is inner:
+        fn = (args.get("locals") or {}).get("fn")
+        return _describe_callable(fn) if fn is not None else None
+    forward = root_forward_of(compiled)
+    if forward is None:
+        return None
+    target = _describe_callable(forward)
+    return dataclasses.replace(target, limit_fix="limit hit:shared_root", shared_code=_ROOT_FORWARD)
 
 
 def _describe_callable(fn: Any) -> _Target:
