@@ -264,6 +264,62 @@ def test_values_of_user_layers_stay_static_under_dynamic_true_as_stocks_paramete
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic=None", "dynamic=True"])
+def test_a_users_dim_mark_on_a_detached_parameter_is_ignored_as_stock_ignores_it_and_kept(dynamic):
+    # Regression (helper-225): detach_params_under_no_grad's alias shares its parameter's dim
+    # marks; a user's mark_dynamic on a plain parameter, which stock ignores (a Parameter stays
+    # static under force_parameter_static_shapes), made the alias's dim dynamic, and the weight's
+    # static dim beside it raised ConstraintViolationError.
+    outputs = []
+    for prepared in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(weight_norm(nn.Linear(8, 5)), nn.Tanh(), _UserLinear(5, 3)).eval().requires_grad_(False)
+        torch._dynamo.mark_dynamic(model[2].bias, 0)
+        if prepared:
+            paramfold.prepare(model, "auto", detach_params_under_no_grad=True)
+        compiled = torch.compile(model, backend="eager", dynamic=dynamic)
+        with torch.no_grad():
+            outputs.append([compiled(torch.randn(b, 8, generator=torch.Generator().manual_seed(b))) for b in (2, 3, 4)])
+        assert model[2].bias._dynamo_dynamic_indices == {0}  # the user's mark, kept
+        assert not hasattr(model[2].bias, "_dynamo_static_indices")
+    for ours, theirs in zip(*outputs):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline+detach"])
+def test_values_take_sizes_as_stocks_parameters_with_force_parameter_static_shapes_off(mode):
+    # Regression (helper-225): the values were marked static while dynamo compiled whatever the
+    # setting; with force_parameter_static_shapes off, stock's parameters get symbolic sizes under
+    # dynamic=True and a head resized between calls runs on one graph, where the marked values
+    # made a graph per size (fail_on_recompile raised).
+    name, _, detach = mode.partition("+")
+    frames, outputs = [], []
+    for prepared in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _UserLinear(8, 5).eval().requires_grad_(False)
+        parametrize.register_parametrization(model, "weight", _Scale())
+        if prepared:
+            paramfold.prepare(model, name, detach_params_under_no_grad=bool(detach))
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter, dynamic=True)
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+        got = []
+        with torch._dynamo.config.patch(force_parameter_static_shapes=False), torch.no_grad():
+            got.append(compiled(x))
+            with torch.compiler.set_stance("fail_on_recompile"):
+                for n in (6, 7):
+                    model.bias = nn.Parameter(torch.randn(n), requires_grad=False)
+                    model.parametrizations.weight.original = nn.Parameter(torch.randn(n, 8), requires_grad=False)
+                    got.append(compiled(x))
+        frames.append(counter.frame_count)
+        outputs.append(got)
+    assert frames == [1, 1]
+    for ours, theirs in zip(*outputs):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["hoist", "auto", "freeze", "inline"])
 def test_old_nn_module_inlining_sees_weight_updates_without_recompiling(mode):
     # Pins (worked before): torch._dynamo.config.inline_inbuilt_nn_modules=False (dynamo's older

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -145,14 +144,20 @@ def on_compile_start(args: object = None) -> None:
 
 def _mark_static(holder: nn.Module, marked: list) -> None:
     """Mark each plain-tensor value (or parameter alias) ``holder`` holds now static, as
-    ``torch._dynamo.mark_static`` does, where it carries no dim marks of its own; noted in ``marked``."""
+    ``torch._dynamo.mark_static`` does, where stock's dynamo keeps what it stands for static: a
+    parameter or a module's buffer, under ``force_parameter_static_shapes``, whatever dim marks
+    it carries (an alias of a parameter shares its marks). Its marks before are noted in
+    ``marked``, to be put back by :func:`_unmark_static`."""
+    if not torch._dynamo.config.force_parameter_static_shapes:
+        return  # stock's parameters take sizes as any input: so do the values
     values = holder.__dict__
     state = values[STATE_ATTR]
     for name in (*state.sites, *(n for n, _ in state.detached)):
         t = values.get(name)
-        if type(t) is torch.Tensor and not any(map(hasattr, repeat(t), _DIM_MARKS)):
-            t._dynamo_static_indices = set(range(t.dim()))
-            marked.append(t)
+        if type(t) is torch.Tensor:
+            marks = t.__dict__
+            marked.append((marks, {a: marks.pop(a) for a in _DIM_MARKS if a in marks}))
+            marks["_dynamo_static_indices"] = set(range(t.dim()))
 
 
 #: The attributes dynamo reads a tensor's dim marks from (``torch._dynamo.decorators``).
@@ -162,8 +167,10 @@ _DIM_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynam
 
 def _unmark_static() -> None:
     marked, local.static = local.static, ()
-    for t in marked:
-        t.__dict__.pop("_dynamo_static_indices", None)
+    for marks, before in reversed(marked):  # an alias's marks are its parameter's: noted once each
+        for a in _DIM_MARKS:
+            marks.pop(a, None)
+        marks.update(before)
 
 
 def _end_hoisting_plans(claims: tuple) -> None:
