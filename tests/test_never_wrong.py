@@ -2995,6 +2995,27 @@ def test_a_pruned_original_is_left_stock_and_the_rest_is_prepared(kind, mode):
         assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()), step)
 
 
+@pytest.mark.parametrize("mode", ["hoist", "auto"])
+def test_an_original_pruned_after_prepare_is_refused_naming_the_pruning_and_restore_then_serves_it(mode):
+    # The refusal listed every change of a prepared module's parametrizations but pruning
+    # (helper-226): a user pruning between steps could not tell what the message meant.
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2))
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(3, 4)
+    ours(x)
+    for model in (stock, ours):
+        torch.manual_seed(1)
+        prune.random_unstructured(model[0].parametrizations.weight, "original1", amount=0.5)
+    with pytest.raises(paramfold.FoldError, match=r"an original pruned \(torch\.nn\.utils\.prune.*paramfold\.restore"):
+        ours(x)
+    paramfold.restore(ours)
+    paramfold.prepare(ours, mode)
+    assert torch.equal(ours(x), stock(x))
+
+
 @pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
 def test_registering_and_removing_a_name_again_on_prepared_modules_leaves_the_class_alone(mode):
     # Regression (PEFT's ParamWrapper registers a parametrization in every forward and removes it
