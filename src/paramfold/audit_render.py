@@ -20,18 +20,16 @@ __all__ = ["human_bytes", "print_report"]
 
 
 def print_report(report: AuditReport, console: Console | None = None) -> None:
-    """Print ``report`` as a rich table and a summary line. The table's title, the header (the file
-    read, its format, the entry the weights were under), is printed also where there are no sites
-    and so no table."""
-    from rich.console import Console
+    """Print ``report``: a header (the file read, its format, the entry the weights were under), a
+    rich table of the sites where there are any, and a summary line."""
     from rich.table import Table
 
-    from paramfold.terminal import quiet_when_stdout_closes
+    from paramfold.terminal import stdout_console
 
-    console = console or quiet_when_stdout_closes(Console())
+    console = console or stdout_console(200)
     root = f" (under '{report.root}')" if report.root else ""
     title = _shown(f"{report.path} [{report.format}]{root}")
-    table = Table(title=title, title_justify="left")
+    table = Table()
     table.add_column("module", overflow="fold")
     table.add_column("tensor")
     table.add_column("kind")
@@ -50,10 +48,11 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
             human_bytes(s.originals_bytes + s.state_bytes),
             "?" if s.folded_bytes is None else human_bytes(s.folded_bytes),
         )
+    # The header on a line of its own, as a table would title it, but a path kept whole and not
+    # padded to the table's width.
+    console.print(title, style="table.title", highlight=False, soft_wrap=True)
     if report.sites:
         console.print(table)
-    else:  # the header alone, as the table would title it
-        console.print(title, style="table.title", highlight=False, soft_wrap=True)  # a path kept whole
     kinds = ", ".join(f"{k} {n}" for k, n in report.kinds.items()) or "none"
     stored = sum(s.originals_bytes + s.state_bytes for s in report.sites)
     folded = sum(s.folded_bytes or 0 for s in report.sites)
@@ -71,7 +70,7 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
         + (f"{refused} need --model to fold" if refused else "foldable from keys alone" + (
             f" if the stored tensors settle the dim of {counted(by_data, 'site')} "
             "(fold reads them and otherwise refuses: then pass --model)" if by_data else "")),
-        highlight=False,
+        highlight=False, soft_wrap=True,
     )
 
 

@@ -178,3 +178,16 @@ def quiet_when_stdout_closes(console: object) -> object:
 
     console.on_broken_pipe = on_broken_pipe  # type: ignore[attr-defined]
     return console
+
+
+def stdout_console(piped_width: int) -> object:
+    """A ``rich.console.Console`` on stdout (:func:`quiet_when_stdout_closes`), ``piped_width``
+    columns wide where stdout is a file or a pipe and ``COLUMNS`` is not set: rich's 80 there
+    would squeeze a table and split module paths and file names in a CI log, where a grep for
+    them then finds nothing."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(width=piped_width)
+    return quiet_when_stdout_closes(console)

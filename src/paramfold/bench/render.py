@@ -7,7 +7,6 @@ same as a fresh run.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -156,16 +155,9 @@ _STYLES = {"error": "red", "skipped": "dim"}
 def _console(console: Any) -> Any:
     """``console``, else rich's default on a terminal; on a pipe or a file as wide as ``COLUMNS``
     says, else wide enough for the table (nothing wrapped or cut)."""
-    from rich.console import Console
+    from paramfold.terminal import stdout_console
 
-    from paramfold.terminal import quiet_when_stdout_closes
-
-    if console is None:
-        console = Console()
-        if not console.is_terminal and not os.environ.get("COLUMNS"):
-            console = Console(width=200)
-        quiet_when_stdout_closes(console)
-    return console
+    return console or stdout_console(200)
 
 
 def _print_whole(console: Any, table: Any) -> None:

@@ -268,15 +268,9 @@ class RecompileReport:
 
     def print(self, console: Any = None) -> None:
         """Print the tables (to stdout, or to the given ``rich.console.Console``)."""
-        from rich.console import Console
+        from paramfold.terminal import stdout_console
 
-        from paramfold.terminal import quiet_when_stdout_closes
-
-        if console is None:
-            console = Console()
-            if not console.is_terminal and "COLUMNS" not in os.environ:
-                console = Console(width=160)  # a file or pipe: don't squeeze the table to 80
-            quiet_when_stdout_closes(console)
+        console = console or stdout_console(160)
         console.print(self)
 
     def __repr__(self) -> str:
