@@ -264,6 +264,45 @@ def test_values_of_user_layers_stay_static_under_dynamic_true_as_stocks_paramete
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+class _UserPositions(nn.Module):
+    """A user-class module with a parametrized buffer (a positional table): stock's dynamo keeps
+    the buffer static, as a module's buffer, under dynamic=True."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pos", torch.randn(5, 8))
+        parametrize.register_parametrization(self, "pos", _Scale())
+
+    def forward(self, x):
+        return x + self.pos.sum(0)
+
+
+@pytest.mark.parametrize("mode", ["inline", "hoist", "auto", "freeze"])
+def test_a_parametrized_buffer_of_a_user_module_stays_static_under_dynamic_true(mode):
+    # Regression (helper-225): inline's getter reads the buffer original from its dict, where
+    # dynamo took it for a plain tensor and gave it symbolic sizes: a first sequence length equal
+    # to its dim (5) was tied to it, and the next length recompiled (fail_on_recompile raised).
+    frames, outputs = [], []
+    for prepared in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _UserPositions().eval()
+        if prepared:
+            paramfold.prepare(model, mode)
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter, dynamic=True)
+        with torch.no_grad():
+            got = [compiled(torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(5)))]
+            with torch.compiler.set_stance("fail_on_recompile"):
+                got += [compiled(torch.randn(2, t, 8, generator=torch.Generator().manual_seed(t))) for t in (6, 7)]
+        assert not hasattr(model.parametrizations.pos.original, "_dynamo_static_indices")
+        frames.append(counter.frame_count)
+        outputs.append(got)
+    assert frames == [1, 1]
+    for ours, theirs in zip(*outputs):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic=None", "dynamic=True"])
 def test_a_users_dim_mark_on_a_detached_parameter_is_ignored_as_stock_ignores_it_and_kept(dynamic):
     # Regression (helper-225): detach_params_under_no_grad's alias shares its parameter's dim

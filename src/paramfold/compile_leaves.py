@@ -152,8 +152,11 @@ def _mark_static(holder: nn.Module, marked: list) -> None:
         return  # stock's parameters take sizes as any input: so do the values
     values = holder.__dict__
     state = values[STATE_ATTR]
-    for name in (*state.sites, *(n for n, _ in state.detached)):
-        t = values.get(name)
+    tensors = [values.get(name) for name in (*state.sites, *(n for n, _ in state.detached))]
+    # inline's getters read a buffer original from its dict (inline.DictRef), where dynamo takes
+    # it for a plain tensor, not a module's buffer
+    tensors += [d.get(k) for site in state.sites.values() if site.original_refs for d, k in site.originals]
+    for t in tensors:
         if type(t) is torch.Tensor:
             marks = t.__dict__
             marked.append((marks, {a: marks.pop(a) for a in _DIM_MARKS if a in marks}))
