@@ -346,7 +346,9 @@ def test_a_projects_own_key_is_read_beside_scalar_tensors_as_beside_ints(tmp_pat
     for name, saved in (("step", {"generator": sd, "step": torch.tensor(5)}),
                         ("more", {"best_loss": torch.tensor(0.25), "generator": sd, "step": torch.tensor(5),
                                   "epoch": 3, "optimizer": {"state": {}, "param_groups": []}}),
-                        ("empty_model", {"model": {}, "generator": sd, "step": torch.tensor(5)})):
+                        ("empty_model", {"model": {}, "generator": sd, "step": torch.tensor(5)}),
+                        # metrics saved as a dict of scalar tensors: metadata too (helper-230)
+                        ("metrics", {"generator": sd, "metrics": {"loss": torch.tensor(0.3), "acc": torch.tensor(0.9)}})):
         torch.save(saved, tmp_path / f"{name}.pt", **save)
         with open_checkpoint(tmp_path / f"{name}.pt") as ckpt:
             assert ckpt.root == "generator" and sorted(ckpt.keys()) == sorted(sd), name

@@ -509,6 +509,9 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
         others = [(k, sub) for k, sub in obj.items()
                   if isinstance(k, str) and k not in NESTED_STATE_DICT_KEYS and isinstance(sub, Mapping) and sub]
         found = [k for k, sub in others if _is_state_dict(sub, tensor_type)]
+        # beside it, a dict of scalar tensors is metadata (metrics, as a step at the top level)
+        modelled = [k for k in found if _has_model_marks(obj[k], tensor_type)]
+        found = modelled if len(found) > 1 and len(modelled) == 1 else found
         if len(found) == 1:
             return dict(obj[found[0]]), found[0]
         if found:
