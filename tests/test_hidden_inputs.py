@@ -1491,6 +1491,25 @@ class _PythonDrawPutBack(nn.Module):
         return w * factor
 
 
+class _PythonDrawsThroughMap(nn.Module):
+    """Draws from Python's generator through a C caller (``map``): no profile event shows it."""
+
+    def forward(self, w):
+        return w + torch.tensor(list(map(random.getrandbits, [8] * w.shape[0])), dtype=w.dtype)[:, None] * 1e-3
+
+
+class _SeedsTorchsGeneratorItHolds(nn.Module):
+    """Holds torch's default generator and seeds it at each read: a probe's deep copy holds a copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = torch.default_generator
+
+    def forward(self, w):
+        self.g.manual_seed(0)
+        return w * 2
+
+
 class _ForwardDrawingAfterTheRead(nn.Module):
     def __init__(self, member: nn.Module):
         super().__init__()
@@ -1504,8 +1523,9 @@ class _ForwardDrawingAfterTheRead(nn.Module):
 
 @pytest.mark.parametrize("flow", ["drawn between", "built then prepared"])
 @pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy, _SeedsPythonAndDraws, _SetsTorchState,
-                                    _PythonDrawPutBack],
-                         ids=["torch", "python", "numpy", "python_seed_and_draw", "torch_state", "python_put_back"])
+                                    _PythonDrawPutBack, _PythonDrawsThroughMap, _SeedsTorchsGeneratorItHolds],
+                         ids=["torch", "python", "numpy", "python_seed_and_draw", "torch_state", "python_put_back",
+                              "python_through_map", "torch_held"])
 def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_leaves_it_alone(member, flow):
     # Regression (helper-221): a chain that reseeds a global generator at each read (its later
     # draws in the forward then repeat from call to call, as stock's) was found not to draw:
@@ -1517,10 +1537,13 @@ def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_le
     # Also (helper-225): torch.set_rng_state(saved) at each read, a seed to the state the
     # generator is in already (nothing drawn between register_parametrization's read and
     # prepare: "built then prepared"), and Python's state read, drawn from and put back, were
-    # not seen (until the probe watched its thread's calls of the generators' methods).
+    # not seen (until the probe watched its thread's calls of the generators' methods); then
+    # (helper-230) a draw through map(random.getrandbits, ...), which makes no profile event, and a
+    # seed of torch's generator held by the member, whose probe's copy holds a copy, were not.
     torch.manual_seed(1)
+    stock = _ForwardDrawingAfterTheRead(member()).train().requires_grad_(False)  # not a copy: a copy of
+    torch.manual_seed(1)  # torch's generator held would be a generator of its own
     model = _ForwardDrawingAfterTheRead(member()).train().requires_grad_(False)
-    stock = copy.deepcopy(model)
     if flow == "drawn between":
         torch.manual_seed(99)  # not where the chain's seed sets it; Python's and NumPy's are
     before = (torch.get_rng_state(), random.getstate(), pickle.dumps(np.random.get_state(legacy=False)))

@@ -214,6 +214,22 @@ def generators(module: nn.Module) -> list[object]:
     return found
 
 
+def holds_global_generator(module: nn.Module) -> bool:
+    """Whether a module of ``module`` holds one of torch's default generators, or Python's or
+    NumPy's global one (as an attribute, or an item of a held list, tuple or dict): a probe runs a
+    deep copy, whose generator is a copy, so a seed or a draw the chain makes through it would go
+    unseen."""
+    shared = (torch.default_generator, random._inst, getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None),
+              *(sys.modules["torch.cuda"].default_generators if "torch.cuda" in sys.modules else ()))
+    for m in module.modules():
+        for value in vars(m).values():
+            items = (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
+                     else (value,))
+            if any(item is g for item in items for g in shared if g is not None):
+                return True
+    return False
+
+
 def generator_state(obj: object) -> bytes | None:
     """The state of a Python or NumPy random generator, comparable with ``==``; None for anything
     else."""
@@ -259,19 +275,23 @@ class GlobalGenerators:
     thread): every call of a method of Python's global generator but a state read (a draw,
     ``seed``, ``setstate``), and every seed or state set on torch's (``manual_seed``,
     ``set_rng_state``; torch's draws are ops, which the probe serves from a generator of its
-    own). So another thread's draws and seeds meanwhile are neither taken for the chain's nor
-    rewound, and a seed or state set to the one a generator is in already shows; a generator is
-    put back to its state just before the probe first used it. ``torch.random.fork_rng`` putting
+    own). So another thread's seeds of torch's meanwhile are neither taken for the chain's nor
+    undone, and a seed or state set to the one a generator is in already shows; a generator is
+    put back to its state just before the probe first used it. A method called by C code (``map``
+    over ``random.getrandbits``) makes no profile event: Python's state is compared too, and put
+    back to where it was before the probe (another thread's draws meanwhile are then taken for the
+    chain's, and drawn again). ``torch.random.fork_rng`` putting
     torch's state back is no use of it. NumPy's functions are Cython, which no profiler sees:
     its state is compared (:class:`_NumpyCompared`).
 
     Where the thread has a profiler already (``cProfile``), which ``sys.setprofile`` would
     replace, all three are compared instead (:class:`_Compared`)."""
 
-    __slots__ = ("used", "saved", "outer", "compared", "numpy")
+    __slots__ = ("used", "saved", "outer", "compared", "numpy", "python")
 
     def __init__(self) -> None:
         self.used = False
+        self.python = random.getstate()  # a draw no call shows: a C function calling its method (map)
         self.saved: dict[object, tuple] = {}  # generator -> (its state then, how to put it back)
         profile = sys.getprofile()
         ours = getattr(profile, "__func__", None) is GlobalGenerators._seen
@@ -303,6 +323,9 @@ class GlobalGenerators:
         sys.setprofile(self.outer._seen if self.outer is not None else None)
         for state, put_back in self.saved.values():
             put_back(state)
+        if random.getstate() != self.python:
+            self.used = True
+            random.setstate(self.python)
         return self.numpy.moved() or self.used
 
 

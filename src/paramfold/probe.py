@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paramfold.errors import FoldError
 from paramfold.compute import members, original_names
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.held import GlobalGenerators, generator_state, generators, same, snapshot
+from paramfold.held import GlobalGenerators, generator_state, generators, holds_global_generator, same, snapshot
 from paramfold.state import innermost_transform, version_of
 
 T = TypeVar("T")
@@ -329,6 +329,7 @@ def _probe_call(module: nn.Module, args: tuple, training: bool, plain: bool = Fa
     module itself is never called: a call may change its Python attributes (a step counter) or
     tensors it holds outside its parameters and buffers."""
     probe = Probe()
+    probe.random = holds_global_generator(module)  # its copy would hold a copy
     try:
         module = _deepcopy(module)
     except CannotProbeNow:
