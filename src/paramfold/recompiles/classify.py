@@ -193,7 +193,7 @@ FIXES: dict[str, str] = {
         "per object"
     ),
     "id/object identity:decorator": (
-        "{source} is the function that the decorator's code {wrapper} wraps: the functions it "
+        "{source} is (part of) the function that the decorator's code {wrapper} wraps: what it "
         "decorates (the forwards of several models) run through this ONE code object, which gets "
         "a graph per wrapped function and ONE recompile limit for all of them "
         "(torch._dynamo.config.{limit_type}): past it the later ones run EAGER, and compiling each "
