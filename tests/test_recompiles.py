@@ -1475,13 +1475,40 @@ def test_a_resume_functions_shape_guard_gets_a_fix_the_user_can_apply_not_mark_d
     assert "mark_dynamic(___stack" not in g.fix and "dynamo's stack" in g.fix
     # the compiled function recompiled on its input x dim 1 in the same call: the fix names it
     assert "maybe_mark_dynamic(x, 1)" in g.fix and "dynamic=True" in g.fix
-    # and what it says holds: dynamic=True makes one graph per piece, no recompile
+    # and what it says holds: maybe_mark_dynamic(x, 1) removes the compiled function's recompile, not
+    # the resume function's; mark_dynamic(x, 1) raises there; dynamic=True removes both
+    for mark, compile_kw in ((torch._dynamo.maybe_mark_dynamic, {}), (None, {"dynamic": True})):
+        torch._dynamo.reset()
+        cd = torch.compile(_breaks_mid_expression, backend="eager", **compile_kw)
+        with recompiles() as fixed:
+            for n in (8, 9):
+                x = torch.randn(3, n)
+                if mark:
+                    mark(x, 1)
+                cd(x)
+        assert [r.function for r in fixed.recompiles] == ([resumed[0].function] if mark else [])
     torch._dynamo.reset()
-    cd = torch.compile(_breaks_mid_expression, backend="eager", dynamic=True)
-    with recompiles() as fixed:
+    x = torch.randn(3, 8)
+    torch._dynamo.mark_dynamic(x, 1)
+    with pytest.raises(Exception, match="ConstraintViolation|Constraints violated"):
+        _compile(_breaks_mid_expression)(x)
+
+
+def _breaks_with_a_local(x):
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return x.cos() + y  # x and y are the resume function's inputs
+
+
+def test_a_resume_functions_guard_on_a_passed_on_input_does_not_say_mark_dynamic_of_it():
+    cf = _compile(_breaks_with_a_local)
+    with recompiles() as report:
         for n in (8, 9):
-            cd(torch.randn(3, n))
-    assert fixed.recompiles == []
+            cf(torch.randn(3, n))
+    (resumed,) = [r for r in report.recompiles if r.function.startswith("torch_dynamo_resume_in_")]
+    (g,) = resumed.failed_guards
+    assert g.tensor == "x" and "resume function" in g.fix and "torch._dynamo.mark_dynamic(x" not in g.fix
+    assert "maybe_mark_dynamic(x, 1)" in g.fix
 
 
 def _decorate(func):

@@ -87,24 +87,26 @@ FIXES: dict[str, str] = {
     ),
     "shape:resume": (
         "{tensor} is {what} in {function}, the resume function dynamo compiled after a graph break "
-        "in {parent}: no code of yours names it, so it cannot be marked. Compile with "
-        "dynamic=True (one graph for every size from the first call on); marking the dim of the "
-        "compiled function's input it follows (torch._dynamo.maybe_mark_dynamic) removes that "
-        "function's own recompile, not this one (torch 2.13: the resume function gets the value "
-        "with a static size, and mark_dynamic can raise ConstraintViolationError there); with "
-        "neither, torch makes the dim dynamic by itself after it changed once (unless compiled "
-        "with dynamic=False). Removing the graph break removes the resume function"
+        "in {parent}, which gets every value live at the break as an input of its own: "
+        "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
+        "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
+        "Compile with dynamic=True (one graph for every size from the first call on); marking the "
+        "dim of the compiled function's input it follows (torch._dynamo.maybe_mark_dynamic) "
+        "removes that function's own recompile, not this one (torch 2.13); with neither, torch "
+        "makes the dim dynamic by itself after it changed once (unless compiled with "
+        "dynamic=False). Removing the graph break removes the resume function"
     ),
     "shape:resume_input": (
         "{tensor} is {what} in {function}, the resume function dynamo compiled after a graph break "
-        "in {parent}: no code of yours names it, so it cannot be marked. Compile with "
-        "dynamic=True (one graph for every size from the first call on); {caller}, which runs it, "
-        "last recompiled on its input {input} dim {input_dim}: "
+        "in {parent}, which gets every value live at the break as an input of its own: "
+        "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
+        "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
+        "Compile with dynamic=True (one graph for every size from the first call on); {caller}, "
+        "which runs it, last recompiled on its input {input} dim {input_dim}: "
         "torch._dynamo.maybe_mark_dynamic({input}, {input_dim}) before the first call removes that "
-        "recompile, not this one (torch 2.13: the resume function gets the value with a static "
-        "size, and mark_dynamic({input}, {input_dim}) can raise ConstraintViolationError there); "
-        "with neither, torch makes the dim dynamic by itself after it changed once (unless "
-        "compiled with dynamic=False). Removing the graph break removes the resume function"
+        "recompile, not this one (torch 2.13); with neither, torch makes the dim dynamic by itself "
+        "after it changed once (unless compiled with dynamic=False). Removing the graph break "
+        "removes the resume function"
     ),
     "shape:size01": (
         "expected: sizes 0 and 1 are specialised, even on a dim marked dynamic; "
@@ -482,7 +484,7 @@ def _in_frame(frame: CompiledFrame, category: str, variant: str | None, fields: 
         fields["parent"] = parent
         fields["what"] = (
             "a value on dynamo's stack (an intermediate result that was live at the graph break)" if stack
-            else f"a value of {resume['parent'] if resume else 'the function'} at the graph break"
+            else f"a value of {resume['parent'] if resume else 'the function'} live at the graph break"
         )
         if frame.caller_input is None:
             return "resume"
