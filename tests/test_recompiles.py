@@ -1452,3 +1452,130 @@ def test_the_summary_counts_a_recompile_under_every_category_its_cached_graphs_f
     assert last.kind == "recompile" and last.categories == ["shape", "grad_mode"]
     summary = _text(report).split("per function", 1)[1]
     assert "shape or grad_mode x1" in summary and summary.count("grad_mode x1") == 2  # and the no_grad one
+
+
+def _breaks(y):
+    torch._dynamo.graph_break()
+    return y
+
+
+def _breaks_mid_expression(x):
+    return torch.cat([x.sin(), _breaks(x).cos()], 0) * 2  # x.sin() is on dynamo's stack at the break
+
+
+def test_a_resume_functions_shape_guard_gets_a_fix_the_user_can_apply_not_mark_dynamic_of_stack0():
+    cf = _compile(_breaks_mid_expression)
+    with recompiles() as report:
+        for n in (8, 9):
+            cf(torch.randn(3, n))
+    resumed = [r for r in report.recompiles if r.function.startswith("torch_dynamo_resume_in__breaks_mid_expression")]
+    assert len(resumed) == 1, [(r.function, r.kind) for r in report.records]
+    (g,) = resumed[0].failed_guards
+    assert g.tensor.startswith("___stack") and g.category == "shape"
+    assert "mark_dynamic(___stack" not in g.fix and "dynamo's stack" in g.fix
+    # the compiled function recompiled on its input x dim 1 in the same call: the fix names it
+    assert "maybe_mark_dynamic(x, 1)" in g.fix and "dynamic=True" in g.fix
+    # and what it says holds: maybe_mark_dynamic(x, 1) removes the compiled function's recompile, not
+    # the resume function's; mark_dynamic(x, 1) raises there; dynamic=True removes both
+    for mark, compile_kw in ((torch._dynamo.maybe_mark_dynamic, {}), (None, {"dynamic": True})):
+        torch._dynamo.reset()
+        cd = torch.compile(_breaks_mid_expression, backend="eager", **compile_kw)
+        with recompiles() as fixed:
+            for n in (8, 9):
+                x = torch.randn(3, n)
+                if mark:
+                    mark(x, 1)
+                cd(x)
+        assert [r.function for r in fixed.recompiles] == ([resumed[0].function] if mark else [])
+    torch._dynamo.reset()
+    x = torch.randn(3, 8)
+    torch._dynamo.mark_dynamic(x, 1)
+    with pytest.raises(Exception, match="ConstraintViolation|Constraints violated"):
+        _compile(_breaks_mid_expression)(x)
+
+
+def _breaks_with_a_local(x):
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return x.cos() + y  # x and y are the resume function's inputs
+
+
+def test_a_resume_functions_guard_on_a_passed_on_input_does_not_say_mark_dynamic_of_it():
+    cf = _compile(_breaks_with_a_local)
+    with recompiles() as report:
+        for n in (8, 9):
+            cf(torch.randn(3, n))
+    (resumed,) = [r for r in report.recompiles if r.function.startswith("torch_dynamo_resume_in_")]
+    (g,) = resumed.failed_guards
+    assert g.tensor == "x" and "resume function" in g.fix and "torch._dynamo.mark_dynamic(x" not in g.fix
+    assert "maybe_mark_dynamic(x, 1)" in g.fix
+
+
+def _decorate(func):
+    @functools.wraps(func)
+    def wrapper(self, *args, **kwargs):  # transformers' merge_with_config_defaults & co., in small
+        return func(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _decorated_models(n: int) -> list[nn.Module]:
+    models = []
+    for i in range(n):
+        ns: dict = {}
+        exec(f"def forward(self, x):\n    return self.lin(x) * {i + 1}\n", ns)
+        forward = ns["forward"]
+        forward.__qualname__ = f"Decorated{i}.forward"
+
+        def init(self):
+            nn.Module.__init__(self)
+            self.lin = nn.Linear(4, 4)
+
+        models.append(type(f"Decorated{i}", (nn.Module,), {"__init__": init, "forward": _decorate(forward)})())
+    return models
+
+
+def test_models_whose_forwards_share_a_decorators_code_are_named_and_said_to_share_one_limit():
+    models = _decorated_models(3)
+    with torch._dynamo.config.patch(**{limit_config(): 2}), recompiles(warn=False) as report:
+        torch.compile(models[0], backend="eager")(torch.randn(2, 4))
+        models[1].compile(backend="eager")  # compiling each model on its own does not separate them
+        models[1](torch.randn(2, 4))
+        torch.compile(models[2], backend="eager")(torch.randn(2, 4))
+    assert [(r.compile_id, r.function, r.kind) for r in report.records] == [
+        ("0/0", "Decorated0.forward", "first compile"),
+        ("0/1", "Decorated1.forward", "recompile"),
+        ("0/2", "Decorated2.forward", "limit hit"),
+    ]
+    wrapper_line = _decorate(len).__code__.co_firstlineno
+    assert {r.shared_code for r in report.records} == {f"wrapper ({short_path(__file__)}:{wrapper_line})"}
+    g = report.records[1].failed_guards[0]
+    assert g.category == "id/object identity" and g.tensor.startswith("func")
+    assert "ONE recompile limit" in g.fix and "reuse one object" not in g.fix
+    assert "does not separate them" in report.limit_hits[0].fix
+    assert "Decorated2.forward" in _text(report) and "wrapper (" in _text(report)
+
+
+def test_a_decorated_plain_function_is_named_and_a_plain_closure_keeps_its_name():
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args):
+            return func(*args)
+
+        return wrapper
+
+    @decorate
+    def scaled(x):
+        return x * 2
+
+    helper = torch.sin
+
+    def closure(x):
+        return helper(x)
+
+    with recompiles() as report:
+        _compile(scaled)(torch.ones(3))
+        _compile(closure)(torch.ones(3))
+    assert [(r.function, r.shared_code is not None) for r in report.records] == [
+        (scaled.__qualname__, True), ("closure", False)
+    ]

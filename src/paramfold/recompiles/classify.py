@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "FIXES", "GuardFailure", "classify", "fix_text", "strip_local_scope"]
+__all__ = ["CATEGORIES", "FIXES", "CompiledFrame", "GuardFailure", "classify", "fix_text", "strip_local_scope"]
 
 CATEGORIES = (
     "shape",
@@ -84,6 +84,29 @@ FIXES: dict[str, str] = {
         "unless compiled with dynamic=False); where a weight's shape fixes that dim (models of "
         "different widths called through one compiled function), marking it raises "
         "ConstraintViolationError: that is one graph per width"
+    ),
+    "shape:resume": (
+        "{tensor} is {what} in {function}, the resume function dynamo compiled after a graph break "
+        "in {parent}, which gets every value live at the break as an input of its own: "
+        "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
+        "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
+        "Compile with dynamic=True (one graph for every size from the first call on); marking the "
+        "dim of the compiled function's input it follows (torch._dynamo.maybe_mark_dynamic) "
+        "removes that function's own recompile, not this one (torch 2.13); with neither, torch "
+        "makes the dim dynamic by itself after it changed once (unless compiled with "
+        "dynamic=False). Removing the graph break removes the resume function"
+    ),
+    "shape:resume_input": (
+        "{tensor} is {what} in {function}, the resume function dynamo compiled after a graph break "
+        "in {parent}, which gets every value live at the break as an input of its own: "
+        "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
+        "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
+        "Compile with dynamic=True (one graph for every size from the first call on); {caller}, "
+        "which runs it, last recompiled on its input {input} dim {input_dim}: "
+        "torch._dynamo.maybe_mark_dynamic({input}, {input_dim}) before the first call removes that "
+        "recompile, not this one (torch 2.13); with neither, torch makes the dim dynamic by itself "
+        "after it changed once (unless compiled with dynamic=False). Removing the graph break "
+        "removes the resume function"
     ),
     "shape:size01": (
         "expected: sizes 0 and 1 are specialised, even on a dim marked dynamic; "
@@ -171,6 +194,15 @@ FIXES: dict[str, str] = {
         "function or closure, module of another class): reuse one object, or accept one graph "
         "per object"
     ),
+    "id/object identity:decorator": (
+        "{source} is (part of) the function that the decorator's code {wrapper} wraps: what it "
+        "decorates (the forwards of several models) run through this ONE code object, which gets "
+        "a graph per wrapped function and ONE recompile limit for all of them "
+        "(torch._dynamo.config.{limit_type}): past it the later ones run EAGER, and compiling each "
+        "model on its own (torch.compile(model), model.compile()) does not separate them. Raise "
+        "torch._dynamo.config.{limit_type} above the graphs they need, or compile a module inside "
+        "each model whose forward is not decorated"
+    ),
     "hooks": (
         "a module hook was registered or removed after the graph was made ({source}): register "
         "the hooks before the first call and keep them (add or remove none between calls), or "
@@ -215,6 +247,15 @@ FIXES: dict[str, str] = {
         "(torch._dynamo.external_utils.wrap_inline), as it does every callable it cannot trace "
         "as a frame of its own, so all of them share ONE recompile limit: compile the function "
         "that calls it instead, or raise torch._dynamo.config.{limit_type}"
+    ),
+    "limit hit:shared_decorator": (
+        "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
+        "it EAGER from now on. It runs through a decorator's code, {shared_code}, one code object "
+        "for every function it decorates (the forwards of several models), so all of them share "
+        "ONE recompile limit, and compiling each model on its own (torch.compile(model), "
+        "model.compile()) does not separate them: raise torch._dynamo.config.{limit_type} above "
+        "the graphs they need, or compile a module inside each model whose forward is not "
+        "decorated"
     ),
     "limit hit:shared_root": (
         "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
@@ -274,9 +315,26 @@ _FLAG = re.compile(r"^(?P<source>.+?) (?:== (?:True|False)|is None)$")
 # A module's hook dicts (Module._forward_hooks & co., and the global ones of
 # torch.nn.modules.module), guarded with torch._dynamo.config.skip_nnmodule_hook_guards=False.
 _HOOKS = re.compile(r"(?P<source>[\w.\[\]'\"]*_(?:global_)?(?:forward|backward)(?:_pre)?_hooks\w*)")
+# A resume function dynamo makes after a graph break (torch/_dynamo/resume_execution.py, the same
+# name in 2.5 to 2.15); its guards name values on dynamo's stack as ``___stack0``.
+_RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<parent>.+)_at_(?P<line>\d+)$")
+_STACK_VALUE = re.compile(r"^___stack\d+$")
 _GLOBAL_STATE = "GLOBAL_STATE changed:"
 _IDENTITY_MARKERS = ("GuardAccessor: Not a", "got deallocated", "Cache line invalidated")
 _COMPILE_ID_PREFIX = re.compile(r"^(?P<cid>[^\s:]+): (?P<rest>.*)$", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledFrame:
+    """What the collector knows of the code whose guard failed, beyond its namespaces."""
+
+    name: str  # the code object's name (``forward``, ``torch_dynamo_resume_in_forward_at_12``)
+    freevars: tuple[str, ...] = ()
+    # "wrapper (file:line)" where the code is a decorator's, shared by the functions it decorates
+    wrapper: str | None = None
+    # for a resume function: (input, dim, "function (file:line)") where a compiled function running
+    # it last recompiled on the size of one of its inputs
+    caller_input: tuple[str, int, str] | None = None
 
 
 @dataclasses.dataclass
@@ -293,13 +351,19 @@ class GuardFailure:
     dim: int | None = None
 
 
-def classify(reason: str, namespaces: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None) -> GuardFailure:
+def classify(
+    reason: str,
+    namespaces: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
+    frame: CompiledFrame | None = None,
+) -> GuardFailure:
     """One entry of torch's guard-failure text (``"0/1: tensor 'x' dtype mismatch. ..."``) classified.
 
     ``namespaces``: the globals and locals of the frame whose guard failed (what dynamo's ``G[...]``
     and locals name), there to tell a tensor a guard reaches as a module's attribute that stands for
     a parameter or buffer from a plain one (``_stands_for_parameter``); without them, only
-    ``._parameters[...]`` and ``._buffers[...]`` are taken for parameters and buffers.
+    ``._parameters[...]`` and ``._buffers[...]`` are taken for parameters and buffers. ``frame``:
+    what is known of that frame's code (a resume function after a graph break, whose shape guards
+    name values no code of the user's names; a decorator's code shared by the functions it wraps).
 
     Example::
 
@@ -314,6 +378,8 @@ def classify(reason: str, namespaces: tuple[Mapping[str, Any], Mapping[str, Any]
     # Code-part guards carry "  # <user source line>" comments; match on the check alone.
     expr = re.split(r"\s+# ", guard, maxsplit=1)[0].strip()
     category, variant, fields = _categorize(expr, guard, namespaces)
+    if frame is not None:
+        variant = _in_frame(frame, category, variant, fields)
     if note := fields.pop("note", None):  # torch names paramfold's class as the one it was made from
         guard = _TYPE_NAMED.sub(lambda t: f"{t[0]} ({note})", guard, count=1)
     fields.setdefault("guard", expr)
@@ -402,6 +468,37 @@ def _categorize(
     if expr.startswith("BACKEND_MATCH"):
         return "other", "backend", {}
     return "other", None, {}
+
+
+def _in_frame(frame: CompiledFrame, category: str, variant: str | None, fields: dict[str, Any]) -> str | None:
+    """The fix variant where the frame's code says more than the guard: a shape guard of a resume
+    function (``___stack0``, a local of the function that broke), an identity guard on the function
+    a shared decorator's code wraps (its free variable). Fills in the fields that variant needs."""
+    if category == "shape" and variant in (None, "size01", "symbolic") and fields.get("tensor"):
+        resume = _RESUME.match(frame.name)
+        stack = _STACK_VALUE.match(fields["tensor"]) is not None
+        if resume is None and not stack:
+            return variant
+        parent = f"{resume['parent']} (line {resume['line']})" if resume else "the compiled function"
+        fields["function"] = frame.name
+        fields["parent"] = parent
+        fields["what"] = (
+            "a value on dynamo's stack (an intermediate result that was live at the graph break)" if stack
+            else f"a value of {resume['parent'] if resume else 'the function'} live at the graph break"
+        )
+        if frame.caller_input is None:
+            return "resume"
+        fields["input"], fields["input_dim"], fields["caller"] = frame.caller_input
+        return "resume_input"
+    if category == "id/object identity" and variant is None and frame.wrapper and fields.get("source"):
+        head = re.match(r"[A-Za-z_]\w*", fields["source"])
+        if head and head[0] in frame.freevars:
+            fields["wrapper"] = frame.wrapper
+            from torch._dynamo import config
+
+            fields["limit_type"] = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            return "decorator"
+    return variant
 
 
 def _paramfold_class(cls_id: int) -> tuple[type, str] | None:

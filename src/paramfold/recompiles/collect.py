@@ -34,6 +34,13 @@ What depends on the torch version (each read from that version's source):
 * a prepared model whose forward is torch's own runs that forward in a frame of paramfold's, one
   code object per such forward (``paramfold.classes.root_forward_of``): the report names the forward
   (``Sequential.forward``) and says that prepared models with it share one recompile limit.
+* a forward decorated by a ``functools.wraps``-style decorator (transformers' ``wrapper``) compiles
+  as the decorator's code, one code object for all it decorates: the report names the function the
+  wrapper's ``__wrapped__`` holds (the function is found by the frame's closure cells, which
+  ``_compile`` gets, same name in 2.5 .. 2.15) and says they share one recompile limit.
+* a resume function (``torch_dynamo_resume_in_<fn>_at_<line>``, after a graph break) guards values
+  of dynamo's stack (``___stack0``): its shape fix names the input that a compiled function running
+  it (on the Python stack while it compiles) last recompiled on.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import json
 import logging
 import re
 import sys
+import types
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -52,7 +60,7 @@ from typing import Any
 import torch
 
 from paramfold.errors import FoldError
-from paramfold.recompiles.classify import GuardFailure, classify, fix_text, strip_local_scope
+from paramfold.recompiles.classify import CompiledFrame, GuardFailure, classify, fix_text, strip_local_scope
 from paramfold.recompiles.report import CompileRecord, RecompileReport, short_path
 
 __all__ = [
@@ -230,6 +238,9 @@ class _Collector:
         self.frames: dict[tuple[Any, Any], tuple[str, str, int | None]] = {}
         # frames whose code is a shared wrapper's (torch's wrap_inline, paramfold's root frame)
         self.shared: dict[tuple[Any, Any], _Target] = {}
+        # (co_name, co_filename, co_firstlineno) of a compiled function -> (input, dim, location) of
+        # the shape guard its last compile failed on, for the resume functions it runs
+        self.shape_inputs: dict[tuple[str, str, int | None], tuple[str, int, str]] = {}
 
     def on_trace(self, metadata: dict[str, Any], payload: str | None) -> None:
         name = next(iter(metadata))
@@ -245,7 +256,8 @@ class _Collector:
                 p.reasons = _decode_reasons(payload)
                 # classified now, while the frame's values the guards failed on can be looked up
                 namespaces = _compiled_namespaces()
-                p.failed = [classify(r, namespaces) for r in p.reasons]
+                frame = self._compiled_frame()
+                p.failed = [classify(r, namespaces, frame) for r in p.reasons]
                 p.recompile = True
             elif artifact == "dynamo_graph_break_reason" and payload is not None:
                 summary = _graph_break_summary(payload)
@@ -284,6 +296,27 @@ class _Collector:
         if p.target is None:
             p.target = _wrapped_target()
 
+    def _compiled_frame(self) -> CompiledFrame | None:
+        """What is known of the code dynamo is compiling, when called inside its ``_compile``: its
+        name and free variables, the decorator's code it is (a function with ``__wrapped__``), and
+        for a resume function, the input a compiled function running it last recompiled on."""
+        args = _compiling()
+        code = args.get("code") if args is not None else None
+        if not isinstance(code, types.CodeType):
+            return None
+        decorated = _decorated(args)
+        wrapper = _code_location(code) if decorated is not None else None
+        caller_input = None
+        if code.co_name.startswith("torch_dynamo_resume_in_"):
+            # the functions running it are on the stack, outside dynamo: the outermost compiled
+            # one whose last compile failed on an input's size names the input to mark
+            frame = sys._getframe(1)
+            while frame is not None:
+                c = frame.f_code
+                caller_input = self.shape_inputs.get((c.co_name, c.co_filename, c.co_firstlineno), caller_input)
+                frame = frame.f_back
+        return CompiledFrame(code.co_name, tuple(code.co_freevars), wrapper, caller_input)
+
     def _pending(self, key: tuple[Any, Any, Any]) -> _Pending:
         return self.pending.setdefault(key, _Pending())
 
@@ -304,6 +337,7 @@ class _Collector:
         if key[2] == 0 and p.target is None:  # a frame's first compile, not of a shared wrapper
             self.shared.pop(frame, None)
         name, filename, lineno = m.get("co_name"), m.get("co_filename"), m.get("co_firstlineno")
+        code_key = (name, filename, lineno)
         if p.target is not None:
             name, filename, lineno = p.target.name, p.target.filename, p.target.lineno
             self.shared[frame] = p.target
@@ -338,6 +372,16 @@ class _Collector:
             fail_reason=fail_reason,
             shared_code=shared.shared_code if shared else None,
         )
+        if code_key[0] is not None and not code_key[0].startswith("torch_dynamo_resume_in_"):
+            inputs = [
+                (g.tensor, g.dim, record.location) for g in record.failed_guards
+                if g.category == "shape" and g.tensor and g.dim is not None and not g.tensor.startswith("___")
+                and "[" not in g.tensor and "." not in g.tensor
+            ]
+            if inputs:
+                self.shape_inputs[code_key] = inputs[0]
+            else:
+                self.shape_inputs.pop(code_key, None)
         if limit_hit:
             from torch._dynamo import config
 
@@ -352,6 +396,7 @@ class _Collector:
             record.fix = fix_text(
                 shared.limit_fix if shared else "limit hit",
                 function=record.location, limit=record.limit, limit_type=limit_type,
+                shared_code=shared.shared_code if shared else None,
             )
         self.report.records.append(record)
 
@@ -442,9 +487,57 @@ def _wrapped_target() -> _Target | None:
         return _describe_callable(fn) if fn is not None else None
     forward = root_forward_of(compiled)
     if forward is None:
-        return None
+        decorated = _decorated(args)
+        if decorated is None:
+            return None
+        target = _describe_callable(decorated)
+        return dataclasses.replace(target, limit_fix="limit hit:shared_decorator", shared_code=_code_location(compiled))
     target = _describe_callable(forward)
     return dataclasses.replace(target, limit_fix="limit hit:shared_root", shared_code=_ROOT_FORWARD)
+
+
+def _decorated(args: dict[str, Any]) -> Any:
+    """The function a decorator's code wraps, where dynamo compiles that code: a closure
+    (``functools.wraps``-style ``wrapper``, as transformers' ``merge_with_config_defaults`` & co.)
+    whose function has ``__wrapped__``. Its code object is one for every function it decorates.
+    The function is found as an attribute of the first argument's class (a decorated method,
+    ``self``'s forward) or else among the referrers of the code, by the closure cells of the frame."""
+    code, closure = args.get("code"), args.get("closure")
+    if not isinstance(code, types.CodeType) or not closure or not code.co_freevars:
+        return None
+    if not any(inspect.isroutine(_cell_contents(c)) for c in closure):  # nothing wrapped in there
+        return None
+
+    def wraps_here(fn: Any) -> bool:
+        return (
+            isinstance(fn, types.FunctionType) and fn.__code__ is code and fn.__closure__ is not None
+            and len(fn.__closure__) == len(closure) and all(a is b for a, b in zip(fn.__closure__, closure))
+            and "__wrapped__" in fn.__dict__
+        )
+
+    found = None
+    local = args.get("locals") or {}
+    if code.co_argcount and code.co_varnames[0] in local:
+        for cls in type(local[code.co_varnames[0]]).__mro__:
+            found = next((v for v in vars(cls).values() if wraps_here(v)), None)
+            if found is not None:
+                break
+    if found is None:
+        import gc
+
+        found = next((r for r in gc.get_referrers(code) if wraps_here(r)), None)
+    return found.__dict__["__wrapped__"] if found is not None else None
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _code_location(code: types.CodeType) -> str:
+    return f"{code.co_name} ({short_path(code.co_filename)}:{code.co_firstlineno})"
 
 
 def _describe_callable(fn: Any) -> _Target:
