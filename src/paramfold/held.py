@@ -280,9 +280,9 @@ class GlobalGenerators:
     put back to its state just before the probe first used it. A method called by C code (``map``
     over ``random.getrandbits``) makes no profile event: Python's state is compared too, and put
     back to where it was before the probe (another thread's draws meanwhile are then taken for the
-    chain's, and drawn again). ``torch.random.fork_rng`` putting
-    torch's state back is no use of it. NumPy's functions are Cython, which no profiler sees:
-    its state is compared (:class:`_NumpyCompared`).
+    chain's, and drawn again). ``torch.random.fork_rng`` putting torch's state back is no use of
+    it. NumPy's functions are Cython, which no profiler sees: its state is compared
+    (:class:`_NumpyCompared`).
 
     Where the thread has a profiler already (``cProfile``), which ``sys.setprofile`` would
     replace, all three are compared instead (:class:`_Compared`)."""
