@@ -284,9 +284,14 @@ def test_kinds_that_need_the_model_are_refused_then_folded_with_it(tmp_path, kin
     st_out = tmp_path / "folded.safetensors"
     if kind == "torchao_subclass":
         # Int8Tensor is a tensor subclass: only .pt can hold it.
-        with pytest.raises(CheckpointError, match="tensor subclass.*write the folded checkpoint to a .pt"):
+        with pytest.raises(CheckpointError, match="tensor subclass.*write the folded checkpoint to a .pt") as refused:
             fold_checkpoint(src, st_out, model_factory=spec)
         assert not st_out.exists()
+        # Exit 1, as a dtype .safetensors cannot hold: found in the folded values, after the report
+        # audit --fold-out prints (exit 2 is a usage error, checked before; it was 2, helper-232).
+        assert refused.value.exit_code == 1
+        res = _cli(str(src), "--fold-out", str(st_out), "--model", spec)
+        assert res.exit_code == 1 and res.stderr.count("\n") == 1 and "tensor subclass" in res.stderr, res.stderr
     else:
         fold_checkpoint(src, st_out, model_factory=getattr(audit_models, factory))
         _check_folded(st_out, stock, x, kind)

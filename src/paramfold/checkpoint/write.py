@@ -101,8 +101,7 @@ def write_state_dict(path: str | os.PathLike[str], state_dict: Mapping[str, torc
         raise CheckpointError(
             f"'{k}' is {with_article(type(state_dict[k]).__name__)} (a tensor subclass), which .safetensors cannot "
             "hold; write the folded checkpoint to a .pt file instead",
-            exit_code=2,
-        )
+        )  # exit 1, as a dtype .safetensors cannot hold: found in the folded values, after the report
     with _output(out) as f:
         f.close()  # torch.save writes the path itself (in C++: a signal cannot split its records)
         torch.save(dict(state_dict), f.name)
