@@ -219,8 +219,8 @@ def holds_global_generator(module: nn.Module) -> bool:
     NumPy's global one (as an attribute, or an item of a held list, tuple or dict): a probe runs a
     deep copy, whose generator is a copy, so a seed or a draw the chain makes through it would go
     unseen."""
-    shared = (torch.default_generator, random._inst, getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None),
-              *(sys.modules["torch.cuda"].default_generators if "torch.cuda" in sys.modules else ()))
+    shared = (*_torch_default_generators(), random._inst,
+              getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None))
     for m in module.modules():
         for value in vars(m).values():
             items = (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
@@ -339,10 +339,15 @@ def _global_generator(owner: object, name: str) -> str | None:
     if owner is random._inst:
         return None if name == "getstate" else "python"
     if type(owner) is torch._C.Generator and name in _TORCH_SETTERS:
-        device = sys.modules["torch.cuda"].default_generators if "torch.cuda" in sys.modules else ()
-        if owner is torch.default_generator or any(owner is g for g in device):
+        if any(owner is g for g in _torch_default_generators()):
             return "torch"
     return None
+
+
+def _torch_default_generators() -> tuple:
+    """torch's default CPU generator and the default generators of the CUDA devices initialised."""
+    cuda = sys.modules["torch.cuda"].default_generators if "torch.cuda" in sys.modules else ()
+    return (torch.default_generator, *cuda)
 
 
 def _putting_back(frame: types.FrameType | None) -> bool:

@@ -77,6 +77,20 @@ CATEGORIES = (
 # The one table of fix texts. Keys are a category, optionally ":variant". Placeholders are filled
 # from the failed guard: {tensor} {dim} {expected} {actual} {source} {cls} {state} {guard}
 # {function} {limit_type} {limit}.
+# The two fixes of a resume function's shape guard (shape:resume, shape:resume_input) differ only
+# in what they say of the input the value follows.
+_RESUME_FIX_HEAD = (
+    "{tensor} is {what} in {function}, the resume function dynamo compiled after a graph break "
+    "in {parent}, which gets every value live at the break as an input of its own: "
+    "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
+    "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
+    "Compile with dynamic=True (one graph for every size from the first call on); "
+)
+_RESUME_FIX_TAIL = (
+    "with neither, torch makes the dim dynamic by itself after it changed once (unless compiled "
+    "with dynamic=False). Removing the graph break removes the resume function"
+)
+
 FIXES: dict[str, str] = {
     "shape": (
         "torch._dynamo.mark_dynamic({tensor}, {dim}) before the first call (or compile with "
@@ -86,27 +100,14 @@ FIXES: dict[str, str] = {
         "ConstraintViolationError: that is one graph per width"
     ),
     "shape:resume": (
-        "{tensor} is {what} in {function}, the resume function dynamo compiled after a graph break "
-        "in {parent}, which gets every value live at the break as an input of its own: "
-        "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
-        "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
-        "Compile with dynamic=True (one graph for every size from the first call on); marking the "
-        "dim of the compiled function's input it follows (torch._dynamo.maybe_mark_dynamic) "
-        "removes that function's own recompile, not this one (torch 2.13); with neither, torch "
-        "makes the dim dynamic by itself after it changed once (unless compiled with "
-        "dynamic=False). Removing the graph break removes the resume function"
+        _RESUME_FIX_HEAD + "marking the dim of the compiled function's input it follows "
+        "(torch._dynamo.maybe_mark_dynamic) removes that function's own recompile, not this one "
+        "(torch 2.13); " + _RESUME_FIX_TAIL
     ),
     "shape:resume_input": (
-        "{tensor} is {what} in {function}, the resume function dynamo compiled after a graph break "
-        "in {parent}, which gets every value live at the break as an input of its own: "
-        "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
-        "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
-        "Compile with dynamic=True (one graph for every size from the first call on); {caller}, "
-        "which runs it, last recompiled on its input {input} dim {input_dim}: "
-        "torch._dynamo.maybe_mark_dynamic({input}, {input_dim}) before the first call removes that "
-        "recompile, not this one (torch 2.13); with neither, torch makes the dim dynamic by itself "
-        "after it changed once (unless compiled with dynamic=False). Removing the graph break "
-        "removes the resume function"
+        _RESUME_FIX_HEAD + "{caller}, which runs it, last recompiled on its input {input} dim "
+        "{input_dim}: torch._dynamo.maybe_mark_dynamic({input}, {input_dim}) before the first call "
+        "removes that recompile, not this one (torch 2.13); " + _RESUME_FIX_TAIL
     ),
     "shape:size01": (
         "expected: sizes 0 and 1 are specialised, even on a dim marked dynamic; "

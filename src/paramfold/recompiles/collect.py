@@ -255,8 +255,8 @@ class _Collector:
                 p = self._pending(key)
                 p.reasons = _decode_reasons(payload)
                 # classified now, while the frame's values the guards failed on can be looked up
-                namespaces = _compiled_namespaces()
-                frame = self._compiled_frame()
+                args = _compiling()
+                namespaces, frame = _namespaces(args), self._compiled_frame(args)
                 p.failed = [classify(r, namespaces, frame) for r in p.reasons]
                 p.recompile = True
             elif artifact == "dynamo_graph_break_reason" and payload is not None:
@@ -296,11 +296,11 @@ class _Collector:
         if p.target is None:
             p.target = _wrapped_target()
 
-    def _compiled_frame(self) -> CompiledFrame | None:
-        """What is known of the code dynamo is compiling, when called inside its ``_compile``: its
-        name and free variables, the decorator's code it is (a function with ``__wrapped__``), and
-        for a resume function, the input a compiled function running it last recompiled on."""
-        args = _compiling()
+    def _compiled_frame(self, args: dict[str, Any] | None) -> CompiledFrame | None:
+        """What is known of the code dynamo is compiling (``args``: its ``_compile``'s arguments,
+        :func:`_compiling`): its name and free variables, the decorator's code it is (a function
+        with ``__wrapped__``), and for a resume function, the input a compiled function running it
+        last recompiled on."""
         code = args.get("code") if args is not None else None
         if not isinstance(code, types.CodeType):
             return None
@@ -455,10 +455,9 @@ def _compiling() -> dict[str, Any] | None:
     return None
 
 
-def _compiled_namespaces() -> tuple[Any, Any] | None:
+def _namespaces(args: dict[str, Any] | None) -> tuple[Any, Any] | None:
     """The globals and locals of the frame dynamo is compiling (what its guards' ``G[...]`` and
-    locals name), when called inside its ``_compile``."""
-    args = _compiling()
+    locals name), from its ``_compile``'s arguments (:func:`_compiling`)."""
     if args is None or args.get("globals") is None or args.get("locals") is None:
         return None
     return args["globals"], args["locals"]
