@@ -314,7 +314,7 @@ def test_an_edit_in_the_forward_after_a_call_that_met_a_new_pre_hook_is_seen_lik
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_pre_hook_registered_during_a_call_before_a_compiled_layers_call_is_followed_like_stock(kind, where):
     # The layer compiled on its own (layer.compile()) inside an eager forward: its call is checked
-    # where the call of a compiled module nested in a scope is (scope._scoped_compiled_call).
+    # where the call of a compiled module nested in a scope is (scope_entry._scoped_compiled_call).
     def compile_the_layers(step, models):
         if step == 0:
             torch._dynamo.reset()

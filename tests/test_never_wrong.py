@@ -1027,12 +1027,12 @@ def test_calls_follow_torch_2_15_s_thread_local_fx_flag(mode, monkeypatch):
     # raised AttributeError there. This torch's fx is made to look like 2.15's.
     import torch.fx._symbolic_trace as fx_trace
 
-    import paramfold.scope as scope
+    import paramfold.scope_entry as scope_entry
 
     tls = threading.local()
     monkeypatch.delattr(fx_trace, "_is_fx_tracing_flag", raising=False)  # (already gone on 2.15)
     monkeypatch.setattr(fx_trace, "_is_fx_tracing_tls", tls, raising=False)
-    monkeypatch.setattr(scope, "_fx_tracing", scope._fx_tracing_reader(fx_trace))
+    monkeypatch.setattr(scope_entry, "_fx_tracing", scope_entry._fx_tracing_reader(fx_trace))
     torch.manual_seed(0)
     stock = spectral_norm(nn.Linear(4, 4)).eval().requires_grad_(False)
     ours = paramfold.prepare(copy.deepcopy(stock), mode)
@@ -3986,7 +3986,7 @@ def test_a_claim_ending_between_the_two_reads_of_compiled_call_impl_still_calls_
     # threads make, so another thread's call ending in between turned the first read's wrapper
     # into None at the second: "TypeError: 'NoneType' object is not callable" in a serving thread.
     # The other thread's claim is simulated: set before the call, gone once the first read answered.
-    from paramfold import scope
+    from paramfold import scope_entry
     from paramfold.state import STATE_ATTR
 
     torch.manual_seed(0)
@@ -4002,7 +4002,7 @@ def test_a_claim_ending_between_the_two_reads_of_compiled_call_impl_still_calls_
             hs.users = 0  # the other thread's call released the layer meanwhile
             return made
 
-    monkeypatch.setattr(scope, "functools", EndsTheOtherClaim)
+    monkeypatch.setattr(scope_entry, "functools", EndsTheOtherClaim)
     with torch.no_grad():
         hs.users = 1
         out = layer(x)

@@ -54,7 +54,7 @@ from paramfold.hooknorms import shadowed
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
 from paramfold.state import STATE_ATTR, SiteState, installed_keys, orphaned_copy, tensor_label
-from paramfold.scope import compiled_call_impl, root_call
+from paramfold.scope_entry import compiled_call_impl, root_call
 from paramfold.scope_midcall import (assigned, copied_between_calls, copied_hook_values,
                                      hook_value_replaced, not_copied, state_read)
 
@@ -562,7 +562,7 @@ def _served_once_call(cls: type) -> Callable:
     that opens its scope reached the class's ``__call__`` before: ``scope._open`` marks it). Traced, where
     nothing is checked at nested calls, they run here, and ``cls.forward`` straight after, as
     dynamo's own call of a module without hooks does (no frame more than stock's)."""
-    stocks_call = cls.__call__ is nn.Module.__call__  # not a root's call (scope.root_call)
+    stocks_call = cls.__call__ is nn.Module.__call__  # not a root's call (scope_entry.root_call)
 
     def served_once_call(self: nn.Module, *args, **kwargs):
         onces = self._paramfold_once  # state.ONCE_ATTR

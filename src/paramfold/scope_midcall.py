@@ -31,7 +31,8 @@ from paramfold import scope_nested as nested
 from paramfold.compute import compiling
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.scope import _MISSING, _enclosing, _in_scope, _unclaimed, calls_lock
+from paramfold.scope import _MISSING, _unclaimed, calls_lock
+from paramfold.scope_entry import _enclosing, _in_scope
 from paramfold.state import ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, kept_values, tensor_label
 
 

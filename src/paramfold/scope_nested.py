@@ -17,7 +17,7 @@ call begins. A forward may then change their inputs before it calls a submodule:
   its forward reads them, or a hook that stock's reads run (a global forward hook, one on a
   chain's own modules): :func:`computed_at_read` serves them as stock does from then on.
 
-Every eager call of an entry reads its ``_compiled_call_impl`` (``scope._get_compiled_call_impl``),
+Every eager call of an entry reads its ``_compiled_call_impl`` (``scope_entry._get_compiled_call_impl``),
 which checks the entry's :func:`check_of` columns: the tensors below it are the ones its values
 were computed from (always), and, where the scope was opened eagerly, their version counters (an
 inference tensor, which has none: :class:`Unversioned`) and storage addresses are those of when
@@ -262,7 +262,7 @@ def same_context(then: tuple | None) -> bool:
 
 
 def unchanged(check: tuple) -> bool:
-    """Nothing below the entry of ``check`` changed: what ``scope._get_compiled_call_impl``
+    """Nothing below the entry of ``check`` changed: what ``scope_entry._get_compiled_call_impl``
     tests inline (without a frame of its own), for the other callers."""
     if not same_context(local.context):
         return False
