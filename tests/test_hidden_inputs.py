@@ -17,6 +17,7 @@ import random
 import re
 import sys
 import threading
+import types
 import warnings
 
 import numpy as np
@@ -1510,6 +1511,46 @@ class _SeedsTorchsGeneratorItHolds(nn.Module):
         return w * 2
 
 
+class _SeedsTorchsGeneratorHeldDeeper(nn.Module):
+    """Seeds torch's default generator held in a plain object it holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = types.SimpleNamespace(rng={"gen": torch.default_generator})
+
+    def forward(self, w):
+        self.cfg.rng["gen"].manual_seed(0)
+        return w * 2
+
+
+class _SeedsPythonThroughABoundMethod(nn.Module):
+    """Holds ``random.seed``, a method bound to Python's generator: a deep copy of it is bound to
+    a copy of the generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.reseed = random.seed
+
+    def forward(self, w):
+        self.reseed(0)
+        return w * 2
+
+
+class _SeedsTorchAfterAProfiler(nn.Module):
+    """Profiles its own work, then seeds torch's generator: stopping its profiler stops any
+    profile function set on the thread (``sys.setprofile(None)``)."""
+
+    def forward(self, w):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        out = w * 2
+        profiler.disable()
+        torch.manual_seed(0)
+        return out
+
+
 class _ForwardDrawingAfterTheRead(nn.Module):
     def __init__(self, member: nn.Module):
         super().__init__()
@@ -1523,9 +1564,12 @@ class _ForwardDrawingAfterTheRead(nn.Module):
 
 @pytest.mark.parametrize("flow", ["drawn between", "built then prepared"])
 @pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy, _SeedsPythonAndDraws, _SetsTorchState,
-                                    _PythonDrawPutBack, _PythonDrawsThroughMap, _SeedsTorchsGeneratorItHolds],
+                                    _PythonDrawPutBack, _PythonDrawsThroughMap, _SeedsTorchsGeneratorItHolds,
+                                    _SeedsTorchsGeneratorHeldDeeper, _SeedsPythonThroughABoundMethod,
+                                    _SeedsTorchAfterAProfiler],
                          ids=["torch", "python", "numpy", "python_seed_and_draw", "torch_state", "python_put_back",
-                              "python_through_map", "torch_held"])
+                              "python_through_map", "torch_held", "torch_held_deeper", "python_bound_method",
+                              "torch_after_a_profiler"])
 def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_leaves_it_alone(member, flow):
     # Regression (helper-221): a chain that reseeds a global generator at each read (its later
     # draws in the forward then repeat from call to call, as stock's) was found not to draw:
@@ -1539,7 +1583,9 @@ def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_le
     # prepare: "built then prepared"), and Python's state read, drawn from and put back, were
     # not seen (until the probe watched its thread's calls of the generators' methods); then
     # (helper-230) a draw through map(random.getrandbits, ...), which makes no profile event, and a
-    # seed of torch's generator held by the member, whose probe's copy holds a copy, were not.
+    # seed of torch's generator held by the member, whose probe's copy holds a copy, were not;
+    # then (helper-233) one held deeper (in a dict of a plain object) or a bound method of Python's
+    # generator held, and a seed after a profiler the chain stopped (which stopped the watch).
     torch.manual_seed(1)
     stock = _ForwardDrawingAfterTheRead(member()).train().requires_grad_(False)  # not a copy: a copy of
     torch.manual_seed(1)  # torch's generator held would be a generator of its own

@@ -216,17 +216,42 @@ def generators(module: nn.Module) -> list[object]:
 
 def holds_global_generator(module: nn.Module) -> bool:
     """Whether a module of ``module`` holds one of torch's default generators, or Python's or
-    NumPy's global one (as an attribute, or an item of a held list, tuple or dict): a probe runs a
-    deep copy, whose generator is a copy, so a seed or a draw the chain makes through it would go
-    unseen."""
-    shared = (*_torch_default_generators(), random._inst,
-              getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None))
+    NumPy's global one, or a method bound to one (``random.seed``), anywhere its plain attributes
+    reach through dicts, lists, tuples, sets, ``functools.partial`` arguments and plain objects'
+    attributes (up to :data:`_DEPTH` levels and :data:`_MOST` objects, as :func:`held` follows):
+    a probe runs a deep copy, whose generator is a copy, so a seed or a draw the chain makes
+    through it would go unseen."""
+    shared = [g for g in (*_torch_default_generators(), random._inst,
+                          getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None)) if g is not None]
+    seen: set[int] = set()
+
+    def holds(value: object, depth: int) -> bool:
+        if any(value is g for g in shared):
+            return True
+        if isinstance(value, types.MethodType):  # deep-copied with a copy of its object
+            return holds(value.__self__, depth)
+        if isinstance(value, _ATOMS) or id(value) in seen or depth > _DEPTH or len(seen) > _MOST:
+            return False
+        seen.add(id(value))
+        if isinstance(value, dict):
+            items = list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            items = list(value)
+        elif isinstance(value, functools.partial):
+            items = [value.func, *value.args, *value.keywords.values()]
+        else:
+            items = []
+        attributes = getattr(value, "__dict__", None)
+        if type(attributes) is dict:
+            items += attributes.values()
+        return any(holds(item, depth + 1) for item in items)
+
     for m in module.modules():
-        for value in vars(m).values():
-            items = (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
-                     else (value,))
-            if any(item is g for item in items for g in shared if g is not None):
-                return True
+        seen.clear()
+        state = m.__dict__.get(STATE_ATTR)
+        skipped = _STANDARD if state is None else _STANDARD | {STATE_ATTR, ONCE_ATTR, *installed_keys(m, state)}
+        if any(holds(value, 0) for key, value in vars(m).items() if key not in skipped):
+            return True
     return False
 
 
@@ -285,13 +310,17 @@ class GlobalGenerators:
     (:class:`_NumpyCompared`).
 
     Where the thread has a profiler already (``cProfile``), which ``sys.setprofile`` would
-    replace, all three are compared instead (:class:`_Compared`)."""
+    replace, all three are compared instead (:class:`_Compared`). Where the chain itself stops
+    or replaces the watch (a profiler it starts and stops: ``sys.setprofile(None)``), what it did
+    after is unknown: the probe is taken as having used them, each put back to its state before
+    the probe, and whatever profiler the chain left is left in place."""
 
-    __slots__ = ("used", "saved", "outer", "compared", "numpy", "python")
+    __slots__ = ("used", "saved", "outer", "compared", "numpy", "python", "torch")
 
     def __init__(self) -> None:
         self.used = False
         self.python = random.getstate()  # a draw no call shows: a C function calling its method (map)
+        self.torch: tuple | None = None  # torch's generators' states, where the watch was stopped
         self.saved: dict[object, tuple] = {}  # generator -> (its state then, how to put it back)
         profile = sys.getprofile()
         ours = getattr(profile, "__func__", None) is GlobalGenerators._seen
@@ -299,6 +328,8 @@ class GlobalGenerators:
         self.compared = _Compared() if profile is not None and not ours else None
         self.numpy = _NumpyCompared() if self.compared is None else None
         if self.compared is None:
+            # put back only where the chain stopped the watch: another thread's seed meanwhile is undone then
+            self.torch = tuple((g, g.get_state()) for g in _torch_default_generators())
             sys.setprofile(self._seen)
 
     def _seen(self, frame: types.FrameType, event: str, arg: object) -> None:
@@ -320,7 +351,13 @@ class GlobalGenerators:
         before the probe first used it)."""
         if self.compared is not None:
             return self.compared.moved()
-        sys.setprofile(self.outer._seen if self.outer is not None else None)
+        profile = sys.getprofile()
+        if getattr(profile, "__func__", None) is GlobalGenerators._seen and profile.__self__ is self:
+            sys.setprofile(self.outer._seen if self.outer is not None else None)
+        else:  # the chain stopped or replaced the watch (and with it an outer probe's, which sees that too)
+            self.used = True
+            for g, state in self.torch:
+                g.set_state(state)
         for state, put_back in self.saved.values():
             put_back(state)
         if random.getstate() != self.python:
