@@ -347,6 +347,24 @@ def test_table_output_names_every_site_and_summarises(tmp_path):
     assert "foldable from keys alone" in " ".join(res.stdout.split())
 
 
+def test_a_dict_of_scalar_tensors_set_aside_beside_the_model_is_named_in_the_title_and_the_json(tmp_path):
+    # Regression (helper-233): {'generator': <a model whose weights are all scalars>, 'discriminator':
+    # sd} was read as 'discriminator' with nothing said of 'generator', taken for metadata (metrics)
+    # as dicts of scalar tensors beside a state dict are: the title and --json now name it.
+    stock, _ = _stock("weight_norm")
+    src = tmp_path / "two.pt"
+    torch.save({"generator": {"temperature": torch.tensor(1.5)}, "discriminator": stock.state_dict()}, src)
+    res = _cli(str(src))
+    assert res.exit_code == 0, res.stderr
+    assert " ".join(res.stdout.split()).startswith(
+        f"{src} [pt] (under 'discriminator'; 'generator': scalar tensors only, taken as metadata)")
+    doc = json.loads(_cli(str(src), "--json").stdout)
+    assert (doc["root"], doc["beside"]) == ("discriminator", ["generator"])
+    torch.save({"discriminator": stock.state_dict(), "step": torch.tensor(3)}, src)
+    doc = json.loads(_cli(str(src), "--json").stdout)
+    assert (doc["root"], doc["beside"]) == ("discriminator", [])
+
+
 def test_table_output_without_sites_still_names_the_file_its_format_and_the_entry_read(tmp_path):
     # Regression: the header (the file of a folder that was read, its format, the entry the weights
     # were under) was the table's title, printed only with the table: a checkpoint with no

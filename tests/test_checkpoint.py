@@ -352,6 +352,7 @@ def test_a_projects_own_key_is_read_beside_scalar_tensors_as_beside_ints(tmp_pat
         torch.save(saved, tmp_path / f"{name}.pt", **save)
         with open_checkpoint(tmp_path / f"{name}.pt") as ckpt:
             assert ckpt.root == "generator" and sorted(ckpt.keys()) == sorted(sd), name
+            assert ckpt.beside == (("metrics",) if name == "metrics" else ()), name
             assert all(torch.equal(ckpt.read(k), t) for k, t in sd.items())
     # Under that key, extra state is named there, not taken for the top level's.
     torch.save({"generator": {**sd, "_extra_state": 3}, "step": torch.tensor(5)}, tmp_path / "mixed.pt", **save)
@@ -359,8 +360,15 @@ def test_a_projects_own_key_is_read_beside_scalar_tensors_as_beside_ints(tmp_pat
         open_checkpoint(tmp_path / "mixed.pt")
     # Metadata alone (scalars, no model): no state dict, not a state dict with a stray entry.
     torch.save({"step": torch.tensor(5), "epoch": 3}, tmp_path / "meta.pt", **save)
-    with pytest.raises(CheckpointError, match=r"no state dict found \(top-level keys: step, epoch\)"):
+    with pytest.raises(CheckpointError, match=r"no state dict found \(top-level keys: step, epoch; its tensors "
+                                              r"\('step'\) are all scalars, taken as metadata .* if they are the "
+                                              r"model's weights, save its state dict alone"):
         open_checkpoint(tmp_path / "meta.pt")
+    # A dict of scalar tensors inside a flat state dict is a stray entry, as an int is there, not a
+    # second candidate model (helper-233: the line said it "may be the model").
+    torch.save({**sd, "metrics": {"loss": torch.tensor(0.5)}}, tmp_path / "flat.pt", **save)
+    with pytest.raises(CheckpointError, match=r"its state dict holds 1 non-tensor entry \('metrics': dict"):
+        open_checkpoint(tmp_path / "flat.pt")
 
 
 @pytest.mark.parametrize("legacy", [False, True])

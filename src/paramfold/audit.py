@@ -167,6 +167,8 @@ class AuditReport:
     sites: list[CheckpointSite]
     plain_tensors: int
     plain_bytes: int
+    #: Entries beside ``root`` that are dicts of scalar tensors only, taken as metadata (metrics).
+    beside: tuple[str, ...] = ()
 
     @property
     def kinds(self) -> dict[str, int]:
@@ -185,6 +187,7 @@ class AuditReport:
             "path": self.path,
             "format": self.format,
             "root": self.root,
+            "beside": list(self.beside),
             "sites": [s.to_dict() for s in self.sites],
             "plain_tensors": self.plain_tensors,
             "plain_bytes": self.plain_bytes,
@@ -292,6 +295,7 @@ def audit_plan(ckpt: Checkpoint) -> tuple[AuditReport, list[tuple[str, Checkpoin
         path=str(ckpt.path),
         format=ckpt.format,
         root=ckpt.root,
+        beside=ckpt.beside,
         sites=ordered_sites,
         plain_tensors=len(plain),
         plain_bytes=sum(ckpt.info(k).nbytes for k in plain),

@@ -28,6 +28,9 @@ def print_report(report: AuditReport, console: Console | None = None) -> None:
 
     console = console or stdout_console(200)
     root = f" (under '{report.root}')" if report.root else ""
+    if report.beside:  # a model whose weights are all scalars would be one of them: say it was not read
+        names = ", ".join(f"'{k}'" for k in report.beside[:4]) + (", ..." if len(report.beside) > 4 else "")
+        root = f" (under '{report.root}'; {names}: scalar tensors only, taken as metadata)"
     title = _shown(f"{report.path} [{report.format}]{root}")
     table = Table()
     table.add_column("module", overflow="fold")

@@ -92,8 +92,9 @@ NESTED_STATE_DICT_KEYS = ("state_dict", "model", "model_state_dict")
 # Reading
 
 
-def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
-    """Every tensor of the ``.pt`` file ``p`` (where its bytes are) and the entry it was under.
+def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None, tuple[str, ...]]:
+    """Every tensor of the ``.pt`` file ``p`` (where its bytes are), the entry it was under, and
+    the entries beside it taken as metadata though they are dicts of (scalar) tensors.
 
     A zip archive is read without ``torch.load``: its directory, then ``data.pkl`` through
     :class:`_StubUnpickler`; each tensor is checked to fit in its storage record. A legacy (non-zip)
@@ -107,11 +108,11 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
         # Legacy format: no offsets, no checksums; weights_only still applies. Tensors saved from a
         # GPU are read to the CPU, as every tensor paramfold reads is (else: "corrupt" without CUDA).
         obj = _torch_load(p, legacy=True, map_location="cpu")
-        sd, root = _find_state_dict(obj, p)
+        sd, root, beside = _find_state_dict(obj, p)
         _plain_only(sd, p)
         for k, t in sd.items():
             _check_expansion(p, k, TensorInfo.of(t), t.untyped_storage().nbytes())
-        return {k: Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root
+        return {k: Entry(TensorInfo.of(t), tensor=t) for k, t in sd.items()}, root, beside
     try:  # the zip's central directory sits at its end: a truncated file has none
         with zipfile.ZipFile(p) as z:
             infos = z.infolist()
@@ -144,7 +145,7 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
         raise AssertionError("unreachable") from None
     except Exception as e:  # a malformed pickle: torch's own rebuild functions got the wrong arguments
         raise CheckpointError(f"{p}: corrupt PyTorch checkpoint: its data.pkl does not unpickle ({first_line(e)})") from None
-    sd, root = _find_state_dict(obj, p, tensor_type=_TensorStub)
+    sd, root, beside = _find_state_dict(obj, p, tensor_type=_TensorStub)
     records = {i.filename[len(prefix) + len("data/"):]: i for i in infos if i.filename.startswith(prefix + "data/")}
     entries: dict[str, Entry] = {}
     for k, t in sd.items():
@@ -170,7 +171,7 @@ def pt_entries(p: Path) -> tuple[dict[str, Entry], str | None]:
         info = TensorInfo(t.shape, t.dtype)
         _check_expansion(p, k, info, rec.file_size)
         entries[k] = Entry(info, p, 0, t.stride, t.offset, record=rec, conj=t.conj, neg=t.neg)
-    return entries, root
+    return entries, root, beside
 
 
 def _numel_overflows(shape: tuple[int, ...]) -> bool:
@@ -439,7 +440,7 @@ def _explain_refusal(p: Path, name: str) -> None:
         # it without naming what it references (an opcode it lacks, such as protocol 0's STRING):
         # say what paramfold refused, not torch's side error.
         raise refused from None
-    sd, _ = _find_state_dict(obj, p)
+    sd, _, _ = _find_state_dict(obj, p)
     _plain_only(sd, p)
     raise refused
 
@@ -493,14 +494,17 @@ def _type_name(obj: Any) -> str:
     return type(obj).__name__
 
 
-def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tuple[dict[str, Any], str | None]:
+def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tuple[dict[str, Any], str | None, tuple[str, ...]]:
+    """The state dict in ``obj``, the key it is under (None: the top level), and the keys of the
+    dicts of scalar tensors beside it under keys of the project's own, taken as metadata (a model
+    whose weights are all scalars would be one of them: the caller shows which were set aside)."""
     if _is_state_dict(obj, tensor_type):
-        return dict(obj), None
+        return dict(obj), None, ()
     if isinstance(obj, Mapping):
         for key in NESTED_STATE_DICT_KEYS:
             sub = obj.get(key)
             if _is_state_dict(sub, tensor_type):
-                return dict(sub), key
+                return dict(sub), key, ()
         for key in NESTED_STATE_DICT_KEYS:
             _refuse_mixed_state_dict(obj.get(key), key, p, tensor_type)
         if _has_model_marks(obj, tensor_type):
@@ -511,9 +515,11 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
         found = [k for k, sub in others if _is_state_dict(sub, tensor_type)]
         # beside it, a dict of scalar tensors is metadata (metrics, as a step at the top level)
         modelled = [k for k in found if _has_model_marks(obj[k], tensor_type)]
-        found = modelled if len(found) > 1 and len(modelled) == 1 else found
+        beside: tuple[str, ...] = ()
+        if len(found) > 1 and len(modelled) == 1:
+            beside, found = tuple(k for k in found if k not in modelled), modelled
         if len(found) == 1:
-            return dict(obj[found[0]]), found[0]
+            return dict(obj[found[0]]), found[0], beside
         if found:
             raise CheckpointError(
                 f"{p}: several state dicts (under {', '.join(map(repr, found[:8]))}"
@@ -526,8 +532,13 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
             _refuse_mixed_state_dict(sub, name, p, tensor_type)
         for name, sub in [(None, obj), *((k, obj.get(k)) for k in NESTED_STATE_DICT_KEYS)]:
             if isinstance(sub, Mapping) and not sub:  # a model without parameters: no tensors, as in safetensors
-                return {}, name
+                return {}, name, ()
         where = f"top-level keys: {', '.join(map(_key_name, list(obj)[:8]))}"
+        scalars = [k for k, v in obj.items() if isinstance(v, tensor_type) and len(v.shape) == 0]
+        if scalars:  # {'a': tensor(2.), 'epoch': 3}: a model whose weights are all scalars, beside a step
+            where += (f"; its tensors ('{_key_name(scalars[0])}'{', ...' if len(scalars) > 1 else ''}) are all "
+                      "scalars, taken as metadata (a step or a loss saved as a tensor): if they are the model's "
+                      "weights, save its state dict alone, torch.save(model.state_dict(), PATH)")
     else:
         where = f"it holds {with_article(_type_name(obj))}"
     raise CheckpointError(
@@ -564,8 +575,9 @@ def _refuse_mixed_state_dict(sub: Any, name: str | None, p: Path, tensor_type: t
     where = f"its entry '{name}'" if name else "its state dict"
     first = others[0]
     # A dict of tensors beside tensors that are not scalars: two sets of weights, either of which may be the model.
+    # (A dict of scalar tensors is metadata, as beside a state dict under a key of the project's own.)
     nested = [k for k in others if not _is_extra_state_key(k) and isinstance(sub[k], Mapping)
-              and any(isinstance(v, tensor_type) for v in sub[k].values())]
+              and any(isinstance(v, tensor_type) and len(v.shape) > 0 for v in sub[k].values())]
     if nested:
         ckpt = "ckpt" if name is None else f"ckpt[{name!r}]"
         tensors = [k for k, v in sub.items() if isinstance(v, tensor_type)]

@@ -51,12 +51,14 @@ class Checkpoint:
         entries: dict[str, Entry],
         *,
         root: str | None = None,
+        beside: tuple[str, ...] = (),
         metadata: Mapping[str, str] | None = None,
         files: Iterable[Path] = (),
     ) -> None:
         self.path = path
         self.format = format
         self.root = root
+        self.beside = beside  # dicts of scalar tensors beside the state dict, taken as metadata
         self.metadata = dict(metadata or {})
         self._entries = entries
         self._files: dict[Path, io.BufferedReader] = {}
@@ -223,8 +225,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         entries, metadata = _safetensors_entries(p)
         return Checkpoint(p, "safetensors", entries, metadata=metadata)
     if fmt == "pt":
-        entries, root = pt_entries(p)
-        return Checkpoint(p, "pt", entries, root=root)
+        entries, root, beside = pt_entries(p)
+        return Checkpoint(p, "pt", entries, root=root, beside=beside)
     what = _sniffed(p)
     raise CheckpointError(
         f"{p}: unsupported checkpoint format '{p.suffix or p.name}': expected "
@@ -373,7 +375,7 @@ def _open_index(index: Path) -> Checkpoint:
         if fmt == "safetensors":
             shards[shard], _ = _safetensors_entries(sp)
         elif fmt == "pt":
-            shards[shard], _ = pt_entries(sp)
+            shards[shard] = pt_entries(sp)[0]
         else:
             raise CheckpointError(f"{index}: shard '{shard}' has an unsupported format")
         kinds.add(fmt)
