@@ -1565,17 +1565,19 @@ def test_an_empty_folder_names_every_suffix_looked_for(tmp_path):
     _one_line_error(res, "audit", 2, "no checkpoint in this folder", *(f"*{s}" for s in PT_SUFFIXES))
 
 
-def test_audit_piped_to_a_file_keeps_module_paths_and_lines_whole(tmp_path):
+@pytest.mark.parametrize("columns", [None, " 90", "abc"])
+def test_audit_piped_to_a_file_keeps_module_paths_and_lines_whole(tmp_path, columns):
     # Regression (helper-227): on a pipe or file rich took 80 columns: module paths were split
     # across lines (a grep of a CI log for them found nothing), and the header and summary lines
-    # were wrapped and padded with spaces to the table's width.
+    # were wrapped and padded with spaces to the table's width. Also (helper-233) where COLUMNS
+    # was set to what rich ignores (not a positive number).
     inner = torch.nn.Module()
     inner.positional_convolution_embedding = weight_norm(torch.nn.Conv1d(4, 4, 3))
     model = torch.nn.Module()
     model.feature_encoder_with_a_long_name = inner
     path = tmp_path / "a_checkpoint_with_a_rather_long_file_name_as_real_ones_have.pt"
     torch.save(model.state_dict(), path)
-    env = {k: v for k, v in ENV.items() if k != "COLUMNS"}
+    env = {k: v for k, v in ENV.items() if k != "COLUMNS"} | ({} if columns is None else {"COLUMNS": columns})
     proc = subprocess.run([sys.executable, "-m", "paramfold", "audit", str(path)], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr

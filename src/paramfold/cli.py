@@ -245,8 +245,8 @@ class _Group(_PlainHelpFlag, TyperGroup):
 
         end_process = extra.pop("end_process", False)
         columns = os.environ.get("COLUMNS")
-        if columns is not None and not (columns.strip().isdigit() and int(columns) > 0):
-            # rich takes COLUMNS=0 for a width of 0 and prints nothing at all; no width is the terminal's
+        if columns is not None and not (columns.isdigit() and int(columns) > 0):
+            # rich takes COLUMNS=0 for a width of 0 and prints nothing at all, and ignores " 90": no width is the terminal's
             del os.environ["COLUMNS"]
         _written.clear()  # a command called in the same process before this one wrote it, not this one
         _ran.clear()

@@ -182,12 +182,20 @@ def quiet_when_stdout_closes(console: object) -> object:
 
 def stdout_console(piped_width: int) -> object:
     """A ``rich.console.Console`` on stdout (:func:`quiet_when_stdout_closes`), ``piped_width``
-    columns wide where stdout is a file or a pipe and ``COLUMNS`` is not set: rich's 80 there
-    would squeeze a table and split module paths and file names in a CI log, where a grep for
-    them then finds nothing."""
+    columns wide where stdout is a file or a pipe (colours forced or not) and ``COLUMNS`` sets no
+    width (unset, or not a positive number, which rich ignores): rich's 80 there would squeeze a
+    table and split module paths and file names in a CI log, where a grep for them then finds
+    nothing."""
     from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(width=piped_width)
-    return quiet_when_stdout_closes(console)
+    columns = os.environ.get("COLUMNS", "")
+    if (columns.isdigit() and int(columns) > 0) or _stdout_is_tty():
+        return quiet_when_stdout_closes(Console())
+    return quiet_when_stdout_closes(Console(width=piped_width))
+
+
+def _stdout_is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced, or closed
+        return False

@@ -170,11 +170,10 @@ class RecompileReport:
         parts: list[Any] = []
         recs_per = self.recompiles_per_function()
         for loc, graphs in self.graphs_per_function().items():
-            table = Table(
-                title=f"{loc}: {counted(graphs, 'graph')}, {counted(recs_per.get(loc, 0), 'recompile')}",
-                title_justify="left",
-                expand=False,
-            )
+            # titles on lines of their own, as audit's header: a table pads its title to its width
+            parts.append(Text(f"{loc}: {counted(graphs, 'graph')}, {counted(recs_per.get(loc, 0), 'recompile')}",
+                              style="table.title"))
+            table = Table(expand=False)
             for col, kw in (
                 ("id", {"no_wrap": True}),
                 ("event", {}),
@@ -188,7 +187,8 @@ class RecompileReport:
                     self._add_rows(table, r)
             parts.append(table)
 
-        summary = Table(title="per function", title_justify="left")
+        parts.append(Text("per function", style="table.title"))
+        summary = Table()
         for col in ("function", "graphs", "recompiles", "causes of recompiles"):
             summary.add_column(col)
         for loc, graphs in self.graphs_per_function().items():
