@@ -960,14 +960,14 @@ def test_a_frozen_value_blind_to_some_of_its_inputs_is_seen(monkeypatch, mode, f
 @pytest.mark.parametrize("mode", ["hoist", "auto"])
 def test_a_read_outside_forward_in_training_mode_that_skips_the_power_iteration_is_seen(monkeypatch, mode):
     # Reads outside forward were made with the parametrizations in eval mode only.
-    import paramfold.classes
+    import paramfold.site_reads
 
     def build():
         torch.manual_seed(0)
         return nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2))
 
     pt.assert_equivalent(build(), torch.randn(3, 4), mode, steps=2)
-    read = paramfold.classes.read_outside_scope
+    read = paramfold.site_reads.read_outside_scope
 
     def read_in_eval(module, name):
         flags = [(m, m.training) for m in module.parametrizations[name].modules()]
@@ -979,7 +979,7 @@ def test_a_read_outside_forward_in_training_mode_that_skips_the_power_iteration_
             for m, training in flags:
                 m.training = training
 
-    monkeypatch.setattr(paramfold.classes, "read_outside_scope", read_in_eval)
+    monkeypatch.setattr(paramfold.site_reads, "read_outside_scope", read_in_eval)
     with pytest.raises(AssertionError, match=r"after reads outside forward in training mode|read outside forward in training mode"):
         pt.assert_equivalent(build(), torch.randn(3, 4), mode, steps=2)
 

@@ -6,7 +6,7 @@ Where a call nested in the scope runs under another grad mode, autocast state or
 than the scope's (selective checkpointing's mode, a ``torch.autocast`` entered in the region),
 its values are taken out of ``__dict__`` for the call (``scope_nested.call_changed``): each read
 inside it computes its value through the descriptor, with autograd, in the region, as stock's
-does, and is noted on the region's frame for the recomputation (``classes.read_outside_scope``).
+does, and is noted on the region's frame for the recomputation (``site_reads.read_outside_scope``).
 A read of the same tensor outside that call (``self.lin(x) @ self.lin.weight``) is a plain
 ``__dict__`` read, served the value the scope computed before the region. The recomputation
 runs with no scope open, so both reads reach the descriptor: not told apart, the second would

@@ -1,4 +1,4 @@
-"""The classes prepared modules are switched to, and the descriptor that stands in for stock's properties.
+"""The classes prepared modules are switched to, shared by every module of one architecture.
 
 Stock ``parametrize`` gives every parametrized module its own class (``ParametrizedLinear``,
 one per instance) holding a property per tensor. paramfold swaps each prepared module to a class
@@ -10,17 +10,21 @@ same-architecture models) reuse one graph.
 Shared classes must never change for one module's sake. torch's ``register_parametrization`` and
 ``remove_parametrizations`` edit ``module.__class__`` (they expect a class of the module's own);
 the :class:`_Sealed` metaclass catches those edits: a property injected for one module becomes a
-:class:`_ForeignSite` that serves only modules parametrized for that name, and the class leaves the
-cache so later prepares get a clean one; ``remove_parametrizations``' deletion of a tensor's
-descriptor is ignored (each steps aside for a module whose parametrization is gone). The changed
-module is refused at its next call, and :func:`paramfold.restore` rebuilds stock's class for its
-parametrizations as they are then. Any other write (``type(module).forward = f``, a property of
-the user's, ``del type(module).weight`` of the user's) is refused with a
-:class:`~paramfold.FoldError` that says where to make it (:func:`_refuse_class_write`).
+:class:`~paramfold.site_reads._ForeignSite` that serves only modules parametrized for that name,
+and the class leaves the cache so later prepares get a clean one; ``remove_parametrizations``'
+deletion of a tensor's descriptor is ignored (each steps aside for a module whose parametrization
+is gone). The changed module is refused at its next call, and :func:`paramfold.restore` rebuilds
+stock's class for its parametrizations as they are then. Any other write
+(``type(module).forward = f``, a property of the user's, ``del type(module).weight`` of the
+user's) is refused with a :class:`~paramfold.FoldError` that says where to make it
+(:func:`_refuse_class_write`).
 
 While prepared, ``type(m)`` is the shared class (a subclass of the user's class, with the same
 name), so ``isinstance`` checks hold; ``torch.nn.utils.parametrize.type_before_parametrizations``
 keeps reporting the user's class (see :func:`install_type_before_parametrizations`).
+
+What the descriptors these classes hold for the tensors (stock's properties' stand-ins) do at a
+read, inside and outside a call scope, is :mod:`paramfold.site_reads`'s.
 """
 
 from __future__ import annotations
@@ -41,19 +45,14 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from paramfold import changed_call_regions as changed_regions
-from paramfold import scope_nested as nested
-from paramfold.compile_reads import RefusedWhileCompiling
-from paramfold.compute import (GLOBAL_HOOKS, autocast_state, cache_key, checkpoint_frame, compiling_here, compute,
-                               computed_for_recomputation, eager_value,
-                               has_parametrizations, inspected_by_dynamo, parametrized_here, read_without_grad)
+from paramfold.compute import GLOBAL_HOOKS, has_parametrizations
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import chain_needs_grad
-from paramfold.hooknorms import shadowed
 from paramfold.rebase import rebased
 from paramfold.restore import restore_module
-from paramfold.state import STATE_ATTR, SiteState, installed_keys, orphaned_copy, tensor_label
+from paramfold.site_reads import (LastCallValue, SiteDescriptor, _BetweenCalls, _ForeignSite, _ReadOnce,
+                                  _take_last_call_value)
+from paramfold.state import STATE_ATTR, installed_keys, orphaned_copy
 from paramfold.scope_entry import compiled_call_impl, root_call
 from paramfold.scope_midcall import (assigned, copied_between_calls, copied_hook_values,
                                      hook_value_replaced, not_copied, state_read)
@@ -334,98 +333,6 @@ def _make_class(base: type, names: frozenset[str], is_root: bool, inline: dict[s
     return cls
 
 
-class SiteDescriptor:
-    """Class attribute standing in for stock's per-instance property of one tensor name.
-
-    A *non-data* descriptor on purpose: an instance ``__dict__`` entry of the same name takes
-    precedence, which is how hoisted and frozen values reach compiled code as plain tensors.
-    Outside a call scope it computes the value like stock, so it is never stale.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, module: nn.Module | None, owner: type | None = None):
-        if module is None:
-            return self
-        if torch.compiler.is_compiling() and compiling_here():  # traced (not another thread's compile)
-            # In-graph (no value in ``__dict__``: no call scope open, as for a prepared model
-            # traced into a bigger compiled function): stock's property, which dynamo traces
-            # through ``parametrize.cached()``'s cache as well.
-            return eager_value(module, self.name)
-        return read_outside_scope(module, self.name)
-
-
-class LastCallValue:
-    """Class attribute for a tensor a hook-based norm computes (``module.weight``): a *non-data*
-    descriptor, so it is asked only where the instance ``__dict__`` has no value. That is while a
-    call scope has taken out the value the module's last call left, until the norm's own hook,
-    running in the call as in stock, sets it again (``scope._install``: compiled code traced while
-    the hook was out would read it stale). A read before that hook — a global forward pre-hook
-    (a weight monitor), a pre-hook registered with ``prepend=True`` or before the norm, the
-    parent's forward — gets that value, as in stock, whose ``__dict__`` still holds it."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, module: nn.Module | None, owner: type | None = None):
-        if module is None:
-            return self
-        state = module.__dict__.get(STATE_ATTR)
-        if state is not None and not shadowed(module, self.name):  # (a parameter registered over it is read)
-            for name, value in state.left:
-                if name == self.name:
-                    return value
-        raise AttributeError(self.name)  # nn.Module.__getattr__ finds what stock finds
-
-
-def _take_last_call_value(module: nn.Module, name: str) -> bool:
-    """Drop the value :class:`LastCallValue` serves for ``name``, as an assignment or ``del`` of the
-    attribute replaces or removes stock's in its ``__dict__`` (``module.weight = p`` removes it
-    before registering ``p``, which it refuses while the attribute is there); whether there was one."""
-    state = module.__dict__.get(STATE_ATTR)
-    if state is None or all(n != name for n, _ in state.left):
-        return False
-    state.left = tuple(pair for pair in state.left if pair[0] != name)
-    return True
-
-
-class _BetweenCalls(SiteDescriptor):
-    """The descriptor of :func:`between_class`: a *data* descriptor, so a frozen value left in the
-    instance ``__dict__`` for the next call is never what a read between calls returns."""
-
-    def __get__(self, module: nn.Module | None, owner: type | None = None):
-        if module is None:
-            return self
-        if torch.compiler.is_compiling() and compiling_here():  # traced (not another thread's compile)
-            return eager_value(module, self.name)
-        if parametrized_here(module, self.name):
-            return read_outside_scope(module, self.name)
-        # The parametrization is gone (torch's remove_parametrizations): a kept value is stale.
-        _drop_kept(module, self.name)
-        values = module.__dict__
-        if self.name in values:
-            return values[self.name]
-        raise AttributeError(self.name)  # nn.Module.__getattr__ finds the plain tensor
-
-    def __set__(self, module: nn.Module, value: object) -> None:
-        _drop_kept(module, self.name)
-        module.__dict__[self.name] = value
-
-    def __delete__(self, module: nn.Module) -> None:
-        _drop_kept(module, self.name)
-        if module.__dict__.pop(self.name, _MISSING) is _MISSING:
-            raise AttributeError(self.name)
-
-
-_MISSING = object()
-
-
-def _drop_kept(module: nn.Module, name: str) -> None:
-    state = module.__dict__.get(STATE_ATTR)
-    if state is not None and state.drop_kept(name):
-        module.__dict__.pop(name, None)
-
 
 def between_class(cls: type) -> type:
     """The class a prepared module whose values a call scope puts in its ``__dict__`` (hoisted or
@@ -451,74 +358,6 @@ def between_class(cls: type) -> type:
             type.__setattr__(sub, "_paramfold_sealed", True)
     return sub
 
-
-class _ReadOnce(SiteDescriptor):
-    """The descriptor of :func:`read_once_class`: a *data* descriptor whose first read in a call
-    scope takes the value the scope computed out of the instance ``__dict__``; later reads find
-    none there and compute it like stock, each its own power iteration (in-graph when compiled)."""
-
-    def __get__(self, module: nn.Module | None, owner: type | None = None):
-        if module is None:
-            return self
-        # Traced, each torch.compiler call and inlined frame costs dynamo at every read: asked once.
-        traced = torch.compiler.is_dynamo_compiling()
-        if not traced and inspected_by_dynamo():
-            return self._as_dynamo_sees_it(module)
-        values = module.__dict__
-        value = values.pop(self.name, None)
-        if value is not None:
-            # Traced, the value's own guard needs it in ``__dict__``: code traced here serves no call
-            # where an earlier read took it.
-            if not (traced or torch.compiler.is_compiling()):
-                _note_served(module, self.name)
-            if parametrize._cache_enabled:
-                # Inside parametrize.cached() (opened inside the forward too): stock's first read
-                # in the block caches what it computes (under no_grad, without a history), and
-                # every later read gets that.
-                value = parametrize._cache.setdefault(
-                    cache_key(module, self.name),
-                    read_without_grad(value) if value.requires_grad and not torch.is_grad_enabled() else value)
-            return value
-        if traced or torch.compiler.is_compiling():
-            # Dynamo guards nothing about a key's absence from ``module.__dict__``; asked of the same
-            # dict reached as a plain one (the state's ``own_dict``), it guards the dict's keys, so
-            # code traced after the value was taken (a frame re-entered or resumed inside the call)
-            # serves no later call where the value is there, unread. Asked only here: the check
-            # costs dynamo a wrap of the whole dict (0.5x the plain model's compile, 16 layers).
-            self.name in values[STATE_ATTR].own_dict
-        return SiteDescriptor.__get__(self, module, owner)
-
-    def _as_dynamo_sees_it(self, module: nn.Module) -> torch.Tensor:
-        """A read made for real by dynamo while it compiles: the guards of a traced
-        ``hasattr(module, name)`` or ``getattr(module, name, default)`` evaluate both on the
-        module as they are built. The traced code took the value or computed it afresh, and
-        runs later: this read takes nothing and computes nothing (taking it emptied the dict
-        dynamo was building a guard on, a ``KeyError``; computing it advanced the chain's state).
-
-        Where the value is there, dynamo's guard reads it from ``__dict__`` at later calls too;
-        where a frame of this call took it already (across a graph break, a module compiled on
-        its own), the guard would get it through this descriptor, for real, before every run of
-        the code, each advancing the chain's state, which stock's eager call does not. Refused."""
-        value = module.__dict__.get(self.name)
-        if value is not None:
-            return value
-        raise RefusedWhileCompiling(
-            f"{tensor_label(module, self.name)}: compiled code asks hasattr() or getattr(..., default) of "
-            "this stateful parametrization in training after an earlier compiled frame of the call read "
-            "it (across a graph break, or from a module compiled on its own): torch.compile's guards "
-            "would read it for real before every later run of that code, each read advancing its state "
-            "(spectral_norm's power iteration), which stock's eager call does not. Read it there as "
-            f"module.{self.name} (without hasattr or a getattr default), remove the graph break, prepare "
-            "this module with mode='inline' (filter_fn; it compiles as stock does, those guard reads "
-            "included), or call model.eval()."
-        )
-
-    def __set__(self, module: nn.Module, value: object) -> None:
-        module.__dict__[self.name] = value  # as the non-data descriptor lets it be set; read once
-
-    def __delete__(self, module: nn.Module) -> None:
-        if module.__dict__.pop(self.name, _MISSING) is _MISSING:
-            raise AttributeError(self.name)
 
 
 def read_once_class(cls: type, names: frozenset[str], hooked: bool = False) -> type:
@@ -645,102 +484,6 @@ def _state_dict_as_stock(cls: type) -> Callable:
                              updated=())
     return state_dict_as_stock
 
-
-class _ForeignSite:
-    """Put on a shared class in place of the property torch injected for one module's new site."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __get__(self, module: nn.Module | None, owner: type | None = None):
-        if module is None:
-            return self
-        if not parametrized_here(module, self.name):
-            raise AttributeError(self.name)  # nn.Module.__getattr__ finds the plain tensor
-        return eager_value(module, self.name)
-
-
-def read_outside_scope(module: nn.Module, name: str) -> torch.Tensor:
-    """The value of a hoist or freeze site read eagerly where no value is in ``__dict__``: stock's.
-
-    Inside a non-reentrant ``torch.utils.checkpoint`` region, the recomputation (during
-    backward) must do for each read exactly what the forward did, or the region saves other
-    tensors (a ``CheckpointError``, or ``Linear`` saving what its gradients need, which depends on
-    whether the weight requires grad), runs ops the forward never ran (selective checkpointing's
-    cache refuses them), or computes other gradients. A read that reaches this descriptor in the
-    forward computes its value here, with autograd, inside the region (no call scope over the
-    module: a submodule or ``forward`` checkpointed directly; a tensor left to be computed where
-    read; a nested call under another autocast state, grad mode or with swapped originals,
-    ``scope_nested.call_changed``); it is noted on the region's frame (:func:`_read_key`). In the
-    recomputation a read with such a note is computed again the same way; any other read was
-    served, in the forward, a value the call scope computed *before* the region (a plain
-    ``__dict__`` read, its gradient flowing through the graph that value recorded then), so it is
-    computed again without autograd and outside the region's dispatch modes, as a leaf that
-    requires grad where that value did; except a training stateful chain's, refused: stock runs
-    its power iteration again here. Its read-once class serves the first read the scope's value
-    and computes the later ones here under the same key, so that first read is noted on the
-    frame too (:func:`_note_served`), and any read of such a chain is refused.
-    """
-    if not parametrized_here(module, name):
-        raise AttributeError(name)
-    region = checkpoint_frame()
-    if region is not None:
-        frame, recomputing = region
-        site = module.__dict__[STATE_ATTR].sites.get(name)
-        if not recomputing:
-            if frame is not None:
-                frame.__dict__.setdefault(_READS, set()).add(_read_key(module, name, site))
-            return eager_value(module, name)
-        key = _read_key(module, name, site)
-        noted = frame.__dict__ if frame is not None else {}
-        read_here = key in noted.get(_READS, ())
-        in_graph = read_here or site is None or site.mode == "inline" or site.at_read or (
-            site.subclass and chain_needs_grad(site))
-        # A read-once chain's first read was served the scope's value, its later ones computed
-        # here under the same key: which of them this read replays cannot be told, and the
-        # served one cannot be replayed (below).
-        if site is not None and site.training_stateful and (not in_graph or key in noted.get(_SERVED, ())):
-            raise FoldError(
-                f"{tensor_label(module, name)}: a stateful parametrization (spectral_norm) in "
-                "training mode is read again while torch.utils.checkpoint(use_reentrant=False) "
-                "recomputes its forward; stock would run the power iteration inside the "
-                "checkpointed region, which a value computed once per call cannot reproduce. "
-                "Prepare this module with mode='inline' (filter_fn), or call model.eval()."
-            )
-        if not in_graph:
-            return computed_for_recomputation(functools.partial(compute, module, name), chain_needs_grad(site))
-    return eager_value(module, name)
-
-
-#: The attribute of a ``torch.utils.checkpoint`` frame that holds the :func:`_read_key` of every
-#: read its forward computed where it was read.
-_READS = "_paramfold_computed_at_read"
-#: ... and of every read of a read-once chain its forward served the call scope's value.
-_SERVED = "_paramfold_served"
-
-
-def _note_served(module: nn.Module, name: str) -> None:
-    """Note on the non-reentrant checkpoint region this forward runs in, if any, that the read of
-    ``name`` was served the value the call scope computed before the region (:class:`_ReadOnce`)."""
-    region = checkpoint_frame()
-    if region is not None and region[0] is not None and not region[1]:
-        site = module.__dict__[STATE_ATTR].sites.get(name)
-        region[0].__dict__.setdefault(_SERVED, set()).add(_read_key(module, name, site))
-
-
-def _read_key(module: nn.Module, name: str, site: SiteState | None) -> tuple:
-    """What tells a read in a checkpointed region's recomputation which read of its forward it
-    replays: the tensor, the grad mode and autocast state, and whether the originals and the
-    chain are those the call scope's value was computed from. A read served that value in the
-    forward differs from one computed there (``scope_nested.call_changed`` computes where one of
-    those differs), and the recomputation reads under the same ones as its forward; and whether
-    it is made inside a call changed in the region (:mod:`paramfold.changed_call_regions`): a
-    read outside it was served the scope's value."""
-    if site is None:
-        return (id(module), name, changed_regions.inside())
-    chain = site.plist is None or tuple(site.plist._modules.values()) == (site.read_chain or site.modules)
-    return (id(module), name, torch.is_grad_enabled(), autocast_state(),
-            nested.same(nested.inputs(site), site.read_from), chain, changed_regions.inside())
 
 
 def _forward_is_torchs(base: type) -> bool:

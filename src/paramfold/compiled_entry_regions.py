@@ -18,7 +18,7 @@ one computed for the call inside the region (the call's inputs, grad mode or mod
 the scope opened) is computed there again, with autograd where it had it; and a tensor the forward
 computed where it was read (in the compiled code) is computed where it is read again. The recomputation only
 refills the region's saved tensors; the gradient flows through the graph the forward's values
-recorded, as for an eager read (``classes.read_outside_scope``) and a hook-based norm's eager call
+recorded, as for an eager read (``site_reads.read_outside_scope``) and a hook-based norm's eager call
 (:mod:`paramfold.hooknorm_regions`). A training stateful chain (spectral_norm) served there is
 refused: stock runs its power iteration again in the recomputation, which a value computed once
 per call cannot reproduce.
@@ -102,7 +102,7 @@ def replay(entry: nn.Module) -> dict[tuple[int, str], tuple[bool, bool]] | None:
 def at_read_flags(state: ModuleState) -> list[tuple[SiteState, bool]]:
     """Which sites below an entry are computed where read, before a replay of its call sets
     them as its forward had them: the region's later reads (outside the replayed call,
-    ``classes.read_outside_scope``) replay their forward, where the scope's flags held."""
+    ``site_reads.read_outside_scope``) replay their forward, where the scope's flags held."""
     return [(site, site.at_read) for holder in state.holders for site in holder.__dict__[STATE_ATTR].sites.values()]
 
 

@@ -5,7 +5,7 @@ Stock ``parametrize`` reads ``module.weight`` through a per-instance property, t
 :func:`compute` goes straight from the ``_modules`` and ``_parameters`` dicts to the
 parametrization modules: the same module calls in the same order (so the same ops, bitwise),
 with far less Python for dynamo to trace. hoist calls it before compiled code runs, freeze
-under ``no_grad`` when its inputs change, and the descriptors of :mod:`paramfold.classes` and
+under ``no_grad`` when its inputs change, and the descriptors of :mod:`paramfold.site_reads` and
 :mod:`paramfold.inline` wherever a value is read outside a call scope.
 
 An original may itself be parametrized (a parametrization registered on

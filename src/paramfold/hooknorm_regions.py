@@ -13,7 +13,7 @@ with the hook out and the value computed again without autograd, outside the reg
 modes (selective checkpointing's cache refuses ops its forward never ran), a leaf that requires
 grad where the forward's value did: the recomputation only refills the region's saved tensors,
 and the gradient flows through the graph the forward's value recorded, as for a parametrization
-(``classes.read_outside_scope``). A training spectral_norm is refused there: stock's hook runs
+(``site_reads.read_outside_scope``). A training spectral_norm is refused there: stock's hook runs
 its power iteration again in the recomputation, which a value computed once per call cannot
 reproduce.
 """

@@ -26,7 +26,7 @@ a copy of the module made during a call, before its call there, holds that one:
 ``scope_midcall.copied_hook_values``). Where a call keeps the hook in (a forward pre-hook that may change
 the originals runs before it), that value is out of ``__dict__`` until the hook sets it again
 (``scope._install``), and the module's class serves it to any read before
-(``classes.LastCallValue``: a global pre-hook, one registered with ``prepend=True``), as stock's.
+(``site_reads.LastCallValue``: a global pre-hook, one registered with ``prepend=True``), as stock's.
 """
 
 from __future__ import annotations

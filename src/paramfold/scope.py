@@ -3,7 +3,7 @@
 A prepared model has *entry* modules: the root passed to :func:`paramfold.prepare` and every
 module above a prepared site. Calling an entry eagerly opens a scope: each hoist or freeze site
 below it gets its value written into its module's instance ``__dict__`` (where it shadows the
-class-level :class:`~paramfold.classes.SiteDescriptor`), then the call runs, then the values are
+class-level :class:`~paramfold.site_reads.SiteDescriptor`), then the call runs, then the values are
 removed again. Compiled code inside the scope therefore reads plain tensors, exactly like an
 unparametrized model; outside a scope every read falls back to the descriptor, which computes
 the value like stock PyTorch, so a value is never stale whatever way a module is called.

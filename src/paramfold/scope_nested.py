@@ -440,7 +440,7 @@ def call_changed(
     # region's recomputation (no scope open, or one opened inside the region) cannot tell apart
     # from reads served a value computed before the region. There the value to be put back is
     # taken out for the call instead: each read computes it like stock, through the descriptor,
-    # which notes it for the recomputation (classes.read_outside_scope).
+    # which notes it for the recomputation (site_reads.read_outside_scope).
     try:
         with lock:
             for holder, name, swapped, appended in found:
@@ -570,7 +570,7 @@ def _block_differs(holder: nn.Module, name: str, site: SiteState) -> bool:
     """Whether the open block's value of ``holder.<name>`` is not the one the module holds. A
     training stateful chain's (read once) is not served through the module: its first read takes
     the module's value, and its read-once descriptor returns the block's instead
-    (``classes._ReadOnce``), once, where putting the module's back would serve it again."""
+    (``site_reads._ReadOnce``), once, where putting the module's back would serve it again."""
     if _read_once(holder, site):
         return False
     return parametrize._cache[(id(holder), name)] is not holder.__dict__[name]

@@ -446,7 +446,7 @@ class ModuleState:
     #: value, or call of the module, takes it; later ones compute afresh, as stock's all do).
     read_once_class: type | None = None
     #: The module's own ``__dict__`` while it has that class, where compiled code asks whether
-    #: the value is there yet (``classes._ReadOnce``: dynamo guards that for a plain dict, not
+    #: the value is there yet (``site_reads._ReadOnce``: dynamo guards that for a plain dict, not
     #: for ``module.__dict__``). Not copied: a copy's first call sets its own.
     own_dict: dict | None = None
     #: For entries: the call scope's steady-state fast path (``scope_plan.Plan``), if it has one,
