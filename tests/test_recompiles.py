@@ -424,6 +424,9 @@ def test_stock_parametrize_classes_get_the_prepare_fix():
         g = report.recompiles[0].failed_guards[0]
         assert g.guard.startswith("___check_type_id(self._modules['proj'],")
         assert "paramfold.prepare" in g.fix and "ParametrizedLinear" in g.fix
+        # and that it removes this guard, not a difference of another kind (helper-234: a codec's
+        # conv wrappers of different strides kept their 8 graphs prepared)
+        assert "modules that differ otherwise (a conv's stride or padding" in g.fix, g.fix
 
 
 def test_a_class_named_parametrized_elsewhere_keeps_the_identity_fix():
@@ -1478,6 +1481,8 @@ def test_a_resume_functions_shape_guard_gets_a_fix_the_user_can_apply_not_mark_d
     assert "mark_dynamic(___stack" not in g.fix and "dynamo's stack" in g.fix
     # the compiled function recompiled on its input x dim 1 in the same call: the fix names it
     assert "maybe_mark_dynamic(x, 1)" in g.fix and "dynamic=True" in g.fix
+    # dynamic=True does not merge a dim a weight's shape fixes (helper-234: a codec's channels)
+    assert "except where a weight's shape fixes that dim" in g.fix, g.fix
     # and what it says holds: maybe_mark_dynamic(x, 1) removes the compiled function's recompile, not
     # the resume function's; mark_dynamic(x, 1) raises there; dynamic=True removes both
     for mark, compile_kw in ((torch._dynamo.maybe_mark_dynamic, {}), (None, {"dynamic": True})):

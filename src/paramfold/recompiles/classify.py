@@ -84,7 +84,9 @@ _RESUME_FIX_HEAD = (
     "in {parent}, which gets every value live at the break as an input of its own: "
     "torch._dynamo.mark_dynamic cannot reach {tensor} there (an intermediate no code of yours "
     "names, or a tensor whose marked dim it ties to a static one: ConstraintViolationError). "
-    "Compile with dynamic=True (one graph for every size from the first call on); "
+    "Compile with dynamic=True (one graph for every size from the first call on, except where "
+    "a weight's shape fixes that dim, as each layer's channel count: one graph per width, "
+    "whatever is marked); "
 )
 _RESUME_FIX_TAIL = (
     "with neither, torch makes the dim dynamic by itself after it changed once (unless compiled "
@@ -220,7 +222,9 @@ FIXES: dict[str, str] = {
         "{source} is a module of another class ({cls}): torch's parametrize "
         "(register_parametrization, weight_norm, spectral_norm, ...) gives every parametrized "
         "module a class of its own, so modules of one architecture recompile one after another; "
-        "paramfold.prepare(model) before compiling gives them one class per architecture"
+        "paramfold.prepare(model) before compiling gives them one class per architecture, which "
+        "removes this guard; modules that differ otherwise (a conv's stride or padding, a weight's "
+        "shape) still get a graph each, which the next guard then shows"
     ),
     "limit hit": (
         "torch stopped compiling {function} at torch._dynamo.config.{limit_type}={limit} and runs "
