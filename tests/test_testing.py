@@ -331,3 +331,16 @@ def test_cases_that_can_draw_no_parametrization_are_refused_saying_how_to_draw_t
 
     with pytest.raises(hypothesis.errors.InvalidArgument, match=r"dtypes=\['cast'\]"):
         check()
+
+
+@pytest.mark.parametrize("names, dtypes", [(["orthogonal"], ["bfloat16"]), (["orthogonal", "cast"], ["bfloat16"])])
+def test_cases_whose_names_support_none_of_the_dtypes_are_refused_up_front(names, dtypes):
+    # Regression: every draw was rejected by assume(): Hypothesis' FailedHealthCheck or
+    # Unsatisfiable, naming nothing.
+    @hypothesis.settings(max_examples=3, deadline=None, database=None)
+    @hypothesis.given(pt.cases(names=names, dtypes=dtypes))
+    def check(case):
+        pass
+
+    with pytest.raises(hypothesis.errors.InvalidArgument, match=r"can draw no parametrized model: .* bfloat16"):
+        check()

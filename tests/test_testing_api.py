@@ -1052,3 +1052,201 @@ def test_an_error_of_the_stock_model_itself_says_it_came_from_stock():
     if sys.version_info >= (3, 11):  # (exception notes)
         assert any("stock copy's step 1" in note and "without paramfold" in note
                    for note in getattr(info.value, "__notes__", []))
+
+
+# --- faults the checker must see: each passed it before (helper-238, from helper-235's probe) ---
+
+
+def _sn_model():
+    torch.manual_seed(1)
+    return nn.Sequential(spectral_norm(nn.Linear(6, 6)), nn.ReLU(), nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize("mode", [*MODES, "freeze"])
+def test_paramfold_keeps_the_memory_of_every_parameter_and_buffer_in_each_mode(mode):
+    # What the checker now holds every check to: real paramfold keeps each tensor's storage.
+    model = _sn_model()
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    pt.assert_equivalent(model, torch.randn(3, 6), mode, steps=2)
+
+
+@pytest.mark.parametrize("when", ["restore", "prepare"])
+def test_a_parameter_moved_to_other_memory_by_prepare_or_restore_fails_the_check(monkeypatch, when):
+    # p.data = p.data.clone(): the same object and values, but a view a caller holds (a NumPy
+    # array, FSDP's flat parameter) no longer aliases it. The checker never compared storage.
+    real = getattr(paramfold, when)
+
+    def rebinding(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        original = model[0].parametrizations.weight.original
+        original.data = original.data.clone()
+        return out
+
+    monkeypatch.setattr(paramfold, when, rebinding)
+    with pytest.raises(AssertionError, match=r"original' moved to other memory"):
+        pt.assert_equivalent(_sn_model(), torch.randn(3, 6), "hoist", steps=2)
+
+
+def test_the_memory_of_tensors_is_compared_only_where_it_can_be_read():
+    from paramfold.testing.structure import storage_key
+
+    assert storage_key(torch.empty(2, device="meta")) is None
+    assert storage_key(None) is None
+    t = torch.arange(6.0).view(2, 3)
+    assert storage_key(t[1]) == (t[1].const_data_ptr(), 3, (1,))
+
+
+def test_a_parameter_order_changed_while_prepared_fails_naming_the_order(monkeypatch):
+    # An optimizer built on the prepared model maps its state by named_parameters()' order.
+    real = paramfold.prepare
+
+    def reordering(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        last = model._modules.pop("2")
+        model._modules = {"2": last, **model._modules}
+        return out
+
+    monkeypatch.setattr(paramfold, "prepare", reordering)
+    with pytest.raises(AssertionError, match=r"named_parameters\(\) differs from stock's after prepare: the same names in another order"):
+        pt.assert_equivalent(_sn_model(), torch.randn(3, 6), "hoist")
+
+
+def _two_normed():
+    torch.manual_seed(0)
+    return nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), weight_norm(nn.Linear(4, 4)))
+
+
+def _only_first(module, fqn):
+    return fqn == "0"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modules_filter_fn_leaves_out_must_stay_stock_while_prepared(monkeypatch, mode):
+    pt.assert_equivalent(_two_normed(), torch.randn(2, 4), mode, steps=2, filter_fn=_only_first)
+    real = paramfold.prepare
+
+    def ignoring_filter(model, mode, filter_fn=None, **kwargs):
+        return real(model, mode, **kwargs)  # prepares the modules filter_fn left out too
+
+    monkeypatch.setattr(paramfold, "prepare", ignoring_filter)
+    with pytest.raises(AssertionError, match=r"module '2', which filter_fn left out of prepare, has another class after prepare"):
+        pt.assert_equivalent(_two_normed(), torch.randn(2, 4), mode, steps=2, filter_fn=_only_first)
+
+
+class _Outer(nn.Module):
+    """A parametrized module holding a parametrized child: filter_fn may leave out the parent."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = weight_norm(nn.Linear(4, 4))
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+        torch.nn.utils.parametrize.register_parametrization(self, "scale", nn.Identity())
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_left_out_module_above_a_prepared_one_may_serve_its_calls_but_keeps_its_own_chains(mode):
+    # prepare makes the modules above a prepared one entries of it (a class made from stock's):
+    # not a difference; the left-out module's own tensor must stay stock's.
+    pt.assert_equivalent(_Outer(), torch.randn(2, 4), mode, steps=2, filter_fn=lambda m, fqn: fqn == "inner")
+
+
+@pytest.mark.parametrize("lr", [0.0, -1e-3, float("nan"), float("inf")])
+def test_an_lr_that_turns_the_update_off_is_refused_when_steps_check_freshness(lr):
+    # lr=0 left the originals with a gradient as they were: a stale model passed steps=3.
+    with pytest.raises(ValueError, match=r"lr=.* with steps=3"):
+        pt.assert_equivalent(_two_normed(), torch.randn(2, 4), "hoist", steps=3, lr=lr)
+    pt.assert_equivalent(_two_normed(), torch.randn(2, 4), "hoist", steps=1, lr=lr)  # no update runs
+
+
+class _LeavesSetting(nn.Module):
+    """A weight-normed Linear whose forward, once prepared, changes a process-wide setting."""
+
+    def __init__(self, change):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = weight_norm(nn.Linear(4, 4))
+        self.change = change
+
+    def forward(self, x):
+        if paramfold.state.STATE_ATTR in self.__dict__:
+            self.change()
+        return self.lin(x)
+
+
+_SETTING_CHANGES = {
+    "default dtype": (lambda: torch.set_default_dtype(torch.float64), r"torch\.get_default_dtype\(\)"),
+    "deterministic": (lambda: torch.use_deterministic_algorithms(True, warn_only=True),
+                      r"torch\.are_deterministic_algorithms_enabled\(\)"),
+    "matmul precision": (lambda: torch.set_float32_matmul_precision("medium"),
+                         r"torch\.get_float32_matmul_precision\(\)"),
+    "anomaly": (lambda: torch.set_anomaly_enabled(True), r"torch\.is_anomaly_enabled\(\)"),
+}
+
+
+@pytest.mark.parametrize("setting", list(_SETTING_CHANGES))
+def test_a_process_wide_setting_a_prepared_forward_leaves_changed_fails_and_is_set_back(setting):
+    change, name = _SETTING_CHANGES[setting]
+    before = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_float32_matmul_precision(),
+              torch.is_anomaly_enabled())
+    try:
+        with pytest.raises(AssertionError, match=rf"process-wide setting {name} changed by the prepared run 1"):
+            pt.assert_equivalent(_LeavesSetting(change), torch.randn(2, 4), "hoist")
+        after = (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                 torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_float32_matmul_precision(),
+                 torch.is_anomaly_enabled())
+        assert after == before  # the check sets it back
+    finally:
+        torch.set_default_dtype(before[0])
+        torch.use_deterministic_algorithms(before[1], warn_only=before[2])
+        torch.set_float32_matmul_precision(before[3])
+        torch.set_anomaly_enabled(before[4])
+
+
+def test_a_setting_stock_changes_too_is_no_difference():
+    model = _LeavesSetting(lambda: None)
+    model.forward = lambda x: (torch.set_float32_matmul_precision("high"), model.lin(x))[1]
+    before = torch.get_float32_matmul_precision()
+    try:
+        pt.assert_equivalent(model, torch.randn(2, 4), "hoist", steps=2)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class _CountingMember(nn.Module):
+    """A parametrization reading a global counter: the model does not reproduce itself."""
+
+    count = 0
+
+    def forward(self, x):
+        type(self).count += 1
+        return x * (1 + type(self).count * 1e-3)
+
+
+def test_a_parametrization_reading_a_global_counter_is_reported_as_not_reproducible():
+    # The reads before step 1 compared prepared with stock first, and blamed paramfold.
+    model = nn.Sequential(nn.Linear(4, 4))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _CountingMember())
+    with pytest.raises(AssertionError, match=r"the model is not reproducible"):
+        pt.assert_equivalent(model, torch.randn(2, 4), "auto", steps=2)
+
+
+def test_a_hoist_refusal_of_a_chain_that_computes_other_values_names_a_global_counter_too():
+    model = nn.Sequential(nn.Linear(4, 4))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _CountingMember())
+    with pytest.raises(paramfold.FoldError, match=r"global counter"):
+        pt.assert_equivalent(model, torch.randn(2, 4), "hoist", steps=2)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_every_failure_names_the_mode_and_whether_compiled(compiled):
+    compile = {"backend": "eager"} if compiled else None
+    how = r"compiled, backend='eager'" if compiled else "eager"
+    with pytest.raises(AssertionError, match=rf"^\[mode='auto', {how}\] output"):
+        pt.assert_equivalent(_Marked("dataclass", differ=True), torch.randn(2, 4), "auto", compile=compile)

@@ -305,7 +305,9 @@ def _read_by_read(site: Site, mode: str) -> str | None:
     if site.grad_dependent:
         return (
             f"its parametrization ({site.kind}) computes another value with grad enabled than under "
-            "no_grad from the same tensors (a branch on torch.is_grad_enabled(), say), and stock computes it "
+            "no_grad from the same tensors (a branch on torch.is_grad_enabled(), say; or it does not compute the "
+            "same value twice at all, reading a global counter or other state that changes from call to call), "
+            "and stock computes it "
             "in the grad mode of each read, which a value computed before the call (hoist, under the "
             "call's mode, not a region's inside the forward) or once for many calls (freeze) cannot follow"
         )

@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -55,8 +57,10 @@ from paramfold.testing.resummed import (
     reordered_originals,
     tied_originals,
 )
+from paramfold.sites import parametrization_paths
+from paramfold.state import STATE_ATTR
 from paramfold.testing.walks import hook_norms, parametrized
-from paramfold.testing.structure import Structure, assert_same_structure, structure
+from paramfold.testing.structure import Structure, assert_same_structure, storage_key, structure
 
 __all__ = ["COMPILE_TOLERANCES", "assert_equivalent", "grad_mode"]
 
@@ -163,13 +167,28 @@ def assert_equivalent(
     run (a global counter, a generator of its own) fails saying so, not as a difference of paramfold's.
     Finally the prepared copy is restored with :func:`paramfold.restore` and must have exactly
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
-    objects, ``__dict__`` keys, hooks, training flags and plain attribute values, bar what stock's
+    objects, ``__dict__`` keys, hooks, training flags and plain attribute values, the memory of
+    every parameter and buffer (address, storage offset, strides), bar what stock's
     own calls changed too, as transformers' ``_output_capturing_hooks_installed`` and the hooks
     it registers), stock's parameter and buffer values (persistent or not), gradients where
     stock has them and bitwise as they were before ``restore``, no tensor copy-on-write where
     stock's is not, and must still compute the stock outputs. Neither ``prepare`` nor ``restore``
     may add or remove a global module hook (``torch.nn.modules.module``'s process-wide dicts).
-    An exception of the stock copy's own run gets a note saying so (Python >= 3.11).
+    While prepared (after ``prepare`` and after the last step) and after ``restore``, every
+    parameter and buffer must be in the memory it had (address, storage offset, strides; a tensor
+    subclass by its inner tensors; not compared where none can be read, on the meta device), and
+    ``named_parameters()``/``named_buffers()`` give stock's names in stock's order. A parametrized
+    module ``filter_fn`` leaves out keeps, while prepared, stock's class (above a module of its
+    own, a class made from stock's, as prepare makes for the modules whose calls serve those
+    below), its parametrizations, its properties and, where it holds no module, its ``__dict__``
+    keys. ``prepare``, ``restore`` and each prepared run must leave the process-wide settings
+    (default dtype, grad and inference mode, deterministic algorithms and their ``warn_only``,
+    float32 matmul precision, anomaly mode, autocast) as stock's run leaves them; the check sets
+    them back when it ends. A read outside forward that differs is first tried on two copies of
+    stock: a chain that reads a global counter fails saying the model is not reproducible.
+    An exception of the stock copy's own run gets a note saying so (Python >= 3.11). Every
+    failure message starts with the mode and whether the check ran eagerly or compiled
+    (``[mode='hoist', eager] ...``).
 
     Step comparisons are bitwise (bit patterns, strides and value types too) unless
     ``atol``/``rtol`` are given (then as in ``torch.testing.assert_close``), or compiled
@@ -187,7 +206,9 @@ def assert_equivalent(
         AssertionError: naming the first tensor that differs, and the step; or the generator
             the prepared run left in another state; or saying that stock does not reproduce itself.
         TypeError: for an output object it cannot walk or compare (no attributes, no ``==``).
-        ValueError: for a model or inputs on the meta device (no values to compare), or ``steps < 1``.
+        ValueError: for a model or inputs on the meta device (no values to compare), ``steps < 1``,
+            or, with ``steps > 1``, an ``lr`` that is not a finite number above 0 (no update: stale
+            values would pass).
 
     Example::
 
@@ -198,6 +219,13 @@ def assert_equivalent(
     """
     if steps < 1:
         raise ValueError(f"assert_equivalent: steps={steps} runs nothing, so nothing would be compared; pass steps=1 or more")
+    if steps > 1 and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(
+            f"assert_equivalent: lr={lr!r} with steps={steps}: the update between steps moves each original by "
+            "-lr times its gradient, so an lr that is not a finite number above 0 leaves the originals that have "
+            "a gradient as they were (or makes them inf/NaN), and a stale hoisted or frozen value would pass: "
+            "pass lr > 0 (the default is 1e-3)"
+        )
     if isinstance(inputs, torch.Tensor):
         args: _Args = ((inputs,), dict(kwargs or {}))
     elif isinstance(inputs, Mapping):
@@ -213,10 +241,17 @@ def assert_equivalent(
             "inputs on that device"
         )
     entry_rng = rng_state()
+    entry_settings = _settings()
     try:
         _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, lr)
+    except AssertionError as exc:
+        # Every failure names what was checked (one place for all messages).
+        how = "eager" if compile is None else f"compiled, backend={compile.get('backend', 'inductor')!r}"
+        exc.args = (f"[mode={mode!r}, {how}] {exc.args[0] if exc.args else ''}", *exc.args[1:])
+        raise
     finally:
         set_rng_state(entry_rng)
+        _set_settings(entry_settings)
 
 
 #: Positional and keyword arguments of one call.
@@ -242,8 +277,14 @@ def _assert_equivalent(
     stock_before = structure(stock, values=False)
 
     hooks_before = _global_hook_keys()
+    memory_before, stock_memory = _memory(candidate), _memory(stock)
+    excluded = _excluded(candidate, filter_fn)
+    settings = _settings()
     paramfold.prepare(candidate, mode, filter_fn=filter_fn)
+    _compare_settings(settings, settings, settings, _settings(), " by paramfold.prepare")
     _compare_global_hooks(hooks_before, " by paramfold.prepare")
+    _compare_memory(" after prepare", memory_before, _memory(candidate), {})
+    _compare_excluded(" after prepare", excluded)
     run: Callable[..., Any] = candidate
     factor = 0.0
     if compile is not None:
@@ -275,7 +316,7 @@ def _assert_equivalent(
             update(stock, [candidate] + ([cached] if cached is not None else []), lr, step)
         at = f" at step {step + 1}" if steps > 1 else ""
         # Compiled steps may leave state (spectral_norm's _u/_v) within the step tolerance.
-        _compare_reads(candidate, stock, f" before step {step + 1}", tol, [cached] if cached is not None else [])
+        _reads(candidate, stock, f" before step {step + 1}", tol, [cached] if cached is not None else [], rtol, atol)
         if not step:
             # Copied after the reads, which move a chain's own state (a generator of its own, a
             # read counter) in stock and prepared alike: the copies start where stock's step does.
@@ -287,6 +328,7 @@ def _assert_equivalent(
         at_start = _copy_or_none(stock) if compile is not None else None
         # Every run of a step draws the same random numbers (dropout), from where stock's began.
         rng = rng_state()
+        stock_settings = _settings()
         with calls(stock) as counts:
             try:
                 expected = _step(stock, args, None)
@@ -296,6 +338,7 @@ def _assert_equivalent(
                                  "the model not prepared: the model or its inputs fail without paramfold)")
                 raise
         after = rng_state()
+        stock_settings = (stock_settings, _settings())
         if twin is not None:
             set_rng_state(rng)
             _check_reproducible(_step(twin, args, False).outputs, expected.outputs, Tolerance(rtol or 0.0, atol or 0.0))
@@ -307,8 +350,10 @@ def _assert_equivalent(
             cached = spare
         backward = expected.backward
         set_rng_state(rng)
+        settings = _settings()
         actual = _step(run, args, backward, at)
         left = rng_state()
+        _compare_settings(*stock_settings, settings, _settings(), f" by the prepared run{at or ' 1'}")
         if cached is not None:
             set_rng_state(rng)
             with once_per_forward(cached):
@@ -333,12 +378,16 @@ def _assert_equivalent(
             stock, after = at_start, reference_left
         compare_rng(left, after, at)
         set_rng_state(after)
-    _compare_reads(candidate, stock, f" after step {steps}", tol)
+    _reads(candidate, stock, f" after step {steps}", tol, (), rtol, atol)
+    _compare_memory(f" after step {steps}", memory_before, _memory(candidate), _moved(stock_memory, _memory(stock)))
+    _compare_excluded(f" after step {steps}", excluded)
 
     grads_before = {id(p): None if p.grad is None else p.grad.clone() for p in candidate.parameters()}
     hooks_before = _global_hook_keys()
+    settings = _settings()
     paramfold.restore(candidate)
     try:
+        _compare_settings(settings, settings, settings, _settings(), " by paramfold.restore")
         _compare_global_hooks(hooks_before, " by paramfold.restore")
         expected_structure = _with_changes_by_stock(before, stock_before, structure(stock, values=False))
         assert_same_structure(expected_structure, structure(candidate, values=False))
@@ -432,12 +481,16 @@ def _with_changes_by_stock(before: Structure, stock_before: Structure, stock_aft
     new = {row[0]: row for row in stock_after.modules}
     rows = []
     for row in before.modules:
-        path, keys, hooks, plain = row[0], set(row[3]), row[6], row[7]
+        path, keys, hooks, plain, memory = row[0], set(row[3]), row[6], row[7], row[8]
         if path in old and path in new:
             keys = (keys | (set(new[path][3]) - set(old[path][3]))) - (set(old[path][3]) - set(new[path][3]))
             hooks = _hooks_changed_by_stock(hooks, dict(old[path][6]), dict(new[path][6]))
             plain = new[path][7]
-        rows.append((*row[:3], tuple(sorted(keys)), *row[4:6], hooks, plain))
+            # A tensor stock's own calls moved to other memory moves in the prepared copy too,
+            # elsewhere: not compared (None).
+            moved = set(old[path][8]) - set(new[path][8]) if old[path][1] == new[path][1] else set()
+            memory = tuple((kind, name, None if (kind, name, key) in moved else key) for kind, name, key in memory)
+        rows.append((*row[:3], tuple(sorted(keys)), *row[4:6], hooks, plain, memory))
     return Structure(tuple(rows), before.state)
 
 
@@ -781,3 +834,203 @@ def _lowest_precision(model: nn.Module, outputs: Any) -> torch.dtype:
     tensors = [*model.parameters(), *model.buffers(), *tensors_of(outputs)]
     dtypes = {t.dtype for t in tensors if t.is_floating_point()} or {torch.float32}
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+
+# --------------------------------------------------------------------------------------------
+# What a prepared model must leave as stock does besides values: process-wide settings, the
+# memory of its tensors, the modules filter_fn left out, the reads of a model that reproduces
+# --------------------------------------------------------------------------------------------
+
+
+def _autocast(device: str) -> Callable[[], bool]:
+    return lambda: torch.is_autocast_enabled(device)
+
+
+#: Process-wide settings a forward (or prepare/restore) could leave changed, each with its getter
+#: and, where torch has one, its setter (the check sets them back when it ends, pass or fail).
+_SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], Any] | None], ...] = (
+    ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
+    ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
+    ("torch.is_inference_mode_enabled()", torch.is_inference_mode_enabled, None),
+    ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled, None),
+    ("torch.is_deterministic_algorithms_warn_only_enabled()",
+     torch.is_deterministic_algorithms_warn_only_enabled, None),
+    ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision,
+     torch.set_float32_matmul_precision),
+    ("torch.is_anomaly_enabled()", torch.is_anomaly_enabled, torch.set_anomaly_enabled),
+    ("torch.is_autocast_enabled('cpu')", _autocast("cpu"), None),
+    ("torch.is_autocast_enabled('cuda')", _autocast("cuda"), None),
+)
+
+
+def _settings() -> dict[str, Any]:
+    """The process-wide settings of :data:`_SETTINGS` now (one a getter cannot read is left out)."""
+    values = {}
+    for name, get, _ in _SETTINGS:
+        try:
+            values[name] = get()
+        except Exception:  # noqa: BLE001 - a getter this torch lacks or refuses: not compared
+            pass
+    return values
+
+
+def _set_settings(values: Mapping[str, Any]) -> None:
+    """Set back what :func:`_settings` read, where it changed (deterministic algorithms by their
+    own setter, both flags at once)."""
+    now = _settings()
+    for name, _, set_ in _SETTINGS:
+        if set_ is not None and name in values and now.get(name) != values[name]:
+            set_(values[name])
+    flags = ("torch.are_deterministic_algorithms_enabled()", "torch.is_deterministic_algorithms_warn_only_enabled()")
+    if all(f in values for f in flags) and any(now.get(f) != values[f] for f in flags):
+        torch.use_deterministic_algorithms(values[flags[0]], warn_only=values[flags[1]])
+
+
+def _compare_settings(stock_before: Mapping[str, Any], stock_after: Mapping[str, Any],
+                      before: Mapping[str, Any], after: Mapping[str, Any], by: str) -> None:
+    """A setting the prepared run changed (``before`` -> ``after``) must be one stock's run
+    changed to the same value; one stock left as it was must be left as it was."""
+    for name, value in after.items():
+        if name not in before:
+            continue
+        changed_by_stock = name in stock_before and name in stock_after and stock_before[name] != stock_after[name]
+        expected = stock_after[name] if changed_by_stock else before[name]
+        if value != expected:
+            raise AssertionError(
+                f"process-wide setting {name} changed{by}: {before[name]!r} -> {value!r}"
+                + (f" (stock's run left it {expected!r})" if changed_by_stock else ", stock's run left it as it was")
+                + ": it changes every later computation in the process"
+            )
+
+
+def _memory(model: nn.Module) -> list[tuple[str, str, Any]]:
+    """``(kind, name, storage key)`` of every parameter and buffer, in ``named_parameters()`` /
+    ``named_buffers()`` order (duplicates too): an optimizer built on the prepared model maps its
+    state by that order, and memory a caller holds (a view, FSDP's flat parameter) aliases them."""
+    return [("parameter", n, storage_key(t)) for n, t in model.named_parameters(remove_duplicate=False)] + [
+        ("buffer", n, storage_key(t)) for n, t in model.named_buffers(remove_duplicate=False)]
+
+
+def _moved(before: list[tuple[str, str, Any]], after: list[tuple[str, str, Any]]) -> set[tuple[str, str]]:
+    """The tensors stock's own calls moved to other memory (not held to the prepared copy)."""
+    was = {(kind, name): key for kind, name, key in before}
+    return {(kind, name) for kind, name, key in after if was.get((kind, name), key) != key}
+
+
+def _compare_memory(at: str, before: list[tuple[str, str, Any]], now: list[tuple[str, str, Any]],
+                    moved: set[tuple[str, str]]) -> None:
+    """The prepared model's parameters and buffers: the same names in the same order as before
+    ``prepare`` (stock's), each in the memory it had (where a storage can be read: a tensor
+    subclass by its inner tensors, not on the meta device), bar what stock's calls moved too."""
+    for kind in ("parameter", "buffer"):
+        old = [name for k, name, _ in before if k == kind]
+        new = [name for k, name, _ in now if k == kind]
+        if old != new:
+            change = (f"missing {sorted(set(old) - set(new))}, unexpected {sorted(set(new) - set(old))}"
+                      if set(old) != set(new) else f"the same names in another order: {new} where stock has {old}")
+            raise AssertionError(
+                f"named_{kind}s() differs from stock's{at}: {change} (an optimizer or checkpoint maps state by them)"
+            )
+    keys = {(kind, name): key for kind, name, key in before}
+    for kind, name, key in now:
+        was = keys[(kind, name)]
+        if was is None or key is None or was == key or (kind, name) in moved:
+            continue
+        raise AssertionError(
+            f"{kind} {name!r} moved to other memory{at}: (address, storage offset, strides) {was!r} -> {key!r} "
+            "(memory a caller holds, a view of it, an optimizer's or FSDP's flat buffer, no longer aliases it)"
+        )
+
+
+@dataclasses.dataclass
+class _Excluded:
+    """A parametrized module ``filter_fn`` left out, as it was before ``prepare``."""
+
+    path: str
+    module: nn.Module
+    cls: type
+    keys: frozenset[str]
+    chains: Any
+    properties: dict[str, Any]
+    above_selected: bool
+
+
+def _chains_of(module: nn.Module) -> Any:
+    plists = module._modules["parametrizations"]
+    return (id(plists), type(plists), tuple(
+        (name, id(plist), type(plist), tuple((id(m), type(m)) for m in plist), plist.unsafe)
+        for name, plist in plists.items()))
+
+
+def _excluded(model: nn.Module, filter_fn: Callable[[nn.Module, str], bool] | None) -> list[_Excluded]:
+    """The parametrized modules ``filter_fn`` leaves out of ``prepare``: each must keep stock's
+    class (or, above a module that is prepared, a class made from stock's, as prepare makes for
+    the modules whose calls serve those below), its parametrizations and its properties, and
+    gain no site of paramfold's. Called before ``prepare``, on the same modules with the same
+    paths as ``prepare`` calls ``filter_fn`` with."""
+    if filter_fn is None:
+        return []
+    found = [(path, module) for path, module in parametrized(model)]
+    chosen = {path: bool(filter_fn(module, path)) for path, module in found}
+    inside = parametrization_paths(model)
+    # (Above any module of its own, prepare may make it an entry of those below: a selected
+    # site, a hook-based norm, a module whose parameters it detaches under no_grad.)
+    below = [path for path, _ in model.named_modules() if path not in inside]
+    result = []
+    for path, module in found:
+        if chosen[path]:
+            continue
+        result.append(_Excluded(
+            path, module, type(module), frozenset(module.__dict__), _chains_of(module),
+            {name: inspect.getattr_static(type(module), name, None) for name in module._modules["parametrizations"]},
+            any(p != path and (not path or p.startswith(path + ".")) for p in below),
+        ))
+    return result
+
+
+def _compare_excluded(at: str, excluded: list[_Excluded]) -> None:
+    for ex in excluded:
+        where = f"module {ex.path or '<root>'!r}, which filter_fn left out of prepare,"
+        cls = type(ex.module)
+        if cls is not ex.cls and not (ex.above_selected and issubclass(cls, ex.cls)):
+            raise AssertionError(
+                f"{where} has another class{at}: {cls.__module__}.{cls.__qualname__} (id {id(cls)}), stock's "
+                f"{ex.cls.__module__}.{ex.cls.__qualname__} (id {id(ex.cls)})"
+            )
+        if _chains_of(ex.module) != ex.chains:
+            raise AssertionError(f"{where} has other parametrizations{at} (their objects, classes or members)")
+        for name, prop in ex.properties.items():
+            if inspect.getattr_static(cls, name, None) is not prop:
+                raise AssertionError(f"{where} reads {name!r} through another attribute of its class{at} than stock's")
+        state = ex.module.__dict__.get(STATE_ATTR)
+        if getattr(state, "sites", None):
+            raise AssertionError(f"{where} has tensors prepared by paramfold{at}: {sorted(state.sites)}")
+        if not ex.above_selected:
+            added, removed = set(ex.module.__dict__) - ex.keys, ex.keys - set(ex.module.__dict__)
+            if added or removed:
+                raise AssertionError(
+                    f"{where} has other __dict__ keys{at}: added {sorted(added)}, removed {sorted(removed)}")
+
+
+def _reads(candidate: nn.Module, stock: nn.Module, at: str, tol: Tolerance, others: Sequence[nn.Module],
+           rtol: float | None, atol: float | None) -> None:
+    """:func:`_compare_reads`; where a read differs, two copies of stock read from the same state
+    first tell whether stock's own reads reproduce: a chain reading a global counter fails
+    saying the model is not reproducible, not as paramfold's difference."""
+    try:
+        _compare_reads(candidate, stock, at, tol, others)
+    except AssertionError as exc:
+        first, second = _copy_or_none(stock), _copy_or_none(stock)
+        if first is None or second is None:
+            raise
+        try:
+            _compare_reads(first, second, "", Tolerance(rtol or 0.0, atol or 0.0))
+        except AssertionError as again:
+            raise AssertionError(
+                f"the model is not reproducible, so assert_equivalent cannot judge paramfold on it: two copies of "
+                f"stock read from the same state and random numbers give other values ({again}); a parametrization "
+                "reads something else that changes from read to read (a global counter, a random generator of its "
+                f"own, a nondeterministic kernel). (The prepared model's read differed too: {exc})"
+            ) from None
+        raise

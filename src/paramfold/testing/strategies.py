@@ -281,6 +281,18 @@ def _parametrizes(spec: NetSpec) -> bool:
     return spec.dtype == "cast" or any(dict(layer.chains) for layer in spec.layers)
 
 
+def _can_parametrize(names: Sequence[str] | None, dtype: str) -> bool:
+    """Whether :func:`models` can put a chain on some tensor of some layer kind in ``dtype``
+    (``"cast"`` always parametrizes: the seed's cast goes on every floating tensor)."""
+    if dtype == "cast":
+        return True
+    storage = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    recipes = _available([n for n in (names if names is not None else PARAMETRIZATIONS) if n != "cast"])
+    layers = [LayerSpec(kind, 3, 4, {"conv1d": (3,), "conv2d": (3, 3)}.get(kind, ()))
+              for kind in (*_LAYER_KINDS, "embedding")]
+    return any(r.supports(t) for r in recipes for layer in layers for t in layer.tensors(storage))
+
+
 class Case(NamedTuple):
     """What :func:`cases` draws: ``factory()`` builds a fresh identical model every call."""
 
@@ -316,6 +328,13 @@ def cases(draw: st.DrawFn, **model_options: Any) -> Case:
         raise InvalidArgument(
             f"cases(names={list(names)!r}, dtypes={list(dtypes)!r}) can draw no parametrization: the seed's "
             "bfloat16 cast is drawn through dtypes=['cast'], not names; add 'cast' to dtypes or other names"
+        )
+    if not any(_can_parametrize(names, dtype) for dtype in dtypes):
+        raise InvalidArgument(
+            f"cases(names={None if names is None else list(names)!r}, dtypes={list(dtypes)!r}) can draw no "
+            "parametrized model: no parametrization named supports any tensor of the models' layers stored in "
+            f"{' or '.join(map(str, dtypes)) or 'no dtype'} (see each entry's supports in PARAMETRIZATIONS, and "
+            "whether it is available here); add dtypes (float32, or 'cast') or names"
         )
     # A model without any parametrization would check nothing paramfold does. Where the names
     # allow few layers (int8_weight_only: Linear weights only), most models drawn have none:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from paramfold.testing.compare import BITWISE, compare_dicts
 
@@ -25,9 +26,11 @@ class Structure:
     ``modules`` lists, for every module reached by ``named_modules(remove_duplicate=False)``
     (parametrization modules included): its path, object id, class object, ``__dict__`` keys,
     the ids and ``requires_grad`` of its own parameters and buffers, its hooks (every hook dict's
-    keys and hook objects) and its plain attributes' values (``training``, ``Dropout.p``,
+    keys and hook objects), its plain attributes' values (``training``, ``Dropout.p``,
     spectral_norm's ``n_power_iterations``: numbers, strings, None, dtypes, devices, and tuples
-    and sets of them).
+    and sets of them) and the memory its parameters and buffers use (:func:`storage_key`: a
+    ``p.data = p.data.clone()`` keeps the object and its values, but memory a caller holds, a
+    NumPy view, FSDP's flat parameter, no longer aliases it).
     """
 
     modules: tuple[tuple[Any, ...], ...]
@@ -67,6 +70,25 @@ def _hooks(module: nn.Module) -> tuple[tuple[str, tuple[tuple[Any, Any], ...]], 
     )
 
 
+def storage_key(tensor: Any) -> Any:
+    """Where ``tensor``'s values live: its data's address, its storage offset and its strides; for a
+    tensor subclass made of others (torchao's, DTensor), the keys of its inner tensors. ``None``
+    where nothing can be read (no tensor, the meta device, a subclass that does not flatten),
+    which is then not compared: those carry no memory a caller could hold."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    try:
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            return tuple((name, storage_key(getattr(tensor, name))) for name in names)
+        if tensor.is_meta:
+            return None
+        # (const_data_ptr: a copy-on-write tensor's data_ptr() would materialize it, a change)
+        return (tensor.const_data_ptr(), tensor.storage_offset(), tuple(tensor.stride()))
+    except Exception:  # noqa: BLE001 - a tensor without readable storage: consciously not compared
+        return None
+
+
 def structure(model: nn.Module, *, values: bool = True) -> Structure:
     """Snapshot ``model`` for :func:`assert_same_structure`; ``values`` also copies its state dict.
 
@@ -90,7 +112,12 @@ def structure(model: nn.Module, *, values: bool = True) -> Structure:
             for k, v in sorted(module.__dict__.items())
             if k not in _IGNORED_KEYS and _is_plain(v)
         )
-        rows.append((path, id(module), type(module), keys, params, buffers, _hooks(module), plain))
+        storage = tuple(
+            (kind, n, storage_key(t))
+            for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers))
+            for n, t in tensors.items()
+        )
+        rows.append((path, id(module), type(module), keys, params, buffers, _hooks(module), plain, storage))
     state = None
     if values:
         state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
@@ -104,12 +131,16 @@ def assert_same_structure(before: Structure, after: Structure) -> None:
     """
     if len(before.modules) != len(after.modules):
         raise AssertionError(f"module count changed: {len(before.modules)} -> {len(after.modules)}")
-    fields = ("path", "module object", "class", "__dict__ keys", "parameters", "buffers", "hooks", "attributes")
+    fields = ("path", "module object", "class", "__dict__ keys", "parameters", "buffers", "hooks", "attributes",
+              "memory")
     for old, new in zip(before.modules, after.modules):
         for field, a, b in zip(fields, old, new):
             where = old[0] or "<root>"
             if field == "attributes":
                 _compare_attributes(where, dict(a), dict(b))
+                continue
+            if field == "memory":
+                _compare_memory(where, a, b)
                 continue
             if a == b:
                 continue
@@ -131,6 +162,20 @@ def _compare_attributes(where: str, a: dict[str, Any], b: dict[str, Any]) -> Non
         old, new = a.get(key, _MISSING), b.get(key, _MISSING)
         if old is _MISSING or new is _MISSING or not _same_plain(old, new):
             raise AssertionError(f"module {where!r}: attribute {key!r} changed: {old!r} -> {new!r}")
+
+
+def _compare_memory(where: str, a: tuple, b: tuple) -> None:
+    """Each parameter's and buffer's :func:`storage_key`, where both snapshots could read one."""
+    old = {(kind, name): key for kind, name, key in a}
+    for kind, name, key in b:
+        was = old.get((kind, name))
+        if was is None or key is None or was == key:
+            continue
+        raise AssertionError(
+            f"module {where!r}: {kind} {name!r} moved to other memory: (address, storage offset, strides) "
+            f"{was!r} -> {key!r} (the same object and values, but memory a caller holds, a view or "
+            "NumPy array of it, an optimizer's or FSDP's flat buffer, no longer aliases it)"
+        )
 
 
 class _Missing:
