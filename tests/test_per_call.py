@@ -310,7 +310,7 @@ def test_content_check_reads_the_bytes_only_of_inputs_something_outside_torch_ma
     # hashed in place on the host, and compared with a copy where it is not contiguous.
     import ctypes
 
-    freeze = importlib.import_module("paramfold.freeze")
+    write_marks = importlib.import_module("paramfold.write_marks")
     scope_plan = importlib.import_module("paramfold.scope_plan")
     torch.manual_seed(0)
     stock = nn.Linear(4, 4).eval().requires_grad_(False)
@@ -323,8 +323,8 @@ def test_content_check_reads_the_bytes_only_of_inputs_something_outside_torch_ma
     held_v, held_w = v.detach().numpy(), w.detach()  # made before the values are frozen, kept alive to the end
     assert held_w.data_ptr() == w.data_ptr()
     hashed = []
-    real = freeze.digest
-    for module in (freeze, scope_plan):
+    real = write_marks.digest
+    for module in (write_marks, scope_plan):
         monkeypatch.setattr(module, "digest", lambda memory: hashed.append(1) or real(memory))
     x = torch.randn(2, 4)
     with torch.no_grad():
@@ -351,13 +351,13 @@ def test_content_check_reads_the_bytes_only_of_inputs_something_outside_torch_ma
 def test_content_check_of_a_model_whose_storages_nothing_else_holds_reads_no_bytes(monkeypatch):
     # The steady call's cost must not grow with the model's bytes: the seed model's 64 originals
     # are each the only tensor on their storage, so a steady call arms and checks, and hashes nothing.
-    freeze = importlib.import_module("paramfold.freeze")
+    write_marks = importlib.import_module("paramfold.write_marks")
     scope_plan = importlib.import_module("paramfold.scope_plan")
     stock, plain, x = _seed_pair(4)
     ours = paramfold.prepare(copy.deepcopy(stock), "freeze")
     hashed = []
-    real = freeze.digest
-    for module in (freeze, scope_plan):
+    real = write_marks.digest
+    for module in (write_marks, scope_plan):
         monkeypatch.setattr(module, "digest", lambda memory: hashed.append(1) or real(memory))
     with torch.no_grad():
         ours(x), ours(x)

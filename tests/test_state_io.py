@@ -729,7 +729,7 @@ class _WritePausedDouble(nn.Module):
 def _paused_net(chain: str) -> nn.Module:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-    if chain == "weight_norm":  # its kernel takes its originals' storages back (freeze.arm's mark)
+    if chain == "weight_norm":  # its kernel takes its originals' storages back (write_marks.arm's mark)
         torch.nn.utils.parametrizations.weight_norm(net[0])
     parametrize.register_parametrization(net[0], "weight", _WritePausedDouble())
     if chain == "shared":  # a numpy array on the original: hashed, not marked, by the content check

@@ -3,7 +3,7 @@
 ``p.data.mul_()`` edits ``p``'s storage through another tensor, so ``p._version`` stays put;
 so do writes through ``untyped_storage()`` and through a numpy array. ``freeze_check="content"``
 (the default) reads the bytes; ``"version"`` watches each host input's storage instead
-(``freeze.arm``), and both watch the frozen value's own storage. Each test runs the same writes
+(``write_marks.arm``), and both watch the frozen value's own storage. Each test runs the same writes
 on stock and compares every call with stock's, bitwise (eager, CPU, and compiled with the eager
 backend). Every test failed on the code before the storages were watched, except where it says.
 """
@@ -22,7 +22,7 @@ from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import weight_norm
 
 import paramfold
-from paramfold import freeze
+from paramfold import freeze, write_marks
 from paramfold.state import STATE_ATTR
 from paramfold.testing.compare import BITWISE, compare_outputs
 
@@ -140,13 +140,13 @@ def test_steady_calls_keep_the_storages_armed_and_compute_nothing(backend, check
         torch.testing.assert_close(out, expected)  # a compiler may reorder the model's own arithmetic
     assert len(computed) == first
     armed = [t for site in _frozen(ours) for t in site.armed]
-    if freeze.is_armed is not None:
+    if write_marks.is_armed is not None:
         # The values, and the 3 originals: with "content" too, as no other tensor shares their storages.
         assert len(armed) == 2 + 3
-        assert all(map(freeze.is_armed, armed))
+        assert all(map(write_marks.is_armed, armed))
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("check", ["version", "content"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_a_pointer_handed_out_with_nothing_written_keeps_the_frozen_value(mode, check, computed):
@@ -195,7 +195,7 @@ class _ReturnsItsWeight(nn.Module):
         return self.d(x), self.d.weight
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("check", ["version", "content"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
@@ -234,7 +234,7 @@ class _TakesAPointer(_ReturnsItsWeight):
         return super().forward(x)
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("check", ["version", "content"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
@@ -264,7 +264,7 @@ def test_a_value_whose_mark_a_kernel_takes_at_every_call_keeps_the_steady_plan(m
         assert general != []
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 def test_marks_noted_by_another_compile_are_not_set_again():
     # The marks a compile noted as it began are set again only as that compile ends: where its
     # end was not seen on this thread (its end callback ran in another thread's compile), a
@@ -278,15 +278,15 @@ def test_marks_noted_by_another_compile_are_not_set_again():
     with torch.no_grad():
         for _ in range(2):
             value = model(x)[1]
-    marks = freeze.standing_marks([model.d])
+    marks = write_marks.standing_marks([model.d])
     assert [t for t, _ in marks] == [value]
     array = value.numpy()
-    assert not freeze.is_armed(value)
+    assert not write_marks.is_armed(value)
     for noted_by, ending in (("0/1", "0/2"), ("0/1", "0/1")):
         compile_leaves.local.marks, compile_leaves.local.marks_for = list(marks), noted_by
         compile_leaves._rearm(ending)
         assert compile_leaves.local.marks == ()
-        assert freeze.is_armed(value) is (noted_by == ending)  # the same compile's: set again
+        assert write_marks.is_armed(value) is (noted_by == ending)  # the same compile's: set again
     del array
 
 
@@ -316,8 +316,8 @@ def test_inductor_freezing_compiles_once_for_unchanged_weights_like_stock(mode, 
         # again at the next call, whatever held the storage). The content check hashes what
         # something else holds: the compiled code's view of it.
         (value,) = [f.value for f in _frozen(ours)]
-        if freeze.is_armed is not None:
-            assert freeze.is_armed(value) is (check == "version")
+        if write_marks.is_armed is not None:
+            assert write_marks.is_armed(value) is (check == "version")
             assert [len(f.raw) + len(f.views) for f in _frozen(ours)] == [int(check == "content")]
         for model in (stock, ours):
             model[0].parametrizations.weight.original1.mul_(1.5)
@@ -456,7 +456,7 @@ def test_memory_torch_does_not_own_is_not_armed_and_the_content_check_still_read
         stock.weight = nn.Parameter(torch.from_numpy(array), requires_grad=False)
     P.register_parametrization(stock, "weight", Cast())
     stock.eval().requires_grad_(False)
-    assert not freeze.arm(stock.parametrizations.weight.original)
+    assert not write_marks.arm(stock.parametrizations.weight.original)
     ours = paramfold.prepare(stock, "freeze")
     x = torch.randn(2, 4)
     with torch.no_grad():
@@ -468,14 +468,14 @@ def test_memory_torch_does_not_own_is_not_armed_and_the_content_check_still_read
 
 
 def test_only_host_memory_torch_allocated_itself_is_armed(tmp_path):
-    assert not freeze.arm(torch.empty(4, device="meta"))
-    assert not freeze.arm(torch.empty(4).share_memory_())
+    assert not write_marks.arm(torch.empty(4, device="meta"))
+    assert not write_marks.arm(torch.empty(4).share_memory_())
     torch.save({"w": torch.randn(4)}, tmp_path / "w.pt")
-    assert not freeze.arm(torch.load(tmp_path / "w.pt", mmap=True, weights_only=True)["w"])
+    assert not write_marks.arm(torch.load(tmp_path / "w.pt", mmap=True, weights_only=True)["w"])
     t = torch.randn(4)
-    assert freeze.arm(t) is (freeze.is_armed is not None)
+    assert write_marks.arm(t) is (write_marks.is_armed is not None)
     t.add_(1)  # the first write takes the storage back
-    assert freeze.is_armed is None or not freeze.is_armed(t)
+    assert write_marks.is_armed is None or not write_marks.is_armed(t)
 
 
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
@@ -728,8 +728,8 @@ def test_a_returned_value_given_another_storage_by_the_caller_is_computed_again(
 
 
 def _marked(model: nn.Module) -> list[str]:
-    """The model's parameters and buffers whose storage is still copy-on-write (freeze.arm's mark)."""
-    return [name for name, t in (*model.named_parameters(), *model.named_buffers()) if freeze.is_armed(t)]
+    """The model's parameters and buffers whose storage is still copy-on-write (write_marks.arm's mark)."""
+    return [name for name, t in (*model.named_parameters(), *model.named_buffers()) if write_marks.is_armed(t)]
 
 
 def _free_and_reallocate(t: torch.Tensor) -> None:
@@ -746,7 +746,7 @@ def _free_and_reallocate(t: torch.Tensor) -> None:
         t.add_(1)
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("check", ["version", "content"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_restore_leaves_no_write_mark_behind(mode, check):
@@ -767,7 +767,7 @@ def test_restore_leaves_no_write_mark_behind(mode, check):
         assert torch.equal(ours(x), stock(x))
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("check", ["version", "content"])
 def test_a_frozen_value_dropped_for_a_call_leaves_no_write_mark_behind(check):
     # Regression: auto drops a trainable chain's frozen value for a call that records grad (and
@@ -904,11 +904,11 @@ def test_an_input_exported_after_its_value_was_computed_is_followed_by_the_versi
             assert len(computed) == after
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("end", ["restored", "dropped"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_models_prepared_and_dropped_in_a_loop_leave_no_arming_record_behind(mode, end):
-    # Regression: freeze._armings kept an entry for every storage a frozen value was ever keyed
+    # Regression: write_marks._armings kept an entry for every storage a frozen value was ever keyed
     # on, after restore and after the model was freed: a process that prepares and drops models
     # (a server loading versions, a sweep) grew without bound.
     def once():
@@ -920,14 +920,14 @@ def test_models_prepared_and_dropped_in_a_loop_leave_no_arming_record_behind(mod
 
     once()
     gc.collect()
-    before = len(freeze._armings)
+    before = len(write_marks._armings)
     for _ in range(20):
         once()
     gc.collect()
-    assert len(freeze._armings) <= before
+    assert len(write_marks._armings) <= before
 
 
-@pytest.mark.skipif(freeze.is_armed is None, reason="this torch marks nothing")
+@pytest.mark.skipif(write_marks.is_armed is None, reason="this torch marks nothing")
 @pytest.mark.parametrize("check", ["version", "content"])
 @pytest.mark.parametrize("mode", ["freeze", "auto"])
 def test_a_storage_resized_while_prepared_after_a_pointer_hand_out_matches_stock(mode, check):
@@ -1038,8 +1038,8 @@ def test_a_wrapper_subclass_is_neither_marked_nor_hashed():
     from torch.testing._internal.two_tensor import TwoTensor
 
     t = TwoTensor(torch.randn(4), torch.randn(4))
-    assert not freeze.plain_underneath(t) and not freeze.arm(t) and freeze.bitwise(t) is None
-    assert freeze.plain_underneath(torch.randn(4).as_subclass(Tagged))
+    assert not write_marks.plain_underneath(t) and not write_marks.arm(t) and write_marks.bitwise(t) is None
+    assert write_marks.plain_underneath(torch.randn(4).as_subclass(Tagged))
 
 
 class Double(nn.Module):

@@ -28,7 +28,7 @@ on them, is refused as its scope closes (:func:`restore_stranded`): its gradient
 stopped at a stand-in.
 
 A compile may also clear the write marks of the frozen values it reads
-(:func:`paramfold.freeze.arm`): inductor's ``freezing`` packs each weight, through a writable
+(:func:`paramfold.write_marks.arm`): inductor's ``freezing`` packs each weight, through a writable
 pointer, and keeps a view of it. With ``freeze_check="version"``, marks that stood as the compile
 began and that it cleared with nothing written are set again as it ends (same callbacks), where
 later calls would otherwise take the view for an array a caller made and hash the value's bytes
@@ -59,10 +59,10 @@ from torch import nn
 
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import rearm_compiled, standing_marks
 from paramfold.site_values import freezing_now
 from paramfold.state import CALLS, STATE_ATTR
 from paramfold.state import innermost_transform as _transform
+from paramfold.write_marks import rearm_compiled, standing_marks
 
 _dynamo = torch._dynamo
 _handler = getattr(_dynamo, "callback_handler", None)
@@ -83,7 +83,7 @@ class _Local(threading.local):
     #: the scope that closes next refuses its call.
     stranded: bool = False
     #: The write marks of the frozen values this thread's scopes serve that stood as the compile
-    #: began (:func:`paramfold.freeze.standing_marks`): set again as it ends, where it cleared them;
+    #: began (:func:`paramfold.write_marks.standing_marks`): set again as it ends, where it cleared them;
     #: and that compile.
     marks: list | tuple = ()
     marks_for: object = None
@@ -251,7 +251,7 @@ def _on_bytecode(code: object, new_code: object) -> None:
 
 
 def _rearm(compile_id: object) -> None:
-    """Set again the marks the compile that noted them cleared (:func:`paramfold.freeze.rearm_compiled`).
+    """Set again the marks the compile that noted them cleared (:func:`paramfold.write_marks.rearm_compiled`).
     Marks another compile noted (whose end this thread did not see: its end callback ran in
     another thread) are dropped, not set: code ran since. Where another thread holds the scope
     lock (which may be waiting for this compile to end), they are left cleared: the next call

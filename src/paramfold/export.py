@@ -27,13 +27,14 @@ from torch.nn.utils import parametrize
 
 from paramfold.errors import FoldError, first_few
 from paramfold.compute import compute
-from paramfold.freeze import Stopped, _address, unchanging
+from paramfold.freeze import Stopped, unchanging
 from paramfold.held import held
 from paramfold.hooknorms import hook_norms
 from paramfold.state import STATE_ATTR, installed_keys, is_dtensor, state_of
 from paramfold.probe import same_bits
 from paramfold.sites import Site, computed_per_call, find, parametrization_paths
 from paramfold.watch import layout
+from paramfold.write_marks import _address
 
 __all__ = ["export", "folded_copy"]
 

@@ -8,10 +8,10 @@ from torch.nn.utils import parametrize
 from paramfold import compile_reads as reads
 from paramfold.compute import has_parametrizations
 from paramfold.errors import FoldError
-from paramfold.freeze import release
 from paramfold.rebase import rebased
 from paramfold.scope import busy
 from paramfold.state import STATE_ATTR, installed_keys, state_of
+from paramfold.write_marks import release
 
 
 def restore(model: nn.Module) -> nn.Module:

@@ -60,12 +60,13 @@ from paramfold.compute import (any_autocast, autocast_state, compute, computed_i
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
 from paramfold.held import held
-from paramfold.freeze import _storage_key, chain_needs_grad, digest, mark, release
+from paramfold.freeze import chain_needs_grad
 from paramfold.sites import probed
 from paramfold.state import ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState, SiteState, for_one_call, tensor_label, version_of
 from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.watch import tag
+from paramfold.write_marks import _storage_key, digest, mark, release
 
 _grad_enabled = torch.is_grad_enabled
 

@@ -31,9 +31,7 @@ from paramfold import hooknorms
 from paramfold.compute import (GLOBAL_HOOKS, IN_PLACE_EDITS, OWN_FORWARD_KEYS, call_path, calls_its_forward, class_forward,
                                compute, computed_under, hook_dicts, overrides_its_call, wraps_its_forward)
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import (ARMINGS, arm, arming_stamps, class_dicts, digest, is_armed, same_armings, same_inputs,
-                              unshared, unwritten)
-from paramfold.freeze import _address
+from paramfold.freeze import class_dicts, same_inputs
 from paramfold.scope_nested import Installs
 from paramfold.site_values import freezing_now
 from paramfold.state import CALLS, MISSING, ONCE_ATTR, PLAIN_TENSOR_TYPES, STATE_ATTR, ModuleState
@@ -41,6 +39,8 @@ from paramfold.state import tensor_data_ptr as _data_ptr
 from paramfold.state import tensor_version as _version
 from paramfold.unread import Copies, fusable, give_back, put_back, state_entries
 from paramfold.watch import Identities, Watch, columns, layout, tag
+from paramfold.write_marks import ARMINGS, arm, arming_stamps, digest, is_armed, same_armings, unshared, unwritten
+from paramfold.write_marks import _address
 
 _users = attrgetter("users")
 _kept = attrgetter("kept")
@@ -624,7 +624,7 @@ def _rearm_values(plan: Plan) -> bool:
     and bytes those it was armed with) and nothing else holds, set again: a kernel of the
     compiled code that takes a writable pointer only to read clears it at every call (inductor's
     mkldnn convolutions on a conv weight), and the general path would find the same at every
-    call, through a walk of every site (:func:`paramfold.freeze.rearm_unwritten`, which also
+    call, through a walk of every site (:func:`paramfold.write_marks.rearm_unwritten`, which also
     takes an input's mark, or a value something else holds, to a byte check at every call)."""
     for t, armed_check in zip(plan.armed, plan.armed_checks):
         if is_armed(t):

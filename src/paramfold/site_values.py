@@ -24,9 +24,10 @@ from paramfold import hooknorms, randomness
 from paramfold.compute import GLOBAL_HOOKS, eager_value
 from paramfold.errors import FoldError, first_few
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, release, unwatched
+from paramfold.freeze import can_freeze, chain_needs_grad, frozen_value, random_now, unwatched
 from paramfold.held import ADVICE
 from paramfold.state import CALLS, PLAIN_TENSOR_TYPES, SiteState, distributed, tensor_label
+from paramfold.write_marks import release
 
 _tracing_state = torch._C._get_tracing_state
 _GLOBAL_FORWARD_HOOKS = GLOBAL_HOOKS[:2]
@@ -128,7 +129,7 @@ def freezing_now() -> bool:
 
 
 def _drop_frozen(site: SiteState) -> None:
-    """Drop the site's frozen value, with the write marks it left (:func:`~paramfold.freeze.release`)."""
+    """Drop the site's frozen value, with the write marks it left (:func:`~paramfold.write_marks.release`)."""
     release(site.frozen)
     site.frozen = None
 

@@ -42,7 +42,7 @@ class FrozenValue:
     #: ``len()`` of each tensor dict, so an added parameter or buffer counts as a change.
     sizes: tuple[int, ...]
     #: With ``freeze_check="content"``: ``(the bytes in place as a ctypes array, their
-    #: freeze.digest)`` of each contiguous host input; ``(byte view, copy)`` of the others
+    #: write_marks.digest)`` of each contiguous host input; ``(byte view, copy)`` of the others
     #: (compared with ``torch.equal``). Inputs whose bytes cannot be read as one view (wrapper
     #: subclasses, meta tensors) have neither.
     raw: tuple[tuple[object, int], ...] = ()
@@ -62,11 +62,11 @@ class FrozenValue:
     #: ``value``'s own version counter when it was computed: a forward that edits the value it
     #: was given in place (stock gives it a fresh tensor at every read) makes it stale.
     value_version: int = 0
-    #: The value and (``freeze_check="version"``) the inputs whose storages ``freeze.arm``
+    #: The value and (``freeze_check="version"``) the inputs whose storages ``write_marks.arm``
     #: watches: each must still be armed, or something wrote to it without a version counter
     #: seeing it (through ``.data``, ``untyped_storage()``, a numpy array taken since).
     armed: tuple[torch.Tensor, ...] = ()
-    #: Their storages' identities and when each was last armed (``freeze._armings``).
+    #: Their storages' identities and when each was last armed (``write_marks._armings``).
     armed_keys: tuple[int, ...] = ()
     armed_counts: list = dataclasses.field(default_factory=list)
     #: ``value``'s description (``watch.layout``): a forward may re-describe it through ``.data``.
@@ -85,7 +85,7 @@ class FrozenValue:
     order: list = dataclasses.field(default_factory=list)
     #: Per tensor of ``armed``: ``(version, storage address, (bytes in place, digest))`` as it was
     #: armed, or None where its bytes are not one contiguous host buffer. A mark cleared with
-    #: these unchanged is set again (``freeze.rearm_unwritten``): a kernel that takes a writable
+    #: these unchanged is set again (``write_marks.rearm_unwritten``): a kernel that takes a writable
     #: pointer and writes nothing (inductor's freezing packs a frozen weight so) clears it.
     armed_checks: tuple = ()
     #: ``(__dict__, its entries but torch's compile bookkeeping)`` of each wrapper subclass
@@ -320,7 +320,7 @@ def _changes_now(in_eval: bool, modules: tuple[nn.Module, ...]) -> bool:
 def version_of(t: torch.Tensor) -> int | None:
     """``t``'s version counter; None for an inference tensor (made inside ``torch.inference_mode()``),
     which has none: it can be written in place only inside inference mode, where no counter moves,
-    so such an input is always marked (``freeze.arm``) or has its bytes checked, whatever the check."""
+    so such an input is always marked (``write_marks.arm``) or has its bytes checked, whatever the check."""
     try:
         return t._version
     except RuntimeError:
@@ -331,7 +331,7 @@ def version_of(t: torch.Tensor) -> int | None:
 # PLAIN_TENSOR_TYPES): the version counter and the storage address. An attrgetter
 # reaches TensorBase's getter through the type's attribute cache, a fifth faster than calling the
 # descriptor's __get__. The address is read without asking for write access
-# (``const_data_ptr``), which would disarm a storage that freeze.arm watches.
+# (``const_data_ptr``), which would disarm a storage that write_marks.arm watches.
 tensor_version = operator.attrgetter("_version")
 tensor_data_ptr = getattr(torch._C.TensorBase, "const_data_ptr", torch._C.TensorBase.data_ptr)
 #: The innermost torch.func transform running (grad, vmap, jacrev, ...), None outside them.

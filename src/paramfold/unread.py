@@ -32,9 +32,9 @@ from paramfold import hooknorms
 from paramfold.compute import checkpoint_frame, dispatch_modes, function_modes
 from paramfold.errors import FoldError
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.freeze import bitwise
 from paramfold.state import STATE_ATTR, SiteState, tensor_label, version_of
 from paramfold.state import tensor_version as _version
+from paramfold.write_marks import bitwise
 
 _dtype = attrgetter("dtype")
 
