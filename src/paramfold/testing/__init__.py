@@ -38,6 +38,8 @@ The layout says what needs what: :mod:`~paramfold.testing.registry` (the paramet
 checker; its module docstring states the tolerances), its parts
 :mod:`~paramfold.testing.resummed` (gradients paramfold sums in another order, and their
 reference), :mod:`~paramfold.testing.between_steps` (the change between steps),
+:mod:`~paramfold.testing.left_as_stock` (what a prepared model must leave as stock leaves it:
+process-wide settings, global hooks, tensors' memory, the modules ``filter_fn`` leaves out),
 :mod:`~paramfold.testing.walks` and :mod:`~paramfold.testing.generators` (what they share),
 :mod:`~paramfold.testing.compare` (how results are compared),
 :mod:`~paramfold.testing.structure` (snapshots of a model's objects) and

@@ -3,11 +3,13 @@
 Why a module of its own: it is what a test suite calls (:func:`assert_equivalent`,
 :func:`grad_mode`), on any model, drawn by :mod:`paramfold.testing.strategies` or built by hand,
 and it needs no Hypothesis. How two results are compared is :mod:`paramfold.testing.compare`;
-the structure snapshots it takes around ``restore`` are :mod:`paramfold.testing.structure`; the
-change of the models between steps is :mod:`paramfold.testing.between_steps`; the reference for
-gradients paramfold sums in another order is :mod:`paramfold.testing.resummed`; the sites it
-walks and the global generators it sets back are :mod:`paramfold.testing.walks` and
-:mod:`paramfold.testing.generators`.
+the structure snapshots it takes around ``restore`` are :mod:`paramfold.testing.structure`; what
+a prepared model must leave as stock leaves it besides values (process-wide settings, global
+module hooks, the memory of its tensors, the modules ``filter_fn`` leaves out) is
+:mod:`paramfold.testing.left_as_stock`; the change of the models between steps is
+:mod:`paramfold.testing.between_steps`; the reference for gradients paramfold sums in another
+order is :mod:`paramfold.testing.resummed`; the sites it walks and the global generators it sets
+back are :mod:`paramfold.testing.walks` and :mod:`paramfold.testing.generators`.
 
 Tolerances. In eager mode every comparison is bitwise: bit patterns (``-0.0`` is not ``0.0``, a
 NaN equals only the same NaN), dtypes, shapes, the strides of dimensions longer than one, and the
@@ -28,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -49,6 +50,19 @@ from paramfold.testing.compare import (
     tensors_of,
 )
 from paramfold.testing.generators import compare_rng, rng_state, set_rng_state
+from paramfold.testing.left_as_stock import (
+    compare_copy_on_write,
+    compare_excluded,
+    compare_global_hooks,
+    compare_memory,
+    compare_settings,
+    excluded_modules,
+    global_hook_keys,
+    memory_of,
+    moved_by_stock,
+    set_settings,
+    settings_now,
+)
 from paramfold.testing.resummed import (
     calls,
     compare_resummed,
@@ -57,10 +71,8 @@ from paramfold.testing.resummed import (
     reordered_originals,
     tied_originals,
 )
-from paramfold.sites import parametrization_paths
-from paramfold.state import STATE_ATTR
 from paramfold.testing.walks import hook_norms, parametrized
-from paramfold.testing.structure import Structure, assert_same_structure, storage_key, structure
+from paramfold.testing.structure import assert_same_structure, structure, with_changes_by_stock
 
 __all__ = ["COMPILE_TOLERANCES", "assert_equivalent", "grad_mode"]
 
@@ -241,7 +253,7 @@ def assert_equivalent(
             "inputs on that device"
         )
     entry_rng = rng_state()
-    entry_settings = _settings()
+    entry_settings = settings_now()
     try:
         _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, lr)
     except AssertionError as exc:
@@ -251,7 +263,7 @@ def assert_equivalent(
         raise
     finally:
         set_rng_state(entry_rng)
-        _set_settings(entry_settings)
+        set_settings(entry_settings)
 
 
 #: Positional and keyword arguments of one call.
@@ -276,15 +288,15 @@ def _assert_equivalent(
     before = structure(candidate, values=False)
     stock_before = structure(stock, values=False)
 
-    hooks_before = _global_hook_keys()
-    memory_before, stock_memory = _memory(candidate), _memory(stock)
-    excluded = _excluded(candidate, filter_fn)
-    settings = _settings()
+    hooks_before = global_hook_keys()
+    memory_before, stock_memory = memory_of(candidate), memory_of(stock)
+    excluded = excluded_modules(candidate, filter_fn)
+    settings = settings_now()
     paramfold.prepare(candidate, mode, filter_fn=filter_fn)
-    _compare_settings(settings, settings, settings, _settings(), " by paramfold.prepare")
-    _compare_global_hooks(hooks_before, " by paramfold.prepare")
-    _compare_memory(" after prepare", memory_before, _memory(candidate), {})
-    _compare_excluded(" after prepare", excluded)
+    compare_settings(settings, settings, settings, settings_now(), " by paramfold.prepare")
+    compare_global_hooks(hooks_before, " by paramfold.prepare")
+    compare_memory(" after prepare", memory_before, memory_of(candidate), {})
+    compare_excluded(" after prepare", excluded)
     run: Callable[..., Any] = candidate
     factor = 0.0
     if compile is not None:
@@ -328,7 +340,7 @@ def _assert_equivalent(
         at_start = _copy_or_none(stock) if compile is not None else None
         # Every run of a step draws the same random numbers (dropout), from where stock's began.
         rng = rng_state()
-        stock_settings = _settings()
+        stock_settings = settings_now()
         with calls(stock) as counts:
             try:
                 expected = _step(stock, args, None)
@@ -338,7 +350,7 @@ def _assert_equivalent(
                                  "the model not prepared: the model or its inputs fail without paramfold)")
                 raise
         after = rng_state()
-        stock_settings = (stock_settings, _settings())
+        stock_settings = (stock_settings, settings_now())
         if twin is not None:
             set_rng_state(rng)
             _check_reproducible(_step(twin, args, False).outputs, expected.outputs, Tolerance(rtol or 0.0, atol or 0.0))
@@ -350,10 +362,10 @@ def _assert_equivalent(
             cached = spare
         backward = expected.backward
         set_rng_state(rng)
-        settings = _settings()
+        settings = settings_now()
         actual = _step(run, args, backward, at)
         left = rng_state()
-        _compare_settings(*stock_settings, settings, _settings(), f" by the prepared run{at or ' 1'}")
+        compare_settings(*stock_settings, settings, settings_now(), f" by the prepared run{at or ' 1'}")
         if cached is not None:
             set_rng_state(rng)
             with once_per_forward(cached):
@@ -379,17 +391,18 @@ def _assert_equivalent(
         compare_rng(left, after, at)
         set_rng_state(after)
     _reads(candidate, stock, f" after step {steps}", tol, (), rtol, atol)
-    _compare_memory(f" after step {steps}", memory_before, _memory(candidate), _moved(stock_memory, _memory(stock)))
-    _compare_excluded(f" after step {steps}", excluded)
+    compare_memory(f" after step {steps}", memory_before, memory_of(candidate),
+                   moved_by_stock(stock_memory, memory_of(stock)))
+    compare_excluded(f" after step {steps}", excluded)
 
     grads_before = {id(p): None if p.grad is None else p.grad.clone() for p in candidate.parameters()}
-    hooks_before = _global_hook_keys()
-    settings = _settings()
+    hooks_before = global_hook_keys()
+    settings = settings_now()
     paramfold.restore(candidate)
     try:
-        _compare_settings(settings, settings, settings, _settings(), " by paramfold.restore")
-        _compare_global_hooks(hooks_before, " by paramfold.restore")
-        expected_structure = _with_changes_by_stock(before, stock_before, structure(stock, values=False))
+        compare_settings(settings, settings, settings, settings_now(), " by paramfold.restore")
+        compare_global_hooks(hooks_before, " by paramfold.restore")
+        expected_structure = with_changes_by_stock(before, stock_before, structure(stock, values=False))
         assert_same_structure(expected_structure, structure(candidate, values=False))
         # Values (persistent or not) are held to stock's, as each step held them.
         params = dict(candidate.named_parameters(remove_duplicate=False))
@@ -404,8 +417,8 @@ def _assert_equivalent(
             # (held to stock at the last step; restore must leave them as they were)
             compare(f"grad of {name!r} (against the prepared model's before restore)", param.grad,
                     grads_before.get(id(param)), BITWISE)
-        _compare_copy_on_write(params, stock_params, "parameter")
-        _compare_copy_on_write(buffers, dict(stock.named_buffers(remove_duplicate=False)), "buffer")
+        compare_copy_on_write(params, stock_params, "parameter")
+        compare_copy_on_write(buffers, dict(stock.named_buffers(remove_duplicate=False)), "buffer")
     except AssertionError as exc:
         raise AssertionError(f"after paramfold.restore: {exc}") from None
     with torch.no_grad():
@@ -413,49 +426,6 @@ def _assert_equivalent(
         restored = _step(candidate, args, False).outputs
         set_rng_state(rng)
         compare_outputs(restored, _step(stock, args, False).outputs, " after restore", BITWISE)
-
-
-#: torch's process-wide module hook dicts: a prepare or restore that leaves one behind changes
-#: every model's calls.
-_GLOBAL_HOOK_DICTS = tuple(
-    name for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                      "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
-                      "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",
-                      "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
-    if hasattr(torch.nn.modules.module, name)
-)
-
-
-def _global_hook_keys() -> dict[str, tuple]:
-    return {name: tuple(getattr(torch.nn.modules.module, name)) for name in _GLOBAL_HOOK_DICTS}
-
-
-def _compare_global_hooks(before: dict[str, tuple], by: str) -> None:
-    for name, keys in _global_hook_keys().items():
-        added = [k for k in keys if k not in before[name]]
-        removed = [k for k in before[name] if k not in keys]
-        if added or removed:
-            raise AssertionError(
-                f"torch.nn.modules.module.{name} changed{by}: {len(added)} added, {len(removed)} removed "
-                "(a global module hook runs for every model in the process)"
-            )
-
-
-def _compare_copy_on_write(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], what: str) -> None:
-    """A restored tensor is copy-on-write (``torch._lazy_clone``'s) only where stock's is: a
-    storage paramfold's freeze shared with a frozen value and did not take back makes a later
-    ``resize_`` and in-place write fail inside torch."""
-    is_cow = getattr(torch._C, "_is_cow_tensor", None)
-    if is_cow is None:
-        return
-    for key, tensor in actual.items():
-        other = expected.get(key)
-        if (isinstance(tensor, torch.Tensor) and isinstance(other, torch.Tensor)
-                and not is_traceable_wrapper_subclass(tensor) and is_cow(tensor) != is_cow(other)):
-            raise AssertionError(
-                f"{what} {key!r}: {'copy-on-write' if is_cow(tensor) else 'not copy-on-write'} after restore, "
-                f"stock's {'is' if is_cow(other) else 'is not'}"
-            )
 
 
 def _check_reproducible(again: Any, first: Any, tol: Tolerance) -> None:
@@ -469,77 +439,6 @@ def _check_reproducible(again: Any, first: Any, tol: Tolerance) -> None:
             "something else that changes from run to run (a global counter, a random generator of its own, a "
             "nondeterministic kernel: see torch.use_deterministic_algorithms)"
         ) from None
-
-
-def _with_changes_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
-    """``before`` with what stock's own calls changed, module by module (matched by path), as the
-    prepared copy's calls change it too, which is no difference from stock: ``__dict__`` keys
-    added or deleted (transformers marks a model ``_output_capturing_hooks_installed`` when it
-    first runs with ``output_hidden_states``, and registers hooks then), hooks registered or
-    removed, and plain attributes' values (those are stock's, as stock has them now)."""
-    old = {row[0]: row for row in stock_before.modules}
-    new = {row[0]: row for row in stock_after.modules}
-    rows = []
-    for row in before.modules:
-        path, keys, hooks, plain, memory = row[0], set(row[3]), row[6], row[7], row[8]
-        if path in old and path in new:
-            keys = (keys | (set(new[path][3]) - set(old[path][3]))) - (set(old[path][3]) - set(new[path][3]))
-            hooks = _hooks_changed_by_stock(hooks, dict(old[path][6]), dict(new[path][6]))
-            plain = new[path][7]
-            # A tensor stock's own calls moved to other memory moves in the prepared copy too,
-            # elsewhere: not compared (None).
-            moved = set(old[path][8]) - set(new[path][8]) if old[path][1] == new[path][1] else set()
-            memory = tuple((kind, name, None if (kind, name, key) in moved else key) for kind, name, key in memory)
-        rows.append((*row[:3], tuple(sorted(keys)), *row[4:6], hooks, plain, memory))
-    return Structure(tuple(rows), before.state)
-
-
-def _hooks_changed_by_stock(hooks: tuple, old: dict[str, tuple], new: dict[str, tuple]) -> tuple:
-    """``hooks`` (a module's, :func:`~paramfold.testing.structure`'s field) less those that stock's
-    calls removed, plus those they registered: the prepared copy's own calls registered theirs
-    under other handle ids, so those are matched by kind (:class:`_LikeStocks`)."""
-    result = []
-    for name, items in hooks:
-        was, now = dict(old.get(name, ())), dict(new.get(name, ()))
-        if list(was.items()) != list(now.items()):
-            items = tuple((key, hook) for key, hook in items if key in now or key not in was) + tuple(
-                (_ANY_HANDLE, _LikeStocks(hook)) for key, hook in now.items() if key not in was
-            )
-        result.append((name, items))
-    return tuple(result)
-
-
-class _AnyHandle:
-    """Equal to any handle id: the one the prepared copy's call registered a hook under."""
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, int)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return "(a handle id)"
-
-
-_ANY_HANDLE = _AnyHandle()
-
-
-class _LikeStocks:
-    """Equal to a hook of the same class and name as ``hook``, which stock's call registered."""
-
-    def __init__(self, hook: Any) -> None:
-        self.hook = hook
-        self.__qualname__ = f"{_kind(hook)} (as stock's calls registered)"
-
-    def __eq__(self, other: object) -> bool:
-        return _kind(other) == _kind(self.hook)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _kind(hook: Any) -> str:
-    hook = hook.hook if isinstance(hook, _LikeStocks) else hook
-    return f"{type(hook).__qualname__} {getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', '')}"
 
 
 def _fresh(args: _Args) -> _Args:
@@ -835,182 +734,6 @@ def _lowest_precision(model: nn.Module, outputs: Any) -> torch.dtype:
     dtypes = {t.dtype for t in tensors if t.is_floating_point()} or {torch.float32}
     return max(dtypes, key=lambda d: torch.finfo(d).eps)
 
-
-
-# --------------------------------------------------------------------------------------------
-# What a prepared model must leave as stock does besides values: process-wide settings, the
-# memory of its tensors, the modules filter_fn left out, the reads of a model that reproduces
-# --------------------------------------------------------------------------------------------
-
-
-def _autocast(device: str) -> Callable[[], bool]:
-    return lambda: torch.is_autocast_enabled(device)
-
-
-#: Process-wide settings a forward (or prepare/restore) could leave changed, each with its getter
-#: and, where torch has one, its setter (the check sets them back when it ends, pass or fail).
-_SETTINGS: tuple[tuple[str, Callable[[], Any], Callable[[Any], Any] | None], ...] = (
-    ("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
-    ("torch.is_grad_enabled()", torch.is_grad_enabled, torch.set_grad_enabled),
-    ("torch.is_inference_mode_enabled()", torch.is_inference_mode_enabled, None),
-    ("torch.are_deterministic_algorithms_enabled()", torch.are_deterministic_algorithms_enabled, None),
-    ("torch.is_deterministic_algorithms_warn_only_enabled()",
-     torch.is_deterministic_algorithms_warn_only_enabled, None),
-    ("torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision,
-     torch.set_float32_matmul_precision),
-    ("torch.is_anomaly_enabled()", torch.is_anomaly_enabled, torch.set_anomaly_enabled),
-    ("torch.is_autocast_enabled('cpu')", _autocast("cpu"), None),
-    ("torch.is_autocast_enabled('cuda')", _autocast("cuda"), None),
-)
-
-
-def _settings() -> dict[str, Any]:
-    """The process-wide settings of :data:`_SETTINGS` now (one a getter cannot read is left out)."""
-    values = {}
-    for name, get, _ in _SETTINGS:
-        try:
-            values[name] = get()
-        except Exception:  # noqa: BLE001 - a getter this torch lacks or refuses: not compared
-            pass
-    return values
-
-
-def _set_settings(values: Mapping[str, Any]) -> None:
-    """Set back what :func:`_settings` read, where it changed (deterministic algorithms by their
-    own setter, both flags at once)."""
-    now = _settings()
-    for name, _, set_ in _SETTINGS:
-        if set_ is not None and name in values and now.get(name) != values[name]:
-            set_(values[name])
-    flags = ("torch.are_deterministic_algorithms_enabled()", "torch.is_deterministic_algorithms_warn_only_enabled()")
-    if all(f in values for f in flags) and any(now.get(f) != values[f] for f in flags):
-        torch.use_deterministic_algorithms(values[flags[0]], warn_only=values[flags[1]])
-
-
-def _compare_settings(stock_before: Mapping[str, Any], stock_after: Mapping[str, Any],
-                      before: Mapping[str, Any], after: Mapping[str, Any], by: str) -> None:
-    """A setting the prepared run changed (``before`` -> ``after``) must be one stock's run
-    changed to the same value; one stock left as it was must be left as it was."""
-    for name, value in after.items():
-        if name not in before:
-            continue
-        changed_by_stock = name in stock_before and name in stock_after and stock_before[name] != stock_after[name]
-        expected = stock_after[name] if changed_by_stock else before[name]
-        if value != expected:
-            raise AssertionError(
-                f"process-wide setting {name} changed{by}: {before[name]!r} -> {value!r}"
-                + (f" (stock's run left it {expected!r})" if changed_by_stock else ", stock's run left it as it was")
-                + ": it changes every later computation in the process"
-            )
-
-
-def _memory(model: nn.Module) -> list[tuple[str, str, Any]]:
-    """``(kind, name, storage key)`` of every parameter and buffer, in ``named_parameters()`` /
-    ``named_buffers()`` order (duplicates too): an optimizer built on the prepared model maps its
-    state by that order, and memory a caller holds (a view, FSDP's flat parameter) aliases them."""
-    return [("parameter", n, storage_key(t)) for n, t in model.named_parameters(remove_duplicate=False)] + [
-        ("buffer", n, storage_key(t)) for n, t in model.named_buffers(remove_duplicate=False)]
-
-
-def _moved(before: list[tuple[str, str, Any]], after: list[tuple[str, str, Any]]) -> set[tuple[str, str]]:
-    """The tensors stock's own calls moved to other memory (not held to the prepared copy)."""
-    was = {(kind, name): key for kind, name, key in before}
-    return {(kind, name) for kind, name, key in after if was.get((kind, name), key) != key}
-
-
-def _compare_memory(at: str, before: list[tuple[str, str, Any]], now: list[tuple[str, str, Any]],
-                    moved: set[tuple[str, str]]) -> None:
-    """The prepared model's parameters and buffers: the same names in the same order as before
-    ``prepare`` (stock's), each in the memory it had (where a storage can be read: a tensor
-    subclass by its inner tensors, not on the meta device), bar what stock's calls moved too."""
-    for kind in ("parameter", "buffer"):
-        old = [name for k, name, _ in before if k == kind]
-        new = [name for k, name, _ in now if k == kind]
-        if old != new:
-            change = (f"missing {sorted(set(old) - set(new))}, unexpected {sorted(set(new) - set(old))}"
-                      if set(old) != set(new) else f"the same names in another order: {new} where stock has {old}")
-            raise AssertionError(
-                f"named_{kind}s() differs from stock's{at}: {change} (an optimizer or checkpoint maps state by them)"
-            )
-    keys = {(kind, name): key for kind, name, key in before}
-    for kind, name, key in now:
-        was = keys[(kind, name)]
-        if was is None or key is None or was == key or (kind, name) in moved:
-            continue
-        raise AssertionError(
-            f"{kind} {name!r} moved to other memory{at}: (address, storage offset, strides) {was!r} -> {key!r} "
-            "(memory a caller holds, a view of it, an optimizer's or FSDP's flat buffer, no longer aliases it)"
-        )
-
-
-@dataclasses.dataclass
-class _Excluded:
-    """A parametrized module ``filter_fn`` left out, as it was before ``prepare``."""
-
-    path: str
-    module: nn.Module
-    cls: type
-    keys: frozenset[str]
-    chains: Any
-    properties: dict[str, Any]
-    above_selected: bool
-
-
-def _chains_of(module: nn.Module) -> Any:
-    plists = module._modules["parametrizations"]
-    return (id(plists), type(plists), tuple(
-        (name, id(plist), type(plist), tuple((id(m), type(m)) for m in plist), plist.unsafe)
-        for name, plist in plists.items()))
-
-
-def _excluded(model: nn.Module, filter_fn: Callable[[nn.Module, str], bool] | None) -> list[_Excluded]:
-    """The parametrized modules ``filter_fn`` leaves out of ``prepare``: each must keep stock's
-    class (or, above a module that is prepared, a class made from stock's, as prepare makes for
-    the modules whose calls serve those below), its parametrizations and its properties, and
-    gain no site of paramfold's. Called before ``prepare``, on the same modules with the same
-    paths as ``prepare`` calls ``filter_fn`` with."""
-    if filter_fn is None:
-        return []
-    found = [(path, module) for path, module in parametrized(model)]
-    chosen = {path: bool(filter_fn(module, path)) for path, module in found}
-    inside = parametrization_paths(model)
-    # (Above any module of its own, prepare may make it an entry of those below: a selected
-    # site, a hook-based norm, a module whose parameters it detaches under no_grad.)
-    below = [path for path, _ in model.named_modules() if path not in inside]
-    result = []
-    for path, module in found:
-        if chosen[path]:
-            continue
-        result.append(_Excluded(
-            path, module, type(module), frozenset(module.__dict__), _chains_of(module),
-            {name: inspect.getattr_static(type(module), name, None) for name in module._modules["parametrizations"]},
-            any(p != path and (not path or p.startswith(path + ".")) for p in below),
-        ))
-    return result
-
-
-def _compare_excluded(at: str, excluded: list[_Excluded]) -> None:
-    for ex in excluded:
-        where = f"module {ex.path or '<root>'!r}, which filter_fn left out of prepare,"
-        cls = type(ex.module)
-        if cls is not ex.cls and not (ex.above_selected and issubclass(cls, ex.cls)):
-            raise AssertionError(
-                f"{where} has another class{at}: {cls.__module__}.{cls.__qualname__} (id {id(cls)}), stock's "
-                f"{ex.cls.__module__}.{ex.cls.__qualname__} (id {id(ex.cls)})"
-            )
-        if _chains_of(ex.module) != ex.chains:
-            raise AssertionError(f"{where} has other parametrizations{at} (their objects, classes or members)")
-        for name, prop in ex.properties.items():
-            if inspect.getattr_static(cls, name, None) is not prop:
-                raise AssertionError(f"{where} reads {name!r} through another attribute of its class{at} than stock's")
-        state = ex.module.__dict__.get(STATE_ATTR)
-        if getattr(state, "sites", None):
-            raise AssertionError(f"{where} has tensors prepared by paramfold{at}: {sorted(state.sites)}")
-        if not ex.above_selected:
-            added, removed = set(ex.module.__dict__) - ex.keys, ex.keys - set(ex.module.__dict__)
-            if added or removed:
-                raise AssertionError(
-                    f"{where} has other __dict__ keys{at}: added {sorted(added)}, removed {sorted(removed)}")
 
 
 def _reads(candidate: nn.Module, stock: nn.Module, at: str, tol: Tolerance, others: Sequence[nn.Module],

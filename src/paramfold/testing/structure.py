@@ -2,7 +2,10 @@
 ``prepare``) leaves a model exactly as it was: :func:`structure` and :func:`assert_same_structure`.
 
 Why a module of its own: a test suite uses the snapshots on their own, around any transform, and
-the checker (:mod:`~paramfold.testing.check`) uses them after each restore.
+the checker (:mod:`~paramfold.testing.check`) uses them after each restore, holding the restored
+copy to its snapshot from before ``prepare`` with what stock's own calls changed meanwhile
+(:func:`with_changes_by_stock`, which reads the snapshot's layout, so it sits beside it);
+:mod:`~paramfold.testing.left_as_stock` reads tensors' memory by :func:`storage_key`.
 """
 
 from __future__ import annotations
@@ -203,3 +206,74 @@ def _hook_change(a: dict[str, tuple], b: dict[str, tuple]) -> str:
 def _hook_items(items: list[tuple[Any, Any]]) -> str:
     names = (f"{key!r}: {getattr(hook, '__qualname__', type(hook).__qualname__)}" for key, hook in items)
     return "[" + ", ".join(names) + "]"
+
+
+def with_changes_by_stock(before: Structure, stock_before: Structure, stock_after: Structure) -> Structure:
+    """``before`` with what stock's own calls changed, module by module (matched by path), as the
+    prepared copy's calls change it too, which is no difference from stock: ``__dict__`` keys
+    added or deleted (transformers marks a model ``_output_capturing_hooks_installed`` when it
+    first runs with ``output_hidden_states``, and registers hooks then), hooks registered or
+    removed, and plain attributes' values (those are stock's, as stock has them now)."""
+    old = {row[0]: row for row in stock_before.modules}
+    new = {row[0]: row for row in stock_after.modules}
+    rows = []
+    for row in before.modules:
+        path, keys, hooks, plain, memory = row[0], set(row[3]), row[6], row[7], row[8]
+        if path in old and path in new:
+            keys = (keys | (set(new[path][3]) - set(old[path][3]))) - (set(old[path][3]) - set(new[path][3]))
+            hooks = _hooks_changed_by_stock(hooks, dict(old[path][6]), dict(new[path][6]))
+            plain = new[path][7]
+            # A tensor stock's own calls moved to other memory moves in the prepared copy too,
+            # elsewhere: not compared (None).
+            moved = set(old[path][8]) - set(new[path][8]) if old[path][1] == new[path][1] else set()
+            memory = tuple((kind, name, None if (kind, name, key) in moved else key) for kind, name, key in memory)
+        rows.append((*row[:3], tuple(sorted(keys)), *row[4:6], hooks, plain, memory))
+    return Structure(tuple(rows), before.state)
+
+
+def _hooks_changed_by_stock(hooks: tuple, old: dict[str, tuple], new: dict[str, tuple]) -> tuple:
+    """``hooks`` (a module's, :func:`structure`'s field) less those that stock's
+    calls removed, plus those they registered: the prepared copy's own calls registered theirs
+    under other handle ids, so those are matched by kind (:class:`_LikeStocks`)."""
+    result = []
+    for name, items in hooks:
+        was, now = dict(old.get(name, ())), dict(new.get(name, ()))
+        if list(was.items()) != list(now.items()):
+            items = tuple((key, hook) for key, hook in items if key in now or key not in was) + tuple(
+                (_ANY_HANDLE, _LikeStocks(hook)) for key, hook in now.items() if key not in was
+            )
+        result.append((name, items))
+    return tuple(result)
+
+
+class _AnyHandle:
+    """Equal to any handle id: the one the prepared copy's call registered a hook under."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, int)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "(a handle id)"
+
+
+_ANY_HANDLE = _AnyHandle()
+
+
+class _LikeStocks:
+    """Equal to a hook of the same class and name as ``hook``, which stock's call registered."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        self.__qualname__ = f"{_hook_kind(hook)} (as stock's calls registered)"
+
+    def __eq__(self, other: object) -> bool:
+        return _hook_kind(other) == _hook_kind(self.hook)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _hook_kind(hook: Any) -> str:
+    hook = hook.hook if isinstance(hook, _LikeStocks) else hook
+    return f"{type(hook).__qualname__} {getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', '')}"

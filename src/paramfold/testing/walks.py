@@ -2,8 +2,9 @@
 its hook-based norms (:func:`hook_norms`).
 
 Why a module of its own: the checker (:mod:`~paramfold.testing.check`), the reference that sums
-gradients as paramfold does (:mod:`~paramfold.testing.resummed`) and the change between steps
-(:mod:`~paramfold.testing.between_steps`) all walk a model's sites the same way, and each of them
+gradients as paramfold does (:mod:`~paramfold.testing.resummed`), the change between steps
+(:mod:`~paramfold.testing.between_steps`) and the checks of what a prepared model leaves as stock
+(:mod:`~paramfold.testing.left_as_stock`) all walk a model's sites the same way, and each of them
 is imported by the checker, so the walk cannot live in the checker. (Not paramfold's own site
 finder, :mod:`paramfold.sites`: only its ``parametrization_paths``, the modules inside a
 ``ParametrizationList``, which are no sites of their own.) Its names are the testing package's
