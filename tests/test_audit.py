@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -718,6 +719,20 @@ def test_square_spectral_norm_dim_is_read_from_fresh_vectors_and_refused_from_st
     plain.load_state_dict(load_file(by_model), strict=True)
     with torch.no_grad():
         assert torch.equal(plain(x), model(x))
+
+
+def test_a_spectral_norm_saved_before_any_forward_is_refused_saying_that_may_be_why(tmp_path):
+    # helper-239: a discriminator saved as built (encodec's, BigVGAN's: square convs) was refused
+    # saying its weight "changed after the last training-mode forward", where none had run.
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = nn.Sequential(torch.nn.utils.spectral_norm(nn.Conv2d(8, 8, (3, 9))))
+    src = tmp_path / "built.pt"
+    torch.save(model.state_dict(), src)
+    with pytest.raises(CheckpointError, match=r"or none ran since the model was built \(they are then torch's "
+                                              r"random start\)\); pass --model"):
+        fold_checkpoint(src, tmp_path / "plain.safetensors")
 
 
 @pytest.mark.parametrize("seed", [3180548566, 2271702458, 0])

@@ -235,6 +235,25 @@ def test_hook_based_norms_are_folded_too_and_the_model_keeps_its_hooks():
     assert torch.equal(model(x), expected)
 
 
+def test_a_folded_copy_of_hook_based_norms_loads_its_own_state_dict_as_a_plain_model_does():
+    # Regression (helper-239): torch's remove_spectral_norm missed its load hook, which torch 2.13
+    # keeps wrapped: the folded copy asked every load_state_dict for weight_orig and weight_u.
+    model = _legacy_model()
+    x = torch.randn(2, 4, 16)
+    expected = model(x)
+    plain = folded_copy(model)
+    assert [len(m._load_state_dict_pre_hooks) for m in plain.modules()] == [0] * len(list(plain.modules()))
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    with torch.no_grad():
+        for t in plain.state_dict().values():
+            t.zero_()
+    plain.load_state_dict(state)  # strict
+    assert torch.equal(plain(x), expected)
+    fresh = _legacy_model(parametrized=False)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh(x), expected)
+
+
 def test_hook_based_spectral_norm_in_training_mode_is_refused():
     model = _legacy_model().train()
     with pytest.raises(paramfold.FoldError, match="spectral_norm in training mode.*model.eval"):

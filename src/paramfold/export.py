@@ -294,7 +294,7 @@ def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, 
     """On the copy, torch's own ``remove_weight_norm`` / ``remove_spectral_norm`` (they compute the
     tensor as the hook does, eval mode, and drop the copy's own hook, ``_g``/``_v``/``_u`` entries)."""
     from torch.nn.utils import remove_spectral_norm, remove_weight_norm
-    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm, SpectralNormLoadStateDictPreHook
 
     with torch.inference_mode(False), torch.no_grad():
         for module, hook in legacy:
@@ -302,6 +302,12 @@ def _fold_hook_based_norms(legacy: list[tuple[nn.Module, Any]], memo: dict[int, 
             spectral = isinstance(hook, SpectralNorm)
             originals = [module._parameters.get(hook.name + suffix) for suffix in (("_orig",) if spectral else ("_g", "_v"))]
             (remove_spectral_norm if spectral else remove_weight_norm)(copied, hook.name)
+            # torch's remove_spectral_norm misses its load hook, which torch 2.13 keeps wrapped
+            # (_WrappedHook): left, it asks every load for weight_orig and weight_u
+            for key, pre in list(copied._load_state_dict_pre_hooks.items()):
+                fn = getattr(pre, "hook", pre)
+                if isinstance(fn, SpectralNormLoadStateDictPreHook) and fn.fn.name == hook.name:
+                    del copied._load_state_dict_pre_hooks[key]
             # torch's remove_* registers a new Parameter that requires grad: trainable only where
             # the tensors it is computed from were (a frozen model's weight stays frozen).
             weight = copied._parameters[hook.name]

@@ -352,7 +352,8 @@ def _resolve_spectral_dim(key: str, w: torch.Tensor, u: torch.Tensor, v: torch.T
         why = (f"at this precision: they agree with dim {closest} up to {_dtype_name(coarsest)} rounding, "
                f"which in {n} dimensions is too weak to rule out chance")
     else:
-        why = "they are not the last power step's for this weight: it changed after the last training-mode forward"
+        why = ("they are not the last power step's for this weight: it changed after the last training-mode "
+               "forward, or none ran since the model was built (they are then torch's random start)")
     raise CheckpointError(
         f"cannot fold '{key}' (spectral_norm) from the checkpoint alone: its weight of shape {tuple(w.shape)} "
         f"fits matrix dim {' or '.join(map(str, candidates))}, and its stored _u/_v do not tell which ({why}); "
