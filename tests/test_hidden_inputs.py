@@ -19,6 +19,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -1551,6 +1552,17 @@ class _SeedsTorchAfterAProfiler(nn.Module):
         return out
 
 
+class _SeedsTorchWithTheWatchPaused(nn.Module):
+    """Pauses any profile function around its seed and puts it back, as a tracing helper may."""
+
+    def forward(self, w):
+        saved = sys.getprofile()
+        sys.setprofile(None)
+        torch.manual_seed(0)
+        sys.setprofile(saved)
+        return w * 2
+
+
 class _ForwardDrawingAfterTheRead(nn.Module):
     def __init__(self, member: nn.Module):
         super().__init__()
@@ -1566,10 +1578,10 @@ class _ForwardDrawingAfterTheRead(nn.Module):
 @pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy, _SeedsPythonAndDraws, _SetsTorchState,
                                     _PythonDrawPutBack, _PythonDrawsThroughMap, _SeedsTorchsGeneratorItHolds,
                                     _SeedsTorchsGeneratorHeldDeeper, _SeedsPythonThroughABoundMethod,
-                                    _SeedsTorchAfterAProfiler],
+                                    _SeedsTorchAfterAProfiler, _SeedsTorchWithTheWatchPaused],
                          ids=["torch", "python", "numpy", "python_seed_and_draw", "torch_state", "python_put_back",
                               "python_through_map", "torch_held", "torch_held_deeper", "python_bound_method",
-                              "torch_after_a_profiler"])
+                              "torch_after_a_profiler", "torch_watch_paused"])
 def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_leaves_it_alone(member, flow):
     # Regression (helper-221): a chain that reseeds a global generator at each read (its later
     # draws in the forward then repeat from call to call, as stock's) was found not to draw:
@@ -1585,7 +1597,8 @@ def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_le
     # (helper-230) a draw through map(random.getrandbits, ...), which makes no profile event, and a
     # seed of torch's generator held by the member, whose probe's copy holds a copy, were not;
     # then (helper-233) one held deeper (in a dict of a plain object) or a bound method of Python's
-    # generator held, and a seed after a profiler the chain stopped (which stopped the watch).
+    # generator held, and a seed after a profiler the chain stopped (which stopped the watch);
+    # then (helper-241) a seed while the chain paused the watch and put it back.
     torch.manual_seed(1)
     stock = _ForwardDrawingAfterTheRead(member()).train().requires_grad_(False)  # not a copy: a copy of
     torch.manual_seed(1)  # torch's generator held would be a generator of its own
@@ -1609,6 +1622,54 @@ def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_le
         _seed_all(7)
         for call, expected in enumerate(want):
             assert torch.equal(model(x), expected), call
+
+
+class _StrictDict(dict):
+    def values(self):
+        raise RuntimeError("no iteration here")
+
+
+class _LazyObject:
+    @property
+    def __dict__(self):
+        raise RuntimeError("not set up")
+
+
+class _Referent:
+    pass
+
+
+class _HoldsOddObjects(nn.Module):
+    """Holds what cannot be looked into without running its code, or at all: the search for a
+    global generator passes them by."""
+
+    def __init__(self):
+        super().__init__()
+        gone = _Referent()
+        self.odd = (_StrictDict(a=1), _LazyObject(), weakref.proxy(gone))
+        del gone
+        self.vocabulary = {f"token{i}": i for i in range(200_000)}
+
+    def forward(self, w):
+        return w * 2
+
+
+def test_looking_for_a_held_global_generator_runs_no_user_code_and_is_bounded(monkeypatch):
+    # Regression (helper-241): the search of a chain's holdings for a global generator (added the
+    # same day) raised where a member held a dict subclass whose values() raises, an object whose
+    # __dict__ property raises or a dead weak proxy (find() and prepare() crashed where stock and
+    # the code before ran), and walked every item of a held vocabulary (4 s a probe for a million).
+    from paramfold import held
+
+    looked = []
+    items = held._held_items
+    monkeypatch.setattr(held, "_held_items", lambda value, cls: looked.append(cls) or items(value, cls))
+    stock = _model(_HoldsOddObjects, frozen=False).eval()
+    assert [s.random for s in paramfold.find(stock)] == [False]
+    assert 0 < len(looked) <= held._LOOKED_AT
+    model = paramfold.prepare(_model(_HoldsOddObjects, frozen=False).eval(), "auto")
+    x = torch.randn(2, 4)
+    assert torch.equal(model(x), stock(x))
 
 
 @pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy], ids=["torch", "python", "numpy"])

@@ -24,11 +24,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import pickle
 import random
 import re
 import sys
 import types
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -218,41 +220,75 @@ def holds_global_generator(module: nn.Module) -> bool:
     """Whether a module of ``module`` holds one of torch's default generators, or Python's or
     NumPy's global one, or a method bound to one (``random.seed``), anywhere its plain attributes
     reach through dicts, lists, tuples, sets, ``functools.partial`` arguments and plain objects'
-    attributes (up to :data:`_DEPTH` levels and :data:`_MOST` objects, as :func:`held` follows):
-    a probe runs a deep copy, whose generator is a copy, so a seed or a draw the chain makes
-    through it would go unseen."""
-    shared = [g for g in (*_torch_default_generators(), random._inst,
-                          getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None)) if g is not None]
-    seen: set[int] = set()
-
-    def holds(value: object, depth: int) -> bool:
-        if any(value is g for g in shared):
-            return True
-        if isinstance(value, types.MethodType):  # deep-copied with a copy of its object
-            return holds(value.__self__, depth)
-        if isinstance(value, _ATOMS) or id(value) in seen or depth > _DEPTH or len(seen) > _MOST:
-            return False
-        seen.add(id(value))
-        if isinstance(value, dict):
-            items = list(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            items = list(value)
-        elif isinstance(value, functools.partial):
-            items = [value.func, *value.args, *value.keywords.values()]
-        else:
-            items = []
-        attributes = getattr(value, "__dict__", None)
-        if type(attributes) is dict:
-            items += attributes.values()
-        return any(holds(item, depth + 1) for item in items)
-
+    attributes (up to :data:`_DEPTH` levels, and :data:`_LOOKED_AT` items per module: a held
+    vocabulary of a million entries is not walked): a probe runs a deep copy, whose generator is
+    a copy, so a seed or a draw the chain makes through it would go unseen. No user code runs: an
+    object that cannot be looked into without it (a ``__dict__`` property, a dead weak proxy) is
+    not followed."""
+    shared = {id(g) for g in (*_torch_default_generators(), random._inst,
+                              getattr(sys.modules.get("numpy.random.mtrand"), "_rand", None)) if g is not None}
     for m in module.modules():
-        seen.clear()
         state = m.__dict__.get(STATE_ATTR)
         skipped = _STANDARD if state is None else _STANDARD | {STATE_ATTR, ONCE_ATTR, *installed_keys(m, state)}
-        if any(holds(value, 0) for key, value in vars(m).items() if key not in skipped):
+        if _reaches(shared, [v for k, v in vars(m).items() if k not in skipped]):
             return True
     return False
+
+
+#: How many held items :func:`holds_global_generator` looks at per module.
+_LOOKED_AT = 10_000
+
+
+def _reaches(shared: set[int], values: list) -> bool:
+    """Whether any of ``values``, or what they hold, is one of the objects ``shared`` (by id)."""
+    seen: set[int] = set()
+    stack = [(v, 0) for v in values]
+    budget = _LOOKED_AT
+    while stack and budget > 0:
+        value, depth = stack.pop()
+        budget -= 1
+        if id(value) in shared:
+            return True
+        cls = type(value)  # not isinstance: a weak proxy's __class__ raises once its object is gone
+        if cls in _SCALARS or id(value) in seen or depth >= _DEPTH:
+            continue
+        seen.add(id(value))
+        try:
+            items = _held_items(value, cls)
+        except Exception:  # nothing to look into without running its code
+            continue
+        stack.extend((item, depth + 1) for item in itertools.islice(items, budget))
+    return False
+
+
+#: Types that hold nothing: skipped without a look.
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes, torch.Tensor, nn.Parameter, torch.dtype,
+                      torch.device, type})
+
+
+def _held_items(value: object, cls: type) -> Iterable:
+    """What ``value`` holds, read through the base types' own methods (a subclass's are not run)."""
+    if issubclass(cls, types.MethodType):  # a deep copy binds its copy to a copy of the object
+        return (value.__self__,)
+    if issubclass(cls, (torch.Tensor, nn.Module, types.FunctionType, types.ModuleType, type, torch.Generator)):
+        return ()
+    if issubclass(cls, dict):
+        items = dict.values(value)
+    elif issubclass(cls, list):
+        items = list.__iter__(value)
+    elif issubclass(cls, tuple):
+        items = tuple.__iter__(value)
+    elif issubclass(cls, (set, frozenset)):
+        items = (set.__iter__ if issubclass(cls, set) else frozenset.__iter__)(value)
+    elif issubclass(cls, functools.partial):
+        items = (value.func, *value.args, *dict.values(value.keywords))
+    else:
+        items = ()
+    attributes = object.__getattribute__(value, "__dict__") if hasattr(cls, "__dictoffset__") and \
+        cls.__dictoffset__ else None
+    if type(attributes) is dict:
+        return itertools.chain(items, dict.values(attributes))
+    return items
 
 
 def generator_state(obj: object) -> bytes | None:
@@ -313,12 +349,15 @@ class GlobalGenerators:
     replace, all three are compared instead (:class:`_Compared`). Where the chain itself stops
     or replaces the watch (a profiler it starts and stops: ``sys.setprofile(None)``), what it did
     after is unknown: the probe is taken as having used them, each put back to its state before
-    the probe, and whatever profiler the chain left is left in place."""
+    the probe, and whatever profiler the chain left is left in place; so where it sets a profile
+    function or starts a profiler at all (``sys.setprofile``, ``cProfile``'s ``enable``, torch's
+    profiler), even one that puts the watch back after."""
 
-    __slots__ = ("used", "saved", "outer", "compared", "numpy", "python", "torch")
+    __slots__ = ("used", "saved", "outer", "compared", "numpy", "python", "torch", "paused")
 
     def __init__(self) -> None:
         self.used = False
+        self.paused = False  # the chain set a profile function (the watch off, maybe put back later)
         self.python = random.getstate()  # a draw no call shows: a C function calling its method (map)
         self.torch: tuple | None = None  # torch's generators' states, where the watch was stopped
         self.saved: dict[object, tuple] = {}  # generator -> (its state then, how to put it back)
@@ -337,6 +376,9 @@ class GlobalGenerators:
             return
         if self.outer is not None:
             self.outer._seen(frame, event, arg)
+        if arg is sys.setprofile or _starts_a_profiler(arg):  # what it does until it puts the watch back is unseen
+            self.paused = True
+            return
         owner = getattr(arg, "__self__", None)
         kind = None if owner is None else _global_generator(owner, arg.__name__)
         if kind is None or (kind == "torch" and _putting_back(frame)):
@@ -352,9 +394,10 @@ class GlobalGenerators:
         if self.compared is not None:
             return self.compared.moved()
         profile = sys.getprofile()
-        if getattr(profile, "__func__", None) is GlobalGenerators._seen and profile.__self__ is self:
+        ours = getattr(profile, "__func__", None) is GlobalGenerators._seen and profile.__self__ is self
+        if ours:
             sys.setprofile(self.outer._seen if self.outer is not None else None)
-        else:  # the chain stopped or replaced the watch (and with it an outer probe's, which sees that too)
+        if self.paused or not ours:  # the chain stopped or replaced the watch (an outer probe's too, which sees that)
             self.used = True
             for g, state in self.torch:
                 g.set_state(state)
@@ -364,6 +407,16 @@ class GlobalGenerators:
             self.used = True
             random.setstate(self.python)
         return self.numpy.moved() or self.used
+
+
+def _starts_a_profiler(fn: object) -> bool:
+    """Whether ``fn``, a C function the probe's chain calls, sets the thread's profile function:
+    a ``cProfile.Profile``'s ``enable``, torch's profiler starting (its Python tracer)."""
+    name = getattr(fn, "__name__", "")
+    if name == "enable":
+        owner = getattr(fn, "__self__", None)
+        return owner is not None and any(c.__module__ == "_lsprof" for c in type(owner).__mro__)
+    return name in ("_enable_profiler", "_prepare_profiler")
 
 
 #: The methods of torch's generators that set their state (a draw is an op, served by the probe).
