@@ -366,6 +366,19 @@ def test_a_dict_of_scalar_tensors_set_aside_beside_the_model_is_named_in_the_tit
     assert (doc["root"], doc["beside"]) == ("discriminator", [])
 
 
+def test_fold_says_which_entry_it_read_and_what_it_set_aside_as_metadata(tmp_path):
+    # helper-241: audit's title named a dict of scalar tensors set aside beside the state dict read,
+    # fold said nothing of it (nor of the entry it read).
+    stock, _ = _stock("weight_norm")
+    src = tmp_path / "two.pt"
+    torch.save({"net": stock.state_dict(), "scales": {"alpha": torch.tensor(2.0)}}, src)
+    out = tmp_path / "plain.safetensors"
+    summary = fold_checkpoint(src, out).summary()
+    assert summary.endswith("folded from the checkpoint; read from its entry 'net' ('scales': scalar tensors only, "
+                            "taken as metadata, not written)"), summary
+    assert "alpha" not in load_file(out)
+
+
 def test_table_output_without_sites_still_names_the_file_its_format_and_the_entry_read(tmp_path):
     # Regression: the header (the file of a folder that was read, its format, the entry the weights
     # were under) was the table's title, printed only with the table: a checkpoint with no

@@ -68,13 +68,19 @@ class FoldResult:
     sites: int
     via: str  # "keys" (folded from the checkpoint alone) or "model" (materialised by the model)
     dtype: torch.dtype | None = None  # what ``dtype`` fold_checkpoint was given
+    root: str | None = None  # the checkpoint's entry the weights were under
+    beside: tuple[str, ...] = ()  # entries beside it of scalar tensors only, taken as metadata: not written
 
     def summary(self) -> str:
         how = "materialised by the model" if self.via == "model" else "folded from the checkpoint"
         cast = "" if self.dtype is None else f" in {_dtype_name(self.dtype)}"
+        read = ""
+        if self.beside:  # as audit's title says it (a model whose weights are all scalars would be one)
+            names = ", ".join(f"'{k}'" for k in self.beside[:4]) + (", ..." if len(self.beside) > 4 else "")
+            read = f"; read from its entry '{self.root}' ({names}: scalar tensors only, taken as metadata, not written)"
         return (
             f"wrote {self.out}: {counted(self.tensors, 'tensor')}, {human_bytes(self.nbytes)}; "
-            f"{counted(self.sites, 'parametrized site')} {how}{cast}"
+            f"{counted(self.sites, 'parametrized site')} {how}{cast}{read}"
         )
 
 
@@ -175,7 +181,7 @@ def fold_checkpoint(
                 raise CheckpointError(f"the folded checkpoint would hold '{key}' twice (a parametrized and a plain tensor)")
             specs[key] = _cast_info(ckpt.info(key) if site is None else site.folded, dtype)  # type: ignore[arg-type]
         nbytes = write_checkpoint(out, specs, _stream(ckpt, plan, dtype), metadata=_metadata(ckpt))
-    return FoldResult(Path(out), len(specs), nbytes, len(report.sites), "keys", dtype)
+    return FoldResult(Path(out), len(specs), nbytes, len(report.sites), "keys", dtype, ckpt.root, ckpt.beside)
 
 
 def _stream(ckpt: Checkpoint, plan: list[tuple[str, CheckpointSite | None]],
@@ -404,7 +410,7 @@ def _fold_with_model(ckpt: Checkpoint, out: Path, model_factory: Callable[[], to
     plain, computed = _plain_state_dict(model)
     nbytes = write_state_dict(out, plain, metadata=_metadata(ckpt))
     # The tensors computed, as the keys-only fold counts its sites: torch's hook-based norms too.
-    return FoldResult(out, len(plain), nbytes, len(computed), "model", dtype)
+    return FoldResult(out, len(plain), nbytes, len(computed), "model", dtype, ckpt.root, ckpt.beside)
 
 
 def _metadata(ckpt: Checkpoint) -> dict[str, str]:
