@@ -284,11 +284,23 @@ def _held_items(value: object, cls: type) -> Iterable:
         items = (value.func, *value.args, *dict.values(value.keywords))
     else:
         items = ()
-    attributes = object.__getattribute__(value, "__dict__") if hasattr(cls, "__dictoffset__") and \
-        cls.__dictoffset__ else None
+    attributes = _own_dict(value, cls)
     if type(attributes) is dict:
         return itertools.chain(items, dict.values(attributes))
     return items
+
+
+#: How Python keeps an instance's ``__dict__`` (a class's own, or a C type's member): read without user code.
+_PLAIN_DICT_SLOTS = (types.GetSetDescriptorType, types.MemberDescriptorType)
+
+
+def _own_dict(value: object, cls: type) -> object:
+    """``value.__dict__`` where Python keeps it (not a ``__dict__`` a class computes), else None."""
+    for c in cls.__mro__:
+        slot = c.__dict__.get("__dict__")
+        if slot is not None:
+            return slot.__get__(value, cls) if type(slot) in _PLAIN_DICT_SLOTS else None
+    return None
 
 
 def generator_state(obj: object) -> bytes | None:
