@@ -384,7 +384,7 @@ class GlobalGenerators:
             sys.setprofile(self._seen)
 
     def _seen(self, frame: types.FrameType, event: str, arg: object) -> None:
-        if event != "c_call":
+        if event != "c_call" or (arg is sys.setprofile and frame.f_code in _WATCHES_OWN):  # not the chain's
             return
         if self.outer is not None:
             self.outer._seen(frame, event, arg)
@@ -419,6 +419,10 @@ class GlobalGenerators:
             self.used = True
             random.setstate(self.python)
         return self.numpy.moved() or self.used
+
+
+#: The code that sets and removes the probe's watch (an inner probe's too, seen by an outer one).
+_WATCHES_OWN = frozenset({GlobalGenerators.__init__.__code__, GlobalGenerators.moved.__code__})
 
 
 def _starts_a_profiler(fn: object) -> bool:
