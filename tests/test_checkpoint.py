@@ -416,6 +416,28 @@ def test_a_model_beside_its_stats_dict_is_refused_saying_why_not_picked(tmp_path
             open_checkpoint(tmp_path / "stats.pt")
 
 
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_model_with_extra_state_under_a_key_of_its_own_is_not_passed_over_for_another_entry(tmp_path, legacy):
+    # Regression (helper-243): a state dict with a module's extra state under a key of its own was not a
+    # candidate at all, so the only plain dict of tensors beside it was read as the model without a word:
+    # the discriminator, or a dict of metrics (fold wrote a 4-byte file, exit 0).
+    sd = {"conv.weight": torch.randn(3, 2), "conv.bias": torch.zeros(3)}
+    gen = {**sd, "post._extra_state": {"scale": 1.0}}
+    save = dict(_use_new_zipfile_serialization=not legacy)
+    torch.save({"generator": gen, "discriminator": dict(sd), "epoch": 3}, tmp_path / "gan.pt", **save)
+    with pytest.raises(CheckpointError, match=r"several state dicts \(under 'generator', 'discriminator'\)"):
+        open_checkpoint(tmp_path / "gan.pt")
+    torch.save({"generator": gen, "metrics": {"loss": torch.tensor(0.3)}, "epoch": 3}, tmp_path / "metrics.pt", **save)
+    with pytest.raises(CheckpointError, match=r"its entry 'generator' holds 1 non-tensor entry "
+                                              r"\('post\._extra_state': dict"):
+        open_checkpoint(tmp_path / "metrics.pt")
+    # A dict that holds no weights beside the model (an optimizer's state, settings) is still no candidate.
+    torch.save({"generator": sd, "optimizer": {"state": {}, "param_groups": [{"lr": 0.1}]},
+                "config": {"n_mels": 80, "name": "g"}}, tmp_path / "plain.pt", **save)
+    with open_checkpoint(tmp_path / "plain.pt") as ckpt:
+        assert ckpt.root == "generator" and sorted(ckpt.keys()) == sorted(sd)
+
+
 def test_no_state_dict_found_names_every_place_one_is_looked_for(tmp_path):
     # Regression (helper-225): the line named the top level and 'state_dict' / 'model' /
     # 'model_state_dict' only, not a state dict under a key of the project's own (read since helper-222).

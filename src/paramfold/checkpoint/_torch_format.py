@@ -515,6 +515,14 @@ def _find_state_dict(obj: Any, p: Path, tensor_type: type = torch.Tensor) -> tup
         found = [k for k, sub in others if _is_state_dict(sub, tensor_type)]
         # beside it, a dict of scalar tensors is metadata (metrics, as a step at the top level)
         modelled = [k for k in found if _has_model_marks(obj[k], tensor_type)]
+        # A model's state dict with non-tensor entries (a module's extra state) is a candidate too: not
+        # passed over for the one plain dict of tensors beside it (its discriminator, a dict of metrics).
+        mixed = [k for k, sub in others if k not in found and _has_model_marks(sub, tensor_type)
+                 and any(isinstance(v, tensor_type) for v in sub.values())]
+        if mixed:
+            if len(modelled) + len(mixed) == 1:
+                _refuse_mixed_state_dict(obj[mixed[0]], mixed[0], p, tensor_type)
+            found = modelled = [k for k, _ in others if k in modelled or k in mixed]
         beside: tuple[str, ...] = ()
         if len(found) > 1 and len(modelled) == 1:
             beside, found = tuple(k for k in found if k not in modelled), modelled
