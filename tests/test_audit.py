@@ -377,6 +377,12 @@ def test_fold_says_which_entry_it_read_and_what_it_set_aside_as_metadata(tmp_pat
     assert summary.endswith("folded from the checkpoint; read from its entry 'net' ('scales': scalar tensors only, "
                             "taken as metadata, not written)"), summary
     assert "alpha" not in load_file(out)
+    # Nothing set aside: the entry read is still named (helper-243: only said with something beside it).
+    torch.save({"state_dict": stock.state_dict(), "epoch": 3}, src)
+    summary = fold_checkpoint(src, out).summary()
+    assert summary.endswith("folded from the checkpoint; read from its entry 'state_dict'"), summary
+    torch.save(stock.state_dict(), src)
+    assert fold_checkpoint(src, out).summary().endswith("folded from the checkpoint"), summary
 
 
 def test_table_output_without_sites_still_names_the_file_its_format_and_the_entry_read(tmp_path):
@@ -534,7 +540,8 @@ def test_fold_command_writes_exactly_what_audit_fold_out_writes(tmp_path, kind, 
     res = CliRunner().invoke(app, ["fold", str(src), str(new), *model])
     assert res.exit_code == 0 and res.stderr == "", res.output
     how = "folded from the checkpoint" if not model else "materialised by the model"
-    assert res.stdout.startswith(f"wrote {new}: ") and res.stdout.endswith(f"{how}\n") and res.stdout.count("\n") == 1
+    assert res.stdout.startswith(f"wrote {new}: ") and res.stdout.endswith(f"{how}; read from its entry 'model'\n")
+    assert res.stdout.count("\n") == 1
     assert _cli(str(src), "--fold-out", str(old), *model).exit_code == 0
     _check_folded(new, stock, x, kind)
     if model and suffix == ".pt":

@@ -74,10 +74,10 @@ class FoldResult:
     def summary(self) -> str:
         how = "materialised by the model" if self.via == "model" else "folded from the checkpoint"
         cast = "" if self.dtype is None else f" in {_dtype_name(self.dtype)}"
-        read = ""
+        read = "" if self.root is None else f"; read from its entry '{self.root}'"
         if self.beside:  # as audit's title says it (a model whose weights are all scalars would be one)
             names = ", ".join(f"'{k}'" for k in self.beside[:4]) + (", ..." if len(self.beside) > 4 else "")
-            read = f"; read from its entry '{self.root}' ({names}: scalar tensors only, taken as metadata, not written)"
+            read += f" ({names}: scalar tensors only, taken as metadata, not written)"
         return (
             f"wrote {self.out}: {counted(self.tensors, 'tensor')}, {human_bytes(self.nbytes)}; "
             f"{counted(self.sites, 'parametrized site')} {how}{cast}{read}"
