@@ -2,17 +2,21 @@
 the third-party model tests call transformers models).
 
 The parametrizations are paramfold.testing's own (``pt.Cast``, ``pt.Scale``) and so is the
-structure snapshot the tests compare (``pt.structure``); what is here is what they lack.
+structure snapshot the tests compare (``pt.structure``); what is here is what they lack. At the
+end, what several of the regression files for issue 8's findings share (once one file,
+``test_never_wrong.py``), under the names those tests use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize as P
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -327,3 +331,40 @@ def calls_like_stock_or_refused(stock: nn.Module, run, x: torch.Tensor, calls: i
         assert torch.equal(out, expected)
         if each is not None:
             each(expected, out)
+
+
+# Shared by the regression files for issue 8's findings; their tests spell these names so.
+ALL_MODES = ["hoist", "inline", "freeze", "auto"]
+
+
+def skew_pair() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    P.register_parametrization(m[0], "weight", Skew())
+    P.register_parametrization(m[2], "weight", Skew())
+    return m
+
+
+def _inference(model: nn.Module) -> nn.Module:
+    return model.eval().requires_grad_(False)
+
+
+class _Twice(nn.Module):
+    def forward(self, w):
+        return w * 2.0
+
+
+def _wn_pair():
+    torch.manual_seed(0)
+    stock = _inference(nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh(), spectral_norm(nn.Linear(4, 4))))
+    return stock, copy.deepcopy(stock)
+
+
+class _Transposed(nn.Module):
+    """A value that is a view of its original (``unsafe``: the shape changes)."""
+
+    def forward(self, w):
+        return w.t()
+
+    def right_inverse(self, w):
+        return w.t()

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from helpers import build, grads, seed_model, small_net
+from helpers import ALL_MODES, _inference, build, grads, seed_model, small_net
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 from torch.func import functional_call, jacfwd, jvp
@@ -1044,3 +1044,35 @@ def test_a_hooked_rnn_root_breaks_its_graph_as_often_as_stock(mode):
     (stock_frames, stock_breaks, stock_outs), (frames, breaks, outs) = runs
     assert (frames, breaks) == (stock_frames, stock_breaks)
     assert all(torch.equal(a, b) for a, b in zip(outs, stock_outs))
+
+
+class BreakInLoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(weight_norm(nn.Linear(4, 4 + i)) for i in range(10))
+
+    def forward(self, x):
+        out = 0
+        for layer in self.layers:
+            out = out + layer(x).sum() * x.sum().item()
+        return out
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_no_more_graphs_than_stock_when_dynamo_falls_back_to_eager(mode, recwarn):
+    from torch._dynamo.testing import CompileCounter
+
+    def graphs(model):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        torch.compile(model, backend=counter)(torch.randn(2, 4))
+        return counter.frame_count
+
+    torch.manual_seed(0)
+    stock = BreakInLoop()
+    if mode == "freeze":
+        _inference(stock)
+    expected = graphs(stock)
+    ours = paramfold.prepare(copy.deepcopy(stock), mode)
+    assert graphs(ours) <= expected
+    assert not [w for w in recwarn if "paramfold" in str(w.message) or "paramfold" in str(w.filename)]

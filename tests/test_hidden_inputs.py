@@ -1659,14 +1659,14 @@ def test_looking_for_a_held_global_generator_runs_no_user_code_and_is_bounded(mo
     # same day) raised where a member held a dict subclass whose values() raises, an object whose
     # __dict__ property raises or a dead weak proxy (find() and prepare() crashed where stock and
     # the code before ran), and walked every item of a held vocabulary (4 s a probe for a million).
-    from paramfold import held
+    from paramfold import global_generators
 
     looked = []
-    items = held._held_items
-    monkeypatch.setattr(held, "_held_items", lambda value, cls: looked.append(cls) or items(value, cls))
+    items = global_generators._held_items
+    monkeypatch.setattr(global_generators, "_held_items", lambda value, cls: looked.append(cls) or items(value, cls))
     stock = _model(_HoldsOddObjects, frozen=False).eval()
     assert [s.random for s in paramfold.find(stock)] == [False]
-    assert 0 < len(looked) <= held._LOOKED_AT
+    assert 0 < len(looked) <= global_generators._LOOKED_AT
     model = paramfold.prepare(_model(_HoldsOddObjects, frozen=False).eval(), "auto")
     x = torch.randn(2, 4)
     assert torch.equal(model(x), stock(x))

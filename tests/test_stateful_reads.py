@@ -25,6 +25,7 @@ from torch.nn.utils.parametrizations import spectral_norm
 from helpers import Ema, RunningScale, assert_same_nested, classes, grads
 
 import paramfold
+import paramfold.testing as pt
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -1231,3 +1232,36 @@ def test_a_read_after_a_backward_inside_the_forward_gets_a_graph_of_its_own_like
         model = paramfold.prepare(make(chain), mode) if prepare else make(chain)
         runs.append(_backward_steps(model, torch.compile(model, backend="eager") if how == "torch.compile" else model))
     assert_same_nested(*runs)
+
+
+class _Tagger(nn.Module):
+    """A GRU with spectral_norm on its recurrent weight, and a spectral_norm head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = spectral_norm(nn.GRU(4, 5, batch_first=True), "weight_hh_l0")
+        self.head = spectral_norm(nn.Linear(5, 2))
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def _tagger() -> nn.Module:
+    torch.manual_seed(0)
+    return _Tagger().train()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("mode", ["hoist", "auto", "inline"])
+def test_spectral_norm_on_an_rnn_equals_stock_where_it_reads_each_weight_several_times(mode, training, compiled):
+    # Found on a real pattern: torch's RNNs read each weight several times per forward
+    # (_update_flat_weights), so stock's power iteration advances at each of those reads; hoist
+    # and auto advanced it once and the gradients differed, so hoist refused such a site and
+    # auto computed it at every read. Since the read-once class (2026-12-03) the first read takes
+    # the hoisted value and each later one computes afresh: hoisted like any other site.
+    torch._dynamo.reset()
+    ours = paramfold.prepare(_tagger(), mode)
+    assert ours.rnn.__dict__["_paramfold"].sites["weight_hh_l0"].mode == mode
+    pt.assert_equivalent(_tagger().train(training), torch.randn(2, 3, 4), mode, steps=3,
+                         compile={"backend": "eager"} if compiled else None)

@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paramfold.errors import FoldError
 from paramfold.compute import members, original_names
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.held import GlobalGenerators, generator_state, generators, holds_global_generator, same, snapshot
+from paramfold.global_generators import GlobalGenerators, holds_global_generator
+from paramfold.held import generator_state, generators, same, snapshot
 from paramfold.state import innermost_transform, version_of
 
 T = TypeVar("T")
@@ -411,7 +412,7 @@ def run_probed(probe: Probe, fn: Callable[..., T], *args: object) -> T:
     seeded (``torch.manual_seed`` is no op): a draw from them, or a seed or state set of any,
     counts as the chain drawing random numbers (stock's read reseeds at every computation, and
     later draws in the forward repeat), and what was used is put back
-    (:class:`~paramfold.held.GlobalGenerators`)."""
+    (:class:`~paramfold.global_generators.GlobalGenerators`)."""
     generators = GlobalGenerators()
     try:
         with torch.compiler.set_stance("force_eager"), probe:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from paramfold.held import global_generator_states, set_global_generator_states
+from paramfold.global_generators import global_generator_states, set_global_generator_states
 
 __all__ = ["compare_rng", "rng_state", "set_rng_state"]
 
