@@ -549,3 +549,107 @@ def test_a_chain_holding_another_prepared_layer_is_frozen_like_any_other(mode):
             for model in (stock, prepared):
                 model[0].parametrizations.weight.original1.mul_(1.5)
             assert torch.equal(prepared(x), stock(x))
+
+
+class _DictProperty:
+    """Shows a ``__dict__`` its class computes: reading it runs the class's code."""
+
+    def __init__(self):
+        object.__setattr__(self, "calls", [])
+
+    @property
+    def __dict__(self):
+        raise RuntimeError("the holder's __dict__ property ran")
+
+    def __deepcopy__(self, memo):  # copied as its class says: the probe's copy gets past copying
+        return type(self)()
+
+
+class _ItemsRaise(dict):
+    def items(self):
+        raise RuntimeError("the holder's items() ran")
+
+    values = keys = __iter__ = items
+
+    def __deepcopy__(self, memo):
+        return _ItemsRaise(scale=1.0)
+
+
+class _KeptAsIs(tuple):
+    """A tuple its copies share (``copy.deepcopy`` returns it): a dead weak proxy in it is copied."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class _Holds(nn.Module):
+    """Holds ``odd`` besides a config it reads; stock never looks at ``odd``."""
+
+    def __init__(self, odd):
+        super().__init__()
+        self.cfg = {"scale": 2.0}
+        self.__dict__["odd"] = odd
+
+    def forward(self, w):
+        return w * self.cfg["scale"]
+
+
+class _Gone:
+    pass
+
+
+def _dead_proxy():
+    import weakref
+
+    return weakref.proxy(_Gone())
+
+
+class _EqualsByName(type):
+    def __eq__(cls, other):  # and so no __hash__: the class cannot be a set's item or a cache's key
+        return getattr(other, "__name__", None) == cls.__name__
+
+
+class _OfAnUnhashableClass(metaclass=_EqualsByName):
+    pass
+
+
+_ODD_HOLDINGS = {
+    "instance_of_an_unhashable_class": _OfAnUnhashableClass,
+    "dead_weak_proxy_in_a_tuple": lambda: _KeptAsIs((_dead_proxy(),)),
+    "dict_property": _DictProperty,
+    "dict_property_in_a_tuple": lambda: (1.0, _DictProperty()),
+    "dict_subclass_whose_items_raise": lambda: _ItemsRaise(scale=1.0),
+}
+
+
+@pytest.mark.parametrize("holding", list(_ODD_HOLDINGS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_holding_that_cannot_be_looked_into_without_its_own_code_is_served_like_stock_or_refused(mode, holding):
+    # Regression (helper-243): held() read a held object through isinstance (a dead weak proxy's
+    # __class__ raises), getattr(value, "__dict__") and d.items(), running the holder's own code, and
+    # the search for a held global generator hashed each class: prepare raised.
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3)).eval().requires_grad_(False)
+        parametrize.register_parametrization(model[0], "weight", _Holds(_ODD_HOLDINGS[holding]()))
+        return model
+
+    stock, prepared = make(), make()
+    x = torch.randn(2, 4)
+    try:
+        paramfold.prepare(prepared, mode=mode)
+    except paramfold.FoldError as e:  # what freeze cannot watch; what neither can copy to probe
+        assert mode in ("freeze", "hoist") and "0.weight" in str(e)
+        return
+    with torch.no_grad():
+        for _ in range(2):
+            try:
+                out = prepared(x)
+            except paramfold.FoldError as e:  # freeze's refusal of what it cannot watch, at the first call
+                assert mode == "freeze" and "'odd'" in str(e)
+                return
+            assert torch.equal(out, stock(x))
+            _member(stock).cfg["scale"] += 1.0
+            _member(prepared).cfg["scale"] += 1.0
+    paramfold.restore(prepared)
+    assert torch.equal(prepared(x), stock(x))

@@ -9,14 +9,18 @@ Dicts, and the ``__dict__`` of plain objects, have a version tag that any write 
 watches them as it watches the members' own attributes, and tensors found in them are inputs like
 any other; a tuple's items and a frozen dataclass's fields are followed the same way. Other
 mutable holders (a list, a set, a numpy array, an object with ``__slots__`` or a base implemented
-in C, a tensor inside a tuple) have no tag, and comparing their contents at every call would
-cost every call: a chain holding one is not frozen (``"auto"`` computes it at each call,
+in C, a tensor inside a tuple, a dict subclass whose ``items`` or ``__getitem__`` is its own code)
+have no tag, and comparing their contents at every call would cost every call: a chain holding
+one is not frozen (``"auto"`` computes it at each call,
 ``"freeze"`` refuses it). So is one whose member keeps a value in ``__slots__`` of its own, or
 holds dicts and objects nested deeper than :data:`_DEPTH` or more than :data:`_MOST` of them.
 A prepared module's paramfold state and installed values are not its holdings. Not followed:
 state reached through a function (its closure, defaults or globals), a bound method's object, a
 class's attributes other than the members' own classes' (and of those, only which object each
-is: not a dict it holds, changed in place), or a module referenced as a plain attribute.
+is: not a dict it holds, changed in place), or a module referenced as a plain attribute. Held
+objects are read through types and the base types' own methods: no code of the holder's runs (an
+object that cannot be looked into without it, a ``__dict__`` property or a dead weak proxy, is
+unwatched).
 
 The random generators a member holds (a ``random.Random``, a NumPy ``Generator``) are listed here
 too (:func:`generators`, compared by :func:`generator_state`); the process's global ones, which a
@@ -25,6 +29,8 @@ chain may hold or draw from: :mod:`paramfold.global_generators`.
 
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 import enum
 import functools
@@ -103,32 +109,49 @@ def held(module: nn.Module) -> Held:
 
 
 def _visit(found: Held, seen: set[int], value: object, where: str, depth: int) -> None:
-    if isinstance(value, _ATOMS) or _numpy_scalar(value) or id(value) in seen:
+    # Read through types and the base types' own methods, never the holder's code (``isinstance``
+    # reads ``__class__``, which a dead weak proxy raises for; a class may compute ``__dict__``).
+    cls = type(value)
+    if issubclass(cls, _ATOMS) or _numpy_scalar(cls) or id(value) in seen:
         return
     seen.add(id(value))
     if depth >= _DEPTH or len(seen) > _MOST:
         found.unwatched.append((where, value))
         return
-    if isinstance(value, (tuple, frozenset)):
-        _visit_items(found, seen, ((f"{where}[{i}]", item) for i, item in enumerate(value)), depth)
+    try:
+        _visit_holder(found, seen, value, cls, where, depth)
+    except Exception:  # nothing to look into without running its code: no tag watches it
+        found.unwatched.append((where, value))
+
+
+def _visit_holder(found: Held, seen: set[int], value: object, cls: type, where: str, depth: int) -> None:
+    if issubclass(cls, (tuple, frozenset)):
+        items = tuple.__iter__(value) if issubclass(cls, tuple) else frozenset.__iter__(value)
+        _visit_items(found, seen, ((f"{where}[{i}]", item) for i, item in enumerate(items)), depth)
+        if cls is not tuple and cls is not frozenset:  # a subclass's own attributes too (a namedtuple has none)
+            _visit_attributes(found, seen, value, cls, where, depth)
         return
-    if isinstance(value, dict):
+    if issubclass(cls, dict):
+        if _reads_in_python(cls):  # what its reads return is its code's, not what a version tag watches
+            found.unwatched.append((where, value))
+            return
         _visit_dict(found, seen, value, where, depth, "[{!r}]")
-        if type(value) is not dict:  # a subclass's own attributes too (``cfg.scale`` of a dict subclass)
-            _visit_attributes(found, seen, value, where, depth)
+        if cls is not dict:  # a subclass's own attributes too (``cfg.scale`` of a dict subclass)
+            _visit_attributes(found, seen, value, cls, where, depth)
         return
-    if _frozen_dataclass(type(value)) and not hasattr(value, "__dict__"):
+    if _frozen_dataclass(cls) and own_dict(value, cls) is None:
         # Fields that cannot be set (a frozen dataclass with slots): followed as a tuple's items.
-        fields = dataclasses.fields(value)
-        _visit_items(found, seen, ((f"{where}.{f.name}", getattr(value, f.name)) for f in fields), depth)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        _visit_items(found, seen, ((f"{where}.{name}", v) for name, v in slot_values(value, cls) if name in fields),
+                     depth)
         return
-    if isinstance(value, functools.partial):  # its arguments, which no __dict__ holds
-        _visit(found, seen, value.args, where + ".args", depth + 1)
-        _visit(found, seen, value.keywords, where + ".keywords", depth + 1)
-        _visit_attributes(found, seen, value, where, depth)
+    if issubclass(cls, functools.partial):  # its arguments, which no __dict__ holds
+        _visit(found, seen, _PARTIAL_ARGS.__get__(value, cls), where + ".args", depth + 1)
+        _visit(found, seen, _PARTIAL_KEYWORDS.__get__(value, cls), where + ".keywords", depth + 1)
+        _visit_attributes(found, seen, value, cls, where, depth)
         return
-    if not isinstance(value, (list, set, bytearray)) and _state_in_dict(type(value)):
-        attributes = getattr(value, "__dict__", None)
+    if not issubclass(cls, (list, set, bytearray)) and _state_in_dict(cls):
+        attributes = own_dict(value, cls)
         if type(attributes) is dict:
             found.objects.append(value)
             _visit_dict(found, seen, attributes, where, depth, ".{}")
@@ -136,18 +159,21 @@ def _visit(found: Held, seen: set[int], value: object, where: str, depth: int) -
     found.unwatched.append((where, value))
 
 
+_PARTIAL_ARGS, _PARTIAL_KEYWORDS = vars(functools.partial)["args"], vars(functools.partial)["keywords"]
+
+
 def _visit_items(found: Held, seen: set[int], items, depth: int) -> None:
     """The ``(where, item)`` of something that cannot change itself (a tuple, a frozen dataclass)."""
     for where, item in items:
-        if isinstance(item, torch.Tensor):  # edited in place, no tag sees it
+        if issubclass(type(item), torch.Tensor):  # edited in place, no tag sees it
             found.unwatched.append((where, item))
         else:
             _visit(found, seen, item, where, depth + 1)
 
 
-def _visit_attributes(found: Held, seen: set[int], value: object, where: str, depth: int) -> None:
+def _visit_attributes(found: Held, seen: set[int], value: object, cls: type, where: str, depth: int) -> None:
     """The ``__dict__`` of a container (a dict subclass, a ``functools.partial``), if any."""
-    attributes = getattr(value, "__dict__", None)
+    attributes = own_dict(value, cls)
     if type(attributes) is dict and attributes is not value and id(attributes) not in seen:
         seen.add(id(attributes))
         found.objects.append(value)
@@ -156,11 +182,32 @@ def _visit_attributes(found: Held, seen: set[int], value: object, where: str, de
 
 def _visit_dict(found: Held, seen: set[int], d: dict, where: str, depth: int, step: str) -> None:
     found.dicts.append(d)
-    for key, item in d.items():
-        if isinstance(item, torch.Tensor):
+    for key, item in dict.items(d):
+        if issubclass(type(item), torch.Tensor):
             found.tensors.append((d, key, item))
         else:
             _visit(found, seen, item, where + step.format(key), depth + 1)
+
+
+#: How a dict is read (by a chain, and by the watches of its entries).
+_DICT_READS = ("__getitem__", "__iter__", "__len__", "__contains__", "get", "keys", "values", "items", "copy")
+
+
+def _reads_in_python(cls: type) -> bool:
+    """Whether a dict subclass reads its entries with code of its own (``items`` or ``__getitem__``
+    defined in Python), which no version tag sees and a watch's reads would run: not followed.
+    ``OrderedDict``'s, ``defaultdict``'s and ``Counter``'s reads are the base types' own."""
+    for c in cls.__mro__:
+        if c is dict:
+            return False
+        own = vars(c)
+        if any(name in own and not isinstance(own[name], _C_METHODS) for name in _DICT_READS):
+            return c is not collections.Counter  # its copy() makes a Counter of the same entries
+    return False
+
+
+_C_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.BuiltinFunctionType,
+              types.ClassMethodDescriptorType)
 
 
 def _frozen_dataclass(cls: type) -> bool:
@@ -168,9 +215,9 @@ def _frozen_dataclass(cls: type) -> bool:
     return params is not None and params.frozen
 
 
-def _numpy_scalar(value: object) -> bool:
+def _numpy_scalar(cls: type) -> bool:
     numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, numpy.generic)
+    return numpy is not None and issubclass(cls, numpy.generic)
 
 
 class _Plain:
@@ -197,9 +244,47 @@ def _has_slots(cls: type) -> bool:
     return bool(_all_slots(cls))
 
 
-@functools.cache
 def _all_slots(cls: type) -> tuple[str, ...]:
+    try:
+        return _all_slots_cached(cls)
+    except TypeError:  # a class that cannot be hashed (its metaclass defines __eq__ alone)
+        return _all_slots_cached.__wrapped__(cls)
+
+
+@functools.cache
+def _all_slots_cached(cls: type) -> tuple[str, ...]:
     return tuple(s for c in cls.__mro__ for s in _slot_names(c) if s != "__dict__" and s != "__weakref__")
+
+
+def slot_values(value: object, cls: type) -> list[tuple[str, object]]:
+    """``(name, value)`` of each slot of ``value`` (of class ``cls``) that is set, read through
+    the slot's own descriptor: no ``__getattribute__`` or property of the class's runs."""
+    found = []
+    for c in cls.__mro__:
+        for name in _slot_names(c):
+            if name in ("__dict__", "__weakref__"):
+                continue
+            key = f"_{c.__name__.lstrip('_')}{name}" if name.startswith("__") and not name.endswith("__") else name
+            slot = vars(c).get(key)
+            if type(slot) is types.MemberDescriptorType:
+                try:
+                    found.append((name, slot.__get__(value, cls)))
+                except AttributeError:  # not set
+                    pass
+    return found
+
+
+#: How Python keeps an instance's ``__dict__`` (a class's own, or a C type's member): read without user code.
+_PLAIN_DICT_SLOTS = (types.GetSetDescriptorType, types.MemberDescriptorType)
+
+
+def own_dict(value: object, cls: type) -> object:
+    """``value.__dict__`` where Python keeps it (not a ``__dict__`` a class computes), else None."""
+    for c in cls.__mro__:
+        slot = vars(c).get("__dict__")
+        if slot is not None:
+            return slot.__get__(value, cls) if type(slot) in _PLAIN_DICT_SLOTS else None
+    return None
 
 
 def _slot_names(cls: type) -> tuple[str, ...]:
@@ -213,7 +298,10 @@ def generators(module: nn.Module) -> list[object]:
     or dict: no version tag sees a draw from one, :func:`generator_state` does."""
     found = []
     for _, obj in held(module).unwatched:
-        items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else (obj,)
+        cls = type(obj)
+        items = (dict.values(obj) if issubclass(cls, dict) else list.__iter__(obj) if issubclass(cls, list)
+                 else tuple.__iter__(obj) if issubclass(cls, tuple) else set.__iter__(obj) if issubclass(cls, set)
+                 else (obj,))
         found += [item for item in items if generator_state(item) is not None]
     return found
 
@@ -221,16 +309,17 @@ def generators(module: nn.Module) -> list[object]:
 def generator_state(obj: object) -> bytes | None:
     """The state of a Python or NumPy random generator, comparable with ``==``; None for anything
     else."""
-    if isinstance(obj, random.Random):
+    cls = type(obj)  # not isinstance: a dead weak proxy's __class__ raises
+    if issubclass(cls, random.Random):
         return pickle.dumps(obj.getstate())
     numpy = sys.modules.get("numpy")
     if numpy is None:
         return None
-    if isinstance(obj, numpy.random.Generator):
-        obj = obj.bit_generator
-    if isinstance(obj, numpy.random.RandomState):
+    if issubclass(cls, numpy.random.Generator):
+        obj, cls = obj.bit_generator, type(obj.bit_generator)
+    if issubclass(cls, numpy.random.RandomState):
         return pickle.dumps(obj.get_state(legacy=False))
-    if isinstance(obj, numpy.random.BitGenerator):
+    if issubclass(cls, numpy.random.BitGenerator):
         return pickle.dumps(obj.state)
     return None
 
@@ -240,7 +329,7 @@ def snapshot(module: nn.Module) -> tuple[list, list, list]:
     order; each held tensor's version counter; each unwatched holder's items where they can be
     listed (a list's, a set's, a dict's, a slotted object's, an array's bytes)."""
     found = held(module)
-    return ([(d, tuple(d.items())) for d in found.dicts], [(t, t._version) for _, _, t in found.tensors],
+    return ([(d, tuple(dict.items(d))) for d in found.dicts], [(t, t._version) for _, _, t in found.tensors],
             [(obj, _contents(obj)) for _, obj in found.unwatched])
 
 
@@ -248,8 +337,8 @@ def same(snap: tuple[list, list, list]) -> bool:
     """Whether everything :func:`snapshot` recorded is as it was (entries by identity)."""
     dicts, tensors, others = snap
     for d, then in dicts:
-        if (len(d) != len(then) or tuple(d) != tuple(k for k, _ in then)  # keys in order: move_to_end
-                or not all(v is v0 for v, (_, v0) in zip(d.values(), then))):
+        if (dict.__len__(d) != len(then) or tuple(dict.__iter__(d)) != tuple(k for k, _ in then)  # keys in order
+                or not all(v is v0 for v, (_, v0) in zip(dict.values(d), then))):
             return False
     for t, version in tensors:
         if t._version != version:
@@ -262,30 +351,32 @@ def same(snap: tuple[list, list, list]) -> bool:
 
 def _contents(obj: object) -> tuple[object, object]:
     """``(what is kept alive, what is compared)`` of an unwatched holder: items are compared by
-    identity, and kept, so that no new item can be given a freed one's id."""
-    if isinstance(obj, (list, tuple)) or type(obj).__name__ == "deque":
-        items = tuple(obj)
-        return items, tuple(map(id, items))
-    if isinstance(obj, (set, frozenset)):
-        items = tuple(obj)
-        return items, frozenset(map(id, items))
-    if isinstance(obj, dict):  # past the depth or count followed: its own entries, in order
-        items = tuple(obj.items())
-        return items, tuple(id(x) for item in items for x in item)
-    if isinstance(obj, bytearray):
-        return None, bytes(obj)
-    if isinstance(obj, torch.Tensor):
-        return None, obj._version
-    slots = _all_slots(type(obj))
-    if slots:  # a slotted object, or a module with slots of its own
-        values = tuple(getattr(obj, name, _MISSING) for name in slots)
-        return values, tuple(map(id, values))
-    tobytes = getattr(obj, "tobytes", None)  # a numpy or array.array array
-    if callable(tobytes):
-        try:
-            return None, tobytes()
-        except Exception:
-            pass
+    identity, and kept, so that no new item can be given a freed one's id. Read through the base
+    types' own methods, as :func:`held` reads."""
+    cls = type(obj)
+    try:
+        if issubclass(cls, (list, tuple, collections.deque)):
+            items = tuple((list.__iter__ if issubclass(cls, list) else tuple.__iter__ if issubclass(cls, tuple)
+                           else collections.deque.__iter__)(obj))
+            return items, tuple(map(id, items))
+        if issubclass(cls, (set, frozenset)):
+            items = tuple((set.__iter__ if issubclass(cls, set) else frozenset.__iter__)(obj))
+            return items, frozenset(map(id, items))
+        if issubclass(cls, dict):  # past the depth or count followed: its own entries, in order
+            items = tuple(dict.items(obj))
+            return items, tuple(id(x) for item in items for x in item)
+        if issubclass(cls, bytearray):
+            return None, bytes(obj)
+        if issubclass(cls, torch.Tensor):
+            return None, obj._version
+        if _all_slots(cls):  # a slotted object, or a module with slots of its own
+            values = tuple(v for _, v in slot_values(obj, cls))
+            return values, tuple(map(id, values))
+        numpy = sys.modules.get("numpy")
+        if (numpy is not None and issubclass(cls, numpy.ndarray)) or issubclass(cls, array.array):
+            return None, obj.tobytes()
+    except Exception:  # nothing to list without running its code
+        pass
     return obj, id(obj)  # nothing to list: a change inside is not seen
 
 
