@@ -9,8 +9,10 @@ mode cannot serve the case. Every test failed on the code before the fix.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import dataclasses
 import importlib
 import pickle
 import random
@@ -1563,6 +1565,60 @@ class _SeedsTorchWithTheWatchPaused(nn.Module):
         return w * 2
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FrozenSlottedHolder:
+    gen: object
+
+
+class _SlottedHolder:
+    __slots__ = ("gen",)
+
+    def __init__(self, gen):
+        self.gen = gen
+
+
+class _HoldsTorchsGenerator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = torch.default_generator
+
+
+def _seeds_through(name: str, hold, reach) -> type[nn.Module]:
+    """A member that holds torch's default generator as ``hold(gen)`` and seeds ``reach(held)`` at each read."""
+
+    class Member(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = hold(torch.default_generator)
+
+        def forward(self, w):
+            reach(self.cfg).manual_seed(0)
+            return w * 2
+
+    Member.__name__ = Member.__qualname__ = name
+    return Member
+
+
+class _SeedsTorchsGeneratorBesideAVocabulary(_SeedsTorchsGeneratorItHolds):
+    """Holds a large vocabulary set after the generator: the search's budget is not spent on it first."""
+
+    def __init__(self):
+        super().__init__()
+        self.vocab = {f"w{i}": i for i in range(20_000)}
+
+
+#: Holders of torch's generator (helper-243) that a deep copy copies, the search read none of.
+_HELD_AS = {
+    "torch_in_slots": _seeds_through("InSlots", _SlottedHolder, lambda cfg: cfg.gen),
+    "torch_in_a_frozen_slotted_dataclass": _seeds_through("InFrozen", _FrozenSlottedHolder, lambda cfg: cfg.gen),
+    "torch_in_a_deque": _seeds_through("InDeque", lambda g: collections.deque([g]), lambda cfg: cfg[0]),
+    "torch_as_a_dict_key": _seeds_through("AsKey", lambda g: {g: "gen"}, lambda cfg: next(iter(cfg))),
+    "torch_in_a_module_in_a_list": _seeds_through("InModule", lambda g: [_HoldsTorchsGenerator()],
+                                                  lambda cfg: cfg[0].g),
+    "torch_beside_a_vocabulary": _SeedsTorchsGeneratorBesideAVocabulary,
+}
+
+
 class _ForwardDrawingAfterTheRead(nn.Module):
     def __init__(self, member: nn.Module):
         super().__init__()
@@ -1578,10 +1634,10 @@ class _ForwardDrawingAfterTheRead(nn.Module):
 @pytest.mark.parametrize("member", [_SeedsTorch, _SeedsPython, _SeedsNumpy, _SeedsPythonAndDraws, _SetsTorchState,
                                     _PythonDrawPutBack, _PythonDrawsThroughMap, _SeedsTorchsGeneratorItHolds,
                                     _SeedsTorchsGeneratorHeldDeeper, _SeedsPythonThroughABoundMethod,
-                                    _SeedsTorchAfterAProfiler, _SeedsTorchWithTheWatchPaused],
+                                    _SeedsTorchAfterAProfiler, _SeedsTorchWithTheWatchPaused, *_HELD_AS.values()],
                          ids=["torch", "python", "numpy", "python_seed_and_draw", "torch_state", "python_put_back",
                               "python_through_map", "torch_held", "torch_held_deeper", "python_bound_method",
-                              "torch_after_a_profiler", "torch_watch_paused"])
+                              "torch_after_a_profiler", "torch_watch_paused", *_HELD_AS])
 def test_a_chain_that_seeds_a_global_generator_is_seen_as_drawing_and_prepare_leaves_it_alone(member, flow):
     # Regression (helper-221): a chain that reseeds a global generator at each read (its later
     # draws in the forward then repeat from call to call, as stock's) was found not to draw:

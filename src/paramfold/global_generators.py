@@ -16,6 +16,7 @@ what it holds, compared on the probe's copy: :func:`paramfold.held.generators`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import random
@@ -27,16 +28,17 @@ import torch
 from torch import nn
 
 from paramfold.frames import run_module_eagerly_as_frames
-from paramfold.held import _DEPTH, _STANDARD
+from paramfold.held import _DEPTH, _STANDARD, own_dict, slot_values
 from paramfold.state import ONCE_ATTR, STATE_ATTR, installed_keys
 
 
 def holds_global_generator(module: nn.Module) -> bool:
     """Whether a module of ``module`` holds one of torch's default generators, or Python's or
     NumPy's global one, or a method bound to one (``random.seed``), anywhere its plain attributes
-    reach through dicts, lists, tuples, sets, ``functools.partial`` arguments and plain objects'
-    attributes (up to :data:`_DEPTH` levels, and :data:`_LOOKED_AT` items per module: a held
-    vocabulary of a million entries is not walked): a probe runs a deep copy, whose generator is
+    reach (:func:`_held_items`: dicts' keys and values, lists, tuples, sets, deques, ``functools.partial``
+    arguments, objects' attributes and slots, modules held in a list; up to :data:`_DEPTH` levels, and
+    :data:`_LOOKED_AT` items per module: a held vocabulary of a million entries is not walked, and is
+    read after the smaller holders beside it): a probe runs a deep copy, whose generator is
     a copy, so a seed or a draw the chain makes through it would go unseen. No user code runs: an
     object that cannot be looked into without it (a ``__dict__`` property, a dead weak proxy) is
     not followed."""
@@ -55,67 +57,85 @@ _LOOKED_AT = 10_000
 
 
 def _reaches(shared: set[int], values: list) -> bool:
-    """Whether any of ``values``, or what they hold, is one of the objects ``shared`` (by id)."""
+    """Whether any of ``values``, or what they hold, is one of the objects ``shared`` (by id).
+
+    Level by level, each item compared as it is read, and at each level the smaller holders read
+    first: a large one (a vocabulary) spends the budget only once the others were read, whatever
+    order the attributes were set in."""
+    if any(id(v) in shared for v in values):
+        return True
     seen: set[int] = set()
-    stack = [(v, 0) for v in values]
     budget = _LOOKED_AT
-    while stack and budget > 0:
-        value, depth = stack.pop()
-        budget -= 1
-        if id(value) in shared:
-            return True
-        cls = type(value)  # not isinstance: a weak proxy's __class__ raises once its object is gone
-        if cls in _SCALARS or id(value) in seen or depth >= _DEPTH:
-            continue
-        seen.add(id(value))
-        try:
-            items = _held_items(value, cls)
-        except Exception:  # nothing to look into without running its code
-            continue
-        stack.extend((item, depth + 1) for item in itertools.islice(items, budget))
+    level = values
+    for _ in range(_DEPTH):
+        holders = []
+        for value in level:
+            cls = type(value)  # not isinstance: a weak proxy's __class__ raises once its object is gone
+            if id(cls) in _HOLDS_NOTHING or id(value) in seen:
+                continue
+            seen.add(id(value))
+            try:
+                holders.append(_held_items(value, cls))
+            except Exception:  # nothing to look into without running its code
+                continue
+        level = []
+        for _, items in sorted(holders, key=lambda sized: sized[0]):
+            for item in itertools.islice(items, budget):
+                budget -= 1
+                if id(item) in shared:
+                    return True
+                level.append(item)
+            if budget <= 0:
+                return False
     return False
 
 
-#: Types that hold nothing: skipped without a look.
-_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes, torch.Tensor, nn.Parameter, torch.dtype,
-                      torch.device, type})
+#: Types that hold nothing, by id (a class whose metaclass defines ``__eq__`` alone cannot be hashed).
+_HOLDS_NOTHING = frozenset(map(id, (type(None), bool, int, float, complex, str, bytes, torch.Tensor, nn.Parameter,
+                                    torch.dtype, torch.device, type, types.FunctionType, types.BuiltinFunctionType,
+                                    types.ModuleType, torch.Generator)))
 
 
-def _held_items(value: object, cls: type) -> Iterable:
-    """What ``value`` holds, read through the base types' own methods (a subclass's are not run)."""
+def _held_items(value: object, cls: type) -> tuple[int, Iterable]:
+    """How many items ``value`` holds, and an iterator over them, read through the base types' own
+    methods and slots' own descriptors (no code of a subclass's or the holder's runs): a dict's keys
+    and values, a list's, tuple's, set's or deque's items, a ``functools.partial``'s function and
+    arguments, a bound method's object, the instance ``__dict__`` and slots, and of a module held
+    as a plain value (one in a list), its own attributes and submodules."""
     if issubclass(cls, types.MethodType):  # a deep copy binds its copy to a copy of the object
-        return (value.__self__,)
-    if issubclass(cls, (torch.Tensor, nn.Module, types.FunctionType, types.ModuleType, type, torch.Generator)):
-        return ()
+        return 1, (value.__self__,)
+    if issubclass(cls, (torch.Tensor, types.FunctionType, types.ModuleType, type, torch.Generator)):
+        return 0, ()
+    parts: list[Iterable] = []
+    count = 0
     if issubclass(cls, dict):
-        items = dict.values(value)
-    elif issubclass(cls, list):
-        items = list.__iter__(value)
-    elif issubclass(cls, tuple):
-        items = tuple.__iter__(value)
-    elif issubclass(cls, (set, frozenset)):
-        items = (set.__iter__ if issubclass(cls, set) else frozenset.__iter__)(value)
+        count += 2 * dict.__len__(value)
+        parts.append(itertools.chain.from_iterable(dict.items(value)))
+    elif issubclass(cls, (list, tuple, set, frozenset, collections.deque)):
+        base = next(b for b in (list, tuple, set, frozenset, collections.deque) if issubclass(cls, b))
+        count += base.__len__(value)
+        parts.append(base.__iter__(value))
     elif issubclass(cls, functools.partial):
-        items = (value.func, *value.args, *dict.values(value.keywords))
-    else:
-        items = ()
-    attributes = _own_dict(value, cls)
+        args, keywords = vars(functools.partial)["args"], vars(functools.partial)["keywords"]
+        count += 1 + len(args.__get__(value, cls)) + len(keywords.__get__(value, cls))
+        parts.append((vars(functools.partial)["func"].__get__(value, cls), *args.__get__(value, cls),
+                      *dict.values(keywords.__get__(value, cls))))
+    attributes = own_dict(value, cls)
     if type(attributes) is dict:
-        return itertools.chain(items, dict.values(attributes))
-    return items
-
-
-#: How Python keeps an instance's ``__dict__`` (a class's own, or a C type's member): read without user code.
-_PLAIN_DICT_SLOTS = (types.GetSetDescriptorType, types.MemberDescriptorType)
-
-
-def _own_dict(value: object, cls: type) -> object:
-    """``value.__dict__`` where Python keeps it (not a ``__dict__`` a class computes), else None."""
-    for c in cls.__mro__:
-        slot = c.__dict__.get("__dict__")
-        if slot is not None:
-            return slot.__get__(value, cls) if type(slot) in _PLAIN_DICT_SLOTS else None
-    return None
+        if issubclass(cls, nn.Module):  # its submodules, not its parameters' and hooks' bookkeeping
+            modules = attributes.get("_modules")
+            own = [v for k, v in attributes.items() if k not in _STANDARD and k != STATE_ATTR and k != ONCE_ATTR]
+            own += list(dict.values(modules)) if type(modules) is dict else []
+            count += len(own)
+            parts.append(own)
+        else:
+            count += len(attributes)
+            parts.append(dict.values(attributes))
+    slots = slot_values(value, cls)
+    if slots:
+        count += len(slots)
+        parts.append(v for _, v in slots)
+    return count, itertools.chain.from_iterable(parts)
 
 
 def global_generator_states() -> tuple[tuple, NumpyState | None]:
