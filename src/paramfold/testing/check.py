@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,7 +125,7 @@ def assert_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    lr: float = 1e-3,
+    lr: float | torch.Tensor = 1e-3,
 ) -> None:
     """Assert that ``paramfold.prepare(model, mode)`` changes nothing observable, then undo it.
 
@@ -231,12 +232,13 @@ def assert_equivalent(
     """
     if steps < 1:
         raise ValueError(f"assert_equivalent: steps={steps} runs nothing, so nothing would be compared; pass steps=1 or more")
-    if steps > 1 and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+    rate = _rate(lr)
+    if steps > 1 and not (rate is not None and math.isfinite(rate) and rate > 0):
         raise ValueError(
             f"assert_equivalent: lr={lr!r} with steps={steps}: the update between steps moves each original by "
-            "-lr times its gradient, so an lr that is not a finite number above 0 leaves the originals that have "
-            "a gradient as they were (or makes them inf/NaN), and a stale hoisted or frozen value would pass: "
-            "pass lr > 0 (the default is 1e-3)"
+            "-lr times its gradient, so an lr that is not a finite real number above 0 (a Python or NumPy number, "
+            "or a tensor of one element) leaves the originals that have a gradient as they were (or makes them "
+            "inf/NaN), and a stale hoisted or frozen value would pass: pass lr > 0 (the default is 1e-3)"
         )
     if isinstance(inputs, torch.Tensor):
         args: _Args = ((inputs,), dict(kwargs or {}))
@@ -255,7 +257,7 @@ def assert_equivalent(
     entry_rng = rng_state()
     entry_settings = settings_now()
     try:
-        _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, lr)
+        _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, 1e-3 if rate is None else rate)
     except AssertionError as exc:
         # Every failure names what was checked (one place for all messages).
         how = "eager" if compile is None else f"compiled, backend={compile.get('backend', 'inductor')!r}"
@@ -264,6 +266,21 @@ def assert_equivalent(
     finally:
         set_rng_state(entry_rng)
         set_settings(entry_settings)
+
+
+def _rate(lr: Any) -> float | None:
+    """``lr`` as a Python float: a real number (``numbers.Real``: int, float, a NumPy scalar) or a
+    real tensor of one element (``torch.tensor(1e-3)``, a scheduler's); None for anything else."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.is_complex() or lr.is_meta:
+            return None
+        return float(lr.detach())
+    if isinstance(lr, numbers.Real):
+        try:
+            return float(lr)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return None
 
 
 #: Positional and keyword arguments of one call.
