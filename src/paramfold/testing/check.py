@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ from paramfold.testing.compare import (
 )
 from paramfold.testing.generators import compare_rng, rng_state, set_rng_state
 from paramfold.testing.left_as_stock import (
+    StockChanges,
     compare_copy_on_write,
     compare_excluded,
     compare_global_hooks,
@@ -59,7 +61,6 @@ from paramfold.testing.left_as_stock import (
     excluded_modules,
     global_hook_keys,
     memory_of,
-    moved_by_stock,
     set_settings,
     settings_now,
 )
@@ -72,7 +73,7 @@ from paramfold.testing.resummed import (
     tied_originals,
 )
 from paramfold.testing.walks import hook_norms, parametrized
-from paramfold.testing.structure import assert_same_structure, structure, with_changes_by_stock
+from paramfold.testing.structure import assert_same_structure, structure
 
 __all__ = ["COMPILE_TOLERANCES", "assert_equivalent", "grad_mode"]
 
@@ -124,7 +125,7 @@ def assert_equivalent(
     atol: float | None = None,
     rtol: float | None = None,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    lr: float = 1e-3,
+    lr: float | torch.Tensor = 1e-3,
 ) -> None:
     """Assert that ``paramfold.prepare(model, mode)`` changes nothing observable, then undo it.
 
@@ -181,22 +182,30 @@ def assert_equivalent(
     its structure from before ``prepare`` (classes, module, parametrization and ``Parameter``
     objects, ``__dict__`` keys, hooks, training flags and plain attribute values, the memory of
     every parameter and buffer (address, storage offset, strides), bar what stock's
-    own calls changed too, as transformers' ``_output_capturing_hooks_installed`` and the hooks
-    it registers), stock's parameter and buffer values (persistent or not), gradients where
+    own calls changed too, read from stock running the same steps and applied by name, as
+    transformers' ``_output_capturing_hooks_installed`` and the hooks it registers, a buffer a
+    forward reassigns (``self.ema = 0.9 * self.ema + ...``, a step counter) or a buffer or
+    parameter it registers at its first call: the prepared copy's own objects there), stock's parameter and buffer values (persistent or not), gradients where
     stock has them and bitwise as they were before ``restore``, no tensor copy-on-write where
     stock's is not, and must still compute the stock outputs. Neither ``prepare`` nor ``restore``
     may add or remove a global module hook (``torch.nn.modules.module``'s process-wide dicts).
     While prepared (after ``prepare`` and after the last step) and after ``restore``, every
     parameter and buffer must be in the memory it had (address, storage offset, strides; a tensor
-    subclass by its inner tensors; not compared where none can be read, on the meta device), and
-    ``named_parameters()``/``named_buffers()`` give stock's names in stock's order. A parametrized
-    module ``filter_fn`` leaves out keeps, while prepared, stock's class (above a module of its
+    subclass by its inner tensors; not compared where none can be read, on the meta device, nor
+    where stock's own calls moved, replaced or added it), and
+    ``named_parameters()``/``named_buffers()`` give stock's names in stock's order (those stock's
+    calls registered too). A module ``filter_fn`` leaves out, parametrized or with a hook-based
+    ``weight_norm``/``spectral_norm``, keeps, while prepared, stock's class (above a module of its
     own, a class made from stock's, as prepare makes for the modules whose calls serve those
-    below), its parametrizations, its properties and, where it holds no module, its ``__dict__``
-    keys. ``prepare``, ``restore`` and each prepared run must leave the process-wide settings
-    (default dtype, grad and inference mode, deterministic algorithms and their ``warn_only``,
-    float32 matmul precision, anomaly mode, autocast) as stock's run leaves them; the check sets
-    them back when it ends. A read outside forward that differs is first tried on two copies of
+    below), its parametrizations and hook-based norms, its properties and, where it holds no
+    module, its ``__dict__`` keys (bar those stock's own calls change). ``prepare``, ``restore``
+    and each prepared run must leave the process-wide settings (default dtype, grad and inference
+    mode, deterministic algorithms and their ``warn_only``, float32 matmul precision, anomaly
+    mode, autocast, the device ``torch.set_default_device`` set, ``torch.compiler.set_stance``'s
+    stance, the ``TorchFunctionMode`` and ``TorchDispatchMode`` stacks, ``sys.getprofile()`` and
+    ``sys.gettrace()``) as stock's run leaves them; every run of a step starts from the settings
+    stock's run started from (a forward may flip one at each call), the step ends where stock's
+    run left them, and the check sets them back when it ends, pass or fail. A read outside forward that differs is first tried on two copies of
     stock: a chain that reads a global counter fails saying the model is not reproducible.
     An exception of the stock copy's own run gets a note saying so (Python >= 3.11). Every
     failure message starts with the mode and whether the check ran eagerly or compiled
@@ -219,8 +228,8 @@ def assert_equivalent(
             the prepared run left in another state; or saying that stock does not reproduce itself.
         TypeError: for an output object it cannot walk or compare (no attributes, no ``==``).
         ValueError: for a model or inputs on the meta device (no values to compare), ``steps < 1``,
-            or, with ``steps > 1``, an ``lr`` that is not a finite number above 0 (no update: stale
-            values would pass).
+            or, with ``steps > 1``, an ``lr`` that is not a finite real number above 0 (no update:
+            stale values would pass; a Python or NumPy number, or a tensor of one element).
 
     Example::
 
@@ -231,12 +240,13 @@ def assert_equivalent(
     """
     if steps < 1:
         raise ValueError(f"assert_equivalent: steps={steps} runs nothing, so nothing would be compared; pass steps=1 or more")
-    if steps > 1 and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+    rate = _rate(lr)
+    if steps > 1 and not (rate is not None and math.isfinite(rate) and rate > 0):
         raise ValueError(
             f"assert_equivalent: lr={lr!r} with steps={steps}: the update between steps moves each original by "
-            "-lr times its gradient, so an lr that is not a finite number above 0 leaves the originals that have "
-            "a gradient as they were (or makes them inf/NaN), and a stale hoisted or frozen value would pass: "
-            "pass lr > 0 (the default is 1e-3)"
+            "-lr times its gradient, so an lr that is not a finite real number above 0 (a Python or NumPy number, "
+            "or a tensor of one element) leaves the originals that have a gradient as they were (or makes them "
+            "inf/NaN), and a stale hoisted or frozen value would pass: pass lr > 0 (the default is 1e-3)"
         )
     if isinstance(inputs, torch.Tensor):
         args: _Args = ((inputs,), dict(kwargs or {}))
@@ -255,7 +265,7 @@ def assert_equivalent(
     entry_rng = rng_state()
     entry_settings = settings_now()
     try:
-        _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, lr)
+        _assert_equivalent(model, args, mode, steps, compile, atol, rtol, filter_fn, 1e-3 if rate is None else rate)
     except AssertionError as exc:
         # Every failure names what was checked (one place for all messages).
         how = "eager" if compile is None else f"compiled, backend={compile.get('backend', 'inductor')!r}"
@@ -264,6 +274,21 @@ def assert_equivalent(
     finally:
         set_rng_state(entry_rng)
         set_settings(entry_settings)
+
+
+def _rate(lr: Any) -> float | None:
+    """``lr`` as a Python float: a real number (``numbers.Real``: int, float, a NumPy scalar) or a
+    real tensor of one element (``torch.tensor(1e-3)``, a scheduler's); None for anything else."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.is_complex() or lr.is_meta:
+            return None
+        return float(lr.detach())
+    if isinstance(lr, numbers.Real):
+        try:
+            return float(lr)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    return None
 
 
 #: Positional and keyword arguments of one call.
@@ -286,16 +311,18 @@ def _assert_equivalent(
         for param in copy_.parameters():
             param.grad = None
     before = structure(candidate, values=False)
-    stock_before = structure(stock, values=False)
+    # What stock's own calls change (a buffer a forward reassigns, one it registers at its first
+    # call, a hook, an attribute) is read from stock, the same steps run the same way.
+    by_stock = StockChanges(stock)
 
     hooks_before = global_hook_keys()
-    memory_before, stock_memory = memory_of(candidate), memory_of(stock)
+    memory_before = memory_of(candidate)
     excluded = excluded_modules(candidate, filter_fn)
     settings = settings_now()
     paramfold.prepare(candidate, mode, filter_fn=filter_fn)
     compare_settings(settings, settings, settings, settings_now(), " by paramfold.prepare")
     compare_global_hooks(hooks_before, " by paramfold.prepare")
-    compare_memory(" after prepare", memory_before, memory_of(candidate), {})
+    compare_memory(" after prepare", memory_before, memory_of(candidate))
     compare_excluded(" after prepare", excluded)
     run: Callable[..., Any] = candidate
     factor = 0.0
@@ -338,9 +365,11 @@ def _assert_equivalent(
         # compiled: a compiled step that does not match eager stock is held to stock compiled
         # the same way from the same state, and the check goes on from that stock's state.
         at_start = _copy_or_none(stock) if compile is not None else None
-        # Every run of a step draws the same random numbers (dropout), from where stock's began.
+        fork = by_stock.fork(stock, at_start) if at_start is not None else None
+        # Every run of a step draws the same random numbers (dropout), from where stock's began,
+        # under the same process-wide settings (a forward may change one at each call).
         rng = rng_state()
-        stock_settings = settings_now()
+        start = settings_now()
         with calls(stock) as counts:
             try:
                 expected = _step(stock, args, None)
@@ -350,9 +379,10 @@ def _assert_equivalent(
                                  "the model not prepared: the model or its inputs fail without paramfold)")
                 raise
         after = rng_state()
-        stock_settings = (stock_settings, settings_now())
+        stock_left = settings_now()
         if twin is not None:
             set_rng_state(rng)
+            set_settings(start)
             _check_reproducible(_step(twin, args, False).outputs, expected.outputs, Tolerance(rtol or 0.0, atol or 0.0))
             twin = None
         twice = {path for path, n in counts.items() if n > 1}
@@ -362,12 +392,13 @@ def _assert_equivalent(
             cached = spare
         backward = expected.backward
         set_rng_state(rng)
-        settings = settings_now()
+        set_settings(start)
         actual = _step(run, args, backward, at)
         left = rng_state()
-        compare_settings(*stock_settings, settings, settings_now(), f" by the prepared run{at or ' 1'}")
+        compare_settings(start, stock_left, start, settings_now(), f" by the prepared run{at or ' 1'}")
         if cached is not None:
             set_rng_state(rng)
+            set_settings(start)
             with once_per_forward(cached):
                 _step(cached, args, backward)
         # Gradients that may differ from both references by the rounding of their summed terms:
@@ -379,6 +410,7 @@ def _assert_equivalent(
             if at_start is None:
                 raise
             set_rng_state(rng)
+            set_settings(start)
             reference = _step(torch.compile(at_start, **compile), args, backward)
             reference_left = rng_state()
             try:
@@ -387,13 +419,14 @@ def _assert_equivalent(
                 )
             except AssertionError:
                 raise AssertionError(f"{exc}, and from stock compiled the same way") from None
-            stock, after = at_start, reference_left
+            stock, after, stock_left = at_start, reference_left, settings_now()
+            by_stock.switch(fork)
         compare_rng(left, after, at)
         set_rng_state(after)
+        set_settings(stock_left)  # where stock's run left them, as the generators
     _reads(candidate, stock, f" after step {steps}", tol, (), rtol, atol)
-    compare_memory(f" after step {steps}", memory_before, memory_of(candidate),
-                   moved_by_stock(stock_memory, memory_of(stock)))
-    compare_excluded(f" after step {steps}", excluded)
+    compare_memory(f" after step {steps}", by_stock.memory(memory_before), memory_of(candidate))
+    compare_excluded(f" after step {steps}", excluded, by_stock.structure(before))
 
     grads_before = {id(p): None if p.grad is None else p.grad.clone() for p in candidate.parameters()}
     hooks_before = global_hook_keys()
@@ -402,7 +435,7 @@ def _assert_equivalent(
     try:
         compare_settings(settings, settings, settings, settings_now(), " by paramfold.restore")
         compare_global_hooks(hooks_before, " by paramfold.restore")
-        expected_structure = with_changes_by_stock(before, stock_before, structure(stock, values=False))
+        expected_structure = by_stock.structure(before)
         assert_same_structure(expected_structure, structure(candidate, values=False))
         # Values (persistent or not) are held to stock's, as each step held them.
         params = dict(candidate.named_parameters(remove_duplicate=False))

@@ -42,7 +42,7 @@ class Structure:
 
 #: ``__dict__`` entries that are not paramfold's business: ``torch.compile(module)`` marks the
 #: module it wraps.
-_IGNORED_KEYS = frozenset({"_is_torch_compile"})
+IGNORED_KEYS = frozenset({"_is_torch_compile"})
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
@@ -109,11 +109,11 @@ def structure(model: nn.Module, *, values: bool = True) -> Structure:
     for path, module in model.named_modules(remove_duplicate=False):
         params = tuple((n, id(p), p is not None and p.requires_grad) for n, p in module._parameters.items())
         buffers = tuple((n, id(b)) for n, b in module._buffers.items())
-        keys = tuple(sorted(k for k in module.__dict__ if k not in _IGNORED_KEYS))
+        keys = tuple(sorted(k for k in module.__dict__ if k not in IGNORED_KEYS))
         plain = tuple(
             (k, frozenset(v) if isinstance(v, set) else v)
             for k, v in sorted(module.__dict__.items())
-            if k not in _IGNORED_KEYS and _is_plain(v)
+            if k not in IGNORED_KEYS and _is_plain(v)
         )
         storage = tuple(
             (kind, n, storage_key(t))
@@ -213,22 +213,48 @@ def with_changes_by_stock(before: Structure, stock_before: Structure, stock_afte
     prepared copy's calls change it too, which is no difference from stock: ``__dict__`` keys
     added or deleted (transformers marks a model ``_output_capturing_hooks_installed`` when it
     first runs with ``output_hidden_states``, and registers hooks then), hooks registered or
-    removed, and plain attributes' values (those are stock's, as stock has them now)."""
+    removed, plain attributes' values (those are stock's, as stock has them now), parameters and
+    buffers registered, deleted or replaced (a forward that keeps an EMA as ``self.ema = 0.9 *
+    self.ema + ...``, a step counter, a cache registered at the first call: the prepared copy's
+    calls make objects of their own, which match any object there) and the memory stock's calls
+    moved (:func:`changed_by_stock`). What stock changed is read from stock's two snapshots alone
+    and applied to ``before`` by (kind, name): the two copies' objects and addresses always differ.
+    ``before`` may itself be such a result (the check may go on from another copy of stock)."""
     old = {row[0]: row for row in stock_before.modules}
     new = {row[0]: row for row in stock_after.modules}
     rows = []
     for row in before.modules:
-        path, keys, hooks, plain, memory = row[0], set(row[3]), row[6], row[7], row[8]
+        path, keys, params, buffers, hooks, plain, memory = row[0], set(row[3]), *row[4:9]
         if path in old and path in new:
             keys = (keys | (set(new[path][3]) - set(old[path][3]))) - (set(old[path][3]) - set(new[path][3]))
+            params = changed_by_stock(params, old[path][4], new[path][4], 0, _ANY_OBJECT)
+            buffers = changed_by_stock(buffers, old[path][5], new[path][5], 0, _ANY_OBJECT)
             hooks = _hooks_changed_by_stock(hooks, dict(old[path][6]), dict(new[path][6]))
             plain = new[path][7]
-            # A tensor stock's own calls moved to other memory moves in the prepared copy too,
-            # elsewhere: not compared (None).
-            moved = set(old[path][8]) - set(new[path][8]) if old[path][1] == new[path][1] else set()
-            memory = tuple((kind, name, None if (kind, name, key) in moved else key) for kind, name, key in memory)
-        rows.append((*row[:3], tuple(sorted(keys)), *row[4:6], hooks, plain, memory))
+            memory = changed_by_stock(memory, old[path][8], new[path][8], 1, None)
+        rows.append((*row[:3], tuple(sorted(keys)), params, buffers, hooks, plain, memory))
     return Structure(tuple(rows), before.state)
+
+
+def changed_by_stock(entries: Any, stock_before: Any, stock_after: Any, name_at: int, unknown: Any) -> Any:
+    """``entries`` (rows ``(..., name, what, *rest)`` of the prepared copy: a parameter's
+    ``(name, id, requires_grad)``, a memory row's ``(kind, name, storage key)``), with what stock's
+    calls changed between its rows ``stock_before`` and ``stock_after``: stock's names now, in its
+    order, each with the prepared copy's ``what`` where stock's stayed the same, else ``unknown``
+    (an object or memory stock's calls replaced, moved or added: the prepared copy's calls make
+    their own), and stock's ``rest`` now. Unchanged by stock, ``entries`` as they are. The same
+    for objects, names and memory (:func:`paramfold.testing.left_as_stock.compare_memory` too)."""
+    if list(stock_before) == list(stock_after):
+        return entries
+    key = slice(0, name_at + 1)
+    was = {tuple(e[key]): e[name_at + 1] for e in stock_before}
+    mine = {tuple(e[key]): e[name_at + 1] for e in entries}
+    result = []
+    for e in stock_after:
+        name = tuple(e[key])
+        same = name in was and was[name] == e[name_at + 1] and name in mine
+        result.append((*name, mine[name] if same else unknown, *e[name_at + 2:]))
+    return type(entries)(result)
 
 
 def _hooks_changed_by_stock(hooks: tuple, old: dict[str, tuple], new: dict[str, tuple]) -> tuple:
@@ -239,15 +265,22 @@ def _hooks_changed_by_stock(hooks: tuple, old: dict[str, tuple], new: dict[str, 
     for name, items in hooks:
         was, now = dict(old.get(name, ())), dict(new.get(name, ()))
         if list(was.items()) != list(now.items()):
-            items = tuple((key, hook) for key, hook in items if key in now or key not in was) + tuple(
+            # (an entry an earlier stretch of stock left as any handle id stays)
+            items = tuple((key, hook) for key, hook in items
+                          if not isinstance(key, int) or key in now or key not in was) + tuple(
                 (_ANY_HANDLE, _LikeStocks(hook)) for key, hook in now.items() if key not in was
             )
         result.append((name, items))
     return tuple(result)
 
 
-class _AnyHandle:
-    """Equal to any handle id: the one the prepared copy's call registered a hook under."""
+class _AnyInt:
+    """Equal to any int: the handle id the prepared copy's call registered a hook under
+    (:data:`_ANY_HANDLE`), the id of an object its call registered or replaced where stock's
+    did (:data:`_ANY_OBJECT`)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, int)
@@ -255,10 +288,11 @@ class _AnyHandle:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return "(a handle id)"
+        return self.what
 
 
-_ANY_HANDLE = _AnyHandle()
+_ANY_HANDLE = _AnyInt("(a handle id)")
+_ANY_OBJECT = _AnyInt("(any object, as stock's calls replaced or added theirs)")
 
 
 class _LikeStocks:
