@@ -573,10 +573,12 @@ def _refuse_script(self: nn.Module) -> None:
     descriptors and call scope are not TorchScript; TorchScript's error named a try block)."""
     raise FoldError(
         f"torch.jit.script cannot compile a model prepared by paramfold (met {type(self).__name__}): its "
-        "classes serve torch.compile, and TorchScript does not run parametrizations anyway (a scripted "
-        "stock model raises 'Parametrization is not working with scripting' when called). Script "
-        "paramfold.export.folded_copy(model), a plain copy holding each tensor's value, for inference, "
-        "or use torch.jit.trace / paramfold.export."
+        "classes serve torch.compile, and TorchScript does not run parametrizations (a scripted stock "
+        "model raises 'Parametrization is not working with scripting' when called, unless the model "
+        "removes them itself in __prepare_scriptable__, as torchaudio's wav2vec2 does). For inference, "
+        "script a plain copy holding each tensor's value: from paramfold.export import folded_copy; "
+        "torch.jit.script(folded_copy(model)); or script the model as stock does after "
+        "paramfold.restore(model); or use torch.jit.trace / paramfold.export."
     )
 
 
