@@ -185,7 +185,8 @@ def assert_equivalent(
     own calls changed too, read from stock running the same steps and applied by name, as
     transformers' ``_output_capturing_hooks_installed`` and the hooks it registers, a buffer a
     forward reassigns (``self.ema = 0.9 * self.ema + ...``, a step counter) or a buffer or
-    parameter it registers at its first call: the prepared copy's own objects there), stock's parameter and buffer values (persistent or not), gradients where
+    parameter it registers at its first call, a submodule it registers, replaces or deletes (a head or
+    cache module built at the first call), matched by path: the prepared copy's own objects there), stock's parameter and buffer values (persistent or not), gradients where
     stock has them and bitwise as they were before ``restore``, no tensor copy-on-write where
     stock's is not, and must still compute the stock outputs. Neither ``prepare`` nor ``restore``
     may add or remove a global module hook (``torch.nn.modules.module``'s process-wide dicts).
