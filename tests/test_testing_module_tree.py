@@ -8,7 +8,9 @@ does so in stock too, yet the restored copy was held to its module tree from bef
 ("module count changed", "module object changed"; helper-247's probe). What stock's calls do to
 the tree is now excused by path, as stock's buffers and parameters are by name
 (:func:`paramfold.testing.structure.with_changes_by_stock`); a module a broken prepare or restore
-adds, drops or replaces is still found. Each test here failed before the fix (``git log`` of this
+adds, drops or replaces is still found. A model with torch's lazy modules not yet run (no values
+to compare) is refused with advice that works, instead of torch's "Attempted to use an
+uninitialized parameter" from inside the check. Each test here failed before the fix (``git log`` of this
 file), bar those marked as guarding the fix.
 """
 
@@ -192,3 +194,52 @@ def test_a_module_paramfold_adds_drops_or_replaces_is_still_found_beside_those_s
     monkeypatch.setattr(paramfold, when, broken)
     with pytest.raises(AssertionError, match=message):
         pt.assert_equivalent(_model(_LazyHead, "hoist"), torch.randn(4, 8), "hoist", steps=2)
+
+
+# torch's lazy modules: UninitializedParameter/UninitializedBuffer until the first call, which
+# also turns the module into its plain class. Before the first call there are no values to
+# compare, so the check refuses the model with the advice to run it once; run once, it is checked
+# like any other (a parametrization registered after that too).
+
+_LAZY = {
+    "LazyLinear": (lambda: nn.Sequential(nn.LazyLinear(8), nn.Tanh(), PZ.weight_norm(nn.Linear(8, 8))),
+                   lambda: torch.randn(4, 5)),
+    "LazyConv1d": (lambda: nn.Sequential(nn.LazyConv1d(8, 3), nn.Tanh(), PZ.weight_norm(nn.Conv1d(8, 8, 1))),
+                   lambda: torch.randn(2, 5, 9)),
+    "LazyBatchNorm1d (buffers)": (lambda: nn.Sequential(PZ.weight_norm(nn.Linear(5, 8)), nn.LazyBatchNorm1d()),
+                                  lambda: torch.randn(4, 5)),
+    "LazyLinear alone": (lambda: nn.Sequential(nn.LazyLinear(8)), lambda: torch.randn(4, 5)),
+}
+
+
+@pytest.mark.parametrize("lazy", list(_LAZY))
+def test_a_model_with_uninitialized_lazy_parameters_is_refused_with_advice_that_works(lazy):
+    # Raised torch's own "Attempted to use an uninitialized parameter in <method 'detach'>" from
+    # inside the check's comparison after prepare, naming nothing of the check.
+    build, inputs = _LAZY[lazy]
+    torch.manual_seed(0)
+    model, x = build(), inputs()
+    with pytest.raises(ValueError, match=r"assert_equivalent: \d+ tensors? of the model \('[\w.]+'.*\) (is|are) "
+                                         r"uninitialized .*run the model once first"):
+        pt.assert_equivalent(model, x, "hoist", steps=2)
+    with torch.no_grad():  # the advice, as spelled
+        model(x)
+    pt.assert_equivalent(model, x, "hoist", steps=2)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lazy", ["LazyLinear alone", "LazyConv1d"])
+def test_a_lazy_module_parametrized_after_its_first_call_is_checked_like_any_other(lazy, mode, compiled):
+    # Guards the refusal: a materialised lazy module (now its plain class) with a parametrization
+    # registered after materialisation is checked, and passes.
+    build, inputs = _LAZY[lazy]
+    torch.manual_seed(0)
+    model, x = build(), inputs()
+    with torch.no_grad():
+        model(x)
+    PZ.weight_norm(model[0])
+    if mode == "freeze":
+        model.eval().requires_grad_(False)
+    with torch.set_grad_enabled(mode != "freeze"):
+        pt.assert_equivalent(model, x, mode, steps=3, compile={"backend": "eager"} if compiled else None)
