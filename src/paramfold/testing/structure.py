@@ -236,10 +236,16 @@ def with_changes_by_stock(before: Structure, stock_before: Structure, stock_afte
         # Stock's tree now: a path whose module stock's calls kept is before's; one they
         # registered or replaced is like stock's; one they deleted is gone.
         tree = [path for path in new] + [path for path in mine if path not in old]
+    # (a module stock's calls put at a path that stock held at another: the copy's from there)
+    was_at = {row[1]: row[0] for row in reversed(stock_before.modules)}
     rows = []
     for path in tree:
         if path in old and path in new and old[path][1] != new[path][1] or path not in mine:
-            rows.append(_like_stocks_row(new[path]))
+            row = _like_stocks_row(new[path])
+            moved = was_at.get(new[path][1])
+            if moved in mine:
+                row = (row[0], mine[moved][1], *row[2:])
+            rows.append(row)
             continue
         row = mine[path]
         cls, keys, params, buffers, hooks, plain, memory = row[2], set(row[3]), *row[4:9]
