@@ -826,3 +826,37 @@ def test_a_member_appended_to_a_chain_for_one_nested_call_is_applied(mode, kind,
             actual.sum().backward()
             assert_same_tensors(grads(stock), grads(ours), step)
     assert_same_tensors(dict(stock.state_dict()), dict(ours.state_dict()))
+
+
+class _SteadyRoot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = weight_norm(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _WarmupRoot(_SteadyRoot):
+    """Becomes a :class:`_SteadyRoot` at its first call, as torch's lazy modules become their plain class."""
+
+    def forward(self, x):
+        self.__class__ = _SteadyRoot
+        return x + self.lin(x)
+
+
+@pytest.mark.parametrize("mode", ["hoist", "inline", "freeze", "auto"])
+def test_restore_keeps_the_class_a_forward_gave_its_module_while_prepared(mode):
+    # restore put the class from before prepare back over the one the forward gave itself (a
+    # _WarmupRoot again, whose next call adds x; stock's is a _SteadyRoot); helper-248.
+    torch.manual_seed(0)
+    stock = _inference(_WarmupRoot()) if mode == "freeze" else _WarmupRoot()
+    model = copy.deepcopy(stock)
+    x = torch.randn(2, 4)
+    paramfold.prepare(model, mode)
+    with torch.set_grad_enabled(mode != "freeze"):
+        assert_same_tensors({"out": stock(x)}, {"out": model(x)})
+    paramfold.restore(model)
+    assert type(model) is type(stock) is _SteadyRoot
+    with torch.no_grad():
+        assert_same_tensors({"out": stock(x)}, {"out": model(x)})

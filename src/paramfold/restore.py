@@ -136,12 +136,17 @@ def restore_module(module: nn.Module) -> None:
     made = next((c for c in cls.__mro__ if c.__bases__ == (under,) and _made_by_parametrize(c)), None)
     if under is plain:
         return  # the plain class, and what torch made over it since: stock's own classes
+    if under is None:
+        # A class none of paramfold's nor made from the module's own: the model gave it one since
+        # prepare (a forward that assigns ``self.__class__`` at its first call, as torch's lazy
+        # modules do), as it does in stock: it stays.
+        return
     if made is not None:
         # Stock's is made over the plain class (so it copies with parametrize's default_deepcopy
         # where the plain class has no __deepcopy__, as paramfold's classes have).
         module.__class__ = rebased(cls, made, _new_stock_class(module, plain))
         return
-    module.__class__ = original if under is None else rebased(cls, under, original)
+    module.__class__ = rebased(cls, under, original)
     _stock_class_for_now(module, state.stock_names)
 
 

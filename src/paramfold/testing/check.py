@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import paramfold
+from paramfold.errors import counted
 from paramfold.testing.between_steps import update
 from paramfold.testing.compare import (
     BITWISE,
@@ -185,7 +187,8 @@ def assert_equivalent(
     own calls changed too, read from stock running the same steps and applied by name, as
     transformers' ``_output_capturing_hooks_installed`` and the hooks it registers, a buffer a
     forward reassigns (``self.ema = 0.9 * self.ema + ...``, a step counter) or a buffer or
-    parameter it registers at its first call: the prepared copy's own objects there), stock's parameter and buffer values (persistent or not), gradients where
+    parameter it registers at its first call, a submodule it registers, replaces or deletes (a head or
+    cache module built at the first call), matched by path: the prepared copy's own objects there), stock's parameter and buffer values (persistent or not), gradients where
     stock has them and bitwise as they were before ``restore``, no tensor copy-on-write where
     stock's is not, and must still compute the stock outputs. Neither ``prepare`` nor ``restore``
     may add or remove a global module hook (``torch.nn.modules.module``'s process-wide dicts).
@@ -227,7 +230,9 @@ def assert_equivalent(
         AssertionError: naming the first tensor that differs, and the step; or the generator
             the prepared run left in another state; or saying that stock does not reproduce itself.
         TypeError: for an output object it cannot walk or compare (no attributes, no ``==``).
-        ValueError: for a model or inputs on the meta device (no values to compare), ``steps < 1``,
+        ValueError: for a model or inputs on the meta device (no values to compare), a model with
+            uninitialized parameters or buffers (torch's ``nn.LazyLinear`` and other lazy modules before
+            their first call: run it once first), ``steps < 1``,
             or, with ``steps > 1``, an ``lr`` that is not a finite real number above 0 (no update:
             stale values would pass; a Python or NumPy number, or a tensor of one element).
 
@@ -254,6 +259,16 @@ def assert_equivalent(
         args = ((), {**inputs, **(kwargs or {})})
     else:
         args = (tuple(inputs), dict(kwargs or {}))
+    lazy = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if is_lazy(t)]
+    if lazy:
+        # (no values to compare before prepare, nor after: stock's first call makes them)
+        raise ValueError(
+            f"assert_equivalent: {counted(len(lazy), 'tensor')} of the model ({', '.join(map(repr, lazy[:3]))}"
+            f"{', ...' if len(lazy) > 3 else ''}) {'is' if len(lazy) == 1 else 'are'} uninitialized (torch.nn's Lazy "
+            "modules), with no values to "
+            "compare until a first call materialises them; run the model once first (with torch.no_grad(): "
+            "model(inputs)) and check the materialised model"
+        )
     meta = [t for t in (*model.parameters(), *model.buffers(), *_tensors_in(args)) if t.is_meta]
     if meta:
         raise ValueError(

@@ -11,6 +11,7 @@ copy to its snapshot from before ``prepare`` with what stock's own calls changed
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -216,24 +217,66 @@ def with_changes_by_stock(before: Structure, stock_before: Structure, stock_afte
     removed, plain attributes' values (those are stock's, as stock has them now), parameters and
     buffers registered, deleted or replaced (a forward that keeps an EMA as ``self.ema = 0.9 *
     self.ema + ...``, a step counter, a cache registered at the first call: the prepared copy's
-    calls make objects of their own, which match any object there) and the memory stock's calls
-    moved (:func:`changed_by_stock`). What stock changed is read from stock's two snapshots alone
-    and applied to ``before`` by (kind, name): the two copies' objects and addresses always differ.
-    ``before`` may itself be such a result (the check may go on from another copy of stock)."""
+    calls make objects of their own, which match any object there), the memory stock's calls
+    moved (:func:`changed_by_stock`), a module's class stock's calls changed (its own forward
+    assigning ``__class__``) and submodules stock's calls registered, replaced or deleted (``if not
+    hasattr(self, "head"): self.head = nn.Linear(...)``, a cache module built at the first call:
+    the module tree is stock's now, in its order, and such a module is one like stock's,
+    :func:`_like_stocks_row`). What stock changed is read from stock's two snapshots alone and
+    applied to ``before`` by (kind, name) and by path: the two copies' objects and addresses always
+    differ. A module of ``before`` at a path stock did not have is kept, never excused. ``before``
+    may itself be such a result (the check may go on from another copy of stock)."""
     old = {row[0]: row for row in stock_before.modules}
     new = {row[0]: row for row in stock_after.modules}
+    mine = {row[0]: row for row in before.modules}
+    if [row[:2] for row in stock_before.modules] == [row[:2] for row in stock_after.modules]:
+        # (the same module objects at the same paths: the tree is before's, in its order)
+        tree = [row[0] for row in before.modules]
+    else:
+        # Stock's tree now: a path whose module stock's calls kept is before's; one they
+        # registered or replaced is like stock's; one they deleted is gone.
+        tree = [path for path in new] + [path for path in mine if path not in old]
+    # (a module stock's calls put at a path that stock held at another: the copy's from there)
+    was_at = {row[1]: row[0] for row in reversed(stock_before.modules)}
     rows = []
-    for row in before.modules:
-        path, keys, params, buffers, hooks, plain, memory = row[0], set(row[3]), *row[4:9]
+    for path in tree:
+        if path in old and path in new and old[path][1] != new[path][1] or path not in mine:
+            row = _like_stocks_row(new[path])
+            moved = was_at.get(new[path][1])
+            if moved in mine:
+                row = (row[0], mine[moved][1], *row[2:])
+            rows.append(row)
+            continue
+        row = mine[path]
+        cls, keys, params, buffers, hooks, plain, memory = row[2], set(row[3]), *row[4:9]
         if path in old and path in new:
+            if old[path][2] is not new[path][2]:
+                cls = _LikeStocksClass(new[path][2])
             keys = (keys | (set(new[path][3]) - set(old[path][3]))) - (set(old[path][3]) - set(new[path][3]))
             params = changed_by_stock(params, old[path][4], new[path][4], 0, _ANY_OBJECT)
             buffers = changed_by_stock(buffers, old[path][5], new[path][5], 0, _ANY_OBJECT)
             hooks = _hooks_changed_by_stock(hooks, dict(old[path][6]), dict(new[path][6]))
             plain = new[path][7]
             memory = changed_by_stock(memory, old[path][8], new[path][8], 1, None)
-        rows.append((*row[:3], tuple(sorted(keys)), params, buffers, hooks, plain, memory))
+        rows.append((*row[:2], cls, tuple(sorted(keys)), params, buffers, hooks, plain, memory))
     return Structure(tuple(rows), before.state)
+
+
+def _like_stocks_row(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A module stock's calls registered or replaced at ``row``'s path (stock's :func:`structure`
+    row of it), as the prepared copy's calls register theirs: any object, of stock's class
+    (:class:`_LikeStocksClass`), with stock's ``__dict__`` keys, parameter and buffer names (any
+    objects, stock's ``requires_grad``), hooks (any handle ids, like stock's) and plain
+    attributes; its memory is not compared (the copy's own)."""
+    path, _, cls, keys, params, buffers, hooks, plain, memory = row
+    return (
+        path, _ANY_OBJECT, _LikeStocksClass(cls), keys,
+        tuple((n, _ANY_OBJECT, grad) for n, _, grad in params),
+        tuple((n, _ANY_OBJECT) for n, _ in buffers),
+        tuple((name, tuple((_ANY_HANDLE, _LikeStocks(hook)) for _, hook in items)) for name, items in hooks),
+        plain,
+        tuple((kind, n, None) for kind, n, _ in memory),
+    )
 
 
 def changed_by_stock(entries: Any, stock_before: Any, stock_after: Any, name_at: int, unknown: Any) -> Any:
@@ -306,6 +349,35 @@ class _LikeStocks:
         return _hook_kind(other) == _hook_kind(self.hook)
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class _LikeStocksClass:
+    """Equal to the class stock's call gave a module (``cls``); where ``cls`` was made at run time
+    (not reachable by its module and name: torch's ``parametrize`` makes one per parametrized
+    module), also to a class of the same module, name and bases, which the prepared copy's call
+    made likewise."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.__module__ = cls.__module__
+        self.__qualname__ = f"{cls.__qualname__} (as stock's calls made it)"
+
+    def __eq__(self, other: object) -> bool:
+        if other is self.cls:
+            return True
+        cls = self.cls
+        return (isinstance(other, type) and not _importable(cls) and other.__module__ == cls.__module__
+                and other.__qualname__ == cls.__qualname__ and other.__bases__ == cls.__bases__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _importable(cls: type) -> bool:
+    """Whether ``cls`` is what its module holds under its qualified name."""
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is cls
 
 
 def _hook_kind(hook: Any) -> str:
