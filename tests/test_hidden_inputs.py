@@ -1607,6 +1607,19 @@ class _SeedsTorchsGeneratorBesideAVocabulary(_SeedsTorchsGeneratorItHolds):
         self.vocab = {f"w{i}": i for i in range(20_000)}
 
 
+class _SeedsTorchsGeneratorBelowBesideAVocabulary(nn.Module):
+    """Holds the generator two levels down a config set beside a large vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.vocab = {f"w{i}": i for i in range(20_000)}
+        self.cfg = {"sampling": {"generator": torch.default_generator, "seed": 1234}}
+
+    def forward(self, w):
+        self.cfg["sampling"]["generator"].manual_seed(0)
+        return w * 2
+
+
 #: Holders of torch's generator (helper-243) that a deep copy copies, the search read none of.
 _HELD_AS = {
     "torch_in_slots": _seeds_through("InSlots", _SlottedHolder, lambda cfg: cfg.gen),
@@ -1616,6 +1629,8 @@ _HELD_AS = {
     "torch_in_a_module_in_a_list": _seeds_through("InModule", lambda g: [_HoldsTorchsGenerator()],
                                                   lambda cfg: cfg[0].g),
     "torch_beside_a_vocabulary": _SeedsTorchsGeneratorBesideAVocabulary,
+    # helper-248: the vocabulary spent the budget at its level and the search stopped there
+    "torch_below_beside_a_vocabulary": _SeedsTorchsGeneratorBelowBesideAVocabulary,
 }
 
 

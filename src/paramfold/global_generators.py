@@ -37,8 +37,8 @@ def holds_global_generator(module: nn.Module) -> bool:
     NumPy's global one, or a method bound to one (``random.seed``), anywhere its plain attributes
     reach (:func:`_held_items`: dicts' keys and values, lists, tuples, sets, deques, ``functools.partial``
     arguments, objects' attributes and slots, modules held in a list; up to :data:`_DEPTH` levels, and
-    :data:`_LOOKED_AT` items per module: a held vocabulary of a million entries is not walked, and is
-    read after the smaller holders beside it): a probe runs a deep copy, whose generator is
+    :data:`_LOOKED_AT` items per module: a held vocabulary of more is not read, and the smaller
+    holders beside it are read first): a probe runs a deep copy, whose generator is
     a copy, so a seed or a draw the chain makes through it would go unseen. No user code runs: an
     object that cannot be looked into without it (a ``__dict__`` property, a dead weak proxy) is
     not followed."""
@@ -60,8 +60,8 @@ def _reaches(shared: set[int], values: list) -> bool:
     """Whether any of ``values``, or what they hold, is one of the objects ``shared`` (by id).
 
     Level by level, each item compared as it is read, and at each level the smaller holders read
-    first: a large one (a vocabulary) spends the budget only once the others were read, whatever
-    order the attributes were set in."""
+    first; a holder of more items than the budget has left (a vocabulary) is not read, and what the
+    others hold, at every level, still is, whatever order the attributes were set in."""
     if any(id(v) in shared for v in values):
         return True
     seen: set[int] = set()
@@ -79,14 +79,14 @@ def _reaches(shared: set[int], values: list) -> bool:
             except Exception:  # nothing to look into without running its code
                 continue
         level = []
-        for _, items in sorted(holders, key=lambda sized: sized[0]):
-            for item in itertools.islice(items, budget):
-                budget -= 1
+        for count, items in sorted(holders, key=lambda sized: sized[0]):
+            if count > budget:  # too large to read (a vocabulary): what the others hold is read still
+                continue
+            budget -= count
+            for item in items:
                 if id(item) in shared:
                     return True
                 level.append(item)
-            if budget <= 0:
-                return False
     return False
 
 
