@@ -616,6 +616,7 @@ class _OfAnUnhashableClass(metaclass=_EqualsByName):
 _ODD_HOLDINGS = {
     "instance_of_an_unhashable_class": _OfAnUnhashableClass,
     "dead_weak_proxy_in_a_tuple": lambda: _KeptAsIs((_dead_proxy(),)),
+    "dead_weak_proxy": _dead_proxy,  # helper-248: auto's and inline's first call raised
     "dict_property": _DictProperty,
     "dict_property_in_a_tuple": lambda: (1.0, _DictProperty()),
     "dict_subclass_whose_items_raise": lambda: _ItemsRaise(scale=1.0),
@@ -653,3 +654,62 @@ def test_a_holding_that_cannot_be_looked_into_without_its_own_code_is_served_lik
             _member(prepared).cfg["scale"] += 1.0
     paramfold.restore(prepared)
     assert torch.equal(prepared(x), stock(x))
+
+
+class _RotatesItsOrderedDict(nn.Module):
+    """Moves its first setting to the end at each computation (``move_to_end``: no version tag moves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = collections.OrderedDict(a=1.0, b=2.0, c=3.0)
+
+    def forward(self, w):
+        key = next(iter(self.steps))
+        self.steps.move_to_end(key)
+        return w * self.steps[key]
+
+
+def test_a_chain_that_reorders_its_ordered_dict_is_found_writing_itself():
+    # Regression (helper-248): the probe compared the underlying dict's order (dict.__iter__), which
+    # move_to_end does not change: the chain was taken as not writing itself, and hoist and auto
+    # served one value to two reads where stock computes each afresh.
+    _, prepared = _pair(_RotatesItsOrderedDict)
+    assert [s.writes_itself for s in paramfold.find(prepared)] == [True]
+
+
+class _AddictLike(dict):
+    """An addict-style config: its own ``__getattr__``, ``__missing__`` and ``copy``; reads are dict's."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __missing__(self, key):
+        raise KeyError(key)
+
+    def copy(self):
+        return _AddictLike(dict.items(self))
+
+
+class _FromAddict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = _AddictLike(scale=1.0)
+
+    def forward(self, w):
+        return w * self.cfg.scale
+
+
+def test_an_addict_style_config_is_followed_by_its_version_tag_and_frozen():
+    # Regression (helper-248): a dict subclass with Python methods of its own other than its reads
+    # (copy, __missing__, __getattr__) was taken as unwatchable: freeze refused, auto stopped freezing.
+    stock, prepared = _pair(_FromAddict)
+    paramfold.prepare(prepared, mode="freeze")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(prepared(x), stock(x))
+            for model in (stock, prepared):
+                _member(model).cfg["scale"] += 1.0

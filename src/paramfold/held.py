@@ -190,13 +190,15 @@ def _visit_dict(found: Held, seen: set[int], d: dict, where: str, depth: int, st
 
 
 #: How a dict is read (by a chain, and by the watches of its entries).
-_DICT_READS = ("__getitem__", "__iter__", "__len__", "__contains__", "get", "keys", "values", "items", "copy")
+_DICT_READS = ("__getitem__", "__iter__", "keys", "values", "items")
 
 
 def _reads_in_python(cls: type) -> bool:
-    """Whether a dict subclass reads its entries with code of its own (``items`` or ``__getitem__``
-    defined in Python), which no version tag sees and a watch's reads would run: not followed.
-    ``OrderedDict``'s, ``defaultdict``'s and ``Counter``'s reads are the base types' own."""
+    """Whether a dict subclass reads its entries with code of its own (``__getitem__``,
+    ``__iter__``, ``keys``, ``values`` or ``items`` defined in Python), which no version tag sees
+    and a watch's reads would run: not followed. ``OrderedDict``'s, ``defaultdict``'s and
+    ``Counter``'s reads are the base types' own, and so are an addict-style ``Dict``'s (its
+    ``copy``, ``__missing__`` and ``__getattr__`` are its own)."""
     for c in cls.__mro__:
         if c is dict:
             return False
@@ -329,7 +331,7 @@ def snapshot(module: nn.Module) -> tuple[list, list, list]:
     order; each held tensor's version counter; each unwatched holder's items where they can be
     listed (a list's, a set's, a dict's, a slotted object's, an array's bytes)."""
     found = held(module)
-    return ([(d, tuple(dict.items(d))) for d in found.dicts], [(t, t._version) for _, _, t in found.tensors],
+    return ([(d, tuple(_entries(d))) for d in found.dicts], [(t, t._version) for _, _, t in found.tensors],
             [(obj, _contents(obj)) for _, obj in found.unwatched])
 
 
@@ -337,8 +339,9 @@ def same(snap: tuple[list, list, list]) -> bool:
     """Whether everything :func:`snapshot` recorded is as it was (entries by identity)."""
     dicts, tensors, others = snap
     for d, then in dicts:
-        if (dict.__len__(d) != len(then) or tuple(dict.__iter__(d)) != tuple(k for k, _ in then)  # keys in order
-                or not all(v is v0 for v, (_, v0) in zip(dict.values(d), then))):
+        now = tuple(_entries(d))
+        if (len(now) != len(then) or tuple(k for k, _ in now) != tuple(k for k, _ in then)  # keys in order
+                or not all(v is v0 for (_, v), (_, v0) in zip(now, then))):
             return False
     for t, version in tensors:
         if t._version != version:
@@ -347,6 +350,12 @@ def same(snap: tuple[list, list, list]) -> bool:
         if _contents(obj)[1] != then[1]:
             return False
     return True
+
+
+def _entries(d: dict):
+    """``d``'s entries in its order, through the base type's own method: an ``OrderedDict``'s
+    (``move_to_end`` changes it, not the underlying dict's), else the dict's."""
+    return (collections.OrderedDict.items if issubclass(type(d), collections.OrderedDict) else dict.items)(d)
 
 
 def _contents(obj: object) -> tuple[object, object]:
@@ -363,7 +372,7 @@ def _contents(obj: object) -> tuple[object, object]:
             items = tuple((set.__iter__ if issubclass(cls, set) else frozenset.__iter__)(obj))
             return items, frozenset(map(id, items))
         if issubclass(cls, dict):  # past the depth or count followed: its own entries, in order
-            items = tuple(dict.items(obj))
+            items = tuple(_entries(obj))
             return items, tuple(id(x) for item in items for x in item)
         if issubclass(cls, bytearray):
             return None, bytes(obj)

@@ -264,9 +264,13 @@ class _TensorAt(int):
 
 def _snapshot(d: dict) -> dict:
     """``d``'s entries as they are now, a tensor's as a :class:`_TensorAt`."""
-    if not any(map(isinstance, d.values(), repeat(torch.Tensor))):  # most: a copy in C, no frame
+    try:
+        plain = not any(map(isinstance, d.values(), repeat(torch.Tensor)))
+    except Exception:  # a dead weak proxy's __class__ raises: by type, which runs no code of its own
+        plain = not any(issubclass(type(value), torch.Tensor) for value in d.values())
+    if plain:  # most: a copy in C, no frame
         return d.copy()
-    return {key: _TensorAt(id(value)) if isinstance(value, torch.Tensor) else value for key, value in d.items()}
+    return {key: _TensorAt(id(value)) if issubclass(type(value), torch.Tensor) else value for key, value in d.items()}
 
 
 #: How many checks in a row a watch that took a written-back dict or a ``training`` switch
