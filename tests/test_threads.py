@@ -425,3 +425,29 @@ def test_a_claim_ending_between_the_two_reads_of_compiled_call_impl_still_calls_
         hs.users = 1
         out = layer(x)
     assert hs.users == 0 and torch.equal(out, stock[0](x))
+
+
+@pytest.mark.parametrize("mode", ["auto", "inline", "hoist"])
+def test_a_call_whose_planning_raises_leaves_the_model_usable_and_restorable(mode, monkeypatch):
+    # Regression (helper-248): the general way of opening a call claimed the holders, then planned
+    # the next call; an exception there (a held object torch could not read, a KeyboardInterrupt)
+    # left them claimed for good: every later call raised "already being called from another
+    # thread" and restore refused.
+    from paramfold import scope
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Tanh()).eval()
+    model = paramfold.prepare(copy.deepcopy(stock), mode)
+    x = torch.randn(2, 4)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scope, "_replan", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    monkeypatch.undo()
+    for _ in range(2):
+        assert torch.equal(model(x), stock(x))
+    paramfold.restore(model)
+    assert torch.equal(model(x), stock(x))

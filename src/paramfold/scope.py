@@ -195,7 +195,11 @@ def _open_general(entry: nn.Module, state: ModuleState, grad: bool, plan: Plan |
     if raised:
         _drop_plans(state)
     elif shared and _local.replay is None:
-        _replan(state, grad, pre_hooks, plan, reached_from)
+        try:
+            _replan(state, grad, pre_hooks, plan, reached_from)
+        except BaseException:  # (a KeyboardInterrupt too) the holders are not left claimed for good
+            _release(claimed)
+            raise
     return claimed
 
 
