@@ -204,7 +204,7 @@ def _reads_in_python(cls: type) -> bool:
             return False
         own = vars(c)
         if any(name in own and not isinstance(own[name], _C_METHODS) for name in _DICT_READS):
-            return c is not collections.Counter  # its copy() makes a Counter of the same entries
+            return True
     return False
 
 
